@@ -1,0 +1,24 @@
+"""spmdtask: SPMD training on JAX (pjit + shard_map pipelines)."""
+import setuptools
+
+setuptools.setup(
+    name="spmdtask",
+    version="0.1.0",
+    description="Train JAX/Flax models with SPMD parallelism: split-dims mappings, "
+    "a pure partitioner, pipelines over a stage mesh axis.",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["spmdtask", "spmdtask.*", "configs"]),
+    install_requires=[
+        "jax[cpu]>=0.10.2,<0.11",
+        "jaxlib>=0.10.2,<0.11",
+        "flax>=0.12,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12,<0.13",
+        "fiddle>=0.3.1,<0.4",
+        "absl-py>=2.1,<3",
+        "tensorflow-cpu>=2.21,<2.22",
+        "tensorboard>=2.21,<2.22",
+        "numpy>=1.26",
+    ],
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
+)
