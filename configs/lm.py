@@ -1,0 +1,74 @@
+"""Registered LM experiments. `--exp=lm.TinyLm` etc."""
+import fiddle as fdl
+import optax
+
+from spmdtask.experiment import Experiment
+from spmdtask.inputs.synthetic import SyntheticLmInput
+from spmdtask.layers.transformer import TransformerLm
+from spmdtask.registry import register
+from spmdtask.task import Task, TrainParams
+
+
+def tiny_model(vocab_size: int = 256) -> fdl.Config[TransformerLm]:
+  """About 1.1M params: d 128, 4 layers, 4 heads (2 KV heads), SwiGLU 384."""
+  return fdl.Config(TransformerLm, vocab_size=vocab_size, d_model=128, num_layers=4,
+                    num_heads=4, num_kv_heads=2, head_dim=32, d_ff=384, max_seq_len=256)
+
+
+@register
+class TinyLm(Experiment):
+  """1.1M-param LM on synthetic data; all devices data parallel."""
+  batch_size = 16
+  seq_len = 64
+
+  def task(self) -> fdl.Config[Task]:
+    schedule = fdl.Config(optax.warmup_cosine_decay_schedule, init_value=0.0, peak_value=3e-3,
+                          warmup_steps=5, decay_steps=200, end_value=3e-4)
+    train = fdl.Config(TrainParams, num_train_steps=20, learning_rate=schedule,
+                       optimizer=fdl.Partial(optax.adamw, b2=0.95, weight_decay=0.01),
+                       log_interval_steps=5)
+    return fdl.Config(Task, model=tiny_model(), mesh_axis_names=("data", "fsdp", "model"),
+                      ici_mesh_shape=(-1, 1, 1), train=train)
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    vocab = 256
+    return {"train": fdl.Config(SyntheticLmInput, batch_size=self.batch_size,
+                                seq_len=self.seq_len, vocab_size=vocab, seed=1)}
+
+
+@register
+class TinyLmFsdpTp(TinyLm):
+  """TinyLm on 8 devices: data 2 x fsdp 2 x model (tensor) 2."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.ici_mesh_shape = (2, 2, 2)
+    return cfg
+
+
+@register
+class TinyLmFsdp(TinyLm):
+  """TinyLm fully sharded over 8 devices: fsdp 8."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.ici_mesh_shape = (1, 8, 1)
+    return cfg
+
+
+@register
+class TinyLmUneven(TinyLm):
+  """Dims that do not divide their mesh axes: vocab 257, d_model 129, d_ff 375 on 2x2x2."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.model.vocab_size = 257
+    cfg.model.d_model = 129
+    cfg.model.d_ff = 375
+    cfg.ici_mesh_shape = (2, 2, 2)
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    sets = super().datasets()
+    sets["train"].vocab_size = 257
+    return sets

@@ -1,0 +1,30 @@
+"""Experiment base: what a registered config provides."""
+import fiddle as fdl
+
+from spmdtask import task as task_lib
+
+
+class Experiment:
+  """An experiment: Task params plus its datasets, all as fiddle configs.
+
+  Subclasses override `task()` and `datasets()`; `decode_datasets()` is optional.
+  Configs stay unbuilt here so that the command line can override any field.
+  """
+
+  def task(self) -> fdl.Config[task_lib.Task]:
+    """The model, mesh and train params."""
+    raise NotImplementedError(f"{type(self).__name__} must define task().")
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    """Input configs by name. 'train' is the training input; any other is an eval set."""
+    raise NotImplementedError(f"{type(self).__name__} must define datasets().")
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    """Prompt inputs for --mode=decode, by name. None by default."""
+    return {}
+
+
+def run_config(experiment: Experiment) -> fdl.Config[task_lib.RunConfig]:
+  """The root config of a run: `task`, `datasets`, `decode_datasets`."""
+  return fdl.Config(task_lib.RunConfig, task=experiment.task(), datasets=experiment.datasets(),
+                    decode_datasets=experiment.decode_datasets())

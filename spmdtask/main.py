@@ -1,0 +1,83 @@
+"""The spmdtask binary: `python -m spmdtask.main --exp=NAME --job_log_dir=DIR --mode=train`."""
+import os
+import sys
+
+from absl import app, flags, logging
+import fiddle as fdl
+from fiddle import printing
+# Importing fiddle.absl_flags defines --fdl_set (repeatable path=value overrides).
+from fiddle import absl_flags as _  # pylint: disable=unused-import
+from fiddle._src.absl_flags import utils as fdl_flag_utils
+
+from spmdtask import experiment, registry
+from spmdtask.errors import ConfigError
+
+_EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
+                           "of one (lm.TinyLm), or an importable module.Class.")
+_JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
+                                   "checkpoints and decoder output go.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode"], "What to run.")
+_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
+
+
+def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
+  """The experiment's root config with every `--fdl_set` override applied."""
+  cfg = experiment.run_config(registry.get(exp_name)())
+  for assignment in overrides:
+    if "=" not in assignment:
+      raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
+                        "--fdl_set=task.train.num_train_steps=5.")
+    try:
+      fdl_flag_utils.set_value(cfg, assignment)
+    except Exception as e:  # fiddle raises several types for a bad path or value
+      raise ConfigError(
+          f"--fdl_set={assignment!r} could not be applied: {type(e).__name__}: {e}. The path "
+          "starts at task, datasets or decode_datasets (see the resolved config in "
+          "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
+          "(quote strings).") from None
+  return cfg
+
+
+def build(cfg: fdl.Config):
+  try:
+    return fdl.build(cfg)
+  except ConfigError:
+    raise
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"The config does not build: {e}. Check the --fdl_set overrides and the "
+                      "experiment's fields.") from None
+
+
+def run(argv) -> None:
+  del argv
+  if _LIST.value:
+    print("\n".join(registry.names()))
+    return
+  if not _EXP.value or not _JOB_LOG_DIR.value:
+    raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
+                      "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
+  run_cfg = build(cfg)
+  import jax  # pylint: disable=g-import-not-at-top
+  from spmdtask import loop  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 0:
+    os.makedirs(_JOB_LOG_DIR.value, exist_ok=True)
+    with open(os.path.join(_JOB_LOG_DIR.value, "config.txt"), "w") as f:
+      f.write(printing.as_str_flattened(cfg) + "\n")
+  if _MODE.value == "train":
+    loop.train(run_cfg)
+  else:
+    raise ConfigError(f"--mode={_MODE.value} is not available yet; use --mode=train.")
+
+
+def main(argv) -> None:
+  try:
+    run(argv)
+  except ConfigError as e:
+    logging.flush()
+    print(f"spmdtask: config error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,84 @@
+"""Mesh params -> a jax Mesh with Auto axes (ICI x DCN, hybrid, -1 fill)."""
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from spmdtask.errors import ConfigError
+
+
+def resolve_shapes(axis_names: Sequence[str], ici_mesh_shape: Sequence[int],
+                   dcn_mesh_shape: Sequence[int] | None,
+                   num_devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """Validates the mesh params and fills a -1 in `ici_mesh_shape`.
+
+  Pure: no devices needed. Returns (ici_shape, dcn_shape) whose element-wise
+  product has `num_devices` devices.
+  """
+  names = tuple(axis_names)
+  ici = tuple(int(x) for x in ici_mesh_shape)
+  dcn = tuple(int(x) for x in dcn_mesh_shape) if dcn_mesh_shape is not None else (1,) * len(ici)
+  if len(set(names)) != len(names):
+    raise ConfigError(f"task.mesh_axis_names={names} repeats an axis name; give each axis a "
+                      "unique name.")
+  if len(ici) != len(names) or len(dcn) != len(names):
+    raise ConfigError(
+        f"task.ici_mesh_shape={ici} and task.dcn_mesh_shape={dcn} must each have one entry per "
+        f"axis in task.mesh_axis_names={names} ({len(names)} axes). Fix the lengths.")
+  if any(d < 1 for d in dcn):
+    raise ConfigError(f"task.dcn_mesh_shape={dcn} must be positive integers.")
+  if ici.count(-1) > 1 or any(x == 0 or x < -1 for x in ici):
+    raise ConfigError(f"task.ici_mesh_shape={ici} must be positive integers with at most one -1 "
+                      "(the -1 fills the remaining devices).")
+  if -1 in ici:
+    rest = math.prod(x for x in ici if x != -1) * math.prod(dcn)
+    if num_devices % rest:
+      raise ConfigError(
+          f"task.ici_mesh_shape={ici} x task.dcn_mesh_shape={dcn}: the fixed axes use {rest} "
+          f"devices, which does not divide the {num_devices} devices available, so the -1 "
+          "cannot be filled. Change the fixed axis sizes.")
+    ici = tuple(num_devices // rest if x == -1 else x for x in ici)
+  total = math.prod(ici) * math.prod(dcn)
+  if total != num_devices:
+    raise ConfigError(
+        f"The mesh task.ici_mesh_shape={ici} x task.dcn_mesh_shape={dcn} over axes {names} has "
+        f"{total} devices, but {num_devices} are available. Make the product of the shapes equal "
+        f"{num_devices}, or put -1 in one ici_mesh_shape entry to fill the remaining devices.")
+  return ici, dcn
+
+
+def create_mesh(axis_names: Sequence[str], ici_mesh_shape: Sequence[int],
+                dcn_mesh_shape: Sequence[int] | None = None,
+                devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """Builds the device mesh, with Auto (pjit/GSPMD) axis types.
+
+  With a DCN product > 1 the mesh is hybrid: DCN axes span slices (or, where
+  devices have no slice index, processes) and ICI axes stay within one.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  ici, dcn = resolve_shapes(axis_names, ici_mesh_shape, dcn_mesh_shape, len(devices))
+  if math.prod(dcn) > 1:
+    has_slices = hasattr(devices[0], "slice_index")
+    granules = {d.slice_index if has_slices else d.process_index for d in devices}
+    if len(granules) != math.prod(dcn):
+      unit = "slices" if has_slices else "processes"
+      raise ConfigError(
+          f"task.dcn_mesh_shape={dcn} spans {math.prod(dcn)} {unit}, but the devices come from "
+          f"{len(granules)} {unit}. Set dcn_mesh_shape's product to {len(granules)} (or to 1s and "
+          "put the whole mesh in ici_mesh_shape).")
+    device_array = mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=not has_slices, allow_split_physical_axes=True)
+  else:
+    try:
+      device_array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+      device_array = np.asarray(devices).reshape(ici)
+  return Mesh(device_array, tuple(axis_names), axis_types=(AxisType.Auto,) * len(ici))
+
+
+def mesh_shape(mesh: Mesh) -> dict[str, int]:
+  """Axis name -> size: the only thing the partitioner's pure functions need."""
+  return dict(mesh.shape)

@@ -1,0 +1,110 @@
+"""The partitioner's step builders: jitted train / eval steps on a mesh.
+
+`partition` is the one place that wraps `jax.jit`. Steps take the padded
+on-device state, slice it to logical shapes, do the math, and pad it back, so
+padding never reaches the loss, the gradients or the optimizer statistics.
+"""
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from spmdtask import sharding
+from spmdtask.train_state import StateLayout, TrainState, create
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+  """A jitted function that runs (traces, lowers, executes) under its mesh."""
+  jitted: Any
+  mesh: Mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
+
+def partition(fn: Callable, mesh: Mesh, in_specs, out_specs, donate_argnums=()) -> Partitioned:
+  """jax.jit with NamedShardings built from PartitionSpec trees (pjit)."""
+  def named(specs):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  return Partitioned(jax.jit(fn, in_shardings=named(in_specs), out_shardings=named(out_specs),
+                             donate_argnums=donate_argnums), mesh)
+
+
+def _sq_norm(tree) -> jax.Array:
+  return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
+
+
+def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
+                  layout: StateLayout, seed: int) -> Callable:
+  """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.
+
+  Metrics are replicated scalars: loss, grad_norm, param_norm, learning_rate, num_tokens.
+  Dropout's rng is fold_in(seed, step), so it depends on neither the mesh nor a restart.
+  """
+  def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
+    state = sharding.unpad(padded, layout.logical)
+    rng = jax.random.fold_in(jax.random.key(seed), state.step)
+
+    def loss_fn(params):
+      return model.apply({"params": params}, batch, method=model.loss, rngs={"dropout": rng})
+
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": jnp.sqrt(_sq_norm(grads)),
+               "param_norm": jnp.sqrt(_sq_norm(params)),
+               "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
+               "num_tokens": aux["num_tokens"]}
+    new = TrainState(state.step + 1, params, opt_state)
+    return sharding.pad(new, layout.padded), metrics
+
+  return step
+
+
+def eval_step_fn(model: nn.Module, layout: StateLayout) -> Callable:
+  """The pure eval step `(padded_state, batch) -> {'loss_sum', 'num_tokens', 'loss'}`."""
+  def step(padded: TrainState, batch) -> dict:
+    params = sharding.unpad(padded.params, layout.logical.params)
+    loss, aux = model.apply({"params": params}, batch, method=model.loss)
+    return {"loss": loss, **aux}
+  return step
+
+
+def init_fn(model: nn.Module, tx: optax.GradientTransformation, layout: StateLayout,
+            example_batch, seed: int) -> Callable:
+  """`() -> padded_state`: a fresh state, padded for the mesh. Values do not depend on it."""
+  def init():
+    return sharding.pad(create(model, tx, jax.random.key(seed), example_batch), layout.padded)
+  return init
+
+
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """The jitted programs of one task on one mesh."""
+  init: Partitioned
+  train: Partitioned
+  eval: Partitioned
+  batch_specs: Any
+
+
+def build(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
+          layout: StateLayout, mesh: Mesh, batch_specs, example_batch, seed: int) -> Steps:
+  """Jits init (sharded output), train (state donated) and eval on `mesh`."""
+  metrics_spec = jax.sharding.PartitionSpec()
+  init = partition(init_fn(model, tx, layout, example_batch, seed), mesh, (), layout.split)
+  train = partition(train_step_fn(model, tx, schedule, layout, seed), mesh,
+                    (layout.split, batch_specs), (layout.split, metrics_spec), donate_argnums=(0,))
+  evaluate = partition(eval_step_fn(model, layout), mesh, (layout.split, batch_specs),
+                       metrics_spec)
+  return Steps(init, train, evaluate, batch_specs)

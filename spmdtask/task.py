@@ -1,0 +1,86 @@
+"""Task params: the model, the mesh and how to train it. Plain dataclasses, built by fiddle."""
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import optax
+
+from spmdtask.errors import ConfigError
+
+# A split-dims mapping: one entry per tensor dim; None, a mesh axis, or a tuple of axes.
+SplitDims = tuple[None | str | tuple[str, ...], ...]
+
+
+@dataclasses.dataclass
+class TrainParams:
+  """How to train.
+
+  Attributes:
+    num_train_steps: total optimizer steps.
+    optimizer: called as `optimizer(learning_rate=schedule)`; returns any optax
+      GradientTransformation (e.g. `fdl.Partial(optax.adamw, weight_decay=0.1)`).
+    learning_rate: a float or an optax schedule `step -> lr`.
+    clip_grad_norm: global-norm gradient clipping before the optimizer; None = off.
+    inputs_split_mapping: input PartitionSpecs by rank, `{'map_1d': (...), 'map_2d': (...)}`.
+      None puts the batch dim over `Task.data_axes` for every rank.
+    log_interval_steps: log step, loss, steps/s and tokens/s every this many steps.
+    seed: the init and dropout seed. Values do not depend on the mesh.
+  """
+  num_train_steps: int = 100
+  optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
+  learning_rate: float | Callable[[Any], Any] = 1e-3
+  clip_grad_norm: float | None = 1.0
+  inputs_split_mapping: dict[str, SplitDims] | None = None
+  log_interval_steps: int = 10
+  seed: int = 1234
+
+  def schedule(self) -> Callable[[Any], Any]:
+    lr = self.learning_rate
+    return lr if callable(lr) else optax.constant_schedule(lr)
+
+  def make_optimizer(self) -> optax.GradientTransformation:
+    """The optax transformation, with global-norm clipping first when configured."""
+    tx = self.optimizer(learning_rate=self.schedule())
+    if not isinstance(tx, optax.GradientTransformation):
+      raise ConfigError(
+          f"task.train.optimizer built {type(tx).__name__}, not an optax GradientTransformation. "
+          "Set it to e.g. fdl.Partial(optax.adamw, weight_decay=0.1); it is called with "
+          "learning_rate=<schedule>.")
+    if self.clip_grad_norm:
+      tx = optax.chain(optax.clip_by_global_norm(self.clip_grad_norm), tx)
+    return tx
+
+
+@dataclasses.dataclass
+class Task:
+  """A model on a mesh, and its train params.
+
+  Attributes:
+    model: a Flax module with a `loss(batch) -> (loss, aux)` method and weights
+      created with split-dims metadata (`nn.with_partitioning`).
+    mesh_axis_names: names of the mesh axes, e.g. ('data', 'fsdp', 'model').
+    ici_mesh_shape: mesh shape within a slice/host group; one entry may be -1
+      (fills the remaining devices).
+    dcn_mesh_shape: mesh shape across slices; None = all ones. The full mesh is
+      the element-wise product with ici_mesh_shape.
+    data_axes: mesh axes the batch dim is split over by default.
+    train: TrainParams.
+  """
+  model: nn.Module
+  mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
+  ici_mesh_shape: tuple[int, ...] = (-1, 1, 1)
+  dcn_mesh_shape: tuple[int, ...] | None = None
+  data_axes: tuple[str, ...] = ("data", "fsdp")
+  train: TrainParams = dataclasses.field(default_factory=TrainParams)
+
+  def batch_axes(self) -> tuple[str, ...]:
+    """The data axes that exist in this mesh."""
+    return tuple(a for a in self.data_axes if a in self.mesh_axis_names)
+
+
+@dataclasses.dataclass
+class RunConfig:
+  """Everything `spmdtask.main` builds: the root of every `--fdl_set` path."""
+  task: Task
+  datasets: dict[str, Any]
+  decode_datasets: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,0 +1,68 @@
+"""TrainState and its layout: logical shapes, padded shapes, split-dims mappings."""
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from spmdtask import sharding
+
+
+class TrainState(NamedTuple):
+  """What a train step carries: `(state, batch) -> (state, metrics)`."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+  """The train state as the partitioner sees it. Every field is a TrainState tree.
+
+  logical: ShapeDtypeStructs of the math (what checkpoints hold).
+  padded: ShapeDtypeStructs on device: uneven dims rounded up to their shard count.
+  split: a PartitionSpec per leaf, derived from the split-dims mappings.
+  """
+  logical: TrainState
+  padded: TrainState
+  split: TrainState
+
+  def padding(self, mesh_shape) -> dict[str, tuple]:
+    return sharding.padding_report(self.logical, self.split, mesh_shape)
+
+
+def _split_of_box(x) -> P:
+  if isinstance(x, nn.Partitioned):
+    return P(*x.names)
+  return sharding.replicated(x)
+
+
+def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
+  """Boxed (nn.Partitioned) params from `model.loss` on an example batch."""
+  return model.init(rng, example_batch, method=model.loss)["params"]
+
+
+def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
+           example_batch) -> TrainState:
+  """A fresh logical train state at step 0."""
+  params = nn.unbox(init_params(model, rng, example_batch))
+  return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
+           mesh_shape: sharding.MeshShape) -> StateLayout:
+  """Traces init abstractly (`jax.eval_shape`) and derives the whole state layout.
+
+  Raises ConfigError if a weight's split-dims mapping does not fit its tensor or the mesh.
+  """
+  rng = jax.random.key(0)
+  boxed = jax.eval_shape(lambda: init_params(model, rng, example_batch))
+  param_split = jax.tree.map(_split_of_box, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  logical = jax.eval_shape(lambda: create(model, tx, rng, example_batch))
+  sharding.validate_tree(logical.params, param_split, mesh_shape, "weight")
+  split = TrainState(P(), param_split,
+                     sharding.opt_state_split_dims(logical.opt_state, logical.params, param_split))
+  return StateLayout(logical, sharding.padded_shapes(logical, split, mesh_shape), split)
