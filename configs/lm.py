@@ -4,7 +4,7 @@ import optax
 
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.synthetic import SyntheticLmInput
-from spmdtask.layers.transformer import TransformerLm
+from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
 from spmdtask.registry import register
 from spmdtask.task import Task, TrainParams
 
@@ -12,7 +12,9 @@ from spmdtask.task import Task, TrainParams
 def tiny_model(vocab_size: int = 256) -> fdl.Config[TransformerLm]:
   """About 1.1M params: d 128, 4 layers, 4 heads (2 KV heads), SwiGLU 384."""
   return fdl.Config(TransformerLm, vocab_size=vocab_size, d_model=128, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=32, d_ff=384, max_seq_len=256)
+                    num_heads=4, num_kv_heads=2, head_dim=32, d_ff=384, max_seq_len=256,
+                    weight_split_dims_mapping=fdl.Config(WeightSplit),
+                    activation_split_dims_mapping=fdl.Config(ActivationSplit))
 
 
 @register

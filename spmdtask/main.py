@@ -63,7 +63,7 @@ def run(argv) -> None:
   if jax.process_index() == 0:
     os.makedirs(_JOB_LOG_DIR.value, exist_ok=True)
     with open(os.path.join(_JOB_LOG_DIR.value, "config.txt"), "w") as f:
-      f.write(printing.as_str_flattened(cfg) + "\n")
+      f.write(printing.as_str_flattened(cfg, include_types=False) + "\n")
   if _MODE.value == "train":
     loop.train(run_cfg)
   else:
