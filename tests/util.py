@@ -1,0 +1,34 @@
+"""Shared test helpers: build an experiment's run config, train it in-process on a device subset."""
+import fiddle as fdl
+import jax
+import numpy as np
+
+from spmdtask import loop, main, sharding
+
+
+def build_run(exp: str, overrides=()):
+  """The built RunConfig of a registered experiment with `--fdl_set`-style overrides."""
+  return fdl.build(main.resolved_config(exp, list(overrides)))
+
+
+def train_steps(exp: str, num_steps: int, devices=None, overrides=()):
+  """Trains on `devices` (all by default). Returns (losses, logical params as numpy, program)."""
+  run = build_run(exp, overrides)
+  inputs = run.datasets["train"]
+  program = loop.setup(run.task, inputs.batch_at(0), devices=devices)
+  state = program.steps.init()
+  losses = []
+  for _ in range(num_steps):
+    state, metrics = program.steps.train(state, program.global_batch(next(inputs)))
+    losses.append(float(metrics["loss"]))
+  params = jax.device_get(sharding.unpad(state.params, program.layout.logical.params))
+  return np.asarray(losses), params, program, state
+
+
+def assert_trees_close(a, b, rtol, atol=0.0):
+  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  flat_b = jax.tree.leaves(b)
+  assert len(flat_a) == len(flat_b)
+  for (path, x), y in zip(flat_a, flat_b):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+                               err_msg=sharding.path_str(path))
