@@ -60,6 +60,8 @@ def run(argv) -> None:
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   from spmdtask import loop  # pylint: disable=g-import-not-at-top
+  # Validate mesh, split dims and inputs before anything is written.
+  loop.setup(run_cfg.task, run_cfg.datasets["train"].batch_at(0))
   if jax.process_index() == 0:
     os.makedirs(_JOB_LOG_DIR.value, exist_ok=True)
     with open(os.path.join(_JOB_LOG_DIR.value, "config.txt"), "w") as f:

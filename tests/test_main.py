@@ -1,0 +1,54 @@
+"""The binary: config.txt, overrides, and a clear one-paragraph error for each user mistake."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPLIT = "task.model.weight_split_dims_mapping.mlp_in"
+
+
+def run_main(tmp_path, *args, exp="lm.TinyLm"):
+  cmd = [sys.executable, "-m", "spmdtask.main", f"--exp={exp}", f"--job_log_dir={tmp_path}",
+         *args]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_train_writes_config_and_logs(tmp_path):
+  out = run_main(tmp_path, "--fdl_set=task.train.num_train_steps=4",
+                 "--fdl_set=task.train.log_interval_steps=2", "--alsologtostderr")
+  assert out.returncode == 0, out.stderr
+  config = (tmp_path / "config.txt").read_text()
+  assert "task.train.num_train_steps = 4" in config
+  assert "task.model.d_model = 128" in config
+  logged = [l for l in out.stderr.splitlines() if "loss" in l and "tokens/s" in l]
+  assert [l.split("step ")[1].split()[0] for l in logged] == ["2", "4"]
+  assert all(float(l.split("loss ")[1].split()[0]) > 0 for l in logged)
+
+
+@pytest.mark.parametrize("args,exp,needles", [
+    (["--fdl_set=task.ici_mesh_shape=(2, 2, 4)"], "lm.TinyLm",
+     ["task.ici_mesh_shape", "16 devices, but 8 are available"]),
+    ([f"--fdl_set={SPLIT}=('fsdp', 'modle')"], "lm.TinyLm", [SPLIT, "'modle'"]),
+    ([f"--fdl_set={SPLIT}=('fsdp',)"], "lm.TinyLm", [SPLIT, "rank 2"]),
+    ([f"--fdl_set={SPLIT}=('model', 'model')"], "lm.TinyLm", [SPLIT, "more than one dim"]),
+    (["--fdl_set=datasets['train'].batch_size=12"], "lm.TinyLm",
+     ["inputs_split_mapping", "size 12", "multiple of 8"]),
+    (["--fdl_set=task.train.inputs_split_mapping={'map_1d': ('data',)}"], "lm.TinyLm",
+     ["task.train.inputs_split_mapping", "'map_2d'"]),
+    ([], "lm.TinyLn", ["--exp='lm.TinyLn'", "configs.lm.TinyLm"]),
+    (["--fdl_set=task.train.num_train_stepz=3"], "lm.TinyLm",
+     ["--fdl_set='task.train.num_train_stepz=3'", "num_train_stepz"]),
+    (["--fdl_set=task.train.num_train_steps=(3"], "lm.TinyLm",
+     ["--fdl_set='task.train.num_train_steps=(3'", "Python literal"]),
+])
+def test_bad_input_is_one_clear_paragraph(tmp_path, args, exp, needles):
+  out = run_main(tmp_path, *args, exp=exp)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  error = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+  assert len(error) == 1, out.stderr[-2000:]
+  for needle in needles:
+    assert needle in error[0]
+  assert not (tmp_path / "config.txt").exists()
