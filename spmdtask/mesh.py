@@ -60,23 +60,28 @@ def create_mesh(axis_names: Sequence[str], ici_mesh_shape: Sequence[int],
   """
   devices = list(devices if devices is not None else jax.devices())
   ici, dcn = resolve_shapes(axis_names, ici_mesh_shape, dcn_mesh_shape, len(devices))
-  if math.prod(dcn) > 1:
-    has_slices = hasattr(devices[0], "slice_index")
-    granules = {d.slice_index if has_slices else d.process_index for d in devices}
-    if len(granules) != math.prod(dcn):
-      unit = "slices" if has_slices else "processes"
-      raise ConfigError(
-          f"task.dcn_mesh_shape={dcn} spans {math.prod(dcn)} {unit}, but the devices come from "
-          f"{len(granules)} {unit}. Set dcn_mesh_shape's product to {len(granules)} (or to 1s and "
-          "put the whole mesh in ici_mesh_shape).")
-    device_array = mesh_utils.create_hybrid_device_mesh(
-        ici, dcn, devices, process_is_granule=not has_slices, allow_split_physical_axes=True)
-  else:
-    try:
-      device_array = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
-    except (ValueError, NotImplementedError, AssertionError):
-      device_array = np.asarray(devices).reshape(ici)
+  device_array = device_array_for(ici, dcn, devices)
   return Mesh(device_array, tuple(axis_names), axis_types=(AxisType.Auto,) * len(ici))
+
+
+def device_array_for(ici: tuple[int, ...], dcn: tuple[int, ...],
+                     devices: Sequence[jax.Device]) -> np.ndarray:
+  """Devices laid out as ici x dcn: DCN axes across slices (or processes), ICI within one."""
+  if math.prod(dcn) == 1:
+    try:
+      return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+      return np.asarray(devices).reshape(ici)
+  has_slices = hasattr(devices[0], "slice_index")
+  granules = {d.slice_index if has_slices else d.process_index for d in devices}
+  if len(granules) != math.prod(dcn):
+    unit = "slices" if has_slices else "processes"
+    raise ConfigError(
+        f"task.dcn_mesh_shape={dcn} spans {math.prod(dcn)} {unit}, but the devices come from "
+        f"{len(granules)} {unit}. Set dcn_mesh_shape's product to {len(granules)} (or to 1s and "
+        "put the whole mesh in task.ici_mesh_shape).")
+  return mesh_utils.create_hybrid_device_mesh(
+      ici, dcn, devices, process_is_granule=not has_slices, allow_split_physical_axes=True)
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

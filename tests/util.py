@@ -6,14 +6,23 @@ import numpy as np
 from spmdtask import loop, main, sharding
 
 
-def build_run(exp: str, overrides=()):
-  """The built RunConfig of a registered experiment with `--fdl_set`-style overrides."""
-  return fdl.build(main.resolved_config(exp, list(overrides)))
+def build_run(exp: str, overrides=(), edit=None):
+  """The built RunConfig of a registered experiment with `--fdl_set`-style overrides.
+
+  `edit(cfg)`, if given, changes the unbuilt fiddle config in place first.
+  """
+  cfg = main.resolved_config(exp, list(overrides))
+  if edit:
+    edit(cfg)
+  return fdl.build(cfg)
 
 
-def train_steps(exp: str, num_steps: int, devices=None, overrides=()):
-  """Trains on `devices` (all by default). Returns (losses, logical params as numpy, program)."""
-  run = build_run(exp, overrides)
+def train_steps(exp: str, num_steps: int, devices=None, overrides=(), edit=None):
+  """Trains on `devices` (all by default).
+
+  Returns (losses, logical params as numpy, program, padded state).
+  """
+  run = build_run(exp, overrides, edit)
   inputs = run.datasets["train"]
   program = loop.setup(run.task, inputs.batch_at(0), devices=devices)
   state = program.steps.init()
