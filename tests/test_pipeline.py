@@ -72,6 +72,8 @@ def check_against_sequential(mesh_shape, cfg, num_layers, batch, bubble_fill=Non
 
     grad_pp = jax.jit(jax.value_and_grad(loss_pp, argnums=(0, 1), has_aux=True))
     (l_pp, y_pp), (g_pp, gx_pp) = grad_pp(sp, xd)
+    grad_pp(sp, xd)
+    assert grad_pp._cache_size() == 1  # a second call does not recompile
     (l_s, y_s), (g_s, gx_s) = jax.value_and_grad(loss_seq, argnums=(0, 1), has_aux=True)(
         params, x)
     assert_close(y_pp, y_s)
