@@ -5,21 +5,22 @@ import optax
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
+from spmdtask.pipeline import PipelineConfig
 from spmdtask.registry import register
 from spmdtask.task import Task, TrainParams
 
 
 def tiny_model(vocab_size: int = 256) -> fdl.Config[TransformerLm]:
-  """About 1.1M params: d 128, 4 layers, 4 heads (2 KV heads), SwiGLU 384."""
+  """About 1.05M params: d 128, 4 layers, 4 heads (2 KV heads), SwiGLU 512."""
   return fdl.Config(TransformerLm, vocab_size=vocab_size, d_model=128, num_layers=4,
-                    num_heads=4, num_kv_heads=2, head_dim=32, d_ff=384, max_seq_len=256,
+                    num_heads=4, num_kv_heads=2, head_dim=32, d_ff=512, max_seq_len=256,
                     weight_split_dims_mapping=fdl.Config(WeightSplit),
                     activation_split_dims_mapping=fdl.Config(ActivationSplit))
 
 
 @register
 class TinyLm(Experiment):
-  """1.1M-param LM on synthetic data; all devices data parallel."""
+  """1.05M-param LM on synthetic data; all devices data parallel."""
   batch_size = 16
   seq_len = 64
 
@@ -74,3 +75,29 @@ class TinyLmUneven(TinyLm):
     sets = super().datasets()
     sets["train"].vocab_size = 257
     return sets
+
+
+def _pipelined(cfg: fdl.Config[Task], ici_mesh_shape: tuple[int, ...], **pipeline) -> None:
+  cfg.mesh_axis_names = ("stage", "data", "fsdp", "model")
+  cfg.ici_mesh_shape = ici_mesh_shape
+  cfg.model.pipeline = fdl.Config(PipelineConfig, **pipeline)
+
+
+@register
+class TinyLmPipeline(TinyLm):
+  """TinyLm in a GPipe pipeline: stage 2 x data 2 x model 2, 4 microbatches."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    _pipelined(cfg, (2, 2, 1, 2), num_stages=2, num_microbatches=4)
+    return cfg
+
+
+@register
+class TinyLmCircular(TinyLm):
+  """TinyLm in a circular pipeline: stage 2 x data 2 x model 2, 2 repeats, 4 microbatches."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    _pipelined(cfg, (2, 2, 1, 2), num_stages=2, num_microbatches=4, circular_repeat=2)
+    return cfg

@@ -10,7 +10,7 @@ from absl import logging
 from jax.sharding import Mesh
 
 from spmdtask import mesh as mesh_lib
-from spmdtask import sharding, steps as steps_lib, train_state
+from spmdtask import steps as steps_lib, train_state
 from spmdtask.inputs import global_batch
 from spmdtask.layers.transformer import flops_per_token
 from spmdtask.task import RunConfig, Task
@@ -30,25 +30,21 @@ class Program:
     return global_batch.to_global(local_batch, self.steps.batch_specs, self.mesh)
 
 
-def validate_model_split_dims(task: Task, mesh_shape) -> None:
-  """Checks every split-dims config field of the model, naming the field on error."""
-  fields = getattr(task.model, "split_dims_fields", None)
-  for where, (split, shape) in (fields() if fields else {}).items():
-    sharding.validate(split, shape, mesh_shape, where)
-
-
 def setup(task: Task, example_local_batch, devices=None) -> Program:
   """Mesh, layout and jitted steps for `task`; raises ConfigError on a bad config."""
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
   mesh_shape = mesh_lib.mesh_shape(mesh)
-  validate_model_split_dims(task, mesh_shape)
   batch_specs = global_batch.specs(example_local_batch, task.train.inputs_split_mapping,
                                    task.batch_axes(), mesh)
+  if hasattr(task.model, "validate"):
+    global_size = jax.tree.leaves(global_batch.global_shapes(example_local_batch))[0].shape[0]
+    task.model.validate(mesh, global_size)
   tx = task.train.make_optimizer()
   # Init traces on one row: params do not depend on the batch size.
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
-  layout = train_state.layout(task.model, tx, init_batch, mesh_shape)
+  with jax.set_mesh(mesh):  # layers read the mesh (constraints, pipeline) while tracing
+    layout = train_state.layout(task.model, tx, init_batch, mesh_shape)
   steps = steps_lib.build(task.model, tx, task.train.schedule(), layout, mesh, batch_specs,
                           init_batch, task.train.seed)
   return Program(task, mesh, tx, task.train.schedule(), layout, steps)

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.errors import ConfigError
 
-_PL = "model.pipeline."
+_PL = "task.model.pipeline."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +100,11 @@ def validate(config: PipelineConfig, *, num_layers: int, batch_size: int, mesh) 
     size = mesh.shape[config.stage_axis]
     if size != s:
         _fail(f"The mesh axis '{config.stage_axis}' has size {size} "
-              f"(task.ici_mesh_shape={tuple(mesh.devices.shape)}, "
+              f"(mesh shape {dict(mesh.shape)}, "
               f"task.mesh_axis_names={axes}) but {_PL}num_stages={s}: make them equal.")
     if num_layers % (s * r):
-        _fail(f"model.num_layers={num_layers} is not divisible by {_PL}num_stages={s} x "
-              f"{_PL}circular_repeat={r} = {s * r}: change model.num_layers to a "
+        _fail(f"task.model.num_layers={num_layers} is not divisible by {_PL}num_stages={s} x "
+              f"{_PL}circular_repeat={r} = {s * r}: change task.model.num_layers to a "
               f"multiple of {s * r} or pick num_stages/circular_repeat that divide it.")
     if config.num_microbatches is not None:
         m = config.num_microbatches

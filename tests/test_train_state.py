@@ -31,7 +31,7 @@ def test_every_leaf_has_its_derived_sharding():
   assert adam.nu["embedding"] == P("model", "fsdp") and adam.count == P()
   # Each shard really is the slice: a [L, d, ff] weight on fsdp 2 x model 2.
   wi = state.params["layers"]["mlp"]["wi"]
-  assert {s.data.shape for s in wi.addressable_shards} == {(4, 64, 192)}
+  assert {s.data.shape for s in wi.addressable_shards} == {(4, 64, 256)}
 
 
 def test_fsdp_state_bytes_per_device():

@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from spmdtask import pipeline as pipeline_lib
+from spmdtask import sharding
+from spmdtask.errors import ConfigError
 from spmdtask.layers.attention import Attention
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 
@@ -100,7 +103,9 @@ class TransformerLm(nn.Module):
 
   Layers are stacked with `nn.scan` (one compiled layer body whatever the
   depth), rematerialized under `remat_policy` (a `jax.checkpoint_policies` name,
-  or None). Params stay float32; compute runs in `fprop_dtype`.
+  or None). With `pipeline` set they are instead pipelined over the stage mesh
+  axis: weights [S, R, L/(S·R), ...] and `pipeline.pipeline_apply`. Params stay
+  float32; compute runs in `fprop_dtype`.
   """
   vocab_size: int
   d_model: int
@@ -120,6 +125,20 @@ class TransformerLm(nn.Module):
   scan_unroll: int | bool = 1
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
+  pipeline: pipeline_lib.PipelineConfig | None = None
+
+  def validate(self, mesh, global_batch_size: int) -> None:
+    """Checks every split-dims field and the pipeline config; ConfigError names the field."""
+    mesh_shape = dict(mesh.shape)
+    for where, (split, shape) in self.split_dims_fields().items():
+      sharding.validate(split, shape, mesh_shape, where)
+    if self.pipeline is not None:
+      pipeline_lib.validate(self.pipeline, num_layers=self.num_layers,
+                            batch_size=global_batch_size, mesh=mesh)
+      if self.dropout_rate:
+        raise ConfigError(
+            f"task.model.dropout_rate={self.dropout_rate} is not supported with "
+            "task.model.pipeline set: set dropout_rate=0.0 or pipeline=None.")
 
   def split_dims_fields(self) -> dict[str, tuple[SplitDims, tuple[int, ...]]]:
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
@@ -142,7 +161,32 @@ class TransformerLm(nn.Module):
                 dropout_rate=self.dropout_rate, dtype=jnp.dtype(self.fprop_dtype),
                 wsplit=self.weight_split_dims_mapping, asplit=self.activation_split_dims_mapping)
 
+  def _pipelined_layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    pp = self.pipeline
+    s, r = pp.num_stages, pp.circular_repeat
+    # Weights [S, R, Lps, ...]: vmap once per leading dim, the outermost mapped to the stage axis.
+    stack = Block
+    for length, axis_name in ((self.num_layers // (s * r), None), (r, None), (s, pp.stage_axis)):
+      stack = nn.vmap(stack, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(None, None), out_axes=0, axis_size=length,
+                      metadata_params={nn.PARTITION_NAME: axis_name})
+    stack = stack(**self._block_kwargs(), name="layers")
+    if self.is_initializing():
+      stack(x, positions)  # creates the stacked weights; init needs no pipelined forward
+      return x
+    params = nn.unbox(self.variables["params"]["layers"])
+    block = Block(**self._block_kwargs())
+
+    def layer_fn(p, h, pos):
+      return block.apply({"params": p}, h, pos)[0]
+
+    # Every microbatch shares the positions of row 0 (the default positions are arange(t)).
+    return pipeline_lib.pipeline_apply(layer_fn, params, x, mesh=jax.sharding.get_abstract_mesh(),
+                                       config=pp, broadcast_args=(positions[:1],))
+
   def _layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    if self.pipeline is not None:
+      return self._pipelined_layers(x, positions)
     block = Block
     if self.remat_policy:
       block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy),
