@@ -5,6 +5,15 @@ import jax
 import numpy as np
 
 
+def process_slice(batch_size: int, process_index: int | None = None,
+                  process_count: int | None = None) -> tuple[int, int]:
+  """Rows [lo, hi) of a global batch that this process feeds (contiguous, equal parts)."""
+  index = jax.process_index() if process_index is None else process_index
+  count = jax.process_count() if process_count is None else process_count
+  local = batch_size // count
+  return index * local, (index + 1) * local
+
+
 @dataclasses.dataclass
 class SyntheticLmInput:
   """Learnable token sequences: each row counts up from a random start by a random stride.
@@ -28,22 +37,10 @@ class SyntheticLmInput:
   def __post_init__(self):
     self._step = 0
 
-  def _process(self) -> tuple[int, int]:
-    index = jax.process_index() if self.process_index is None else self.process_index
-    count = jax.process_count() if self.process_count is None else self.process_count
-    return index, count
-
-  @property
-  def local_batch_size(self) -> int:
-    index, count = self._process()
-    del index
-    return self.batch_size // count
-
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch number `step`."""
-    index, count = self._process()
-    local = self.batch_size // count
-    rows = np.arange(index * local, (index + 1) * local)
+    rows = np.arange(*process_slice(self.batch_size, self.process_index, self.process_count))
+    local = len(rows)
     # One generator per (seed, step, row): a row never depends on the process count.
     starts = np.empty(local, np.int64)
     strides = np.empty(local, np.int64)
