@@ -15,6 +15,7 @@ Only the stage axis is manual (`jax.shard_map(..., axis_names={stage})`); every 
 mesh axis (data, fsdp, model, ...) stays automatic inside a stage, so the usual GSPMD
 shardings of weights and activations keep working within each stage.
 """
+
 import dataclasses
 from typing import Any, Callable
 
@@ -29,246 +30,279 @@ _PL = "task.model.pipeline."
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:
-    """How to pipeline a layer stack.
+  """How to pipeline a layer stack.
 
-    Attributes:
-      num_stages: S, the number of pipeline stages; must equal the size of the
-        `stage_axis` mesh axis.
-      num_microbatches: M, the number of microbatches the batch is split into.
-      microbatch_size: alternatively, the microbatch size (then M = batch // size).
-        Set exactly one of `num_microbatches` and `microbatch_size`.
-      circular_repeat: R, how many times a microbatch loops over the stages. R = 1 is
-        GPipe. R > 1 requires M >= S (a ConfigError otherwise; M < S would leave
-        stage 0 without work while it waits for its first microbatch to come back).
-      remat_policy: name of a `jax.checkpoint_policies` member applied to the work of
-        one stage in one iteration, or None for no rematerialization.
-      stage_axis: name of the mesh axis that holds the stages.
-      unroll: fully unroll the iteration loop and the per-stage layer loop (for FLOP
-        counting: `cost_analysis` counts a loop body once).
-    """
+  Attributes:
+    num_stages: S, the number of pipeline stages; must equal the size of the
+      `stage_axis` mesh axis.
+    num_microbatches: M, the number of microbatches the batch is split into.
+    microbatch_size: alternatively, the microbatch size (then M = batch // size).
+      Set exactly one of `num_microbatches` and `microbatch_size`.
+    circular_repeat: R, how many times a microbatch loops over the stages. R = 1 is
+      GPipe. R > 1 requires M >= S (a ConfigError otherwise; M < S would leave
+      stage 0 without work while it waits for its first microbatch to come back).
+    remat_policy: name of a `jax.checkpoint_policies` member applied to the work of
+      one stage in one iteration, or None for no rematerialization.
+    stage_axis: name of the mesh axis that holds the stages.
+    unroll: fully unroll the iteration loop and the per-stage layer loop (for FLOP
+      counting: `cost_analysis` counts a loop body once).
+  """
 
-    num_stages: int
-    num_microbatches: int | None = None
-    microbatch_size: int | None = None
-    circular_repeat: int = 1
-    remat_policy: str | None = "nothing_saveable"
-    stage_axis: str = "stage"
-    unroll: bool = False
+  num_stages: int
+  num_microbatches: int | None = None
+  microbatch_size: int | None = None
+  circular_repeat: int = 1
+  remat_policy: str | None = "nothing_saveable"
+  stage_axis: str = "stage"
+  unroll: bool = False
 
-    def resolve_num_microbatches(self, batch_size: int) -> int:
-        """Returns M for a global batch of `batch_size` examples."""
-        if self.num_microbatches is not None:
-            return self.num_microbatches
-        return batch_size // self.microbatch_size
+  def resolve_num_microbatches(self, batch_size: int) -> int:
+    """Returns M for a global batch of `batch_size` examples."""
+    if self.num_microbatches is not None:
+      return self.num_microbatches
+    return batch_size // self.microbatch_size
 
-    def num_iterations(self, batch_size: int) -> int:
-        """Returns M*R + S - 1, the trip count of the pipeline loop."""
-        m = self.resolve_num_microbatches(batch_size)
-        return m * self.circular_repeat + self.num_stages - 1
+  def num_iterations(self, batch_size: int) -> int:
+    """Returns M*R + S - 1, the trip count of the pipeline loop."""
+    m = self.resolve_num_microbatches(batch_size)
+    return m * self.circular_repeat + self.num_stages - 1
 
 
 def _fail(msg: str):
-    raise ConfigError(" ".join(msg.split()))
+  raise ConfigError(" ".join(msg.split()))
 
 
 def validate(config: PipelineConfig, *, num_layers: int, batch_size: int, mesh) -> None:
-    """Checks `config` against the model, the batch and the mesh.
+  """Checks `config` against the model, the batch and the mesh.
 
-    Raises:
-      ConfigError: with one paragraph naming the config field and the fix.
-    """
-    s, r = config.num_stages, config.circular_repeat
-    if not isinstance(s, int) or s < 1:
-        _fail(f"{_PL}num_stages={s!r} must be a positive integer.")
-    if not isinstance(r, int) or r < 1:
-        _fail(f"{_PL}circular_repeat={r!r} must be a positive integer (1 means GPipe).")
-    if (config.num_microbatches is None) == (config.microbatch_size is None):
-        _fail(f"Set exactly one of {_PL}num_microbatches and {_PL}microbatch_size "
-              f"(got num_microbatches={config.num_microbatches!r}, "
-              f"microbatch_size={config.microbatch_size!r}).")
-    if config.remat_policy is not None and not hasattr(jax.checkpoint_policies,
-                                                       config.remat_policy):
-        _fail(f"{_PL}remat_policy={config.remat_policy!r} is not a name in "
-              f"jax.checkpoint_policies (e.g. 'nothing_saveable', 'dots_saveable'); "
-              f"use one of those or None to disable rematerialization.")
-    axes = tuple(mesh.axis_names)
-    if config.stage_axis not in axes:
-        _fail(f"The mesh has no '{config.stage_axis}' axis (task.mesh_axis_names={axes}), "
-              f"but pipelining with {_PL}num_stages={s} needs one: add "
-              f"'{config.stage_axis}' to task.mesh_axis_names with size {s} in "
-              f"task.ici_mesh_shape.")
-    size = mesh.shape[config.stage_axis]
-    if size != s:
-        _fail(f"The mesh axis '{config.stage_axis}' has size {size} "
-              f"(mesh shape {dict(mesh.shape)}, "
-              f"task.mesh_axis_names={axes}) but {_PL}num_stages={s}: make them equal.")
-    if num_layers % (s * r):
-        _fail(f"task.model.num_layers={num_layers} is not divisible by {_PL}num_stages={s} x "
-              f"{_PL}circular_repeat={r} = {s * r}: change task.model.num_layers to a "
-              f"multiple of {s * r} or pick num_stages/circular_repeat that divide it.")
-    if config.num_microbatches is not None:
-        m = config.num_microbatches
-        if m < 1 or batch_size % m:
-            _fail(f"The batch of {batch_size} examples cannot be split into "
-                  f"{_PL}num_microbatches={m} equal microbatches: use a divisor of "
-                  f"{batch_size}, or change the batch size.")
-    else:
-        mbs = config.microbatch_size
-        if mbs < 1 or batch_size % mbs:
-            _fail(f"The batch of {batch_size} examples is not a multiple of "
-                  f"{_PL}microbatch_size={mbs}: use a divisor of {batch_size}, or "
-                  f"change the batch size.")
-        m = batch_size // mbs
-    if r > 1 and m < s:
-        _fail(f"Circular pipelining ({_PL}circular_repeat={r}) needs at least as many "
-              f"microbatches as stages, got {m} microbatches for {_PL}num_stages={s}: "
-              f"raise {_PL}num_microbatches to >= {s} (or lower "
-              f"{_PL}microbatch_size), or set {_PL}circular_repeat=1.")
+  Raises:
+    ConfigError: with one paragraph naming the config field and the fix.
+  """
+  s, r = config.num_stages, config.circular_repeat
+  if not isinstance(s, int) or s < 1:
+    _fail(f"{_PL}num_stages={s!r} must be a positive integer.")
+  if not isinstance(r, int) or r < 1:
+    _fail(f"{_PL}circular_repeat={r!r} must be a positive integer (1 means GPipe).")
+  if (config.num_microbatches is None) == (config.microbatch_size is None):
+    _fail(
+        f"Set exactly one of {_PL}num_microbatches and {_PL}microbatch_size "
+        f"(got num_microbatches={config.num_microbatches!r}, "
+        f"microbatch_size={config.microbatch_size!r})."
+    )
+  if config.remat_policy is not None and not hasattr(jax.checkpoint_policies, config.remat_policy):
+    _fail(
+        f"{_PL}remat_policy={config.remat_policy!r} is not a name in "
+        f"jax.checkpoint_policies (e.g. 'nothing_saveable', 'dots_saveable'); "
+        f"use one of those or None to disable rematerialization."
+    )
+  axes = tuple(mesh.axis_names)
+  if config.stage_axis not in axes:
+    _fail(
+        f"The mesh has no '{config.stage_axis}' axis (task.mesh_axis_names={axes}), "
+        f"but pipelining with {_PL}num_stages={s} needs one: add "
+        f"'{config.stage_axis}' to task.mesh_axis_names with size {s} in "
+        f"task.ici_mesh_shape."
+    )
+  size = mesh.shape[config.stage_axis]
+  if size != s:
+    _fail(
+        f"The mesh axis '{config.stage_axis}' has size {size} "
+        f"(mesh shape {dict(mesh.shape)}, "
+        f"task.mesh_axis_names={axes}) but {_PL}num_stages={s}: make them equal."
+    )
+  if num_layers % (s * r):
+    _fail(
+        f"task.model.num_layers={num_layers} is not divisible by {_PL}num_stages={s} x "
+        f"{_PL}circular_repeat={r} = {s * r}: change task.model.num_layers to a "
+        f"multiple of {s * r} or pick num_stages/circular_repeat that divide it."
+    )
+  if config.num_microbatches is not None:
+    m = config.num_microbatches
+    if m < 1 or batch_size % m:
+      _fail(
+          f"The batch of {batch_size} examples cannot be split into "
+          f"{_PL}num_microbatches={m} equal microbatches: use a divisor of "
+          f"{batch_size}, or change the batch size."
+      )
+  else:
+    mbs = config.microbatch_size
+    if mbs < 1 or batch_size % mbs:
+      _fail(
+          f"The batch of {batch_size} examples is not a multiple of "
+          f"{_PL}microbatch_size={mbs}: use a divisor of {batch_size}, or "
+          f"change the batch size."
+      )
+    m = batch_size // mbs
+  if r > 1 and m < s:
+    _fail(
+        f"Circular pipelining ({_PL}circular_repeat={r}) needs at least as many "
+        f"microbatches as stages, got {m} microbatches for {_PL}num_stages={s}: "
+        f"raise {_PL}num_microbatches to >= {s} (or lower "
+        f"{_PL}microbatch_size), or set {_PL}circular_repeat=1."
+    )
 
 
 def to_stages(tree: Any, num_stages: int, circular_repeat: int = 1) -> Any:
-    """Maps leaves `[L, ...]` (layer l at index l) to the layout `[S, R, Lps, ...]`."""
-    s, r = num_stages, circular_repeat
+  """Maps leaves `[L, ...]` (layer l at index l) to the layout `[S, R, Lps, ...]`."""
+  s, r = num_stages, circular_repeat
 
-    def f(a):
-        if a.shape[0] % (s * r):
-            _fail(f"model.num_layers={a.shape[0]} is not divisible by "
-                  f"{_PL}num_stages={s} x {_PL}circular_repeat={r}.")
-        a = a.reshape((r, s, a.shape[0] // (s * r)) + a.shape[1:])
-        return jnp.swapaxes(a, 0, 1)
+  def f(a):
+    if a.shape[0] % (s * r):
+      _fail(
+          f"model.num_layers={a.shape[0]} is not divisible by "
+          f"{_PL}num_stages={s} x {_PL}circular_repeat={r}."
+      )
+    a = a.reshape((r, s, a.shape[0] // (s * r)) + a.shape[1:])
+    return jnp.swapaxes(a, 0, 1)
 
-    return jax.tree.map(f, tree)
+  return jax.tree.map(f, tree)
 
 
 def from_stages(tree: Any) -> Any:
-    """Inverse of `to_stages`: maps leaves `[S, R, Lps, ...]` to `[L, ...]`."""
-    return jax.tree.map(
-        lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[3:]), tree)
+  """Inverse of `to_stages`: maps leaves `[S, R, Lps, ...]` to `[L, ...]`."""
+  return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[3:]), tree)
 
 
 def stage_spec(layer_spec: P | tuple = (), stage_axis: str = "stage") -> P:
-    """PartitionSpec of a `[S, R, Lps, ...]` weight whose per-layer spec is `layer_spec`."""
-    return P(stage_axis, None, None, *tuple(layer_spec))
+  """PartitionSpec of a `[S, R, Lps, ...]` weight whose per-layer spec is `layer_spec`."""
+  return P(stage_axis, None, None, *tuple(layer_spec))
 
 
-def pipeline_apply(layer_fn: Callable[..., jax.Array], stage_params: Any, x: jax.Array,
-                   *, mesh, config: PipelineConfig, broadcast_args: tuple = (),
-                   _bubble_fill: float | None = None) -> jax.Array:
-    """Applies L = S*R*Lps layers to `x`, pipelined over the stage mesh axis.
+def pipeline_apply(
+    layer_fn: Callable[..., jax.Array],
+    stage_params: Any,
+    x: jax.Array,
+    *,
+    mesh,
+    config: PipelineConfig,
+    broadcast_args: tuple = (),
+    _bubble_fill: float | None = None,
+) -> jax.Array:
+  """Applies L = S*R*Lps layers to `x`, pipelined over the stage mesh axis.
 
-    Schedule (N = M*R + S - 1 iterations; every stage runs the same program; k is the
-    index of the (repeat, microbatch) pair a stage works on, in stage-0 order):
+  Schedule (N = M*R + S - 1 iterations; every stage runs the same program; k is the
+  index of the (repeat, microbatch) pair a stage works on, in stage-0 order):
 
-        for t in range(N):                           # lax.scan, unrolled if config.unroll
-          for every stage s in parallel:             # shard_map, manual over stage_axis
-            k = t - s; valid = 0 <= k < M*R
-            r, m = k // M, k % M                     # repeat and microbatch being worked on
-            if R > 1:                                # stage 0: microbatches back from stage S-1
-              ring[t % (M-S+1)] = cur                # wait M-S iterations in a ring buffer
-            if s == 0:
-              inp = x_mb[m] if r == 0 else ring[(t+1) % (M-S+1)]
-            else:
-              inp = cur                              # shifted in from stage s-1 last iteration
-            inp = where(valid, inp, 0)               # bubbles compute on zeros, never garbage
-            h = layers[s, r, 0..Lps-1](inp)          # remat'd inner scan over j
-            if valid and s == S-1 and r == R-1: out[m] = h
-            cur = ppermute(h, s -> s+1)              # circular (S-1 -> 0) iff R > 1
-        y = psum_over_stages(where(s == S-1, out, 0))
+      for t in range(N):                           # lax.scan, unrolled if config.unroll
+        for every stage s in parallel:             # shard_map, manual over stage_axis
+          k = t - s; valid = 0 <= k < M*R
+          r, m = k // M, k % M                     # repeat and microbatch being worked on
+          if R > 1:                                # stage 0: microbatches back from stage S-1
+            ring[t % (M-S+1)] = cur                # wait M-S iterations in a ring buffer
+          if s == 0:
+            inp = x_mb[m] if r == 0 else ring[(t+1) % (M-S+1)]
+          else:
+            inp = cur                              # shifted in from stage s-1 last iteration
+          inp = where(valid, inp, 0)               # bubbles compute on zeros, never garbage
+          h = layers[s, r, 0..Lps-1](inp)          # remat'd inner scan over j
+          if valid and s == S-1 and r == R-1: out[m] = h
+          cur = ppermute(h, s -> s+1)              # circular (S-1 -> 0) iff R > 1
+      y = psum_over_stages(where(s == S-1, out, 0))
 
-    Microbatch m holds the examples `x[m::M]` (a strided split), so a batch dim that is
-    sharded over data axes stays sharded inside every microbatch. Results are
-    exactly those of applying the L layers in order, as long as `layer_fn` treats
-    examples independently. Bubble iterations contribute nothing, not even NaN: their
-    inputs are replaced by zeros with `jnp.where` before any compute, and their outputs
-    are dropped with `jnp.where`, so their gradient contributions are exactly zero.
+  Microbatch m holds the examples `x[m::M]` (a strided split), so a batch dim that is
+  sharded over data axes stays sharded inside every microbatch. Results are
+  exactly those of applying the L layers in order, as long as `layer_fn` treats
+  examples independently. Bubble iterations contribute nothing, not even NaN: their
+  inputs are replaced by zeros with `jnp.where` before any compute, and their outputs
+  are dropped with `jnp.where`, so their gradient contributions are exactly zero.
 
-    Args:
-      layer_fn: `layer_fn(layer_params, h, *broadcast_args) -> h`, one layer, pure;
-        `layer_params` has no leading stage/repeat/layer dims, `h` is `[mb, ...]`,
-        the output has the shape and dtype of `h`.
-      stage_params: pytree whose leaves are `[S, R, Lps, ...]`, dim 0 sharded over
-        `config.stage_axis` (other dims may be sharded over other mesh axes).
-      x: `[B, ...]` activations with B = M * mb.
-      mesh: the `jax.sharding.Mesh` (Auto axes) holding `config.stage_axis`.
-      config: a `PipelineConfig`.
-      broadcast_args: extra arguments passed unchanged to every `layer_fn` call (e.g.
-        positions or a mask shared by all microbatches); replicated over stages.
-      _bubble_fill: test hook: initial value of the internal buffers (default 0).
+  Args:
+    layer_fn: `layer_fn(layer_params, h, *broadcast_args) -> h`, one layer, pure;
+      `layer_params` has no leading stage/repeat/layer dims, `h` is `[mb, ...]`,
+      the output has the shape and dtype of `h`.
+    stage_params: pytree whose leaves are `[S, R, Lps, ...]`, dim 0 sharded over
+      `config.stage_axis` (other dims may be sharded over other mesh axes).
+    x: `[B, ...]` activations with B = M * mb.
+    mesh: the `jax.sharding.Mesh` (Auto axes) holding `config.stage_axis`.
+    config: a `PipelineConfig`.
+    broadcast_args: extra arguments passed unchanged to every `layer_fn` call (e.g.
+      positions or a mask shared by all microbatches); replicated over stages.
+    _bubble_fill: test hook: initial value of the internal buffers (default 0).
 
-    Returns:
-      `[B, ...]`, replicated over the stage axis.
+  Returns:
+    `[B, ...]`, replicated over the stage axis.
 
-    Raises:
-      ConfigError: see `validate`, or leaves whose leading dims are not `[S, R, Lps]`.
-    """
-    s_n, r_n, ax = config.num_stages, config.circular_repeat, config.stage_axis
-    leads = {tuple(a.shape[:3]) for a in jax.tree.leaves(stage_params)}
-    if len(leads) != 1 or next(iter(leads))[:2] != (s_n, r_n):
-        _fail(f"Every pipelined weight must have leading dims [S, R, Lps] with "
-              f"S={_PL}num_stages={s_n} and R={_PL}circular_repeat={r_n}, got leading "
-              f"dims {sorted(leads)}: build the weights with to_stages(..., {s_n}, {r_n}).")
-    lps = next(iter(leads))[2]
-    batch = x.shape[0]
-    validate(config, num_layers=s_n * r_n * lps, batch_size=batch, mesh=mesh)
-    m_n = config.resolve_num_microbatches(batch)
-    mb = batch // m_n
-    n_iter = m_n * r_n + s_n - 1
-    ring = m_n - s_n + 1  # ring-buffer slots for microbatches looping back (R > 1)
-    fill = 0.0 if _bubble_fill is None else _bubble_fill
-    policy = (None if config.remat_policy is None
-              else getattr(jax.checkpoint_policies, config.remat_policy))
+  Raises:
+    ConfigError: see `validate`, or leaves whose leading dims are not `[S, R, Lps]`.
+  """
+  s_n, r_n, ax = config.num_stages, config.circular_repeat, config.stage_axis
+  leads = {tuple(a.shape[:3]) for a in jax.tree.leaves(stage_params)}
+  if len(leads) != 1 or next(iter(leads))[:2] != (s_n, r_n):
+    _fail(
+        f"Every pipelined weight must have leading dims [S, R, Lps] with "
+        f"S={_PL}num_stages={s_n} and R={_PL}circular_repeat={r_n}, got leading "
+        f"dims {sorted(leads)}: build the weights with to_stages(..., {s_n}, {r_n})."
+    )
+  lps = next(iter(leads))[2]
+  batch = x.shape[0]
+  validate(config, num_layers=s_n * r_n * lps, batch_size=batch, mesh=mesh)
+  m_n = config.resolve_num_microbatches(batch)
+  mb = batch // m_n
+  n_iter = m_n * r_n + s_n - 1
+  ring = m_n - s_n + 1  # ring-buffer slots for microbatches looping back (R > 1)
+  fill = 0.0 if _bubble_fill is None else _bubble_fill
+  policy = (
+      None if config.remat_policy is None else getattr(jax.checkpoint_policies, config.remat_policy)
+  )
 
-    def run_stage(params, r, h, bargs):
-        w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), params)
+  def run_stage(params, r, h, bargs):
+    w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), params)
 
-        def one_layer(h, p):
-            return layer_fn(p, h, *bargs), None
+    def one_layer(h, p):
+      return layer_fn(p, h, *bargs), None
 
-        h, _ = jax.lax.scan(one_layer, h, w, unroll=bool(config.unroll))
-        return h
+    h, _ = jax.lax.scan(one_layer, h, w, unroll=bool(config.unroll))
+    return h
 
-    if policy is not None:
-        run_stage = jax.checkpoint(run_stage, policy=policy)
+  if policy is not None:
+    run_stage = jax.checkpoint(run_stage, policy=policy)
 
-    if r_n > 1:
-        perm = [(i, (i + 1) % s_n) for i in range(s_n)]
-    else:
-        perm = [(i, i + 1) for i in range(s_n - 1)]
+  if r_n > 1:
+    perm = [(i, (i + 1) % s_n) for i in range(s_n)]
+  else:
+    perm = [(i, i + 1) for i in range(s_n - 1)]
 
-    def per_stage(params, x, bargs):
-        params = jax.tree.map(lambda a: a[0], params)  # [R, Lps, ...]: this stage's
-        s = jax.lax.axis_index(ax)
-        xs = x.reshape((mb, m_n) + x.shape[1:])  # microbatch m = x[m::M]
-        mb_shape = (mb,) + x.shape[1:]
-        cur = jnp.full(mb_shape, fill, x.dtype)
-        buf = jnp.full((ring,) + mb_shape if r_n > 1 else (0,), fill, x.dtype)
-        out = jnp.full(xs.shape, fill, x.dtype)
-        zeros = jnp.zeros(mb_shape, x.dtype)
+  def per_stage(params, x, bargs):
+    params = jax.tree.map(lambda a: a[0], params)  # [R, Lps, ...]: this stage's
+    s = jax.lax.axis_index(ax)
+    xs = x.reshape((mb, m_n) + x.shape[1:])  # microbatch m = x[m::M]
+    mb_shape = (mb,) + x.shape[1:]
+    cur = jnp.full(mb_shape, fill, x.dtype)
+    buf = jnp.full((ring,) + mb_shape if r_n > 1 else (0,), fill, x.dtype)
+    out = jnp.full(xs.shape, fill, x.dtype)
+    zeros = jnp.zeros(mb_shape, x.dtype)
 
-        def body(carry, t):
-            cur, buf, out = carry
-            k = t - s
-            valid = (k >= 0) & (k < m_n * r_n)
-            kc = jnp.clip(k, 0, m_n * r_n - 1)
-            r, m = kc // m_n, kc % m_n
-            first = jax.lax.dynamic_index_in_dim(xs, m, 1, False)
-            if r_n > 1:
-                buf = jax.lax.dynamic_update_index_in_dim(buf, cur, t % ring, 0)
-                back = jax.lax.dynamic_index_in_dim(buf, (t + 1) % ring, 0, False)
-                first = jnp.where(r == 0, first, back)
-            inp = jnp.where(valid, jnp.where(s == 0, first, cur), zeros)
-            h = run_stage(params, r, inp, bargs)
-            is_out = valid & (s == s_n - 1) & (r == r_n - 1)
-            old = jax.lax.dynamic_index_in_dim(out, m, 1, False)
-            out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(is_out, h, old), m, 1)
-            cur = h if s_n == 1 else jax.lax.ppermute(h, ax, perm)
-            return (cur, buf, out), None
+    def body(carry, t):
+      cur, buf, out = carry
+      k = t - s
+      valid = (k >= 0) & (k < m_n * r_n)
+      kc = jnp.clip(k, 0, m_n * r_n - 1)
+      r, m = kc // m_n, kc % m_n
+      first = jax.lax.dynamic_index_in_dim(xs, m, 1, False)
+      if r_n > 1:
+        buf = jax.lax.dynamic_update_index_in_dim(buf, cur, t % ring, 0)
+        back = jax.lax.dynamic_index_in_dim(buf, (t + 1) % ring, 0, False)
+        first = jnp.where(r == 0, first, back)
+      inp = jnp.where(valid, jnp.where(s == 0, first, cur), zeros)
+      h = run_stage(params, r, inp, bargs)
+      is_out = valid & (s == s_n - 1) & (r == r_n - 1)
+      old = jax.lax.dynamic_index_in_dim(out, m, 1, False)
+      out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(is_out, h, old), m, 1)
+      cur = h if s_n == 1 else jax.lax.ppermute(h, ax, perm)
+      return (cur, buf, out), None
 
-        (_, _, out), _ = jax.lax.scan(body, (cur, buf, out), jnp.arange(n_iter),
-                                      unroll=bool(config.unroll))
-        out = jnp.where(s == s_n - 1, out, jnp.zeros_like(out))
-        return jax.lax.psum(out.reshape(x.shape), ax)
+    (_, _, out), _ = jax.lax.scan(
+        body, (cur, buf, out), jnp.arange(n_iter), unroll=bool(config.unroll)
+    )
+    out = jnp.where(s == s_n - 1, out, jnp.zeros_like(out))
+    return jax.lax.psum(out.reshape(x.shape), ax)
 
-    fn = jax.shard_map(per_stage, mesh=mesh, in_specs=(P(ax), P(), P()),
-                       out_specs=P(), axis_names={ax}, check_vma=False)
-    return fn(stage_params, x, tuple(broadcast_args))
+  fn = jax.shard_map(
+      per_stage,
+      mesh=mesh,
+      in_specs=(P(ax), P(), P()),
+      out_specs=P(),
+      axis_names={ax},
+      check_vma=False,
+  )
+  return fn(stage_params, x, tuple(broadcast_args))

@@ -17,11 +17,13 @@ comparison would measure that asymmetry (about +1-2.5% here) rather than the bub
 
 Usage: python tools/bench_pipeline_flops.py
 """
+
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=4").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,62 +37,71 @@ D, F, MB, L = 64, 256, 64, 8
 
 
 def layer(p, h):
-    return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
+  return h + jnp.tanh(h @ p["w1"]) @ p["w2"]
 
 
 def flops(fn, *args):
-    cost = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(*args).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost["flops"])
+  cost = jax.jit(jax.grad(fn, argnums=(0, 1))).lower(*args).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["flops"])
 
 
 def sequential_flops(m):
-    params = {"w1": jnp.zeros((L, D, F)), "w2": jnp.zeros((L, F, D))}
-    x = jnp.zeros((m * MB, D))
+  params = {"w1": jnp.zeros((L, D, F)), "w2": jnp.zeros((L, F, D))}
+  x = jnp.zeros((m * MB, D))
 
-    def loss(params, x):
-        y = jax.lax.scan(lambda h, p: (layer(p, h), None), x, params, unroll=True)[0]
-        return jnp.sum(y ** 2)
+  def loss(params, x):
+    y = jax.lax.scan(lambda h, p: (layer(p, h), None), x, params, unroll=True)[0]
+    return jnp.sum(y**2)
 
-    return flops(loss, params, x)
+  return flops(loss, params, x)
 
 
 def pipelined_flops(s, m, r):
-    mesh = jax.make_mesh((s,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,),
-                         devices=jax.devices()[:s])
-    cfg = pl.PipelineConfig(num_stages=s, num_microbatches=m, circular_repeat=r,
-                            remat_policy=None, unroll=True)
-    params = {"w1": jnp.zeros((L, D, F)), "w2": jnp.zeros((L, F, D))}
-    sp = jax.device_put(pl.to_stages(params, s, r), NamedSharding(mesh, P("stage")))
-    x = jax.device_put(jnp.zeros((m * MB, D)), NamedSharding(mesh, P()))
+  mesh = jax.make_mesh(
+      (s,), ("stage",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:s]
+  )
+  cfg = pl.PipelineConfig(
+      num_stages=s, num_microbatches=m, circular_repeat=r, remat_policy=None, unroll=True
+  )
+  params = {"w1": jnp.zeros((L, D, F)), "w2": jnp.zeros((L, F, D))}
+  sp = jax.device_put(pl.to_stages(params, s, r), NamedSharding(mesh, P("stage")))
+  x = jax.device_put(jnp.zeros((m * MB, D)), NamedSharding(mesh, P()))
 
-    def loss(sp, x):
-        return jnp.sum(pl.pipeline_apply(layer, sp, x, mesh=mesh, config=cfg) ** 2)
+  def loss(sp, x):
+    return jnp.sum(pl.pipeline_apply(layer, sp, x, mesh=mesh, config=cfg) ** 2)
 
-    return flops(loss, sp, x) * s  # cost_analysis reports one device's program
+  return flops(loss, sp, x) * s  # cost_analysis reports one device's program
 
 
 def main():
-    print(f"layer: h + tanh(h@w1)@w2, d={D} f={F} microbatch={MB} layers={L}; "
-          f"FLOPs of loss+grad, pipelined = per-device x S")
-    print(f"{'S':>2} {'M':>3} {'R':>2} {'seq GFLOP':>10} {'pipe GFLOP':>11} "
-          f"{'measured':>9} {'theory':>8} {'dev %':>7}")
-    seq = {}
-    worst = 0.0
-    for s in (2, 4):
-        for m in (4, 8, 16):
-            for r in (1, 2):
-                if m not in seq:
-                    seq[m] = sequential_flops(m)
-                pipe = pipelined_flops(s, m, r)
-                measured = pipe / seq[m]
-                theory = (m * r + s - 1) / (m * r)
-                dev = (measured - theory) / theory
-                worst = max(worst, abs(dev))
-                print(f"{s:>2} {m:>3} {r:>2} {seq[m] / 1e9:>10.4f} {pipe / 1e9:>11.4f} "
-                      f"{measured:>9.4f} {theory:>8.4f} {100 * dev:>+6.2f}%", flush=True)
-    print(f"worst relative deviation: {100 * worst:.2f}% (target < 2%)")
+  print(
+      f"layer: h + tanh(h@w1)@w2, d={D} f={F} microbatch={MB} layers={L}; "
+      f"FLOPs of loss+grad, pipelined = per-device x S"
+  )
+  print(
+      f"{'S':>2} {'M':>3} {'R':>2} {'seq GFLOP':>10} {'pipe GFLOP':>11} "
+      f"{'measured':>9} {'theory':>8} {'dev %':>7}"
+  )
+  seq = {}
+  worst = 0.0
+  for s in (2, 4):
+    for m in (4, 8, 16):
+      for r in (1, 2):
+        if m not in seq:
+          seq[m] = sequential_flops(m)
+        pipe = pipelined_flops(s, m, r)
+        measured = pipe / seq[m]
+        theory = (m * r + s - 1) / (m * r)
+        dev = (measured - theory) / theory
+        worst = max(worst, abs(dev))
+        print(
+            f"{s:>2} {m:>3} {r:>2} {seq[m] / 1e9:>10.4f} {pipe / 1e9:>11.4f} "
+            f"{measured:>9.4f} {theory:>8.4f} {100 * dev:>+6.2f}%",
+            flush=True,
+        )
+  print(f"worst relative deviation: {100 * worst:.2f}% (target < 2%)")
 
 
 if __name__ == "__main__":
-    main()
+  main()
