@@ -107,7 +107,7 @@ def validate(config: PipelineConfig, *, num_layers: int, batch_size: int, mesh) 
   if size != s:
     _fail(
         f"The mesh axis '{config.stage_axis}' has size {size} "
-        f"(mesh shape {dict(mesh.shape)}, "
+        f"(mesh shape {dict(mesh.shape)}, set by task.ici_mesh_shape; "
         f"task.mesh_axis_names={axes}) but {_PL}num_stages={s}: make them equal."
     )
   if num_layers % (s * r):
