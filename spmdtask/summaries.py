@@ -1,0 +1,52 @@
+"""TensorBoard scalars via `tf.summary`, written by process 0 only.
+
+Train summaries go to `job_log_dir/summaries/train`. TensorFlow is imported only
+when a writer is actually created (it takes seconds), so other processes, and runs
+without a job_log_dir, never load it.
+"""
+import os
+from typing import Mapping
+
+import jax
+
+
+def summary_dir(job_log_dir: str, name: str = "train") -> str:
+  return os.path.join(job_log_dir, "summaries", name)
+
+
+class SummaryWriter:
+  """Scalars per step into one TensorBoard run dir; a no-op off process 0 or without a dir.
+
+  Args:
+    directory: the run dir, e.g. `summary_dir(job_log_dir, 'train')`; None = no-op.
+  """
+
+  def __init__(self, directory: str | None):
+    self._writer = None
+    if directory is not None and jax.process_index() == 0:
+      os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+      import tensorflow as tf  # pylint: disable=g-import-not-at-top
+      tf.config.set_visible_devices([], "GPU")  # TF must not take accelerator memory.
+      self._tf = tf
+      self._writer = tf.summary.create_file_writer(directory)
+
+  @property
+  def active(self) -> bool:
+    return self._writer is not None
+
+  def scalars(self, step: int, values: Mapping[str, float]) -> None:
+    """Writes each `name: value` at `step` (buffered until `flush`)."""
+    if self._writer is None:
+      return
+    with self._writer.as_default(step=int(step)):
+      for name, value in values.items():
+        self._tf.summary.scalar(name, float(value))
+
+  def flush(self) -> None:
+    if self._writer is not None:
+      self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
