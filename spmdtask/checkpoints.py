@@ -254,7 +254,7 @@ class Checkpointer:
   def restore(self, step: int | None = None) -> tuple[TrainState, int, dict | None]:
     """(padded state, step, input iterator state) of a checkpoint of this job."""
     step = _pick_step(self.directory, self.job_log_dir, step)
-    later = [s for s in self._mngr.all_steps() if s > step]
+    later = [s for s in complete_steps(self.directory) if s > step]
     if later:
       raise ConfigError(
           f"--restore_step={step}, but {self.directory} has later checkpoints {later}; training "

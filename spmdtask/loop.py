@@ -77,11 +77,13 @@ def train(run: RunConfig, on_metrics: Callable[[int, dict], None] | None = None,
   """
   task, inputs = run.task, run.datasets["train"]
   tp = task.train
+  if job_log_dir is not None:
+    checkpoints.ensure_writable(job_log_dir)
+  writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir) if job_log_dir else None)
   example = inputs.batch_at(0)
   program = setup(task, example)
   ckpt = None
   if job_log_dir is not None:
-    checkpoints.ensure_writable(job_log_dir)
     ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
                                     tp.max_to_keep, {"config": config_text or ""})
   state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
@@ -90,7 +92,6 @@ def train(run: RunConfig, on_metrics: Callable[[int, dict], None] | None = None,
       f.write(config_text)
   if ckpt is not None:
     ckpt.install_sigterm_handler()
-  writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir) if job_log_dir else None)
   seq_len = example["inputs"].shape[1] if "inputs" in example else 0
   flops_per_tok = model_flops_per_token(task, program.layout, seq_len)
   log_every = max(1, tp.log_interval_steps)
