@@ -59,7 +59,8 @@ def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | No
   handlers = {**{k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS},
               **{k: ocp.JsonCheckpointHandler() for k in JSON_ITEMS}}
   options = ocp.CheckpointManagerOptions(
-      save_interval_steps=max(1, save_interval_steps), max_to_keep=max_to_keep,
+      save_interval_steps=0 if read_only else max(1, save_interval_steps),
+      max_to_keep=max_to_keep,
       create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
       enable_async_checkpointing=True)
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
