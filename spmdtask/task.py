@@ -25,6 +25,17 @@ class TrainParams:
       None puts the batch dim over `Task.data_axes` for every rank.
     log_interval_steps: log step, loss, steps/s and tokens/s every this many steps.
     seed: the init and dropout seed. Values do not depend on the mesh.
+    save_interval_steps: save a checkpoint (async) every this many steps, and always at
+      the end of training and on preemption. Needs --job_log_dir.
+    max_to_keep: how many of the newest checkpoints to keep; None = all.
+    summary_interval_steps: write TensorBoard scalars (job_log_dir/summaries/train) every
+      this many steps, and flush them.
+    init_checkpoint_dir: warm start: a job_log_dir whose latest checkpoint gives the initial
+      params (optimizer state starts fresh; step 0). Ignored when this job already has
+      checkpoints (it then resumes from them).
+    peak_flops_per_device: the peak FLOP/s one device is assumed to have, for the MFU
+      summary. The default, 1.3e11, is the fp32 matmul rate of a 2-core CPU; set your
+      accelerator's (e.g. 9.89e14 for an H100 SXM bf16 dense, 1.97e14 for a TPU v5e).
   """
   num_train_steps: int = 100
   optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
@@ -33,6 +44,11 @@ class TrainParams:
   inputs_split_mapping: dict[str, SplitDims] | None = None
   log_interval_steps: int = 10
   seed: int = 1234
+  save_interval_steps: int = 100
+  max_to_keep: int | None = 3
+  summary_interval_steps: int = 10
+  init_checkpoint_dir: str | None = None
+  peak_flops_per_device: float = 1.3e11
 
   def schedule(self) -> Callable[[Any], Any]:
     lr = self.learning_rate
