@@ -1,18 +1,13 @@
 """The binary: config.txt, overrides, and a clear one-paragraph error for each user mistake."""
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import subproc
+
 SPLIT = "task.model.weight_split_dims_mapping.mlp_in"
 
 
 def run_main(tmp_path, *args, exp="lm.TinyLm"):
-  cmd = [sys.executable, "-m", "spmdtask.main", f"--exp={exp}", f"--job_log_dir={tmp_path}",
-         *args]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+  return subproc.run(subproc.main_cmd(exp, str(tmp_path), flags=args), timeout=300)
 
 
 def test_train_writes_config_and_logs(tmp_path):

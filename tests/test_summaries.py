@@ -4,7 +4,7 @@ import os
 import jax
 import pytest
 
-import ckpt_helpers as h
+from tests import subproc as h
 from spmdtask import summaries
 
 TAGS = ("loss", "learning_rate", "grad_norm", "param_norm", "steps_per_sec", "tokens_per_sec",

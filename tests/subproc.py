@@ -1,4 +1,4 @@
-"""Shared helpers for the checkpoint / summary tests: run `spmdtask.main` in a subprocess."""
+"""Test helpers that run `spmdtask.main` in subprocesses, sharing one persistent XLA cache."""
 import os
 import subprocess
 import sys
