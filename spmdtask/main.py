@@ -19,6 +19,13 @@ _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, sum
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode"], "What to run.")
 _RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "Resume training from this "
                                      "checkpoint step of --job_log_dir; default: the latest.")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 of a multi-process job; needs "
+    "--num_processes and --process_id. Every process runs the same command.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-based.")
+_MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() with "
+                               "peers found by JAX itself (Cloud TPU pods, SLURM).")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -40,6 +47,20 @@ def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
   return cfg
 
 
+def init_distributed() -> None:
+  """Joins the multi-process job before any JAX computation, if one is asked for."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if _COORDINATOR.value:
+    if _NUM_PROCESSES.value is None or _PROCESS_ID.value is None:
+      raise ConfigError("--coordinator_address needs --num_processes and --process_id (this "
+                        "process's index, 0-based), the same on every process but the index.")
+    # CPU processes talk over gloo; accelerators use their own collectives.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  elif _MULTIHOST.value:
+    jax.distributed.initialize()
+
+
 def build(cfg: fdl.Config):
   try:
     return fdl.build(cfg)
@@ -58,6 +79,7 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  init_distributed()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top

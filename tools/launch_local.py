@@ -23,10 +23,11 @@ def free_port() -> int:
 
 
 def launch(num_processes: int, devices_per_process: int, main_args: list[str],
-           timeout: float | None = None) -> list[subprocess.CompletedProcess]:
+           timeout: float | None = None, env: dict | None = None
+           ) -> list[subprocess.CompletedProcess]:
   """Starts the processes, waits for all, returns their results (stdout/stderr captured)."""
   port = free_port()
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
+  env = dict(env or os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
   procs = [subprocess.Popen(
       [sys.executable, "-m", "spmdtask.main", *main_args,

@@ -1,0 +1,36 @@
+"""Multi-host: 2 processes x 4 CPU devices (jax.distributed over gloo) train exactly like one
+process with 8 devices, and their checkpoint resumes in a single process."""
+import numpy as np
+
+from tests import subproc as h
+from tools import launch_local
+
+STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=6",
+         "task.train.log_interval_steps=2", "task.model.num_layers=2")
+
+
+def _losses(job):
+  return h.scalars(f"{job}/summaries/train")["loss"]
+
+
+def test_two_processes_match_one_and_resume_on_one(tmp_path):
+  ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
+  r = h.run(h.main_cmd("lm.TinyLm", ref, *STEPS, "task.train.num_train_steps=8"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  results = launch_local.launch(
+      2, 4, h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=6")[3:],
+      timeout=400, env=h.env(4))
+  for i, res in enumerate(results):
+    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  # Only process 0 writes summaries (one event file) and the config.
+  events = list((tmp_path / "multi" / "summaries" / "train").iterdir())
+  assert len(events) == 1
+  ref_losses, multi_losses = _losses(ref), _losses(multi)
+  assert sorted(multi_losses) == list(range(1, 7))
+  np.testing.assert_allclose([multi_losses[s] for s in range(1, 7)],
+                             [ref_losses[s] for s in range(1, 7)], rtol=1e-5)
+  # The 2-process checkpoint at step 6 resumes in one process with 8 devices.
+  r = h.run(h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=8"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  resumed = _losses(multi)
+  np.testing.assert_allclose([resumed[7], resumed[8]], [ref_losses[7], ref_losses[8]], rtol=1e-5)
