@@ -17,6 +17,8 @@ _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique
 _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
                                    "checkpoints and decoder output go.")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode"], "What to run.")
+_RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "Resume training from this "
+                                     "checkpoint step of --job_log_dir; default: the latest.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -60,14 +62,18 @@ def run(argv) -> None:
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   from spmdtask import loop  # pylint: disable=g-import-not-at-top
-  if jax.process_index() == 0:
-    os.makedirs(_JOB_LOG_DIR.value, exist_ok=True)
-    with open(os.path.join(_JOB_LOG_DIR.value, "config.txt"), "w") as f:
-      f.write(printing.as_str_flattened(cfg, include_types=False) + "\n")
+  from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
+  config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
+  checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   if _MODE.value == "train":
-    loop.train(run_cfg)
-  else:
-    raise ConfigError(f"--mode={_MODE.value} is not available yet; use --mode=train.")
+    # Writes config.txt itself, once the checkpoint (if any) proved compatible.
+    loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
+               config_text=config_text)
+    return
+  if jax.process_index() == 0:
+    with open(os.path.join(_JOB_LOG_DIR.value, "config.txt"), "w") as f:
+      f.write(config_text)
+  raise ConfigError(f"--mode={_MODE.value} is not available yet; use --mode=train.")
 
 
 def main(argv) -> None:

@@ -25,6 +25,17 @@ class TrainParams:
       None puts the batch dim over `Task.data_axes` for every rank.
     log_interval_steps: log step, loss, steps/s and tokens/s every this many steps.
     seed: the init and dropout seed. Values do not depend on the mesh.
+    save_interval_steps: save a checkpoint (async) every this many steps, and always at
+      the end of training and on preemption. Needs --job_log_dir.
+    max_to_keep: how many of the newest checkpoints to keep; None = all.
+    summary_interval_steps: write TensorBoard scalars (job_log_dir/summaries/train) every
+      this many steps, and flush them.
+    init_checkpoint_dir: warm start: a job_log_dir whose latest checkpoint gives the initial
+      params (optimizer state starts fresh; step 0). Ignored when this job already has
+      checkpoints (it then resumes from them).
+    peak_flops_per_device: the peak FLOP/s one device is assumed to have, for the MFU
+      summary. The default, 1.3e11, is the fp32 matmul rate of a 2-core CPU; set your
+      accelerator's (e.g. 9.89e14 for an H100 SXM bf16 dense, 1.97e14 for a TPU v5e).
     eval_interval_steps: during --mode=train, evaluate every eval dataset every this
       many steps; 0 = never.
     eval_steps: batches per eval dataset; None = the whole (finite) dataset.
@@ -36,6 +47,11 @@ class TrainParams:
   inputs_split_mapping: dict[str, SplitDims] | None = None
   log_interval_steps: int = 10
   seed: int = 1234
+  save_interval_steps: int = 100
+  max_to_keep: int | None = 3
+  summary_interval_steps: int = 10
+  init_checkpoint_dir: str | None = None
+  peak_flops_per_device: float = 1.3e11
   eval_interval_steps: int = 0
   eval_steps: int | None = None
 

@@ -1,0 +1,58 @@
+"""Shared helpers for the checkpoint / summary tests: run `spmdtask.main` in a subprocess."""
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A persistent XLA cache shared by the test subprocesses: the same program compiles once.
+CACHE = os.path.join(tempfile.gettempdir(), "spmdtask_test_jax_cache")
+
+KILL_AFTER_SAVE = """
+import os, signal, sys
+from absl import app
+from spmdtask import checkpoints, main
+kill_step = int(os.environ["KILL_AFTER_COMMITTED_STEP"])
+original = checkpoints.Checkpointer.save
+def save(self, step, state, input_state):
+  original(self, step, state, input_state)
+  if step == kill_step:
+    self.wait()  # the step is committed
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoints.Checkpointer.save = save
+sys.argv = ["spmdtask.main"] + sys.argv[1:]
+app.run(main.main)
+"""
+
+
+def env(num_devices: int = 8, **extra) -> dict:
+  e = dict(os.environ)
+  e.update(PYTHONPATH=REPO + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
+           XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+           JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+           TF_CPP_MIN_LOG_LEVEL="3", **extra)
+  return e
+
+
+def main_cmd(exp: str, job_log_dir: str, *overrides: str, flags=()) -> list[str]:
+  return ([sys.executable, "-m", "spmdtask.main", f"--exp={exp}", f"--job_log_dir={job_log_dir}"]
+          + [f"--fdl_set={o}" for o in overrides] + list(flags))
+
+
+def run(cmd, num_devices: int = 8, timeout: int = 240, **extra) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, env=env(num_devices, **extra), cwd=REPO, capture_output=True,
+                        text=True, timeout=timeout, check=False)
+
+
+def scalars(directory: str) -> dict[str, dict[int, float]]:
+  """tag -> {step: value}, read with tensorboard's own EventAccumulator."""
+  from tensorboard.backend.event_processing import event_accumulator
+  from tensorboard.util import tensor_util
+  acc = event_accumulator.EventAccumulator(directory, size_guidance={"tensors": 0, "scalars": 0})
+  acc.Reload()
+  out = {}
+  for tag in acc.Tags()["tensors"]:
+    out[tag] = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)}
+  for tag in acc.Tags()["scalars"]:
+    out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
+  return out
