@@ -16,11 +16,15 @@ A row's random draw depends only on (seed, example id, position): decoding gives
 the same tokens on any mesh.
 """
 import dataclasses
-from typing import Any, NamedTuple
+import json
+import os
+import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask import sharding, steps as steps_lib
@@ -247,3 +251,55 @@ def greedy_without_cache(program, padded_params, prompts: np.ndarray, prompt_len
     tokens = _put(tokens, jnp.where(live, pos + 1, -1), nxt)
     pos = jnp.where(live, pos + 1, pos)
   return np.asarray(jax.device_get(tokens))
+
+
+def _prompt_shape(name: str, inputs) -> tuple[int, int, int]:
+  """(global batch size, local rows, prompt_len) of a decode dataset."""
+  first = inputs.batch_at(0) if hasattr(inputs, "batch_at") else None
+  if first is None or "prompts" not in first:
+    raise ConfigError(f"Decode dataset {name!r} ({type(inputs).__name__}) must give batches "
+                      "{'prompts', 'prompt_lens', 'ids'} via batch_at(i), like "
+                      "spmdtask.inputs.prompts.SyntheticPromptInput.")
+  return int(inputs.batch_size), int(inputs.local_batch_size), int(first["prompts"].shape[1])
+
+
+def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], job_log_dir: str,
+               restore_step: int | None = None) -> dict[str, str]:
+  """--mode=decode: decodes every decode dataset with a checkpoint's params.
+
+  Writes `job_log_dir/decoder_out/<dataset>_step<N>.jsonl` (process 0), one line per
+  prompt: id, prompt_ids, output_ids, and prompt/output text when the dataset has a
+  `tokenizer` with `decode(ids)`. Everything is validated before the checkpoint is read.
+  Returns the files written, by dataset.
+  """
+  if not run.decode_datasets:
+    raise ConfigError("--mode=decode needs a decode dataset, but Experiment.decode_datasets() "
+                      "is empty (config field decode_datasets). Add one, e.g. "
+                      "{'prompts': fdl.Config(SyntheticPromptInput, ...)}.")
+  decoders = {}
+  for name, inputs in sorted(run.decode_datasets.items()):
+    batch, rows, prompt_len = _prompt_shape(name, inputs)
+    decoders[name] = (build(program, run.task.decode, batch, prompt_len), rows)
+  state, step = restore(restore_step)
+  out_dir = os.path.join(job_log_dir, "decoder_out")
+  files = {}
+  for name, (decoder, rows) in decoders.items():
+    inputs = run.decode_datasets[name]
+    tokenizer = getattr(inputs, "tokenizer", None)
+    t0, results = time.perf_counter(), []
+    for local in inputs:
+      results.extend(decode_batch(decoder, state.params, local, rows))
+    new_tokens = sum(len(r["output_ids"]) for r in results)
+    files[name] = os.path.join(out_dir, f"{name}_step{step}.jsonl")
+    if jax.process_index() != 0:
+      continue
+    logging.info("decode %s: %d prompts, %d tokens, %.1f tokens/s", name, len(results),
+                 new_tokens, new_tokens / (time.perf_counter() - t0))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(files[name], "w") as f:
+      for r in results:
+        if tokenizer is not None:
+          r = {**r, "prompt_text": tokenizer.decode(r["prompt_ids"]),
+               "output_text": tokenizer.decode(r["output_ids"])}
+        f.write(json.dumps(r) + "\n")
+  return files
