@@ -227,17 +227,24 @@ def decode_batch(decoder: Decoder, padded_params, local: dict, local_rows: int,
           for r in range(len(ids)) if ids[r] >= 0]
 
 
+def build_full_forward(program) -> steps_lib.Partitioned:
+  """The jitted no-cache baseline step (`full_forward_step_fn`) on `program.mesh`."""
+  data = program.task.batch_axes() or None
+  return steps_lib.partition(full_forward_step_fn(program.task.model,
+                                                  program.layout.logical.params), program.mesh,
+                             (program.layout.split.params, P(data, None), P(data)), P(data))
+
+
 def greedy_without_cache(program, padded_params, prompts: np.ndarray, prompt_lens: np.ndarray,
-                         max_len: int, num_steps: int | None = None) -> np.ndarray:
+                         max_len: int, num_steps: int | None = None,
+                         fwd: steps_lib.Partitioned | None = None) -> np.ndarray:
   """The baseline: greedy decoding that reruns the full forward pass for every token.
 
   Single-process. Returns the [b, max_len] token buffer (prompt, then generated tokens;
-  no eos). `num_steps` limits the tokens per row (default: fill the buffer).
+  no eos). `num_steps` limits the tokens per row (default: fill the buffer); `fwd` is
+  a `build_full_forward(program)` to reuse (else one is built and compiled).
   """
-  model, mesh = program.task.model, program.mesh
-  data = program.task.batch_axes() or None
-  fwd = steps_lib.partition(full_forward_step_fn(model, program.layout.logical.params), mesh,
-                            (program.layout.split.params, P(data, None), P(data)), P(data))
+  fwd = fwd or build_full_forward(program)
   b = prompts.shape[0]
   tokens = np.zeros((b, max_len), np.int32)
   tokens[:, :prompts.shape[1]] = np.where(np.arange(prompts.shape[1]) < prompt_lens[:, None],

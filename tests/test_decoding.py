@@ -1,6 +1,7 @@
 """KV-cache decoding: cache == full forward, layout independence, one compile, sampling, errors."""
 import dataclasses
 import functools
+import json
 
 import fiddle as fdl
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import lm
-from spmdtask import decoding, loop
+from spmdtask import checkpoints, decoding, experiment, loop
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.task import DecodeParams
@@ -130,3 +131,32 @@ def test_bad_decode_params_are_config_errors():
   program8, _ = program_and_params("TinyLm", 8)
   with pytest.raises(ConfigError, match="batch_size=6"):
     decoding.build(program8, GREEDY, 6, 8)
+
+
+def _run(**decode):
+  rc = experiment.run_config(lm.TinyLm())
+  for k, v in decode.items():
+    setattr(rc.task.decode, k, v)
+  return fdl.build(rc)
+
+
+def test_decode_mode_writes_jsonl_and_reports_bad_input(tmp_path):
+  program, params = program_and_params("TinyLm", 8)
+  state = program.steps.init()
+  files = decoding.run_decode(_run(), program, lambda step: (state, 0), str(tmp_path))
+  lines = [json.loads(l) for l in open(files["prompts"])]
+  assert files["prompts"] == str(tmp_path / "decoder_out" / "prompts_step0.jsonl")
+  assert [l["id"] for l in lines] == list(range(16))
+  assert all(len(l["prompt_ids"]) + len(l["output_ids"]) == 32 for l in lines)  # max_decode_len
+  del params
+
+  def never(step):
+    raise AssertionError("validation must come before the checkpoint is read")
+  with pytest.raises(ConfigError, match="decode_datasets"):
+    decoding.run_decode(dataclasses.replace(_run(), decode_datasets={}), program, never, "x")
+  with pytest.raises(ConfigError, match="max_decode_len=512 .*max_seq_len=256"):
+    decoding.run_decode(_run(max_decode_len=512), program, never, "x")
+  with pytest.raises(ConfigError, match="no complete checkpoint"):
+    decoding.run_decode(_run(), program,
+                        lambda step: checkpoints.restore_state(str(tmp_path), program, step),
+                        str(tmp_path))
