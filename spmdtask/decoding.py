@@ -14,6 +14,11 @@ activations: batch over the data axes, KV heads over the model axis. Params
 arrive padded and are sliced to their logical shapes inside each step, as in train.
 A row's random draw depends only on (seed, example id, position): decoding gives
 the same tokens on any mesh.
+
+Pipelined models: decode does not run the pipeline. The plan (the pipelined LM is
+not on main yet) is to unpipeline the stage stack for decode: reshape its
+[stages, repeats, layers_per_stage, ...] params back to the scanned [layers, ...]
+stack, in layer order, and decode with the scanned LM and its KV cache.
 """
 import dataclasses
 import json
@@ -108,7 +113,10 @@ def _finish(tokens, pos, done, nxt, dp: DecodeParams):
 
 
 def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs: KvCache):
-  """`(padded_params, prompts [b,P], prompt_lens [b], ids [b]) -> DecodeState`."""
+  """`(padded_params, prompts [b,P], prompt_lens [b], ids [b]) -> (DecodeState, num_steps)`.
+
+  Rows with id < 0 (padding) start done; num_steps is what the shortest real prompt needs.
+  """
   def prefill(padded_params, prompts, prompt_lens, ids):
     params = sharding.unpad(padded_params, logical_params)
     b, plen = prompts.shape
@@ -121,8 +129,11 @@ def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs: KvCache):
     tokens = jnp.zeros((b, dp.max_decode_len), jnp.int32)
     tokens = jax.lax.dynamic_update_slice(tokens, jnp.where(real, prompts, 0), (0, 0))
     nxt = sample(last, _keys(dp.seed, ids, prompt_lens), dp)
-    tokens, pos, done = _finish(tokens, prompt_lens - 1, jnp.zeros((b,), bool), nxt, dp)
-    return DecodeState(tokens, pos, done, ids, prompt_lens, cache)
+    tokens, pos, done = _finish(tokens, prompt_lens - 1, ids < 0, nxt, dp)
+    # Steps the longest-running real row needs (replicated: every process loops alike).
+    shortest = jnp.min(jnp.where(ids >= 0, prompt_lens, dp.max_decode_len))
+    num_steps = dp.max_decode_len - 1 - shortest
+    return DecodeState(tokens, pos, done, ids, prompt_lens, cache), num_steps
   return prefill
 
 
@@ -185,7 +196,7 @@ def build(program, dp: DecodeParams, batch_size: int, prompt_len: int) -> Decode
   logical, psplit = program.layout.logical.params, program.layout.split.params
   mesh = program.mesh
   prefill = steps_lib.partition(prefill_fn(model, logical, dp, specs.cache), mesh,
-                                (psplit, specs.tokens, specs.pos, specs.ids), specs)
+                                (psplit, specs.tokens, specs.pos, specs.ids), (specs, P()))
   step = steps_lib.partition(step_fn(model, logical, dp), mesh, (psplit, specs), (specs, P()),
                              donate_argnums=(1,))
   fetch = steps_lib.partition(lambda s: (s.tokens, s.pos, s.ids, s.prompt_lens), mesh,
@@ -214,10 +225,8 @@ def decode_batch(decoder: Decoder, padded_params, local: dict, local_rows: int,
   batch_specs = {"prompts": decoder.specs.tokens, "prompt_lens": decoder.specs.pos,
                  "ids": decoder.specs.ids}
   g = global_batch.to_global(local, batch_specs, decoder.mesh)
-  state = decoder.prefill(padded_params, g["prompts"], g["prompt_lens"], g["ids"])
-  max_len = decoder.params.max_decode_len
-  steps = max_len - 1 - int(np.min(local["prompt_lens"]))
-  for i in range(steps):
+  state, steps = decoder.prefill(padded_params, g["prompts"], g["prompt_lens"], g["ids"])
+  for i in range(int(jax.device_get(steps))):
     state, all_done = decoder.step(padded_params, state)
     if (i + 1) % check_every == 0 and bool(jax.device_get(all_done)):
       break

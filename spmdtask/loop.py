@@ -72,8 +72,8 @@ def train(run: RunConfig, on_metrics: Callable[[int, dict], None] | None = None,
   `config_text`) once the start state is known; saves checkpoints every
   `save_interval_steps` and at the end; writes TensorBoard scalars every
   `summary_interval_steps`; evaluates every eval dataset every `eval_interval_steps`
-  (summaries/eval_<name>, eval_metrics.jsonl); on SIGTERM or the multi-host preemption sync point, saves at
-  the current step and returns early.
+  (summaries/eval_<name>, eval_metrics.jsonl); on SIGTERM or the multi-host preemption
+  sync point, saves at the current step and returns early.
   Returns (final padded state, program, losses of the steps run here, as floats).
   """
   task, inputs = run.task, run.datasets["train"]

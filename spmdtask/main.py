@@ -84,7 +84,8 @@ def run(argv) -> None:
 
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
-  from spmdtask import checkpoints, decoding, evaluation, loop  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from spmdtask import checkpoints, decoding, evaluation, loop
   program = loop.setup(run_cfg.task, run_cfg.datasets["train"].batch_at(0))
 
   def restore(step):
