@@ -59,7 +59,8 @@ def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | No
   handlers = {**{k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS},
               **{k: ocp.JsonCheckpointHandler() for k in JSON_ITEMS}}
   options = ocp.CheckpointManagerOptions(
-      save_interval_steps=max(1, save_interval_steps), max_to_keep=max_to_keep,
+      save_interval_steps=0 if read_only else max(1, save_interval_steps),
+      max_to_keep=max_to_keep,
       create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
       enable_async_checkpointing=True)
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
@@ -244,7 +245,7 @@ class Checkpointer:
                   "mesh_shape": [int(mesh.shape[a]) for a in mesh.axis_names],
                   "device_count": jax.device_count(), "process_count": jax.process_count(),
                   **(metadata or {})}
-    self._sigterm = False
+    self._sigterm, self._old_handler = False, None
     self.save_seconds: list[float] = []  # blocking part of each save
 
   def latest_step(self) -> int | None:
@@ -280,7 +281,8 @@ class Checkpointer:
   def install_sigterm_handler(self) -> None:
     """SIGTERM marks a preemption (single process; multi-host uses JAX's sync point)."""
     if jax.process_count() == 1:
-      signal.signal(signal.SIGTERM, lambda *_: setattr(self, "_sigterm", True))
+      self._old_handler = signal.signal(signal.SIGTERM,
+                                        lambda *_: setattr(self, "_sigterm", True))
 
   def preempted(self, step: int) -> bool:
     """True at a step where every process should save and exit: SIGTERM or the sync point."""
@@ -305,8 +307,12 @@ class Checkpointer:
     self._mngr.wait_until_finished()
 
   def close(self) -> None:
+    """Waits for the last save and restores the previous SIGTERM handler."""
     self._mngr.wait_until_finished()
     self._mngr.close()
+    if self._old_handler is not None:
+      signal.signal(signal.SIGTERM, self._old_handler)
+      self._old_handler = None
 
 
 def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int | None = None,
