@@ -3,11 +3,12 @@ import fiddle as fdl
 import optax
 
 from spmdtask.experiment import Experiment
+from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
 from spmdtask.pipeline import PipelineConfig
 from spmdtask.registry import register
-from spmdtask.task import Task, TrainParams
+from spmdtask.task import DecodeParams, Task, TrainParams
 
 
 def tiny_model(vocab_size: int = 256) -> fdl.Config[TransformerLm]:
@@ -30,13 +31,21 @@ class TinyLm(Experiment):
     train = fdl.Config(TrainParams, num_train_steps=20, learning_rate=schedule,
                        optimizer=fdl.Partial(optax.adamw, b2=0.95, weight_decay=0.01),
                        log_interval_steps=5)
+    decode = fdl.Config(DecodeParams, max_decode_len=32, temperature=0.0, seed=0)
     return fdl.Config(Task, model=tiny_model(), mesh_axis_names=("data", "fsdp", "model"),
-                      ici_mesh_shape=(-1, 1, 1), train=train)
+                      ici_mesh_shape=(-1, 1, 1), train=train, decode=decode)
 
   def datasets(self) -> dict[str, fdl.Config]:
+    """'train' is endless; 'eval' is 100 held-out sequences (the last batch partial)."""
     vocab = 256
     return {"train": fdl.Config(SyntheticLmInput, batch_size=self.batch_size,
-                                seq_len=self.seq_len, vocab_size=vocab, seed=1)}
+                                seq_len=self.seq_len, vocab_size=vocab, seed=1),
+            "eval": fdl.Config(SyntheticLmInput, batch_size=self.batch_size,
+                               seq_len=self.seq_len, vocab_size=vocab, seed=2, num_examples=100)}
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    return {"prompts": fdl.Config(SyntheticPromptInput, batch_size=8, prompt_len=8,
+                                  vocab_size=256, num_examples=16, seed=3)}
 
 
 @register
@@ -73,7 +82,13 @@ class TinyLmUneven(TinyLm):
 
   def datasets(self) -> dict[str, fdl.Config]:
     sets = super().datasets()
-    sets["train"].vocab_size = 257
+    for cfg in sets.values():
+      cfg.vocab_size = 257
+    return sets
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    sets = super().decode_datasets()
+    sets["prompts"].vocab_size = 257
     return sets
 
 

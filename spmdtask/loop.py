@@ -11,7 +11,7 @@ from absl import logging
 from jax.sharding import Mesh
 
 from spmdtask import mesh as mesh_lib
-from spmdtask import checkpoints, steps as steps_lib, summaries, train_state
+from spmdtask import checkpoints, evaluation, steps as steps_lib, summaries, train_state
 from spmdtask.inputs import global_batch
 from spmdtask.layers.transformer import flops_per_token
 from spmdtask.task import RunConfig, Task
@@ -67,8 +67,9 @@ def train(run: RunConfig, on_metrics: Callable[[int, dict], None] | None = None,
   else warm-starts from `task.train.init_checkpoint_dir`; writes `config.txt` (the
   `config_text`) once the start state is known; saves checkpoints every
   `save_interval_steps` and at the end; writes TensorBoard scalars every
-  `summary_interval_steps`; on SIGTERM or the multi-host preemption sync point, saves at
-  the current step and returns early.
+  `summary_interval_steps`; evaluates every eval dataset every `eval_interval_steps`
+  (summaries/eval_<name>, eval_metrics.jsonl); on SIGTERM or the multi-host preemption
+  sync point, saves at the current step and returns early.
   Returns (final padded state, program, losses of the steps run here, as floats).
   """
   task, inputs = run.task, run.datasets["train"]
@@ -125,6 +126,8 @@ def train(run: RunConfig, on_metrics: Callable[[int, dict], None] | None = None,
       t0, tokens = time.perf_counter(), 0
     if ckpt is not None and (last or ckpt.should_save(done)):
       ckpt.save(done, state, inputs.get_state() if hasattr(inputs, "get_state") else None)
+    if tp.eval_interval_steps and done % tp.eval_interval_steps == 0:
+      evaluation.evaluate_all(run.datasets, program, state, done, tp.eval_steps, job_log_dir)
     if preempted:
       logging.warning("Preempted: saved a checkpoint at step %d; exiting.", done)
       break

@@ -17,8 +17,14 @@ _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique
 _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
                                    "checkpoints and decoder output go.")
 _MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode"], "What to run.")
-_RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "Resume training from this "
-                                     "checkpoint step of --job_log_dir; default: the latest.")
+_RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "The checkpoint step of "
+                                     "--job_log_dir to resume training from, or to evaluate / "
+                                     "decode; default: the latest.")
+_CONTINUOUS_EVAL = flags.DEFINE_bool("continuous_eval", False, "--mode=eval: wait for new "
+                                     "checkpoints and evaluate each once, until the one at "
+                                     "num_train_steps (or --continuous_eval_timeout_s idle).")
+_EVAL_TIMEOUT = flags.DEFINE_float("continuous_eval_timeout_s", 3600.0, "Continuous eval ends "
+                                   "after this long without a new checkpoint.")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None, "host:port of process 0 of a multi-process job; needs "
     "--num_processes and --process_id. Every process runs the same command.")
@@ -92,10 +98,28 @@ def run(argv) -> None:
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
                config_text=config_text)
     return
-  if jax.process_index() == 0:
-    with open(os.path.join(_JOB_LOG_DIR.value, "config.txt"), "w") as f:
+  if jax.process_index() == 0:  # the training job's config.txt stays as it was
+    with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:
       f.write(config_text)
-  raise ConfigError(f"--mode={_MODE.value} is not available yet; use --mode=train.")
+  run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
+
+
+def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
+  """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
+  # pylint: disable-next=g-import-not-at-top
+  from spmdtask import checkpoints, decoding, evaluation, loop
+  program = loop.setup(run_cfg.task, run_cfg.datasets["train"].batch_at(0))
+
+  def restore(step):
+    return checkpoints.restore_state(job_log_dir, program, step)
+
+  if _MODE.value == "decode":
+    decoding.run_decode(run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value)
+  else:
+    evaluation.run_eval(
+        run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value, _CONTINUOUS_EVAL.value,
+        available=lambda: checkpoints.complete_steps(checkpoints.checkpoint_dir(job_log_dir)),
+        timeout_s=_EVAL_TIMEOUT.value)
 
 
 def main(argv) -> None:

@@ -36,6 +36,9 @@ class TrainParams:
     peak_flops_per_device: the peak FLOP/s one device is assumed to have, for the MFU
       summary. The default, 1.3e11, is the fp32 matmul rate of a 2-core CPU; set your
       accelerator's (e.g. 9.89e14 for an H100 SXM bf16 dense, 1.97e14 for a TPU v5e).
+    eval_interval_steps: during --mode=train, evaluate every eval dataset every this
+      many steps; 0 = never.
+    eval_steps: batches per eval dataset; None = the whole (finite) dataset.
   """
   num_train_steps: int = 100
   optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
@@ -49,6 +52,8 @@ class TrainParams:
   summary_interval_steps: int = 10
   init_checkpoint_dir: str | None = None
   peak_flops_per_device: float = 1.3e11
+  eval_interval_steps: int = 0
+  eval_steps: int | None = None
 
   def schedule(self) -> Callable[[Any], Any]:
     lr = self.learning_rate
@@ -68,6 +73,28 @@ class TrainParams:
 
 
 @dataclasses.dataclass
+class DecodeParams:
+  """How --mode=decode generates.
+
+  Attributes:
+    max_decode_len: the longest sequence, prompt included (the KV cache length);
+      at most the model's `max_seq_len`.
+    temperature: 0 = greedy (argmax); else logits are divided by it and sampled.
+    top_k: sample among the k most likely tokens; 0 = off.
+    top_p: sample among the smallest set of tokens whose probability reaches
+      top_p (nucleus); 1.0 = off.
+    seed: sampling seed; a row's draw depends on (seed, example id, position) only.
+    eos_id: generation stops for a row after it emits this token; None = never.
+  """
+  max_decode_len: int = 128
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  eos_id: int | None = None
+
+
+@dataclasses.dataclass
 class Task:
   """A model on a mesh, and its train params.
 
@@ -81,6 +108,7 @@ class Task:
       the element-wise product with ici_mesh_shape.
     data_axes: mesh axes the batch dim is split over by default.
     train: TrainParams.
+    decode: DecodeParams, for --mode=decode.
   """
   model: nn.Module
   mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
@@ -88,6 +116,7 @@ class Task:
   dcn_mesh_shape: tuple[int, ...] | None = None
   data_axes: tuple[str, ...] = ("data", "fsdp")
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
+  decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
 
   def batch_axes(self) -> tuple[str, ...]:
     """The data axes that exist in this mesh."""

@@ -25,12 +25,16 @@ class SyntheticLmInput:
     vocab_size: tokens are in [0, vocab_size).
     seed: with the step, fixes every row, whatever the process count.
     num_batches: None = endless; else the input ends after this many batches.
+    num_examples: None = no limit; else rows (across batches) stop at this many, so
+      the last batch may be partial: a process yields only its rows below the limit
+      (possibly none). Evaluation pads such a batch and weights the padding 0.
   """
   batch_size: int = 8
   seq_len: int = 64
   vocab_size: int = 256
   seed: int = 0
   num_batches: int | None = None
+  num_examples: int | None = None
   process_index: int | None = None
   process_count: int | None = None
 
@@ -40,6 +44,8 @@ class SyntheticLmInput:
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch number `step`."""
     rows = np.arange(*process_slice(self.batch_size, self.process_index, self.process_count))
+    if self.num_examples is not None:
+      rows = rows[rows + step * self.batch_size < self.num_examples]
     local = len(rows)
     # One generator per (seed, step, row): a row never depends on the process count.
     starts = np.empty(local, np.int64)
@@ -58,6 +64,8 @@ class SyntheticLmInput:
 
   def __next__(self) -> dict[str, np.ndarray]:
     if self.num_batches is not None and self._step >= self.num_batches:
+      raise StopIteration
+    if self.num_examples is not None and self._step * self.batch_size >= self.num_examples:
       raise StopIteration
     batch = self.batch_at(self._step)
     self._step += 1

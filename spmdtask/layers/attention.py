@@ -1,4 +1,12 @@
-"""Causal multi-head attention with rotary positions and grouped-query KV heads."""
+"""Causal multi-head attention with rotary positions and grouped-query KV heads.
+
+For decoding, `Attention` takes an explicit KV cache: it writes the new keys and
+values at their positions and attends over the whole fixed-size cache, slots
+beyond each query's position masked out, so one compiled step serves every
+position.
+"""
+from typing import NamedTuple
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -38,10 +46,34 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   return out.reshape(b, t, h, hd)
 
 
+class KvCache(NamedTuple):
+  """Keys and values (after rope) by slot = position: each [b, max_len, kv_heads, hd].
+
+  In a layer stack the leaves carry a leading [num_layers] dim.
+  """
+  k: jax.Array
+  v: jax.Array
+
+
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """Puts `new` [b, t, kv, hd] into `cache` [b, S, kv, hd] at slots `positions` [b, t].
+
+  One token (t == 1) is a select over the slots (exact, sharding friendly); a
+  longer chunk must hold consecutive positions from `positions[:, 0]` per row.
+  """
+  new = new.astype(cache.dtype)
+  if new.shape[1] == 1:
+    hit = positions[:, 0][:, None] == jnp.arange(cache.shape[1])[None, :]
+    return jnp.where(hit[:, :, None, None], new, cache)
+  return jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))(
+      cache, new, positions[:, 0])
+
+
 class Attention(nn.Module):
   """Projections q/k/v/o around `attend`.
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
+  Called as `(x, positions, cache=None) -> (out, new_cache)`; new_cache is None without a cache.
   """
   d_model: int
   num_heads: int
@@ -55,7 +87,7 @@ class Attention(nn.Module):
   heads_act_split: SplitDims | None
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
     d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
     wq = weight(self, "q", (d, h, hd), self.q_split, dense_init(0, (1, 2)))
     wk = weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
@@ -66,5 +98,12 @@ class Attention(nn.Module):
     k = constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)), self.heads_act_split)
     v = constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)), self.heads_act_split)
     q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
-    out = constrain(attend(q, k, v, positions, positions), self.heads_act_split)
-    return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt))
+    if cache is None:
+      kv_pos = positions
+    else:
+      k = constrain(write_cache(cache.k, k, positions), self.heads_act_split)
+      v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
+      cache = KvCache(k, v)
+      kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
+    out = constrain(attend(q, k, v, positions, kv_pos), self.heads_act_split)
+    return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), cache

@@ -9,7 +9,7 @@ import optax
 from spmdtask import pipeline as pipeline_lib
 from spmdtask import sharding
 from spmdtask.errors import ConfigError
-from spmdtask.layers.attention import Attention
+from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
@@ -64,7 +64,8 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)).
 
-  Called as `(x, positions) -> (x, None)` so that `nn.scan` can stack it.
+  Called as `(x, positions, cache=None) -> (x, new_cache)` so that `nn.scan` can
+  stack it (the per-layer KV cache is scanned over the layer dim).
   """
   d_model: int
   num_heads: int
@@ -86,16 +87,17 @@ class Block(nn.Module):
     return nn.Dropout(self.dropout_rate, deterministic=False)(x)
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array):
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
     w, a = self.wsplit, self.asplit
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
-    h = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
-                  self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads, name="attn")(h, positions)
+    h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
+                         name="attn")(h, positions, cache)
     x = constrain(x + self._dropout(h), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
             name="mlp")(h)
-    return constrain(x + self._dropout(h), a.embed), None
+    return constrain(x + self._dropout(h), a.embed), cache
 
 
 class TransformerLm(nn.Module):
@@ -184,9 +186,27 @@ class TransformerLm(nn.Module):
     return pipeline_lib.pipeline_apply(layer_fn, params, x, mesh=jax.sharding.get_abstract_mesh(),
                                        config=pp, broadcast_args=(positions[:1],))
 
-  def _layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def cache_shape(self, batch_size: int, max_len: int) -> KvCache:
+    """ShapeDtypeStructs of an empty decode cache: [num_layers, batch, max_len, kv_heads, hd]."""
+    shape = (self.num_layers, batch_size, max_len, self.num_kv_heads, self.head_dim)
+    leaf = jax.ShapeDtypeStruct(shape, jnp.dtype(self.fprop_dtype))
+    return KvCache(leaf, leaf)
+
+  def cache_split_dims(self) -> KvCache:
+    """The cache's split-dims mapping: [layers, *activation_split_dims_mapping.heads]."""
+    heads = tuple(self.activation_split_dims_mapping.heads)
+    return KvCache((None,) + heads, (None,) + heads)
+
+  def _layers(self, x: jax.Array, positions: jax.Array, cache: KvCache | None):
     if self.pipeline is not None:
+      if cache is not None:
+        raise ValueError("Decode a pipelined LM through decoding.unpipelined(model, params).")
       return self._pipelined_layers(x, positions)
+    if cache is not None:  # decoding: no gradients, so no remat; the cache is scanned over
+      stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, 0), length=self.num_layers,
+                      unroll=self.scan_unroll, metadata_params={nn.PARTITION_NAME: None})
+      return stack(**self._block_kwargs(), name="layers")(x, positions, cache)
     block = Block
     if self.remat_policy:
       block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy),
@@ -196,11 +216,16 @@ class TransformerLm(nn.Module):
                     length=self.num_layers, unroll=self.scan_unroll,
                     metadata_params={nn.PARTITION_NAME: None})
     x, _ = stack(**self._block_kwargs(), name="layers")(x, positions)
-    return x
+    return x, None
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """tokens [b, t] int -> logits [b, t, vocab] float32."""
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               cache: KvCache | None = None):
+    """tokens [b, t] int -> logits [b, t, vocab] float32.
+
+    With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
+    tokens' keys/values are written at `positions` and attention reads the cache.
+    """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
     if positions is None:
@@ -208,7 +233,7 @@ class TransformerLm(nn.Module):
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     x = constrain(jnp.take(emb, tokens, axis=0).astype(dt), a.embed)
-    x = self._layers(x, positions)
+    x, cache = self._layers(x, positions, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt)) * (self.d_model ** -0.5)
@@ -216,7 +241,8 @@ class TransformerLm(nn.Module):
       unembed = weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
                        dense_init(0, 1))
       logits = x @ unembed.astype(dt)
-    return constrain(logits.astype(jnp.float32), a.logits)
+    logits = constrain(logits.astype(jnp.float32), a.logits)
+    return logits if cache is None else (logits, cache)
 
   def loss(self, batch: dict[str, jax.Array]):
     """Weighted mean next-token cross entropy.

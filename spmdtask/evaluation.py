@@ -1,0 +1,150 @@
+"""Evaluation: the eval datasets of a run, exact token-weighted metrics, summaries, JSON lines.
+
+Every dataset of `RunConfig.datasets` other than 'train' is an eval set. One eval
+pass runs `eval_steps` batches, or the whole of a finite dataset. A partial last
+batch is padded to the full batch with weight-0 rows, so it compiles nothing new
+and its padding counts nowhere. Metrics are summed on the host in float64 from the
+step's `loss_sum` and `num_tokens` (replicated scalars): the loss is the mean over
+real tokens, whatever the batch split or mesh.
+"""
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from spmdtask import summaries
+from spmdtask.errors import ConfigError
+
+EVAL_METRICS_FILE = "eval_metrics.jsonl"
+
+
+def eval_datasets(datasets: dict[str, Any]) -> dict[str, Any]:
+  """The eval sets of a run: every dataset but 'train', in name order."""
+  return {k: datasets[k] for k in sorted(datasets) if k != "train"}
+
+
+def num_batches(inputs) -> int | None:
+  """Batches in a finite input (its `num_batches` / `num_examples` fields); None if endless."""
+  counts = []
+  if getattr(inputs, "num_batches", None) is not None:
+    counts.append(int(inputs.num_batches))
+  if getattr(inputs, "num_examples", None) is not None:
+    counts.append(-(-int(inputs.num_examples) // int(inputs.batch_size)))
+  return min(counts) if counts else None
+
+
+def pad_batch(local: dict, rows: int) -> dict:
+  """Pads every array of a host-local batch to `rows` rows with zeros (weights 0)."""
+  def pad(x):
+    x = np.asarray(x)
+    if x.shape[0] == rows:
+      return x
+    return np.concatenate([x, np.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)])
+  return {k: pad(v) for k, v in local.items()}
+
+
+def _batches(name: str, inputs, eval_steps: int | None):
+  """Host-local batches of one eval pass (from the start of the dataset each time)."""
+  total = num_batches(inputs)
+  if eval_steps is None and total is None:
+    raise ConfigError(
+        f"Eval dataset {name!r} is endless, so an eval pass needs a length: set "
+        "task.train.eval_steps (batches per eval), or make the dataset finite (e.g. its "
+        "num_examples field).")
+  n = total if eval_steps is None else (eval_steps if total is None else min(eval_steps, total))
+  if hasattr(inputs, "batch_at"):
+    return (inputs.batch_at(i) for i in range(n))
+  it = iter(inputs)
+  return (next(it) for _ in range(n))
+
+
+def evaluate(program, padded_state, inputs, eval_steps: int | None = None,
+             name: str = "eval") -> dict[str, float]:
+  """One eval pass of `inputs` with `program.steps.eval`.
+
+  Returns {'loss', 'perplexity', 'num_tokens', 'num_batches'}: loss is
+  sum(token loss · weight) / sum(weight) over every batch.
+  """
+  rows = getattr(inputs, "local_batch_size", None)
+  results = []
+  for local in _batches(name, inputs, eval_steps):
+    rows = rows or next(iter(local.values())).shape[0]
+    results.append(program.steps.eval(padded_state, program.global_batch(pad_batch(local, rows))))
+  fetched = jax.device_get(results)
+  loss_sum = math.fsum(float(m["loss_sum"]) for m in fetched)
+  tokens = math.fsum(float(m["num_tokens"]) for m in fetched)
+  loss = loss_sum / tokens if tokens else float("nan")
+  return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": tokens,
+          "num_batches": float(len(fetched))}
+
+
+def write(job_log_dir: str | None, name: str, step: int, metrics: dict[str, float]) -> None:
+  """Process 0: TensorBoard scalars to summaries/eval_<name>, and one JSON line."""
+  if jax.process_index() != 0:
+    return
+  record = {"dataset": name, "step": int(step), **metrics}
+  line = json.dumps(record, sort_keys=True)
+  logging.info("eval %s", line)
+  print(line, flush=True)
+  if job_log_dir is None:
+    return
+  writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir, f"eval_{name}"))
+  writer.scalars(step, metrics)
+  writer.close()
+  with open(os.path.join(job_log_dir, EVAL_METRICS_FILE), "a") as f:
+    f.write(line + "\n")
+
+
+def evaluate_all(datasets: dict[str, Any], program, padded_state, step: int,
+                 eval_steps: int | None, job_log_dir: str | None) -> dict[str, dict]:
+  """Evaluates and writes every eval dataset; returns metrics by dataset name."""
+  out = {}
+  for name, inputs in eval_datasets(datasets).items():
+    out[name] = evaluate(program, padded_state, inputs, eval_steps, name)
+    write(job_log_dir, name, step, out[name])
+  return out
+
+
+def run_eval(run, program, restore: Callable[[int | None], tuple[Any, int]], job_log_dir: str,
+             restore_step: int | None = None, continuous: bool = False,
+             available: Callable[[], list[int]] | None = None, poll_s: float = 30.0,
+             timeout_s: float = 3600.0) -> dict[int, dict]:
+  """--mode=eval: evaluates a checkpoint, or (continuous) each new one exactly once.
+
+  Args:
+    run: the built RunConfig.
+    program: `loop.setup(...)` for run.task.
+    restore: `step | None -> (padded_state, step)`, e.g. checkpoints.restore_state bound to
+      job_log_dir and program; raises ConfigError when there is no checkpoint.
+    restore_step: the step to evaluate; None = the latest.
+    continuous: poll `available()` (the complete checkpoint steps) and evaluate every step
+      not yet evaluated, oldest first, until the one at num_train_steps is done or none
+      appears for `timeout_s`.
+  Returns:
+    {step: {dataset: metrics}}.
+  """
+  if not eval_datasets(run.datasets):
+    raise ConfigError("The experiment has no eval dataset: Experiment.datasets() returns only "
+                      f"{sorted(run.datasets)}. Add one under a name other than 'train'.")
+  eval_steps = run.task.train.eval_steps
+  if not continuous:
+    state, step = restore(restore_step)
+    return {step: evaluate_all(run.datasets, program, state, step, eval_steps, job_log_dir)}
+  done, last_new = {}, time.monotonic()
+  while True:
+    new = [s for s in sorted(available()) if s not in done]
+    for want in new:
+      state, step = restore(want)
+      done[step] = evaluate_all(run.datasets, program, state, step, eval_steps, job_log_dir)
+      last_new = time.monotonic()
+    if done and max(done) >= run.task.train.num_train_steps:
+      return done
+    if not new and time.monotonic() - last_new > timeout_s:
+      logging.info("No new checkpoint for %.0f s; continuous eval ends.", timeout_s)
+      return done
+    time.sleep(poll_s)

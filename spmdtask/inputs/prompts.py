@@ -1,0 +1,67 @@
+"""A finite synthetic prompt input for --mode=decode, deterministic per (seed, example)."""
+import dataclasses
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass
+class SyntheticPromptInput:
+  """Prompts that count up from a random start by a random stride, of random length.
+
+  Each batch is `{'prompts': [b, prompt_len] int32 (left-aligned, 0-padded),
+  'prompt_lens': [b] int32, 'ids': [b] int32 (the example number)}`. The last batch
+  may be partial: a process yields only its rows below `num_examples`.
+
+  Attributes:
+    batch_size: the GLOBAL batch size; each process yields its contiguous slice.
+    prompt_len: the padded prompt length; each prompt has min_prompt_len..prompt_len tokens.
+    min_prompt_len: the shortest prompt.
+    vocab_size: tokens are in [0, vocab_size).
+    num_examples: prompts in all; the input ends after them.
+    seed: with the example id, fixes every prompt.
+    tokenizer: None, or an object with `decode(ids) -> str` used for text output.
+  """
+  batch_size: int = 8
+  prompt_len: int = 8
+  min_prompt_len: int = 2
+  vocab_size: int = 256
+  num_examples: int = 16
+  seed: int = 0
+  tokenizer: object | None = None
+  process_index: int | None = None
+  process_count: int | None = None
+
+  def __post_init__(self):
+    self._step = 0
+
+  @property
+  def local_batch_size(self) -> int:
+    count = jax.process_count() if self.process_count is None else self.process_count
+    return self.batch_size // count
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of batch `step` (fewer, or none, in a partial last batch)."""
+    index = jax.process_index() if self.process_index is None else self.process_index
+    local = self.local_batch_size
+    ids = step * self.batch_size + np.arange(index * local, (index + 1) * local)
+    ids = ids[ids < self.num_examples]
+    prompts = np.zeros((len(ids), self.prompt_len), np.int32)
+    lens = np.zeros((len(ids),), np.int32)
+    for i, example in enumerate(ids):
+      g = np.random.default_rng((self.seed, int(example)))
+      n = int(g.integers(self.min_prompt_len, self.prompt_len + 1))
+      start, stride = g.integers(0, self.vocab_size), g.integers(1, 8)
+      prompts[i, :n] = (start + stride * np.arange(n)) % self.vocab_size
+      lens[i] = n
+    return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._step * self.batch_size >= self.num_examples:
+      raise StopIteration
+    batch = self.batch_at(self._step)
+    self._step += 1
+    return batch
