@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import lm
-from spmdtask import checkpoints, decoding, experiment, loop
+from spmdtask import checkpoints, decoding, experiment, loop, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.task import DecodeParams
@@ -160,3 +160,14 @@ def test_decode_mode_writes_jsonl_and_reports_bad_input(tmp_path):
     decoding.run_decode(_run(), program,
                         lambda step: checkpoints.restore_state(str(tmp_path), program, step),
                         str(tmp_path))
+
+
+def test_pipelined_lm_decodes_unpipelined():
+  """TinyLmPipeline (stage 2 x data 2 x model 2) decodes like its scanned twin on 1 device."""
+  out = decode("TinyLmPipeline", 8, GREEDY)
+  program, params = program_and_params("TinyLmPipeline", 8)
+  logical = jax.device_get(sharding.unpad(params, program.layout.logical.params))
+  _, scanned = decoding.unpipelined(program.task.model, logical)
+  assert scanned["layers"]["mlp"]["wi"].shape[0] == program.task.model.num_layers
+  ref = decoding.decode_batch(decoder("TinyLm", 1, GREEDY), scanned, PROMPTS, 8)
+  assert out == ref and len(out) == 8

@@ -201,7 +201,7 @@ class TransformerLm(nn.Module):
     if self.pipeline is not None:
       if cache is not None:
         raise ValueError("Decode a pipelined LM through decoding.unpipelined(model, params).")
-      return self._pipelined_layers(x, positions)
+      return self._pipelined_layers(x, positions), None
     if cache is not None:  # decoding: no gradients, so no remat; the cache is scanned over
       stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, 0), length=self.num_layers,
