@@ -1,8 +1,9 @@
 """A finite synthetic prompt input for --mode=decode, deterministic per (seed, example)."""
 import dataclasses
 
-import jax
 import numpy as np
+
+from spmdtask.inputs.synthetic import process_slice
 
 
 @dataclasses.dataclass
@@ -37,14 +38,13 @@ class SyntheticPromptInput:
 
   @property
   def local_batch_size(self) -> int:
-    count = jax.process_count() if self.process_count is None else self.process_count
-    return self.batch_size // count
+    lo, hi = process_slice(self.batch_size, self.process_index, self.process_count)
+    return hi - lo
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of batch `step` (fewer, or none, in a partial last batch)."""
-    index = jax.process_index() if self.process_index is None else self.process_index
-    local = self.local_batch_size
-    ids = step * self.batch_size + np.arange(index * local, (index + 1) * local)
+    ids = step * self.batch_size + np.arange(
+        *process_slice(self.batch_size, self.process_index, self.process_count))
     ids = ids[ids < self.num_examples]
     prompts = np.zeros((len(ids), self.prompt_len), np.int32)
     lens = np.zeros((len(ids),), np.int32)

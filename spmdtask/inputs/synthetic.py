@@ -41,6 +41,11 @@ class SyntheticLmInput:
   def __post_init__(self):
     self._step = 0
 
+  @property
+  def local_batch_size(self) -> int:
+    lo, hi = process_slice(self.batch_size, self.process_index, self.process_count)
+    return hi - lo
+
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch number `step`."""
     rows = np.arange(*process_slice(self.batch_size, self.process_index, self.process_count))
