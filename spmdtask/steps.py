@@ -59,10 +59,10 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    # optax.global_norm is what clip_by_global_norm computes, so XLA shares the work; the
+    # optax.tree.norm is what clip_by_global_norm computes, so XLA shares the work; the
     # param norm is of the params the step started from, off the update's critical path.
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
-               "param_norm": optax.global_norm(state.params),
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "param_norm": optax.tree.norm(state.params),
                "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
                "num_tokens": aux["num_tokens"]}
     new = TrainState(state.step + 1, params, opt_state)
