@@ -14,6 +14,7 @@ item dir present). Incomplete ones are never restored: the previous complete ste
 used, with a warning.
 """
 import os
+import shutil
 import signal
 import time
 from typing import Any
@@ -22,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from spmdtask import sharding
 from spmdtask.errors import ConfigError
@@ -91,43 +92,12 @@ def complete_steps(directory: str) -> list[int]:
 
 # ---------------------------------------------------------------- layouts and conversions
 
-def _even_spec(spec: P, shape, mesh_shape) -> P:
-  """`spec` with every entry that does not divide its dim replaced by None."""
-  entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
-  return P(*(e if d % sharding.shards(e, mesh_shape) == 0 else None
-             for d, e in zip(shape, entries)))
-
-
 def logical_targets(program) -> TrainState:
-  """ShapeDtypeStructs of the logical state with shardings on `program.mesh` that divide."""
-  mesh, layout = program.mesh, program.layout
-  mesh_shape = dict(mesh.shape)
+  """ShapeDtypeStructs of the logical state, sharded on `program.mesh` as orbax restores it."""
   return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                        sharding=NamedSharding(mesh, _even_spec(s, x.shape,
-                                                                                mesh_shape))),
-      layout.logical, layout.split, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-
-def _shardings(tree):
-  return jax.tree.map(lambda t: t.sharding, tree)
-
-
-def _jitted(program, name: str):
-  """The program's cached jitted unpad (`to_logical`) or pad (`to_padded`) function."""
-  cache = program.__dict__.setdefault("_checkpoint_fns", {})
-  if name not in cache:
-    layout, targets = program.layout, logical_targets(program)
-    padded_sh = jax.tree.map(lambda s: NamedSharding(program.mesh, s), layout.split,
-                             is_leaf=lambda x: isinstance(x, P))
-    if name == "to_logical":  # `+ 0` gives fresh buffers: the train step donates its input.
-      fn = jax.jit(lambda st: jax.tree.map(lambda x: x + jnp.zeros((), x.dtype),
-                                           sharding.unpad(st, layout.logical)),
-                   out_shardings=_shardings(targets))
-    else:
-      fn = jax.jit(lambda st: sharding.pad(st, layout.padded), out_shardings=padded_sh)
-    cache[name] = fn
-  return cache[name]
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(program.mesh, s)),
+      program.layout.logical, program.steps.logical_split,
+      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
 def _flat_shapes(tree) -> dict[str, tuple]:
@@ -184,7 +154,7 @@ def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
 
 def _pad(program, step: int, params, opt_state) -> TrainState:
   logical = TrainState(jnp.asarray(step, program.layout.logical.step.dtype), params, opt_state)
-  return _jitted(program, "to_padded")(logical)
+  return program.steps.to_padded(logical)
 
 
 def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[TrainState, int]:
@@ -219,7 +189,7 @@ def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
     mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", directory, step)
   fresh = jax.device_get(state.step)
-  logical = _jitted(program, "to_logical")(state)
+  logical = program.steps.to_logical(state)
   return _pad(program, int(fresh), params, logical.opt_state)
 
 
@@ -274,7 +244,6 @@ class Checkpointer:
     for step, path in _step_dirs(self.directory).items():
       if not _is_complete(path):
         logging.warning("Removing incomplete checkpoint %s.", path)
-        import shutil  # pylint: disable=g-import-not-at-top
         shutil.rmtree(path, ignore_errors=True)
     self._mngr.reload()
 
@@ -294,7 +263,7 @@ class Checkpointer:
   def save(self, step: int, state: TrainState, input_state: dict | None) -> None:
     """Starts an async save of `state` (padded) at `step`; returns once arrays are copied."""
     t0 = time.perf_counter()
-    logical = _jitted(self.program, "to_logical")(state)
+    logical = self.program.steps.to_logical(state)
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(logical.params),
         opt_state=ocp.args.StandardSave(logical.opt_state),

@@ -135,6 +135,20 @@ def _removed_dim(full: tuple[int, ...], reduced: tuple[int, ...], field: str | N
   return largest if field == "v_row" else second
 
 
+def even_split(split: P, shape: Sequence[int], mesh_shape: MeshShape) -> P:
+  """`split` with each entry that does not divide its dim replaced by None (replicated).
+
+  The sharding of a LOGICAL (unpadded) array outside a step, e.g. in a checkpoint.
+  """
+  entries = tuple(split) + (None,) * (len(shape) - len(tuple(split)))
+  return P(*(e if d % shards(e, mesh_shape) == 0 else None for d, e in zip(shape, entries)))
+
+
+def even_splits(shapes, splits, mesh_shape: MeshShape):
+  """`even_split` for every leaf."""
+  return jax.tree.map(lambda x, s: even_split(s, x.shape, mesh_shape), shapes, splits)
+
+
 def padded_shapes(shapes, splits, mesh_shape: MeshShape):
   """ShapeDtypeStructs of the on-device (padded) state."""
   return jax.tree.map(

@@ -90,11 +90,19 @@ def init_fn(model: nn.Module, tx: optax.GradientTransformation, layout: StateLay
 
 @dataclasses.dataclass(frozen=True)
 class Steps:
-  """The jitted programs of one task on one mesh."""
+  """The jitted programs of one task on one mesh.
+
+  to_logical / to_padded convert the whole train state between its on-device padded
+  layout and logical arrays (split by `logical_split`), e.g. for checkpoints.
+  to_logical returns fresh buffers, so its input may be donated later.
+  """
   init: Partitioned
   train: Partitioned
   eval: Partitioned
+  to_logical: Partitioned
+  to_padded: Partitioned
   batch_specs: Any
+  logical_split: TrainState
 
 
 def build(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
@@ -106,4 +114,12 @@ def build(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable
                     (layout.split, batch_specs), (layout.split, metrics_spec), donate_argnums=(0,))
   evaluate = partition(eval_step_fn(model, layout), mesh, (layout.split, batch_specs),
                        metrics_spec)
-  return Steps(init, train, evaluate, batch_specs)
+  logical_split = sharding.even_splits(layout.logical, layout.split, dict(mesh.shape))
+  # `+ 0` gives fresh buffers even where unpad is a no-op: the train step donates its input.
+  to_logical = partition(
+      lambda st: jax.tree.map(lambda x: x + jnp.zeros((), x.dtype),
+                              sharding.unpad(st, layout.logical)),
+      mesh, (layout.split,), logical_split)
+  to_padded = partition(lambda st: sharding.pad(st, layout.padded), mesh, (logical_split,),
+                        layout.split)
+  return Steps(init, train, evaluate, to_logical, to_padded, batch_specs, logical_split)

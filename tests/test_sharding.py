@@ -94,3 +94,9 @@ def test_input_errors_name_the_field():
     sharding.input_split_dims({"x": sds(8, 2, 2)}, {"map_2d": ("data", None)}, ("data",), MESH)
   with pytest.raises(ConfigError, match="size 6, which does not divide .* batch_size"):
     sharding.input_split_dims({"x": sds(6, 2)}, None, ("data", "fsdp"), MESH)
+
+
+def test_even_split_replicates_only_the_dims_that_do_not_divide():
+  assert sharding.even_split(P("model", "fsdp"), (257, 128), MESH) == P(None, "fsdp")
+  assert sharding.even_split(P(("data", "fsdp")), (6, 3), MESH) == P(None, None)
+  assert sharding.even_split(P("model"), (8, 3), MESH) == P("model", None)
