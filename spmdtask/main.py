@@ -93,6 +93,7 @@ def run(argv) -> None:
   from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
+  log_to_job_dir(_JOB_LOG_DIR.value)
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
@@ -102,6 +103,18 @@ def run(argv) -> None:
     with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:
       f.write(config_text)
   run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
+
+
+def log_to_job_dir(job_log_dir: str) -> None:
+  """Process 0 also writes its absl log to job_log_dir/logs/; stderr keeps every line."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() != 0:
+    return
+  log_dir = os.path.join(job_log_dir, "logs")
+  os.makedirs(log_dir, exist_ok=True)
+  if not flags.FLAGS["alsologtostderr"].present:
+    flags.FLAGS.alsologtostderr = True
+  logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
 
 
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
