@@ -1,5 +1,9 @@
 """Multi-host: 2 processes x 4 CPU devices (jax.distributed over gloo) train exactly like one
-process with 8 devices, and their checkpoint resumes in a single process."""
+process with 8 devices, and their checkpoint resumes in a single process. Eval and decode on 2
+processes give the metrics and tokens of 1 process."""
+import json
+import os
+
 import numpy as np
 
 from tests import subproc as h
@@ -7,6 +11,13 @@ from tools import launch_local
 
 STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=6",
          "task.train.log_interval_steps=2", "task.model.num_layers=2")
+
+
+def _launch(job, *args):
+  results = launch_local.launch(2, 4, h.main_cmd("lm.TinyLm", job, *STEPS, flags=args)[3:],
+                                timeout=400, env=h.env(4))
+  for i, res in enumerate(results):
+    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
 
 
 def _losses(job):
@@ -17,11 +28,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
   ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
   r = h.run(h.main_cmd("lm.TinyLm", ref, *STEPS, "task.train.num_train_steps=8"))
   assert r.returncode == 0, r.stderr[-3000:]
-  results = launch_local.launch(
-      2, 4, h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=6")[3:],
-      timeout=400, env=h.env(4))
-  for i, res in enumerate(results):
-    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  _launch(multi, "--fdl_set=task.train.num_train_steps=6")
   # Only process 0 writes summaries (one event file) and the config.
   events = list((tmp_path / "multi" / "summaries" / "train").iterdir())
   assert len(events) == 1
@@ -34,3 +41,23 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   resumed = _losses(multi)
   np.testing.assert_allclose([resumed[7], resumed[8]], [ref_losses[7], ref_losses[8]], rtol=1e-5)
+
+
+def test_eval_and_decode_on_two_processes_match_one(tmp_path):
+  job = str(tmp_path / "job")
+  r = h.run(h.main_cmd("lm.TinyLm", job, *STEPS, "task.train.num_train_steps=2"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  outputs = []
+  for launch in (lambda *a: h.run(h.main_cmd("lm.TinyLm", job, *STEPS, flags=a)),
+                 lambda *a: _launch(job, *a)):
+    for mode in ("eval", "decode"):
+      result = launch(f"--mode={mode}")
+      assert getattr(result, "returncode", 0) == 0, result.stderr[-3000:]
+    with open(os.path.join(job, "eval_metrics.jsonl")) as f:
+      metrics = json.loads(f.read().splitlines()[-1])
+    with open(os.path.join(job, "decoder_out", "prompts_step2.jsonl")) as f:
+      outputs.append((metrics, [json.loads(l) for l in f]))
+  (one_metrics, one_tokens), (two_metrics, two_tokens) = outputs
+  assert two_metrics["num_tokens"] == one_metrics["num_tokens"] > 0
+  np.testing.assert_allclose(two_metrics["loss"], one_metrics["loss"], rtol=1e-6)
+  assert two_tokens == one_tokens and len(one_tokens) > 0
