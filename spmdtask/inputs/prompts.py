@@ -3,11 +3,11 @@ import dataclasses
 
 import numpy as np
 
-from spmdtask.inputs.synthetic import process_slice
+from spmdtask.inputs.base import StepIndexedInput
 
 
 @dataclasses.dataclass
-class SyntheticPromptInput:
+class SyntheticPromptInput(StepIndexedInput):
   """Prompts that count up from a random start by a random stride, of random length.
 
   Each batch is `{'prompts': [b, prompt_len] int32 (left-aligned, 0-padded),
@@ -33,19 +33,9 @@ class SyntheticPromptInput:
   process_index: int | None = None
   process_count: int | None = None
 
-  def __post_init__(self):
-    self._step = 0
-
-  @property
-  def local_batch_size(self) -> int:
-    lo, hi = process_slice(self.batch_size, self.process_index, self.process_count)
-    return hi - lo
-
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of batch `step` (fewer, or none, in a partial last batch)."""
-    ids = step * self.batch_size + np.arange(
-        *process_slice(self.batch_size, self.process_index, self.process_count))
-    ids = ids[ids < self.num_examples]
+    ids = self.local_rows(step)
     prompts = np.zeros((len(ids), self.prompt_len), np.int32)
     lens = np.zeros((len(ids),), np.int32)
     for i, example in enumerate(ids):
@@ -55,13 +45,3 @@ class SyntheticPromptInput:
       prompts[i, :n] = (start + stride * np.arange(n)) % self.vocab_size
       lens[i] = n
     return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    if self._step * self.batch_size >= self.num_examples:
-      raise StopIteration
-    batch = self.batch_at(self._step)
-    self._step += 1
-    return batch

@@ -1,21 +1,13 @@
 """A synthetic LM input: deterministic per (seed, step), each process making only its rows."""
 import dataclasses
 
-import jax
 import numpy as np
 
-
-def process_slice(batch_size: int, process_index: int | None = None,
-                  process_count: int | None = None) -> tuple[int, int]:
-  """Rows [lo, hi) of a global batch that this process feeds (contiguous, equal parts)."""
-  index = jax.process_index() if process_index is None else process_index
-  count = jax.process_count() if process_count is None else process_count
-  local = batch_size // count
-  return index * local, (index + 1) * local
+from spmdtask.inputs.base import StepIndexedInput
 
 
 @dataclasses.dataclass
-class SyntheticLmInput:
+class SyntheticLmInput(StepIndexedInput):
   """Learnable token sequences: each row counts up from a random start by a random stride.
 
   Attributes:
@@ -38,19 +30,9 @@ class SyntheticLmInput:
   process_index: int | None = None
   process_count: int | None = None
 
-  def __post_init__(self):
-    self._step = 0
-
-  @property
-  def local_batch_size(self) -> int:
-    lo, hi = process_slice(self.batch_size, self.process_index, self.process_count)
-    return hi - lo
-
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch number `step`."""
-    rows = np.arange(*process_slice(self.batch_size, self.process_index, self.process_count))
-    if self.num_examples is not None:
-      rows = rows[rows + step * self.batch_size < self.num_examples]
+    rows = self.local_rows(step) - step * self.batch_size  # row numbers within the batch
     local = len(rows)
     # One generator per (seed, step, row): a row never depends on the process count.
     starts = np.empty(local, np.int64)
@@ -63,22 +45,3 @@ class SyntheticLmInput:
     tokens = (starts[:, None] + strides[:, None] * pos[None, :]) % self.vocab_size
     return {"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32),
             "weights": np.ones((local, self.seq_len), np.float32)}
-
-  def __iter__(self):
-    return self
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    if self.num_batches is not None and self._step >= self.num_batches:
-      raise StopIteration
-    if self.num_examples is not None and self._step * self.batch_size >= self.num_examples:
-      raise StopIteration
-    batch = self.batch_at(self._step)
-    self._step += 1
-    return batch
-
-  def get_state(self) -> dict[str, int]:
-    """The iterator position, for checkpoints."""
-    return {"step": self._step}
-
-  def set_state(self, state: dict[str, int]) -> None:
-    self._step = int(state["step"])

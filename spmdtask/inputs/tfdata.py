@@ -12,7 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from spmdtask.errors import ConfigError
-from spmdtask.inputs.synthetic import process_slice
+from spmdtask.inputs.base import process_slice
 
 
 def write_records(path: str, sequences: Iterable[Sequence[int]]) -> int:
