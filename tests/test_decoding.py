@@ -1,6 +1,5 @@
 """KV-cache decoding: cache == full forward, layout independence, one compile, sampling, errors."""
 import dataclasses
-import functools
 import json
 
 import fiddle as fdl
@@ -10,26 +9,21 @@ import numpy as np
 import pytest
 
 from configs import lm
-from spmdtask import checkpoints, decoding, experiment, loop, sharding
+from spmdtask import checkpoints, decoding, experiment, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.task import DecodeParams
+from tests import util
 
 MAX_LEN = 20
 PROMPTS = SyntheticPromptInput(batch_size=8, prompt_len=8, min_prompt_len=2, vocab_size=256,
                                num_examples=8, seed=3).batch_at(0)
 
 
-@functools.lru_cache(maxsize=None)
 def program_and_params(exp: str, num_devices: int):
   """A program for `exp` on the first `num_devices` devices and fresh (seeded) params."""
-  cls = getattr(lm, exp)
-  task = fdl.build(cls().task())
-  if num_devices == 1:
-    task.ici_mesh_shape = (1, 1, 1)
-  example = fdl.build(cls().datasets()["train"]).batch_at(0)
-  program = loop.setup(task, example, devices=jax.devices()[:num_devices])
-  return program, program.steps.init().params
+  program, state = util.program_and_state(exp, num_devices)
+  return program, state.params
 
 
 _DECODERS = {}

@@ -1,11 +1,9 @@
 """Eval: same metrics on 1 and 8 devices, partial last batch counted once, modes and errors."""
 import dataclasses
-import functools
 import json
 import os
 
 import fiddle as fdl
-import jax
 import numpy as np
 import pytest
 
@@ -13,6 +11,7 @@ from configs import lm
 from spmdtask import checkpoints, evaluation, experiment, loop
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.synthetic import SyntheticLmInput
+from tests import util
 
 SEQ = 64
 
@@ -33,15 +32,7 @@ class OneBatch:
     return self.rows
 
 
-@functools.lru_cache(maxsize=None)
-def program_and_state(exp: str, num_devices: int):
-  cls = getattr(lm, exp)
-  task = fdl.build(cls().task())
-  if num_devices == 1:
-    task.ici_mesh_shape = (1, 1, 1)
-  program = loop.setup(task, fdl.build(cls().datasets()["train"]).batch_at(0),
-                       devices=jax.devices()[:num_devices])
-  return program, program.steps.init()
+program_and_state = util.program_and_state
 
 
 def test_metrics_equal_on_1_and_8_devices_and_partial_batch_counted_once():

@@ -1,6 +1,5 @@
 """Mesh params -> Mesh: -1 fill, hybrid ICI x DCN, validation."""
 import jax
-import numpy as np
 import pytest
 from jax.sharding import AxisType
 

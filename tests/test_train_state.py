@@ -1,6 +1,5 @@
 """Placement: every state leaf lives where its split-dims mapping says; FSDP divides the bytes."""
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

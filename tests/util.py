@@ -1,4 +1,6 @@
 """Shared test helpers: build an experiment's run config, train it in-process on a device subset."""
+import functools
+
 import fiddle as fdl
 import jax
 import numpy as np
@@ -41,3 +43,19 @@ def assert_trees_close(a, b, rtol, atol=0.0):
   for (path, x), y in zip(flat_a, flat_b):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
                                err_msg=sharding.path_str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def program_and_state(exp: str, num_devices: int):
+  """A program for registered `exp` on the first `num_devices` devices and its fresh state.
+
+  With one device the mesh is all ones (the experiment's mesh shape is overridden).
+  """
+  overrides = []
+  if num_devices == 1:
+    run = build_run(exp)
+    overrides = [f"task.ici_mesh_shape={(1,) * len(run.task.mesh_axis_names)}"]
+  run = build_run(exp, overrides)
+  program = loop.setup(run.task, run.datasets["train"].batch_at(0),
+                       devices=jax.devices()[:num_devices])
+  return program, program.steps.init()

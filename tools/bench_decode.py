@@ -15,7 +15,6 @@ import time
 
 import fiddle as fdl
 import jax
-import numpy as np
 
 from configs import lm
 from spmdtask import decoding, loop
