@@ -19,6 +19,7 @@ from absl import logging
 
 from spmdtask import summaries
 from spmdtask.errors import ConfigError
+from spmdtask.inputs.base import num_batches
 
 EVAL_METRICS_FILE = "eval_metrics.jsonl"
 
@@ -26,16 +27,6 @@ EVAL_METRICS_FILE = "eval_metrics.jsonl"
 def eval_datasets(datasets: dict[str, Any]) -> dict[str, Any]:
   """The eval sets of a run: every dataset but 'train', in name order."""
   return {k: datasets[k] for k in sorted(datasets) if k != "train"}
-
-
-def num_batches(inputs) -> int | None:
-  """Batches in a finite input (its `num_batches` / `num_examples` fields); None if endless."""
-  counts = []
-  if getattr(inputs, "num_batches", None) is not None:
-    counts.append(int(inputs.num_batches))
-  if getattr(inputs, "num_examples", None) is not None:
-    counts.append(-(-int(inputs.num_examples) // int(inputs.batch_size)))
-  return min(counts) if counts else None
 
 
 def pad_batch(local: dict, rows: int) -> dict:

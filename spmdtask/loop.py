@@ -74,8 +74,6 @@ def train(run: RunConfig, on_metrics: Callable[[int, dict], None] | None = None,
   """
   task, inputs = run.task, run.datasets["train"]
   tp = task.train
-  if job_log_dir is not None:
-    checkpoints.ensure_writable(job_log_dir)
   writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir) if job_log_dir else None)
   example = inputs.batch_at(0)
   program = setup(task, example)

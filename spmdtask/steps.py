@@ -32,12 +32,16 @@ class Partitioned:
       return self.jitted.lower(*args)
 
 
+def named_shardings(mesh: Mesh, specs):
+  """A tree of PartitionSpecs -> the same tree of NamedShardings on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
 def partition(fn: Callable, mesh: Mesh, in_specs, out_specs, donate_argnums=()) -> Partitioned:
   """jax.jit with NamedShardings built from PartitionSpec trees (pjit)."""
-  def named(specs):
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-  return Partitioned(jax.jit(fn, in_shardings=named(in_specs), out_shardings=named(out_specs),
+  return Partitioned(jax.jit(fn, in_shardings=named_shardings(mesh, in_specs),
+                             out_shardings=named_shardings(mesh, out_specs),
                              donate_argnums=donate_argnums), mesh)
 
 

@@ -3,9 +3,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
-from spmdtask import loop, pipeline, sharding
+from spmdtask import loop, pipeline, sharding, steps
 from spmdtask.train_state import TrainState
 from tests import util
 
@@ -93,9 +92,7 @@ def test_pipeline_trains_like_one_device_and_holds_only_its_stage():
   ref_run, ref_inputs, ref = _program("lm.TinyLmPipeline", ONE_DEVICE, devices=jax.devices()[:1])
   params = _to_unpipelined(init_params)
   ref_state = TrainState(jnp.zeros((), jnp.int32), params, ref.tx.init(params))
-  ref_state = jax.device_put(ref_state, jax.tree.map(
-      lambda s: NamedSharding(ref.mesh, s), ref.layout.split,
-      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+  ref_state = jax.device_put(ref_state, steps.named_shardings(ref.mesh, ref.layout.split))
   ref_losses = []
   for _ in range(10):
     ref_state, m = ref.steps.train(ref_state, ref.global_batch(next(ref_inputs)))

@@ -4,22 +4,20 @@ Prints the per-step time of each, measured interleaved in one process, and their
 (target <= 1.02), plus model FLOP/s. `python tools/bench_step.py [--exp=lm.TinyLmFsdpTp]`.
 """
 import argparse
+import functools
 import statistics
 import time
 
 import bench_common  # pylint: disable=unused-import  (sets 8 CPU devices first)
 import jax
 import optax
-from jax.sharding import NamedSharding
-
-from spmdtask import loop
+from spmdtask import loop, steps
 
 
 def hand_written(program, model, tx, example_batch, seed):
   """The step a user would write by hand with jax.jit, optax and the same shardings."""
   mesh, split = program.mesh, program.layout.split
-  named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,
-                                    is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  named = functools.partial(steps.named_shardings, mesh)
   batch_sh = named(program.steps.batch_specs)
 
   def init():

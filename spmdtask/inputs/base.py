@@ -1,6 +1,4 @@
 """What host-fed inputs share: this process's rows of a global batch, and a restorable position."""
-import math
-
 import jax
 import numpy as np
 
@@ -12,6 +10,16 @@ def process_slice(batch_size: int, process_index: int | None = None,
   count = jax.process_count() if process_count is None else process_count
   local = batch_size // count
   return index * local, (index + 1) * local
+
+
+def num_batches(inputs) -> int | None:
+  """Batches in a finite input (its `num_batches` / `num_examples` fields); None if endless."""
+  counts = []
+  if getattr(inputs, "num_batches", None) is not None:
+    counts.append(int(inputs.num_batches))
+  if getattr(inputs, "num_examples", None) is not None:
+    counts.append(-(-int(inputs.num_examples) // int(inputs.batch_size)))
+  return min(counts) if counts else None
 
 
 class StepIndexedInput:
@@ -35,19 +43,12 @@ class StepIndexedInput:
     limit = getattr(self, "num_examples", None)
     return rows if limit is None else rows[rows < limit]
 
-  def _num_batches(self) -> float:
-    limits = [math.inf]
-    if getattr(self, "num_batches", None) is not None:
-      limits.append(self.num_batches)
-    if getattr(self, "num_examples", None) is not None:
-      limits.append(math.ceil(self.num_examples / self.batch_size))
-    return min(limits)
-
   def __iter__(self):
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
-    if self._step >= self._num_batches():
+    total = num_batches(self)
+    if total is not None and self._step >= total:
       raise StopIteration
     batch = self.batch_at(self._step)
     self._step += 1
