@@ -6,7 +6,7 @@ from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
-from spmdtask.pipeline import PipelineConfig
+from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register
 from spmdtask.task import DecodeParams, Task, TrainParams
 

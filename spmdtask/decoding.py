@@ -33,7 +33,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import pipeline, sharding, steps as steps_lib
+from spmdtask import sharding, steps as steps_lib
+from spmdtask.pipeline import spmd as pipeline
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.layers.attention import KvCache

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask import pipeline as pl
+from spmdtask.pipeline import spmd as pl
 from spmdtask.errors import ConfigError
 
 D, F, MB = 8, 16, 4  # model dim, hidden dim, examples per microbatch

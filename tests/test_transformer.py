@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmdtask import loop, pipeline, sharding, steps
+from spmdtask import loop, sharding, steps
+from spmdtask.pipeline import spmd as pipeline
 from spmdtask.train_state import TrainState
 from tests import util
 

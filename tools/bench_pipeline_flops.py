@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from spmdtask import pipeline as pl  # noqa: E402
+from spmdtask.pipeline import spmd as pl  # noqa: E402
 
 D, F, MB, L = 64, 256, 64, 8
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmdtask import pipeline as pipeline_lib
+from spmdtask.pipeline import spmd as pipeline_lib
 from spmdtask import sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers.attention import Attention, KvCache
