@@ -95,7 +95,7 @@ class TinyLmUneven(TinyLm):
 def _pipelined(cfg: fdl.Config[Task], ici_mesh_shape: tuple[int, ...], **pipeline) -> None:
   cfg.mesh_axis_names = ("stage", "data", "fsdp", "model")
   cfg.ici_mesh_shape = ici_mesh_shape
-  cfg.model.pipeline = fdl.Config(PipelineConfig, **pipeline)
+  cfg.pipeline = fdl.Config(PipelineConfig, **pipeline)
 
 
 @register

@@ -1,13 +1,16 @@
 """Checkpoints: an orbax CheckpointManager under `job_log_dir/checkpoints/`.
 
 A checkpoint step dir holds four orbax items:
-  params, opt_state  the train state as LOGICAL (unpadded) arrays (StandardSave);
+  params, opt_state  the train state in the CANONICAL layout (`program.Program`): logical
+                     (unpadded) arrays, layers stacked [L, ...], whatever the mesh and
+                     the pipeline strategy that trained them (StandardSave);
   inputs             the train input iterator's state (JsonSave);
-  meta               step, resolved config text, mesh axes/shape, device/process count.
-Because the arrays are logical, a restore onto any mesh or device count works: the
-arrays are read with shardings of the new mesh, then padded in a jitted function to
-the new layout. Every process calls save/restore (orbax coordinates); JSON items are
-written by the primary process.
+  meta               step, resolved config text, the saving layout's facts (mesh,
+                     pipeline, microbatches), device/process count.
+Because the arrays are canonical, a restore onto any mesh, device count or pipeline
+strategy works: they are read with shardings of the new mesh, then converted to the
+new live layout by `program.from_canonical`. Every process calls save/restore (orbax
+coordinates); JSON items are written by the primary process.
 
 A step dir counts as complete when orbax committed it (`commit_success.txt`, every
 item dir present). Incomplete ones are never restored: the previous complete step is
@@ -23,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
-from jax.sharding import NamedSharding
 
 from spmdtask import sharding
 from spmdtask.errors import ConfigError
@@ -92,14 +94,6 @@ def complete_steps(directory: str) -> list[int]:
 
 # ---------------------------------------------------------------- layouts and conversions
 
-def logical_targets(program) -> TrainState:
-  """ShapeDtypeStructs of the logical state, sharded on `program.mesh` as orbax restores it."""
-  return jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(program.mesh, s)),
-      program.layout.logical, program.steps.logical_split,
-      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-
-
 def _flat_shapes(tree) -> dict[str, tuple]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {sharding.path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
@@ -142,7 +136,7 @@ def _pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
 
 def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
              items=ARRAY_ITEMS + JSON_ITEMS) -> dict[str, Any]:
-  targets = logical_targets(program)
+  targets = program.canonical_targets()
   metadata = mngr.item_metadata(step)
   for item in ARRAY_ITEMS:
     if item in items:
@@ -152,17 +146,19 @@ def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
   return mngr.restore(step, args=ocp.args.Composite(**args))
 
 
-def _pad(program, step: int, params, opt_state) -> TrainState:
-  logical = TrainState(jnp.asarray(step, program.layout.logical.step.dtype), params, opt_state)
-  return program.steps.to_padded(logical)
+def _live(program, step: int, params, opt_state) -> TrainState:
+  canonical = TrainState(jnp.asarray(step, program.canonical.logical.step.dtype), params,
+                         opt_state)
+  return program.from_canonical(canonical)
 
 
 def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[TrainState, int]:
-  """The PADDED train state of a checkpoint, placed on `program.mesh`, and its step.
+  """The LIVE (padded) train state of a checkpoint, placed on `program.mesh`, and its step.
 
   Args:
     job_log_dir: the job whose `checkpoints/` to read.
-    program: a `loop.Program`; its mesh and layout may differ from the saving job's.
+    program: a `program.Program`; its mesh, layout and pipeline may differ from the
+      saving job's.
     step: a checkpoint step; None = the latest complete one.
   Raises:
     ConfigError: no complete checkpoint; `step` not available (lists the steps); or the
@@ -175,7 +171,7 @@ def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[T
     got = _restore(mngr, directory, job_log_dir, program, step, ARRAY_ITEMS)
   finally:
     mngr.close()
-  return _pad(program, step, got["params"], got["opt_state"]), step
+  return _live(program, step, got["params"], got["opt_state"]), step
 
 
 def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
@@ -189,8 +185,8 @@ def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
     mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", directory, step)
   fresh = jax.device_get(state.step)
-  logical = program.steps.to_logical(state)
-  return _pad(program, int(fresh), params, logical.opt_state)
+  canonical = program.to_canonical(state)
+  return _live(program, int(fresh), params, canonical.opt_state)
 
 
 class Checkpointer:
@@ -198,7 +194,7 @@ class Checkpointer:
 
   Args:
     job_log_dir: checkpoints go to `job_log_dir/checkpoints/`.
-    program: the `loop.Program` whose state is saved.
+    program: the `program.Program` whose state is saved.
     save_interval_steps: save when `step % save_interval_steps == 0` (and when forced).
     max_to_keep: the newest checkpoints kept; None = all.
     metadata: JSON-able extras stored in `meta` (e.g. {'config': resolved config text}).
@@ -210,11 +206,8 @@ class Checkpointer:
     self.directory = checkpoint_dir(job_log_dir)
     self.interval = max(1, save_interval_steps)
     self._mngr = _manager(self.directory, self.interval, max_to_keep)
-    mesh = program.mesh
-    self._meta = {"mesh_axis_names": list(mesh.axis_names),
-                  "mesh_shape": [int(mesh.shape[a]) for a in mesh.axis_names],
-                  "device_count": jax.device_count(), "process_count": jax.process_count(),
-                  **(metadata or {})}
+    self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
+                  "process_count": jax.process_count(), **(metadata or {})}
     self._sigterm, self._old_handler = False, None
     self.save_seconds: list[float] = []  # blocking part of each save
 
@@ -235,7 +228,7 @@ class Checkpointer:
     got = _restore(self._mngr, self.directory, self.job_log_dir, self.program, step)
     logging.info("Restored step %d from %s (saved on mesh %s).", step, self.directory,
                  dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])))
-    return _pad(self.program, step, got["params"], got["opt_state"]), step, got["inputs"]
+    return _live(self.program, step, got["params"], got["opt_state"]), step, got["inputs"]
 
   def _drop_incomplete(self) -> None:
     """Removes uncommitted step dirs so a new save of that step can happen (process 0)."""
@@ -263,7 +256,7 @@ class Checkpointer:
   def save(self, step: int, state: TrainState, input_state: dict | None) -> None:
     """Starts an async save of `state` (padded) at `step`; returns once arrays are copied."""
     t0 = time.perf_counter()
-    logical = self.program.steps.to_logical(state)
+    logical = self.program.to_canonical(state)
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(logical.params),
         opt_state=ocp.args.StandardSave(logical.opt_state),
@@ -296,7 +289,7 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
     if input_state and hasattr(inputs, "set_state"):
       inputs.set_state(input_state)
     return state
-  state = program.steps.init()
+  state = program.init()
   if init_checkpoint_dir:
     state = warm_start(init_checkpoint_dir, program, state)
   return state

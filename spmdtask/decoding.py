@@ -15,11 +15,10 @@ arrive padded and are sliced to their logical shapes inside each step, as in tra
 A row's random draw depends only on (seed, example id, position): decoding gives
 the same tokens on any mesh.
 
-Pipelined models decode unpipelined: inside each step their [stages, repeats,
-layers_per_stage, ...] weights are reshaped back to the scanned [layers, ...] stack,
-in layer order, and the scanned LM runs with its KV cache. One token per row per step
-leaves a pipeline nothing to overlap (its bubble would be (S-1)/S of the step), and
-the cache then needs no stage dim; the price is gathering the stage-sharded weights.
+The model is any `spmdtask.model.Decodable`. Pipelined experiments decode unpipelined
+(`decode_task`): checkpoints are canonical, so the same weights load into the scanned
+stack. One token per row per step leaves a pipeline nothing to overlap (its bubble
+would be (S-1)/S of the step), and the cache then needs no stage dim.
 """
 import dataclasses
 import json
@@ -34,11 +33,10 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask import sharding, steps as steps_lib
-from spmdtask.pipeline import spmd as pipeline
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
-from spmdtask.layers.attention import KvCache
-from spmdtask.task import DecodeParams
+from spmdtask.model import Decodable
+from spmdtask.task import DecodeParams, Task
 
 
 class DecodeState(NamedTuple):
@@ -48,16 +46,22 @@ class DecodeState(NamedTuple):
   done: jax.Array     # [b] bool: emitted eos, or no slot left
   ids: jax.Array      # [b] int32: example ids (the sampling stream); -1 for padding rows
   prompt_lens: jax.Array  # [b] int32
-  cache: KvCache      # [layers, b, max_len, kv_heads, head_dim] each
+  cache: Any          # the model's cache, e.g. KvCache [layers, b, max_len, kv_heads, hd]
+
+
+def decode_task(task: Task) -> Task:
+  """The task decoding runs: the same model and mesh, its layer stack unpipelined."""
+  return dataclasses.replace(task, pipeline=None)
 
 
 def validate(model, dp: DecodeParams, prompt_len: int) -> None:
   """Raises ConfigError when the decode params do not fit the model or the prompts."""
-  if not hasattr(model, "cache_shape"):
-    raise ConfigError(f"task.model ({type(model).__name__}) has no KV-cache support "
-                      "(cache_shape); --mode=decode needs a model such as TransformerLm.")
-  max_seq_len = getattr(model, "max_seq_len", None)
-  if max_seq_len is not None and dp.max_decode_len > max_seq_len:
+  if not isinstance(model, Decodable):
+    raise ConfigError(f"task.model ({type(model).__name__}) does not decode: --mode=decode "
+                      "needs a spmdtask.model.Decodable model (a KV-cache forward), such as "
+                      "TransformerLm.")
+  max_seq_len = model.max_seq_len
+  if dp.max_decode_len > max_seq_len:
     raise ConfigError(
         f"task.decode.max_decode_len={dp.max_decode_len} is beyond the model's maximum length "
         f"task.model.max_seq_len={max_seq_len}. Lower max_decode_len (prompt included) to at "
@@ -114,30 +118,18 @@ def _finish(tokens, pos, done, nxt, dp: DecodeParams):
   return tokens, pos, done | (live & stop)
 
 
-def unpipelined(model, params):
-  """The scanned twin of a pipelined LM and its logical params (others pass through)."""
-  if getattr(model, "pipeline", None) is None:
-    return model, params
-  params = dict(params, layers=pipeline.from_stages(params["layers"]))
-  return model.clone(pipeline=None), params
-
-
-def _logical(model, padded_params, logical_params):
-  return unpipelined(model, sharding.unpad(padded_params, logical_params))
-
-
-def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs: KvCache):
+def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs):
   """`(padded_params, prompts [b,P], prompt_lens [b], ids [b]) -> (DecodeState, num_steps)`.
 
   Rows with id < 0 (padding) start done; num_steps is what the shortest real prompt needs.
   """
   def prefill(padded_params, prompts, prompt_lens, ids):
-    model_, params = _logical(model, padded_params, logical_params)
+    params = sharding.unpad(padded_params, logical_params)
     b, plen = prompts.shape
     cache = jax.tree.map(lambda s, spec: jax.lax.with_sharding_constraint(
         jnp.zeros(s.shape, s.dtype), spec), model.cache_shape(b, dp.max_decode_len), cache_specs)
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
-    logits, cache = model_.apply({"params": params}, prompts, positions, cache)
+    logits, cache = model.apply({"params": params}, prompts, positions, cache)
     last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     real = jnp.arange(plen)[None, :] < prompt_lens[:, None]
     tokens = jnp.zeros((b, dp.max_decode_len), jnp.int32)
@@ -154,41 +146,25 @@ def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs: KvCache):
 def step_fn(model, logical_params, dp: DecodeParams):
   """`(padded_params, state) -> (state, all_done)`: one token per row, cache updated."""
   def step(padded_params, state: DecodeState):
-    model_, params = _logical(model, padded_params, logical_params)
+    params = sharding.unpad(padded_params, logical_params)
     token = jnp.take_along_axis(state.tokens, state.pos[:, None], axis=1)
-    logits, cache = model_.apply({"params": params}, token, state.pos[:, None], state.cache)
+    logits, cache = model.apply({"params": params}, token, state.pos[:, None], state.cache)
     nxt = sample(logits[:, 0], _keys(dp.seed, state.ids, state.pos + 1), dp)
     tokens, pos, done = _finish(state.tokens, state.pos, state.done, nxt, dp)
     return DecodeState(tokens, pos, done, state.ids, state.prompt_lens, cache), jnp.all(done)
   return step
 
 
-def full_forward_step_fn(model, logical_params):
-  """The no-cache baseline: `(padded_params, tokens [b,S], pos [b]) -> greedy token at pos+1`.
-
-  Reruns the whole forward pass over the fixed-size buffer at each step.
-  """
-  def step(padded_params, tokens, pos):
-    model_, params = _logical(model, padded_params, logical_params)
-    logits = model_.apply({"params": params}, tokens)
-    last = jnp.take_along_axis(logits, pos[:, None, None], axis=1)[:, 0]
-    return jnp.argmax(last, axis=-1).astype(jnp.int32)
-  return step
-
-
 def state_specs(model, batch_axes: tuple[str, ...], mesh_shape, batch_size: int) -> DecodeState:
-  """PartitionSpecs of the decode state: batch over the data axes, KV heads over 'model'."""
+  """PartitionSpecs of the decode state: batch over the data axes, the cache as the model says."""
   data = tuple(batch_axes) or None
   if batch_size % sharding.shards(data, mesh_shape):
     raise ConfigError(
         f"The decode dataset's batch_size={batch_size} does not divide over the data axes "
         f"{batch_axes} ({sharding.shards(data, mesh_shape)} shards). Make it a multiple of "
         f"{sharding.shards(data, mesh_shape)}.")
-  heads = model.cache_split_dims().k[3]
-  if model.num_kv_heads % sharding.shards(heads, mesh_shape):
-    heads = None  # KV heads that do not divide the model axis stay replicated
-  cache = P(None, data, None, heads, None)
-  return DecodeState(P(data, None), P(data), P(data), P(data), P(data), KvCache(cache, cache))
+  return DecodeState(P(data, None), P(data), P(data), P(data), P(data),
+                     model.cache_split_dims(mesh_shape))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +180,10 @@ class Decoder:
 
 def build(program, dp: DecodeParams, batch_size: int, prompt_len: int) -> Decoder:
   """Validates `dp` and jits prefill, the per-token step (state donated) and the fetch."""
-  model = program.task.model
+  model = program.model
+  if program.task.pipeline is not None:
+    raise ValueError("Decode with the program of decode_task(task): a pipelined stack does not "
+                     "decode.")
   validate(model, dp, prompt_len)
   specs = state_specs(model, program.task.batch_axes(), dict(program.mesh.shape), batch_size)
   logical, psplit = program.layout.logical.params, program.layout.split.params
@@ -248,39 +227,6 @@ def decode_batch(decoder: Decoder, padded_params, local: dict, local_rows: int,
   return [{"id": int(ids[r]), "prompt_ids": tokens[r, :lens[r]].tolist(),
            "output_ids": tokens[r, lens[r]:pos[r] + 1].tolist()}
           for r in range(len(ids)) if ids[r] >= 0]
-
-
-def build_full_forward(program) -> steps_lib.Partitioned:
-  """The jitted no-cache baseline step (`full_forward_step_fn`) on `program.mesh`."""
-  data = program.task.batch_axes() or None
-  return steps_lib.partition(full_forward_step_fn(program.task.model,
-                                                  program.layout.logical.params), program.mesh,
-                             (program.layout.split.params, P(data, None), P(data)), P(data))
-
-
-def greedy_without_cache(program, padded_params, prompts: np.ndarray, prompt_lens: np.ndarray,
-                         max_len: int, num_steps: int | None = None,
-                         fwd: steps_lib.Partitioned | None = None) -> np.ndarray:
-  """The baseline: greedy decoding that reruns the full forward pass for every token.
-
-  Single-process. Returns the [b, max_len] token buffer (prompt, then generated tokens;
-  no eos). `num_steps` limits the tokens per row (default: fill the buffer); `fwd` is
-  a `build_full_forward(program)` to reuse (else one is built and compiled).
-  """
-  fwd = fwd or build_full_forward(program)
-  b = prompts.shape[0]
-  tokens = np.zeros((b, max_len), np.int32)
-  tokens[:, :prompts.shape[1]] = np.where(np.arange(prompts.shape[1]) < prompt_lens[:, None],
-                                          prompts, 0)
-  pos = np.asarray(prompt_lens, np.int32) - 1
-  steps = max_len - 1 - int(pos.min()) if num_steps is None else num_steps
-  tokens, pos = jnp.asarray(tokens), jnp.asarray(pos)
-  for _ in range(steps):
-    nxt = fwd(padded_params, tokens, pos)
-    live = pos + 1 < max_len
-    tokens = _put(tokens, jnp.where(live, pos + 1, -1), nxt)
-    pos = jnp.where(live, pos + 1, pos)
-  return np.asarray(jax.device_get(tokens))
 
 
 def _prompt_shape(name: str, inputs) -> tuple[int, int, int]:

@@ -3,9 +3,10 @@
 Every dataset of `RunConfig.datasets` other than 'train' is an eval set. One eval
 pass runs `eval_steps` batches, or the whole of a finite dataset. A partial last
 batch is padded to the full batch with weight-0 rows, so it compiles nothing new
-and its padding counts nowhere. Metrics are summed on the host in float64 from the
-step's `loss_sum` and `num_tokens` (replicated scalars): the loss is the mean over
-real tokens, whatever the batch split or mesh.
+and its padding counts nowhere. Whatever metrics the model returns (`Weighted` sums and
+weights, spmdtask.model) are summed on the host in float64 over the batches and reported
+as sum / weight: e.g. the loss is the mean over real tokens, whatever the batch split
+or mesh.
 """
 import json
 import math
@@ -54,24 +55,27 @@ def _batches(name: str, inputs, eval_steps: int | None):
   return (next(it) for _ in range(n))
 
 
-def evaluate(program, padded_state, inputs, eval_steps: int | None = None,
+def evaluate(program, state, inputs, eval_steps: int | None = None,
              name: str = "eval") -> dict[str, float]:
-  """One eval pass of `inputs` with `program.steps.eval`.
+  """One eval pass of `inputs` with `program.eval`.
 
-  Returns {'loss', 'perplexity', 'num_tokens', 'num_batches'}: loss is
-  sum(token loss · weight) / sum(weight) over every batch.
+  Returns every model metric as sum(value · weight) / sum(weight) over every batch,
+  plus `weight` (the loss's summed weight, e.g. real tokens or examples) and
+  `num_batches`.
   """
   rows = getattr(inputs, "local_batch_size", None)
   results = []
   for local in _batches(name, inputs, eval_steps):
     rows = rows or next(iter(local.values())).shape[0]
-    results.append(program.steps.eval(padded_state, program.global_batch(pad_batch(local, rows))))
+    results.append(program.eval(state, program.global_batch(pad_batch(local, rows))))
   fetched = jax.device_get(results)
-  loss_sum = math.fsum(float(m["loss_sum"]) for m in fetched)
-  tokens = math.fsum(float(m["num_tokens"]) for m in fetched)
-  loss = loss_sum / tokens if tokens else float("nan")
-  return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "num_tokens": tokens,
-          "num_batches": float(len(fetched))}
+  out = {}
+  for key in (fetched[0] if fetched else {}):
+    total = math.fsum(float(m[key].weight) for m in fetched)
+    out[key] = math.fsum(float(m[key].sum) for m in fetched) / total if total else float("nan")
+  out["weight"] = math.fsum(float(m["loss"].weight) for m in fetched)
+  out["num_batches"] = float(len(fetched))
+  return out
 
 
 def write(job_log_dir: str | None, name: str, step: int, metrics: dict[str, float]) -> None:
@@ -109,7 +113,7 @@ def run_eval(run, program, restore: Callable[[int | None], tuple[Any, int]], job
 
   Args:
     run: the built RunConfig.
-    program: `loop.setup(...)` for run.task.
+    program: `program.setup(...)` for run.task.
     restore: `step | None -> (padded_state, step)`, e.g. checkpoints.restore_state bound to
       job_log_dir and program; raises ConfigError when there is no checkpoint.
     restore_step: the step to evaluate; None = the latest.

@@ -120,8 +120,11 @@ def log_to_job_dir(job_log_dir: str) -> None:
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
   # pylint: disable-next=g-import-not-at-top
-  from spmdtask import checkpoints, decoding, evaluation, loop
-  program = loop.setup(run_cfg.task, run_cfg.datasets["train"].batch_at(0))
+  from spmdtask import checkpoints, decoding, evaluation, program as program_lib
+  task = run_cfg.task
+  if _MODE.value == "decode":
+    task = decoding.decode_task(task)
+  program = program_lib.setup(task, run_cfg.datasets["train"].batch_at(0))
 
   def restore(step):
     return checkpoints.restore_state(job_log_dir, program, step)

@@ -4,11 +4,12 @@ A split-dims mapping is carried as a `PartitionSpec` with one entry per tensor
 dim. Nothing here touches devices: a mesh is given as `{axis_name: size}`.
 """
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.errors import ConfigError
@@ -81,11 +82,77 @@ def validate_tree(shapes, splits, mesh_shape: MeshShape, what: str) -> None:
   jax.tree_util.tree_map_with_path(check, shapes, splits)
 
 
-def opt_state_split_dims(opt_shapes, param_shapes, param_splits):
-  """A split-dims mapping for every optimizer-state leaf.
+@runtime_checkable
+class DeclaresSplitDims(Protocol):
+  """An optimizer-state node (e.g. an optax state NamedTuple) that says how it is split.
+
+  `split_dims(param_splits)` gets the params' PartitionSpecs and returns PartitionSpecs for
+  this node's leaves, in a tree of the node's structure. Use it for state the generic
+  rules cannot place, e.g. a Shampoo-style [d, d] preconditioner per param.
+  """
+
+  def split_dims(self, param_splits) -> Any:
+    ...
+
+
+REPLICATED_WARN_BYTES = 1 << 20
+
+
+def opt_state_split_dims(tx, opt_shapes, param_shapes, param_splits) -> tuple[Any, list[str]]:
+  """A PartitionSpec for every optimizer-state leaf, and warnings about replicated ones.
+
+  In order of precedence:
+    1. a state node that declares its split dims (`DeclaresSplitDims`);
+    2. a leaf that optax itself identifies as a copy of the params
+       (`optax.tree_map_params`: Adam's moments, momentum, ...) and has its param's
+       shape gets its param's spec;
+    3. the path/shape fallback (`_fallback_split_dims`): Adafactor's factored
+       statistics drop the reduced dim's entry; anything else is replicated.
+  The warnings name every leaf above 1 MiB that ends up replicated while the param it
+  belongs to is split (it costs the full array on every device).
+  """
+  def paths(tree):
+    return {tuple(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: x is None or _is_spec(x))[0]}
+
+  declared = {}
+  def visit(path, node):
+    if isinstance(node, DeclaresSplitDims):
+      for sub, spec in paths(node.split_dims(param_splits)).items():
+        declared[tuple(path) + sub] = spec
+  jax.tree_util.tree_map_with_path(visit, opt_shapes,
+                                   is_leaf=lambda x: isinstance(x, DeclaresSplitDims))
+  # optax matches by tree structure (Adafactor's v_row mirrors the params' tree too), so
+  # only a leaf of its param's shape takes the param's spec.
+  from_params = paths(optax.tree_utils.tree_map_params(
+      tx, lambda leaf, spec, param: spec if tuple(leaf.shape) == tuple(param.shape) else None,
+      opt_shapes, param_splits, param_shapes, transform_non_params=lambda _: None))
+  fallback, owners = _fallback_split_dims(opt_shapes, param_shapes, param_splits)
+  fallback = paths(fallback)
+  warnings = []
+
+  def choose(path, leaf):
+    path = tuple(path)
+    spec = next(c for c in (declared.get(path), from_params.get(path), fallback[path])
+                if c is not None)
+    owner = owners.get(path)
+    size = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    if (size > REPLICATED_WARN_BYTES and not any(entry_axes(e) for e in spec)
+        and owner is not None and any(entry_axes(e) for e in owner)):
+      warnings.append(
+          f"optimizer state {path_str(path)!r} {tuple(leaf.shape)} ({size / 2**20:.1f} MiB) is "
+          f"replicated on every device while its param is split {owner}: give its "
+          "transformation's state a split_dims(param_splits) method (DeclaresSplitDims).")
+    return spec
+
+  return jax.tree_util.tree_map_with_path(choose, opt_shapes), warnings
+
+
+def _fallback_split_dims(opt_shapes, param_shapes, param_splits):
+  """The path/shape rule, and the split of the param each leaf belongs to (by path).
 
   An optax state leaf whose path ends with a param's path belongs to that param:
-    - same shape as the param (moments): the param's mapping;
+    - same shape as the param: the param's mapping;
     - the param's shape with one dim removed (Adafactor's factored row/column
       statistics): the param's mapping with that dim's entry removed;
     - anything else (scalars, placeholder (1,) arrays): replicated.
@@ -95,6 +162,7 @@ def opt_state_split_dims(opt_shapes, param_shapes, param_splits):
       jax.tree_util.tree_flatten_with_path(param_shapes)[0],
       jax.tree_util.tree_flatten_with_path(param_splits, is_leaf=_is_spec)[0])}
   depth = sorted({len(p) for p in params}, reverse=True)  # longest match first
+  owners = {}
 
   def owner(path):
     for n in depth:
@@ -106,6 +174,7 @@ def opt_state_split_dims(opt_shapes, param_shapes, param_splits):
     (pshape, psplit), parent = owner(path)
     if pshape is None:
       return replicated(leaf)
+    owners[tuple(path)] = psplit
     shape, full = tuple(leaf.shape), tuple(pshape.shape)
     if shape == full:
       return psplit
@@ -115,7 +184,7 @@ def opt_state_split_dims(opt_shapes, param_shapes, param_splits):
         return P(*(e for i, e in enumerate(psplit) if i != removed))
     return replicated(leaf)
 
-  return jax.tree_util.tree_map_with_path(split_of, opt_shapes)
+  return jax.tree_util.tree_map_with_path(split_of, opt_shapes), owners
 
 
 def _removed_dim(full: tuple[int, ...], reduced: tuple[int, ...], field: str | None) -> int | None:

@@ -1,8 +1,8 @@
-"""The partitioner's step builders: jitted train / eval steps on a mesh.
+"""The pure step functions, and `partition`, the one place that wraps `jax.jit`.
 
-`partition` is the one place that wraps `jax.jit`. Steps take the padded
-on-device state, slice it to logical shapes, do the math, and pad it back, so
-padding never reaches the loss, the gradients or the optimizer statistics.
+Steps take the padded on-device state, slice it to logical shapes, do the math, and
+pad it back, so padding never reaches the loss, the gradients or the optimizer
+statistics. They know a model only through `spmdtask.model.Model`.
 """
 import dataclasses
 from typing import Any, Callable
@@ -14,6 +14,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from spmdtask import sharding
+from spmdtask.model import Metrics
 from spmdtask.train_state import StateLayout, TrainState, create
 
 
@@ -45,42 +46,87 @@ def partition(fn: Callable, mesh: Mesh, in_specs, out_specs, donate_argnums=()) 
                              donate_argnums=donate_argnums), mesh)
 
 
+def microbatches(batch, num_microbatches: int):
+  """[B, ...] leaves -> [M, B/M, ...]; microbatch m holds rows m, m+M, ... (a strided split,
+  so a batch dim sharded over the data axes stays sharded inside every microbatch)."""
+  m = num_microbatches
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1),
+                      batch)
+
+
+def reported(metrics: Metrics) -> dict[str, jax.Array]:
+  """Weighted metrics -> replicated scalars sum / weight (0 where the weight is 0)."""
+  return {k: m.sum / jnp.maximum(m.weight, jnp.finfo(jnp.float32).tiny)
+          for k, m in metrics.items()}
+
+
+def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
+                   num_microbatches: int = 1) -> tuple[jax.Array, Metrics, Any]:
+  """(loss, metrics, grads) of the whole batch, accumulating over microbatches in a scan.
+
+  With M > 1 the gradient of each microbatch's `loss · weight` (its loss sum) is
+  accumulated, then divided by the total weight: exactly the whole batch's gradient.
+  Microbatch i's dropout rng is fold_in(rng, i).
+  """
+  def loss_fn(p, b, key):
+    return model.apply({"params": p}, b, method=model.loss, rngs={"dropout": key})
+
+  if num_microbatches == 1:
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+    return loss, metrics, grads
+
+  def summed_loss(p, b, key):
+    loss, metrics = loss_fn(p, b, key)
+    return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
+
+  def body(acc, xs):
+    i, mb = xs
+    (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(
+        params, mb, jax.random.fold_in(rng, i))
+    return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+  mbs = microbatches(batch, num_microbatches)
+  one = jax.tree.map(lambda x: x[0], mbs)
+  metric_shapes = jax.eval_shape(lambda: loss_fn(params, one, rng)[1])
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+  (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(num_microbatches), mbs))
+  total = jnp.maximum(metrics["loss"].weight, jnp.finfo(jnp.float32).tiny)
+  grads = jax.tree.map(lambda g: g / total, grads)
+  return metrics["loss"].sum / total, metrics, grads
+
+
 def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
-                  layout: StateLayout, seed: int) -> Callable:
+                  layout: StateLayout, seed: int, num_microbatches: int = 1) -> Callable:
   """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.
 
-  Metrics are replicated scalars: loss, grad_norm, param_norm (of the params the step
-  started from), learning_rate (the step's), num_tokens.
-  Dropout's rng is fold_in(seed, step), so it depends on neither the mesh nor a restart.
+  Metrics are replicated scalars: loss, every model metric (sum / weight over the
+  batch), grad_norm, param_norm (of the params the step started from) and
+  learning_rate (the step's). Dropout's rng is fold_in(seed, step), so it depends on
+  neither the mesh nor a restart.
   """
   def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
     state = sharding.unpad(padded, layout.logical)
     rng = jax.random.fold_in(jax.random.key(seed), state.step)
-
-    def loss_fn(params):
-      return model.apply({"params": params}, batch, method=model.loss, rngs={"dropout": rng})
-
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    loss, metrics, grads = loss_and_grads(model, state.params, batch, rng, num_microbatches)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # optax.tree.norm is what clip_by_global_norm computes, so XLA shares the work; the
     # param norm is of the params the step started from, off the update's critical path.
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
-               "param_norm": optax.tree.norm(state.params),
-               "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
-               "num_tokens": aux["num_tokens"]}
+    out = {**reported(metrics), "loss": loss, "grad_norm": optax.tree.norm(grads),
+           "param_norm": optax.tree.norm(state.params),
+           "learning_rate": jnp.asarray(schedule(state.step), jnp.float32)}
     new = TrainState(state.step + 1, params, opt_state)
-    return sharding.pad(new, layout.padded), metrics
+    return sharding.pad(new, layout.padded), out
 
   return step
 
 
 def eval_step_fn(model: nn.Module, layout: StateLayout) -> Callable:
-  """The pure eval step `(padded_state, batch) -> {'loss_sum', 'num_tokens', 'loss'}`."""
-  def step(padded: TrainState, batch) -> dict:
+  """The pure eval step `(padded_state, batch) -> Metrics` (sums and weights, to aggregate)."""
+  def step(padded: TrainState, batch) -> Metrics:
     params = sharding.unpad(padded.params, layout.logical.params)
-    loss, aux = model.apply({"params": params}, batch, method=model.loss)
-    return {"loss": loss, **aux}
+    return model.apply({"params": params}, batch, method=model.loss)[1]
   return step
 
 
@@ -90,40 +136,3 @@ def init_fn(model: nn.Module, tx: optax.GradientTransformation, layout: StateLay
   def init():
     return sharding.pad(create(model, tx, jax.random.key(seed), example_batch), layout.padded)
   return init
-
-
-@dataclasses.dataclass(frozen=True)
-class Steps:
-  """The jitted programs of one task on one mesh.
-
-  to_logical / to_padded convert the whole train state between its on-device padded
-  layout and logical arrays (split by `logical_split`), e.g. for checkpoints.
-  to_logical returns fresh buffers, so its input may be donated later.
-  """
-  init: Partitioned
-  train: Partitioned
-  eval: Partitioned
-  to_logical: Partitioned
-  to_padded: Partitioned
-  batch_specs: Any
-  logical_split: TrainState
-
-
-def build(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
-          layout: StateLayout, mesh: Mesh, batch_specs, example_batch, seed: int) -> Steps:
-  """Jits init (sharded output), train (state donated) and eval on `mesh`."""
-  metrics_spec = jax.sharding.PartitionSpec()
-  init = partition(init_fn(model, tx, layout, example_batch, seed), mesh, (), layout.split)
-  train = partition(train_step_fn(model, tx, schedule, layout, seed), mesh,
-                    (layout.split, batch_specs), (layout.split, metrics_spec), donate_argnums=(0,))
-  evaluate = partition(eval_step_fn(model, layout), mesh, (layout.split, batch_specs),
-                       metrics_spec)
-  logical_split = sharding.even_splits(layout.logical, layout.split, dict(mesh.shape))
-  # `+ 0` gives fresh buffers even where unpad is a no-op: the train step donates its input.
-  to_logical = partition(
-      lambda st: jax.tree.map(lambda x: x + jnp.zeros((), x.dtype),
-                              sharding.unpad(st, layout.logical)),
-      mesh, (layout.split,), logical_split)
-  to_padded = partition(lambda st: sharding.pad(st, layout.padded), mesh, (logical_split,),
-                        layout.split)
-  return Steps(init, train, evaluate, to_logical, to_padded, batch_specs, logical_split)

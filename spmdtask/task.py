@@ -6,6 +6,7 @@ import flax.linen as nn
 import optax
 
 from spmdtask.errors import ConfigError
+from spmdtask.pipeline.spmd import PipelineConfig
 
 # A split-dims mapping: one entry per tensor dim; None, a mesh axis, or a tuple of axes.
 SplitDims = tuple[None | str | tuple[str, ...], ...]
@@ -39,6 +40,10 @@ class TrainParams:
     eval_interval_steps: during --mode=train, evaluate every eval dataset every this
       many steps; 0 = never.
     eval_steps: batches per eval dataset; None = the whole (finite) dataset.
+    num_microbatches: gradient accumulation: each global batch is split into this many
+      microbatches (rows m, m + M, m + 2M, ... form microbatch m) whose gradients are
+      summed in a scan inside the step, then one optimizer update. The update equals
+      that of the whole batch; the step's activation memory falls with M.
   """
   num_train_steps: int = 100
   optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
@@ -54,6 +59,7 @@ class TrainParams:
   peak_flops_per_device: float = 1.3e11
   eval_interval_steps: int = 0
   eval_steps: int | None = None
+  num_microbatches: int = 1
 
   def schedule(self) -> Callable[[Any], Any]:
     lr = self.learning_rate
@@ -96,17 +102,21 @@ class DecodeParams:
 
 @dataclasses.dataclass
 class Task:
-  """A model on a mesh, and its train params.
+  """A model on a mesh, how it executes, and its train params.
 
   Attributes:
-    model: a Flax module with a `loss(batch) -> (loss, aux)` method and weights
-      created with split-dims metadata (`nn.with_partitioning`).
+    model: a Flax module implementing `spmdtask.model.Model` (`loss(batch) ->
+      (loss, metrics)`, ...) with weights created with split-dims metadata
+      (`nn.with_partitioning`).
     mesh_axis_names: names of the mesh axes, e.g. ('data', 'fsdp', 'model').
     ici_mesh_shape: mesh shape within a slice/host group; one entry may be -1
       (fills the remaining devices).
     dcn_mesh_shape: mesh shape across slices; None = all ones. The full mesh is
       the element-wise product with ici_mesh_shape.
     data_axes: mesh axes the batch dim is split over by default.
+    pipeline: how the model's layer stack runs: None = a scan; a `PipelineConfig` =
+      the SPMD pipeline over the `stage` mesh axis (needs a `spmdtask.model.Stacked`
+      model). Checkpoints do not depend on it.
     train: TrainParams.
     decode: DecodeParams, for --mode=decode.
   """
@@ -115,6 +125,7 @@ class Task:
   ici_mesh_shape: tuple[int, ...] = (-1, 1, 1)
   dcn_mesh_shape: tuple[int, ...] | None = None
   data_axes: tuple[str, ...] = ("data", "fsdp")
+  pipeline: PipelineConfig | None = None
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
   decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
 

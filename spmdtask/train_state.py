@@ -6,6 +6,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask import sharding
@@ -63,6 +64,9 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
   param_split = jax.tree.map(_split_of_box, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   logical = jax.eval_shape(lambda: create(model, tx, rng, example_batch))
   sharding.validate_tree(logical.params, param_split, mesh_shape, "weight")
-  split = TrainState(P(), param_split,
-                     sharding.opt_state_split_dims(logical.opt_state, logical.params, param_split))
+  opt_split, warnings = sharding.opt_state_split_dims(tx, logical.opt_state, logical.params,
+                                                      param_split)
+  for w in warnings:
+    logging.warning("%s", w)
+  split = TrainState(P(), param_split, opt_split)
   return StateLayout(logical, sharding.padded_shapes(logical, split, mesh_shape), split)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests import subproc as h
-from spmdtask import checkpoints, loop, main
+from spmdtask import checkpoints, loop, main, program as program_lib
 from spmdtask.errors import ConfigError
 
 BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
@@ -22,7 +22,7 @@ BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
 
 def _program(exp="TinyLm", *overrides):
   run = fdl.build(main.resolved_config(exp, list(overrides)))
-  return loop.setup(run.task, run.datasets["train"].batch_at(0))
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
 
 
 def _steps(job):
@@ -156,7 +156,7 @@ def test_sigterm_saves_at_current_step_and_exits_zero(tmp_path):
 
 def test_warm_start_loads_params_with_fresh_optimizer(reference_job):
   program = _program()
-  fresh = program.steps.init()
+  fresh = program.init()
   fresh_opt = jax.device_get(fresh.opt_state)
   warm = checkpoints.warm_start(reference_job, program, fresh)
   ref, _ = checkpoints.restore_state(reference_job, program)
@@ -170,7 +170,7 @@ def test_warm_start_loads_params_with_fresh_optimizer(reference_job):
 
 def test_warm_start_shape_mismatch_lists_variables(reference_job):
   program = _program("TinyLm", "task.model.d_ff=256")
-  want = r"3 mismatched variable.*layers/mlp/wi: checkpoint \(4, 128, 512\) float32, model \(4, 128"
+  want = r"3 mismatched variable.*layers/block/mlp/wi: checkpoint \(4, 128, 512\) float32, model \(4, 128"
   with pytest.raises(ConfigError, match=want):
     checkpoints.warm_start(reference_job, program, None)
 
@@ -180,7 +180,7 @@ def test_bad_input_is_a_config_error_and_overwrites_nothing(reference_job, tmp_p
   # A checkpoint of a different model.
   r = h.run(h.main_cmd("TinyLm", reference_job, *BASE, "task.model.d_ff=256"))
   assert r.returncode == 2 and "mismatched variable" in r.stderr, r.stderr[-2000:]
-  assert "layers/mlp/wi: checkpoint (4, 128, 512) float32, model (4, 128, 256)" in r.stderr
+  assert "layers/block/mlp/wi: checkpoint (4, 128, 512) float32, model (4, 128, 256)" in r.stderr
   # A restore step that does not exist.
   r = h.run(h.main_cmd("TinyLm", reference_job, *BASE, flags=["--restore_step=5"]))
   assert r.returncode == 2 and "Available steps: [4, 8, 12]" in r.stderr, r.stderr[-2000:]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from configs import lm
-from spmdtask import checkpoints, decoding, experiment, sharding
+from spmdtask import checkpoints, decoding, experiment, program as program_lib
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.task import DecodeParams
-from tests import util
+from tests import oracles, util
 
 MAX_LEN = 20
 PROMPTS = SyntheticPromptInput(batch_size=8, prompt_len=8, min_prompt_len=2, vocab_size=256,
@@ -51,7 +51,7 @@ SAMPLED = DecodeParams(max_decode_len=MAX_LEN, temperature=0.9, top_k=40, top_p=
 def test_cache_matches_repeated_full_forward(exp, num_devices):
   program, params = program_and_params(exp, num_devices)
   out = decode(exp, num_devices, GREEDY)
-  ref = decoding.greedy_without_cache(program, params, PROMPTS["prompts"],
+  ref = oracles.greedy_without_cache(program, params, PROMPTS["prompts"],
                                       PROMPTS["prompt_lens"], MAX_LEN)
   assert len(out) == 8
   for row in out:
@@ -136,7 +136,7 @@ def _run(**decode):
 
 def test_decode_mode_writes_jsonl_and_reports_bad_input(tmp_path):
   program, params = program_and_params("TinyLm", 8)
-  state = program.steps.init()
+  state = program.init()
   files = decoding.run_decode(_run(), program, lambda step: (state, 0), str(tmp_path))
   lines = [json.loads(l) for l in open(files["prompts"])]
   assert files["prompts"] == str(tmp_path / "decoder_out" / "prompts_step0.jsonl")
@@ -157,11 +157,16 @@ def test_decode_mode_writes_jsonl_and_reports_bad_input(tmp_path):
 
 
 def test_pipelined_lm_decodes_unpipelined():
-  """TinyLmPipeline (stage 2 x data 2 x model 2) decodes like its scanned twin on 1 device."""
-  out = decode("TinyLmPipeline", 8, GREEDY)
-  program, params = program_and_params("TinyLmPipeline", 8)
-  logical = jax.device_get(sharding.unpad(params, program.layout.logical.params))
-  _, scanned = decoding.unpipelined(program.task.model, logical)
-  assert scanned["layers"]["mlp"]["wi"].shape[0] == program.task.model.num_layers
-  ref = decoding.decode_batch(decoder("TinyLm", 1, GREEDY), scanned, PROMPTS, 8)
+  """TinyLmPipeline's state (stage 2 x data 2 x model 2) decodes, unpipelined on the same
+  mesh through the canonical layout, like TinyLm on 1 device."""
+  pipelined, state = util.program_and_state("TinyLmPipeline", 8)
+  canonical = pipelined.to_canonical(state)
+  run = util.build_run("TinyLmPipeline")
+  program = program_lib.setup(decoding.decode_task(run.task), run.datasets["train"].batch_at(0))
+  assert program.task.pipeline is None and dict(program.mesh.shape)["stage"] == 2
+  out = decoding.decode_batch(decoding.build(program, GREEDY, 8, PROMPTS["prompts"].shape[1]),
+                              program.from_canonical(canonical).params, PROMPTS, 8)
+  ref_program, _ = program_and_params("TinyLm", 1)
+  ref_params = ref_program.from_canonical(jax.device_get(canonical)).params
+  ref = decoding.decode_batch(decoder("TinyLm", 1, GREEDY), ref_params, PROMPTS, 8)
   assert out == ref and len(out) == 8

@@ -58,6 +58,6 @@ def test_eval_and_decode_on_two_processes_match_one(tmp_path):
     with open(os.path.join(job, "decoder_out", "prompts_step2.jsonl")) as f:
       outputs.append((metrics, [json.loads(l) for l in f]))
   (one_metrics, one_tokens), (two_metrics, two_tokens) = outputs
-  assert two_metrics["num_tokens"] == one_metrics["num_tokens"] > 0
+  assert two_metrics["weight"] == one_metrics["weight"] > 0
   np.testing.assert_allclose(two_metrics["loss"], one_metrics["loss"], rtol=1e-6)
   assert two_tokens == one_tokens and len(one_tokens) > 0

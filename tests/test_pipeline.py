@@ -191,7 +191,7 @@ def _cfg(**kw):
             8,
             (2, 4),
             ("stage", "data"),
-            "model.pipeline.circular_repeat",
+            "task.pipeline.circular_repeat",
         ),
         (
             _cfg(num_stages=4, circular_repeat=2, num_microbatches=2),
@@ -199,7 +199,7 @@ def _cfg(**kw):
             8,
             (4, 2),
             ("stage", "data"),
-            "model.pipeline.num_microbatches",
+            "task.pipeline.num_microbatches",
         ),
         (
             _cfg(num_microbatches=3),
@@ -207,7 +207,7 @@ def _cfg(**kw):
             8,
             (2, 4),
             ("stage", "data"),
-            "model.pipeline.num_microbatches",
+            "task.pipeline.num_microbatches",
         ),
         (
             _cfg(num_microbatches=None, microbatch_size=3),
@@ -215,7 +215,7 @@ def _cfg(**kw):
             8,
             (2, 4),
             ("stage", "data"),
-            "model.pipeline.microbatch_size",
+            "task.pipeline.microbatch_size",
         ),
         (
             _cfg(microbatch_size=2),
@@ -223,7 +223,7 @@ def _cfg(**kw):
             8,
             (2, 4),
             ("stage", "data"),
-            "model.pipeline.microbatch_size",
+            "task.pipeline.microbatch_size",
         ),
         (_cfg(num_stages=4), 4, 8, (2, 4), ("stage", "data"), "task.ici_mesh_shape"),
         (_cfg(), 4, 8, (8,), ("data",), "task.mesh_axis_names"),
@@ -233,7 +233,7 @@ def _cfg(**kw):
             8,
             (2, 4),
             ("stage", "data"),
-            "model.pipeline.remat_policy",
+            "task.pipeline.remat_policy",
         ),
     ],
 )
@@ -247,7 +247,7 @@ def test_config_errors_name_the_field(cfg, num_layers, batch, mesh_shape, axes, 
 def test_pipeline_apply_rejects_wrong_weight_layout():
   mesh = make_mesh((2, 2, 2))
   params, x = make_inputs(4, 8)
-  with pytest.raises(ConfigError, match="model.pipeline.circular_repeat"):
+  with pytest.raises(ConfigError, match="task.pipeline.circular_repeat"):
     pl.pipeline_apply(
         layer, pl.to_stages(params, 2, 1), x, mesh=mesh, config=_cfg(circular_repeat=2)
     )

@@ -43,7 +43,7 @@ def test_validate_names_the_field(split, msg):
 def _opt_splits(tx, params, splits):
   shapes = jax.tree.map(lambda x: sds(*x.shape), params)
   opt = jax.eval_shape(tx.init, shapes)
-  return opt, sharding.opt_state_split_dims(opt, shapes, splits)
+  return opt, sharding.opt_state_split_dims(tx, opt, shapes, splits)[0]
 
 
 def test_adamw_moments_take_the_param_spec_counters_replicated():

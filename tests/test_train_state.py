@@ -3,14 +3,14 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import loop, sharding
+from spmdtask import program as program_lib, sharding
 from tests import util
 
 
 def _setup(exp):
   run = util.build_run(exp)
-  program = loop.setup(run.task, run.datasets["train"].batch_at(0))
-  return program, program.steps.init()
+  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  return program, program.init()
 
 
 def test_every_leaf_has_its_derived_sharding():
@@ -22,14 +22,14 @@ def test_every_leaf_has_its_derived_sharding():
     want = NamedSharding(program.mesh, split)
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (sharding.path_str(path),
                                                              leaf.sharding, split)
-  layer_split = program.layout.split.params["layers"]
+  layer_split = program.layout.split.params["layers"]["block"]
   assert layer_split["mlp"]["wi"] == P(None, "fsdp", "model")  # scan adds the layer dim
   assert layer_split["attn"]["o"] == P(None, "model", None, "fsdp")
   adam = program.layout.split.opt_state[1][0]
-  assert adam.mu["layers"]["mlp"]["wi"] == P(None, "fsdp", "model")
+  assert adam.mu["layers"]["block"]["mlp"]["wi"] == P(None, "fsdp", "model")
   assert adam.nu["embedding"] == P("model", "fsdp") and adam.count == P()
   # Each shard really is the slice: a [L, d, ff] weight on fsdp 2 x model 2.
-  wi = state.params["layers"]["mlp"]["wi"]
+  wi = state.params["layers"]["block"]["mlp"]["wi"]
   assert {s.data.shape for s in wi.addressable_shards} == {(4, 64, 256)}
 
 

@@ -5,7 +5,7 @@ import fiddle as fdl
 import jax
 import numpy as np
 
-from spmdtask import loop, main, sharding
+from spmdtask import loop, main, program as program_lib, sharding
 
 
 def build_run(exp: str, overrides=(), edit=None):
@@ -20,19 +20,13 @@ def build_run(exp: str, overrides=(), edit=None):
 
 
 def train_steps(exp: str, num_steps: int, devices=None, overrides=(), edit=None):
-  """Trains on `devices` (all by default).
+  """Trains `num_steps` steps with the production loop on `devices` (all by default).
 
-  Returns (losses, logical params as numpy, program, padded state).
+  Returns (losses, canonical params as numpy, program, live state).
   """
-  run = build_run(exp, overrides, edit)
-  inputs = run.datasets["train"]
-  program = loop.setup(run.task, inputs.batch_at(0), devices=devices)
-  state = program.steps.init()
-  losses = []
-  for _ in range(num_steps):
-    state, metrics = program.steps.train(state, program.global_batch(next(inputs)))
-    losses.append(float(metrics["loss"]))
-  params = jax.device_get(sharding.unpad(state.params, program.layout.logical.params))
+  run = build_run(exp, list(overrides) + [f"task.train.num_train_steps={num_steps}"], edit)
+  state, program, losses = loop.train(run, devices=devices)
+  params = jax.device_get(program.to_canonical(state).params)
   return np.asarray(losses), params, program, state
 
 
@@ -56,6 +50,6 @@ def program_and_state(exp: str, num_devices: int):
     run = build_run(exp)
     overrides = [f"task.ici_mesh_shape={(1,) * len(run.task.mesh_axis_names)}"]
   run = build_run(exp, overrides)
-  program = loop.setup(run.task, run.datasets["train"].batch_at(0),
-                       devices=jax.devices()[:num_devices])
-  return program, program.steps.init()
+  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0),
+                              devices=jax.devices()[:num_devices])
+  return program, program.init()

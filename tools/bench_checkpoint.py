@@ -35,15 +35,15 @@ def main() -> None:
 
   run = fdl.build(main_lib.resolved_config(args.exp, args.fdl_set))
   inputs = run.datasets["train"]
-  program = loop.setup(run.task, inputs.batch_at(0))
-  state = program.steps.init()
+  program = program_lib.setup(run.task, inputs.batch_at(0))
+  state = program.init()
   batch = program.global_batch(inputs.batch_at(0))
   n_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(program.layout.logical))
 
   def train(k):
     nonlocal state
     for _ in range(k):
-      state, m = program.steps.train(state, batch)
+      state, m = program.train(state, batch)
     jax.block_until_ready(m)
 
   train(2)  # compile

@@ -8,16 +8,16 @@ import time
 import bench_common  # pylint: disable=unused-import  (sets 8 CPU devices first)
 import jax
 
-from spmdtask import loop
+from spmdtask import program as program_lib
 from spmdtask.inputs import global_batch
 
 
 def compile_seconds(exp: str, num_layers: int) -> float:
   run = bench_common.build(exp, [f"task.model.num_layers={num_layers}"])
   local = run.datasets["train"].batch_at(0)
-  program = loop.setup(run.task, local)
+  program = program_lib.setup(run.task, local)
   t = time.perf_counter()
-  program.steps.train.lower(program.layout.padded, global_batch.global_shapes(local)).compile()
+  program.train.lower(program.layout.padded, global_batch.global_shapes(local)).compile()
   return time.perf_counter() - t
 
 

@@ -17,9 +17,10 @@ import fiddle as fdl
 import jax
 
 from configs import lm
-from spmdtask import decoding, loop
+from spmdtask import decoding, program as program_lib
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.task import DecodeParams
+from tests import oracles  # the no-cache greedy decoder is the baseline
 
 
 def bench(new_tokens: int, batch: int, prompt_len: int) -> dict:
@@ -27,23 +28,23 @@ def bench(new_tokens: int, batch: int, prompt_len: int) -> dict:
   exp = lm.TinyLm()
   task = fdl.build(exp.task())
   task.model = dataclasses.replace(task.model, max_seq_len=max_len)
-  program = loop.setup(task, fdl.build(exp.datasets()["train"]).batch_at(0))
-  params = program.steps.init().params
+  program = program_lib.setup(task, fdl.build(exp.datasets()["train"]).batch_at(0))
+  params = program.init().params
   prompts = SyntheticPromptInput(batch_size=batch, prompt_len=prompt_len,
                                  min_prompt_len=prompt_len, num_examples=batch).batch_at(0)
   dp = DecodeParams(max_decode_len=max_len)
   decoder = decoding.build(program, dp, batch, prompt_len)
-  fwd = decoding.build_full_forward(program)
+  fwd = oracles.build_full_forward(program)
   # Compile both (one full run of the cached decoder, two baseline steps).
   decoding.decode_batch(decoder, params, prompts, batch, check_every=1 << 30)
-  decoding.greedy_without_cache(program, params, prompts["prompts"], prompts["prompt_lens"],
+  oracles.greedy_without_cache(program, params, prompts["prompts"], prompts["prompt_lens"],
                                 max_len, num_steps=2, fwd=fwd)
 
   t0 = time.perf_counter()
   out = decoding.decode_batch(decoder, params, prompts, batch, check_every=1 << 30)
   t_cache = time.perf_counter() - t0
   t0 = time.perf_counter()
-  ref = decoding.greedy_without_cache(program, params, prompts["prompts"],
+  ref = oracles.greedy_without_cache(program, params, prompts["prompts"],
                                       prompts["prompt_lens"], max_len, fwd=fwd)
   t_full = time.perf_counter() - t0
   assert all(r["output_ids"] == ref[r["id"], prompt_len:].tolist() for r in out), "mismatch"

@@ -11,14 +11,14 @@ import time
 import bench_common  # pylint: disable=unused-import  (sets 8 CPU devices first)
 import jax
 import optax
-from spmdtask import loop, steps
+from spmdtask import program as program_lib, steps
 
 
 def hand_written(program, model, tx, example_batch, seed):
   """The step a user would write by hand with jax.jit, optax and the same shardings."""
   mesh, split = program.mesh, program.layout.split
   named = functools.partial(steps.named_shardings, mesh)
-  batch_sh = named(program.steps.batch_specs)
+  batch_sh = named(program.batch_specs)
 
   def init():
     params = model.init(jax.random.key(seed), example_batch, method=model.loss)["params"]
@@ -49,17 +49,17 @@ def main():
   args = parser.parse_args()
   run = bench_common.build(args.exp, bench_common.REFERENCE_LM)
   inputs = run.datasets["train"]
-  program = loop.setup(run.task, inputs.batch_at(0))
+  program = program_lib.setup(run.task, inputs.batch_at(0))
   batch = program.global_batch(inputs.batch_at(0))
   init_batch = jax.tree.map(lambda x: x[:1], inputs.batch_at(0))
   hand, params, opt_state = hand_written(program, run.task.model, program.tx, init_batch,
                                          run.task.train.seed)
-  state = program.steps.init()
+  state = program.init()
 
   def time_framework(state):
     t = time.perf_counter()
     for _ in range(args.steps):
-      state, metrics = program.steps.train(state, batch)
+      state, metrics = program.train(state, batch)
     jax.block_until_ready(metrics)
     return state, (time.perf_counter() - t) / args.steps
 
@@ -81,7 +81,7 @@ def main():
     hw.append(t)
   f, h = statistics.median(fw), statistics.median(hw)
   tokens = inputs.batch_size * inputs.seq_len
-  flops = loop.model_flops_per_token(run.task, program.layout, inputs.seq_len) * tokens
+  flops = program.work.train_flops * inputs.batch_size
   n = sum(x.size for x in jax.tree.leaves(program.layout.logical.params))
   print(f"exp={args.exp} mesh={dict(program.mesh.shape)} params={n / 1e6:.2f}M "
         f"tokens/step={tokens}")

@@ -25,12 +25,13 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-           kv_pos: jax.Array) -> jax.Array:
-  """Causal grouped-query attention.
+           kv_pos: jax.Array, causal: bool = True) -> jax.Array:
+  """Grouped-query attention, causal unless `causal=False` (an encoder).
 
   Args:
     q: [b, t, heads, hd]; k, v: [b, s, kv_heads, hd], heads a multiple of kv_heads.
-    q_pos: [b, t] and kv_pos: [b, s] positions; query i sees keys with kv_pos <= q_pos[i].
+    q_pos: [b, t] and kv_pos: [b, s] positions; with `causal`, query i sees keys with
+      kv_pos <= q_pos[i]; without, every key.
   Returns:
     [b, t, heads, hd].
   """
@@ -39,8 +40,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (hd ** -0.5)
-  mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
-  scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  if causal:
+    mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
   return out.reshape(b, t, h, hd)
@@ -73,18 +75,20 @@ class Attention(nn.Module):
   """Projections q/k/v/o around `attend`.
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
+  Rotary positions unless `rope_theta` is None; causal unless `causal=False`.
   Called as `(x, positions, cache=None) -> (out, new_cache)`; new_cache is None without a cache.
   """
   d_model: int
   num_heads: int
   num_kv_heads: int
   head_dim: int
-  rope_theta: float
+  rope_theta: float | None
   dtype: jnp.dtype
   q_split: SplitDims
   kv_split: SplitDims
   o_split: SplitDims
   heads_act_split: SplitDims | None
+  causal: bool = True
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
@@ -97,7 +101,8 @@ class Attention(nn.Module):
     q = constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)), self.heads_act_split)
     k = constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)), self.heads_act_split)
     v = constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)), self.heads_act_split)
-    q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+    if self.rope_theta is not None:
+      q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
     if cache is None:
       kv_pos = positions
     else:
@@ -105,5 +110,5 @@ class Attention(nn.Module):
       v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
       cache = KvCache(k, v)
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
-    out = constrain(attend(q, k, v, positions, kv_pos), self.heads_act_split)
+    out = constrain(attend(q, k, v, positions, kv_pos, self.causal), self.heads_act_split)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), cache

@@ -6,11 +6,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spmdtask.pipeline import spmd as pipeline_lib
 from spmdtask import sharding
 from spmdtask.errors import ConfigError
-from spmdtask.layers.attention import Attention, KvCache
+from spmdtask.layers import stack as stack_lib
+from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
+from spmdtask.layers.block import Block, num_params, train_flops
+from spmdtask.model import Metrics, Weighted, Work
+from spmdtask.pipeline import spmd as pipeline_lib
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
 
@@ -37,77 +40,14 @@ class ActivationSplit:
   logits: SplitDims = (BATCH, None, "model")      # [batch, seq, vocab]
 
 
-class Mlp(nn.Module):
-  """Gated SwiGLU (`swiglu`) or plain GELU (`gelu`) feed-forward."""
-  d_model: int
-  d_ff: int
-  activation: str
-  dtype: jnp.dtype
-  in_split: SplitDims
-  out_split: SplitDims
-  ff_act_split: SplitDims | None
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    dt = self.dtype
-    w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-    h = constrain(x @ w_in.astype(dt), self.ff_act_split)
-    if self.activation == "swiglu":
-      w_gate = weight(self, "wg", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-      h = jax.nn.silu(constrain(x @ w_gate.astype(dt), self.ff_act_split)) * h
-    else:
-      h = jax.nn.gelu(h)
-    w_out = weight(self, "wo", (self.d_ff, self.d_model), self.out_split, dense_init(0, 1))
-    return h @ w_out.astype(dt)
-
-
-class Block(nn.Module):
-  """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)).
-
-  Called as `(x, positions, cache=None) -> (x, new_cache)` so that `nn.scan` can
-  stack it (the per-layer KV cache is scanned over the layer dim).
-  """
-  d_model: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  d_ff: int
-  mlp_activation: str
-  rope_theta: float
-  norm_eps: float
-  dropout_rate: float
-  dtype: jnp.dtype
-  wsplit: WeightSplit
-  asplit: ActivationSplit
-
-  def _dropout(self, x: jax.Array) -> jax.Array:
-    # Dropout only where the caller passed a 'dropout' rng (the train step does).
-    if self.dropout_rate == 0.0 or not self.has_rng("dropout"):
-      return x
-    return nn.Dropout(self.dropout_rate, deterministic=False)(x)
-
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
-    w, a = self.wsplit, self.asplit
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
-    h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         name="attn")(h, positions, cache)
-    x = constrain(x + self._dropout(h), a.embed)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
-    h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            name="mlp")(h)
-    return constrain(x + self._dropout(h), a.embed), cache
-
-
 class TransformerLm(nn.Module):
-  """Decoder-only LM. `loss(batch)` is the training objective; `__call__` gives logits.
+  """Decoder-only LM: implements spmdtask.model's `Model`, `Decodable` and `Stacked`.
 
-  Layers are stacked with `nn.scan` (one compiled layer body whatever the
-  depth), rematerialized under `remat_policy` (a `jax.checkpoint_policies` name,
-  or None). With `pipeline` set they are instead pipelined over the stage mesh
-  axis: weights [S, R, L/(S·R), ...] and `pipeline.pipeline_apply`. Params stay
-  float32; compute runs in `fprop_dtype`.
+  `loss(batch)` is the training objective; `__call__` gives logits. The layers are a
+  `LayerStack` (one compiled layer body whatever the depth, rematerialized under
+  `remat_policy`, a `jax.checkpoint_policies` name or None); the framework sets
+  `execution` from `task.pipeline` to pipeline them. Params stay float32; compute runs
+  in `fprop_dtype`.
   """
   vocab_size: int
   d_model: int
@@ -127,20 +67,35 @@ class TransformerLm(nn.Module):
   scan_unroll: int | bool = 1
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
-  pipeline: pipeline_lib.PipelineConfig | None = None
+  # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
+  execution: pipeline_lib.PipelineConfig | None = None
+
+  # ------------------------------------------------------------------ the model contract
 
   def validate(self, mesh, global_batch_size: int) -> None:
-    """Checks every split-dims field and the pipeline config; ConfigError names the field."""
+    """Checks every split-dims field and the pipeline; ConfigError names the field."""
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
-    if self.pipeline is not None:
-      pipeline_lib.validate(self.pipeline, num_layers=self.num_layers,
+    if self.execution is not None:
+      pipeline_lib.validate(self.execution, num_layers=self.num_layers,
                             batch_size=global_batch_size, mesh=mesh)
       if self.dropout_rate:
         raise ConfigError(
             f"task.model.dropout_rate={self.dropout_rate} is not supported with "
-            "task.model.pipeline set: set dropout_rate=0.0 or pipeline=None.")
+            "task.pipeline set: set dropout_rate=0.0 or task.pipeline=None.")
+
+  def work_per_example(self, example) -> Work:
+    """6·N·T + 12·L·d·T² train FLOPs (causal attention not halved) for T tokens."""
+    t = int(example["inputs"].shape[-1])
+    n = num_params(self.clone(execution=None), example)
+    return Work(train_flops(n, self.num_layers, self.d_model, t), t)
+
+  def with_pipeline(self, pipeline):
+    return self.clone(execution=pipeline)
+
+  def layout_maps(self):
+    return stack_lib.layout_map(("layers",), self.execution)
 
   def split_dims_fields(self) -> dict[str, tuple[SplitDims, tuple[int, ...]]]:
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
@@ -156,35 +111,7 @@ class TransformerLm(nn.Module):
                 (getattr(self.activation_split_dims_mapping, k), s) for k, s in acts.items()})
     return out
 
-  def _block_kwargs(self) -> dict:
-    return dict(d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                head_dim=self.head_dim, d_ff=self.d_ff, mlp_activation=self.mlp_activation,
-                rope_theta=self.rope_theta, norm_eps=self.norm_eps,
-                dropout_rate=self.dropout_rate, dtype=jnp.dtype(self.fprop_dtype),
-                wsplit=self.weight_split_dims_mapping, asplit=self.activation_split_dims_mapping)
-
-  def _pipelined_layers(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    pp = self.pipeline
-    s, r = pp.num_stages, pp.circular_repeat
-    # Weights [S, R, Lps, ...]: vmap once per leading dim, the outermost mapped to the stage axis.
-    stack = Block
-    for length, axis_name in ((self.num_layers // (s * r), None), (r, None), (s, pp.stage_axis)):
-      stack = nn.vmap(stack, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(None, None), out_axes=0, axis_size=length,
-                      metadata_params={nn.PARTITION_NAME: axis_name})
-    stack = stack(**self._block_kwargs(), name="layers")
-    if self.is_initializing():
-      stack(x, positions)  # creates the stacked weights; init needs no pipelined forward
-      return x
-    params = nn.unbox(self.variables["params"]["layers"])
-    block = Block(**self._block_kwargs())
-
-    def layer_fn(p, h, pos):
-      return block.apply({"params": p}, h, pos)[0]
-
-    # Every microbatch shares the positions of row 0 (the default positions are arange(t)).
-    return pipeline_lib.pipeline_apply(layer_fn, params, x, mesh=jax.sharding.get_abstract_mesh(),
-                                       config=pp, broadcast_args=(positions[:1],))
+  # ------------------------------------------------------------------ decoding (Decodable)
 
   def cache_shape(self, batch_size: int, max_len: int) -> KvCache:
     """ShapeDtypeStructs of an empty decode cache: [num_layers, batch, max_len, kv_heads, hd]."""
@@ -192,31 +119,26 @@ class TransformerLm(nn.Module):
     leaf = jax.ShapeDtypeStruct(shape, jnp.dtype(self.fprop_dtype))
     return KvCache(leaf, leaf)
 
-  def cache_split_dims(self) -> KvCache:
-    """The cache's split-dims mapping: [layers, *activation_split_dims_mapping.heads]."""
-    heads = tuple(self.activation_split_dims_mapping.heads)
-    return KvCache((None,) + heads, (None,) + heads)
+  def cache_split_dims(self, mesh_shape) -> KvCache:
+    """PartitionSpecs [layers, *activation_split_dims_mapping.heads]; KV heads that do not
+    divide their axes stay whole."""
+    heads = list(self.activation_split_dims_mapping.heads)
+    if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
+      heads[2] = None
+    spec = jax.sharding.PartitionSpec(None, *heads)
+    return KvCache(spec, spec)
 
-  def _layers(self, x: jax.Array, positions: jax.Array, cache: KvCache | None):
-    if self.pipeline is not None:
-      if cache is not None:
-        raise ValueError("Decode a pipelined LM through decoding.unpipelined(model, params).")
-      return self._pipelined_layers(x, positions), None
-    if cache is not None:  # decoding: no gradients, so no remat; the cache is scanned over
-      stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(nn.broadcast, 0), length=self.num_layers,
-                      unroll=self.scan_unroll, metadata_params={nn.PARTITION_NAME: None})
-      return stack(**self._block_kwargs(), name="layers")(x, positions, cache)
-    block = Block
-    if self.remat_policy:
-      block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy),
-                       prevent_cse=False)
-    stack = nn.scan(block, variable_axes={"params": 0},
-                    split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,),
-                    length=self.num_layers, unroll=self.scan_unroll,
-                    metadata_params={nn.PARTITION_NAME: None})
-    x, _ = stack(**self._block_kwargs(), name="layers")(x, positions)
-    return x, None
+  # ------------------------------------------------------------------ the network
+
+  def _stack(self) -> stack_lib.LayerStack:
+    w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
+    kwargs = dict(d_model=self.d_model, num_heads=self.num_heads,
+                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
+                  mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
+                  norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
+                  dtype=jnp.dtype(self.fprop_dtype), wsplit=w, asplit=a)
+    return stack_lib.LayerStack(Block, kwargs, self.num_layers, self.remat_policy,
+                                self.scan_unroll, self.execution, name="layers")
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -233,7 +155,7 @@ class TransformerLm(nn.Module):
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     x = constrain(jnp.take(emb, tokens, axis=0).astype(dt), a.embed)
-    x, cache = self._layers(x, positions, cache)
+    x, cache = self._stack()(x, positions, cache=cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
       logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt)) * (self.d_model ** -0.5)
@@ -244,24 +166,14 @@ class TransformerLm(nn.Module):
     logits = constrain(logits.astype(jnp.float32), a.logits)
     return logits if cache is None else (logits, cache)
 
-  def loss(self, batch: dict[str, jax.Array]):
+  def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
     """Weighted mean next-token cross entropy.
 
     batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding).
-    Returns (loss, aux) with aux = {'loss_sum', 'num_tokens'} for exact aggregation.
+    Returns (loss, {'loss': Weighted(sum of token losses, tokens)}).
     """
     logits = self(batch["inputs"])
     xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     weights = batch["weights"].astype(jnp.float32)
     loss_sum, num_tokens = jnp.sum(xent * weights), jnp.sum(weights)
-    return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss_sum": loss_sum,
-                                                     "num_tokens": num_tokens}
-
-
-def num_params(params) -> int:
-  return sum(x.size for x in jax.tree.leaves(params))
-
-
-def flops_per_token(num_params_: int, num_layers: int, d_model: int, seq_len: int) -> float:
-  """Train FLOPs per token: 6·N + 12·L·d·T (causal attention not halved)."""
-  return 6.0 * num_params_ + 12.0 * num_layers * d_model * seq_len
+    return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss": Weighted(loss_sum, num_tokens)}

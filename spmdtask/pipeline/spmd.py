@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.errors import ConfigError
 
-_PL = "task.model.pipeline."
+_PL = "task.pipeline."
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""The pre-norm Transformer block (attention + MLP) that LM and ViT stacks are made of.
+
+A block's split-dims mappings come in two objects with these fields (the LM's
+`WeightSplit` / `ActivationSplit` and the ViT's have them, with more of their own):
+  weights: q, kv, o, mlp_in, mlp_out, norm; activations: embed, heads, ff.
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from spmdtask.layers.attention import Attention, KvCache
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
+
+
+class Mlp(nn.Module):
+  """Gated SwiGLU (`swiglu`) or plain GELU (`gelu`) feed-forward."""
+  d_model: int
+  d_ff: int
+  activation: str
+  dtype: jnp.dtype
+  in_split: SplitDims
+  out_split: SplitDims
+  ff_act_split: SplitDims | None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dt = self.dtype
+    w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
+    h = constrain(x @ w_in.astype(dt), self.ff_act_split)
+    if self.activation == "swiglu":
+      w_gate = weight(self, "wg", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
+      h = jax.nn.silu(constrain(x @ w_gate.astype(dt), self.ff_act_split)) * h
+    else:
+      h = jax.nn.gelu(h)
+    w_out = weight(self, "wo", (self.d_ff, self.d_model), self.out_split, dense_init(0, 1))
+    return h @ w_out.astype(dt)
+
+
+class Block(nn.Module):
+  """One pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)).
+
+  Called as `(x, positions, cache=None) -> (x, new_cache)` so that a `LayerStack` can
+  scan it (the per-layer KV cache is scanned over the layer dim). `causal=False` makes
+  an encoder block; `rope_theta=None` turns rotary positions off.
+  """
+  d_model: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_ff: int
+  mlp_activation: str
+  rope_theta: float | None
+  norm_eps: float
+  dropout_rate: float
+  dtype: jnp.dtype
+  wsplit: object
+  asplit: object
+  causal: bool = True
+
+  def _dropout(self, x: jax.Array) -> jax.Array:
+    # Dropout only where the caller passed a 'dropout' rng (the train step does).
+    if self.dropout_rate == 0.0 or not self.has_rng("dropout"):
+      return x
+    return nn.Dropout(self.dropout_rate, deterministic=False)(x)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
+    w, a = self.wsplit, self.asplit
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
+    h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
+                         causal=self.causal, name="attn")(h, positions, cache)
+    x = constrain(x + self._dropout(h), a.embed)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
+    h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
+            name="mlp")(h)
+    return constrain(x + self._dropout(h), a.embed), cache
+
+
+def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> float:
+  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·d·T² (attention unmasked)."""
+  return 6.0 * num_params * tokens + 12.0 * num_layers * d_model * tokens * tokens
+
+
+def num_params(model: nn.Module, example) -> int:
+  """Parameters of `model` (shapes only), initialised through `loss` on one `example` row."""
+  batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
+  shapes = jax.eval_shape(lambda rng, b: model.init(rng, b, method=model.loss),
+                          jax.random.key(0), batch)
+  return sum(x.size for x in jax.tree.leaves(shapes))  # boxes are pytree nodes
