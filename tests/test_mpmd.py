@@ -1,0 +1,153 @@
+"""Tests for spmdtask.pipeline.mpmd: per-stage programs on submeshes, run by GPipe, 1F1B and
+interleaved schedules, give the loss and grads of jax.grad on one device; the measured live
+residual sets per stage are GPipe's M and 1F1B's S - s; bad configs raise ConfigError."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from spmdtask.errors import ConfigError
+from spmdtask.pipeline import mpmd
+from spmdtask.pipeline.schedule import Action, Schedule
+from spmdtask.pipeline.split import stage_boundary
+
+DIN, D, L, B, M = 4, 8, 4, 16, 4  # input width, model width, layers, batch, microbatches
+
+
+def toy_params(seed=0):
+  ks = jax.random.split(jax.random.key(seed), 2 * L + 1)
+  return {"w_in": jax.random.normal(ks[0], (DIN, D)) / 2,
+          "layers": [{"w": jax.random.normal(ks[1 + 2 * l], (D, D)) / np.sqrt(D),
+                      "b": jax.random.normal(ks[2 + 2 * l], (D,)) / 4} for l in range(L)]}
+
+
+def toy_batch(seed):
+  kx, ky = jax.random.split(jax.random.key(100 + seed))
+  return {"x": jax.random.normal(kx, (B, DIN)), "y": jax.random.normal(ky, (B, DIN))}
+
+
+def toy_loss(cuts):
+  """Residual dense layers with a marker after each layer in `cuts`; the output projection
+  is w_in transposed (tied between the first and the last stage)."""
+  def loss(p, batch):
+    h = jnp.tanh(batch["x"] @ p["w_in"])
+    for l, lp in enumerate(p["layers"]):
+      h = h + jnp.tanh(h @ lp["w"] + lp["b"])
+      if l in cuts:
+        h = stage_boundary(h)
+    return jnp.mean((h @ p["w_in"].T - batch["y"]) ** 2)
+  return loss
+
+
+def microbatch_shapes(batch):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // M, *x.shape[1:]), x.dtype), batch)
+
+
+def gpipe(S, M, V=1, placement="loop"):
+  acts = tuple(tuple([Action("F", m, c) for c in range(V) for m in range(M)] +
+                     [Action("B", m, c) for c in reversed(range(V)) for m in reversed(range(M))])
+               for _ in range(S))
+  return Schedule(S, M, acts, V, placement)
+
+
+def one_f_one_b(S, M):
+  acts = []
+  for s in range(S):
+    warm = min(S - s - 1, M)
+    a = [Action("F", m) for m in range(warm)]
+    for i in range(M - warm):
+      a += [Action("F", warm + i), Action("B", i)]
+    acts.append(tuple(a + [Action("B", m) for m in range(M - warm, M)]))
+  return Schedule(S, M, tuple(acts))
+
+
+def submesh(devices, shape):
+  return Mesh(np.asarray(devices).reshape(shape), ("data", "model"),
+              axis_types=(AxisType.Auto,) * 2)
+
+
+def stage_specs(shapes):
+  """Disjoint submeshes of the given (data, model) shapes, in device order; weights split
+  over `model` on their output dim, batch and activations over `data`."""
+  devs, out, i = jax.devices(), [], 0
+  params = toy_params()
+  specs = {"w_in": P(None, "model"), "layers": [{"w": P(None, "model"), "b": P("model")}] * L}
+  assert len(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))) == len(
+      jax.tree.leaves(params))
+  for shape in shapes:
+    n = shape[0] * shape[1]
+    out.append(mpmd.StageSpec(submesh(devs[i:i + n], shape), specs,
+                              {"x": P("data"), "y": P("data")}, P("data")))
+    i += n
+  return out
+
+
+def reference(loss_fn, params, batch):
+  """Loss and grads of the unsplit function with jax.grad on one device."""
+  with jax.default_device(jax.devices()[0]):
+    return jax.jit(jax.value_and_grad(loss_fn))(params, batch)
+
+
+def check_run(pipeline, params, batch, rtol=1e-5):
+  result = pipeline.run(pipeline.place(params), batch)
+  want_loss, want = reference(toy_loss(()), params, batch)
+  np.testing.assert_allclose(result.loss, want_loss, rtol=rtol)
+  want = dict(zip(pipeline.paths, jax.tree.leaves(want)))
+  for s, grads in enumerate(result.grads):
+    assert set(grads) == set(pipeline.stage_keys[s])
+    for k, g in grads.items():
+      np.testing.assert_allclose(g, want[k], rtol=rtol, atol=1e-6, err_msg=f"stage {s} {k}")
+  return result
+
+
+def test_two_submeshes_of_different_shapes_gpipe_and_1f1b():
+  params, batch = toy_params(), toy_batch(0)
+  specs = stage_specs([(2, 2), (4, 1)])
+  for schedule, want_peak in ((gpipe(2, M), (M, M)), (one_f_one_b(2, M), (2, 1))):
+    pl = mpmd.Pipeline(toy_loss({0}), params, microbatch_shapes(batch), specs, schedule)
+    assert pl.stage_keys[0] == ("['layers'][0]['b']", "['layers'][0]['w']", "['w_in']")
+    assert pl.tied == {"['w_in']": (0, 1)}
+    result = check_run(pl, params, batch)
+    assert result.peak_residuals == want_peak
+    # Grads live on their stage's submesh, split as asked; tied copies are equal.
+    g0 = result.grads[0]["['w_in']"]
+    assert g0.sharding.mesh == specs[0].mesh and g0.sharding.spec == P(None, "model")
+    np.testing.assert_array_equal(g0, result.grads[1]["['w_in']"])
+
+
+def test_four_stages_1f1b_peaks_and_interleaved_v():
+  params, batch = toy_params(1), toy_batch(1)
+  specs4 = stage_specs([(2, 1), (1, 2), (2, 1), (1, 2)])
+  pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs4,
+                     one_f_one_b(4, M))
+  result = check_run(pl, params, batch)
+  assert result.peak_residuals == (4, 3, 2, 1)  # S - s
+  # Two stages x two chunks, V placement: parts 0 and 3 (both use w_in) on stage 0.
+  specs2 = stage_specs([(2, 2), (4, 1)])
+  pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs2,
+                     gpipe(2, M, V=2, placement="v"))
+  assert pl.part_stage == [0, 1, 1, 0] and pl.tied == {}
+  result = check_run(pl, params, batch)
+  assert result.peak_residuals == (2 * M, 2 * M)
+
+
+def test_bad_configs_raise():
+  params, batch = toy_params(), toy_batch(0)
+  mb = microbatch_shapes(batch)
+  specs = stage_specs([(2, 2), (4, 1)])
+  with pytest.raises(ConfigError, match="3 stage_boundary markers, so 4 parts.*2 stages x 1"):
+    mpmd.Pipeline(toy_loss({0, 1, 2}), params, mb, specs, gpipe(2, M))
+  with pytest.raises(ConfigError, match="disjoint"):
+    mpmd.Pipeline(toy_loss({0}), params, mb, [specs[0], specs[0]], gpipe(2, M))
+  acts = gpipe(2, M).actions
+  swapped = Schedule(2, M, (acts[0], acts[1][M:] + acts[1][:M]))  # B before F on stage 1
+  with pytest.raises(ConfigError, match="deadlocks.*stage 1 at B3"):
+    mpmd.Pipeline(toy_loss({0}), params, mb, specs, swapped)
+  missing = Schedule(2, M, (acts[0][1:], acts[1]))
+  with pytest.raises(ConfigError, match="stage 0 must run F and B of every microbatch"):
+    mpmd.Pipeline(toy_loss({0}), params, mb, specs, missing)
+  zb = Schedule(2, M, (acts[0][:M] + (Action("I", 0),), acts[1]))
+  with pytest.raises(ConfigError, match="I/W"):
+    mpmd.Pipeline(toy_loss({0}), params, mb, specs, zb)
