@@ -151,3 +151,27 @@ def test_bad_configs_raise():
   zb = Schedule(2, M, (acts[0][:M] + (Action("I", 0),), acts[1]))
   with pytest.raises(ConfigError, match="I/W"):
     mpmd.Pipeline(toy_loss({0}), params, mb, specs, zb)
+
+
+def test_aux_and_microbatch_weights():
+  """loss = sum_m w[m] * loss_m, grads of that; aux comes back per microbatch."""
+  params, batch = toy_params(2), toy_batch(2)
+  base = toy_loss({0})
+
+  def with_aux(p, b):
+    return base(p, b), {"y2": (b["y"] ** 2).mean()}
+
+  pl = mpmd.Pipeline(with_aux, params, microbatch_shapes(batch), stage_specs([(2, 2), (4, 1)]),
+                     one_f_one_b(2, M), has_aux=True)
+  w = np.asarray([0.1, 0.2, 0.3, 0.4], np.float32)
+  result = pl.run(pl.place(params), batch, weights=w)
+  mbs = [jax.tree.map(lambda x: x[m * (B // M):(m + 1) * (B // M)], batch) for m in range(M)]
+  want_loss, want = reference(lambda p, b: sum(wm * base(p, mb) for wm, mb in zip(w, mbs)),
+                              params, batch)
+  np.testing.assert_allclose(result.loss, want_loss, rtol=1e-5)
+  want = dict(zip(pl.paths, jax.tree.leaves(want)))
+  for grads in result.grads:
+    for k, g in grads.items():
+      np.testing.assert_allclose(g, want[k], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose([a["y2"] for a in result.aux],
+                             [(mb["y"] ** 2).mean() for mb in mbs], rtol=1e-6)

@@ -79,7 +79,7 @@ class TrainStep:
       return optax.apply_updates(params, updates), opt_state
 
     update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P()), (pspecs, ospecs),
-                               donate_argnums=(0, 1, 2))
+                               donate_argnums=(0, 1))
     return StageProgram(init, sq_norm, update_p)
 
   def init(self, params) -> tuple[StageState, ...]:
