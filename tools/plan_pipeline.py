@@ -64,9 +64,8 @@ def _layer_costs(args) -> list[float] | None:
   if not args.exp:
     return None
   # pylint: disable=g-import-not-at-top
-  import fiddle as fdl
   from spmdtask import main as main_lib
-  cfg = fdl.build(main_lib.resolved_config(args.exp, args.fdl_set))
+  cfg = main_lib.build(main_lib.resolved_config(args.exp, args.fdl_set))
   train = cfg.datasets["train"]
   return balance_lib.lm_layer_costs(cfg.task.model, train.batch_size, train.seq_len)
 

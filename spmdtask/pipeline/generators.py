@@ -12,7 +12,10 @@ and peaks against the published formulas.
                     2(p-1-s) + (v-1)p chunk forwards; m must be a multiple of p.
   zb_h1             1F1B's order with B split into I (input grads) and W (weight grads):
                     stage s keeps s weight-grad passes pending and runs them last, which fills
-                    1F1B's cool-down bubble and keeps 1F1B's activation memory.
+                    1F1B's cool-down bubble and keeps 1F1B's activation memory. With
+                    F = I = W its bubble is (p-1)/(3m+p-1) when m >= p; with fewer
+                    microbatches the schedule stays valid but the chain of I then W on
+                    stage 0 cannot be hidden and the bubble is larger.
 """
 from typing import Callable
 

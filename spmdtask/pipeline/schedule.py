@@ -284,14 +284,14 @@ def _check_stage(schedule: Schedule, s: int, row, source: str) -> None:
       fail(a, f"runs twice (positions {seen[a]} and {position})",
            "each stage runs every action it owns exactly once")
     seen[a] = position
-    same = lambda kind: Action(kind, a.microbatch, a.chunk) in seen  # pylint: disable=cell-var-from-loop
-    if a.kind in ("B", "I") and not same("F"):
+    earlier = {kind for kind in KINDS if Action(kind, a.microbatch, a.chunk) in seen}
+    if a.kind in ("B", "I") and "F" not in earlier:
       fail(a, f"runs before {Action('F', a.microbatch, a.chunk)}",
            "the forward of a microbatch comes before its backward (B or I)")
-    if a.kind == "W" and not same("I"):
+    if a.kind == "W" and "I" not in earlier:
       fail(a, f"runs before {Action('I', a.microbatch, a.chunk)}",
            "I (input grads) comes before W (weight grads) of the same microbatch")
-    if (a.kind == "B" and same("I")) or (a.kind == "I" and same("B")):
+    if {"B", "I"} <= earlier:
       fail(a, "mixes B with I/W for the same microbatch and chunk",
            "a backward is either one B or one I followed by one W")
   for mb in range(schedule.num_microbatches):

@@ -64,10 +64,10 @@ def _exact(value: float, name: str) -> Fraction:
   return Fraction(value).limit_denominator(1 << 20)
 
 
-def action_cost(action: Action, costs: Costs, num_chunks: int) -> Fraction:
-  """The duration of one action under `costs` (see the module docstring)."""
+def durations(costs: Costs, num_chunks: int) -> dict[str, Fraction]:
+  """Action kind -> its duration under `costs` (see the module docstring)."""
   f, b, w = (_exact(getattr(costs, n), n) for n in ("forward", "backward", "weight"))
-  return {"F": f, "I": b, "W": w, "B": b + w}[action.kind] / num_chunks
+  return {kind: cost / num_chunks for kind, cost in (("F", f), ("I", b), ("W", w), ("B", b + w))}
 
 
 def peaks(schedule: Schedule) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...]]:
@@ -89,6 +89,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the sche
   """Validates `schedule` (ConfigError if broken) and runs it under `costs`."""
   order = schedule_lib.validate(schedule, source)
   latency = _exact(costs.latency, "latency")
+  duration = durations(costs, schedule.num_chunks)
   backward = schedule_lib.backward_kind(schedule)
   end, free = {}, [Fraction(0)] * schedule.num_stages
   timeline = [[] for _ in range(schedule.num_stages)]
@@ -96,7 +97,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the sche
     start = free[s]
     for ds, d in schedule_lib.dependencies(schedule, s, a, backward):
       start = max(start, end[ds, d] + (latency if ds != s else 0))
-    end[s, a] = free[s] = start + action_cost(a, costs, schedule.num_chunks)
+    end[s, a] = free[s] = start + duration[a.kind]
     timeline[s].append(Timed(s, a, start, end[s, a]))
   makespan = max(free)
   busy = tuple(sum((t.end - t.start for t in row), Fraction(0)) for row in timeline)
