@@ -2,6 +2,8 @@
 interleaved schedules, give the loss and grads of jax.grad on one device; the measured live
 residual sets per stage are GPipe's M and 1F1B's S - s; bad configs raise ConfigError."""
 
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,8 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import mpmd
+from spmdtask.pipeline import simulate
+from spmdtask.pipeline.generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from spmdtask.pipeline.schedule import Action, Schedule
 from spmdtask.pipeline.split import stage_boundary
 
@@ -45,22 +49,18 @@ def microbatch_shapes(batch):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct((B // M, *x.shape[1:]), x.dtype), batch)
 
 
-def gpipe(S, M, V=1, placement="loop"):
-  acts = tuple(tuple([Action("F", m, c) for c in range(V) for m in range(M)] +
-                     [Action("B", m, c) for c in reversed(range(V)) for m in reversed(range(M))])
+def gpipe_v(S, M):
+  """GPipe over two chunks per stage, V placement: all forwards, then all backwards."""
+  acts = tuple(tuple([Action("F", m, c) for c in range(2) for m in range(M)] +
+                     [Action("B", m, c) for c in (1, 0) for m in reversed(range(M))])
                for _ in range(S))
-  return Schedule(S, M, acts, V, placement)
+  return Schedule(S, M, acts, 2, "v")
 
 
-def one_f_one_b(S, M):
-  acts = []
-  for s in range(S):
-    warm = min(S - s - 1, M)
-    a = [Action("F", m) for m in range(warm)]
-    for i in range(M - warm):
-      a += [Action("F", warm + i), Action("B", i)]
-    acts.append(tuple(a + [Action("B", m) for m in range(M - warm, M)]))
-  return Schedule(S, M, tuple(acts))
+def measured_equals_simulated(result, schedule):
+  """The executor's peak residual sets (counted per chunk) equal the simulator's (1/v each)."""
+  want = simulate.peaks(schedule)[0]
+  assert tuple(Fraction(n, schedule.num_chunks) for n in result.peak_residuals) == want
 
 
 def submesh(devices, shape):
@@ -105,12 +105,13 @@ def check_run(pipeline, params, batch, rtol=1e-5):
 def test_two_submeshes_of_different_shapes_gpipe_and_1f1b():
   params, batch = toy_params(), toy_batch(0)
   specs = stage_specs([(2, 2), (4, 1)])
-  for schedule, want_peak in ((gpipe(2, M), (M, M)), (one_f_one_b(2, M), (2, 1))):
+  for schedule, want_peak in ((gpipe(2, M), (M, M)), (one_f_one_b(2, M), (2, 1))):  # M; S - s
     pl = mpmd.Pipeline(toy_loss({0}), params, microbatch_shapes(batch), specs, schedule)
     assert pl.stage_keys[0] == ("['layers'][0]['b']", "['layers'][0]['w']", "['w_in']")
     assert pl.tied == {"['w_in']": (0, 1)}
     result = check_run(pl, params, batch)
     assert result.peak_residuals == want_peak
+    measured_equals_simulated(result, schedule)
     # Grads live on their stage's submesh, split as asked; tied copies are equal.
     g0 = result.grads[0]["['w_in']"]
     assert g0.sharding.mesh == specs[0].mesh and g0.sharding.spec == P(None, "model")
@@ -124,13 +125,20 @@ def test_four_stages_1f1b_peaks_and_interleaved_v():
                      one_f_one_b(4, M))
   result = check_run(pl, params, batch)
   assert result.peak_residuals == (4, 3, 2, 1)  # S - s
-  # Two stages x two chunks, V placement: parts 0 and 3 (both use w_in) on stage 0.
+  measured_equals_simulated(result, pl.schedule)
+  # Two stages x two chunks. Interleaved 1F1B ('loop' placement: stage 0 runs parts 0, 2).
   specs2 = stage_specs([(2, 2), (4, 1)])
   pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs2,
-                     gpipe(2, M, V=2, placement="v"))
+                     interleaved_1f1b(2, M, 2))
+  assert pl.part_stage == [0, 1, 0, 1] and pl.tied == {"['w_in']": (0, 1)}
+  measured_equals_simulated(check_run(pl, params, batch), pl.schedule)
+  # V placement: parts 0 and 3 (both use w_in) on stage 0, so nothing is tied across stages.
+  pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs2,
+                     gpipe_v(2, M))
   assert pl.part_stage == [0, 1, 1, 0] and pl.tied == {}
   result = check_run(pl, params, batch)
   assert result.peak_residuals == (2 * M, 2 * M)
+  measured_equals_simulated(result, pl.schedule)
 
 
 def test_bad_configs_raise():
@@ -143,14 +151,13 @@ def test_bad_configs_raise():
     mpmd.Pipeline(toy_loss({0}), params, mb, [specs[0], specs[0]], gpipe(2, M))
   acts = gpipe(2, M).actions
   swapped = Schedule(2, M, (acts[0], acts[1][M:] + acts[1][:M]))  # B before F on stage 1
-  with pytest.raises(ConfigError, match="deadlocks.*stage 1 at B3"):
+  with pytest.raises(ConfigError, match="stage 1, action B0: runs before F0"):
     mpmd.Pipeline(toy_loss({0}), params, mb, specs, swapped)
   missing = Schedule(2, M, (acts[0][1:], acts[1]))
-  with pytest.raises(ConfigError, match="stage 0 must run F and B of every microbatch"):
+  with pytest.raises(ConfigError, match="stage 0, action B0: runs before F0"):
     mpmd.Pipeline(toy_loss({0}), params, mb, specs, missing)
-  zb = Schedule(2, M, (acts[0][:M] + (Action("I", 0),), acts[1]))
-  with pytest.raises(ConfigError, match="I/W"):
-    mpmd.Pipeline(toy_loss({0}), params, mb, specs, zb)
+  with pytest.raises(ConfigError, match="stage 0 has action I0: .*I/W"):
+    mpmd.Pipeline(toy_loss({0}), params, mb, specs, zb_h1(2, M))
 
 
 def test_aux_and_microbatch_weights():

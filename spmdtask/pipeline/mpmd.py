@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spmdtask import steps
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import split as split_lib
+from spmdtask.pipeline import schedule as schedule_lib
 from spmdtask.pipeline.schedule import Schedule
 
 
@@ -342,20 +343,17 @@ def _linearize(schedule: Schedule, parts: Sequence[Part], values) -> list:
   """One dispatch order for all stages: each stage's list in order, cross-stage deps held.
 
   F(m) of a part needs F(m) of every part it receives from; B(m) needs its own F(m) and
-  B(m) of every part that receives a differentiable value from it. Raises ConfigError if
-  the schedule misses or repeats an action or can never make progress.
+  B(m) of every part that receives a differentiable value from it. Raises ConfigError for a
+  schedule that breaks a rule of `schedule.validate` or has I/W actions.
   """
+  schedule_lib.validate(schedule, "the pipeline's schedule")
   S, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
-  for s, acts in enumerate(schedule.actions[:S]):
-    bad = [a for a in acts if a.kind not in ("F", "B")]
-    if bad:
-      raise ConfigError(f"Schedule stage {s} has action {bad[0]}: this executor runs F and B "
-                        "actions only (the I/W backward split is not supported yet).")
-    want = sorted((k, m, c) for k in "FB" for m in range(M) for c in range(V))
-    if sorted((a.kind, a.microbatch, a.chunk) for a in acts) != want or len(schedule.actions) != S:
-      raise ConfigError(f"Schedule stage {s} must run F and B of every microbatch 0..{M - 1} "
-                        f"and chunk 0..{V - 1} exactly once; it has "
-                        f"{' '.join(map(str, acts))}.")
+  for s, acts in enumerate(schedule.actions):
+    split_bwd = [a for a in acts if a.kind not in ("F", "B")]
+    if split_bwd:
+      raise ConfigError(f"Schedule stage {s} has action {split_bwd[0]}: this executor runs F "
+                        "and B actions only (the I/W backward split is not supported yet); "
+                        "use a schedule without I/W, e.g. 1f1b instead of zb_h1.")
   f_from = {p.index: {values[i].producer for i in p.float_in + p.int_in} for p in parts}
   b_from = {p.index: {c for i in p.float_out for c in values[i].consumers} for p in parts}
   done, ptr, order = set(), [0] * S, []
