@@ -156,6 +156,7 @@ class Pipeline:
     self._seeds = steps.partition(lambda w: tuple(w[m].astype(loss_dtype) for m in range(M)),
                                   self._last_mesh,
                                   (P(),), P())
+    self._mirrors = {}
     self._mb_index = [[jax.device_put(np.int32(m), NamedSharding(st.mesh, P()))
                        for m in range(M)] for st in stages]
 
@@ -195,6 +196,7 @@ class Pipeline:
 
     def part_fn(p, batch, m, fin, iin):
       mb = [jax.lax.dynamic_index_in_dim(b, m, keepdims=False) for b in batch]
+      fin, iin = constrain(fin, float_in), constrain(iin, int_in)
       have = dict(zip(float_in + int_in, fin + iin))
       outs = st(list(p) + mb, [have[i] for i in st.incoming])
       if last:
@@ -205,18 +207,21 @@ class Pipeline:
     fwd, bwd = jax.fwd_and_bwd(part_fn, argnums=(0, 3), has_aux=True, jitted=False)
 
     def bwd_acc(res, cot, acc):
-      d_params, d_in = bwd(res, cot)
+      d_params, d_in = bwd(res, cot if last else constrain(cot, float_out))
       return tuple(a + g for a, g in zip(acc, d_params)), d_in
 
     pspecs = tuple(self.param_specs[s][i] for i in pleaves)
     bspecs = tuple(P(None, *self.batch_specs[s][j]) for j in bleaves)
     act = lambda ids: tuple(spec.spec_for(aval(i)) for i in ids)
+
+    def constrain(xs, ids):  # values arrive in their sender's layout (see `_send`)
+      return tuple(jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, sp))
+                   for x, sp in zip(xs, act(ids)))
+
     out_specs = (((P(),), None, None) if last else
                  (act(float_out), None, act(int_out)))
-    fwd_p = steps.partition(fwd, spec.mesh, (pspecs, bspecs, P(), act(float_in), act(int_in)),
-                            out_specs)
-    cot_specs = (P(),) if last else act(float_out)
-    bwd_p = steps.partition(bwd_acc, spec.mesh, (None, cot_specs, pspecs),
+    fwd_p = steps.partition(fwd, spec.mesh, (pspecs, bspecs, P(), None, None), out_specs)
+    bwd_p = steps.partition(bwd_acc, spec.mesh, (None, (P(),) if last else None, pspecs),
                             (pspecs, act(float_in)), donate_argnums=(2,))
     return Part(v, s, tuple(self.paths[i] for i in pleaves), bleaves, float_in, int_in,
                 float_out, int_out, fwd_p, bwd_p)
@@ -292,9 +297,7 @@ class Pipeline:
           continue
         for i, x in zip(part.float_out + part.int_out, outs + other):
           for c in self.values[i].consumers:
-            dst = self.parts[c]
-            inbox.setdefault((c, m), {})[i] = jax.device_put(x, NamedSharding(
-                self.stages[dst.stage].mesh, self.stages[dst.stage].spec_for(x.aval)))
+            inbox.setdefault((c, m), {})[i] = self._send(x, self.parts[c].stage)
       else:
         r = res.pop((part.index, m))
         live[s] -= 1
@@ -307,12 +310,32 @@ class Pipeline:
         acc[s].update(zip(part.param_keys, new))
         for i, g in zip(part.float_in, d_in):
           src = self.parts[self.values[i].producer]
-          g = jax.device_put(g, NamedSharding(self.stages[src.stage].mesh,
-                                              self.stages[src.stage].spec_for(g.aval)))
+          g = self._send(g, src.stage)
           box = cots.setdefault((src.index, m), {})
-          box[i] = box[i] + g if i in box else g
+          if i in box:  # a value sent to several parts: its cotangents add up
+            g = box[i] + jax.device_put(g, box[i].sharding)
+          box[i] = g
     self._sum_tied(acc)
     return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak))
+
+  def _send(self, x: jax.Array, stage: int) -> jax.Array:
+    """x (on its producer's submesh) -> the devices of `stage`, asynchronously.
+
+    With equal device counts the copy keeps x's layout: the destination devices arranged as
+    x's mesh, same PartitionSpec, so every shard is a device-to-device copy; the receiving
+    program re-splits it with a sharding constraint. (A device_put straight to a layout
+    whose shards x does not have goes through the host in jax 0.10 and blocks until x is
+    ready.) Different device counts fall back to that device_put.
+    """
+    dst = self.stages[stage]
+    src = x.sharding
+    if not isinstance(src, NamedSharding) or src.mesh.size != dst.mesh.size:
+      return jax.device_put(x, NamedSharding(dst.mesh, dst.spec_for(x.aval)))
+    key = (src.mesh, stage)
+    if key not in self._mirrors:
+      self._mirrors[key] = Mesh(dst.mesh.devices.reshape(src.mesh.devices.shape),
+                                src.mesh.axis_names, axis_types=src.mesh.axis_types)
+    return jax.device_put(x, NamedSharding(self._mirrors[key], src.spec))
 
   def _sum_tied(self, acc: list[dict]) -> None:
     """Each tied copy's gradient becomes the sum over the stages holding the leaf."""
