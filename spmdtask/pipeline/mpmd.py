@@ -1,0 +1,403 @@
+"""MPMD pipeline: one program per stage on its own submesh, run by a schedule.
+
+`Pipeline(loss_fn, params, microbatch, stages, schedule)` splits `loss_fn(params, batch)`
+at its `stage_boundary` markers into `num_stages * num_chunks` parts (see split.py) and
+jits, for every part on the submesh of the stage that runs it (schedule.virtual_stage):
+
+  fwd(params, batch[M, ...], m, incoming) -> (outgoing, residuals)    jax.fwd_and_bwd
+  bwd(residuals, d_outgoing, grad_acc) -> (grad_acc + d_params, d_incoming)   acc donated
+
+through `steps.partition`. `run` walks the schedule in one Python process, dispatching
+asynchronously (no host sync inside a step):
+
+  for (stage, action) in order:           # consistent with every stage's list and deps
+    F(m, c): outgoing, res[m, c] = fwd(...); device_put each outgoing value to the
+             sharding of every part that consumes it (directly, producer -> consumer)
+    B(m, c): grad_acc, d_in = bwd(res.pop(m, c), sum of d_outgoing from its consumers,
+             grad_acc); device_put each d_in back to its producer's sharding
+
+Loss: `loss_fn` returns microbatch m's loss (or `(loss, aux)` with has_aux); the step loss
+is `sum_m w[m] * loss_m` with `w = 1/M` by default, so a per-example-mean loss over equal
+microbatches gives the full-batch mean. Pass `weights` (e.g. tokens_m / tokens) for other
+normalisations; w[m] is also the cotangent that seeds microbatch m's backward.
+
+Params live per stage as a dict {path: array} (path = jax.tree_util.keystr within the
+params tree) holding the leaves its parts use; a leaf used by several stages (tied) has a
+copy on each, and `run` returns each copy's gradient summed over all of them (summed on
+the first stage, sent back), so identical updates keep the copies identical. Leaves no
+part uses go to stage 0 (zero gradient; weight decay still applies).
+"""
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdtask import steps
+from spmdtask.errors import ConfigError
+from spmdtask.pipeline import split as split_lib
+from spmdtask.pipeline import schedule as schedule_lib
+from spmdtask.pipeline.schedule import Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+  """Where a stage runs and how its arrays are split inside the stage.
+
+  mesh: the stage's submesh (Auto axes); submeshes of different stages are disjoint.
+  param_specs: PartitionSpec tree shaped like the params (None: all replicated).
+  batch_specs: PartitionSpec tree shaped like the batch, per-example dim first (None:
+    replicated); the microbatch dim is prepended unsplit.
+  activation_spec: PartitionSpec for the values this stage receives, or a callable
+    aval -> PartitionSpec. A PartitionSpec that does not fit a value (rank, divisibility)
+    is dropped to replicated for that value.
+  """
+  mesh: Mesh
+  param_specs: Any = None
+  batch_specs: Any = None
+  activation_spec: Any = P()
+
+  def spec_for(self, aval) -> P:
+    if callable(self.activation_spec):
+      return self.activation_spec(aval)
+    spec, shape = self.activation_spec, aval.shape
+    sizes = dict(self.mesh.shape)
+    if len(spec) > len(shape) or any(
+        shape[d] % int(np.prod([sizes[a] for a in (e if isinstance(e, tuple) else (e,))]))
+        for d, e in enumerate(spec) if e is not None):
+      return P()
+    return spec
+
+
+def _flat_specs(specs, tree, what: str) -> list[P]:
+  n = len(jax.tree.leaves(tree))
+  if specs is None:
+    return [P()] * n
+  flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  if len(flat) != n:
+    raise ConfigError(f"StageSpec.{what} has {len(flat)} PartitionSpecs but the tree has {n} "
+                      "leaves; give one PartitionSpec per leaf (or None for replicated).")
+  return flat
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """One part (virtual stage) of the split loss and its jitted programs."""
+  index: int
+  stage: int  # physical stage that runs it
+  param_keys: tuple[str, ...]
+  batch_leaves: tuple[int, ...]
+  float_in: tuple[int, ...]  # value ids with a cotangent
+  int_in: tuple[int, ...]
+  float_out: tuple[int, ...]
+  int_out: tuple[int, ...]
+  fwd: steps.Partitioned
+  bwd: steps.Partitioned
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+  """What one pass of the schedule gives: all arrays stay on their stage's submesh."""
+  loss: jax.Array  # scalar on the last stage
+  grads: tuple[dict, ...]  # per stage {path: grad}, tied copies summed
+  aux: tuple  # per microbatch, the loss_fn's aux (has_aux) on the last stage
+  peak_residuals: tuple[int, ...]  # per stage, most (microbatch, chunk) residual sets alive
+
+
+def _is_float(aval) -> bool:
+  return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+class Pipeline:
+  """A loss function cut into stages on submeshes, and a schedule to run it (module doc)."""
+
+  def __init__(self, loss_fn: Callable, params, microbatch, stages: Sequence[StageSpec],
+               schedule: Schedule, has_aux: bool = False):
+    self.stages, self.schedule, self.has_aux = tuple(stages), schedule, has_aux
+    S, V = schedule.num_stages, schedule.num_chunks
+    _check_meshes(self.stages, S)
+    self.staged = split_lib.split(loss_fn, params, microbatch)
+    if self.staged.num_stages != S * V:
+      raise ConfigError(
+          f"The loss function has {self.staged.num_stages - 1} stage_boundary markers, so "
+          f"{self.staged.num_stages} parts, but the schedule has {S} stages x {V} chunks = "
+          f"{S * V} parts. Add or remove markers, or change the schedule's stages/chunks.")
+    flat_params, self.params_tree = jax.tree_util.tree_flatten_with_path(params)
+    self.paths = tuple(jax.tree_util.keystr(p) for p, _ in flat_params)
+    self.batch_tree = jax.tree.structure(microbatch)
+    self.num_params = len(self.paths)
+    self.param_shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for _, x in flat_params]
+    for (p, x) in flat_params:
+      if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise ConfigError(f"Param {jax.tree_util.keystr(p)} has dtype {x.dtype}; pipelined "
+                          "params must be floating point (pass integers in the batch).")
+    self.param_specs = [_flat_specs(st.param_specs, params, "param_specs") for st in stages]
+    self.batch_specs = [_flat_specs(st.batch_specs, microbatch, "batch_specs") for st in stages]
+    self.values = self.staged.values
+    self.part_stage = [schedule.owner(v)[0] for v in range(S * V)]
+    self.stage_keys = self._stage_keys()
+    self.parts = tuple(self._build_part(v) for v in range(S * V))
+    self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
+                 for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
+    self.order = _linearize(schedule, self.parts, self.values)
+    self._zeros = [self._zeros_program(s) for s in range(S)]
+    out_shapes = jax.eval_shape(loss_fn, params, microbatch)
+    self.aux_tree = jax.tree.structure(out_shapes[1]) if has_aux else None
+    loss_dtype = jax.tree.leaves(out_shapes)[0].dtype
+    last = self.part_stage[-1]
+    self._last_mesh = stages[last].mesh
+    self._combine = steps.partition(lambda ls, w: jnp.sum(jnp.stack(ls) * w), stages[last].mesh,
+                                    (None, P()), P())
+    M = schedule.num_microbatches
+    self._uniform = jax.device_put(np.full((M,), 1.0 / M, np.float32),
+                                   NamedSharding(self._last_mesh, P()))
+    self._seeds = steps.partition(lambda w: tuple(w[m].astype(loss_dtype) for m in range(M)),
+                                  self._last_mesh,
+                                  (P(),), P())
+    self._mirrors = {}
+    self._mb_index = [[jax.device_put(np.int32(m), NamedSharding(st.mesh, P()))
+                       for m in range(M)] for st in stages]
+
+  # ---- building -------------------------------------------------------------------------
+
+  def _stage_keys(self) -> list[tuple[str, ...]]:
+    keys = [set() for _ in range(self.schedule.num_stages)]
+    for st in self.staged.stages:
+      keys[self.part_stage[st.index]].update(
+          self.paths[i] for i in st.arg_leaves if i < self.num_params)
+    keys[0].update(set(self.paths) - set().union(*keys))  # unused leaves: stage 0
+    return [tuple(k for k in self.paths if k in ks) for ks in keys]
+
+  def sharding(self, stage: int, key: str) -> NamedSharding:
+    spec = self.param_specs[stage][self.paths.index(key)]
+    return NamedSharding(self.stages[stage].mesh, spec)
+
+  def _zeros_program(self, stage: int) -> steps.Partitioned:
+    """`() -> zeros` for the stage's params: the gradient accumulators of one step."""
+    keys = self.stage_keys[stage]
+    shapes = dict(zip(self.paths, self.param_shapes))
+    specs = tuple(self.param_specs[stage][self.paths.index(k)] for k in keys)
+    return steps.partition(lambda: tuple(jnp.zeros(shapes[k].shape, shapes[k].dtype)
+                                         for k in keys), self.stages[stage].mesh, (), specs)
+
+  def _build_part(self, v: int) -> Part:
+    st, s = self.staged.stages[v], self.part_stage[v]
+    spec = self.stages[s]
+    last = v == self.staged.num_stages - 1
+    pleaves = [i for i in st.arg_leaves if i < self.num_params]
+    bleaves = tuple(i - self.num_params for i in st.arg_leaves if i >= self.num_params)
+    aval = lambda i: self.values[i].aval
+    float_in = tuple(i for i in st.incoming if _is_float(aval(i)))
+    int_in = tuple(i for i in st.incoming if not _is_float(aval(i)))
+    float_out = tuple(i for i in st.outgoing if _is_float(aval(i)))
+    int_out = tuple(i for i in st.outgoing if not _is_float(aval(i)))
+
+    def part_fn(p, batch, m, fin, iin):
+      mb = [jax.lax.dynamic_index_in_dim(b, m, keepdims=False) for b in batch]
+      fin, iin = constrain(fin, float_in), constrain(iin, int_in)
+      have = dict(zip(float_in + int_in, fin + iin))
+      outs = st(list(p) + mb, [have[i] for i in st.incoming])
+      if last:
+        return (outs[0],), tuple(outs[1:])
+      got = dict(zip(st.outgoing, outs))
+      return tuple(got[i] for i in float_out), tuple(got[i] for i in int_out)
+
+    fwd, bwd = jax.fwd_and_bwd(part_fn, argnums=(0, 3), has_aux=True, jitted=False)
+
+    def bwd_acc(res, cot, acc):
+      d_params, d_in = bwd(res, cot if last else constrain(cot, float_out))
+      return tuple(a + g for a, g in zip(acc, d_params)), d_in
+
+    pspecs = tuple(self.param_specs[s][i] for i in pleaves)
+    bspecs = tuple(P(None, *self.batch_specs[s][j]) for j in bleaves)
+    act = lambda ids: tuple(spec.spec_for(aval(i)) for i in ids)
+
+    def constrain(xs, ids):  # values arrive in their sender's layout (see `_send`)
+      return tuple(jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, sp))
+                   for x, sp in zip(xs, act(ids)))
+
+    out_specs = (((P(),), None, None) if last else
+                 (act(float_out), None, act(int_out)))
+    fwd_p = steps.partition(fwd, spec.mesh, (pspecs, bspecs, P(), None, None), out_specs)
+    bwd_p = steps.partition(bwd_acc, spec.mesh, (None, (P(),) if last else None, pspecs),
+                            (pspecs, act(float_in)), donate_argnums=(2,))
+    return Part(v, s, tuple(self.paths[i] for i in pleaves), bleaves, float_in, int_in,
+                float_out, int_out, fwd_p, bwd_p)
+
+  # ---- placing params -------------------------------------------------------------------
+
+  def place(self, params) -> tuple[dict, ...]:
+    """Full params tree -> per stage {path: array on the stage's submesh}."""
+    flat = dict(zip(self.paths, jax.tree.leaves(params)))
+    return tuple({k: jax.device_put(flat[k], self.sharding(s, k)) for k in keys}
+                 for s, keys in enumerate(self.stage_keys))
+
+  def gather(self, stage_params: Sequence[dict]):
+    """Per-stage params -> the full params tree (a tied leaf from its first stage)."""
+    first = {}
+    for sp in stage_params:
+      for k, x in sp.items():
+        first.setdefault(k, x)
+    return jax.tree.unflatten(self.params_tree, [first[k] for k in self.paths])
+
+  # ---- running --------------------------------------------------------------------------
+
+  def _stage_batches(self, batch) -> list[dict]:
+    M = self.schedule.num_microbatches
+    leaves = jax.tree.leaves(batch)
+    if len(leaves) != self.batch_tree.num_leaves:
+      raise ValueError(f"batch has {len(leaves)} leaves, the pipeline was built for "
+                       f"{self.batch_tree.num_leaves}")
+    stacked = {}
+    for part in self.parts:
+      for j in part.batch_leaves:
+        if j not in stacked:
+          x = leaves[j]
+          if x.shape[0] % M:
+            raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
+                              f"schedule.num_microbatches={M} equal microbatches.")
+          stacked[j] = x.reshape(M, x.shape[0] // M, *x.shape[1:])
+    out = [dict() for _ in self.stages]
+    for part in self.parts:
+      s = part.stage
+      for j in part.batch_leaves:
+        if j not in out[s]:
+          out[s][j] = jax.device_put(stacked[j], NamedSharding(
+              self.stages[s].mesh, P(None, *self.batch_specs[s][j])))
+    return out
+
+  def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
+    """Forward and backward of every microbatch, in schedule order (module doc)."""
+    S, M = self.schedule.num_stages, self.schedule.num_microbatches
+    batches = self._stage_batches(batch)
+    w = self._uniform if weights is None else jax.device_put(
+        weights, NamedSharding(self._last_mesh, P()))
+    seeds = self._seeds(w)
+    acc = [dict(zip(self.stage_keys[s], self._zeros[s]())) for s in range(S)]
+    inbox, cots, res = {}, {}, {}
+    losses, aux = [None] * M, [None] * M
+    live, peak = [0] * S, [0] * S
+    for s, a in self.order:
+      part = self.parts[self.schedule.virtual_stage(s, a.chunk)]
+      m = a.microbatch
+      if a.kind == "F":
+        box = inbox.pop((part.index, m), {})
+        outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
+                                  tuple(batches[s][j] for j in part.batch_leaves),
+                                  self._mb_index[s][m], tuple(box[i] for i in part.float_in),
+                                  tuple(box[i] for i in part.int_in))
+        res[part.index, m] = r
+        live[s] += 1
+        peak[s] = max(peak[s], live[s])
+        if part.index == len(self.parts) - 1:
+          losses[m] = outs[0]
+          aux[m] = jax.tree.unflatten(self.aux_tree, other) if self.has_aux else None
+          continue
+        for i, x in zip(part.float_out + part.int_out, outs + other):
+          for c in self.values[i].consumers:
+            inbox.setdefault((c, m), {})[i] = self._send(x, self.parts[c].stage)
+      else:
+        r = res.pop((part.index, m))
+        live[s] -= 1
+        if part.index == len(self.parts) - 1:
+          cot = (seeds[m],)
+        else:
+          got = cots.pop((part.index, m))
+          cot = tuple(got[i] for i in part.float_out)
+        new, d_in = part.bwd(r, cot, tuple(acc[s][k] for k in part.param_keys))
+        acc[s].update(zip(part.param_keys, new))
+        for i, g in zip(part.float_in, d_in):
+          src = self.parts[self.values[i].producer]
+          g = self._send(g, src.stage)
+          box = cots.setdefault((src.index, m), {})
+          if i in box:  # a value sent to several parts: its cotangents add up
+            g = box[i] + jax.device_put(g, box[i].sharding)
+          box[i] = g
+    self._sum_tied(acc)
+    return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak))
+
+  def _send(self, x: jax.Array, stage: int) -> jax.Array:
+    """x (on its producer's submesh) -> the devices of `stage`, asynchronously.
+
+    With equal device counts the copy keeps x's layout: the destination devices arranged as
+    x's mesh, same PartitionSpec, so every shard is a device-to-device copy; the receiving
+    program re-splits it with a sharding constraint. (A device_put straight to a layout
+    whose shards x does not have goes through the host in jax 0.10 and blocks until x is
+    ready.) Different device counts fall back to that device_put.
+    """
+    dst = self.stages[stage]
+    src = x.sharding
+    if not isinstance(src, NamedSharding) or src.mesh.size != dst.mesh.size:
+      return jax.device_put(x, NamedSharding(dst.mesh, dst.spec_for(x.aval)))
+    key = (src.mesh, stage)
+    if key not in self._mirrors:
+      self._mirrors[key] = Mesh(dst.mesh.devices.reshape(src.mesh.devices.shape),
+                                src.mesh.axis_names, axis_types=src.mesh.axis_types)
+    return jax.device_put(x, NamedSharding(self._mirrors[key], src.spec))
+
+  def _sum_tied(self, acc: list[dict]) -> None:
+    """Each tied copy's gradient becomes the sum over the stages holding the leaf."""
+    for k, where in self.tied.items():
+      first = where[0]
+      total = acc[first][k]
+      for s in where[1:]:
+        total = total + jax.device_put(acc[s][k], self.sharding(first, k))
+      acc[first][k] = total
+      for s in where[1:]:
+        acc[s][k] = jax.device_put(total, self.sharding(s, k))
+
+
+def _check_meshes(stages: Sequence[StageSpec], num_stages: int) -> None:
+  if len(stages) != num_stages:
+    raise ConfigError(f"{len(stages)} stage specs (submeshes) for a schedule of {num_stages} "
+                      "stages; give one StageSpec per schedule stage.")
+  seen = {}
+  for s, st in enumerate(stages):
+    for d in st.mesh.devices.flat:
+      if d.id in seen:
+        raise ConfigError(f"Device {d.id} is in the submesh of stage {seen[d.id]} and of stage "
+                          f"{s}; stage submeshes must use disjoint devices.")
+      seen[d.id] = s
+
+
+def _linearize(schedule: Schedule, parts: Sequence[Part], values) -> list:
+  """One dispatch order for all stages: each stage's list in order, cross-stage deps held.
+
+  F(m) of a part needs F(m) of every part it receives from; B(m) needs its own F(m) and
+  B(m) of every part that receives a differentiable value from it. Raises ConfigError for a
+  schedule that breaks a rule of `schedule.validate` or has I/W actions.
+  """
+  schedule_lib.validate(schedule, "the pipeline's schedule")
+  S, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
+  for s, acts in enumerate(schedule.actions):
+    split_bwd = [a for a in acts if a.kind not in ("F", "B")]
+    if split_bwd:
+      raise ConfigError(f"Schedule stage {s} has action {split_bwd[0]}: this executor runs F "
+                        "and B actions only (the I/W backward split is not supported yet); "
+                        "use a schedule without I/W, e.g. 1f1b instead of zb_h1.")
+  f_from = {p.index: {values[i].producer for i in p.float_in + p.int_in} for p in parts}
+  b_from = {p.index: {c for i in p.float_out for c in values[i].consumers} for p in parts}
+  done, ptr, order = set(), [0] * S, []
+  while len(order) < 2 * M * V * S:
+    moved = False
+    for s in range(S):
+      while ptr[s] < len(schedule.actions[s]):
+        a = schedule.actions[s][ptr[s]]
+        v = schedule.virtual_stage(s, a.chunk)
+        need = ({("F", u, a.microbatch) for u in f_from[v]} if a.kind == "F" else
+                {("F", v, a.microbatch)} | {("B", u, a.microbatch) for u in b_from[v]})
+        if not need <= done:
+          break
+        done.add((a.kind, v, a.microbatch))
+        order.append((s, a))
+        ptr[s] += 1
+        moved = True
+    if not moved:
+      stuck = "; ".join(f"stage {s} at {schedule.actions[s][ptr[s]]}" for s in range(S)
+                        if ptr[s] < len(schedule.actions[s]))
+      raise ConfigError(f"The schedule deadlocks: every stage waits on another ({stuck}). "
+                        "Reorder the actions so each F follows its producers' F and each B "
+                        "its consumers' B.")
+  return order

@@ -1,0 +1,106 @@
+"""The MPMD train step: run the schedule, clip by the global norm of all stages, update
+every stage's params and optimizer state on its own submesh.
+
+Clipping sits outside the optax chain: a per-stage `tx.update` would clip each stage by
+its own norm. Instead each stage reduces the squared norm of the gradients it owns (a
+tied leaf counted once, on its first stage), the scalars meet on the last stage, and the
+global norm goes back to every stage's update program, which applies exactly
+`optax.clip_by_global_norm`'s rule before `tx.update`. So with the same `tx` the update
+equals the unpipelined `optax.chain(optax.clip_by_global_norm(max_norm), tx)`.
+
+  states = step.init(params)                 # per stage: StageState(params, opt_state)
+  states, metrics = step(states, batch)      # metrics: loss, grad_norm, peak_residuals
+"""
+import dataclasses
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from spmdtask import sharding, steps
+from spmdtask.pipeline.mpmd import Pipeline
+
+
+class StageState(NamedTuple):
+  """One stage's part of the train state: {path: param} and its optax state."""
+  params: dict
+  opt_state: Any
+
+
+def clip_by_norm(grads, norm, max_norm: float):
+  """`optax.clip_by_global_norm(max_norm)` with the norm given (here: of all stages)."""
+  trigger = jnp.squeeze(norm < max_norm)
+  return jax.tree.map(
+      lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+  """A stage's jitted optimizer programs."""
+  init: steps.Partitioned  # params -> opt_state
+  sq_norm: steps.Partitioned  # grads -> sum of squares of the grads this stage owns
+  update: steps.Partitioned  # (params, opt_state, grads, norm) -> (params, opt_state)
+
+
+class TrainStep:
+  """`(states, batch) -> (states, metrics)` for a Pipeline; `tx` must not clip (module doc)."""
+
+  def __init__(self, pipeline: Pipeline, tx: optax.GradientTransformation,
+               max_grad_norm: float | None = None):
+    self.pipeline, self.tx, self.max_grad_norm = pipeline, tx, max_grad_norm
+    pl = pipeline
+    shapes = dict(zip(pl.paths, pl.param_shapes))
+    owner = {k: where[0] for k, where in pl.tied.items()}
+    self.programs = tuple(self._stage_program(s, {k: shapes[k] for k in keys},
+                                              [k for k in keys if owner.get(k, s) == s])
+                          for s, keys in enumerate(pl.stage_keys))
+    last = pl.part_stage[-1]
+    self._norm_mesh = pl.stages[last].mesh
+    self._norm = steps.partition(lambda sq: jnp.sqrt(sum(sq)), self._norm_mesh, (P(),), P())
+
+  def _stage_program(self, s: int, shapes: dict, owned: Sequence[str]) -> StageProgram:
+    pl = self.pipeline
+    mesh = pl.stages[s].mesh
+    pspecs = {k: pl.param_specs[s][pl.paths.index(k)] for k in shapes}
+    opt_shapes = jax.eval_shape(self.tx.init, shapes)
+    ospecs = sharding.opt_state_split_dims(opt_shapes, shapes, pspecs)
+    init = steps.partition(self.tx.init, mesh, (pspecs,), ospecs)
+    sq_norm = steps.partition(
+        lambda g: sum((jnp.sum(jnp.square(g[k].astype(jnp.float32))) for k in owned),
+                      jnp.zeros((), jnp.float32)), mesh, (pspecs,), P())
+    max_norm = self.max_grad_norm
+
+    def update(params, opt_state, grads, norm):
+      if max_norm is not None:
+        grads = clip_by_norm(grads, norm, max_norm)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P()), (pspecs, ospecs),
+                               donate_argnums=(0, 1))
+    return StageProgram(init, sq_norm, update_p)
+
+  def init(self, params) -> tuple[StageState, ...]:
+    """Full params tree -> per-stage states (params placed, optimizer state initialised)."""
+    placed = self.pipeline.place(params)
+    return tuple(StageState(p, prog.init(p)) for p, prog in zip(placed, self.programs))
+
+  def __call__(self, states: Sequence[StageState], batch, weights=None):
+    """One step. Metrics: loss and grad_norm (scalars on the last stage) and
+    peak_residuals (host ints per stage). `weights` as in Pipeline.run."""
+    pl = self.pipeline
+    result = pl.run([st.params for st in states], batch, weights)
+    sq = tuple(jax.device_put(prog.sq_norm(g), NamedSharding(self._norm_mesh, P()))
+               for prog, g in zip(self.programs, result.grads))
+    norm = self._norm(sq)
+    new = []
+    for s, (st, prog, g) in enumerate(zip(states, self.programs, result.grads)):
+      n = jax.device_put(norm, NamedSharding(pl.stages[s].mesh, P()))
+      new.append(StageState(*prog.update(st.params, st.opt_state, g, n)))
+    metrics = {"loss": result.loss, "grad_norm": norm,
+               "peak_residuals": result.peak_residuals}
+    if pl.has_aux:
+      metrics["aux"] = result.aux
+    return tuple(new), metrics

@@ -1,0 +1,130 @@
+"""Dry run of a schedule: time line, makespan, bubble and activation memory per stage.
+
+Costs are per microbatch through one whole stage; a chunk action costs 1/v of that:
+
+  F -> forward / v      I -> backward / v      W -> weight / v
+  B -> (backward + weight) / v                 (an unsplit backward does both)
+
+An action starts when its stage is free and its inputs exist (`schedule.dependencies`); an
+input made on another stage arrives `latency` later. Times are exact `Fraction`s.
+
+Activation memory is counted in sets (one microbatch's residuals through one whole stage; a
+chunk holds 1/v): F adds a set, and B (or I, for the split backward) releases it. Releasing at
+I matches the published accounting: the zero-bubble paper counts a microbatch's activation
+memory M_B as freed by its input-gradient pass, and the weight-gradient pass then holds only
+the smaller stash of layer inputs and output gradients (its M_W), reported separately here as
+`peak_weight_grad_stash` (sets from I to W). With this accounting ZB-H1's peak equals
+1F1B's, p on stage 0, as the paper states. A stage's peak depends on its own order only.
+"""
+import dataclasses
+import math
+from fractions import Fraction
+
+from spmdtask.errors import ConfigError
+from spmdtask.pipeline import schedule as schedule_lib
+from spmdtask.pipeline.schedule import Action, Schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Per-action costs, per microbatch through one whole stage, and the stage-to-stage latency."""
+  forward: float = 1.0
+  backward: float = 1.0  # input gradients (I); an unsplit B costs backward + weight
+  weight: float = 1.0    # weight gradients (W)
+  latency: float = 0.0   # transfer time of an activation or gradient between stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Timed:
+  stage: int
+  action: Action
+  start: Fraction
+  end: Fraction
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+  """What `simulate` returns; every per-stage list is indexed by stage."""
+  makespan: Fraction
+  busy: tuple[Fraction, ...]
+  bubble_fractions: tuple[Fraction, ...]        # 1 - busy / makespan
+  peak_activations: tuple[Fraction, ...]         # live activation sets, F to B (or I)
+  peak_weight_grad_stash: tuple[Fraction, ...]   # sets waiting for W, I to W
+  timeline: tuple[tuple[Timed, ...], ...]        # per stage, in run order
+
+  @property
+  def bubble_fraction(self) -> Fraction:
+    """The largest per-stage bubble fraction."""
+    return max(self.bubble_fractions)
+
+
+def _exact(value: float, name: str) -> Fraction:
+  if not isinstance(value, (int, float, Fraction)) or not math.isfinite(value) or value < 0:
+    raise ConfigError(f"Pipeline cost {name}={value!r} must be a finite number >= 0.")
+  return Fraction(value).limit_denominator(1 << 20)
+
+
+def durations(costs: Costs, num_chunks: int) -> dict[str, Fraction]:
+  """Action kind -> its duration under `costs` (see the module docstring)."""
+  f, b, w = (_exact(getattr(costs, n), n) for n in ("forward", "backward", "weight"))
+  return {kind: cost / num_chunks for kind, cost in (("F", f), ("I", b), ("W", w), ("B", b + w))}
+
+
+def peaks(schedule: Schedule) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...]]:
+  """Per stage: (peak live activation sets, peak weight-grad stash), in sets of 1/v chunks."""
+  unit = Fraction(1, schedule.num_chunks)
+  act_peaks, stash_peaks = [], []
+  for row in schedule.actions:
+    live = stash = act_peak = stash_peak = Fraction(0)
+    for a in row:
+      live += unit if a.kind == "F" else -unit if a.kind in ("B", "I") else 0
+      stash += unit if a.kind == "I" else -unit if a.kind == "W" else 0
+      act_peak, stash_peak = max(act_peak, live), max(stash_peak, stash)
+    act_peaks.append(act_peak)
+    stash_peaks.append(stash_peak)
+  return tuple(act_peaks), tuple(stash_peaks)
+
+
+def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the schedule") -> Simulation:
+  """Validates `schedule` (ConfigError if broken) and runs it under `costs`."""
+  order = schedule_lib.validate(schedule, source)
+  latency = _exact(costs.latency, "latency")
+  duration = durations(costs, schedule.num_chunks)
+  backward = schedule_lib.backward_kind(schedule)
+  end, free = {}, [Fraction(0)] * schedule.num_stages
+  timeline = [[] for _ in range(schedule.num_stages)]
+  for s, a in order:  # dependencies come earlier in `order`, so their end times are known
+    start = free[s]
+    for ds, d in schedule_lib.dependencies(schedule, s, a, backward):
+      start = max(start, end[ds, d] + (latency if ds != s else 0))
+    end[s, a] = free[s] = start + duration[a.kind]
+    timeline[s].append(Timed(s, a, start, end[s, a]))
+  makespan = max(free)
+  busy = tuple(sum((t.end - t.start for t in row), Fraction(0)) for row in timeline)
+  bubbles = tuple(1 - b / makespan if makespan else Fraction(0) for b in busy)
+  act, stash = peaks(schedule)
+  return Simulation(makespan, busy, bubbles, act, stash, tuple(map(tuple, timeline)))
+
+
+def chart(sim: Simulation) -> str:
+  """The time line as text: one row per stage, one cell per time unit, idle cells '.'.
+
+  The time unit is the largest one that divides every start and end; each action's label
+  (`F3`, `I2.1`) starts at its first cell.
+  """
+  times = [t for row in sim.timeline for x in row for t in (x.start, x.end)]
+  unit = Fraction(math.gcd(*(t.numerator for t in times)) or 1,
+                  math.lcm(*(t.denominator for t in times)))
+  width = max((math.ceil((len(str(x.action)) + 1) / ((x.end - x.start) / unit))
+               for row in sim.timeline for x in row if x.end > x.start), default=1)
+  columns = int(sim.makespan / unit)
+  lines = [f"time unit {unit} (one cell = {width} characters); '.' idle"]
+  for s, row in enumerate(sim.timeline):
+    cells = ["." * width] * columns
+    for x in row:
+      first, last = int(x.start / unit), int(x.end / unit)
+      if last > first:
+        text = str(x.action).ljust((last - first) * width)
+        cells[first:last] = [text[i * width:(i + 1) * width] for i in range(last - first)]
+    lines.append(f"stage{s}: " + "".join(cells).rstrip())
+  return "\n".join(lines)
