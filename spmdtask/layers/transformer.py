@@ -130,14 +130,17 @@ class TransformerLm(nn.Module):
 
   # ------------------------------------------------------------------ the network
 
+  def block_kwargs(self) -> dict:
+    """The fields of one layer (`layers.block.Block`)."""
+    return dict(d_model=self.d_model, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
+                mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
+                norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
+                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
+                asplit=self.activation_split_dims_mapping)
+
   def _stack(self) -> stack_lib.LayerStack:
-    w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
-    kwargs = dict(d_model=self.d_model, num_heads=self.num_heads,
-                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                  mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                  norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
-                  dtype=jnp.dtype(self.fprop_dtype), wsplit=w, asplit=a)
-    return stack_lib.LayerStack(Block, kwargs, self.num_layers, self.remat_policy,
+    return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
                                 self.scan_unroll, self.execution, name="layers")
 
   @nn.compact

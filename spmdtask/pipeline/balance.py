@@ -69,9 +69,9 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
   # pylint: disable=g-import-not-at-top
   import jax
   import jax.numpy as jnp
-  from spmdtask.layers.transformer import Block
+  from spmdtask.layers.block import Block
   num_layers = model.num_layers
-  model = dataclasses.replace(model, num_layers=1, remat_policy=None, pipeline=None,
+  model = dataclasses.replace(model, num_layers=1, remat_policy=None, execution=None,
                               dropout_rate=0.0)
   dt = jnp.dtype(model.fprop_dtype)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
@@ -90,7 +90,7 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
   emb = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), jnp.float32)
   embed = flops(lambda e, t, ct: vjp(lambda e: jnp.take(e, t, axis=0).astype(dt), e,
                                      cotangent=ct), emb, tokens, x)
-  block = Block(**model._block_kwargs())  # pylint: disable=protected-access
+  block = Block(**model.block_kwargs())
   block_params = jax.eval_shape(block.init, jax.random.key(0), x, positions)["params"]
   layer = flops(lambda p, h, pos: vjp(lambda p, h: block.apply({"params": p}, h, pos)[0], p, h,
                                       cotangent=h), block_params, x, positions)

@@ -65,7 +65,7 @@ class TrainStep:
     mesh = pl.stages[s].mesh
     pspecs = {k: pl.param_specs[s][pl.paths.index(k)] for k in shapes}
     opt_shapes = jax.eval_shape(self.tx.init, shapes)
-    ospecs = sharding.opt_state_split_dims(opt_shapes, shapes, pspecs)
+    ospecs, _ = sharding.opt_state_split_dims(self.tx, opt_shapes, shapes, pspecs)
     init = steps.partition(self.tx.init, mesh, (pspecs,), ospecs)
     sq_norm = steps.partition(
         lambda g: sum((jnp.sum(jnp.square(g[k].astype(jnp.float32))) for k in owned),
