@@ -27,9 +27,10 @@ class TinyVit(Experiment):
 
   def datasets(self) -> dict[str, fdl.Config]:
     """'train' is endless; 'eval' is 96 held-out images of the same classes."""
-    return {"train": fdl.Config(SyntheticImageInput, batch_size=self.batch_size, seed=1),
-            "eval": fdl.Config(SyntheticImageInput, batch_size=self.batch_size, seed=2,
-                               num_examples=96)}
+    return {"train": fdl.Config(SyntheticImageInput, batch_size=self.batch_size, noise=4.0,
+                                seed=1),
+            "eval": fdl.Config(SyntheticImageInput, batch_size=self.batch_size, noise=4.0,
+                               seed=2, num_examples=96)}
 
 
 @register

@@ -74,12 +74,13 @@ class Decodable(Protocol):
 class LayoutMap(NamedTuple):
   """How one subtree of the on-device parameters maps to the canonical layout.
 
-  `path` is a sequence of keys; every state leaf whose path contains it (params, and the
-  optimizer statistics that mirror them) is converted leaf by leaf.
+  `path` is a sequence of keys. Every subtree of the train state found under a key path
+  ending with it (the params' own, and each optimizer statistic that mirrors the params,
+  e.g. Adam's `mu/layers`) is converted as a whole: `to_canonical(subtree)` and back.
   """
   path: tuple[str, ...]
-  to_canonical: Callable[[jax.Array], jax.Array]
-  from_canonical: Callable[[jax.Array], jax.Array]
+  to_canonical: Callable[[Any], Any]
+  from_canonical: Callable[[Any], Any]
 
 
 @runtime_checkable

@@ -78,22 +78,25 @@ class Program:
 
 
 def apply_layout_maps(tree, maps: tuple[LayoutMap, ...], to_canonical: bool):
-  """Converts every leaf whose path contains a map's path (params and their opt stats)."""
+  """Converts every subtree under a map's path (params and the opt stats that mirror them)."""
   if not maps:
     return tree
 
   def keys(path):
     return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
-  def contains(path, sub):
-    return any(path[i:i + len(sub)] == sub for i in range(len(path) - len(sub) + 1))
+  def match(path):
+    return next((m for m in maps if keys(path)[-len(m.path):] == m.path), None)
 
-  def convert(path, x):
-    for m in maps:
-      if contains(keys(path), m.path):
-        return (m.to_canonical if to_canonical else m.from_canonical)(x)
-    return x
-  return jax.tree_util.tree_map_with_path(convert, tree)
+  def convert(path, node):
+    m = match(path)
+    if m is None:
+      return node
+    return (m.to_canonical if to_canonical else m.from_canonical)(node)
+
+  return jax.tree_util.tree_map_with_path(convert, tree,
+                                          is_leaf=lambda path, _: match(path) is not None,
+                                          is_leaf_takes_path=True)
 
 
 def _strategy_model(task: Task) -> tuple[Model, Model]:

@@ -92,5 +92,5 @@ def layout_map(path: tuple[str, ...], pipeline: spmd.PipelineConfig | None) -> t
     return ()
   s, r = pipeline.num_stages, pipeline.circular_repeat
   return (LayoutMap(tuple(path),
-                    lambda a: spmd.from_stages(a),
-                    lambda a: spmd.to_stages(a, s, r)),)
+                    spmd.from_stages,
+                    lambda tree: spmd.to_stages(tree, s, r)),)
