@@ -174,6 +174,17 @@ def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[T
   return _live(program, step, got["params"], got["opt_state"]), step
 
 
+def read_meta(job_log_dir: str, step: int | None = None) -> dict:
+  """The `meta` item (step, config, layout facts) of a checkpoint; the latest by default."""
+  directory = checkpoint_dir(job_log_dir)
+  step = _pick_step(directory, job_log_dir, step)
+  mngr = _manager(directory, read_only=True)
+  try:
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  finally:
+    mngr.close()
+
+
 def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
   """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh."""
   directory = checkpoint_dir(init_dir)
