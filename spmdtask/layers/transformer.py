@@ -64,8 +64,8 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   """One pre-norm decoder layer: x + attn(norm(x)), then + mlp(norm(.)).
 
-  Called as `(x, positions, cache=None) -> (x, new_cache)` so that `nn.scan` can
-  stack it (the per-layer KV cache is scanned over the layer dim).
+  Called as `(x, positions, cache=None, segment_ids=None) -> (x, new_cache)` so that
+  `nn.scan` can stack it (the per-layer KV cache is scanned over the layer dim).
   """
   d_model: int
   num_heads: int
@@ -87,12 +87,13 @@ class Block(nn.Module):
     return nn.Dropout(self.dropout_rate, deterministic=False)(x)
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
+  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None,
+               segment_ids: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         name="attn")(h, positions, cache)
+                         name="attn")(h, positions, cache, segment_ids)
     x = constrain(x + self._dropout(h), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
@@ -119,6 +120,7 @@ class TransformerLm(nn.Module):
   max_seq_len: int = 2048
   mlp_activation: str = "swiglu"
   tie_embeddings: bool = False
+  scale_tied_logits: bool = True  # tied head times d_model**-0.5; Llama's is unscaled (False)
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   dropout_rate: float = 0.0
@@ -197,10 +199,14 @@ class TransformerLm(nn.Module):
     heads = tuple(self.activation_split_dims_mapping.heads)
     return KvCache((None,) + heads, (None,) + heads)
 
-  def _layers(self, x: jax.Array, positions: jax.Array, cache: KvCache | None):
+  def _layers(self, x: jax.Array, positions: jax.Array, cache: KvCache | None,
+              segment_ids: jax.Array | None = None):
     if self.pipeline is not None:
       if cache is not None:
         raise ValueError("Decode a pipelined LM through decoding.unpipelined(model, params).")
+      if segment_ids is not None:
+        raise ConfigError("Packed inputs (segment_ids) are not supported with task.model.pipeline "
+                          "set: use an unpacked input or set pipeline=None.")
       return self._pipelined_layers(x, positions), None
     if cache is not None:  # decoding: no gradients, so no remat; the cache is scanned over
       stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -212,19 +218,22 @@ class TransformerLm(nn.Module):
       block = nn.remat(Block, policy=getattr(jax.checkpoint_policies, self.remat_policy),
                        prevent_cse=False)
     stack = nn.scan(block, variable_axes={"params": 0},
-                    split_rngs={"params": True, "dropout": True}, in_axes=(nn.broadcast,),
+                    split_rngs={"params": True, "dropout": True},
+                    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                     length=self.num_layers, unroll=self.scan_unroll,
                     metadata_params={nn.PARTITION_NAME: None})
-    x, _ = stack(**self._block_kwargs(), name="layers")(x, positions)
+    x, _ = stack(**self._block_kwargs(), name="layers")(x, positions, None, segment_ids)
     return x, None
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               cache: KvCache | None = None):
+               cache: KvCache | None = None, segment_ids: jax.Array | None = None):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
     tokens' keys/values are written at `positions` and attention reads the cache.
+    With `segment_ids` [b, t] (packed rows; `positions` then restart per segment),
+    a token attends only to earlier tokens of its own segment.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -233,10 +242,12 @@ class TransformerLm(nn.Module):
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     x = constrain(jnp.take(emb, tokens, axis=0).astype(dt), a.embed)
-    x, cache = self._layers(x, positions, cache)
+    x, cache = self._layers(x, positions, cache, segment_ids)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt)) * (self.d_model ** -0.5)
+      logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt))
+      if self.scale_tied_logits:
+        logits = logits * (self.d_model ** -0.5)
     else:
       unembed = weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
                        dense_init(0, 1))
@@ -247,10 +258,11 @@ class TransformerLm(nn.Module):
   def loss(self, batch: dict[str, jax.Array]):
     """Weighted mean next-token cross entropy.
 
-    batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding).
+    batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding);
+    packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
     Returns (loss, aux) with aux = {'loss_sum', 'num_tokens'} for exact aggregation.
     """
-    logits = self(batch["inputs"])
+    logits = self(batch["inputs"], batch.get("positions"), segment_ids=batch.get("segment_ids"))
     xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     weights = batch["weights"].astype(jnp.float32)
     loss_sum, num_tokens = jnp.sum(xent * weights), jnp.sum(weights)
