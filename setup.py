@@ -19,6 +19,9 @@ setuptools.setup(
         "tensorflow-cpu>=2.21,<2.22",
         "tensorboard>=2.21,<2.22",
         "numpy>=1.26",
+        "sentencepiece>=0.2,<0.3",
+        "safetensors>=0.4.3,<0.9",
+        "ml-dtypes>=0.5",
     ],
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
 )

@@ -1,10 +1,13 @@
 """Registered LM experiments. `--exp=lm.TinyLm` etc."""
+import functools
+
 import fiddle as fdl
 import optax
 
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
+from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register
@@ -116,3 +119,39 @@ class TinyLmCircular(TinyLm):
     cfg = super().task()
     _pipelined(cfg, (2, 2, 1, 2), num_stages=2, num_microbatches=4, circular_repeat=2)
     return cfg
+
+
+@register
+class TextLm(TinyLm):
+  """TinyLm's model on a prepared text corpus (tools/prepare_text_data.py), packed rows.
+
+  Set the data dir of 'train', 'eval' and the decode 'prompts' and the vocabulary of its
+  meta.json (README); each input checks task.model.vocab_size against meta.json (the
+  inputs share the model's config, so an override of task.model reaches them).
+  """
+  batch_size = 16
+  seq_len = 256
+
+  @functools.cache  # one config per instance: the datasets share its model config
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.train.num_train_steps = 400
+    cfg.train.learning_rate.warmup_steps = 20
+    cfg.train.learning_rate.decay_steps = 400
+    cfg.train.log_interval_steps = 20
+    cfg.train.eval_interval_steps = 100
+    cfg.train.save_interval_steps = 200
+    cfg.decode.max_decode_len = 160
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    """'train' repeats; 'eval' is the first 8 batches of the eval split."""
+    model = self.task().model
+    return {"train": fdl.Config(PackedLmInput, split="train", batch_size=self.batch_size,
+                                seq_len=self.seq_len, model=model),
+            "eval": fdl.Config(PackedLmInput, split="eval", batch_size=self.batch_size,
+                               seq_len=self.seq_len, repeat=False, num_batches=8, model=model)}
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    return {"prompts": fdl.Config(TextPromptInput, split="eval", batch_size=8, prompt_len=32,
+                                  num_examples=8, model=self.task().model)}

@@ -4,7 +4,6 @@ import pytest
 
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.tfdata import TfRecordLmInput, write_records
-from tools import prepare_text_data
 
 SEQ = 8
 
@@ -53,16 +52,6 @@ def test_restored_position_continues_exactly(records):
 def test_no_files_is_a_config_error(tmp_path):
   with pytest.raises(ConfigError, match="file_pattern=.*matches no file"):
     next(TfRecordLmInput(str(tmp_path / "none*"), batch_size=4, seq_len=SEQ))
-
-
-def test_text_prepared_as_byte_tokens(tmp_path):
-  text = "hello spmdtask " * 10
-  (tmp_path / "t.txt").write_text(text)
-  out = str(tmp_path / "t.tfrecord")
-  n = write_records(out, prepare_text_data.chunks(text.encode(), SEQ))
-  assert n == len(text) // (SEQ + 1)
-  batch = next(TfRecordLmInput(out, batch_size=2, seq_len=SEQ, process_index=0, process_count=1))
-  assert bytes(batch["inputs"][0].astype(np.uint8).tolist()) == text.encode()[:SEQ]
 
 
 def test_trains_from_files(tmp_path):

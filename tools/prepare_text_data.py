@@ -1,32 +1,107 @@
-"""Turns a UTF-8 text file into TFRecords of byte tokens (vocab 256) for TfRecordLmInput.
+"""Turns text files into a prepared data dir: tokenized documents as TFRecord shards.
 
-`python tools/prepare_text_data.py --input=corpus.txt --output=/data/corpus.tfrecord --seq_len=64`
+    python tools/prepare_text_data.py --input='/data/books/*.txt' --output_dir=/data/books_sp \
+        --tokenizer=sentencepiece --vocab_size=4096
+
+Each input file is one document. Documents are shuffled once (--seed), the first
+--eval_fraction of them become the eval split, the rest train. Every document is
+tokenized whole and closed by the end-of-document id. With --tokenizer=sentencepiece a
+BPE model is trained (offline) on the train documents' lines with --vocab_size. The
+output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their `*_index.npz`, the tokenizer
+(`tokenizer.model`, SentencePiece only) and `meta.json` (see spmdtask.inputs.tokenizers).
+Train on it with `--exp=lm.TextLm` (README).
 """
 import argparse
+import glob
+import json
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from spmdtask.inputs.tfdata import write_records  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+from spmdtask.inputs import text, tokenizers
 
 
-def chunks(data: bytes, seq_len: int):
-  """Non-overlapping windows of seq_len + 1 byte tokens (the last partial one dropped)."""
-  step = seq_len + 1
-  for start in range(0, len(data) - step + 1, step):
-    yield list(data[start:start + step])
+def read_documents(pattern: str) -> tuple[list[str], list[str]]:
+  """(paths, texts) of the non-empty files matching `pattern`, in sorted path order."""
+  paths, texts = [], []
+  for path in sorted(glob.glob(pattern, recursive=True)):
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8", errors="replace") as f:
+        content = f.read()
+      if content:
+        paths.append(path)
+        texts.append(content)
+  return paths, texts
+
+
+def split_documents(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """(train, eval) document numbers: one seeded shuffle, the first eval_fraction to eval."""
+  order = np.random.default_rng(seed).permutation(n)
+  num_eval = max(1, int(round(eval_fraction * n))) if n > 1 else 0
+  return order[num_eval:], order[:num_eval]
+
+
+def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_size: int | None):
+  if kind == "bytes":
+    return tokenizers.ByteTokenizer()
+  lines = (line for t in train_texts for line in t.splitlines() if line.strip())
+  model = tokenizers.train_sentencepiece(
+      lines, os.path.join(output_dir, os.path.splitext(tokenizers.SP_MODEL_FILE)[0]),
+      vocab_size or 4096)
+  return tokenizers.SentencePieceTokenizer(model)
+
+
+def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = None,
+            eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0) -> dict:
+  """Writes the data dir; returns its meta.json contents."""
+  paths, texts = read_documents(pattern)
+  if len(texts) < 2:
+    raise SystemExit(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train and "
+                     "an eval split need at least 2 documents.")
+  os.makedirs(output_dir, exist_ok=True)
+  train_ids, eval_ids = split_documents(len(texts), eval_fraction, seed)
+  tok = make_tokenizer(kind, [texts[i] for i in train_ids], output_dir, vocab_size)
+  splits = {}
+  for name, ids in (("train", train_ids), ("eval", eval_ids)):
+    docs = [tok.encode(texts[i]) + [tok.eod_id] for i in ids]
+    files = text.write_split(output_dir, name, docs,
+                             num_shards if name == "train" else max(1, num_shards // 4))
+    splits[name] = {"files": files, "num_documents": len(docs),
+                    "num_tokens": int(sum(len(d) for d in docs)),
+                    "sources": [os.path.relpath(paths[i], os.path.dirname(pattern) or ".")
+                                for i in ids]}
+  meta = {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+          "input": pattern, "seed": seed, "eval_fraction": eval_fraction, "splits": splits}
+  with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
+    json.dump(meta, f, indent=1)
+  return meta
 
 
 def main():
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--input", required=True)
-  parser.add_argument("--output", required=True)
-  parser.add_argument("--seq_len", type=int, default=64)
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser.add_argument("--input", required=True, help="glob of text files, one document each")
+  parser.add_argument("--output_dir", required=True)
+  parser.add_argument("--tokenizer", choices=("bytes", "sentencepiece"), default="bytes")
+  parser.add_argument("--vocab_size", type=int, default=None,
+                      help="SentencePiece vocabulary size (default 4096)")
+  parser.add_argument("--eval_fraction", type=float, default=0.05)
+  parser.add_argument("--num_shards", type=int, default=4, help="train shards")
+  parser.add_argument("--seed", type=int, default=0, help="document shuffle seed")
   args = parser.parse_args()
-  with open(args.input, "rb") as f:
-    n = write_records(args.output, chunks(f.read(), args.seq_len))
-  print(f"wrote {n} records of {args.seq_len + 1} tokens to {args.output}")
+  if args.vocab_size is not None and args.tokenizer == "bytes":
+    parser.error("--vocab_size is for --tokenizer=sentencepiece (bytes have 257 ids).")
+  meta = prepare(args.input, args.output_dir, args.tokenizer, args.vocab_size,
+                 args.eval_fraction, args.num_shards, args.seed)
+  counts = ", ".join(f"{k}: {v['num_documents']} documents, {v['num_tokens']} tokens"
+                     for k, v in meta["splits"].items())
+  print(f"{args.output_dir}: {meta['tokenizer']} tokenizer, vocab_size={meta['vocab_size']}, "
+        f"eod_id={meta['eod_id']}; {counts}")
+  print(f"Train: --exp=lm.TextLm --fdl_set=task.model.vocab_size={meta['vocab_size']} "
+        f"--fdl_set=\"datasets['train'].data_dir='{args.output_dir}'\" (README)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """tf.data input over TFRecord files of token sequences; each process reads only its rows.
 
 Records are `tf.train.Example`s with one int64 feature `tokens` of length seq_len + 1
-(write them with `write_records`, or `tools/prepare_text_data.py` for a text file).
+(write them with `write_records`). For text corpora see `text.PackedLmInput`.
 Global batch `b` is records [b·B, (b+1)·B) in file order; process p keeps rows
 [p·B/N, (p+1)·B/N) of it, so every process count sees the same global batches.
 """

@@ -25,13 +25,18 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
-           kv_pos: jax.Array, causal: bool = True) -> jax.Array:
-  """Grouped-query attention, causal unless `causal=False` (an encoder).
+           kv_pos: jax.Array, causal: bool = True, q_seg: jax.Array | None = None,
+           kv_seg: jax.Array | None = None) -> jax.Array:
+  """Grouped-query attention, causal unless `causal=False` (an encoder), optionally
+  within segments (packed rows).
 
   Args:
     q: [b, t, heads, hd]; k, v: [b, s, kv_heads, hd], heads a multiple of kv_heads.
     q_pos: [b, t] and kv_pos: [b, s] positions; with `causal`, query i sees keys with
       kv_pos <= q_pos[i]; without, every key.
+    q_seg: [b, t] and kv_seg: [b, s] segment ids, or None: query i then also sees only
+      keys with kv_seg == q_seg[i]. Positions restart per segment, so causality holds
+      within each segment.
   Returns:
     [b, t, heads, hd].
   """
@@ -40,8 +45,13 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (hd ** -0.5)
+  mask = None
   if causal:
     mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+  if q_seg is not None:
+    same = kv_seg[:, None, None, None, :] == q_seg[:, None, None, :, None]
+    mask = same if mask is None else mask & same
+  if mask is not None:
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
@@ -76,7 +86,8 @@ class Attention(nn.Module):
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
   Rotary positions unless `rope_theta` is None; causal unless `causal=False`.
-  Called as `(x, positions, cache=None) -> (out, new_cache)`; new_cache is None without a cache.
+  Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
+  None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """
   d_model: int
   num_heads: int
@@ -91,7 +102,8 @@ class Attention(nn.Module):
   causal: bool = True
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               cache: KvCache | None = None):
     d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
     wq = weight(self, "q", (d, h, hd), self.q_split, dense_init(0, (1, 2)))
     wk = weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
@@ -110,5 +122,8 @@ class Attention(nn.Module):
       v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
       cache = KvCache(k, v)
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
-    out = constrain(attend(q, k, v, positions, kv_pos, self.causal), self.heads_act_split)
+    if cache is not None and segment_ids is not None:
+      raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
+    out = constrain(attend(q, k, v, positions, kv_pos, self.causal, segment_ids, segment_ids),
+                    self.heads_act_split)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), cache

@@ -39,8 +39,9 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   """One pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)).
 
-  Called as `(x, positions, cache=None) -> (x, new_cache)` so that a `LayerStack` can
-  scan it (the per-layer KV cache is scanned over the layer dim). `causal=False` makes
+  Called as `(x, positions, segment_ids=None, cache=None) -> (x, new_cache)` so that a
+  `LayerStack` can scan it (positions and segment ids broadcast to every layer, the
+  per-layer KV cache scanned over the layer dim). `causal=False` makes
   an encoder block; `rope_theta=None` turns rotary positions off.
   """
   d_model: int
@@ -64,12 +65,13 @@ class Block(nn.Module):
     return nn.Dropout(self.dropout_rate, deterministic=False)(x)
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, cache: KvCache | None = None):
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               cache: KvCache | None = None):
     w, a = self.wsplit, self.asplit
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         causal=self.causal, name="attn")(h, positions, cache)
+                         causal=self.causal, name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,

@@ -59,6 +59,7 @@ class TransformerLm(nn.Module):
   max_seq_len: int = 2048
   mlp_activation: str = "swiglu"
   tie_embeddings: bool = False
+  scale_tied_logits: bool = True  # tied head times d_model**-0.5; Llama's is unscaled (False)
   rope_theta: float = 10000.0
   norm_eps: float = 1e-6
   dropout_rate: float = 0.0
@@ -145,11 +146,13 @@ class TransformerLm(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               cache: KvCache | None = None):
+               cache: KvCache | None = None, segment_ids: jax.Array | None = None):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
     tokens' keys/values are written at `positions` and attention reads the cache.
+    With `segment_ids` [b, t] (packed rows; `positions` then restart per segment),
+    a token attends only to earlier tokens of its own segment.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -158,10 +161,15 @@ class TransformerLm(nn.Module):
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     x = constrain(jnp.take(emb, tokens, axis=0).astype(dt), a.embed)
-    x, cache = self._stack()(x, positions, cache=cache)
+    if segment_ids is not None and self.execution is not None:
+      raise ConfigError("Packed inputs (segment_ids) are not supported with task.pipeline set: "
+                        "use an unpacked input or set task.pipeline=None.")
+    x, cache = self._stack()(x, positions, segment_ids, cache=cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt)) * (self.d_model ** -0.5)
+      logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt))
+      if self.scale_tied_logits:
+        logits = logits * (self.d_model ** -0.5)
     else:
       unembed = weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
                        dense_init(0, 1))
@@ -172,10 +180,12 @@ class TransformerLm(nn.Module):
   def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
     """Weighted mean next-token cross entropy.
 
-    batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding).
+    batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding);
+    packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
     Returns (loss, {'loss': Weighted(sum of token losses, tokens)}).
     """
-    logits = self(batch["inputs"])
+    logits = self(batch["inputs"], batch.get("positions"),
+                  segment_ids=batch.get("segment_ids"))
     xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     weights = batch["weights"].astype(jnp.float32)
     loss_sum, num_tokens = jnp.sum(xent * weights), jnp.sum(weights)

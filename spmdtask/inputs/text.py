@@ -1,0 +1,217 @@
+"""A prepared text corpus on tf.data: packed LM batches and decode prompts.
+
+Layout of a data dir (written by tools/prepare_text_data.py):
+  meta.json, tokenizer.model (SentencePiece only)    see `tokenizers`
+  <split>-0000i-of-0000n.tfrecord                    one tf.train.Example per document:
+                                                     int64 `tokens`, closed by eod_id
+  <split>_index.npz                                  per document in order: shard, record,
+                                                     length (for the packing plan)
+
+`PackedLmInput` plans its rows from the index alone (`packing.pieces`, `first_fit`), the
+same plan in every process. Global batch b is rows [b·B, (b+1)·B) of the plan (the plan
+repeats each epoch); a process makes only its rows of it and reads only their documents,
+so batches depend on neither the process count nor a restart: the checkpointed position
+is the batch number.
+"""
+import dataclasses
+import functools
+import os
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import packing, tokenizers
+from spmdtask.inputs.base import StepIndexedInput
+from spmdtask.inputs.tfdata import write_records
+
+
+def shard_name(split: str, i: int, n: int) -> str:
+  return f"{split}-{i:05d}-of-{n:05d}.tfrecord"
+
+
+def index_name(split: str) -> str:
+  return f"{split}_index.npz"
+
+
+def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: int) -> list[str]:
+  """Writes documents (token lists, eod included) as `num_shards` shards + the index."""
+  num_shards = max(1, min(num_shards, len(docs)))
+  bounds = np.linspace(0, len(docs), num_shards + 1).astype(int)
+  files, shard, record = [], [], []
+  for i in range(num_shards):
+    files.append(shard_name(split, i, num_shards))
+    part = docs[bounds[i]:bounds[i + 1]]
+    write_records(os.path.join(data_dir, files[-1]), part)
+    shard += [i] * len(part)
+    record += list(range(len(part)))
+  np.savez(os.path.join(data_dir, index_name(split)), shard=np.asarray(shard, np.int64),
+           record=np.asarray(record, np.int64),
+           length=np.asarray([len(d) for d in docs], np.int64))
+  return files
+
+
+class DocumentReader:
+  """Reads documents by number from one split's shards with tf.data.
+
+  `read(doc_ids)` touches, per shard, only the records from the first to the last asked
+  for (tf.data skips the ones before); documents read by the previous call are reused.
+  """
+
+  def __init__(self, data_dir: str, split: str, field: str):
+    self.meta = tokenizers.read_meta(data_dir, field)
+    if split not in self.meta["splits"]:
+      raise ConfigError(f"{field}={data_dir!r} has no split {split!r} (it has "
+                        f"{sorted(self.meta['splits'])}); set the input's split to one of them.")
+    self.data_dir, self.split = data_dir, split
+    self.files = [os.path.join(data_dir, f) for f in self.meta["splits"][split]["files"]]
+    with np.load(os.path.join(data_dir, index_name(split))) as idx:
+      self.shard, self.record, self.lengths = idx["shard"], idx["record"], idx["length"]
+    self._cache: dict[int, np.ndarray] = {}
+
+  def read(self, doc_ids) -> dict[int, np.ndarray]:
+    ids = sorted(set(int(d) for d in doc_ids))
+    got = {d: self._cache[d] for d in ids if d in self._cache}
+    todo = np.asarray([d for d in ids if d not in got], np.int64)
+    spec = {"tokens": tf.io.RaggedFeature(tf.int64)}
+    for s in np.unique(self.shard[todo]) if todo.size else ():
+      want = todo[self.shard[todo] == s]
+      lo, hi = int(self.record[want].min()), int(self.record[want].max())
+      ds = tf.data.TFRecordDataset(self.files[int(s)]).skip(lo).take(hi - lo + 1)
+      first = int(np.searchsorted(self.shard, s)) + lo  # documents are numbered shard by shard
+      for k, toks in enumerate(ds.map(lambda r: tf.io.parse_single_example(r, spec)["tokens"])
+                               .as_numpy_iterator()):
+        if first + k in want:
+          got[first + k] = toks.astype(np.int32)
+    for d, toks in got.items():
+      if len(toks) != self.lengths[d]:
+        raise ValueError(f"{self.data_dir}: document {d} has {len(toks)} tokens, its index "
+                         f"{self.lengths[d]}; the data dir is inconsistent (prepare it again).")
+      tokenizers.check_ids(toks, int(self.meta["vocab_size"]), f"{self.data_dir} document {d}")
+    self._cache = got
+    return got
+
+
+@dataclasses.dataclass
+class PackedLmInput(StepIndexedInput):
+  """Packed next-token batches of a prepared corpus (see the module and `packing` docs).
+
+  Batches: `inputs`, `targets`, `weights`, `segment_ids`, `positions`, each [rows, seq_len].
+  `efficiency(step)` is batch `step`'s real tokens / row tokens (the same in every
+  process); `last_batch_efficiency` is that of the batch `next` returned last.
+
+  Attributes:
+    data_dir: a prepared data dir.
+    split: 'train' or 'eval'.
+    batch_size: the GLOBAL batch size (rows); each process makes its contiguous slice.
+    seq_len: tokens per row.
+    repeat: repeat the plan forever; else one pass (the last batch may be partial).
+    max_open_rows: rows first-fit may still add to (more packs tighter, plans slower).
+    model: the model fed (share task.model's config); its vocab_size must be the data's.
+    num_batches: None = all; else at most this many batches.
+  """
+  data_dir: str = ""
+  split: str = "train"
+  batch_size: int = 16
+  seq_len: int = 256
+  repeat: bool = True
+  max_open_rows: int = 64
+  model: object | None = None
+  num_batches: int | None = None
+  process_index: int | None = None
+  process_count: int | None = None
+
+  def __post_init__(self):
+    self._reader = DocumentReader(self.data_dir, self.split, "datasets[...].data_dir")
+    if self.model is not None:
+      tokenizers.check_vocab(self._reader.meta, self.model.vocab_size, self.data_dir)
+    self.last_batch_efficiency = None
+
+  @functools.cached_property
+  def _plan(self) -> tuple[np.ndarray, list[list[int]]]:
+    """(pieces [P, 3] as (doc, start, length), rows as piece indices): one epoch."""
+    parts = packing.pieces(self._reader.lengths, self.seq_len)
+    rows = packing.first_fit(parts[:, 2], self.seq_len, self.max_open_rows)
+    if not rows:
+      raise ConfigError(f"datasets[...].data_dir={self.data_dir!r}: split {self.split!r} has no "
+                        "document of 2 or more tokens to train on.")
+    logging.info("Packed %s/%s: %d documents, %d pieces -> %d rows of %d tokens; packing "
+                 "efficiency %.4f (real tokens / row tokens).", self.data_dir, self.split,
+                 len(self._reader.lengths), len(parts), len(rows), self.seq_len,
+                 packing.efficiency(rows, parts[:, 2], self.seq_len))
+    return parts, rows
+
+  @property
+  def num_examples(self) -> int | None:
+    """Rows in one pass when not repeating (None: endless)."""
+    return None if self.repeat else len(self._plan[1])
+
+  def _rows(self, global_rows: np.ndarray) -> list[list[int]]:
+    rows = self._plan[1]
+    return [rows[int(r) % len(rows)] for r in global_rows]
+
+  def efficiency(self, step: int) -> float:
+    """Real tokens / row tokens of global batch `step`."""
+    rows = step * self.batch_size + np.arange(self.batch_size)
+    if self.num_examples is not None:
+      rows = rows[rows < self.num_examples]
+    return packing.efficiency(self._rows(rows), self._plan[0][:, 2], self.seq_len)
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    """This process's rows of global batch `step`."""
+    parts = self._plan[0]
+    rows = self._rows(self.local_rows(step))
+    docs = self._reader.read(parts[[i for row in rows for i in row], 0])
+    return packing.make_rows(
+        [[docs[int(parts[i, 0])][parts[i, 1]:parts[i, 1] + parts[i, 2]] for i in row]
+         for row in rows], self.seq_len)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    step = self._step
+    batch = super().__next__()
+    self.last_batch_efficiency = self.efficiency(step)
+    return batch
+
+
+@dataclasses.dataclass
+class TextPromptInput(StepIndexedInput):
+  """Decode prompts: the first tokens of a prepared split's documents, in order.
+
+  Batches are `{'prompts': [b, prompt_len] (left-aligned, 0-padded), 'prompt_lens': [b],
+  'ids': [b]}` like `prompts.SyntheticPromptInput`; `tokenizer` turns ids back into text.
+  A prompt is the document's first `prompt_len` tokens (fewer for a shorter document,
+  its end-of-document id excluded).
+  """
+  data_dir: str = ""
+  split: str = "eval"
+  batch_size: int = 8
+  prompt_len: int = 32
+  num_examples: int = 8
+  model: object | None = None
+  process_index: int | None = None
+  process_count: int | None = None
+
+  def __post_init__(self):
+    self._reader = DocumentReader(self.data_dir, self.split, "decode_datasets[...].data_dir")
+    if self.model is not None:
+      tokenizers.check_vocab(self._reader.meta, self.model.vocab_size, self.data_dir)
+    available = int(np.sum(self._reader.lengths >= 2))
+    if self.num_examples > available:
+      raise ConfigError(f"decode_datasets[...].num_examples={self.num_examples}, but split "
+                        f"{self.split!r} of {self.data_dir} has {available} usable documents.")
+    self._docs = np.flatnonzero(self._reader.lengths >= 2)
+
+  @functools.cached_property
+  def tokenizer(self):
+    return tokenizers.load(self.data_dir, self._reader.meta)
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    ids = self.local_rows(step)
+    docs = self._reader.read(self._docs[ids])
+    prompts = np.zeros((len(ids), self.prompt_len), np.int32)
+    lens = np.zeros((len(ids),), np.int32)
+    for i, example in enumerate(ids):
+      toks = docs[int(self._docs[example])][:-1][:self.prompt_len]
+      prompts[i, :len(toks)], lens[i] = toks, len(toks)
+    return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}

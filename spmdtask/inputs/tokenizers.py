@@ -1,0 +1,102 @@
+"""Tokenizers of prepared text data: bytes, or a SentencePiece model; and DIR/meta.json.
+
+A prepared data dir (see tools/prepare_text_data.py) holds `meta.json`:
+  tokenizer    'bytes' or 'sentencepiece'
+  vocab_size   ids are in [0, vocab_size)
+  eod_id       the end-of-document id closing every document
+  splits       {'train'|'eval': {'files', 'num_documents', 'num_tokens'}}
+and, for SentencePiece, `tokenizer.model`.
+"""
+import json
+import os
+from typing import Iterable
+
+import numpy as np
+import sentencepiece as spm
+
+from spmdtask.errors import ConfigError
+
+META_FILE = "meta.json"
+SP_MODEL_FILE = "tokenizer.model"
+
+
+class ByteTokenizer:
+  """UTF-8 bytes are ids 0..255; the end-of-document id is 256 (vocab 257)."""
+  kind = "bytes"
+  vocab_size = 257
+  eod_id = 256
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+  def decode(self, ids) -> str:
+    return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+
+class SentencePieceTokenizer:
+  """A SentencePiece model; its eos id closes documents."""
+  kind = "sentencepiece"
+
+  def __init__(self, model_file: str):
+    self.model_file = model_file
+    self._sp = spm.SentencePieceProcessor(model_file=model_file)
+    self.vocab_size = int(self._sp.vocab_size())
+    self.eod_id = int(self._sp.eos_id())
+
+  def encode(self, text: str) -> list[int]:
+    return self._sp.encode(text)
+
+  def decode(self, ids) -> str:
+    return self._sp.decode([int(i) for i in ids if int(i) != self.eod_id])
+
+
+def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size: int) -> str:
+  """Trains a SentencePiece BPE model on `sentences` (offline); returns the .model path.
+
+  Whitespace, tabs and newlines are kept, so text round-trips through encode/decode;
+  unknown characters fall back to bytes. Ids: unk 0, eos 1 (the end-of-document id),
+  no bos or pad.
+  """
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(sentences), model_prefix=model_prefix, vocab_size=vocab_size, model_type="bpe",
+      character_coverage=1.0, byte_fallback=True, split_digits=True,
+      remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+      normalization_rule_name="identity",
+      user_defined_symbols=["\n", "\t"], unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,
+      max_sentence_length=1 << 16, input_sentence_size=2_000_000, shuffle_input_sentence=True,
+      minloglevel=2)
+  return model_prefix + ".model"
+
+
+def read_meta(data_dir: str, field: str) -> dict:
+  """DIR/meta.json; ConfigError naming `field` (the config field holding DIR) if absent."""
+  path = os.path.join(data_dir or "", META_FILE)
+  if not data_dir or not os.path.isfile(path):
+    raise ConfigError(
+        f"{field}={data_dir!r} holds no {META_FILE}. Set it to a directory written by "
+        "`python tools/prepare_text_data.py --input='GLOB' --output_dir=DIR`.")
+  with open(path) as f:
+    return json.load(f)
+
+
+def load(data_dir: str, meta: dict):
+  """The tokenizer named by a data dir's meta.json."""
+  if meta["tokenizer"] == "bytes":
+    return ByteTokenizer()
+  return SentencePieceTokenizer(os.path.join(data_dir, SP_MODEL_FILE))
+
+
+def check_vocab(meta: dict, model_vocab_size: int, data_dir: str) -> None:
+  """ConfigError unless the model's vocabulary is the data's."""
+  if int(model_vocab_size) != int(meta["vocab_size"]):
+    raise ConfigError(
+        f"task.model.vocab_size={model_vocab_size}, but the data in {data_dir} has "
+        f"vocab_size={meta['vocab_size']} ({meta['tokenizer']} tokenizer, {META_FILE}). Pass "
+        f"--fdl_set=task.model.vocab_size={meta['vocab_size']}.")
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, where: str) -> None:
+  """ValueError if any token id is outside [0, vocab_size): never a silent clamp."""
+  if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+    raise ValueError(f"{where}: token ids in [{ids.min()}, {ids.max()}] do not fit "
+                     f"vocab_size={vocab_size}; the data was prepared with another tokenizer.")

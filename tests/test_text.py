@@ -1,0 +1,157 @@
+"""Prepared text data: the prepare tool, tokenizers, packed batches per process and on resume,
+vocabulary checks, prompts; a 2-process run resumes on 1 process on the same batches."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import text, tokenizers
+from spmdtask.inputs.text import PackedLmInput, TextPromptInput
+from tests import subproc as h
+from tools import launch_local, prepare_text_data
+
+WORDS = "the of a packed row holds whole documents each closed by its end id".split()
+
+
+def _write_corpus(root, num_docs=24, seed=0):
+  rng = np.random.default_rng(seed)
+  os.makedirs(root, exist_ok=True)
+  for i in range(num_docs):
+    n = int(rng.integers(3, 120))
+    words = " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), n))
+    with open(os.path.join(root, f"doc{i:02d}.txt"), "w") as f:
+      f.write(f"document {i}: {words}.\n")
+  return os.path.join(root, "*.txt")
+
+
+@pytest.fixture(scope="module")
+def byte_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("corpus")
+  pattern = _write_corpus(str(root / "txt"))
+  out = str(root / "bytes")
+  prepare_text_data.prepare(pattern, out, "bytes", eval_fraction=0.2, num_shards=3)
+  return out
+
+
+def _input(data_dir, **kw):
+  kw = {"batch_size": 4, "seq_len": 64, "process_index": 0, "process_count": 1, **kw}
+  return PackedLmInput(data_dir=data_dir, **kw)
+
+
+def test_prepared_documents_are_the_files_closed_by_eod(byte_dir):
+  with open(os.path.join(byte_dir, "meta.json")) as f:
+    meta = json.load(f)
+  assert (meta["tokenizer"], meta["vocab_size"], meta["eod_id"]) == ("bytes", 257, 256)
+  train, evals = meta["splits"]["train"], meta["splits"]["eval"]
+  assert (train["num_documents"], evals["num_documents"]) == (19, 5)
+  assert len(train["files"]) == 3 and not set(train["sources"]) & set(evals["sources"])
+  reader = text.DocumentReader(byte_dir, "train", "data_dir")
+  docs = reader.read(range(train["num_documents"]))
+  assert sum(len(d) for d in docs.values()) == train["num_tokens"]
+  src = os.path.join(os.path.dirname(byte_dir), "txt", train["sources"][7])
+  with open(src, "rb") as f:
+    assert docs[7].tolist() == list(f.read()) + [256]
+
+
+def test_sentencepiece_tokenizer_round_trips_text(tmp_path):
+  pattern = os.path.join(os.path.dirname(os.__file__), "[a-c]*.py")  # Python's own sources
+  meta = prepare_text_data.prepare(pattern, str(tmp_path), "sentencepiece", vocab_size=400)
+  assert (meta["tokenizer"], meta["vocab_size"], meta["eod_id"]) == ("sentencepiece", 400, 1)
+  tok = tokenizers.load(str(tmp_path), meta)
+  source = "def f(x):\n\treturn  x ** 2  # two spaces\n"
+  ids = tok.encode(source)
+  assert tok.decode(ids + [tok.eod_id]) == source and max(ids) < 400
+  assert meta["splits"]["train"]["num_tokens"] < 0.75 * sum(
+      os.path.getsize(os.path.join(os.path.dirname(pattern), s))
+      for s in meta["splits"]["train"]["sources"])  # fewer tokens than bytes
+
+
+def test_processes_make_their_rows_of_the_same_global_batches(byte_dir):
+  whole = _input(byte_dir)
+  halves = [_input(byte_dir, process_index=p, process_count=2) for p in range(2)]
+  for _ in range(4):
+    full = next(whole)
+    parts = [next(p) for p in halves]
+    for key in full:
+      np.testing.assert_array_equal(np.concatenate([p[key] for p in parts]), full[key])
+    real = (full["segment_ids"] > 0).sum() / full["segment_ids"].size
+    assert whole.last_batch_efficiency == halves[0].last_batch_efficiency == pytest.approx(real)
+  assert 0.9 < whole.efficiency(0) <= 1.0
+
+
+def test_position_restored_on_another_process_count_continues_exactly(byte_dir):
+  ref = _input(byte_dir, batch_size=16)
+  expected = [next(ref) for _ in range(12)]  # wraps around the epoch's rows
+  assert len(ref._plan[1]) < 12 * 16
+  two = [_input(byte_dir, batch_size=16, process_index=p, process_count=2) for p in range(2)]
+  for _ in range(5):
+    for p in two:
+      next(p)
+  one = _input(byte_dir, batch_size=16)
+  one.set_state(two[0].get_state())
+  for want in expected[5:]:
+    got = next(one)
+    for key in want:
+      np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_eval_split_is_one_pass_with_a_partial_last_batch(byte_dir):
+  inp = _input(byte_dir, split="eval", repeat=False)
+  batches = list(inp)
+  assert sum(len(b["inputs"]) for b in batches) == inp.num_examples == len(inp._plan[1])
+  doc_tokens = json.load(open(os.path.join(byte_dir, "meta.json")))["splits"]["eval"]["num_tokens"]
+  assert sum(b["weights"].sum() for b in batches) == doc_tokens - 5  # one per document
+
+
+def test_vocabulary_mismatch_and_foreign_ids_are_errors(byte_dir, tmp_path):
+  from spmdtask.layers.transformer import TransformerLm  # pylint: disable=g-import-not-at-top
+  model = TransformerLm(vocab_size=256, d_model=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                        head_dim=8, d_ff=8)
+  with pytest.raises(ConfigError, match=r"task.model.vocab_size=256.*vocab_size=257"):
+    _input(byte_dir, model=model)
+  with pytest.raises(ConfigError, match="data_dir=.*holds no meta.json"):
+    _input(str(tmp_path))
+  bad = tmp_path / "bad"
+  os.makedirs(bad)
+  for name in os.listdir(byte_dir):
+    os.symlink(os.path.join(byte_dir, name), bad / name)
+  meta = json.load(open(os.path.join(byte_dir, "meta.json")))
+  os.remove(bad / "meta.json")
+  with open(bad / "meta.json", "w") as f:
+    json.dump({**meta, "vocab_size": 200}, f)
+  with pytest.raises(ValueError, match="do not fit vocab_size=200"):
+    _input(str(bad)).batch_at(0)
+
+
+def test_prompts_are_document_starts_with_text(byte_dir):
+  inp = TextPromptInput(data_dir=byte_dir, batch_size=2, prompt_len=12, num_examples=3,
+                        process_index=0, process_count=1)
+  first = next(inp)
+  assert first["prompts"].shape == (2, 12) and first["ids"].tolist() == [0, 1]
+  assert inp.tokenizer.decode(first["prompts"][0]).startswith("document ")
+  assert len(next(inp)["ids"]) == 1  # 3 examples: a partial last batch
+
+
+STEPS = ("task.model.num_layers=1", "task.model.vocab_size=257", "task.train.eval_interval_steps=0",
+         "task.train.summary_interval_steps=1", "task.train.log_interval_steps=1",
+         "datasets['train'].seq_len=64", "datasets['train'].batch_size=8",
+         "decode_datasets['prompts'].num_examples=4")
+
+
+def test_two_process_run_resumes_on_one_process_on_the_same_batches(byte_dir, tmp_path):
+  data = [f"datasets['{s}'].data_dir='{byte_dir}'" for s in ("train", "eval")] + [
+      f"decode_datasets['prompts'].data_dir='{byte_dir}'"]
+  ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
+  r = h.run(h.main_cmd("lm.TextLm", ref, *STEPS, *data, "task.train.num_train_steps=4"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  cmd = h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=2")
+  for i, res in enumerate(launch_local.launch(2, 4, cmd[3:], timeout=400, env=h.env(4))):
+    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  r = h.run(h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=4"))
+  assert r.returncode == 0, r.stderr[-3000:]
+  want, got = h.scalars(f"{ref}/summaries/train")["loss"], h.scalars(f"{multi}/summaries/train")
+  assert sorted(got["loss"]) == [1, 2, 3, 4]
+  np.testing.assert_allclose([got["loss"][s] for s in range(1, 5)],
+                             [want[s] for s in range(1, 5)], rtol=1e-5)
