@@ -76,6 +76,6 @@ def test_packed_row_gives_the_per_token_losses_of_its_documents_alone():
   # The model's loss reads segment_ids and positions from the batch: the same numbers.
   loss, aux = model.apply({"params": params}, {k: jnp.asarray(v) for k, v in batch.items()},
                           method=model.loss)
-  np.testing.assert_allclose(float(aux["loss_sum"]), float((packed * batch["weights"]).sum()),
+  np.testing.assert_allclose(float(aux["loss"].sum), float((packed * batch["weights"]).sum()),
                              rtol=1e-5)
-  np.testing.assert_allclose(float(loss), float(aux["loss_sum"] / aux["num_tokens"]), rtol=1e-6)
+  np.testing.assert_allclose(float(loss), float(aux["loss"].sum / aux["loss"].weight), rtol=1e-6)

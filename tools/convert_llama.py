@@ -171,8 +171,10 @@ def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np
              "same": lambda w: w}
   for i in range(m["num_layers"]):
     for path, (name, kind) in _hf_layer(i).items():
-      a, b, c = path.split("/")
-      out[name] = inverse[kind](np.asarray(params[a][b][c][i]))
+      leaf = params
+      for key in path.split("/"):
+        leaf = leaf[key]
+      out[name] = inverse[kind](np.asarray(leaf[i]))
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   def cast(name, x):
     dtype = dtypes.get(name, "float32")
