@@ -9,14 +9,16 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import experiment, registry
-from spmdtask.errors import ConfigError
+from spmdtask import console, experiment, registry
+from spmdtask.errors import ConfigError, PlanExceeded, TrainingError
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
 _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
                                    "checkpoints and decoder output go.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan"], "What to run; "
+                          "plan: the memory / FLOPs / collectives plan of the train step, "
+                          "compiled but not run (job_log_dir/plan.json).")
 _RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "The checkpoint step of "
                                      "--job_log_dir to resume training from, or to evaluate / "
                                      "decode; default: the latest.")
@@ -32,6 +34,12 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-based.")
 _MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() with "
                                "peers found by JAX itself (Cloud TPU pods, SLURM).")
+_PLAN_DEVICES = flags.DEFINE_integer(
+    "plan_devices", None, "--mode=plan: plan for this many devices, emulated on the CPU in a "
+    "subprocess (no accelerator needed); default: the devices present.")
+_DEVICE_MEMORY_GB = flags.DEFINE_float(
+    "device_memory_gb", None, "--mode=plan: fail (exit 4), naming the largest arrays, when the "
+    "estimated peak memory of one device exceeds this many GB (1e9 bytes).")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -51,6 +59,11 @@ def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
           "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
           "(quote strings).") from None
   return cfg
+
+
+def plan_emulated(num_devices: int) -> bool:
+  """True in the subprocess that `plan.reexec_emulated` started for `num_devices` devices."""
+  return os.environ.get("SPMDTASK_PLAN_DEVICES") == str(num_devices)
 
 
 def init_distributed() -> None:
@@ -85,6 +98,9 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
+    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
   init_distributed()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
   run_cfg = build(cfg)
@@ -93,28 +109,21 @@ def run(argv) -> None:
   from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
-  log_to_job_dir(_JOB_LOG_DIR.value)
+  console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
-               config_text=config_text)
+               config_text=config_text, name=_EXP.value)
+    return
+  if _MODE.value == "plan":
+    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
+                  _DEVICE_MEMORY_GB.value)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:
       f.write(config_text)
   run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
-
-
-def log_to_job_dir(job_log_dir: str) -> None:
-  """Process 0 also writes its absl log to job_log_dir/logs/; stderr keeps every line."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.process_index() != 0:
-    return
-  log_dir = os.path.join(job_log_dir, "logs")
-  os.makedirs(log_dir, exist_ok=True)
-  if not flags.FLAGS["alsologtostderr"].present:
-    flags.FLAGS.alsologtostderr = True
-  logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
 
 
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
@@ -145,6 +154,15 @@ def main(argv) -> None:
     logging.flush()
     print(f"spmdtask: config error: {e}", file=sys.stderr)
     sys.exit(2)
+  except TrainingError as e:
+    logging.info("%s", e)  # into job_log_dir/logs too
+    logging.flush()
+    print(f"spmdtask: training stopped: {e}", file=sys.stderr)
+    sys.exit(3)
+  except PlanExceeded as e:
+    logging.flush()
+    print(f"spmdtask: plan: {e}", file=sys.stderr)
+    sys.exit(4)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ class TrainParams:
       microbatches (rows m, m + M, m + 2M, ... form microbatch m) whose gradients are
       summed in a scan inside the step, then one optimizer update. The update equals
       that of the whole batch; the step's activation memory falls with M.
+    profile_steps: (START, COUNT): trace steps START .. START+COUNT-1 (step 1 is the
+      first) with jax.profiler into job_log_dir/profile (process 0); None = off.
   """
   num_train_steps: int = 100
   optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
@@ -60,6 +62,7 @@ class TrainParams:
   eval_interval_steps: int = 0
   eval_steps: int | None = None
   num_microbatches: int = 1
+  profile_steps: tuple[int, int] | None = None
 
   def schedule(self) -> Callable[[Any], Any]:
     lr = self.learning_rate
