@@ -262,7 +262,8 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
   mesh = " ".join(f"{a}={s}" for a, s in program.mesh.shape.items())
   devices = program.mesh.devices
   lines = [f"{name}: {console.human_count(t['num_params'])} params on mesh {mesh} "
-           f"({devices.size} {devices.flat[0].platform} device{'s' * (devices.size > 1)}); train state "
+           f"({devices.size} {devices.flat[0].platform} device{'s' * (devices.size > 1)}); "
+           f"train state "
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step)"]

@@ -27,7 +27,7 @@ import tempfile
 import jax
 from jax.sharding import NamedSharding
 
-from spmdtask import console, hlo, memory
+from spmdtask import console, hlo, memory, sharding
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -111,20 +111,26 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
   """Human-readable warnings, each naming the array it concerns."""
   out = []
   devices = math.prod(mesh_shape.values())
-  for r in (r for r in rows if r.kind == "params"):  # optimizer state mirrors its param
-    if (devices > 1 and r.shards == 1 and r.bytes_total >= REPLICATED_WARN_BYTES
-        and any(d % n == 0 and n > 1 for d in r.logical_shape for n in mesh_shape.values())):
+  params = [r for r in rows if r.kind == "params"]  # optimizer state mirrors its param
+  # The axes weights are split over (none in pure data parallelism, where replicas are meant).
+  weight_axes = {a for r in params for e in r.spec for a in sharding.entry_axes(e)
+                 if mesh_shape[a] > 1}
+  for r in params:
+    if (r.shards == 1 and r.bytes_total >= REPLICATED_WARN_BYTES
+        and any(d % mesh_shape[a] == 0 for d in r.logical_shape for a in weight_axes)):
       out.append(f"{r.path} {list(r.logical_shape)} ({console.human_bytes(r.bytes_total)}) is "
-                 f"replicated on all {devices} devices, though a dim divides a mesh axis "
-                 f"({mesh_shape}): split it in its weight_split_dims_mapping field.")
+                 f"replicated on all {devices} devices, though a dim divides a weight axis "
+                 f"{sorted(weight_axes)}: split it in its weight_split_dims_mapping field.")
     pad = r.bytes_per_device * r.shards - r.bytes_total
     if r.bytes_total and pad / r.bytes_total > PADDING_WARN_FRACTION:
       out.append(f"{r.path} is padded from {list(r.logical_shape)} to {list(r.padded_shape)} "
-                 f"(+{100 * pad / r.bytes_total:.0f}%, and so is its optimizer state): pick dims divisible by their mesh axes.")
+                 f"(+{100 * pad / r.bytes_total:.0f}%, and so is its optimizer state): pick "
+                 "dims divisible by their mesh axes.")
   for w in remats:
     owner = _owner(hlo.dims(w["shape"]), rows, batch_shape)
-    out.append(f"XLA involuntary full rematerialization of {owner} (HLO %{w['op']} {w['shape']}): it cannot reshard {w['from']} -> {w['to']} "
-               "without replicating it; align the split-dims mappings of the arrays around it.")
+    out.append(f"XLA involuntary full rematerialization of {owner} (HLO %{w['op']} "
+               f"{w['shape']}): it cannot reshard {w['from']} -> {w['to']} without replicating "
+               "it; align the split-dims mappings of the arrays around it.")
   return out
 
 
