@@ -137,13 +137,32 @@ def _pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
 def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
              items=ARRAY_ITEMS + JSON_ITEMS) -> dict[str, Any]:
   targets = program.canonical_targets()
-  metadata = mngr.item_metadata(step)
-  for item in ARRAY_ITEMS:
-    if item in items:
-      _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
-  args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
-  args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
-  return mngr.restore(step, args=ocp.args.Composite(**args))
+  try:
+    metadata = mngr.item_metadata(step)
+    for item in ARRAY_ITEMS:
+      if item in items:
+        _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
+    args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
+    args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
+    return mngr.restore(step, args=ocp.args.Composite(**args))
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
+    raise unreadable(directory, step, e) from None
+
+
+def unreadable(directory: str, step: int, error: Exception) -> ConfigError:
+  """The error for a checkpoint that exists but cannot be read: names it and the way out."""
+  earlier = [s for s in complete_steps(directory) if s < step]
+  way_out = (f"Earlier complete checkpoints: {earlier}. Evaluate or decode one with "
+             f"--restore_step={earlier[-1]}; to resume training from it, move "
+             f"{directory}/{step} (and any later step) out of {directory}."
+             if earlier else "There is no earlier complete checkpoint: train from scratch in a "
+             "new --job_log_dir.")
+  detail = str(error).splitlines()[0][:300] if str(error) else ""
+  return ConfigError(f"The checkpoint at step {step} in {directory} cannot be read "
+                     f"({type(error).__name__}: {detail}); it is corrupt or was written by "
+                     f"something else. {way_out}")
 
 
 def _live(program, step: int, params, opt_state) -> TrainState:

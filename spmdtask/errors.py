@@ -7,3 +7,17 @@ class ConfigError(ValueError):
   The message is one paragraph that names the field and says how to fix it.
   `spmdtask.main` prints it without a traceback and exits with status 2.
   """
+
+
+class TrainingError(RuntimeError):
+  """Training cannot go on (e.g. the loss became NaN); the message says why and what to try.
+
+  `spmdtask.main` prints it without a traceback and exits with status 3.
+  """
+
+
+class PlanExceeded(RuntimeError):
+  """`--mode=plan --device_memory_gb=X`: the estimate exceeds X; names the largest consumers.
+
+  `spmdtask.main` prints it without a traceback and exits with status 4.
+  """

@@ -7,15 +7,18 @@ checkpoints, evaluation; a new concern (profiling, NaN checks) is a new hook, no
 longer loop.
 """
 import dataclasses
+import math
 import os
 import time
 from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
 from absl import logging
 
-from spmdtask import checkpoints, evaluation, summaries
+from spmdtask import checkpoints, console, evaluation, memory, summaries
 from spmdtask import program as program_lib
+from spmdtask.errors import TrainingError
 from spmdtask.inputs import global_batch
 from spmdtask.task import RunConfig
 
@@ -30,6 +33,9 @@ class Fetched:
 
 class Hook:
   """Runs around train steps. Every method is optional; `step` counts completed steps."""
+
+  def begin(self, step: int) -> None:
+    """Called once before the first step runs; `step` steps are already done."""
 
   def wants_metrics(self, step: int, last: bool) -> bool:
     """True if `on_metrics` should see the metrics up to `step` (forces a host fetch)."""
@@ -46,20 +52,119 @@ class Hook:
 
 
 class ProgressLog(Hook):
-  """Process 0 logs step, loss, steps/s, tokens/s and MFU every `every` steps."""
+  """Process 0 prints step, loss, step time, tokens/s, MFU and ETA every `every` steps.
 
-  def __init__(self, every: int):
-    self.every = max(1, every)
+  Times are averaged over the steps since the last line; the first line's include
+  compiling the step, so its ETA is pessimistic.
+  """
+
+  def __init__(self, every: int, num_train_steps: int, peak_flops_per_device: float):
+    self.every, self.num_steps, self.peak = max(1, every), num_train_steps, peak_flops_per_device
+    self._first = True
 
   def wants_metrics(self, step, last):
     return last or step % self.every == 0
 
   def on_metrics(self, fetched, last):
-    if jax.process_index() == 0:
-      r = fetched.rates
-      logging.info("step %d loss %.5f steps/s %.2f tokens/s %.0f mfu %.3f", fetched.step,
-                   fetched.metrics[-1]["loss"], r["steps_per_sec"], r["tokens_per_sec"],
-                   r["mfu"])
+    r = fetched.rates
+    step_time = 1.0 / r["steps_per_sec"]
+    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% (peak %.3g "
+                "FLOP/s/device)  ETA %s", fetched.step, self.num_steps,
+                fetched.metrics[-1]["loss"], step_time, " (incl. compile)" if self._first else "",
+                console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak,
+                console.duration((self.num_steps - fetched.step) * step_time))
+    self._first = False
+
+
+class NonFiniteGuard(Hook):
+  """Stops training at the first non-finite loss or gradient norm, before it is saved.
+
+  It asks for the metrics at every step where a checkpoint may be saved (and every
+  `every` steps, and the last), sees every step since the previous fetch, and runs
+  before the `Checkpoints` hook, so a non-finite state is never saved: the latest
+  checkpoint stays the last good one. Raises `TrainingError`.
+  """
+
+  def __init__(self, every: int, saves, task, last_good=lambda: None):
+    self.every, self.saves, self.task, self.last_good = max(1, every), saves, task, last_good
+
+  def wants_metrics(self, step, last):
+    return last or step % self.every == 0 or self.saves(step)
+
+  def on_metrics(self, fetched, last):
+    first = fetched.step - len(fetched.metrics) + 1
+    for i, m in enumerate(fetched.metrics):
+      bad = {k: m[k] for k in ("loss", "grad_norm") if k in m and not math.isfinite(m[k])}
+      if bad:
+        raise TrainingError(non_finite_message(first + i, bad, self.task, self.last_good()))
+
+  def after_step(self, step, state, last):
+    # A step's metrics describe the params it started from; the state it leaves behind is
+    # checked here, right before the Checkpoints hook would save it.
+    if (last or self.saves(step)) and not bool(_all_finite(state)):
+      raise TrainingError(non_finite_message(
+          step, {"updated train state": "not finite"}, self.task, self.last_good()))
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+                            if jnp.issubdtype(x.dtype, jnp.inexact)] or [jnp.bool_(True)]))
+
+
+def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | None) -> str:
+  """The one paragraph a diverged run ends with: the step, what diverged, the knobs."""
+  tp = task.train
+  lr = tp.learning_rate if isinstance(tp.learning_rate, (int, float)) else "a schedule"
+  dtype = getattr(task.model, "fprop_dtype", None)
+  what = " and ".join(f"the {k.replace('_', ' ')} is {v}" for k, v in bad.items())
+  kept = (f"the latest checkpoint, step {last_good}, is the last good one" if last_good is not None
+          else "no checkpoint was written")
+  return (f"Training stopped at step {step}: {what}. Nothing from that step was saved; {kept}. "
+          f"Usual causes: a learning rate too high (task.train.learning_rate={lr}: lower it or "
+          f"warm it up), loose or no gradient clipping (task.train.clip_grad_norm="
+          f"{tp.clip_grad_norm}: try 1.0 or lower)"
+          + (f", low-precision compute (task.model.fprop_dtype={dtype!r}: try 'float32')"
+             if dtype not in (None, "float32") else "")
+          + ", or bad data at that step. Fix the config and rerun with the same --job_log_dir "
+          "to resume from the last good checkpoint.")
+
+
+class Profiler(Hook):
+  """Process 0 traces steps start .. start+count-1 with `jax.profiler` into `directory`.
+
+  Steps are numbered as the progress lines number them (step 1 is the first). The trace
+  (an .xplane.pb for TensorBoard's profile plugin and a perfetto_trace.json.gz) lands in
+  `directory/plugins/profile/<run>/`.
+  """
+
+  def __init__(self, directory: str, start: int, count: int):
+    self.directory, self.start, self.stop = directory, start, start + count - 1
+    self.active = False
+
+  def _maybe_start(self, done: int) -> None:
+    if not self.active and done + 1 == self.start and jax.process_index() == 0:
+      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self.active = True
+
+  def begin(self, step):
+    self._maybe_start(step)
+
+  def after_step(self, step, state, last):
+    if self.active and (step >= self.stop or last):
+      jax.block_until_ready(state)
+      self._end()
+      console.say("Profiled steps %d-%d: trace in %s", self.start, step, self.directory)
+    else:
+      self._maybe_start(step)
+
+  def _end(self):
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+
+  def close(self):
+    self._end()
 
 
 class TrainSummaries(Hook):
@@ -124,6 +229,8 @@ def run_steps(program: program_lib.Program, state, inputs, first: int, last_step
               batch_size: int, hooks: Sequence[Hook], preempted=lambda step: False):
   """Runs steps first+1 .. last_step; returns (state, losses of the steps run)."""
   losses, pending = [], []
+  for h in hooks:
+    h.begin(first)
   t0 = time.perf_counter()
   for step in range(first, last_step):
     state, metrics = program.train(state, program.global_batch(next(inputs)))
@@ -148,46 +255,97 @@ def run_steps(program: program_lib.Program, state, inputs, first: int, last_step
   return state, losses
 
 
+def start_summary(program: program_lib.Program, name: str, batch_size: int,
+                  job_log_dir: str | None) -> list[str]:
+  """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
+  t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
+  mesh = " ".join(f"{a}={s}" for a, s in program.mesh.shape.items())
+  devices = program.mesh.devices
+  lines = [f"{name}: {console.human_count(t['num_params'])} params on mesh {mesh} "
+           f"({devices.size} {devices.flat[0].platform} device{'s' * (devices.size > 1)}); "
+           f"train state "
+           f"{console.human_bytes(t['state_bytes_per_device'])} per device "
+           f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
+           f"({batch_size * program.work.tokens} tokens/step)"]
+  if job_log_dir is not None:
+    lines.append(f"job dir {os.path.abspath(job_log_dir)} (config.txt, checkpoints/, "
+                 "summaries/, logs/)")
+  return lines
+
+
+def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -> list[Hook]:
+  """The built-in hooks, in the order they must run (the guard before any save)."""
+  tp = run.task.train
+  hooks: list[Hook] = [
+      NonFiniteGuard(tp.log_interval_steps,
+                     ckpt.should_save if ckpt is not None else (lambda step: False), run.task,
+                     (lambda: (ckpt.wait(), ckpt.latest_step())[1]) if ckpt else (lambda: None)),
+      ProgressLog(tp.log_interval_steps, tp.num_train_steps, tp.peak_flops_per_device),
+      TrainSummaries(job_log_dir, tp.summary_interval_steps)]
+  if tp.profile_steps is not None and job_log_dir is not None:
+    hooks.append(Profiler(os.path.join(job_log_dir, "profile"), *tp.profile_steps))
+  if ckpt is not None:
+    hooks.append(Checkpoints(ckpt, run.datasets["train"]))
+  hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
+                            job_log_dir))
+  return hooks
+
+
 def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | None = None,
-          config_text: str | None = None, hooks: Sequence[Hook] = (), devices=None):
+          config_text: str | None = None, hooks: Sequence[Hook] = (), devices=None,
+          name: str = "experiment"):
   """Trains `run.task` on `run.datasets['train']` for `num_train_steps`.
 
-  Logs progress every `log_interval_steps` (process 0). With `job_log_dir`: resumes from
-  its latest complete checkpoint (or `restore_step`), else warm-starts from
-  `task.train.init_checkpoint_dir`; writes `config.txt` (the `config_text`) once the
-  start state is known; saves checkpoints every `save_interval_steps` and at the end;
-  writes TensorBoard scalars every `summary_interval_steps`; evaluates every eval dataset
-  every `eval_interval_steps`; on SIGTERM or the multi-host preemption sync point,
-  saves at the current step and returns early. `hooks` run after the built-in ones.
-  `devices`: the devices of the mesh (default: all).
+  Prints a start summary and progress every `log_interval_steps` (process 0). With
+  `job_log_dir`: resumes from its latest complete checkpoint (or `restore_step`), else
+  warm-starts from `task.train.init_checkpoint_dir`; a job already at `num_train_steps`
+  says so and trains nothing; writes `config.txt` (the `config_text`) once the start
+  state is known; saves checkpoints every `save_interval_steps` and at the end; writes
+  TensorBoard scalars every `summary_interval_steps`; evaluates every eval dataset every
+  `eval_interval_steps`; traces `profile_steps`; on SIGTERM or the multi-host preemption
+  sync point, saves at the current step and returns early. A non-finite loss or
+  gradient norm raises `TrainingError` before that state is saved. `hooks` run after
+  the built-in ones. `devices`: the devices of the mesh (default: all).
   Returns (final live state, program, losses of the steps run here, as floats).
   """
+  t_start = time.perf_counter()
   task, inputs = run.task, run.datasets["train"]
   tp = task.train
   example = inputs.batch_at(0)
   program = program_lib.setup(task, example, devices)
+  batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
+  for line in start_summary(program, name, batch_size, job_log_dir):
+    console.say("%s", line)
   ckpt = None
   if job_log_dir is not None:
     ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
                                     tp.max_to_keep, {"config": config_text or ""})
   state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
+  first = int(jax.device_get(state.step))
   if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
     with open(os.path.join(job_log_dir, "config.txt"), "w") as f:
       f.write(config_text)
-  builtin = [ProgressLog(tp.log_interval_steps),
-             TrainSummaries(job_log_dir, tp.summary_interval_steps)]
+  if first >= tp.num_train_steps:
+    if ckpt is not None:
+      ckpt.close()
+    console.say("Nothing to do: this job's checkpoint is at step %d and "
+                "task.train.num_train_steps=%d, so training is finished. Raise num_train_steps "
+                "to train on.", first, tp.num_train_steps)
+    return state, program, []
+  console.say("%s at step %d; training to step %d.",
+              "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
+  all_hooks = hooks_for(run, program, ckpt, job_log_dir) + list(hooks)
   if ckpt is not None:
     ckpt.install_sigterm_handler()
-    builtin.append(Checkpoints(ckpt, inputs))
-  builtin.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
-                              job_log_dir))
-  all_hooks = builtin + list(hooks)
-  batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
   try:
-    state, losses = run_steps(program, state, inputs, int(jax.device_get(state.step)),
-                              tp.num_train_steps, batch_size, all_hooks,
+    state, losses = run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
+                              all_hooks,
                               ckpt.preempted if ckpt is not None else (lambda step: False))
   finally:
     for h in all_hooks:
       h.close()
+  end = int(jax.device_get(state.step))
+  console.say("Done at step %d (loss %.4f) in %s%s.", end, losses[-1] if losses else math.nan,
+              console.duration(time.perf_counter() - t_start),
+              f"; checkpoint in {ckpt.directory}" if ckpt is not None else "")
   return state, program, losses

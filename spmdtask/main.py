@@ -1,6 +1,8 @@
 """The spmdtask binary: `python -m spmdtask.main --exp=NAME --job_log_dir=DIR --mode=train`."""
 import os
 import sys
+import types
+import typing
 
 from absl import app, flags, logging
 import fiddle as fdl
@@ -9,14 +11,16 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import experiment, registry
-from spmdtask.errors import ConfigError
+from spmdtask import console, experiment, registry
+from spmdtask.errors import ConfigError, PlanExceeded, TrainingError
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
 _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
                                    "checkpoints and decoder output go.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode"], "What to run.")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan"], "What to run; "
+                          "plan: the memory / FLOPs / collectives plan of the train step, "
+                          "compiled but not run (job_log_dir/plan.json).")
 _RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "The checkpoint step of "
                                      "--job_log_dir to resume training from, or to evaluate / "
                                      "decode; default: the latest.")
@@ -32,6 +36,12 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the j
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-based.")
 _MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() with "
                                "peers found by JAX itself (Cloud TPU pods, SLURM).")
+_PLAN_DEVICES = flags.DEFINE_integer(
+    "plan_devices", None, "--mode=plan: plan for this many devices, emulated on the CPU in a "
+    "subprocess (no accelerator needed); default: the devices present.")
+_DEVICE_MEMORY_GB = flags.DEFINE_float(
+    "device_memory_gb", None, "--mode=plan: fail (exit 4), naming the largest arrays, when the "
+    "estimated peak memory of one device exceeds this many GB (1e9 bytes).")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -53,6 +63,11 @@ def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
   return cfg
 
 
+def plan_emulated(num_devices: int) -> bool:
+  """True in the subprocess that `plan.reexec_emulated` started for `num_devices` devices."""
+  return os.environ.get("SPMDTASK_PLAN_DEVICES") == str(num_devices)
+
+
 def init_distributed() -> None:
   """Joins the multi-process job before any JAX computation, if one is asked for."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -67,9 +82,56 @@ def init_distributed() -> None:
     jax.distributed.initialize()
 
 
-def build(cfg: fdl.Config):
+def _type_ok(value, hint) -> bool:
+  """Whether `value` fits a field's simple type hint (unknown hints are not checked)."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    return any(_type_ok(value, h) for h in typing.get_args(hint))
+  if hint is type(None) or hint is None:
+    return value is None
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if hint in (str, bool):
+    return isinstance(value, hint)
+  if origin is tuple or hint is tuple:
+    return isinstance(value, (tuple, list))
+  if origin is dict or hint is dict:
+    return isinstance(value, dict)
+  return True
+
+
+def check_field_types(node, path: str) -> None:
+  """ConfigError for the first field whose value does not fit its annotation (e.g. an
+  --fdl_set override of the wrong type), before anything is built."""
+  if isinstance(node, dict):
+    for k, v in node.items():
+      check_field_types(v, f"{path}[{k!r}]")
+    return
+  if not isinstance(node, fdl.Buildable):
+    return
   try:
-    return fdl.build(cfg)
+    hints = typing.get_type_hints(node.__fn_or_cls__)
+  except Exception:  # pylint: disable=broad-except
+    hints = {}
+  for name, value in node.__arguments__.items():
+    where = f"{path}.{name}" if path else name
+    if isinstance(value, (fdl.Buildable, dict)):
+      check_field_types(value, where)
+    elif name in hints and not _type_ok(value, hints[name]):
+      raise ConfigError(
+          f"{where}={value!r} is a {type(value).__name__}, but the field is "
+          f"{getattr(hints[name], '__name__', None) or hints[name]}. Give a value of that type "
+          f"(e.g. --fdl_set={where}=<value>; quote strings).")
+
+
+def build(cfg: fdl.Config):
+  check_field_types(cfg, "")
+  try:
+    run_cfg = fdl.build(cfg)
+    run_cfg.task.validate()
+    return run_cfg
   except ConfigError:
     raise
   except (TypeError, ValueError) as e:
@@ -85,6 +147,9 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
+    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
   init_distributed()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
   run_cfg = build(cfg)
@@ -93,28 +158,21 @@ def run(argv) -> None:
   from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
-  log_to_job_dir(_JOB_LOG_DIR.value)
+  console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
-               config_text=config_text)
+               config_text=config_text, name=_EXP.value)
+    return
+  if _MODE.value == "plan":
+    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
+                  _DEVICE_MEMORY_GB.value)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:
       f.write(config_text)
   run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
-
-
-def log_to_job_dir(job_log_dir: str) -> None:
-  """Process 0 also writes its absl log to job_log_dir/logs/; stderr keeps every line."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if jax.process_index() != 0:
-    return
-  log_dir = os.path.join(job_log_dir, "logs")
-  os.makedirs(log_dir, exist_ok=True)
-  if not flags.FLAGS["alsologtostderr"].present:
-    flags.FLAGS.alsologtostderr = True
-  logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
 
 
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
@@ -145,6 +203,15 @@ def main(argv) -> None:
     logging.flush()
     print(f"spmdtask: config error: {e}", file=sys.stderr)
     sys.exit(2)
+  except TrainingError as e:
+    logging.info("%s", e)  # into job_log_dir/logs too
+    logging.flush()
+    print(f"spmdtask: training stopped: {e}", file=sys.stderr)
+    sys.exit(3)
+  except PlanExceeded as e:
+    logging.flush()
+    print(f"spmdtask: plan: {e}", file=sys.stderr)
+    sys.exit(4)
 
 
 if __name__ == "__main__":

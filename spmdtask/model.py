@@ -16,8 +16,9 @@ A model is a Flax module that implements `Model`:
   - `validate(mesh, global_batch_size)`: ConfigError naming the field when the model's
     config cannot run on this mesh and batch.
 
-Two optional protocols:
+Optional protocols:
   - `Decodable`: a KV-cache forward for `--mode=decode`.
+  - `ChecksBatch`: a host-side check of each input batch (token ids in the vocabulary).
   - `Stacked`: a model with a stack of identical layers that can run under an execution
     strategy chosen on the Task (`task.pipeline`), and that maps its on-device parameter
     layout to the canonical one checkpoints hold (stacked layers `[L, ...]`).
@@ -69,6 +70,19 @@ class Decodable(Protocol):
 
   def cache_split_dims(self, mesh_shape: dict[str, int]) -> Any:
     """The cache's PartitionSpecs (a tree like `cache_shape`) on this mesh."""
+
+
+@runtime_checkable
+class ChecksBatch(Protocol):
+  """A model that checks each host batch before it is fed (e.g. token ids < vocab_size).
+
+  `check_batch(batch)` gets this process's numpy rows and raises ConfigError naming the
+  data and the model field; it runs on the host for every train and eval batch, so it
+  must be cheap (a min / max per array).
+  """
+
+  def check_batch(self, batch: dict[str, Any]) -> None:
+    ...
 
 
 class LayoutMap(NamedTuple):

@@ -26,7 +26,7 @@ from spmdtask import mesh as mesh_lib
 from spmdtask import sharding, steps, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
-from spmdtask.model import LayoutMap, Model, Stacked, Work
+from spmdtask.model import ChecksBatch, LayoutMap, Model, Stacked, Work
 from spmdtask.task import Task
 from spmdtask.train_state import StateLayout, TrainState
 
@@ -57,6 +57,8 @@ class Program:
   from_canonical: steps.Partitioned
 
   def global_batch(self, local_batch) -> Any:
+    if isinstance(self.model, ChecksBatch):
+      self.model.check_batch(local_batch)
     return global_batch.to_global(local_batch, self.batch_specs, self.mesh)
 
   def canonical_targets(self) -> TrainState:

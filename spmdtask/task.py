@@ -5,6 +5,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import optax
 
+from spmdtask import checks
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline.spmd import PipelineConfig
 
@@ -44,6 +45,8 @@ class TrainParams:
       microbatches (rows m, m + M, m + 2M, ... form microbatch m) whose gradients are
       summed in a scan inside the step, then one optimizer update. The update equals
       that of the whole batch; the step's activation memory falls with M.
+    profile_steps: (START, COUNT): trace steps START .. START+COUNT-1 (step 1 is the
+      first) with jax.profiler into job_log_dir/profile (process 0); None = off.
   """
   num_train_steps: int = 100
   optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
@@ -60,6 +63,40 @@ class TrainParams:
   eval_interval_steps: int = 0
   eval_steps: int | None = None
   num_microbatches: int = 1
+  profile_steps: tuple[int, int] | None = None
+
+  def validate(self) -> None:
+    """ConfigError naming the first field of these train params that cannot work."""
+    where = "task.train"
+    if isinstance(self.num_train_steps, bool) or not isinstance(self.num_train_steps, int) \
+        or self.num_train_steps < 0:
+      raise ConfigError(f"task.train.num_train_steps={self.num_train_steps!r} must be an "
+                        "integer >= 0.")
+    checks.positive(where, log_interval_steps=self.log_interval_steps,
+                    save_interval_steps=self.save_interval_steps,
+                    summary_interval_steps=self.summary_interval_steps)
+    if not callable(self.learning_rate):
+      checks.in_range("task.train.learning_rate", self.learning_rate, 0.0, float("inf"),
+                      "Give a float >= 0 or an optax schedule.")
+    if self.clip_grad_norm is not None:
+      checks.in_range("task.train.clip_grad_norm", self.clip_grad_norm, 0.0, float("inf"),
+                      "Give a norm > 0, or None for no clipping.")
+    if self.max_to_keep is not None:
+      checks.positive(where, max_to_keep=self.max_to_keep)
+    checks.in_range("task.train.eval_interval_steps", self.eval_interval_steps, 0, float("inf"),
+                    "0 = never.")
+    if self.eval_steps is not None:
+      checks.positive(where, eval_steps=self.eval_steps)
+    checks.in_range("task.train.peak_flops_per_device", self.peak_flops_per_device, 1.0,
+                    float("inf"), "Give your accelerator's peak FLOP/s, e.g. 9.89e14.")
+    ps = self.profile_steps
+    if ps is not None and (not isinstance(ps, (tuple, list)) or len(ps) != 2
+                           or not all(isinstance(x, int) and x > 0 for x in ps)):
+      raise ConfigError(f"task.train.profile_steps={ps!r} must be (START, COUNT), two positive "
+                        "integers (step 1 is the first), or None.")
+    if not callable(self.optimizer):
+      raise ConfigError(f"task.train.optimizer={self.optimizer!r} is not callable; set it to "
+                        "e.g. fdl.Partial(optax.adamw, weight_decay=0.1).")
 
   def schedule(self) -> Callable[[Any], Any]:
     lr = self.learning_rate
@@ -99,6 +136,16 @@ class DecodeParams:
   seed: int = 0
   eos_id: int | None = None
 
+  def validate(self) -> None:
+    """ConfigError naming the first decode field that cannot work."""
+    checks.positive("task.decode", max_decode_len=self.max_decode_len)
+    checks.in_range("task.decode.temperature", self.temperature, 0.0, float("inf"),
+                    "0 = greedy.")
+    checks.in_range("task.decode.top_k", self.top_k, 0, float("inf"), "0 = off.")
+    if isinstance(self.top_k, float):
+      raise ConfigError(f"task.decode.top_k={self.top_k!r} must be an integer (0 = off).")
+    checks.in_range("task.decode.top_p", self.top_p, 1e-9, 1.0, "1.0 = off.")
+
 
 @dataclasses.dataclass
 class Task:
@@ -128,6 +175,11 @@ class Task:
   pipeline: PipelineConfig | None = None
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
   decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
+
+  def validate(self) -> None:
+    """Checks the train and decode fields (the model checks its own in `Model.validate`)."""
+    self.train.validate()
+    self.decode.validate()
 
   def batch_axes(self) -> tuple[str, ...]:
     """The data axes that exist in this mesh."""

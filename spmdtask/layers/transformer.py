@@ -4,9 +4,10 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from spmdtask import sharding
+from spmdtask import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.attention import KvCache
@@ -74,7 +75,25 @@ class TransformerLm(nn.Module):
   # ------------------------------------------------------------------ the model contract
 
   def validate(self, mesh, global_batch_size: int) -> None:
-    """Checks every split-dims field and the pipeline; ConfigError names the field."""
+    """Checks dims, dtypes, remat and every split-dims field, and the pipeline."""
+    checks.positive("task.model", vocab_size=self.vocab_size, d_model=self.d_model,
+                    num_layers=self.num_layers, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
+                    max_seq_len=self.max_seq_len)
+    if self.num_heads % self.num_kv_heads:
+      raise ConfigError(
+          f"task.model.num_heads={self.num_heads} is not a multiple of task.model.num_kv_heads="
+          f"{self.num_kv_heads} (grouped-query attention shares each KV head among a whole "
+          "group of query heads): make num_kv_heads a divisor of num_heads.")
+    if self.head_dim % 2:
+      raise ConfigError(f"task.model.head_dim={self.head_dim} must be even: rotary positions "
+                        "rotate pairs of dims. Use an even head_dim.")
+    if self.mlp_activation not in ("swiglu", "gelu"):
+      raise ConfigError(f"task.model.mlp_activation={self.mlp_activation!r}: use 'swiglu' or "
+                        "'gelu'.")
+    checks.in_range("task.model.dropout_rate", self.dropout_rate, 0.0, 0.99)
+    checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
+    checks.remat_policy("task.model.remat_policy", self.remat_policy)
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
@@ -85,6 +104,16 @@ class TransformerLm(nn.Module):
         raise ConfigError(
             f"task.model.dropout_rate={self.dropout_rate} is not supported with "
             "task.pipeline set: set dropout_rate=0.0 or task.pipeline=None.")
+
+  def check_batch(self, batch) -> None:
+    """Token ids must be in [0, vocab_size): an error, never a silent clamp (ChecksBatch)."""
+    for key in ("inputs", "targets"):
+      x = np.asarray(batch[key])
+      if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
+        raise ConfigError(
+            f"The data's {key!r} hold token ids in [{x.min()}, {x.max()}], outside "
+            f"task.model.vocab_size={self.vocab_size}. Set vocab_size to the tokenizer's "
+            "vocabulary size (or more), or fix the dataset's vocab_size / tokenizer.")
 
   def work_per_example(self, example) -> Work:
     """6·N·T + 12·L·d·T² train FLOPs (causal attention not halved) for T tokens."""

@@ -9,9 +9,10 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-from spmdtask import sharding
+from spmdtask import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
@@ -70,6 +71,12 @@ class VisionTransformer(nn.Module):
     return (self.image_size // self.patch_size) ** 2
 
   def validate(self, mesh, global_batch_size: int) -> None:
+    checks.positive("task.model", image_size=self.image_size, channels=self.channels,
+                    patch_size=self.patch_size, num_classes=self.num_classes,
+                    d_model=self.d_model, num_layers=self.num_layers, num_heads=self.num_heads,
+                    head_dim=self.head_dim, d_ff=self.d_ff)
+    checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
+    checks.remat_policy("task.model.remat_policy", self.remat_policy)
     if self.image_size % self.patch_size:
       raise ConfigError(
           f"task.model.image_size={self.image_size} is not a multiple of "
@@ -89,6 +96,14 @@ class VisionTransformer(nn.Module):
     if self.execution is not None:
       pipeline_lib.validate(self.execution, num_layers=self.num_layers,
                             batch_size=global_batch_size, mesh=mesh)
+
+  def check_batch(self, batch) -> None:
+    """Labels must be in [0, num_classes) (ChecksBatch)."""
+    y = np.asarray(batch["labels"])
+    if y.size and (y.min() < 0 or y.max() >= self.num_classes):
+      raise ConfigError(f"The data's labels are in [{y.min()}, {y.max()}], outside "
+                        f"task.model.num_classes={self.num_classes}: set num_classes to the "
+                        "dataset's number of classes.")
 
   def work_per_example(self, example) -> Work:
     n = num_params(self.clone(execution=None), example)

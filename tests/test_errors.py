@@ -1,0 +1,92 @@
+"""Every user mistake is one ConfigError paragraph naming the field (table-driven, in-process),
+and the binary turns it into exit status 2 without a traceback (a few subprocess checks)."""
+import glob
+import os
+
+import pytest
+
+from spmdtask import checkpoints, loop, main, program as program_lib
+from spmdtask.errors import ConfigError
+from tests import subproc, util
+
+M = "task.model"
+
+
+def config_error(exp: str, overrides) -> str:
+  """The ConfigError message of building `exp` with overrides and setting its program up."""
+  with pytest.raises(ConfigError) as err:
+    run = main.build(main.resolved_config(exp, list(overrides)))
+    program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  return str(err.value)
+
+
+CASES = [
+    ("lm.TinyLm", [f"{M}.num_kv_heads=3"], ["num_heads=4", "num_kv_heads=3", "divisor"]),
+    ("lm.TinyLm", [f"{M}.head_dim=33"], [f"{M}.head_dim=33", "even"]),
+    ("lm.TinyLm", [f"{M}.d_model=0"], [f"{M}.d_model=0", "positive"]),
+    ("lm.TinyLm", [f"{M}.num_layers=-2"], [f"{M}.num_layers=-2", "positive"]),
+    ("lm.TinyLm", [f"{M}.remat_policy='save_nothing'"], ["remat_policy", "nothing_saveable"]),
+    ("lm.TinyLm", [f"{M}.fprop_dtype='float33'"], ["fprop_dtype", "bfloat16"]),
+    ("lm.TinyLm", [f"{M}.mlp_activation='relu'"], ["mlp_activation", "swiglu"]),
+    ("lm.TinyLm", [f"{M}.dropout_rate=1.5"], ["dropout_rate=1.5"]),
+    ("lm.TinyLm", ["task.train.num_train_steps='abc'"], ["num_train_steps='abc'", "int"]),
+    ("lm.TinyLm", [f"{M}.d_model=128.5"], [f"{M}.d_model=128.5", "int"]),
+    ("lm.TinyLm", ["task.train.learning_rate=-1.0"], ["learning_rate=-1.0"]),
+    ("lm.TinyLm", ["task.train.clip_grad_norm=-1.0"], ["clip_grad_norm=-1.0"]),
+    ("lm.TinyLm", ["task.train.log_interval_steps=0"], ["log_interval_steps=0", "positive"]),
+    ("lm.TinyLm", ["task.train.save_interval_steps=0"], ["save_interval_steps=0"]),
+    ("lm.TinyLm", ["task.train.profile_steps=(0, 2)"], ["profile_steps=(0, 2)", "START"]),
+    ("lm.TinyLm", ["task.train.num_microbatches=3"], ["num_microbatches=3"]),
+    ("lm.TinyLm", ["task.decode.top_p=0.0"], ["task.decode.top_p=0.0"]),
+    ("lm.TinyLm", ["task.decode.temperature=-1.0"], ["task.decode.temperature=-1.0"]),
+    ("lm.TinyLm", ["task.decode.max_decode_len=0"], ["max_decode_len=0"]),
+    ("lm.TinyLm", ["datasets['train'].batch_size='16'"], ["datasets['train'].batch_size"]),
+    ("vit.TinyVit", [f"{M}.patch_size=5"], ["patch_size=5"]),
+    ("vit.TinyVit", [f"{M}.num_classes=0"], [f"{M}.num_classes=0"]),
+]
+
+
+@pytest.mark.parametrize("exp,overrides,needles", CASES)
+def test_config_mistakes_name_the_field(exp, overrides, needles):
+  message = config_error(exp, overrides)
+  for needle in needles:
+    assert needle in message, message
+
+
+def test_token_ids_outside_the_vocabulary_are_an_error():
+  run = util.build_run("lm.TinyLm", ["datasets['train'].vocab_size=300",
+                                     "task.train.num_train_steps=1"])
+  with pytest.raises(ConfigError, match=r"outside task.model.vocab_size=256"):
+    loop.train(run)
+
+
+def test_corrupt_checkpoint_names_its_step_and_an_earlier_one(tmp_path):
+  run = util.build_run("lm.TinyLm", ["task.train.num_train_steps=2",
+                                     "task.train.save_interval_steps=1"])
+  state, program, _ = loop.train(run, job_log_dir=str(tmp_path))
+  del state
+  for f in glob.glob(str(tmp_path / "checkpoints" / "2" / "params" / "**" / "*"),
+                     recursive=True):
+    if os.path.isfile(f):
+      with open(f, "wb") as out:
+        out.write(b"garbage")
+  with pytest.raises(ConfigError) as err:
+    checkpoints.restore_state(str(tmp_path), program)
+  message = str(err.value)
+  assert "step 2" in message and "--restore_step=1" in message, message
+  assert "Traceback" not in message
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["task.train.num_train_steps='abc'"], "task.train.num_train_steps='abc'"),
+    ([f"{M}.num_kv_heads=3"], "num_kv_heads=3"),
+])
+def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):
+  out = subproc.run(subproc.main_cmd("lm.TinyLm", str(tmp_path / "job"), *overrides),
+                    timeout=200)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+  assert needle in line
+  assert not (tmp_path / "job" / "config.txt").exists()
+  assert not (tmp_path / "job" / "checkpoints").exists()
