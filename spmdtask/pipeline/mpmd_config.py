@@ -51,23 +51,29 @@ class MpmdConfig:
     return len(self.submesh_shapes)
 
 
-def layer_groups(layer_cuts: Sequence[int], num_layers: int) -> tuple[tuple[int, int], ...]:
-  """[start, end) of each part's layers. Raises ConfigError for a bad cut."""
+def check_cuts(layer_cuts: Sequence[int]) -> tuple[int, ...]:
+  """The cuts as a tuple; ConfigError unless they are strictly increasing ints."""
   cuts = tuple(layer_cuts)
   if any(not isinstance(c, int) for c in cuts) or list(cuts) != sorted(set(cuts)):
     raise ConfigError(f"{_PL}layer_cuts={cuts!r} must be strictly increasing layer indices "
                       "(each the first layer of a new part), e.g. (2,) for layers 0-1 | 2-...")
+  return cuts
+
+
+def layer_groups(layer_cuts: Sequence[int], num_layers: int) -> tuple[tuple[int, int], ...]:
+  """[start, end) of each part's layers. Raises ConfigError for a bad cut."""
+  cuts = check_cuts(layer_cuts)
   if cuts and (cuts[0] < 1 or cuts[-1] > num_layers - 1):
-    raise ConfigError(f"{_PL}layer_cuts={cuts!r}: a cut must be between 1 and "
-                      f"task.model.num_layers - 1 = {num_layers - 1} (every part needs at least "
-                      "one layer); remove or move the cuts beyond the last layer.")
+    raise ConfigError(f"{_PL}layer_cuts={cuts!r} cuts beyond the last layer: a cut must be "
+                      f"between 1 and task.model.num_layers - 1 = {num_layers - 1} (every part "
+                      "needs at least one layer); remove or move the cuts.")
   bounds = (0,) + cuts + (num_layers,)
   return tuple(zip(bounds[:-1], bounds[1:]))
 
 
 def make_schedule(config: MpmdConfig) -> Schedule:
   """The schedule data; ConfigError when it does not fit the stages and parts."""
-  parts = len(tuple(config.layer_cuts)) + 1
+  parts = len(check_cuts(config.layer_cuts)) + 1
   s, v = config.num_stages, config.num_chunks
   if parts != s * v:
     raise ConfigError(
