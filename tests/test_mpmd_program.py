@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from spmdtask import loop
+from spmdtask import evaluation, loop
 from spmdtask import program as program_lib
 from spmdtask.errors import ConfigError
 from tests import util
@@ -22,14 +22,21 @@ TIED = ("task.model.tie_embeddings=True",)
 
 @functools.lru_cache(maxsize=None)
 def one_device(steps: int, overrides=()):
-  losses, params, _, _ = util.train_steps("lm.TinyLm", steps, jax.devices()[:1],
-                                          ONE_DEVICE + overrides)
-  return losses, params
+  """(losses, canonical params, eval metrics after training) of lm.TinyLm on one device."""
+  losses, params, program, state = util.train_steps("lm.TinyLm", steps, jax.devices()[:1],
+                                                    ONE_DEVICE + overrides)
+  return losses, params, evaluate(program, state)
+
+
+def evaluate(program, state):
+  """The whole eval set: 100 sequences, so the last batch is partial (padded)."""
+  eval_set = util.build_run("lm.TinyLm").datasets["eval"]
+  return evaluation.evaluate(program, state, eval_set)
 
 
 def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
-  want_losses, want_params = one_device(STEPS)
-  losses, params, program, _ = util.train_steps("lm.TinyLmMpmd", STEPS)
+  want_losses, want_params, want_eval = one_device(STEPS)
+  losses, params, program, state = util.train_steps("lm.TinyLmMpmd", STEPS)
   scope = lambda k: k[:k.index("]", k.index("block")) + 1] if "block" in k else k
   where = [{scope(k) for k in keys} for keys in program.pipeline.stage_keys]
   assert where == [{"['embedding']", "['layers']['block_0']"},
@@ -37,15 +44,18 @@ def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
   assert program.last_peak_residuals == (2, 1)  # 1F1B: S - s
   np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
   util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
-  gpipe, _, program, _ = util.train_steps("lm.TinyLmMpmd", 5,
+  got_eval = evaluate(program, state)
+  assert got_eval["weight"] == want_eval["weight"] == 100 * 64
+  np.testing.assert_allclose(got_eval["loss"], want_eval["loss"], rtol=1e-5)
+  gpipe, _, program, _ = util.train_steps("lm.TinyLmMpmd", 3,
                                           overrides=["task.pipeline.schedule='gpipe'"])
   assert program.last_peak_residuals == (4, 4)  # GPipe: M
-  np.testing.assert_allclose(gpipe, losses[:5], rtol=1e-6)
+  np.testing.assert_allclose(gpipe, losses[:3], rtol=1e-6)
 
 
 def test_tied_embeddings_match_one_device():
-  want_losses, want_params = one_device(8, TIED)
-  losses, params, program, state = util.train_steps("lm.TinyLmMpmdTied", 8)
+  want_losses, want_params, _ = one_device(5, TIED)
+  losses, params, program, state = util.train_steps("lm.TinyLmMpmdTied", 5)
   assert program.pipeline.tied == {"['embedding']": (0, 1)}
   stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
   np.testing.assert_array_equal(stage0, stage1)  # the two copies stay identical
@@ -62,7 +72,7 @@ def _train(exp, steps, job_log_dir, overrides=()):
 
 
 def test_checkpoints_cross_between_mpmd_and_spmd(tmp_path):
-  want, _ = one_device(10)
+  want = one_device(STEPS)[0][:10]
   # MPMD saves at step 5; lm.TinyLm (one device) resumes it.
   mpmd_dir = str(tmp_path / "mpmd")
   np.testing.assert_allclose(_train("lm.TinyLmMpmd", 5, mpmd_dir), want[:5], rtol=1e-4)

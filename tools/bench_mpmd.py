@@ -11,7 +11,7 @@ of one 2x2x1x2 mesh), same model, data and microbatches, the two steps interleav
 one run; with the MPMD host dispatch per step (time for `train` to return).
 
   python tools/bench_mpmd.py [--width=512] [--layers=8] [--microbatches=8] [--steps=10]
-                             [--product] [--product_steps=20] [--fdl_set=...]
+                             [--product] [--product_steps=20] [--product_set=...]
 """
 import time
 
@@ -35,7 +35,8 @@ _ROWS = flags.DEFINE_integer("rows", 32, "rows per microbatch")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _PRODUCT = flags.DEFINE_bool("product", True, "also compare lm.TinyLmMpmd with lm.TinyLmPipeline")
 _PRODUCT_STEPS = flags.DEFINE_integer("product_steps", 20, "timed steps of each product program")
-_FDL_SET = flags.DEFINE_multi_string("fdl_set", [], "overrides for both product experiments")
+_OVERRIDES = flags.DEFINE_multi_string("product_set", [], "fdl_set-style overrides for both "
+                                         "product experiments")
 
 
 def loss_fn(p, batch):
@@ -90,7 +91,7 @@ def product():
   names = ("lm.TinyLmMpmd", "lm.TinyLmPipeline")
   progs = {}
   for name in names:
-    run = bench_common.build(name, _FDL_SET.value)
+    run = bench_common.build(name, _OVERRIDES.value)
     inputs = run.datasets["train"]
     program = program_lib.setup(run.task, inputs.batch_at(0))
     state = program.init()
