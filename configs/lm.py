@@ -9,6 +9,7 @@ from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
+from spmdtask.pipeline.mpmd_config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register
 from spmdtask.task import DecodeParams, Task, TrainParams
@@ -155,3 +156,27 @@ class TextLm(TinyLm):
   def decode_datasets(self) -> dict[str, fdl.Config]:
     return {"prompts": fdl.Config(TextPromptInput, split="eval", batch_size=8, prompt_len=32,
                                   num_examples=8, model=self.task().model)}
+
+
+@register
+class TinyLmMpmd(TinyLm):
+  """TinyLm as an MPMD pipeline on 8 devices: embedding + layer 0 on stage 0 (devices 0-3,
+  data 2 x model 2), layers 1-3 + head + loss on stage 1 (devices 4-7, data 4); 1F1B over
+  4 microbatches."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
+                              submesh_shapes=((2, 1, 2), (4, 1, 1)), schedule="1f1b",
+                              num_microbatches=4)
+    return cfg
+
+
+@register
+class TinyLmMpmdTied(TinyLmMpmd):
+  """TinyLmMpmd with tie_embeddings=True: the embedding lives on both stages."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.model.tie_embeddings = True
+    return cfg

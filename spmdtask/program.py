@@ -27,6 +27,7 @@ from spmdtask import sharding, steps, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.model import ChecksBatch, LayoutMap, Model, Stacked, Work
+from spmdtask.pipeline.mpmd_config import MpmdConfig
 from spmdtask.task import Task
 from spmdtask.train_state import StateLayout, TrainState
 
@@ -133,7 +134,14 @@ def _check_microbatches(task: Task, global_size: int, mesh_shape) -> int:
 
 
 def setup(task: Task, example_local_batch, devices=None) -> Program:
-  """Mesh, layouts and jitted programs for `task`; raises ConfigError on a bad config."""
+  """Mesh, layouts and jitted programs for `task`; raises ConfigError on a bad config.
+
+  With `task.pipeline` an `MpmdConfig`, the per-stage programs of
+  `pipeline.mpmd_program`, behind the same interface.
+  """
+  if isinstance(task.pipeline, MpmdConfig):
+    from spmdtask.pipeline import mpmd_program  # pylint: disable=import-outside-toplevel
+    return mpmd_program.setup(task, example_local_batch, devices)  # (it imports this module)
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
   mesh_shape = mesh_lib.mesh_shape(mesh)

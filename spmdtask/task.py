@@ -7,6 +7,7 @@ import optax
 
 from spmdtask import checks
 from spmdtask.errors import ConfigError
+from spmdtask.pipeline.mpmd_config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 
 # A split-dims mapping: one entry per tensor dim; None, a mesh axis, or a tuple of axes.
@@ -162,7 +163,8 @@ class Task:
       the element-wise product with ici_mesh_shape.
     data_axes: mesh axes the batch dim is split over by default.
     pipeline: how the model's layer stack runs: None = a scan; a `PipelineConfig` =
-      the SPMD pipeline over the `stage` mesh axis (needs a `spmdtask.model.Stacked`
+      the SPMD pipeline over the `stage` mesh axis; an `MpmdConfig` = the MPMD pipeline,
+      one program per stage on its own submesh (both need a `spmdtask.model.Stacked`
       model). Checkpoints do not depend on it.
     train: TrainParams.
     decode: DecodeParams, for --mode=decode.
@@ -172,7 +174,7 @@ class Task:
   ici_mesh_shape: tuple[int, ...] = (-1, 1, 1)
   dcn_mesh_shape: tuple[int, ...] | None = None
   data_axes: tuple[str, ...] = ("data", "fsdp")
-  pipeline: PipelineConfig | None = None
+  pipeline: PipelineConfig | MpmdConfig | None = None
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
   decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
 

@@ -1,23 +1,30 @@
-"""Host dispatch cost of the MPMD executor per train step, on a toy dense model.
+"""MPMD overhead on the 8 CPU devices: a toy dense model, then the product comparison.
 
-Two stages on submeshes 2x2 and 4x1 of the 8 CPU devices, 1F1B. Prints, per step, the
-time for `TrainStep.__call__` to return (host-side dispatch: the executor's Python, jit
-cache lookups, device_puts) and the time until the new state is ready, measured in the
-same run, and their ratio; also per schedule action.
+Toy: two stages on submeshes 2x2 and 4x1, 1F1B. Prints, per step, the time for
+`TrainStep.__call__` to return (host-side dispatch: the executor's Python, jit cache
+lookups, device_puts) and the time until the new state is ready, measured in the same
+run, and their ratio; also per schedule action.
+
+Product (--product): `program.train` of lm.TinyLmMpmd (1F1B; 2 stages on 2x1x2 and
+4x1x1 submeshes) against the SPMD pipeline lm.TinyLmPipeline (GPipe over the stage axis
+of one 2x2x1x2 mesh), same model, data and microbatches, the two steps interleaved in
+one run; with the MPMD host dispatch per step (time for `train` to return).
 
   python tools/bench_mpmd.py [--width=512] [--layers=8] [--microbatches=8] [--steps=10]
+                             [--product] [--product_steps=20] [--product_set=...]
 """
 import time
 
 from absl import app, flags
 
-import bench_common  # noqa: F401  (8 CPU devices; before jax)  pylint: disable=unused-import
+import bench_common  # (8 CPU devices; before jax)
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
+from spmdtask import program as program_lib
 from spmdtask.pipeline import generators, mpmd, mpmd_step
 from spmdtask.pipeline.split import stage_boundary
 
@@ -26,6 +33,10 @@ _LAYERS = flags.DEFINE_integer("layers", 8, "dense layers (cut in half)")
 _MICRO = flags.DEFINE_integer("microbatches", 8, "microbatches per step")
 _ROWS = flags.DEFINE_integer("rows", 32, "rows per microbatch")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
+_PRODUCT = flags.DEFINE_bool("product", True, "also compare lm.TinyLmMpmd with lm.TinyLmPipeline")
+_PRODUCT_STEPS = flags.DEFINE_integer("product_steps", 20, "timed steps of each product program")
+_OVERRIDES = flags.DEFINE_multi_string("product_set", [], "fdl_set-style overrides for both "
+                                         "product experiments")
 
 
 def loss_fn(p, batch):
@@ -75,5 +86,55 @@ def main(_):
   print(f"dispatch / step    {disp / tot:8.3f}")
 
 
+def product():
+  """Interleaved step times of lm.TinyLmMpmd (1F1B) and lm.TinyLmPipeline (SPMD)."""
+  names = ("lm.TinyLmMpmd", "lm.TinyLmPipeline")
+  progs = {}
+  for name in names:
+    run = bench_common.build(name, _OVERRIDES.value)
+    inputs = run.datasets["train"]
+    program = program_lib.setup(run.task, inputs.batch_at(0))
+    state = program.init()
+    for i in range(2):  # compile
+      state, metrics = program.train(state, program.global_batch(inputs.batch_at(i)))
+    jax.block_until_ready((state, metrics))
+    progs[name] = [program, state, inputs]
+  dispatch, total = {n: [] for n in names}, {n: [] for n in names}
+  for i in range(_PRODUCT_STEPS.value):
+    for name in names:  # interleaved: both see the same machine load
+      program, state, inputs = progs[name]
+      local = inputs.batch_at(2 + i)
+      t0 = time.perf_counter()
+      state, metrics = program.train(state, program.global_batch(local))
+      t1 = time.perf_counter()
+      jax.block_until_ready((state, metrics))
+      t2 = time.perf_counter()
+      progs[name][1] = state
+      dispatch[name].append(t1 - t0)
+      total[name].append(t2 - t0)
+  mpmd_prog = progs[names[0]][0]
+  actions = sum(len(a) for a in mpmd_prog.pipeline.schedule.actions)
+  print(f"\nproduct: {names[0]} (1F1B, submeshes "
+        f"{[tuple(s) for s in mpmd_prog.config.submesh_shapes]}) vs {names[1]} (SPMD GPipe), "
+        f"{_PRODUCT_STEPS.value} interleaved steps, medians")
+  for name in names:
+    print(f"{name:20s} step {np.median(total[name]) * 1e3:8.2f} ms   dispatch "
+          f"{np.median(dispatch[name]) * 1e3:8.2f} ms")
+  ratio = np.median(total[names[0]]) / np.median(total[names[1]])
+  per_step = np.asarray(total[names[0]]) / np.asarray(total[names[1]])
+  print(f"MPMD / SPMD step time  {ratio:6.3f}  (median of per-step ratios "
+        f"{np.median(per_step):.3f})")
+  disp = np.median(dispatch[names[0]])
+  print(f"MPMD host dispatch     {disp * 1e3:6.2f} ms per step, {disp / actions * 1e6:.0f} us "
+        f"per schedule action ({actions} actions), {disp / np.median(total[names[0]]):.3f} "
+        "of the step")
+
+
+def run_all(argv):
+  main(argv)
+  if _PRODUCT.value:
+    product()
+
+
 if __name__ == "__main__":
-  app.run(main)
+  app.run(run_all)

@@ -9,15 +9,20 @@ Strategies:
   scan      `nn.scan` over the layers, each rematerialized under `remat_policy`;
   pipeline  weights `[S, R, L/(S·R), ...]`, run by `pipeline.spmd.pipeline_apply` over the
             stage mesh axis (GPipe, or circular with R > 1);
+  mpmd      `MpmdConfig`: the layers cut into groups by layer index, each group its own
+            scan `block_<g>` [L_g, ...], with a `stage_boundary` between groups at the top
+            level (outside scan and remat), where `pipeline.split` cuts the traced step;
   decode    a plain scan that also scans the per-layer KV cache (given a `cache`).
 """
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from spmdtask.model import LayoutMap
-from spmdtask.pipeline import spmd
+from spmdtask.pipeline import mpmd_config, spmd
+from spmdtask.pipeline.split import stage_boundary
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
 
@@ -34,12 +39,12 @@ class LayerStack(nn.Module):
   num_layers: int
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
-  pipeline: spmd.PipelineConfig | None = None
+  pipeline: spmd.PipelineConfig | mpmd_config.MpmdConfig | None = None
 
-  def _scan(self, block, with_cache: bool, num_side: int, extra_rngs: dict):
+  def _scan(self, block, with_cache: bool, num_side: int, extra_rngs: dict, length=None):
     in_axes = (nn.broadcast,) * num_side + ((0,) if with_cache else ())
     return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True, **extra_rngs},
-                   in_axes=in_axes, length=self.num_layers, unroll=self.scan_unroll,
+                   in_axes=in_axes, length=length or self.num_layers, unroll=self.scan_unroll,
                    metadata_params={nn.PARTITION_NAME: None})
 
   @nn.compact
@@ -51,15 +56,30 @@ class LayerStack(nn.Module):
       # Decoding: no gradients, so no remat; the cache is scanned over the layer dim.
       stack = self._scan(self.block_cls, True, len(side), {})
       return stack(**self.block_kwargs, name=BLOCK)(x, *side, cache)
+    if isinstance(self.pipeline, mpmd_config.MpmdConfig):
+      return self._mpmd(x, side), None
     if self.pipeline is not None:
       return self._pipelined(x, side), None
-    block = self.block_cls
-    if self.remat_policy:
-      block = nn.remat(block, policy=getattr(jax.checkpoint_policies, self.remat_policy),
-                       prevent_cse=False)
-    stack = self._scan(block, False, len(side), {"dropout": True})
+    stack = self._scan(self._remat_block(), False, len(side), {"dropout": True})
     x, _ = stack(**self.block_kwargs, name=BLOCK)(x, *side)
     return x, None
+
+  def _remat_block(self):
+    if not self.remat_policy:
+      return self.block_cls
+    return nn.remat(self.block_cls, policy=getattr(jax.checkpoint_policies, self.remat_policy),
+                    prevent_cse=False)
+
+  def _mpmd(self, x: jax.Array, side: tuple) -> jax.Array:
+    """Each group of layers scanned as `block_<g>`, a stage boundary between groups."""
+    block = self._remat_block()
+    for g, (start, end) in enumerate(mpmd_config.layer_groups(self.pipeline.layer_cuts,
+                                                              self.num_layers)):
+      if g:
+        x = stage_boundary(x)
+      stack = self._scan(block, False, len(side), {"dropout": True}, length=end - start)
+      x, _ = stack(**self.block_kwargs, name=f"{BLOCK}_{g}")(x, *side)
+    return x
 
   def _pipelined(self, x: jax.Array, side: tuple) -> jax.Array:
     pp = self.pipeline
@@ -86,11 +106,27 @@ class LayerStack(nn.Module):
                                config=pp, broadcast_args=side)
 
 
-def layout_map(path: tuple[str, ...], pipeline: spmd.PipelineConfig | None) -> tuple:
+def layout_map(path: tuple[str, ...], pipeline) -> tuple:
   """The `LayoutMap`s of a stack whose params live at `path` (none when it is scanned)."""
   if pipeline is None:
     return ()
+  if isinstance(pipeline, mpmd_config.MpmdConfig):
+    return (LayoutMap(tuple(path), _join_groups,
+                      lambda tree: _split_groups(tree, pipeline.layer_cuts)),)
   s, r = pipeline.num_stages, pipeline.circular_repeat
   return (LayoutMap(tuple(path),
                     spmd.from_stages,
                     lambda tree: spmd.to_stages(tree, s, r)),)
+
+
+def _join_groups(tree: dict) -> dict:
+  """{block_0: [L0, ...], block_1: [L1, ...], ...} -> {block: [L0 + L1 + ..., ...]}."""
+  groups = [tree[f"{BLOCK}_{g}"] for g in range(len(tree))]
+  return {BLOCK: jax.tree.map(lambda *xs: jnp.concatenate(xs), *groups)}
+
+
+def _split_groups(tree: dict, layer_cuts) -> dict:
+  """{block: [L, ...]} -> {block_<g>: layers [start_g, end_g)} (inverse of `_join_groups`)."""
+  num_layers = jax.tree.leaves(tree[BLOCK])[0].shape[0]
+  return {f"{BLOCK}_{g}": jax.tree.map(lambda a, s=start, e=end: a[s:e], tree[BLOCK])
+          for g, (start, end) in enumerate(mpmd_config.layer_groups(layer_cuts, num_layers))}

@@ -14,6 +14,7 @@ from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
 from spmdtask.model import Metrics, Weighted, Work
+from spmdtask.pipeline import mpmd_config
 from spmdtask.pipeline import spmd as pipeline_lib
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
@@ -70,7 +71,7 @@ class TransformerLm(nn.Module):
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
-  execution: pipeline_lib.PipelineConfig | None = None
+  execution: pipeline_lib.PipelineConfig | mpmd_config.MpmdConfig | None = None
 
   # ------------------------------------------------------------------ the model contract
 
@@ -97,9 +98,12 @@ class TransformerLm(nn.Module):
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
-    if self.execution is not None:
+    if isinstance(self.execution, mpmd_config.MpmdConfig):
+      mpmd_config.layer_groups(self.execution.layer_cuts, self.num_layers)
+    elif self.execution is not None:
       pipeline_lib.validate(self.execution, num_layers=self.num_layers,
                             batch_size=global_batch_size, mesh=mesh)
+    if self.execution is not None:
       if self.dropout_rate:
         raise ConfigError(
             f"task.model.dropout_rate={self.dropout_rate} is not supported with "

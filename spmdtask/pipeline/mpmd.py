@@ -283,21 +283,9 @@ class Pipeline:
       part = self.parts[self.schedule.virtual_stage(s, a.chunk)]
       m = a.microbatch
       if a.kind == "F":
-        box = inbox.pop((part.index, m), {})
-        outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
-                                  tuple(batches[s][j] for j in part.batch_leaves),
-                                  self._mb_index[s][m], tuple(box[i] for i in part.float_in),
-                                  tuple(box[i] for i in part.int_in))
-        res[part.index, m] = r
+        res[part.index, m] = self._forward(part, m, stage_params, batches, inbox, losses, aux)
         live[s] += 1
         peak[s] = max(peak[s], live[s])
-        if part.index == len(self.parts) - 1:
-          losses[m] = outs[0]
-          aux[m] = jax.tree.unflatten(self.aux_tree, other) if self.has_aux else None
-          continue
-        for i, x in zip(part.float_out + part.int_out, outs + other):
-          for c in self.values[i].consumers:
-            inbox.setdefault((c, m), {})[i] = self._send(x, self.parts[c].stage)
       else:
         r = res.pop((part.index, m))
         live[s] -= 1
@@ -317,6 +305,37 @@ class Pipeline:
           box[i] = g
     self._sum_tied(acc)
     return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak))
+
+  def _forward(self, part: Part, m: int, stage_params, batches, inbox, losses, aux):
+    """Runs F(m) of `part`, sends its outputs on; the last part's loss and aux go to
+    losses[m], aux[m]. Returns the residuals."""
+    s = part.stage
+    box = inbox.pop((part.index, m), {})
+    outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
+                              tuple(batches[s][j] for j in part.batch_leaves),
+                              self._mb_index[s][m], tuple(box[i] for i in part.float_in),
+                              tuple(box[i] for i in part.int_in))
+    if part.index == len(self.parts) - 1:
+      losses[m] = outs[0]
+      aux[m] = jax.tree.unflatten(self.aux_tree, other) if self.has_aux else None
+      return r
+    for i, x in zip(part.float_out + part.int_out, outs + other):
+      for c in self.values[i].consumers:
+        inbox.setdefault((c, m), {})[i] = self._send(x, self.parts[c].stage)
+    return r
+
+  def forward(self, stage_params: Sequence[dict], batch) -> tuple[tuple, tuple]:
+    """Forward only (e.g. eval): per microbatch, the loss and aux on the last stage.
+
+    Parts run in order for each microbatch; residuals are dropped as soon as they are made.
+    """
+    batches = self._stage_batches(batch)
+    M = self.schedule.num_microbatches
+    inbox, losses, aux = {}, [None] * M, [None] * M
+    for m in range(M):
+      for part in self.parts:
+        self._forward(part, m, stage_params, batches, inbox, losses, aux)
+    return tuple(losses), tuple(aux)
 
   def _send(self, x: jax.Array, stage: int) -> jax.Array:
     """x (on its producer's submesh) -> the devices of `stage`, asynchronously.

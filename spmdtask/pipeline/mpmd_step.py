@@ -8,11 +8,17 @@ global norm goes back to every stage's update program, which applies exactly
 `optax.clip_by_global_norm`'s rule before `tx.update`. So with the same `tx` the update
 equals the unpipelined `optax.chain(optax.clip_by_global_norm(max_norm), tx)`.
 
+A loss summed over examples or tokens (not averaged) is normalised with `loss_weight`:
+`loss_fn` returns microbatch m's loss *sum* (and its weight in the aux), the Pipeline runs
+with weights 1, and the step divides the loss and the gradients by the summed weight
+`loss_weight(aux)` before clipping: the update of the batch's mean loss, whatever the
+microbatch split, without knowing the weights before the schedule starts.
+
   states = step.init(params)                 # per stage: StageState(params, opt_state)
-  states, metrics = step(states, batch)      # metrics: loss, grad_norm, peak_residuals
+  states, metrics = step(states, batch)      # loss, grad_norm, param_norm, peak_residuals
 """
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +46,18 @@ def clip_by_norm(grads, norm, max_norm: float):
 class StageProgram:
   """A stage's jitted optimizer programs."""
   init: steps.Partitioned  # params -> opt_state
-  sq_norm: steps.Partitioned  # grads -> sum of squares of the grads this stage owns
-  update: steps.Partitioned  # (params, opt_state, grads, norm) -> (params, opt_state)
+  sq_norm: steps.Partitioned  # (grads, params) -> sums of squares of those this stage owns
+  update: steps.Partitioned  # (params, opt_state, grads, norm, scale) -> (params, opt_state)
+  param_specs: dict  # {path: PartitionSpec} on the stage's submesh
+  opt_specs: Any  # PartitionSpecs of the stage's optimizer state
 
 
 class TrainStep:
   """`(states, batch) -> (states, metrics)` for a Pipeline; `tx` must not clip (module doc)."""
 
   def __init__(self, pipeline: Pipeline, tx: optax.GradientTransformation,
-               max_grad_norm: float | None = None):
+               max_grad_norm: float | None = None,
+               loss_weight: Callable[[tuple], jax.Array] | None = None):
     self.pipeline, self.tx, self.max_grad_norm = pipeline, tx, max_grad_norm
     pl = pipeline
     shapes = dict(zip(pl.paths, pl.param_shapes))
@@ -58,7 +67,19 @@ class TrainStep:
                           for s, keys in enumerate(pl.stage_keys))
     last = pl.part_stage[-1]
     self._norm_mesh = pl.stages[last].mesh
-    self._norm = steps.partition(lambda sq: jnp.sqrt(sum(sq)), self._norm_mesh, (P(),), P())
+    M = pl.schedule.num_microbatches
+    self._ones = jax.device_put(jnp.ones((M,), jnp.float32), NamedSharding(self._norm_mesh, P()))
+
+    def norms(sq, loss, aux):
+      """(loss, grad norm, param norm, grad scale) of the normalised step."""
+      scale = jnp.ones((), jnp.float32)
+      if loss_weight is not None:
+        scale = 1.0 / jnp.maximum(loss_weight(aux), jnp.finfo(jnp.float32).tiny)
+      gsq, psq = sum(g for g, _ in sq), sum(p for _, p in sq)
+      return loss * scale.astype(loss.dtype), jnp.sqrt(gsq) * scale, jnp.sqrt(psq), scale
+
+    self.loss_weight = loss_weight
+    self._norms = steps.partition(norms, self._norm_mesh, (P(), P(), P()), P())
 
   def _stage_program(self, s: int, shapes: dict, owned: Sequence[str]) -> StageProgram:
     pl = self.pipeline
@@ -67,20 +88,23 @@ class TrainStep:
     opt_shapes = jax.eval_shape(self.tx.init, shapes)
     ospecs, _ = sharding.opt_state_split_dims(self.tx, opt_shapes, shapes, pspecs)
     init = steps.partition(self.tx.init, mesh, (pspecs,), ospecs)
-    sq_norm = steps.partition(
-        lambda g: sum((jnp.sum(jnp.square(g[k].astype(jnp.float32))) for k in owned),
-                      jnp.zeros((), jnp.float32)), mesh, (pspecs,), P())
+    def sq(tree):
+      return sum((jnp.sum(jnp.square(tree[k].astype(jnp.float32))) for k in owned),
+                 jnp.zeros((), jnp.float32))
+
+    sq_norm = steps.partition(lambda g, p: (sq(g), sq(p)), mesh, (pspecs, pspecs), P())
     max_norm = self.max_grad_norm
 
-    def update(params, opt_state, grads, norm):
+    def update(params, opt_state, grads, norm, scale):
+      grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
       if max_norm is not None:
         grads = clip_by_norm(grads, norm, max_norm)
       updates, opt_state = self.tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P()), (pspecs, ospecs),
-                               donate_argnums=(0, 1))
-    return StageProgram(init, sq_norm, update_p)
+    update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P(), P()),
+                               (pspecs, ospecs), donate_argnums=(0, 1))
+    return StageProgram(init, sq_norm, update_p, pspecs, ospecs)
 
   def init(self, params) -> tuple[StageState, ...]:
     """Full params tree -> per-stage states (params placed, optimizer state initialised)."""
@@ -88,18 +112,22 @@ class TrainStep:
     return tuple(StageState(p, prog.init(p)) for p, prog in zip(placed, self.programs))
 
   def __call__(self, states: Sequence[StageState], batch, weights=None):
-    """One step. Metrics: loss and grad_norm (scalars on the last stage) and
-    peak_residuals (host ints per stage). `weights` as in Pipeline.run."""
+    """One step. Metrics: loss, grad_norm and param_norm (of the params the step started
+    from; scalars on the last stage) and peak_residuals (host ints per stage). `weights`
+    as in Pipeline.run (with `loss_weight`: ones unless given)."""
     pl = self.pipeline
+    if weights is None and self.loss_weight is not None:
+      weights = self._ones
     result = pl.run([st.params for st in states], batch, weights)
-    sq = tuple(jax.device_put(prog.sq_norm(g), NamedSharding(self._norm_mesh, P()))
-               for prog, g in zip(self.programs, result.grads))
-    norm = self._norm(sq)
+    last = NamedSharding(self._norm_mesh, P())
+    sq = tuple(jax.device_put(prog.sq_norm(g, st.params), last)
+               for prog, g, st in zip(self.programs, result.grads, states))
+    loss, norm, param_norm, scale = self._norms(sq, result.loss, result.aux)
     new = []
     for s, (st, prog, g) in enumerate(zip(states, self.programs, result.grads)):
-      n = jax.device_put(norm, NamedSharding(pl.stages[s].mesh, P()))
-      new.append(StageState(*prog.update(st.params, st.opt_state, g, n)))
-    metrics = {"loss": result.loss, "grad_norm": norm,
+      n, sc = jax.device_put((norm, scale), NamedSharding(pl.stages[s].mesh, P()))
+      new.append(StageState(*prog.update(st.params, st.opt_state, g, n, sc)))
+    metrics = {"loss": loss, "grad_norm": norm, "param_norm": param_norm,
                "peak_residuals": result.peak_residuals}
     if pl.has_aux:
       metrics["aux"] = result.aux

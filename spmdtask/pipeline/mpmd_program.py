@@ -1,0 +1,275 @@
+"""A task under `task.pipeline = MpmdConfig`: per-stage programs, with `program.Program`'s
+interface, so the loop, evaluation and checkpoints run it unchanged.
+
+  setup(task, example_local_batch, devices) -> MpmdProgram
+    init()                     -> MpmdState(step, stages)
+    train(state, batch)        -> (state, metrics)   loss, model metrics, grad_norm,
+                                                     param_norm, learning_rate
+    eval(state, batch)         -> Metrics (weighted sums, on the last stage)
+    to_canonical(state)        -> TrainState on `mesh` (all devices), the canonical layout
+    from_canonical(TrainState) -> MpmdState
+
+The model's loss is cut at its stage boundaries (`pipeline.split`) and run by
+`mpmd.Pipeline`; `mpmd_step.TrainStep` updates every stage with the optimizer without its
+clipping (clipping uses the norm over all stages). The loss is the model's weighted mean:
+each microbatch contributes its loss sum `loss · weight` and the step divides by the
+summed weight (Model contract), so loss and update equal the unpipelined step's.
+
+Canonical conversion. The live state is per stage: `{path: param}` and the optimizer's
+state over those params. `to_canonical` gathers the params (a tied leaf from its first
+stage) into the live tree (layer groups `block_<g>`), collects every optimizer statistic
+that mirrors the params (optax identifies them: `tree_map_params`) the same way, moves
+everything onto `mesh` and converts with the model's `layout_maps` (groups -> `[L, ...]`);
+`from_canonical` does the reverse. The canonical optimizer state is that of
+`task.train.make_optimizer()`: its clipping adds an empty state, so its leaves are the
+stages' optimizer's leaves in the same order.
+
+Single process: one Python process drives every submesh (multi-process MPMD is not
+supported yet).
+"""
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdtask import mesh as mesh_lib
+from spmdtask import program as program_lib
+from spmdtask import sharding, steps, train_state
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import global_batch
+from spmdtask.model import Metrics, Model, Stacked, Weighted, Work
+from spmdtask.pipeline import mpmd, mpmd_config, mpmd_step
+from spmdtask.pipeline.mpmd_step import StageState
+from spmdtask.task import Task
+from spmdtask.train_state import StateLayout, TrainState
+
+
+class MpmdState(NamedTuple):
+  """The live MPMD train state: the step (on the last stage) and every stage's state."""
+  step: jax.Array
+  stages: tuple[StageState, ...]
+
+
+def _is_everything(_) -> bool:
+  return True
+
+
+def _mirrors(tx, opt_state) -> tuple[list, list]:
+  """(param-mirroring subtrees, other leaves) of an optax state, in tree order."""
+  subs, others = [], []
+  optax.tree_utils.tree_map_params(tx, subs.append, opt_state, is_leaf=_is_everything,
+                                   transform_non_params=others.append)
+  return subs, others
+
+
+def _rebuild(tx, template, subs, others):
+  """`template` (an optax state of `tx`) with its mirrors and other leaves replaced."""
+  subs, others = iter(subs), iter(others)
+  return optax.tree_utils.tree_map_params(tx, lambda _: next(subs), template,
+                                          is_leaf=_is_everything,
+                                          transform_non_params=lambda _: next(others))
+
+
+def _sum_metrics(aux: tuple) -> Metrics:
+  return jax.tree.map(lambda *xs: sum(xs), *aux)
+
+
+@dataclasses.dataclass
+class MpmdProgram:
+  """The per-stage programs of one task and the layouts they agree on (module doc)."""
+  task: Task
+  model: Model
+  mesh: Mesh  # every device: canonical restore targets
+  tx: optax.GradientTransformation  # the canonical optimizer (with clipping)
+  base_tx: optax.GradientTransformation  # what each stage runs (clipping done globally)
+  canonical: StateLayout
+  canonical_split: TrainState
+  live: StateLayout  # the live tree (layer groups) of base_tx, split evenly on `mesh`
+  live_split: TrainState
+  work: Work
+  config: mpmd_config.MpmdConfig
+  pipeline: mpmd.Pipeline
+  step_fn: mpmd_step.TrainStep
+  _init: steps.Partitioned
+  _finish: steps.Partitioned
+  _sum: steps.Partitioned
+  _to_canonical: steps.Partitioned
+  _from_canonical: steps.Partitioned
+  last_peak_residuals: tuple[int, ...] | None = None
+
+  # ---- the Program interface ------------------------------------------------------------
+
+  def init(self) -> MpmdState:
+    """The canonical fresh state (the same values as every other strategy's), placed."""
+    return self.from_canonical(self._init())
+
+  def train(self, state: MpmdState, batch) -> tuple[MpmdState, dict]:
+    stages, m = self.step_fn(state.stages, batch)
+    self.last_peak_residuals = m["peak_residuals"]
+    step, metrics = self._finish(state.step, m["loss"], m["grad_norm"], m["param_norm"],
+                                 m["aux"])
+    return MpmdState(step, stages), metrics
+
+  def eval(self, state: MpmdState, batch) -> Metrics:
+    _, aux = self.pipeline.forward([st.params for st in state.stages], batch)
+    return self._sum(aux)
+
+  def global_batch(self, local_batch) -> Any:
+    """Host arrays: the pipeline splits them into microbatches on each stage's submesh."""
+    return jax.tree.map(np.asarray, local_batch)
+
+  def canonical_targets(self) -> TrainState:
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, s)),
+        self.canonical.logical, self.canonical_split,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+  def layout_facts(self) -> dict:
+    return {"mesh_axis_names": list(self.mesh.axis_names),
+            "mesh_shape": [int(self.mesh.shape[a]) for a in self.mesh.axis_names],
+            "pipeline": {"mpmd": dataclasses.asdict(self.config)},
+            "num_microbatches": int(self.config.num_microbatches),
+            "canonical": "logical arrays, layers stacked [L, ...]"}
+
+  def to_canonical(self, state: MpmdState) -> TrainState:
+    pl = self.pipeline
+    params = pl.gather([st.params for st in state.stages])
+    per_stage = [_mirrors(self.base_tx, st.opt_state) for st in state.stages]
+    subs = []
+    for i in range(len(per_stage[0][0])):
+      merged = {}
+      for stage_subs, _ in per_stage:
+        for k, x in stage_subs[i].items():
+          merged.setdefault(k, x)  # a tied leaf's statistics from its first stage
+      subs.append(jax.tree.unflatten(pl.params_tree, [merged[k] for k in pl.paths]))
+    opt_state = _rebuild(self.base_tx, self.live.logical.opt_state, subs, per_stage[0][1])
+    live = TrainState(state.step, params, opt_state)
+    live = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), live,
+                        self.live_split)
+    return self._to_canonical(live)
+
+  def from_canonical(self, state: TrainState) -> MpmdState:
+    live = self._from_canonical(state)
+    pl = self.pipeline
+    placed = pl.place(live.params)
+    subs, others = _mirrors(self.base_tx, live.opt_state)
+    flat_subs = [dict(zip(pl.paths, jax.tree.leaves(sub))) for sub in subs]
+    stages = []
+    for keys, prog, params, spec in zip(pl.stage_keys, self.step_fn.programs, placed,
+                                        pl.stages):
+      template = jax.eval_shape(self.base_tx.init, {k: params[k] for k in keys})
+      opt = _rebuild(self.base_tx, template, [{k: f[k] for k in keys} for f in flat_subs],
+                     others)
+      stages.append(StageState(params, jax.device_put(
+          opt, steps.named_shardings(spec.mesh, prog.opt_specs))))
+    step = jax.device_put(live.step, NamedSharding(pl.stages[pl.part_stage[-1]].mesh, P()))
+    return MpmdState(step, tuple(stages))
+
+
+def _model(task: Task) -> tuple[Model, Model]:
+  model = task.model
+  if not isinstance(model, Model) or not isinstance(model, Stacked):
+    raise ConfigError(f"task.pipeline is an MpmdConfig, but task.model ({type(model).__name__}) "
+                      "has no layer stack to cut (spmdtask.model.Stacked). Set "
+                      "task.pipeline=None.")
+  if getattr(model, "execution", None) is not None:
+    raise ConfigError("task.model.execution is set by the framework from task.pipeline; set "
+                      "task.pipeline instead and leave task.model.execution=None.")
+  return model.with_pipeline(task.pipeline), model.with_pipeline(None)
+
+
+def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
+  """Submeshes, layouts and per-stage programs for `task`; ConfigError on a bad config."""
+  config: mpmd_config.MpmdConfig = task.pipeline
+  if jax.process_count() > 1:
+    raise ConfigError("task.pipeline is an MpmdConfig, which runs in one process driving every "
+                      "stage; multi-process MPMD is not supported yet. Run with one process or "
+                      "use the SPMD pipeline (task.pipeline=PipelineConfig(...)).")
+  devices = list(devices if devices is not None else jax.devices())
+  schedule = mpmd_config.make_schedule(config)
+  meshes = mpmd_config.submeshes(config, task.mesh_axis_names, devices)
+  mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
+                              devices)
+  model, canonical_model = _model(task)
+  shapes = global_batch.global_shapes(example_local_batch)
+  global_size = jax.tree.leaves(shapes)[0].shape[0]
+  mb_size = mpmd_config.check_batch(config, global_size)
+  if task.train.num_microbatches != 1:
+    raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
+                      "pipeline: the pipeline splits the batch itself; set "
+                      "task.pipeline.num_microbatches and task.train.num_microbatches=1.")
+  for m in meshes:
+    model.validate(m, mb_size)
+  tp = task.train
+  tx = tp.make_optimizer()
+  base_tx = tp.optimizer(learning_rate=tp.schedule())
+  lr_schedule = tp.schedule()
+  full = mesh_lib.mesh_shape(mesh)
+  init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
+  with jax.set_mesh(mesh):
+    canonical = train_state.layout(canonical_model, tx, init_batch, full)
+    work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
+                                   for k, v in init_batch.items()})
+  # No mesh while tracing the live model: its activation constraints (full-mesh specs) stay
+  # out of the stage programs; each stage's params and inputs carry its submesh's layout.
+  live = train_state.layout(model, base_tx, init_batch, full)
+  canonical_split = sharding.even_splits(canonical.logical, canonical.split, full)
+  live_split = sharding.even_splits(live.logical, live.split, full)
+
+  batch_split = sharding.input_split_dims(shapes, tp.inputs_split_mapping, task.batch_axes(),
+                                          full)
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
+  act = P(task.batch_axes() or None)
+  specs = []
+  for m in meshes:
+    ms = mesh_lib.mesh_shape(m)
+    specs.append(mpmd.StageSpec(m, sharding.even_splits(live.logical.params, live.split.params,
+                                                        ms),
+                                sharding.even_splits(micro, batch_split, ms), act))
+
+  def loss_fn(params, mb):  # microbatch m's loss sum (TrainStep divides by the total weight)
+    loss, metrics = model.apply({"params": params}, mb, method=model.loss)
+    return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
+
+  pl = mpmd.Pipeline(loss_fn, live.logical.params, micro, specs, schedule, has_aux=True)
+  step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
+                                loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
+  last_mesh = meshes[pl.part_stage[-1]]
+
+  def finish(step, loss, grad_norm, param_norm, aux):
+    return step + 1, {**steps.reported(_sum_metrics(aux)), "loss": loss,
+                      "grad_norm": grad_norm, "param_norm": param_norm,
+                      "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)}
+
+  maps = model.layout_maps()
+  canonical_tree = jax.tree.structure(canonical.logical.opt_state)
+  live_tree = jax.tree.structure(live.logical.opt_state)
+
+  def to_canonical(state: TrainState) -> TrainState:
+    params = program_lib.apply_layout_maps(state.params, maps, True)
+    opt = program_lib.apply_layout_maps(state.opt_state, maps, True)
+    opt = jax.tree.unflatten(canonical_tree, jax.tree.leaves(opt))
+    return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), TrainState(state.step, params, opt))
+
+  def from_canonical(state: TrainState) -> TrainState:
+    params = program_lib.apply_layout_maps(state.params, maps, False)
+    opt = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(base_tx.init, state.params)),
+                             jax.tree.leaves(state.opt_state))
+    opt = program_lib.apply_layout_maps(opt, maps, False)
+    return TrainState(state.step, params, jax.tree.unflatten(live_tree, jax.tree.leaves(opt)))
+
+  return MpmdProgram(
+      task=task, model=model, mesh=mesh, tx=tx, base_tx=base_tx, canonical=canonical,
+      canonical_split=canonical_split, live=live, live_split=live_split, work=work,
+      config=config, pipeline=pl, step_fn=step_fn,
+      _init=steps.partition(lambda: train_state.create(canonical_model, tx,
+                                                       jax.random.key(tp.seed), init_batch),
+                            mesh, (), canonical_split),
+      _finish=steps.partition(finish, last_mesh, (P(), P(), P(), P(), P()), P()),
+      _sum=steps.partition(_sum_metrics, last_mesh, (P(),), P()),
+      _to_canonical=steps.partition(to_canonical, mesh, (live_split,), canonical_split),
+      _from_canonical=steps.partition(from_canonical, mesh, (canonical_split,), live_split))
