@@ -101,15 +101,17 @@ class NonFiniteGuard(Hook):
   def after_step(self, step, state, last):
     # A step's metrics describe the params it started from; the state it leaves behind is
     # checked here, right before the Checkpoints hook would save it.
-    if (last or self.saves(step)) and not bool(_all_finite(state)):
+    if (last or self.saves(step)) and not _all_finite(state):
       raise TrainingError(non_finite_message(
           step, {"updated train state": "not finite"}, self.task, self.last_good()))
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                            if jnp.issubdtype(x.dtype, jnp.inexact)] or [jnp.bool_(True)]))
+def _all_finite(tree) -> bool:
+  """Every float leaf finite. One reduction per leaf (an MPMD state's leaves live on different
+  submeshes, so no single program can see them all), then one host sync."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return all(bool(c) for c in jax.device_get(checks))
 
 
 def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | None) -> str:

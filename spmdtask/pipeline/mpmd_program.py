@@ -103,6 +103,12 @@ class MpmdProgram:
 
   # ---- the Program interface ------------------------------------------------------------
 
+  @property
+  def layout(self) -> StateLayout:
+    """The live layer-group tree, as if split over every device (for summaries and plans;
+    each stage really holds only its own groups, on its submesh)."""
+    return self.live
+
   def init(self) -> MpmdState:
     """The canonical fresh state (the same values as every other strategy's), placed."""
     return self.from_canonical(self._init())
