@@ -162,7 +162,8 @@ def _split_scan(e, ni: list, nw: list):
 
   def eqn(invars_outer, outvars_outer, b_in, b_out, eqns, num_consts, num_carry):
     b = jcore.Jaxpr(body.constvars, b_in, b_out, eqns,
-                    effects=frozenset().union(*(q.effects for q in eqns)))
+                    effects=frozenset().union(*(q.effects for q in eqns)),
+                    debug_info=body.debug_info.with_unknown_names())
     params = {**p, "jaxpr": jcore.ClosedJaxpr(b, closed.consts), "num_consts": num_consts,
               "num_carry": num_carry}
     if "linear" in p:
@@ -211,7 +212,8 @@ def split(bwd: Callable, *avals, weight_outputs: Sequence[bool]) -> SplitBackwar
 
   def closed(invars, outvars, eqns):
     j = jcore.Jaxpr(jaxpr.constvars, invars, outvars, eqns,
-                    effects=frozenset().union(*(q.effects for q in eqns)))
+                    effects=frozenset().union(*(q.effects for q in eqns)),
+                    debug_info=jaxpr.debug_info.with_unknown_names())
     return jcore.ClosedJaxpr(j, flat.consts)
 
   input_grad = closed(jaxpr.invars, [v for v, w in zip(jaxpr.outvars, weight) if not w] + stash,
