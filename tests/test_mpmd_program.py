@@ -1,6 +1,7 @@
 """Tests for spmdtask.pipeline.mpmd_program (and MpmdConfig, the LayerStack's MPMD layer groups):
 lm.TinyLmMpmd through the production loop on 8 devices (two submeshes of different shapes)
-trains with the losses and final params of lm.TinyLm on one device; GPipe and 1F1B agree;
+trains with the losses and final params of lm.TinyLm on one device; GPipe, 1F1B, ZB-H1 and
+interleaved 1F1B agree; I + W compiled FLOPs equal B's on the LM stages;
 the tied variant matches; checkpoints cross between MPMD and lm.TinyLm both ways on the same
 loss curve; the executor's peak residual sets are GPipe's M and 1F1B's S - s; bad configs
 raise ConfigError naming the field."""
@@ -51,6 +52,42 @@ def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
                                           overrides=["task.pipeline.schedule='gpipe'"])
   assert program.last_peak_residuals == (4, 4)  # GPipe: M
   np.testing.assert_allclose(gpipe, losses[:3], rtol=1e-6)
+
+
+def _train_program(overrides, steps=3):
+  """(losses, canonical params, program, state) of lm.TinyLmMpmd's program driven step by
+  step on its train batches (the schedule is the only difference between callers)."""
+  run = util.build_run("lm.TinyLmMpmd", list(overrides))
+  inputs = run.datasets["train"]
+  program = program_lib.setup(run.task, inputs.batch_at(0))
+  state, losses = program.init(), []
+  for i in range(steps):
+    state, metrics = program.train(state, program.global_batch(inputs.batch_at(i)))
+    losses.append(float(metrics["loss"]))
+  params = jax.device_get(program.to_canonical(state).params)
+  return np.asarray(losses), params, program, state
+
+
+def test_zb_h1_and_interleaved_equal_1f1b():
+  """Through the product: ZB-H1 (I/W split backward) and interleaved 1F1B (2 chunks per
+  stage) train with 1F1B's losses and params; on the LM stages compiled FLOPs of I + W
+  stay within 1.05x of the fused backward B."""
+  want, want_params, _, _ = _train_program(())
+  zb, params, program, state = _train_program(("task.pipeline.schedule='zb_h1'",))
+  np.testing.assert_allclose(zb, want, rtol=1e-5)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  assert program.last_peak_residuals == (2, 1)  # released at I: 1F1B's S - s
+  batch = program.global_batch(util.build_run("lm.TinyLmMpmd").datasets["train"].batch_at(0))
+  flops = program.pipeline.backward_flops([st.params for st in state.stages], batch)
+  assert sorted(flops) == [0, 1]
+  for b, i, w in flops.values():
+    assert 0.2 * b < w and i + w <= 1.05 * b, (b, i, w)
+  interleaved, params, program, _ = _train_program((
+      "task.pipeline.schedule='interleaved_1f1b'", "task.pipeline.num_chunks=2",
+      "task.pipeline.layer_cuts=(1, 2, 3)"))
+  assert program.pipeline.part_stage == [0, 1, 0, 1]
+  np.testing.assert_allclose(interleaved, want, rtol=1e-5)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
 
 
 def test_tied_embeddings_match_one_device():

@@ -10,6 +10,10 @@ Product (--product): `program.train` of lm.TinyLmMpmd (1F1B; 2 stages on 2x1x2 a
 of one 2x2x1x2 mesh), same model, data and microbatches, the two steps interleaved in
 one run; with the MPMD host dispatch per step (time for `train` to return).
 
+Zero-bubble split (--split_flops): compiled FLOPs (cost_analysis) of the fused backward B
+against I + W of the ZB-H1 executor, per part, for the toy model and for lm.TinyLmMpmd's
+LM stages; the ratio (I + W) / B shows W reuses I's stash instead of recomputing.
+
   python tools/bench_mpmd.py [--width=512] [--layers=8] [--microbatches=8] [--steps=10]
                              [--product] [--product_steps=20] [--product_set=...]
 """
@@ -35,6 +39,7 @@ _ROWS = flags.DEFINE_integer("rows", 32, "rows per microbatch")
 _STEPS = flags.DEFINE_integer("steps", 10, "timed steps")
 _PRODUCT = flags.DEFINE_bool("product", True, "also compare lm.TinyLmMpmd with lm.TinyLmPipeline")
 _PRODUCT_STEPS = flags.DEFINE_integer("product_steps", 20, "timed steps of each product program")
+_SPLIT = flags.DEFINE_bool("split_flops", True, "print I + W vs B compiled FLOPs (ZB-H1)")
 _OVERRIDES = flags.DEFINE_multi_string("product_set", [], "fdl_set-style overrides for both "
                                          "product experiments")
 
@@ -130,8 +135,40 @@ def product():
         "of the step")
 
 
+def print_split_flops(name, pipeline, stage_params, batch):
+  for part, (b, i, w) in sorted(pipeline.backward_flops(stage_params, batch).items()):
+    print(f"{name:14s} part {part}: B {b:14,.0f}  I {i:14,.0f}  W {w:14,.0f}  "
+          f"(I + W) / B {(i + w) / b:6.3f}")
+
+
+def split_flops():
+  """Compiled FLOPs of B vs I + W (zero-bubble split) on the toy and on lm.TinyLmMpmd."""
+  d, L, M, r = _WIDTH.value, _LAYERS.value, _MICRO.value, _ROWS.value
+  keys = jax.random.split(jax.random.key(0), L + 2)
+  params = {"layers": [jax.random.normal(k, (d, d)) / np.sqrt(d) for k in keys[:L]]}
+  batch = {"x": np.asarray(jax.random.normal(keys[L], (M * r, d))),
+           "y": np.asarray(jax.random.normal(keys[L + 1], (M * r, d)))}
+  devs = np.asarray(jax.devices())
+  specs = [mpmd.StageSpec(Mesh(devices.reshape(4, 1), ("data", "model"),
+                               axis_types=(AxisType.Auto,) * 2), None,
+                          {"x": P("data"), "y": P("data")}, P("data"))
+           for devices in (devs[:4], devs[4:])]
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((r, d), x.dtype), batch)
+  pl = mpmd.Pipeline(loss_fn, params, micro, specs, generators.zb_h1(2, M))
+  print("\nzero-bubble split, compiled FLOPs per microbatch")
+  print_split_flops("toy", pl, pl.place(params), batch)
+  run = bench_common.build("lm.TinyLmMpmd", _OVERRIDES.value + ["task.pipeline.schedule='zb_h1'"])
+  inputs = run.datasets["train"]
+  program = program_lib.setup(run.task, inputs.batch_at(0))
+  state = program.init()
+  print_split_flops("lm.TinyLmMpmd", program.pipeline, [st.params for st in state.stages],
+                    program.global_batch(inputs.batch_at(0)))
+
+
 def run_all(argv):
   main(argv)
+  if _SPLIT.value:
+    split_flops()
   if _PRODUCT.value:
     product()
 

@@ -15,6 +15,18 @@ asynchronously (no host sync inside a step):
              sharding of every part that consumes it (directly, producer -> consumer)
     B(m, c): grad_acc, d_in = bwd(res.pop(m, c), sum of d_outgoing from its consumers,
              grad_acc); device_put each d_in back to its producer's sharding
+    I(m, c): d_in, stash[m, c] = input_grad(res.pop(m, c), d_outgoing); send d_in as B
+    W(m, c): grad_acc = weight_grad(stash.pop(m, c), grad_acc)     acc donated
+
+I and W (zero-bubble schedules such as zb_h1) are B cut in two by `backward_split`: I
+computes only what the input cotangents need and stashes the per-layer output cotangents
+(with the layer inputs W reads from the residuals); W turns them into weight grads without
+recomputing anything, so FLOPs(I) + FLOPs(W) = FLOPs(B).
+
+Memory, counted as `simulate` counts it: F(m, c) makes one activation set (residuals) and
+B or I releases it (`RunResult.peak_residuals`); I to W holds the smaller weight-grad stash
+(`peak_stash`). A chunk's set counts 1 here and 1/v in simulate's units
+(`RunResult.peak_activations`, `peak_weight_grad_stash` convert).
 
 Loss: `loss_fn` returns microbatch m's loss (or `(loss, aux)` with has_aux); the step loss
 is `sum_m w[m] * loss_m` with `w = 1/M` by default, so a per-example-mean loss over equal
@@ -28,15 +40,18 @@ the first stage, sent back), so identical updates keep the copies identical. Lea
 part uses go to stage 0 (zero gradient; weight decay still applies).
 """
 import dataclasses
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import steps
 from spmdtask.errors import ConfigError
+from spmdtask.pipeline import backward_split
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline import schedule as schedule_lib
 from spmdtask.pipeline.schedule import Schedule
@@ -95,6 +110,11 @@ class Part:
   int_out: tuple[int, ...]
   fwd: steps.Partitioned
   bwd: steps.Partitioned
+  # The backward split for I/W actions (None unless the schedule splits this part):
+  # input_grad(res, cot) -> (d_incoming, stash); weight_grad(kept, stash, acc) -> acc + d.
+  input_grad: steps.Partitioned | None = None
+  weight_grad: steps.Partitioned | None = None
+  kept: tuple[int, ...] = ()  # what W reads of (residual leaves + cotangents), by index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +123,20 @@ class RunResult:
   loss: jax.Array  # scalar on the last stage
   grads: tuple[dict, ...]  # per stage {path: grad}, tied copies summed
   aux: tuple  # per microbatch, the loss_fn's aux (has_aux) on the last stage
-  peak_residuals: tuple[int, ...]  # per stage, most (microbatch, chunk) residual sets alive
+  peak_residuals: tuple[int, ...]  # per stage, most (microbatch, chunk) activation sets alive
+  peak_stash: tuple[int, ...]  # per stage, most (microbatch, chunk) W stashes alive (I to W)
+  num_chunks: int = 1
+
+  @property
+  def peak_activations(self) -> tuple[Fraction, ...]:
+    """peak_residuals in `simulate`'s units (a chunk's set counts 1/v): equal to
+    `simulate.simulate(schedule, costs).peak_activations` for the schedule that ran."""
+    return tuple(Fraction(n, self.num_chunks) for n in self.peak_residuals)
+
+  @property
+  def peak_weight_grad_stash(self) -> tuple[Fraction, ...]:
+    """peak_stash in `simulate`'s units, its `peak_weight_grad_stash`."""
+    return tuple(Fraction(n, self.num_chunks) for n in self.peak_stash)
 
 
 def _is_float(aval) -> bool:
@@ -138,6 +171,11 @@ class Pipeline:
     self.values = self.staged.values
     self.part_stage = [schedule.owner(v)[0] for v in range(S * V)]
     self.stage_keys = self._stage_keys()
+    M = schedule.num_microbatches
+    self._batch_avals = [jax.ShapeDtypeStruct((M, *x.shape), x.dtype)
+                         for x in jax.tree.leaves(microbatch)]
+    self._split_parts = {schedule.virtual_stage(s, a.chunk)
+                         for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
     self.parts = tuple(self._build_part(v) for v in range(S * V))
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
@@ -218,13 +256,21 @@ class Pipeline:
       return tuple(jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, sp))
                    for x, sp in zip(xs, act(ids)))
 
+    split_progs = {}
+    if v in self._split_parts:
+      args = ([self.param_shapes[i] for i in pleaves], [self._batch_avals[j] for j in bleaves],
+              jax.ShapeDtypeStruct((), jnp.int32), [aval(i) for i in float_in],
+              [aval(i) for i in int_in])
+      split_progs = _split_backward(fwd, bwd, args,
+                                    (lambda c: c) if last else lambda c: constrain(c, float_out),
+                                    spec.mesh, pspecs, act(float_in))
     out_specs = (((P(),), None, None) if last else
                  (act(float_out), None, act(int_out)))
     fwd_p = steps.partition(fwd, spec.mesh, (pspecs, bspecs, P(), None, None), out_specs)
     bwd_p = steps.partition(bwd_acc, spec.mesh, (None, (P(),) if last else None, pspecs),
                             (pspecs, act(float_in)), donate_argnums=(2,))
     return Part(v, s, tuple(self.paths[i] for i in pleaves), bleaves, float_in, int_in,
-                float_out, int_out, fwd_p, bwd_p)
+                float_out, int_out, fwd_p, bwd_p, **split_progs)
 
   # ---- placing params -------------------------------------------------------------------
 
@@ -276,17 +322,22 @@ class Pipeline:
         weights, NamedSharding(self._last_mesh, P()))
     seeds = self._seeds(w)
     acc = [dict(zip(self.stage_keys[s], self._zeros[s]())) for s in range(S)]
-    inbox, cots, res = {}, {}, {}
+    inbox, cots, res, stash = {}, {}, {}, {}
     losses, aux = [None] * M, [None] * M
-    live, peak = [0] * S, [0] * S
+    live, peak, stashed, peak_stash = [0] * S, [0] * S, [0] * S, [0] * S
     for s, a in self.order:
       part = self.parts[self.schedule.virtual_stage(s, a.chunk)]
       m = a.microbatch
+      grads = lambda: tuple(acc[s][k] for k in part.param_keys)
       if a.kind == "F":
         res[part.index, m] = self._forward(part, m, stage_params, batches, inbox, losses, aux)
         live[s] += 1
         peak[s] = max(peak[s], live[s])
-      else:
+      elif a.kind == "W":
+        kept, st = stash.pop((part.index, m))
+        stashed[s] -= 1
+        acc[s].update(zip(part.param_keys, part.weight_grad(kept, st, grads())))
+      else:  # B or I: the activation set is released here (what W needs is in its stash)
         r = res.pop((part.index, m))
         live[s] -= 1
         if part.index == len(self.parts) - 1:
@@ -294,8 +345,15 @@ class Pipeline:
         else:
           got = cots.pop((part.index, m))
           cot = tuple(got[i] for i in part.float_out)
-        new, d_in = part.bwd(r, cot, tuple(acc[s][k] for k in part.param_keys))
-        acc[s].update(zip(part.param_keys, new))
+        if a.kind == "B":
+          new, d_in = part.bwd(r, cot, grads())
+          acc[s].update(zip(part.param_keys, new))
+        else:
+          d_in, st = part.input_grad(r, cot)
+          inputs = jax.tree.leaves(r) + list(cot)
+          stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
+          stashed[s] += 1
+          peak_stash[s] = max(peak_stash[s], stashed[s])
         for i, g in zip(part.float_in, d_in):
           src = self.parts[self.values[i].producer]
           g = self._send(g, src.stage)
@@ -304,7 +362,8 @@ class Pipeline:
             g = box[i] + jax.device_put(g, box[i].sharding)
           box[i] = g
     self._sum_tied(acc)
-    return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak))
+    return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak),
+                     tuple(peak_stash), self.schedule.num_chunks)
 
   def _forward(self, part: Part, m: int, stage_params, batches, inbox, losses, aux):
     """Runs F(m) of `part`, sends its outputs on; the last part's loss and aux go to
@@ -337,6 +396,34 @@ class Pipeline:
         self._forward(part, m, stage_params, batches, inbox, losses, aux)
     return tuple(losses), tuple(aux)
 
+  def backward_flops(self, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
+    """Compiled FLOPs (`cost_analysis`) of B, I and W, per part the schedule splits:
+    {part: (B, I, W)}, lowered on microbatch 0's residuals and zero cotangents. With
+    nothing recomputed, I + W equals B up to XLA's fusion choices."""
+    batches = self._stage_batches(batch)
+    inbox, res, flops = {}, {}, {}
+    for part in self.parts:
+      res[part.index] = self._forward(part, 0, stage_params, batches, inbox, [None], [None])
+    count = lambda prog, *args: prog.lower(*args).compile().cost_analysis().get("flops", 0.0)
+    for part in self.parts:
+      if part.input_grad is None:
+        continue
+      mesh = self.stages[part.stage].mesh
+      avals = ([self._seeds.jitted.eval_shape(self._uniform)[0]]
+               if part.index == len(self.parts) - 1 else
+               [self.values[i].aval for i in part.float_out])
+      cot = tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(
+          mesh, self.stages[part.stage].spec_for(a))) for a in avals)
+      acc = tuple(jax.device_put(jnp.zeros_like(stage_params[part.stage][k]),
+                                 self.sharding(part.stage, k)) for k in part.param_keys)
+      r = res[part.index]
+      _, stash = part.input_grad(r, cot)
+      inputs = jax.tree.leaves(r) + list(cot)
+      kept = tuple(inputs[i] for i in part.kept)
+      flops[part.index] = (count(part.bwd, r, cot, acc), count(part.input_grad, r, cot),
+                           count(part.weight_grad, kept, stash, acc))
+    return flops
+
   def _send(self, x: jax.Array, stage: int) -> jax.Array:
     """x (on its producer's submesh) -> the devices of `stage`, asynchronously.
 
@@ -368,6 +455,39 @@ class Pipeline:
         acc[s][k] = jax.device_put(total, self.sharding(s, k))
 
 
+def _split_backward(fwd, bwd, args, constrain, mesh, pspecs, in_specs) -> dict:
+  """Part fields input_grad, weight_grad, kept: `bwd` cut by `backward_split` so that W
+  turns I's stashed per-layer cotangents (and the layer inputs it keeps from the
+  residuals) into weight grads, with no recomputation: FLOPs(I) + FLOPs(W) = FLOPs(B)."""
+  res = jax.eval_shape(lambda *a: fwd(*a)[1], *args)
+  res_avals, res_tree = jax.tree.flatten(res)
+  n_res = len(res_avals)
+  outs = jax.eval_shape(lambda *a: fwd(*a)[0], *args)
+  num_params, num_in = len(args[0]), len(args[3])
+
+  def flat_bwd(*flat):
+    d_params, d_in = bwd(jax.tree.unflatten(res_tree, flat[:n_res]), tuple(flat[n_res:]))
+    return [*d_params, *d_in]
+
+  sb = backward_split.split(flat_bwd, *res_avals, *jax.tree.leaves(outs),
+                            weight_outputs=[True] * num_params + [False] * num_in)
+  run_i = jcore.jaxpr_as_fun(sb.input_grad)
+  run_w = jcore.jaxpr_as_fun(sb.weight_grad)
+
+  def input_grad(r, cot):
+    outs = run_i(*jax.tree.leaves(r), *constrain(cot))
+    return tuple(outs[:num_in]), tuple(outs[num_in:])
+
+  def weight_grad(kept, stash, acc):
+    return tuple(a + g for a, g in zip(acc, run_w(*kept, *stash)))
+
+  return {"input_grad": steps.partition(input_grad, mesh, (None, None),
+                                        (in_specs, None)),
+          "weight_grad": steps.partition(weight_grad, mesh, (None, None, pspecs), pspecs,
+                                         donate_argnums=(2,)),
+          "kept": sb.kept}
+
+
 def _check_meshes(stages: Sequence[StageSpec], num_stages: int) -> None:
   if len(stages) != num_stages:
     raise ConfigError(f"{len(stages)} stage specs (submeshes) for a schedule of {num_stages} "
@@ -385,31 +505,26 @@ def _linearize(schedule: Schedule, parts: Sequence[Part], values) -> list:
   """One dispatch order for all stages: each stage's list in order, cross-stage deps held.
 
   F(m) of a part needs F(m) of every part it receives from; B(m) needs its own F(m) and
-  B(m) of every part that receives a differentiable value from it. Raises ConfigError for a
-  schedule that breaks a rule of `schedule.validate` or has I/W actions.
+  B(m) (or I(m)) of every part that receives a differentiable value from it; W(m) needs its
+  own I(m). Raises ConfigError for a schedule that breaks a rule of `schedule.validate`.
   """
   schedule_lib.validate(schedule, "the pipeline's schedule")
-  S, M, V = schedule.num_stages, schedule.num_microbatches, schedule.num_chunks
-  for s, acts in enumerate(schedule.actions):
-    split_bwd = [a for a in acts if a.kind not in ("F", "B")]
-    if split_bwd:
-      raise ConfigError(f"Schedule stage {s} has action {split_bwd[0]}: this executor runs F "
-                        "and B actions only (the I/W backward split is not supported yet); "
-                        "use a schedule without I/W, e.g. 1f1b instead of zb_h1.")
+  S = schedule.num_stages
   f_from = {p.index: {values[i].producer for i in p.float_in + p.int_in} for p in parts}
   b_from = {p.index: {c for i in p.float_out for c in values[i].consumers} for p in parts}
   done, ptr, order = set(), [0] * S, []
-  while len(order) < 2 * M * V * S:
+  while len(order) < sum(map(len, schedule.actions)):
     moved = False
     for s in range(S):
       while ptr[s] < len(schedule.actions[s]):
         a = schedule.actions[s][ptr[s]]
         v = schedule.virtual_stage(s, a.chunk)
         need = ({("F", u, a.microbatch) for u in f_from[v]} if a.kind == "F" else
+                {("B", v, a.microbatch)} if a.kind == "W" else
                 {("F", v, a.microbatch)} | {("B", u, a.microbatch) for u in b_from[v]})
         if not need <= done:
           break
-        done.add((a.kind, v, a.microbatch))
+        done.add(("B" if a.kind == "I" else a.kind, v, a.microbatch))  # I: grads sent on
         order.append((s, a))
         ptr[s] += 1
         moved = True

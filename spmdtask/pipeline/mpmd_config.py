@@ -36,7 +36,7 @@ class MpmdConfig:
       stages x num_chunks.
     submesh_shapes: one mesh shape per stage over task.mesh_axis_names (stages may
       differ); their device counts must add up to the job's devices.
-    schedule: a schedule generator name: gpipe, 1f1b or interleaved_1f1b.
+    schedule: a schedule generator name: gpipe, 1f1b, interleaved_1f1b or zb_h1.
     num_microbatches: M; the global batch splits into M equal microbatches.
     num_chunks: parts per stage (interleaved_1f1b); 1 otherwise.
   """
