@@ -101,15 +101,26 @@ class NonFiniteGuard(Hook):
   def after_step(self, step, state, last):
     # A step's metrics describe the params it started from; the state it leaves behind is
     # checked here, right before the Checkpoints hook would save it.
-    if (last or self.saves(step)) and not bool(_all_finite(state)):
+    if (last or self.saves(step)) and not _all_finite(state):
       raise TrainingError(non_finite_message(
           step, {"updated train state": "not finite"}, self.task, self.last_good()))
 
 
+def _all_finite(tree) -> bool:
+  """Every floating leaf finite. Leaves are checked per device set: an MPMD state lives on
+  several submeshes, and one program cannot take arrays from different devices. (With
+  several MPMD processes each checks the stages it holds; the loss and gradient norm,
+  checked on every process, catch a divergence first.)"""
+  groups = {}
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault(frozenset(x.sharding.device_set), []).append(x)
+  return all(bool(_finite(xs)) for xs in groups.values())
+
+
 @jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-                            if jnp.issubdtype(x.dtype, jnp.inexact)] or [jnp.bool_(True)]))
+def _finite(xs) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
 
 def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | None) -> str:
