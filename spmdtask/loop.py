@@ -107,11 +107,20 @@ class NonFiniteGuard(Hook):
 
 
 def _all_finite(tree) -> bool:
-  """Every float leaf finite. One reduction per leaf (an MPMD state's leaves live on different
-  submeshes, so no single program can see them all), then one host sync."""
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return all(bool(c) for c in jax.device_get(checks))
+  """Every floating leaf finite. Leaves are checked per device set: an MPMD state lives on
+  several submeshes, and one program cannot take arrays from different devices. (With
+  several MPMD processes each checks the stages it holds; the loss and gradient norm,
+  checked on every process, catch a divergence first.)"""
+  groups = {}
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault(frozenset(x.sharding.device_set), []).append(x)
+  return all(bool(_finite(xs)) for xs in groups.values())
+
+
+@jax.jit
+def _finite(xs) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
 
 def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | None) -> str:

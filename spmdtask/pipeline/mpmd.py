@@ -38,6 +38,12 @@ params tree) holding the leaves its parts use; a leaf used by several stages (ti
 copy on each, and `run` returns each copy's gradient summed over all of them (summed on
 the first stage, sent back), so identical updates keep the copies identical. Leaves no
 part uses go to stage 0 (zero gradient; weight decay still applies).
+
+Several processes: each stage's submesh lies in one process, which alone runs its
+programs; every process walks the same `order`, and a value (or cotangent) whose producer
+and consumer stages sit in different processes crosses with a collective both call at
+that point (mpmd_cross.Cross.move). Results then exist only where their stage does: `run`
+gives None for the loss, aux and grads of stages this process does not own.
 """
 import dataclasses
 from fractions import Fraction
@@ -52,6 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spmdtask import steps
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import backward_split
+from spmdtask.pipeline import mpmd_cross
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline import schedule as schedule_lib
 from spmdtask.pipeline.schedule import Schedule
@@ -151,6 +158,8 @@ class Pipeline:
     self.stages, self.schedule, self.has_aux = tuple(stages), schedule, has_aux
     S, V = schedule.num_stages, schedule.num_chunks
     _check_meshes(self.stages, S)
+    self.cross = mpmd_cross.Cross([st.mesh for st in self.stages])
+    local = self.cross.local
     self.staged = split_lib.split(loss_fn, params, microbatch)
     if self.staged.num_stages != S * V:
       raise ConfigError(
@@ -180,6 +189,9 @@ class Pipeline:
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
     self.order = _linearize(schedule, self.parts, self.values)
+    for v in self.values.values():
+      for c in v.consumers:
+        self.cross.check_pair(self.part_stage[v.producer], self.part_stage[c])
     self._zeros = [self._zeros_program(s) for s in range(S)]
     out_shapes = jax.eval_shape(loss_fn, params, microbatch)
     self.aux_tree = jax.tree.structure(out_shapes[1]) if has_aux else None
@@ -189,14 +201,14 @@ class Pipeline:
     self._combine = steps.partition(lambda ls, w: jnp.sum(jnp.stack(ls) * w), stages[last].mesh,
                                     (None, P()), P())
     M = schedule.num_microbatches
-    self._uniform = jax.device_put(np.full((M,), 1.0 / M, np.float32),
-                                   NamedSharding(self._last_mesh, P()))
+    self._uniform = jax.device_put(np.full((M,), 1.0 / M, np.float32), NamedSharding(
+        self._last_mesh, P())) if local[last] else None
     self._seeds = steps.partition(lambda w: tuple(w[m].astype(loss_dtype) for m in range(M)),
                                   self._last_mesh,
                                   (P(),), P())
     self._mirrors = {}
     self._mb_index = [[jax.device_put(np.int32(m), NamedSharding(st.mesh, P()))
-                       for m in range(M)] for st in stages]
+                       for m in range(M)] if local[s] else None for s, st in enumerate(stages)]
 
   # ---- building -------------------------------------------------------------------------
 
@@ -278,13 +290,13 @@ class Pipeline:
     """Full params tree -> per stage {path: array on the stage's submesh}."""
     flat = dict(zip(self.paths, jax.tree.leaves(params)))
     return tuple({k: jax.device_put(flat[k], self.sharding(s, k)) for k in keys}
-                 for s, keys in enumerate(self.stage_keys))
+                 if self.cross.local[s] else None for s, keys in enumerate(self.stage_keys))
 
   def gather(self, stage_params: Sequence[dict]):
     """Per-stage params -> the full params tree (a tied leaf from its first stage)."""
     first = {}
     for sp in stage_params:
-      for k, x in sp.items():
+      for k, x in (sp or {}).items():
         first.setdefault(k, x)
     return jax.tree.unflatten(self.params_tree, [first[k] for k in self.paths])
 
@@ -308,7 +320,7 @@ class Pipeline:
     out = [dict() for _ in self.stages]
     for part in self.parts:
       s = part.stage
-      for j in part.batch_leaves:
+      for j in part.batch_leaves if self.cross.local[s] else ():
         if j not in out[s]:
           out[s][j] = jax.device_put(stacked[j], NamedSharding(
               self.stages[s].mesh, P(None, *self.batch_specs[s][j])))
@@ -317,11 +329,15 @@ class Pipeline:
   def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
     """Forward and backward of every microbatch, in schedule order (module doc)."""
     S, M = self.schedule.num_stages, self.schedule.num_microbatches
+    local, last = self.cross.local, self.part_stage[-1]
     batches = self._stage_batches(batch)
-    w = self._uniform if weights is None else jax.device_put(
-        weights, NamedSharding(self._last_mesh, P()))
-    seeds = self._seeds(w)
-    acc = [dict(zip(self.stage_keys[s], self._zeros[s]())) for s in range(S)]
+    w = seeds = None
+    if local[last]:
+      w = self._uniform if weights is None else jax.device_put(
+          weights, NamedSharding(self._last_mesh, P()))
+      seeds = self._seeds(w)
+    acc = [dict(zip(self.stage_keys[s], self._zeros[s]())) if local[s] else None
+           for s in range(S)]
     inbox, cots, res, stash = {}, {}, {}, {}
     losses, aux = [None] * M, [None] * M
     live, peak, stashed, peak_stash = [0] * S, [0] * S, [0] * S, [0] * S
@@ -334,9 +350,17 @@ class Pipeline:
         live[s] += 1
         peak[s] = max(peak[s], live[s])
       elif a.kind == "W":
-        kept, st = stash.pop((part.index, m))
         stashed[s] -= 1
-        acc[s].update(zip(part.param_keys, part.weight_grad(kept, st, grads())))
+        if local[s]:
+          kept, st = stash.pop((part.index, m))
+          acc[s].update(zip(part.param_keys, part.weight_grad(kept, st, grads())))
+      elif not local[s]:  # another process runs it: take the cotangents this one needs
+        res.pop((part.index, m))
+        live[s] -= 1
+        if a.kind == "I":
+          stashed[s] += 1
+          peak_stash[s] = max(peak_stash[s], stashed[s])
+        self._send_cotangents(part, m, (None,) * len(part.float_in), cots)
       else:  # B or I: the activation set is released here (what W needs is in its stash)
         r = res.pop((part.index, m))
         live[s] -= 1
@@ -354,22 +378,36 @@ class Pipeline:
           stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
           stashed[s] += 1
           peak_stash[s] = max(peak_stash[s], stashed[s])
-        for i, g in zip(part.float_in, d_in):
-          src = self.parts[self.values[i].producer]
-          g = self._send(g, src.stage)
-          box = cots.setdefault((src.index, m), {})
-          if i in box:  # a value sent to several parts: its cotangents add up
-            g = box[i] + jax.device_put(g, box[i].sharding)
-          box[i] = g
+        self._send_cotangents(part, m, d_in, cots)
     self._sum_tied(acc)
+    chunks = self.schedule.num_chunks
+    if not local[last]:
+      return RunResult(None, tuple(acc), None, tuple(peak), tuple(peak_stash), chunks)
     return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak),
-                     tuple(peak_stash), self.schedule.num_chunks)
+                     tuple(peak_stash), chunks)
+
+  def _send_cotangents(self, part: Part, m: int, d_in, cots) -> None:
+    """B(m) of `part` made d_in (None where another process ran it): each goes to the
+    part that produced the value; cotangents of a value sent to several parts add up."""
+    for i, g in zip(part.float_in, d_in):
+      src = self.parts[self.values[i].producer]
+      g = self._send(g, i, part.stage, src.stage)
+      if g is None:
+        continue
+      box = cots.setdefault((src.index, m), {})
+      if i in box:
+        g = box[i] + jax.device_put(g, box[i].sharding)
+      box[i] = g
 
   def _forward(self, part: Part, m: int, stage_params, batches, inbox, losses, aux):
     """Runs F(m) of `part`, sends its outputs on; the last part's loss and aux go to
     losses[m], aux[m]. Returns the residuals."""
     s = part.stage
     box = inbox.pop((part.index, m), {})
+    if not self.cross.local[s]:  # another process runs it: receive what this one needs
+      if part.index < len(self.parts) - 1:
+        self._send_outputs(part, m, (None,) * len(part.float_out + part.int_out), inbox)
+      return None
     outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
                               tuple(batches[s][j] for j in part.batch_leaves),
                               self._mb_index[s][m], tuple(box[i] for i in part.float_in),
@@ -378,10 +416,16 @@ class Pipeline:
       losses[m] = outs[0]
       aux[m] = jax.tree.unflatten(self.aux_tree, other) if self.has_aux else None
       return r
-    for i, x in zip(part.float_out + part.int_out, outs + other):
-      for c in self.values[i].consumers:
-        inbox.setdefault((c, m), {})[i] = self._send(x, self.parts[c].stage)
+    self._send_outputs(part, m, outs + other, inbox)
     return r
+
+  def _send_outputs(self, part: Part, m: int, outs, inbox) -> None:
+    """F(m) of `part` made `outs` (None where another process ran it): to every consumer."""
+    for i, x in zip(part.float_out + part.int_out, outs):
+      for c in self.values[i].consumers:
+        y = self._send(x, i, part.stage, self.parts[c].stage)
+        if y is not None:
+          inbox.setdefault((c, m), {})[i] = y
 
   def forward(self, stage_params: Sequence[dict], batch) -> tuple[tuple, tuple]:
     """Forward only (e.g. eval): per microbatch, the loss and aux on the last stage.
@@ -424,8 +468,11 @@ class Pipeline:
                            count(part.weight_grad, kept, stash, acc))
     return flops
 
-  def _send(self, x: jax.Array, stage: int) -> jax.Array:
-    """x (on its producer's submesh) -> the devices of `stage`, asynchronously.
+  def _send(self, x: jax.Array | None, value: int, src: int, stage: int) -> jax.Array | None:
+    """x (value `value` on stage src's submesh) -> the devices of `stage`, asynchronously.
+
+    Across processes: a collective both call (mpmd_cross.Cross.move), x's layout kept; the
+    result only where `stage` is local, else None.
 
     With equal device counts the copy keeps x's layout: the destination devices arranged as
     x's mesh, same PartitionSpec, so every shard is a device-to-device copy; the receiving
@@ -433,6 +480,9 @@ class Pipeline:
     whose shards x does not have goes through the host in jax 0.10 and blocks until x is
     ready.) Different device counts fall back to that device_put.
     """
+    if not (self.cross.local[src] and self.cross.local[stage]):
+      aval = self.values[value].aval
+      return self.cross.move(x, aval, self.stages[src].spec_for(aval), src, stage)
     dst = self.stages[stage]
     src = x.sharding
     if not isinstance(src, NamedSharding) or src.mesh.size != dst.mesh.size:
@@ -443,16 +493,25 @@ class Pipeline:
                                 src.mesh.axis_names, axis_types=src.mesh.axis_types)
     return jax.device_put(x, NamedSharding(self._mirrors[key], src.spec))
 
-  def _sum_tied(self, acc: list[dict]) -> None:
-    """Each tied copy's gradient becomes the sum over the stages holding the leaf."""
+  def _sum_tied(self, acc: list) -> None:
+    """Each tied copy's gradient becomes the sum over the stages holding the leaf (a
+    non-local stage's acc is None: its copy moves by collective)."""
+    put, local = self.cross.put, self.cross.local
     for k, where in self.tied.items():
       first = where[0]
-      total = acc[first][k]
+      aval = self.param_shapes[self.paths.index(k)]
+      spec = lambda s: self.param_specs[s][self.paths.index(k)]
+      total = acc[first][k] if local[first] else None
       for s in where[1:]:
-        total = total + jax.device_put(acc[s][k], self.sharding(first, k))
-      acc[first][k] = total
+        g = put(acc[s][k] if local[s] else None, aval, s, first, spec(s), spec(first))
+        if g is not None:
+          total = total + g
+      if local[first]:
+        acc[first][k] = total
       for s in where[1:]:
-        acc[s][k] = jax.device_put(total, self.sharding(s, k))
+        g = put(total, aval, first, s, spec(first), spec(s))
+        if g is not None:
+          acc[s][k] = g
 
 
 def _split_backward(fwd, bwd, args, constrain, mesh, pspecs, in_specs) -> dict:

@@ -24,8 +24,15 @@ everything onto `mesh` and converts with the model's `layout_maps` (groups -> `[
 `task.train.make_optimizer()`: its clipping adds an empty state, so its leaves are the
 stages' optimizer's leaves in the same order.
 
-Single process: one Python process drives every submesh (multi-process MPMD is not
-supported yet).
+Processes. One process drives every submesh; with several (`--num_processes`) each owns
+whole stages (their submeshes lie on its devices) and runs only their programs, and the
+arrays between stages cross with collectives (mpmd_cross). Every process then gets the
+same view of what the loop, evaluation and checkpoints read: the global batch (an
+all-gather of the processes' rows: each stage needs every microbatch), the step and the
+metrics (broadcast from the last stage to every device), and the canonical state
+(every stage's state broadcast, then laid out on `mesh`); `from_canonical` replicates the
+canonical state and each process keeps its stages' leaves. These conversions hold a full
+copy of the state per device for a moment; they run at init, save and restore only.
 """
 import dataclasses
 from typing import Any, NamedTuple
@@ -34,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import mesh as mesh_lib
@@ -99,6 +107,7 @@ class MpmdProgram:
   _sum: steps.Partitioned
   _to_canonical: steps.Partitioned
   _from_canonical: steps.Partitioned
+  _shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
   last_peak_residuals: tuple[int, ...] | None = None
 
   # ---- the Program interface ------------------------------------------------------------
@@ -113,19 +122,44 @@ class MpmdProgram:
     """The canonical fresh state (the same values as every other strategy's), placed."""
     return self.from_canonical(self._init())
 
+  @property
+  def layout(self) -> StateLayout:
+    """The state's layout on `mesh` for the start summary (Program.layout): the canonical
+    one, whose logical shapes and bytes are those of the per-stage live state."""
+    return self.canonical
+
+  @property
+  def _last(self) -> int:
+    return self.pipeline.part_stage[-1]
+
   def train(self, state: MpmdState, batch) -> tuple[MpmdState, dict]:
+    cross = self.pipeline.cross
     stages, m = self.step_fn(state.stages, batch)
     self.last_peak_residuals = m["peak_residuals"]
-    step, metrics = self._finish(state.step, m["loss"], m["grad_norm"], m["param_norm"],
-                                 m["aux"])
+    if not cross.multiprocess:
+      step, metrics = self._finish(state.step, m["loss"], m["grad_norm"], m["param_norm"],
+                                   m["aux"])
+      return MpmdState(step, stages), metrics
+    out = None
+    if cross.local[self._last]:
+      out = self._finish(cross.localize(state.step, cross.meshes[self._last]), m["loss"],
+                         m["grad_norm"], m["param_norm"], m["aux"])
+    step, metrics = cross.broadcast(out, self._last, self._shapes["train"])
     return MpmdState(step, stages), metrics
 
   def eval(self, state: MpmdState, batch) -> Metrics:
-    _, aux = self.pipeline.forward([st.params for st in state.stages], batch)
-    return self._sum(aux)
+    cross = self.pipeline.cross
+    _, aux = self.pipeline.forward([st.params if st else None for st in state.stages], batch)
+    if not cross.multiprocess:
+      return self._sum(aux)
+    out = self._sum(aux) if cross.local[self._last] else None
+    return cross.broadcast(out, self._last, self._shapes["eval"])
 
   def global_batch(self, local_batch) -> Any:
-    """Host arrays: the pipeline splits them into microbatches on each stage's submesh."""
+    """Host arrays of the global batch (every process's rows, in process order: each
+    stage needs every microbatch); the pipeline splits them on each stage's submesh."""
+    if jax.process_count() > 1:
+      return multihost_utils.process_allgather(local_batch, tiled=True)
     return jax.tree.map(np.asarray, local_batch)
 
   def canonical_targets(self) -> TrainState:
@@ -142,7 +176,12 @@ class MpmdProgram:
             "canonical": "logical arrays, layers stacked [L, ...]"}
 
   def to_canonical(self, state: MpmdState) -> TrainState:
-    pl = self.pipeline
+    pl, cross = self.pipeline, self.pipeline.cross
+    if cross.multiprocess:  # every stage's state on every device (module doc)
+      here = lambda t: jax.tree.map(lambda x: cross.localize(x, self.mesh), t)
+      state = MpmdState(here(state.step), tuple(
+          here(cross.broadcast(st, s, self._shapes["stages"][s]))
+          for s, st in enumerate(state.stages)))
     params = pl.gather([st.params for st in state.stages])
     per_stage = [_mirrors(self.base_tx, st.opt_state) for st in state.stages]
     subs = []
@@ -160,19 +199,30 @@ class MpmdProgram:
 
   def from_canonical(self, state: TrainState) -> MpmdState:
     live = self._from_canonical(state)
-    pl = self.pipeline
-    placed = pl.place(live.params)
+    pl, cross = self.pipeline, self.pipeline.cross
+    if cross.multiprocess:  # replicated: each process takes its stages' leaves locally
+      live = cross.replicate(live, self.mesh)
+      here = lambda t, s: jax.tree.map(lambda x: cross.localize(x, pl.stages[s].mesh), t)
+    else:
+      here = lambda t, s: t
+    flat = dict(zip(pl.paths, jax.tree.leaves(live.params)))
     subs, others = _mirrors(self.base_tx, live.opt_state)
     flat_subs = [dict(zip(pl.paths, jax.tree.leaves(sub))) for sub in subs]
     stages = []
-    for keys, prog, params, spec in zip(pl.stage_keys, self.step_fn.programs, placed,
-                                        pl.stages):
-      template = jax.eval_shape(self.base_tx.init, {k: params[k] for k in keys})
+    for s, (keys, prog, spec) in enumerate(zip(pl.stage_keys, self.step_fn.programs,
+                                               pl.stages)):
+      if not cross.local[s]:
+        stages.append(None)
+        continue
+      params = {k: jax.device_put(here(flat[k], s), pl.sharding(s, k)) for k in keys}
+      template = jax.eval_shape(self.base_tx.init, params)
       opt = _rebuild(self.base_tx, template, [{k: f[k] for k in keys} for f in flat_subs],
                      others)
       stages.append(StageState(params, jax.device_put(
-          opt, steps.named_shardings(spec.mesh, prog.opt_specs))))
-    step = jax.device_put(live.step, NamedSharding(pl.stages[pl.part_stage[-1]].mesh, P()))
+          here(opt, s), steps.named_shardings(spec.mesh, prog.opt_specs))))
+    if cross.multiprocess:
+      return MpmdState(live.step, tuple(stages))
+    step = jax.device_put(live.step, NamedSharding(pl.stages[self._last].mesh, P()))
     return MpmdState(step, tuple(stages))
 
 
@@ -191,10 +241,6 @@ def _model(task: Task) -> tuple[Model, Model]:
 def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
   """Submeshes, layouts and per-stage programs for `task`; ConfigError on a bad config."""
   config: mpmd_config.MpmdConfig = task.pipeline
-  if jax.process_count() > 1:
-    raise ConfigError("task.pipeline is an MpmdConfig, which runs in one process driving every "
-                      "stage; multi-process MPMD is not supported yet. Run with one process or "
-                      "use the SPMD pipeline (task.pipeline=PipelineConfig(...)).")
   devices = list(devices if devices is not None else jax.devices())
   schedule = mpmd_config.make_schedule(config)
   meshes = mpmd_config.submeshes(config, task.mesh_axis_names, devices)
@@ -251,6 +297,12 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
                       "grad_norm": grad_norm, "param_norm": param_norm,
                       "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)}
 
+  aux = (jax.eval_shape(loss_fn, live.logical.params, micro)[1],) * config.num_microbatches
+  scalar = jax.ShapeDtypeStruct((), jnp.float32)
+  cross_shapes = {"train": jax.eval_shape(finish, canonical.logical.step, scalar, scalar, scalar, aux),
+            "eval": jax.eval_shape(_sum_metrics, aux),
+            "stages": [jax.eval_shape(lambda p: StageState(p, base_tx.init(p)), {
+                k: pl.param_shapes[pl.paths.index(k)] for k in keys}) for keys in pl.stage_keys]}
   maps = model.layout_maps()
   canonical_tree = jax.tree.structure(canonical.logical.opt_state)
   live_tree = jax.tree.structure(live.logical.opt_state)
@@ -271,7 +323,7 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
   return MpmdProgram(
       task=task, model=model, mesh=mesh, tx=tx, base_tx=base_tx, canonical=canonical,
       canonical_split=canonical_split, live=live, live_split=live_split, work=work,
-      config=config, pipeline=pl, step_fn=step_fn,
+      config=config, pipeline=pl, step_fn=step_fn, _shapes=cross_shapes,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),

@@ -68,7 +68,8 @@ class TrainStep:
     last = pl.part_stage[-1]
     self._norm_mesh = pl.stages[last].mesh
     M = pl.schedule.num_microbatches
-    self._ones = jax.device_put(jnp.ones((M,), jnp.float32), NamedSharding(self._norm_mesh, P()))
+    self._ones = jax.device_put(jnp.ones((M,), jnp.float32), NamedSharding(
+        self._norm_mesh, P())) if pl.cross.local[last] else None
 
     def norms(sq, loss, aux):
       """(loss, grad norm, param norm, grad scale) of the normalised step."""
@@ -109,24 +110,35 @@ class TrainStep:
   def init(self, params) -> tuple[StageState, ...]:
     """Full params tree -> per-stage states (params placed, optimizer state initialised)."""
     placed = self.pipeline.place(params)
-    return tuple(StageState(p, prog.init(p)) for p, prog in zip(placed, self.programs))
+    return tuple(StageState(p, prog.init(p)) if p is not None else None
+                 for p, prog in zip(placed, self.programs))
 
   def __call__(self, states: Sequence[StageState], batch, weights=None):
     """One step. Metrics: loss, grad_norm and param_norm (of the params the step started
     from; scalars on the last stage) and peak_residuals (host ints per stage). `weights`
-    as in Pipeline.run (with `loss_weight`: ones unless given)."""
+    as in Pipeline.run (with `loss_weight`: ones unless given).
+
+    With several processes a stage this process does not own has state None and stays
+    None; the norm's parts reach the last stage and the norm goes back by collectives
+    (pipeline.cross), and the scalar metrics are None unless the last stage is local."""
     pl = self.pipeline
-    if weights is None and self.loss_weight is not None:
+    local, put = pl.cross.local, pl.cross.put
+    last = pl.part_stage[-1]
+    if weights is None and self.loss_weight is not None and local[last]:
       weights = self._ones
-    result = pl.run([st.params for st in states], batch, weights)
-    last = NamedSharding(self._norm_mesh, P())
-    sq = tuple(jax.device_put(prog.sq_norm(g, st.params), last)
-               for prog, g, st in zip(self.programs, result.grads, states))
-    loss, norm, param_norm, scale = self._norms(sq, result.loss, result.aux)
+    result = pl.run([st.params if st else None for st in states], batch, weights)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    sq = tuple(tuple(put(x, scalar, s, last) for x in (
+        prog.sq_norm(g, st.params) if local[s] else (None, None)))
+               for s, (prog, g, st) in enumerate(zip(self.programs, result.grads, states)))
+    loss = norm = param_norm = scale = None
+    if local[last]:
+      loss, norm, param_norm, scale = self._norms(sq, result.loss, result.aux)
     new = []
     for s, (st, prog, g) in enumerate(zip(states, self.programs, result.grads)):
-      n, sc = jax.device_put((norm, scale), NamedSharding(pl.stages[s].mesh, P()))
-      new.append(StageState(*prog.update(st.params, st.opt_state, g, n, sc)))
+      n, sc = put(norm, scalar, last, s), put(scale, scalar, last, s)
+      new.append(StageState(*prog.update(st.params, st.opt_state, g, n, sc)) if local[s]
+                 else None)
     metrics = {"loss": loss, "grad_norm": norm, "param_norm": param_norm,
                "peak_residuals": result.peak_residuals}
     if pl.has_aux:

@@ -1,0 +1,178 @@
+"""Arrays between MPMD stages owned by different processes, through XLA collectives.
+
+With several processes (`--num_processes`), every stage's submesh lies inside one process
+and a process runs only the programs of the stages it owns. What one stage makes and
+another needs crosses processes with collectives over the devices of both:
+
+  move(x, aval, spec, a, b)   stage a -> stage b. The "pair mesh" stacks b's devices,
+      arranged like a's submesh, under a new axis `_pair` (a = 0, b = 1); x's first dim is
+      split over `_pair` too, so each device's block is exactly its shard of x. A jitted
+      shard_map `ppermute` 0 -> 1 sends every shard to its mirror device. The sender passes
+      x's shards, the receiver zeros; the receiver rebuilds x from its blocks, in x's
+      layout on its own devices (like the one-process `Pipeline._send`).
+  broadcast(tree, a, shapes)  stage a -> every device: a jitted sum over a 1-D mesh of all
+      devices where only a's first device holds the value (exact: x + 0 + ...), replicated
+      on every device, so every process can read it (metrics, the step, checkpoints).
+
+Both processes call each collective at the same point of one global order (the
+pipeline's linearized schedule, then the train step's fixed sequence); a collective waits
+only on values made earlier in that order, so the collectives match and none deadlocks.
+
+Why a collective and not `jax.experimental.transfer`: both are JAX's own machinery and a
+TransferServer starts on CPU here, but pulling needs server addresses and transfer ids
+exchanged between the processes for every array, while the collective is matched by the
+schedule order the processes already share, and runs wherever multi-process collectives
+run (gloo on CPU, checked: the ppermute moves the shards bit-exactly).
+
+Within one process (every stage local) `put` is a plain `jax.device_put` and `move` is
+not used: the one-process path does not change.
+"""
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdtask import steps
+from spmdtask.errors import ConfigError
+
+PAIR, ALL = "_pair", "_all"
+
+
+def owned_stages(meshes: Sequence[Mesh]) -> tuple[bool, ...]:
+  """Per stage: whether this process owns it. ConfigError if a submesh spans processes."""
+  out = []
+  for s, mesh in enumerate(meshes):
+    procs = sorted({d.process_index for d in mesh.devices.flat})
+    if len(procs) > 1:
+      raise ConfigError(
+          f"The submesh of MPMD stage {s} spans processes {procs}: with several processes each "
+          "stage must lie on the devices of one process. Make task.pipeline.submesh_shapes "
+          "follow the process boundaries (e.g. one stage of jax.local_device_count() devices "
+          "per process).")
+    out.append(procs[0] == jax.process_index())
+  return tuple(out)
+
+
+def _pair_spec(spec: P) -> P:
+  first = spec[0] if len(spec) else None
+  first = () if first is None else first if isinstance(first, tuple) else (first,)
+  return P((PAIR,) + first, *spec[1:])
+
+
+class Cross:
+  """The stages' submeshes, which of them this process owns, and the collectives between
+  them (module doc). Programs and zero blocks are cached per layout."""
+
+  def __init__(self, meshes: Sequence[Mesh]):
+    self.meshes = tuple(meshes)
+    self.local = owned_stages(self.meshes)
+    self.multiprocess = not all(self.local)
+    self.all_mesh = Mesh(np.array([d for m in self.meshes for d in m.devices.flat]), (ALL,))
+    self._cache = {}
+
+  def _cached(self, key, make):
+    if key not in self._cache:
+      self._cache[key] = make()
+    return self._cache[key]
+
+  def check_pair(self, a: int, b: int) -> None:
+    """ConfigError unless stages a and b can exchange arrays across processes."""
+    if self.local[a] != self.local[b] and self.meshes[a].size != self.meshes[b].size:
+      raise ConfigError(
+          f"MPMD stages {a} and {b} exchange arrays across processes but have "
+          f"{self.meshes[a].size} and {self.meshes[b].size} devices; across processes stage "
+          "submeshes must have equal device counts (task.pipeline.submesh_shapes).")
+
+  # ---- stage -> stage ----------------------------------------------------------------
+
+  def move(self, x, aval, spec: P, a: int, b: int):
+    """x (on stage a in NamedSharding(mesh_a, spec); None where a is not local) -> on b's
+    devices arranged like a's mesh, same spec, on b's process; None elsewhere."""
+    local_a, local_b = self.local[a], self.local[b]
+    if not (local_a or local_b):
+      return None
+    src = self.meshes[a]
+    if local_a and local_b:
+      return jax.device_put(x, NamedSharding(self._mirror(a, b), spec))
+    self.check_pair(a, b)
+    shape = tuple(aval.shape) or (1,)
+    gshape = (2 * shape[0],) + shape[1:]
+    pair = self._cached(("pair", a, b), lambda: Mesh(
+        np.stack([src.devices, self._mirror(a, b).devices]), (PAIR,) + src.axis_names))
+    gspec = _pair_spec(spec)
+    gsharding = NamedSharding(pair, gspec)
+    if local_a:
+      x = jax.device_put(x, NamedSharding(src, spec))
+      blocks = [s.data for s in (x.reshape(shape) if not aval.shape else x).addressable_shards]
+    else:
+      blocks = self._cached(("zeros", a, b, shape, aval.dtype, gspec), lambda: [
+          jnp.zeros(gsharding.shard_shape(gshape), aval.dtype, device=d)
+          for d in self._mirror(a, b).devices.flat])
+    send = self._cached(("ppermute", a, b, gspec), lambda: steps.partition(
+        jax.shard_map(lambda blk: jax.lax.ppermute(blk, PAIR, [(0, 1)]), mesh=pair,
+                      in_specs=gspec, out_specs=gspec), pair, gspec, gspec))
+    y = send(jax.make_array_from_single_device_arrays(gshape, gsharding, blocks))
+    if not local_b:
+      return None
+    got = {s.device: s.data for s in y.addressable_shards}
+    mirror = self._mirror(a, b)
+    out = jax.make_array_from_single_device_arrays(
+        shape, NamedSharding(mirror, spec), [got[d] for d in mirror.devices.flat])
+    return out if aval.shape else out.reshape(())
+
+  def put(self, x, aval, a: int, b: int, spec_a: P = P(), spec_b: P | None = None):
+    """x (on stage a as spec_a) -> NamedSharding(mesh_b, spec_b or spec_a) on b's process;
+    None elsewhere."""
+    dst = NamedSharding(self.meshes[b], spec_a if spec_b is None else spec_b)
+    if self.local[a] and self.local[b]:
+      return jax.device_put(x, dst)
+    y = self.move(x, aval, spec_a, a, b)
+    return None if y is None else jax.device_put(y, dst)
+
+  def _mirror(self, a: int, b: int) -> Mesh:
+    """Stage b's devices arranged as stage a's mesh (same axes)."""
+    src, dst = self.meshes[a], self.meshes[b]
+    return self._cached(("mirror", a, b), lambda: Mesh(
+        dst.devices.reshape(src.devices.shape), src.axis_names, axis_types=src.axis_types))
+
+  # ---- stage -> every process --------------------------------------------------------
+
+  def broadcast(self, tree, a: int, shapes):
+    """`tree` (on stage a; None where a is not local) -> the same values replicated on
+    every device (`all_mesh`, P()), readable by every process. `shapes`: its avals."""
+    leaves, treedef = jax.tree.flatten(shapes)
+    xs = jax.tree.leaves(tree) if self.local[a] else [None] * len(leaves)
+    first = self.meshes[a].devices.flat[0]
+    mine = [d for d in self.all_mesh.devices.flat if d.process_index == jax.process_index()]
+    n = self.all_mesh.size
+    arrays = []
+    for x, aval in zip(xs, leaves):
+      blocks = []
+      for d in mine:
+        if d == first:
+          blocks.append(jax.device_put(x, d).reshape((1,) + tuple(aval.shape)))
+        else:
+          blocks.append(self._cached(("zero1", d, tuple(aval.shape), aval.dtype), lambda: jnp.zeros(
+              (1,) + tuple(aval.shape), aval.dtype, device=d)))
+      arrays.append(jax.make_array_from_single_device_arrays(
+          (n,) + tuple(aval.shape), NamedSharding(self.all_mesh, P(ALL)), blocks))
+    total = self._cached(("sum", treedef, tuple((tuple(v.shape), v.dtype) for v in leaves)),
+                         lambda: steps.partition(
+                             lambda ys: [jnp.sum(y, axis=0, dtype=y.dtype) for y in ys],
+                             self.all_mesh, P(ALL), P()))
+    return jax.tree.unflatten(treedef, total(arrays))
+
+  def replicate(self, tree, mesh: Mesh):
+    """Arrays on `mesh` (every device) -> replicated on it (an all-gather all processes
+    join), so each process can take what its stages need with `localize`."""
+    return self._cached(("replicate", mesh), lambda: jax.jit(
+        lambda t: t, out_shardings=NamedSharding(mesh, P())))(tree)
+
+  def localize(self, x: jax.Array, mesh: Mesh) -> jax.Array:
+    """A fully replicated array whose devices include `mesh`'s -> replicated on `mesh`,
+    from this process's own shards (no communication)."""
+    got = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(mesh, P()), [got[d] for d in mesh.devices.flat if d in got])
