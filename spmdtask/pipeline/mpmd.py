@@ -45,109 +45,20 @@ and consumer stages sit in different processes crosses with a collective both ca
 that point (mpmd_cross.Cross.move). Results then exist only where their stage does: `run`
 gives None for the loss, aux and grads of stages this process does not own.
 """
-import dataclasses
-from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import steps
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline import backward_split
 from spmdtask.pipeline import mpmd_cross
 from spmdtask.pipeline import split as split_lib
-from spmdtask.pipeline import schedule as schedule_lib
+from spmdtask.pipeline.mpmd_parts import (Part, RunResult, StageSpec, check_meshes, flat_specs,
+                                          is_float, linearize, split_backward)
 from spmdtask.pipeline.schedule import Schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class StageSpec:
-  """Where a stage runs and how its arrays are split inside the stage.
-
-  mesh: the stage's submesh (Auto axes); submeshes of different stages are disjoint.
-  param_specs: PartitionSpec tree shaped like the params (None: all replicated).
-  batch_specs: PartitionSpec tree shaped like the batch, per-example dim first (None:
-    replicated); the microbatch dim is prepended unsplit.
-  activation_spec: PartitionSpec for the values this stage receives, or a callable
-    aval -> PartitionSpec. A PartitionSpec that does not fit a value (rank, divisibility)
-    is dropped to replicated for that value.
-  """
-  mesh: Mesh
-  param_specs: Any = None
-  batch_specs: Any = None
-  activation_spec: Any = P()
-
-  def spec_for(self, aval) -> P:
-    if callable(self.activation_spec):
-      return self.activation_spec(aval)
-    spec, shape = self.activation_spec, aval.shape
-    sizes = dict(self.mesh.shape)
-    if len(spec) > len(shape) or any(
-        shape[d] % int(np.prod([sizes[a] for a in (e if isinstance(e, tuple) else (e,))]))
-        for d, e in enumerate(spec) if e is not None):
-      return P()
-    return spec
-
-
-def _flat_specs(specs, tree, what: str) -> list[P]:
-  n = len(jax.tree.leaves(tree))
-  if specs is None:
-    return [P()] * n
-  flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-  if len(flat) != n:
-    raise ConfigError(f"StageSpec.{what} has {len(flat)} PartitionSpecs but the tree has {n} "
-                      "leaves; give one PartitionSpec per leaf (or None for replicated).")
-  return flat
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-  """One part (virtual stage) of the split loss and its jitted programs."""
-  index: int
-  stage: int  # physical stage that runs it
-  param_keys: tuple[str, ...]
-  batch_leaves: tuple[int, ...]
-  float_in: tuple[int, ...]  # value ids with a cotangent
-  int_in: tuple[int, ...]
-  float_out: tuple[int, ...]
-  int_out: tuple[int, ...]
-  fwd: steps.Partitioned
-  bwd: steps.Partitioned
-  # The backward split for I/W actions (None unless the schedule splits this part):
-  # input_grad(res, cot) -> (d_incoming, stash); weight_grad(kept, stash, acc) -> acc + d.
-  input_grad: steps.Partitioned | None = None
-  weight_grad: steps.Partitioned | None = None
-  kept: tuple[int, ...] = ()  # what W reads of (residual leaves + cotangents), by index
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-  """What one pass of the schedule gives: all arrays stay on their stage's submesh."""
-  loss: jax.Array  # scalar on the last stage
-  grads: tuple[dict, ...]  # per stage {path: grad}, tied copies summed
-  aux: tuple  # per microbatch, the loss_fn's aux (has_aux) on the last stage
-  peak_residuals: tuple[int, ...]  # per stage, most (microbatch, chunk) activation sets alive
-  peak_stash: tuple[int, ...]  # per stage, most (microbatch, chunk) W stashes alive (I to W)
-  num_chunks: int = 1
-
-  @property
-  def peak_activations(self) -> tuple[Fraction, ...]:
-    """peak_residuals in `simulate`'s units (a chunk's set counts 1/v): equal to
-    `simulate.simulate(schedule, costs).peak_activations` for the schedule that ran."""
-    return tuple(Fraction(n, self.num_chunks) for n in self.peak_residuals)
-
-  @property
-  def peak_weight_grad_stash(self) -> tuple[Fraction, ...]:
-    """peak_stash in `simulate`'s units, its `peak_weight_grad_stash`."""
-    return tuple(Fraction(n, self.num_chunks) for n in self.peak_stash)
-
-
-def _is_float(aval) -> bool:
-  return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
 class Pipeline:
@@ -157,7 +68,7 @@ class Pipeline:
                schedule: Schedule, has_aux: bool = False):
     self.stages, self.schedule, self.has_aux = tuple(stages), schedule, has_aux
     S, V = schedule.num_stages, schedule.num_chunks
-    _check_meshes(self.stages, S)
+    check_meshes(self.stages, S)
     self.cross = mpmd_cross.Cross([st.mesh for st in self.stages])
     local = self.cross.local
     self.staged = split_lib.split(loss_fn, params, microbatch)
@@ -175,8 +86,8 @@ class Pipeline:
       if not jnp.issubdtype(x.dtype, jnp.inexact):
         raise ConfigError(f"Param {jax.tree_util.keystr(p)} has dtype {x.dtype}; pipelined "
                           "params must be floating point (pass integers in the batch).")
-    self.param_specs = [_flat_specs(st.param_specs, params, "param_specs") for st in stages]
-    self.batch_specs = [_flat_specs(st.batch_specs, microbatch, "batch_specs") for st in stages]
+    self.param_specs = [flat_specs(st.param_specs, params, "param_specs") for st in stages]
+    self.batch_specs = [flat_specs(st.batch_specs, microbatch, "batch_specs") for st in stages]
     self.values = self.staged.values
     self.part_stage = [schedule.owner(v)[0] for v in range(S * V)]
     self.stage_keys = self._stage_keys()
@@ -188,7 +99,7 @@ class Pipeline:
     self.parts = tuple(self._build_part(v) for v in range(S * V))
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
-    self.order = _linearize(schedule, self.parts, self.values)
+    self.order = linearize(schedule, self.parts, self.values)
     for v in self.values.values():
       for c in v.consumers:
         self.cross.check_pair(self.part_stage[v.producer], self.part_stage[c])
@@ -239,10 +150,10 @@ class Pipeline:
     pleaves = [i for i in st.arg_leaves if i < self.num_params]
     bleaves = tuple(i - self.num_params for i in st.arg_leaves if i >= self.num_params)
     aval = lambda i: self.values[i].aval
-    float_in = tuple(i for i in st.incoming if _is_float(aval(i)))
-    int_in = tuple(i for i in st.incoming if not _is_float(aval(i)))
-    float_out = tuple(i for i in st.outgoing if _is_float(aval(i)))
-    int_out = tuple(i for i in st.outgoing if not _is_float(aval(i)))
+    float_in = tuple(i for i in st.incoming if is_float(aval(i)))
+    int_in = tuple(i for i in st.incoming if not is_float(aval(i)))
+    float_out = tuple(i for i in st.outgoing if is_float(aval(i)))
+    int_out = tuple(i for i in st.outgoing if not is_float(aval(i)))
 
     def part_fn(p, batch, m, fin, iin):
       mb = [jax.lax.dynamic_index_in_dim(b, m, keepdims=False) for b in batch]
@@ -273,7 +184,7 @@ class Pipeline:
       args = ([self.param_shapes[i] for i in pleaves], [self._batch_avals[j] for j in bleaves],
               jax.ShapeDtypeStruct((), jnp.int32), [aval(i) for i in float_in],
               [aval(i) for i in int_in])
-      split_progs = _split_backward(fwd, bwd, args,
+      split_progs = split_backward(fwd, bwd, args,
                                     (lambda c: c) if last else lambda c: constrain(c, float_out),
                                     spec.mesh, pspecs, act(float_in))
     out_specs = (((P(),), None, None) if last else
@@ -512,85 +423,3 @@ class Pipeline:
         g = put(total, aval, first, s, spec(first), spec(s))
         if g is not None:
           acc[s][k] = g
-
-
-def _split_backward(fwd, bwd, args, constrain, mesh, pspecs, in_specs) -> dict:
-  """Part fields input_grad, weight_grad, kept: `bwd` cut by `backward_split` so that W
-  turns I's stashed per-layer cotangents (and the layer inputs it keeps from the
-  residuals) into weight grads, with no recomputation: FLOPs(I) + FLOPs(W) = FLOPs(B)."""
-  res = jax.eval_shape(lambda *a: fwd(*a)[1], *args)
-  res_avals, res_tree = jax.tree.flatten(res)
-  n_res = len(res_avals)
-  outs = jax.eval_shape(lambda *a: fwd(*a)[0], *args)
-  num_params, num_in = len(args[0]), len(args[3])
-
-  def flat_bwd(*flat):
-    d_params, d_in = bwd(jax.tree.unflatten(res_tree, flat[:n_res]), tuple(flat[n_res:]))
-    return [*d_params, *d_in]
-
-  sb = backward_split.split(flat_bwd, *res_avals, *jax.tree.leaves(outs),
-                            weight_outputs=[True] * num_params + [False] * num_in)
-  run_i = jcore.jaxpr_as_fun(sb.input_grad)
-  run_w = jcore.jaxpr_as_fun(sb.weight_grad)
-
-  def input_grad(r, cot):
-    outs = run_i(*jax.tree.leaves(r), *constrain(cot))
-    return tuple(outs[:num_in]), tuple(outs[num_in:])
-
-  def weight_grad(kept, stash, acc):
-    return tuple(a + g for a, g in zip(acc, run_w(*kept, *stash)))
-
-  return {"input_grad": steps.partition(input_grad, mesh, (None, None),
-                                        (in_specs, None)),
-          "weight_grad": steps.partition(weight_grad, mesh, (None, None, pspecs), pspecs,
-                                         donate_argnums=(2,)),
-          "kept": sb.kept}
-
-
-def _check_meshes(stages: Sequence[StageSpec], num_stages: int) -> None:
-  if len(stages) != num_stages:
-    raise ConfigError(f"{len(stages)} stage specs (submeshes) for a schedule of {num_stages} "
-                      "stages; give one StageSpec per schedule stage.")
-  seen = {}
-  for s, st in enumerate(stages):
-    for d in st.mesh.devices.flat:
-      if d.id in seen:
-        raise ConfigError(f"Device {d.id} is in the submesh of stage {seen[d.id]} and of stage "
-                          f"{s}; stage submeshes must use disjoint devices.")
-      seen[d.id] = s
-
-
-def _linearize(schedule: Schedule, parts: Sequence[Part], values) -> list:
-  """One dispatch order for all stages: each stage's list in order, cross-stage deps held.
-
-  F(m) of a part needs F(m) of every part it receives from; B(m) needs its own F(m) and
-  B(m) (or I(m)) of every part that receives a differentiable value from it; W(m) needs its
-  own I(m). Raises ConfigError for a schedule that breaks a rule of `schedule.validate`.
-  """
-  schedule_lib.validate(schedule, "the pipeline's schedule")
-  S = schedule.num_stages
-  f_from = {p.index: {values[i].producer for i in p.float_in + p.int_in} for p in parts}
-  b_from = {p.index: {c for i in p.float_out for c in values[i].consumers} for p in parts}
-  done, ptr, order = set(), [0] * S, []
-  while len(order) < sum(map(len, schedule.actions)):
-    moved = False
-    for s in range(S):
-      while ptr[s] < len(schedule.actions[s]):
-        a = schedule.actions[s][ptr[s]]
-        v = schedule.virtual_stage(s, a.chunk)
-        need = ({("F", u, a.microbatch) for u in f_from[v]} if a.kind == "F" else
-                {("B", v, a.microbatch)} if a.kind == "W" else
-                {("F", v, a.microbatch)} | {("B", u, a.microbatch) for u in b_from[v]})
-        if not need <= done:
-          break
-        done.add(("B" if a.kind == "I" else a.kind, v, a.microbatch))  # I: grads sent on
-        order.append((s, a))
-        ptr[s] += 1
-        moved = True
-    if not moved:
-      stuck = "; ".join(f"stage {s} at {schedule.actions[s][ptr[s]]}" for s in range(S)
-                        if ptr[s] < len(schedule.actions[s]))
-      raise ConfigError(f"The schedule deadlocks: every stage waits on another ({stuck}). "
-                        "Reorder the actions so each F follows its producers' F and each B "
-                        "its consumers' B.")
-  return order
