@@ -56,3 +56,8 @@ def scalars(directory: str) -> dict[str, dict[int, float]]:
   for tag in acc.Tags()["scalars"]:
     out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
   return out
+
+
+def train_losses(job_log_dir: str) -> dict[int, float]:
+  """step -> train loss, from the job's TensorBoard summaries."""
+  return scalars(f"{job_log_dir}/summaries/train")["loss"]

@@ -20,10 +20,6 @@ def _launch(job, *args):
     assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
 
 
-def _losses(job):
-  return h.scalars(f"{job}/summaries/train")["loss"]
-
-
 def test_two_processes_match_one_and_resume_on_one(tmp_path):
   ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
   r = h.run(h.main_cmd("lm.TinyLm", ref, *STEPS, "task.train.num_train_steps=8"))
@@ -32,14 +28,14 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path):
   # Only process 0 writes summaries (one event file) and the config.
   events = list((tmp_path / "multi" / "summaries" / "train").iterdir())
   assert len(events) == 1
-  ref_losses, multi_losses = _losses(ref), _losses(multi)
+  ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
   assert sorted(multi_losses) == list(range(1, 7))
   np.testing.assert_allclose([multi_losses[s] for s in range(1, 7)],
                              [ref_losses[s] for s in range(1, 7)], rtol=1e-5)
   # The 2-process checkpoint at step 6 resumes in one process with 8 devices.
   r = h.run(h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=8"))
   assert r.returncode == 0, r.stderr[-3000:]
-  resumed = _losses(multi)
+  resumed = h.train_losses(multi)
   np.testing.assert_allclose([resumed[7], resumed[8]], [ref_losses[7], ref_losses[8]], rtol=1e-5)
 
 

@@ -14,10 +14,6 @@ STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=
          "task.train.log_interval_steps=2")
 
 
-def _losses(job):
-  return h.scalars(f"{job}/summaries/train")["loss"]
-
-
 def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
   r = h.run(h.main_cmd("lm.TinyLmMpmd", ref, *STEPS, "task.train.num_train_steps=6"))
@@ -38,7 +34,7 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
     two, one = [json.loads(line) for line in f.read().splitlines()[-2:]]
   assert two["step"] == one["step"] == 4 and two["weight"] == one["weight"] > 0
   np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
-  ref_losses, multi_losses = _losses(ref), _losses(multi)
+  ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
   assert sorted(multi_losses) == [1, 2, 3, 4]
   np.testing.assert_allclose([multi_losses[s] for s in range(1, 5)],
                              [ref_losses[s] for s in range(1, 5)], rtol=1e-5)
@@ -46,5 +42,5 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   # The 2-process checkpoint (step 4) resumes as the SPMD lm.TinyLm in one process.
   r = h.run(h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=6"))
   assert r.returncode == 0, r.stderr[-3000:]
-  resumed = _losses(multi)
+  resumed = h.train_losses(multi)
   np.testing.assert_allclose([resumed[5], resumed[6]], [ref_losses[5], ref_losses[6]], rtol=1e-5)
