@@ -25,7 +25,6 @@ import sys
 import tempfile
 
 import jax
-from jax.sharding import NamedSharding
 
 from spmdtask import console, hlo, memory, sharding
 from spmdtask import program as program_lib
@@ -67,10 +66,9 @@ def captured_fd2(into: list[str]):
 
 def abstract_args(program: program_lib.Program, example_local_batch):
   """ShapeDtypeStructs (with shardings) of the train step's (state, batch)."""
-  def sds(x, spec):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(program.mesh, spec))
-  state = jax.tree.map(sds, program.layout.padded, program.layout.split)
-  batch = jax.tree.map(sds, global_batch.global_shapes(example_local_batch), program.batch_specs)
+  state = program_lib.sharded_structs(program.mesh, program.layout.padded, program.layout.split)
+  batch = program_lib.sharded_structs(
+      program.mesh, global_batch.global_shapes(example_local_batch), program.batch_specs)
   return state, batch
 
 

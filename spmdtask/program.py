@@ -64,20 +64,30 @@ class Program:
 
   def canonical_targets(self) -> TrainState:
     """ShapeDtypeStructs of the canonical state with their shardings on this mesh."""
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                          sharding=jax.sharding.NamedSharding(self.mesh, s)),
-        self.canonical.logical, self.canonical_split,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
 
   def layout_facts(self) -> dict:
     """JSON-able facts of this layout, for checkpoint metadata."""
     pp = self.task.pipeline
-    return {"mesh_axis_names": list(self.mesh.axis_names),
-            "mesh_shape": [int(self.mesh.shape[a]) for a in self.mesh.axis_names],
+    return {**mesh_facts(self.mesh),
             "pipeline": None if pp is None else dataclasses.asdict(pp),
             "num_microbatches": int(self.task.train.num_microbatches),
             "canonical": "logical arrays, layers stacked [L, ...]"}
+
+
+def sharded_structs(mesh: Mesh, shapes, specs):
+  """ShapeDtypeStructs of `shapes` carrying NamedShardings of `specs` on `mesh` (restore
+  targets)."""
+  return jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                        sharding=jax.sharding.NamedSharding(mesh, s)),
+      shapes, specs, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def mesh_facts(mesh: Mesh) -> dict:
+  """The mesh's axis names and shape, JSON-able."""
+  return {"mesh_axis_names": list(mesh.axis_names),
+          "mesh_shape": [int(mesh.shape[a]) for a in mesh.axis_names]}
 
 
 def apply_layout_maps(tree, maps: tuple[LayoutMap, ...], to_canonical: bool):
@@ -85,11 +95,9 @@ def apply_layout_maps(tree, maps: tuple[LayoutMap, ...], to_canonical: bool):
   if not maps:
     return tree
 
-  def keys(path):
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
-
   def match(path):
-    return next((m for m in maps if keys(path)[-len(m.path):] == m.path), None)
+    keys = sharding.path_keys(path)
+    return next((m for m in maps if keys[-len(m.path):] == m.path), None)
 
   def convert(path, node):
     m = match(path)
@@ -102,8 +110,12 @@ def apply_layout_maps(tree, maps: tuple[LayoutMap, ...], to_canonical: bool):
                                           is_leaf_takes_path=True)
 
 
-def _strategy_model(task: Task) -> tuple[Model, Model]:
-  """(the model run by task.pipeline, the same model unpipelined: the canonical one)."""
+def strategy_models(task: Task) -> tuple[Model, Model]:
+  """(the model run by task.pipeline, the same model unpipelined: the canonical one).
+
+  Raises ConfigError for a model outside the contract, a pipeline on a model with no
+  layer stack, or a model whose `execution` was set by hand.
+  """
   model = task.model
   if not isinstance(model, Model):
     raise ConfigError(
@@ -145,7 +157,7 @@ def setup(task: Task, example_local_batch, devices=None) -> Program:
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
   mesh_shape = mesh_lib.mesh_shape(mesh)
-  model, canonical_model = _strategy_model(task)
+  model, canonical_model = strategy_models(task)
   batch_specs = global_batch.specs(example_local_batch, task.train.inputs_split_mapping,
                                    task.batch_axes(), mesh)
   global_size = jax.tree.leaves(global_batch.global_shapes(example_local_batch))[0].shape[0]

@@ -71,8 +71,13 @@ def replicated(x) -> P:
   return P(*([None] * len(np.shape(x))))
 
 
+def path_keys(path) -> tuple[str, ...]:
+  """A pytree key path as plain strings: dict keys, attribute names, sequence indices."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def path_str(path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return "/".join(path_keys(path))
 
 
 def validate_tree(shapes, splits, mesh_shape: MeshShape, what: str) -> None:

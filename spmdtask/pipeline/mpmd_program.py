@@ -49,7 +49,7 @@ from spmdtask import program as program_lib
 from spmdtask import sharding, steps, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
-from spmdtask.model import Metrics, Model, Stacked, Weighted, Work
+from spmdtask.model import Metrics, Model, Work
 from spmdtask.pipeline import mpmd, mpmd_config, mpmd_step
 from spmdtask.pipeline.mpmd_step import StageState
 from spmdtask.task import Task
@@ -112,12 +112,6 @@ class MpmdProgram:
 
   # ---- the Program interface ------------------------------------------------------------
 
-  @property
-  def layout(self) -> StateLayout:
-    """The live layer-group tree, as if split over every device (for summaries and plans;
-    each stage really holds only its own groups, on its submesh)."""
-    return self.live
-
   def init(self) -> MpmdState:
     """The canonical fresh state (the same values as every other strategy's), placed."""
     return self.from_canonical(self._init())
@@ -163,14 +157,10 @@ class MpmdProgram:
     return jax.tree.map(np.asarray, local_batch)
 
   def canonical_targets(self) -> TrainState:
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, s)),
-        self.canonical.logical, self.canonical_split,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    return program_lib.sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
 
   def layout_facts(self) -> dict:
-    return {"mesh_axis_names": list(self.mesh.axis_names),
-            "mesh_shape": [int(self.mesh.shape[a]) for a in self.mesh.axis_names],
+    return {**program_lib.mesh_facts(self.mesh),
             "pipeline": {"mpmd": dataclasses.asdict(self.config)},
             "num_microbatches": int(self.config.num_microbatches),
             "canonical": "logical arrays, layers stacked [L, ...]"}
@@ -226,18 +216,6 @@ class MpmdProgram:
     return MpmdState(step, tuple(stages))
 
 
-def _model(task: Task) -> tuple[Model, Model]:
-  model = task.model
-  if not isinstance(model, Model) or not isinstance(model, Stacked):
-    raise ConfigError(f"task.pipeline is an MpmdConfig, but task.model ({type(model).__name__}) "
-                      "has no layer stack to cut (spmdtask.model.Stacked). Set "
-                      "task.pipeline=None.")
-  if getattr(model, "execution", None) is not None:
-    raise ConfigError("task.model.execution is set by the framework from task.pipeline; set "
-                      "task.pipeline instead and leave task.model.execution=None.")
-  return model.with_pipeline(task.pipeline), model.with_pipeline(None)
-
-
 def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
   """Submeshes, layouts and per-stage programs for `task`; ConfigError on a bad config."""
   config: mpmd_config.MpmdConfig = task.pipeline
@@ -246,7 +224,7 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
   meshes = mpmd_config.submeshes(config, task.mesh_axis_names, devices)
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
-  model, canonical_model = _model(task)
+  model, canonical_model = program_lib.strategy_models(task)
   shapes = global_batch.global_shapes(example_local_batch)
   global_size = jax.tree.leaves(shapes)[0].shape[0]
   mb_size = mpmd_config.check_batch(config, global_size)
