@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from spmdtask import checks
 from spmdtask.errors import ConfigError
 
 _PL = "task.pipeline."
@@ -89,12 +90,7 @@ def validate(config: PipelineConfig, *, num_layers: int, batch_size: int, mesh) 
         f"(got num_microbatches={config.num_microbatches!r}, "
         f"microbatch_size={config.microbatch_size!r})."
     )
-  if config.remat_policy is not None and not hasattr(jax.checkpoint_policies, config.remat_policy):
-    _fail(
-        f"{_PL}remat_policy={config.remat_policy!r} is not a name in "
-        f"jax.checkpoint_policies (e.g. 'nothing_saveable', 'dots_saveable'); "
-        f"use one of those or None to disable rematerialization."
-    )
+  checks.remat_policy(f"{_PL}remat_policy", config.remat_policy)
   axes = tuple(mesh.axis_names)
   if config.stage_axis not in axes:
     _fail(
