@@ -26,7 +26,7 @@ import tempfile
 
 import jax
 
-from spmdtask import console, hlo, memory, sharding
+from spmdtask import console, fs, hlo, memory, sharding
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -232,10 +232,9 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
   plan = make_plan(run_cfg, name)
   for line in format_plan(plan):
     console.say("%s", line)
-  path = os.path.join(job_log_dir, "plan.json")
+  path = fs.join(job_log_dir, "plan.json")
   if jax.process_index() == 0:
-    with open(path, "w") as f:
-      json.dump(plan, f, indent=1)
+    fs.write_text(path, json.dumps(plan, indent=1))
   console.say("Wrote %s", path)
   if device_memory_gb is not None:
     check_fits(plan, device_memory_gb)
