@@ -38,6 +38,11 @@ def _run(cmd, local, emu_env, script=None, **extra):
                         timeout=240, check=False)
 
 
+def _why(r) -> str:
+  """A failed run's stderr: its start (the first error) and its end."""
+  return r.stderr if len(r.stderr) < 8000 else r.stderr[:5000] + "\n...\n" + r.stderr[-3000:]
+
+
 def _losses(gcs, run_dir: str, dest: str) -> dict[int, float]:
   """step -> loss of the TensorBoard run dir `run_dir` in the bucket, read with tensorboard."""
   os.makedirs(dest)
@@ -54,16 +59,16 @@ def test_job_in_a_bucket(emulator, tmp_path):
   ref, job = "gs://bucket/ref", "gs://bucket/job"
 
   r = _run(h.main_cmd("TinyLm", ref, *BASE), local, env)
-  assert r.returncode == 0, r.stderr[-3000:]
+  assert r.returncode == 0, _why(r)
   assert f"job dir {ref} " in r.stdout  # never ./gs:/bucket/...
 
   killed = _run(h.main_cmd("TinyLm", job, *BASE), local, env, script=h.KILL_AFTER_SAVE,
                 KILL_AFTER_COMMITTED_STEP="3")
-  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  assert killed.returncode == -signal.SIGKILL, _why(killed)
   assert sorted(n.rsplit("/", 1)[1] for n in gcs.ls("bucket/job/checkpoints")
                 if n.rsplit("/", 1)[1].isdigit()) == ["3"]
   resumed = _run(h.main_cmd("TinyLm", job, *BASE), local, env)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert resumed.returncode == 0, _why(resumed)
   assert "Resuming from the checkpoint at step 3" in resumed.stdout
   want = _losses(gcs, "bucket/ref/summaries/train", str(tmp_path / "ref_tb"))
   got = _losses(gcs, "bucket/job/summaries/train", str(tmp_path / "job_tb"))
@@ -72,7 +77,7 @@ def test_job_in_a_bucket(emulator, tmp_path):
     assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
   ev = _run(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=eval"]), local, env)
-  assert ev.returncode == 0, ev.stderr[-3000:]
+  assert ev.returncode == 0, _why(ev)
   lines = [json.loads(x) for x in gcs.cat("bucket/job/eval_metrics.jsonl").decode().splitlines()]
   assert [(x["dataset"], x["step"]) for x in lines] == [("eval", 6)]
   assert 0 < lines[0]["loss"] < 10
@@ -83,7 +88,7 @@ def test_job_in_a_bucket(emulator, tmp_path):
   assert h.scalars(ev_tb)["loss"] == {6: pytest.approx(lines[0]["loss"], rel=1e-6)}
 
   dec = _run(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=decode"]), local, env)
-  assert dec.returncode == 0, dec.stderr[-3000:]
+  assert dec.returncode == 0, _why(dec)
   out = [n for n in gcs.ls("bucket/job/decoder_out", detail=False)]
   assert len(out) == 1 and out[0].endswith("_step6.jsonl"), out
   rows = [json.loads(x) for x in gcs.cat(out[0]).decode().splitlines()]
@@ -95,7 +100,6 @@ def test_job_in_a_bucket(emulator, tmp_path):
   assert not [n for n in names if n.startswith(".write_probe")]
   # Nothing of the job on the local disk: not in the working dir, HOME or TMPDIR.
   assert [_files(d) for d in local.values()] == [[], [], []]
-  print(f"{where}: exit 2 after {seconds:.1f} s: {err}")
 
 
 @pytest.mark.parametrize("where", ["no_bucket", "nobody_listens"])
@@ -108,11 +112,11 @@ def test_unreachable_bucket_exits_2_fast_and_writes_nothing(emulator, tmp_path, 
   r = _run(h.main_cmd("TinyLm", "gs://no-such-bucket/job", *BASE), local,
            gcs_emulator.env_for(url))
   seconds = time.perf_counter() - t0
-  assert r.returncode == 2, r.stderr[-3000:]
+  assert r.returncode == 2, _why(r)
   assert seconds < 60
   err = r.stderr.strip().splitlines()[-1]
   assert err.startswith("spmdtask: config error: --job_log_dir='gs://no-such-bucket/job' cannot "
-                        "be reached"), r.stderr[-3000:]
+                        "be reached"), _why(r)
   assert "Traceback" not in r.stderr
   assert [_files(d) for d in local.values()] == [[], [], []]
   print(f"{where}: exit 2 after {seconds:.1f} s: {err}")
