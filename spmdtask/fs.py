@@ -13,6 +13,7 @@ GCS has no append and no rename: `append_text` rewrites the object; writers that
 local file (absl's log, jax's profiler) stage it locally and `upload` it.
 """
 import builtins
+import glob as globlib
 import os
 import posixpath
 import shutil
@@ -102,6 +103,8 @@ def listdir(path: str) -> list[str]:
 
 def glob(pattern: str) -> list[str]:
   """Sorted paths matching `pattern` (`*`, `**`, `?`), of the same kind as `pattern`."""
+  if not is_remote(pattern):
+    return sorted(globlib.glob(pattern, recursive=True))
   fs, p = filesystem(pattern)
   return sorted(_url(fs, m, pattern) for m in fs.glob(p))
 
@@ -180,8 +183,10 @@ class Staged:
     if self.remote and os.path.isdir(self.local):
       upload(self.local, self.directory)
 
-  def close(self) -> None:
-    self.sync()
+  def close(self, upload: bool = True) -> None:
+    """Uploads (unless `upload` is False) and deletes the temporary dir."""
+    if upload:
+      self.sync()
     if self.remote:
       shutil.rmtree(self.local, ignore_errors=True)
 

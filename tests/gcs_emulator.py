@@ -3,6 +3,10 @@
 `Emulator` starts it with one bucket and gives the environment a subprocess needs to use
 it (gcsfs: STORAGE_EMULATOR_HOST; tensorstore, i.e. orbax's arrays:
 TENSORSTORE_GCS_HTTP_URL) and a gcsfs filesystem for the test itself to look in it.
+
+One gap of the emulator is filled as GCS behaves: an object download carries the
+object's generation in `x-goog-generation` (tensorstore's OCDBT reads its manifest's
+generation there to commit the next write; without it: "Malformed StorageGeneration").
 """
 import socket
 import subprocess
@@ -17,6 +21,24 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+_SERVE = """
+import sys
+from gcp_storage_emulator.handlers import objects
+_download = objects.download
+def download(request, response, storage, *args, **kwargs):
+  try:
+    obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+    response["x-goog-generation"] = obj["generation"]
+    response["x-goog-metageneration"] = obj["metageneration"]
+  except Exception:  # NotFound: the handler answers 404
+    pass
+  return _download(request, response, storage, *args, **kwargs)
+objects.download = download  # before the server module builds its routes
+from gcp_storage_emulator.__main__ import main
+main(sys.argv[1:])
+"""
+
+
 class Emulator:
   """The emulator process; use as a context manager (stopped and its data gone on exit)."""
 
@@ -24,7 +46,7 @@ class Emulator:
     self.bucket, self.port = bucket, free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self._proc = subprocess.Popen(
-        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host=127.0.0.1",
+        [sys.executable, "-c", _SERVE, "start", "--host=127.0.0.1",
          f"--port={self.port}", f"--default-bucket={bucket}", "--in-memory", "--quiet"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 30

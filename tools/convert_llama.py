@@ -34,6 +34,7 @@ from safetensors import numpy as st_numpy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 
 EXP = "lm.TinyLm"
@@ -98,24 +99,22 @@ def overrides(cfg: dict) -> list[str]:
 
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
   """(config.json, tensors by name) of a HF directory, single-file or sharded."""
-  path = os.path.join(hf_dir, "config.json")
-  if not os.path.isfile(path):
+  path = fs.join(hf_dir, "config.json")
+  if not fs.isfile(path):
     raise ConfigError(f"--from_hf={hf_dir!r} has no config.json; point it at a Hugging Face "
                       "Llama directory (config.json + *.safetensors).")
-  with open(path) as f:
-    cfg = json.load(f)
-  index = os.path.join(hf_dir, "model.safetensors.index.json")
-  if os.path.isfile(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+  cfg = json.loads(fs.read_text(path))
+  index = fs.join(hf_dir, "model.safetensors.index.json")
+  if fs.isfile(index):
+    files = sorted(set(json.loads(fs.read_text(index))["weight_map"].values()))
   else:
     files = ["model.safetensors"]
   for name in files:
-    if not os.path.isfile(os.path.join(hf_dir, name)):
+    if not fs.isfile(fs.join(hf_dir, name)):
       raise ConfigError(f"--from_hf={hf_dir!r} has no {name}, which holds the weights.")
   tensors = {}
   for name in files:
-    tensors.update(st_numpy.load_file(os.path.join(hf_dir, name)))
+    tensors.update(st_numpy.load(fs.read_bytes(fs.join(hf_dir, name))))
   return cfg, tensors
 
 
@@ -217,30 +216,27 @@ def from_hf(hf_dir: str, job_log_dir: str) -> list[str]:
   cfg, tensors = read_hf(hf_dir)
   lines = overrides(cfg)
   params = to_params(cfg, tensors)
-  os.makedirs(job_log_dir, exist_ok=True)
+  fs.makedirs(job_log_dir)
   write_checkpoint(job_log_dir, lines, params)
-  with open(os.path.join(job_log_dir, OVERRIDES_FILE), "w") as f:
-    f.write("".join(f"--fdl_set={line}\n" for line in lines))
-  with open(os.path.join(job_log_dir, SOURCE_FILE), "w") as f:
-    json.dump({"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, f,
-              indent=1)
+  fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
+                "".join(f"--fdl_set={line}\n" for line in lines))
+  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(
+      {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, indent=1))
   return lines
 
 
 def to_hf(job_log_dir: str, hf_dir: str) -> None:
   """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir."""
-  source = os.path.join(job_log_dir, SOURCE_FILE)
-  if not os.path.isfile(source):
+  source = fs.join(job_log_dir, SOURCE_FILE)
+  if not fs.isfile(source):
     raise ConfigError(f"--job_log_dir={job_log_dir!r} has no {SOURCE_FILE}; --to_hf converts "
                       "back a job made by --from_hf (it holds the HF config).")
-  with open(source) as f:
-    src = json.load(f)
+  src = json.loads(fs.read_text(source))
   params = read_checkpoint(job_log_dir, overrides(src["config"]))
-  os.makedirs(hf_dir, exist_ok=True)
-  st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
-                     os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(src["config"], f, indent=2)
+  fs.makedirs(hf_dir)
+  fs.write_bytes(fs.join(hf_dir, "model.safetensors"), st_numpy.save(
+      from_params(src["config"], params, src["dtypes"]), metadata={"format": "pt"}))
+  fs.write_text(fs.join(hf_dir, "config.json"), json.dumps(src["config"], indent=2))
 
 
 def main():
@@ -254,7 +250,7 @@ def main():
     if args.from_hf:
       from_hf(args.from_hf, args.job_log_dir)
       print(f"wrote {args.job_log_dir}: checkpoint step 0, {OVERRIDES_FILE} "
-            f"(--exp={EXP} --flagfile={os.path.join(args.job_log_dir, OVERRIDES_FILE)})")
+            f"(--exp={EXP} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
     else:
       to_hf(args.job_log_dir, args.to_hf)
       print(f"wrote {args.to_hf}: config.json, model.safetensors")

@@ -12,7 +12,6 @@ output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their `*_index.npz`, the 
 Train on it with `--exp=lm.TextLm` (README).
 """
 import argparse
-import glob
 import json
 import os
 import sys
@@ -22,15 +21,17 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
+from spmdtask import fs
+from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
 
 
 def read_documents(pattern: str) -> tuple[list[str], list[str]]:
   """(paths, texts) of the non-empty files matching `pattern`, in sorted path order."""
   paths, texts = [], []
-  for path in sorted(glob.glob(pattern, recursive=True)):
-    if os.path.isfile(path):
-      with open(path, encoding="utf-8", errors="replace") as f:
+  for path in fs.glob(pattern):
+    if fs.isfile(path):
+      with fs.open(path, "r", encoding="utf-8", errors="replace") as f:
         content = f.read()
       if content:
         paths.append(path)
@@ -57,12 +58,27 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
 
 def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = None,
             eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0) -> dict:
-  """Writes the data dir; returns its meta.json contents."""
+  """Writes the data dir (local, or gs://: written locally, uploaded, the local copy
+  deleted); returns its meta.json contents."""
   paths, texts = read_documents(pattern)
   if len(texts) < 2:
     raise SystemExit(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train and "
                      "an eval split need at least 2 documents.")
-  os.makedirs(output_dir, exist_ok=True)
+  fs.check_reachable(output_dir, "--output_dir")
+  staged = fs.Staged(output_dir, "spmdtask_data_")
+  try:
+    meta = _write(staged.local, paths, texts, pattern, kind, vocab_size, eval_fraction,
+                  num_shards, seed)
+  except BaseException:
+    staged.close(upload=False)
+    raise
+  staged.close()
+  return meta
+
+
+def _write(output_dir, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards,
+           seed) -> dict:
+  """Writes the data dir into local `output_dir`; returns meta.json's contents."""
   train_ids, eval_ids = split_documents(len(texts), eval_fraction, seed)
   tok = make_tokenizer(kind, [texts[i] for i in train_ids], output_dir, vocab_size)
   splits = {}
@@ -94,8 +110,12 @@ def main():
   args = parser.parse_args()
   if args.vocab_size is not None and args.tokenizer == "bytes":
     parser.error("--vocab_size is for --tokenizer=sentencepiece (bytes have 257 ids).")
-  meta = prepare(args.input, args.output_dir, args.tokenizer, args.vocab_size,
-                 args.eval_fraction, args.num_shards, args.seed)
+  try:
+    meta = prepare(args.input, args.output_dir, args.tokenizer, args.vocab_size,
+                   args.eval_fraction, args.num_shards, args.seed)
+  except ConfigError as e:
+    print(f"prepare_text_data: error: {e}", file=sys.stderr)
+    sys.exit(2)
   counts = ", ".join(f"{k}: {v['num_documents']} documents, {v['num_tokens']} tokens"
                      for k, v in meta["splits"].items())
   print(f"{args.output_dir}: {meta['tokenizer']} tokenizer, vocab_size={meta['vocab_size']}, "

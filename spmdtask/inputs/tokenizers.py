@@ -8,12 +8,12 @@ A prepared data dir (see tools/prepare_text_data.py) holds `meta.json`:
 and, for SentencePiece, `tokenizer.model`.
 """
 import json
-import os
 from typing import Iterable
 
 import numpy as np
 import sentencepiece as spm
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 
 META_FILE = "meta.json"
@@ -39,7 +39,7 @@ class SentencePieceTokenizer:
 
   def __init__(self, model_file: str):
     self.model_file = model_file
-    self._sp = spm.SentencePieceProcessor(model_file=model_file)
+    self._sp = spm.SentencePieceProcessor(model_proto=fs.read_bytes(model_file))
     self.vocab_size = int(self._sp.vocab_size())
     self.eod_id = int(self._sp.eos_id())
 
@@ -70,20 +70,19 @@ def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size:
 
 def read_meta(data_dir: str, field: str) -> dict:
   """DIR/meta.json; ConfigError naming `field` (the config field holding DIR) if absent."""
-  path = os.path.join(data_dir or "", META_FILE)
-  if not data_dir or not os.path.isfile(path):
+  path = fs.join(data_dir or "", META_FILE)
+  if not data_dir or not fs.isfile(path):
     raise ConfigError(
         f"{field}={data_dir!r} holds no {META_FILE}. Set it to a directory written by "
         "`python tools/prepare_text_data.py --input='GLOB' --output_dir=DIR`.")
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(fs.read_text(path))
 
 
 def load(data_dir: str, meta: dict):
   """The tokenizer named by a data dir's meta.json."""
   if meta["tokenizer"] == "bytes":
     return ByteTokenizer()
-  return SentencePieceTokenizer(os.path.join(data_dir, SP_MODEL_FILE))
+  return SentencePieceTokenizer(fs.join(data_dir, SP_MODEL_FILE))
 
 
 def check_vocab(meta: dict, model_vocab_size: int, data_dir: str) -> None:
