@@ -22,6 +22,11 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         "safetensors>=0.4.3,<0.9",
         "ml-dtypes>=0.5",
+        # gs:// job and data dirs (spmdtask/fs.py); google-cloud-storage: its start-up probe.
+        "fsspec>=2024.6",
+        "gcsfs>=2024.6",
+        "google-cloud-storage>=2.14",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5",
+                             "gcp-storage-emulator>=2024.8"]},
 )

@@ -202,6 +202,7 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
 
 def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
   """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh."""
+  fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
   directory = checkpoint_dir(init_dir)
   step = _pick_step(directory, init_dir, None)
   mngr = _manager(directory, read_only=True)

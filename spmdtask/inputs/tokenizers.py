@@ -70,6 +70,8 @@ def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size:
 
 def read_meta(data_dir: str, field: str) -> dict:
   """DIR/meta.json; ConfigError naming `field` (the config field holding DIR) if absent."""
+  if data_dir:
+    fs.check_reachable(data_dir, field)
   path = fs.join(data_dir or "", META_FILE)
   if not data_dir or not fs.isfile(path):
     raise ConfigError(
