@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 
 import pytest
@@ -29,13 +30,31 @@ def _files(root: str) -> list[str]:
                 if not p.endswith(os.path.join(".keras", "keras.json")))
 
 
-def _run(cmd, local, emu_env, script=None, **extra):
-  """Runs `cmd` (a main_cmd) with cwd, HOME and TMPDIR in the watched local dirs."""
+def _start(cmd, local, emu_env, script=None, **extra):
+  """Starts `cmd` (a main_cmd) with cwd, HOME and TMPDIR in the watched local dirs."""
   if script is not None:
     cmd = [cmd[0], "-c", script] + cmd[3:]
   env = h.env(**emu_env, HOME=local["home"], TMPDIR=local["tmp"], **extra)
-  return subprocess.run(cmd, env=env, cwd=local["cwd"], capture_output=True, text=True,
-                        timeout=240, check=False)
+  # Output to unnamed files of the test process (no pipe fills while another run is awaited).
+  files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+  return subprocess.Popen(cmd, env=env, cwd=local["cwd"], stdout=files[0], stderr=files[1]), files
+
+
+def _wait(*started) -> list[subprocess.CompletedProcess]:
+  out = []
+  for proc, files in started:
+    proc.wait(timeout=300)
+    text = []
+    for f in files:
+      f.seek(0)
+      text.append(f.read().decode(errors="replace"))
+      f.close()
+    out.append(subprocess.CompletedProcess(proc.args, proc.returncode, *text))
+  return out
+
+
+def _run(cmd, local, emu_env, **extra) -> subprocess.CompletedProcess:
+  return _wait(_start(cmd, local, emu_env, **extra))[0]
 
 
 def _why(r) -> str:
@@ -58,12 +77,12 @@ def test_job_in_a_bucket(emulator, tmp_path):
   gcs, env = emulator.filesystem(), emulator.env()
   ref, job = "gs://bucket/ref", "gs://bucket/job"
 
-  r = _run(h.main_cmd("TinyLm", ref, *BASE), local, env)
+  # The uninterrupted reference and the run killed after its step-3 checkpoint, side by side.
+  r, killed = _wait(_start(h.main_cmd("TinyLm", ref, *BASE), local, env),
+                    _start(h.main_cmd("TinyLm", job, *BASE), local, env,
+                           script=h.KILL_AFTER_SAVE, KILL_AFTER_COMMITTED_STEP="3"))
   assert r.returncode == 0, _why(r)
   assert f"job dir {ref} " in r.stdout  # never ./gs:/bucket/...
-
-  killed = _run(h.main_cmd("TinyLm", job, *BASE), local, env, script=h.KILL_AFTER_SAVE,
-                KILL_AFTER_COMMITTED_STEP="3")
   assert killed.returncode == -signal.SIGKILL, _why(killed)
   assert sorted(n.rsplit("/", 1)[1] for n in gcs.ls("bucket/job/checkpoints")
                 if n.rsplit("/", 1)[1].isdigit()) == ["3"]
@@ -76,8 +95,11 @@ def test_job_in_a_bucket(emulator, tmp_path):
   for step in range(1, 7):
     assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
-  ev = _run(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=eval"]), local, env)
+  # Eval and decode read the job side by side (they write different files).
+  ev, dec = _wait(_start(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=eval"]), local, env),
+                  _start(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=decode"]), local, env))
   assert ev.returncode == 0, _why(ev)
+  assert dec.returncode == 0, _why(dec)
   lines = [json.loads(x) for x in gcs.cat("bucket/job/eval_metrics.jsonl").decode().splitlines()]
   assert [(x["dataset"], x["step"]) for x in lines] == [("eval", 6)]
   assert 0 < lines[0]["loss"] < 10
@@ -87,8 +109,6 @@ def test_job_in_a_bucket(emulator, tmp_path):
     gcs.get(name, os.path.join(ev_tb, os.path.basename(name)))
   assert h.scalars(ev_tb)["loss"] == {6: pytest.approx(lines[0]["loss"], rel=1e-6)}
 
-  dec = _run(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=decode"]), local, env)
-  assert dec.returncode == 0, _why(dec)
   out = [n for n in gcs.ls("bucket/job/decoder_out", detail=False)]
   assert len(out) == 1 and out[0].endswith("_step6.jsonl"), out
   rows = [json.loads(x) for x in gcs.cat(out[0]).decode().splitlines()]
