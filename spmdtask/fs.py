@@ -9,8 +9,9 @@ Orbax (checkpoints) writes arrays through tensorstore and everything else throug
 etils.epath, whose gs:// backend would be TensorFlow's gfile whenever TensorFlow is
 installed: a second GCS client that ignores `STORAGE_EMULATOR_HOST`. Importing this module
 routes epath to fsspec too (`EPATH_USE_TF=false`), so one client (gcsfs) does every path op.
-GCS has no append and no rename: `append_text` rewrites the object; writers that need a
-local file (absl's log, jax's profiler) stage it locally and `upload` it.
+GCS has no append and no rename: `append_text` rewrites the object; writers that only take
+a local path (jax's profiler, TensorFlow's TFRecord writer in the tools) write into a
+`Staged` temp dir that is uploaded, then deleted.
 """
 import builtins
 import glob as globlib
@@ -43,7 +44,7 @@ for _protocol in ("gs", "gcs"):
 
 def is_remote(path: str) -> bool:
   """True for a URL (`gs://...`); False for a local path."""
-  return "://" in str(path) and not str(path).startswith("file://")
+  return "://" in str(path)
 
 
 def join(base: str, *parts: str) -> str:
