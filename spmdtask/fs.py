@@ -14,6 +14,7 @@ a local path (jax's profiler, TensorFlow's TFRecord writer in the tools) write i
 `Staged` temp dir that is uploaded, then deleted.
 """
 import builtins
+import contextlib
 import glob as globlib
 import os
 import posixpath
@@ -165,6 +166,22 @@ def upload(local_dir: str, remote_dir: str) -> None:
       dest = join(remote_dir, *([] if rel == "." else rel.split(os.sep)), name)
       with builtins.open(os.path.join(root, name), "rb") as f:
         write_bytes(dest, f.read())
+
+
+@contextlib.contextmanager
+def local_file(path: str):
+  """A local path with `path`'s bytes, for readers that only take one: `path` itself when
+  local; else a temporary copy, deleted on exit."""
+  if not is_remote(path):
+    yield path
+    return
+  fd, tmp = tempfile.mkstemp(prefix="spmdtask_", suffix="_" + posixpath.basename(path))
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(read_bytes(path))
+    yield tmp
+  finally:
+    os.remove(tmp)
 
 
 class Staged:

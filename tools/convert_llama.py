@@ -114,7 +114,8 @@ def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
       raise ConfigError(f"--from_hf={hf_dir!r} has no {name}, which holds the weights.")
   tensors = {}
   for name in files:
-    tensors.update(st_numpy.load(fs.read_bytes(fs.join(hf_dir, name))))
+    with fs.local_file(fs.join(hf_dir, name)) as path:  # safetensors reads (mmaps) a file
+      tensors.update(st_numpy.load_file(path))
   return cfg, tensors
 
 
@@ -233,10 +234,15 @@ def to_hf(job_log_dir: str, hf_dir: str) -> None:
                       "back a job made by --from_hf (it holds the HF config).")
   src = json.loads(fs.read_text(source))
   params = read_checkpoint(job_log_dir, overrides(src["config"]))
-  fs.makedirs(hf_dir)
-  fs.write_bytes(fs.join(hf_dir, "model.safetensors"), st_numpy.save(
-      from_params(src["config"], params, src["dtypes"]), metadata={"format": "pt"}))
-  fs.write_text(fs.join(hf_dir, "config.json"), json.dumps(src["config"], indent=2))
+  staged = fs.Staged(hf_dir, "spmdtask_hf_")  # safetensors writes a local file
+  try:
+    st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
+                       os.path.join(staged.local, "model.safetensors"), metadata={"format": "pt"})
+    fs.write_text(os.path.join(staged.local, "config.json"), json.dumps(src["config"], indent=2))
+  except BaseException:
+    staged.close(upload=False)
+    raise
+  staged.close()
 
 
 def main():
