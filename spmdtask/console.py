@@ -87,3 +87,21 @@ def captured_fd2(into: list[str]):
       os.close(saved)
       tmp.seek(0)
       into.append(tmp.read().decode(errors="replace"))
+
+
+def init_backends() -> str:
+  """Initializes JAX's backends; returns what they printed (for the log, not the console).
+
+  With libtpu installed on a machine without a TPU, JAX tries the TPU backend first and
+  libtpu prints warnings (worker hostnames, accelerator type) before JAX falls back to
+  the CPU. Should initialization fail, what was printed goes to stderr after all.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  out: list[str] = []
+  try:
+    with captured_fd2(out):
+      jax.devices()
+  except Exception:
+    sys.stderr.write("".join(out))
+    raise
+  return "".join(out)

@@ -169,6 +169,7 @@ def run(argv) -> None:
     from spmdtask import plan  # pylint: disable=g-import-not-at-top
     sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
   init_distributed()
+  backend_log = console.init_backends()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
@@ -177,6 +178,8 @@ def run(argv) -> None:
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
+  if backend_log:
+    logging.info("While JAX initialized its backends: %s", backend_log)
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,

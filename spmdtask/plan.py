@@ -61,11 +61,21 @@ def abstract_args(program: program_lib.Program, example_local_batch):
   return state, batch
 
 
+class CompilerOutOfMemory(Exception):
+  """The compiler itself refused the program: it needs more memory than the device has
+  (XLA:TPU checks this while compiling). The message is the compiler's."""
+
+
 def compile_train(program: program_lib.Program, example_local_batch):
-  """(compiled train step, what XLA printed while compiling it)."""
+  """(compiled train step, what XLA printed while compiling it); CompilerOutOfMemory."""
   logs: list[str] = []
-  with console.captured_fd2(logs):
-    compiled = program.train.lower(*abstract_args(program, example_local_batch)).compile()
+  try:
+    with console.captured_fd2(logs):
+      compiled = program.train.lower(*abstract_args(program, example_local_batch)).compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise CompilerOutOfMemory(str(e).splitlines()[0]) from None
+    raise
   return compiled, "".join(logs)
 
 
@@ -177,11 +187,14 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   program = program_lib.setup(task, example, devices=list(target.devices))
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
-  compiled, log_text = compile_train(program, example)
   n = program.mesh.devices.size
   batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
-  report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
-                           float(program.work.tokens) * batch_shape[0])
+  try:
+    compiled, log_text = compile_train(program, example)
+    report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
+                             float(program.work.tokens) * batch_shape[0])
+  except CompilerOutOfMemory as e:
+    log_text, report = "", {"compiler_out_of_memory": str(e)}
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
@@ -231,7 +244,6 @@ def format_estimate(plan: dict) -> list[str]:
 def format_plan(plan: dict) -> list[str]:
   """The console lines of a plan."""
   mb = console.human_bytes
-  c = plan["compiled"]
   t = plan["target"]
   where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
            + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
@@ -242,13 +254,16 @@ def format_plan(plan: dict) -> list[str]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
                  f"{str(a['padded_shape']):>16} {str(tuple(a['spec'])):>24} "
                  f"{mb(a['bytes_per_device']):>11}")
-  f = plan["flops_per_step"]
-  hbm = f" of the chip's {mb(t['chip']['hbm_bytes'])} HBM" if t["chip"] else ""
-  lines += [
+  lines.append(
       f"params {plan['num_params']:,}; train state per device "
       f"{mb(plan['state_bytes_per_device'])} (params "
       f"{mb(plan['params_bytes_per_device'])}, optimizer {mb(plan['opt_state_bytes_per_device'])})"
-      f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}",
+      f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}")
+  if "compiler_out_of_memory" in plan:
+    return lines + [f"compiler: {plan['compiler_out_of_memory']}"]
+  c, f = plan["compiled"], plan["flops_per_step"]
+  hbm = f" of the chip's {mb(t['chip']['hbm_bytes'])} HBM" if t["chip"] else ""
+  lines += [
       f"compiled step per device: arguments {mb(c['argument_size_in_bytes'])}, outputs "
       f"{mb(c['output_size_in_bytes'])} (aliased {mb(c['alias_size_in_bytes'])}), temporaries "
       f"{mb(c['temp_size_in_bytes'])}; peak estimate {mb(c['peak_estimate_bytes'])}{hbm}",
@@ -269,14 +284,19 @@ def format_plan(plan: dict) -> list[str]:
 
 def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None) -> None:
   """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget."""
-  peak = plan["compiled"]["peak_estimate_bytes"]
-  if peak <= device_memory_gb * 1e9:
-    return
   top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
+  if "compiler_out_of_memory" in plan:
+    over, temps = f"XLA refused to compile it: {plan['compiler_out_of_memory']}", ""
+  else:
+    peak = plan["compiled"]["peak_estimate_bytes"]
+    if peak <= device_memory_gb * 1e9:
+      return
+    over = (f"the estimated peak of one device, {peak / 1e9:.3g} GB, exceeds "
+            f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}")
+    temps = ("temporaries (activations, gradients) "
+             f"{console.human_bytes(plan['compiled']['temp_size_in_bytes'])}; ")
   raise PlanExceeded(
-      f"the estimated peak of one device, {peak / 1e9:.3g} GB, exceeds "
-      f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}. Largest consumers per device: temporaries (activations, "
-      f"gradients) {console.human_bytes(plan['compiled']['temp_size_in_bytes'])}; "
+      f"{over}. Largest consumers per device: {temps}"
       + "; ".join(f"{a['path']} {console.human_bytes(a['bytes_per_device'])}" for a in top)
       + ". Split them over more devices (fsdp / model axes in their split-dims mappings), "
       "remat more (task.model.remat_policy), add microbatches (task.train.num_microbatches) "
@@ -304,8 +324,8 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
     with open(os.path.join(job_log_dir, "logs", "plan_xla.log"), "w") as f:
       f.write(xla_log)
   console.say("Wrote %s", path)
-  if device_memory_gb is not None:
-    check_fits(plan, device_memory_gb)
+  if device_memory_gb is not None or "compiler_out_of_memory" in plan:
+    check_fits(plan, device_memory_gb or 0.0)
   elif topology and target.chip is not None:
     check_fits(plan, target.chip.hbm_bytes / 1e9,
                f"the {target.chip.name} chip's HBM, {target.chip.hbm_bytes / 1e9:.3g} GB "
