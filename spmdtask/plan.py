@@ -182,7 +182,8 @@ def format_plan(plan: dict) -> list[str]:
   """The console lines of a plan."""
   mb = console.human_bytes
   c = plan["compiled"]
-  lines = [f"Plan of {plan['experiment']} on {plan['num_devices']} devices, mesh {plan['mesh']}:",
+  lines = [f"Plan of {plan['experiment']} ({plan['num_params']:,} params) on "
+           f"{plan['num_devices']} devices, mesh {plan['mesh']}:",
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "

@@ -1,0 +1,29 @@
+"""configs/llama.py: each registered Llama has its published parameter count (abstract params,
+nothing allocated) and plans on emulated devices."""
+import fiddle as fdl
+import numpy as np
+import pytest
+
+from spmdtask import registry
+from spmdtask.layers.block import num_params
+
+PUBLISHED = {"Llama2_7B": 6_738_415_616, "Llama2_13B": 13_015_864_320,
+             "Llama2_70B": 68_976_648_192, "Llama3_8B": 8_030_261_248,
+             "Llama31_70B": 70_553_706_496, "Llama31_405B": 405_853_388_800,
+             "Llama32_1B": 1_235_814_400, "Llama32_3B": 3_212_749_824}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_is_the_published_one(name):
+  model = fdl.build(registry.get(f"llama.{name}")().task().model)
+  row = {"inputs": np.zeros((8,), np.int32), "targets": np.zeros((8,), np.int32),
+         "weights": np.ones((8,), np.float32)}
+  assert num_params(model, row) == PUBLISHED[name]  # jax.eval_shape: shapes only
+
+
+def test_vocabulary_is_set_once():
+  exp = registry.get("llama.Llama3_8B")()
+  cfg = exp.task()
+  cfg.model.vocab_size = 1000  # one change reaches every input
+  assert {d.vocab_size for d in [*exp.datasets().values(), *exp.decode_datasets().values()]} \
+      == {1000}
