@@ -142,23 +142,9 @@ def _convert_and_check_logits(tmp_path, cfg, tensors, shards, tokenizer_dir=None
   return out
 
 
-def test_sharded_untied_llama_converts_in_decodes_and_back_bit_identically(tmp_path):
-  tensors = _hf_tensors(CONFIG, np.float32)
-  out = _convert_and_check_logits(tmp_path, CONFIG, tensors, shards=2)
-  r = h.run(h.main_cmd(convert_llama.EXP, out, flags=["--mode=decode",
-                                                f"--flagfile={out}/model_overrides.txt"]))
-  assert r.returncode == 0, r.stderr[-3000:]
-  with open(os.path.join(out, "decoder_out", "prompts_step0.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  assert len(rows) == 16
-  checked = 0
-  for row in rows:  # greedy: the first new token is the reference's argmax (clear margins)
-    ref = np.sort(llama_forward(CONFIG, tensors, np.asarray(row["prompt_ids"]))[-1])
-    if ref[-1] - ref[-2] > 1e-3:
-      want = int(np.argmax(llama_forward(CONFIG, tensors, np.asarray(row["prompt_ids"]))[-1]))
-      assert row["output_ids"][0] == want
-      checked += 1
-  assert checked >= 12
+def test_sharded_untied_llama_converts_in_and_back_bit_identically(tmp_path):
+  # Decoding through the binary: the Llama 3.2-style test below (HF's greedy tokens).
+  _convert_and_check_logits(tmp_path, CONFIG, _hf_tensors(CONFIG, np.float32), shards=2)
 
 
 def test_tied_bfloat16_llama_round_trips_bit_identically(tmp_path):
