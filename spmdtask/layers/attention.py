@@ -76,8 +76,7 @@ class Attention(nn.Module):
   """Projections q/k/v/o around `attend`.
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
-  Rotary positions (`layers.rope`, scaled by `rope_scaling` when set) unless `rope_theta`
-  is None; causal unless `causal=False`.
+  Rotary positions unless `rope_theta` is None; causal unless `causal=False`.
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
   None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """
@@ -91,8 +90,8 @@ class Attention(nn.Module):
   kv_split: SplitDims
   o_split: SplitDims
   heads_act_split: SplitDims | None
+  rope_scaling: rope.Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
-  rope_scaling: rope.Llama3Scaling | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
