@@ -47,3 +47,43 @@ def test_llama32_1b_plans_from_shapes_alone(tmp_path):
   # float32 params + Adam's two moments, split 8 ways (a few replicated norms aside).
   assert abs(got["state_bytes_per_device"] - 12 * n / 8) / (12 * n / 8) < 0.01
   assert grown < 2e9, grown
+
+
+def _hf(hidden, ff, layers, heads, kv, vocab, max_pos, theta=None, scaling=None, tied=False,
+        head_dim=None):
+  """The fields of a published Hugging Face Llama config.json (meta-llama/*)."""
+  cfg = {"model_type": "llama", "hidden_act": "silu", "hidden_size": hidden,
+         "intermediate_size": ff, "num_hidden_layers": layers, "num_attention_heads": heads,
+         "num_key_value_heads": kv, "vocab_size": vocab, "max_position_embeddings": max_pos,
+         "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": tied,
+         "attention_bias": False, "mlp_bias": False}
+  if theta is not None:  # Llama 2's config.json has no rope_theta (LlamaConfig's 10000.0)
+    cfg["rope_theta"] = theta
+  if scaling is not None:
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": scaling, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+  if head_dim is not None:
+    cfg["head_dim"] = head_dim
+  return cfg
+
+
+HF_CONFIGS = {
+    "Llama2_7B": _hf(4096, 11008, 32, 32, 32, 32000, 4096),
+    "Llama2_13B": _hf(5120, 13824, 40, 40, 40, 32000, 4096),
+    "Llama2_70B": _hf(8192, 28672, 80, 64, 8, 32000, 4096),
+    "Llama3_8B": _hf(4096, 14336, 32, 32, 8, 128256, 8192, 500000.0),
+    "Llama31_70B": _hf(8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, 8.0),
+    "Llama31_405B": _hf(16384, 53248, 126, 128, 8, 128256, 131072, 500000.0, 8.0),
+    "Llama32_1B": _hf(2048, 8192, 16, 32, 8, 128256, 131072, 500000.0, 32.0, True, 64),
+    "Llama32_3B": _hf(3072, 8192, 28, 24, 8, 128256, 131072, 500000.0, 32.0, True, 128),
+}
+
+
+def test_each_experiment_is_its_published_hf_config():
+  """Every model field (eps, θ, scaling, context, tying) equals what convert_llama reads from
+  the published config.json; the converter names that experiment."""
+  from tools import convert_llama  # pylint: disable=g-import-not-at-top
+  for name, cfg in HF_CONFIGS.items():
+    assert convert_llama.published_experiment(cfg) == f"llama.{name}", name
+  assert convert_llama.published_experiment({**HF_CONFIGS["Llama3_8B"], "rms_norm_eps": 1e-6}) \
+      is None

@@ -143,7 +143,7 @@ def model_fields(cfg: dict) -> dict:
               d_ff=cfg["intermediate_size"], max_seq_len=cfg.get("max_position_embeddings", 2048),
               mlp_activation="swiglu", **rope_fields(cfg),
               norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
-              scale_tied_logits=not tied)
+              scale_tied_logits=False)  # HF's tied head is unscaled
 
 
 def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
