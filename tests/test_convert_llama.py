@@ -7,6 +7,7 @@ import sys
 
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -228,17 +229,18 @@ def test_llama32_style_checkpoint_in_both_layouts_decodes_hf_greedy_tokens(tmp_p
   probe = np.arange(40) % tok.vocab_size  # the scaling matters here: a silent default shows
   assert np.abs(llama_forward(old, tensors, probe) - llama_forward(unscaled, tensors, probe)
                 ).max() > 1e-2
-  jobs = {}
-  for name, cfg in (("v4", old), ("v5", new)):
-    jobs[name] = _convert_and_check_logits(tmp_path / name, cfg, tensors, shards=1,
-                                           tokenizer_dir=str(tmp_path / "hf_v4"))
-  with open(os.path.join(jobs["v4"], "model_overrides.txt")) as f, \
-      open(os.path.join(jobs["v5"], "model_overrides.txt")) as g:
-    v4_lines, v5_lines = f.read().replace(jobs["v4"], "J"), g.read().replace(jobs["v5"], "J")
-  assert v4_lines == v5_lines and "rope_scaling.factor=32.0" in v4_lines
-  # Both checkpoints went back out bit-identical to `tensors` (above), and the overrides are
-  # equal: decoding one job decodes both.
-  out = jobs["v5"]
+  # transformers >= 5's layout: in (logits == the numpy forward), back out bit-identically.
+  out = _convert_and_check_logits(tmp_path / "v5", new, tensors, shards=1,
+                                  tokenizer_dir=str(tmp_path / "hf_v4"))
+  # The older layout converts to the same checkpoint and overrides: decoding one decodes both.
+  _write_hf(str(tmp_path / "hf_v4"), old, tensors, 1)
+  v4_lines = convert_llama.from_hf(str(tmp_path / "hf_v4"), str(tmp_path / "v4"))
+  assert v4_lines == [l.replace(out, str(tmp_path / "v4")) for l in convert_llama.overrides(
+      new, os.path.join(out, "tokenizer.json"))]
+  assert "task.model.rope_scaling.factor=32.0" in v4_lines
+  same = jax.tree.map(lambda a, b: a.tobytes() == b.tobytes(),
+                      convert_llama.to_params(old, tensors), convert_llama.to_params(new, tensors))
+  assert all(jax.tree.leaves(same))
   r = h.run(h.main_cmd(convert_llama.EXP, out, flags=["--mode=decode",
                                                       f"--flagfile={out}/model_overrides.txt"]))
   assert r.returncode == 0, r.stderr[-3000:]
