@@ -87,3 +87,24 @@ def test_each_experiment_is_its_published_hf_config():
     assert convert_llama.published_experiment(cfg) == f"llama.{name}", name
   assert convert_llama.published_experiment({**HF_CONFIGS["Llama3_8B"], "rms_norm_eps": 1e-6}) \
       is None
+
+
+def test_data_dir_switches_every_input_to_the_prepared_corpus(tmp_path):
+  from configs import llama  # pylint: disable=g-import-not-at-top
+  from tools import prepare_text_data  # pylint: disable=g-import-not-at-top
+  for i in range(10):
+    (tmp_path / f"doc{i}.txt").write_text(f"document {i}: " + "words " * (50 + 30 * i))
+  prepare_text_data.prepare(str(tmp_path / "*.txt"), str(tmp_path / "data"), "bytes",
+                            eval_fraction=0.8, num_shards=1)  # 8 eval documents: 8 prompts
+
+  class OnMyText(llama.Llama32_1B):  # not registered: a user's subclass
+    data_dir = str(tmp_path / "data")
+    batch_size, seq_len = 4, 64
+
+  exp = OnMyText()
+  exp.task().model.vocab_size = 257  # the corpus's (bytes); the inputs check it
+  train = fdl.build(exp.datasets()["train"])
+  prompts = fdl.build(exp.decode_datasets()["prompts"])
+  batch = train.batch_at(0)
+  assert batch["inputs"].shape == (4, 64) and "segment_ids" in batch
+  assert prompts.tokenizer.decode(prompts.batch_at(0)["prompts"][0][:9]) == "document "
