@@ -21,6 +21,29 @@ def test_parameter_count_is_the_published_one(name):
   assert num_params(model, row) == PUBLISHED[name]  # jax.eval_shape: shapes only
 
 
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_sets_up_on_8_devices_from_shapes_alone(name):
+  """program.setup (layouts by eval_shape, every split-dims mapping validated; 405B keeps its
+  4-way model axis): the state is float32 params + Adam moments split 8 ways, and nothing is
+  allocated (405B's state alone is 4.9 TB)."""
+  import resource  # pylint: disable=g-import-not-at-top
+  from spmdtask import memory, program as program_lib  # pylint: disable=g-import-not-at-top
+  from tests import util  # pylint: disable=g-import-not-at-top
+  rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  micro = util.build_run(f"llama.{name}").task.train.num_microbatches
+  overrides = [f"datasets['train'].batch_size={8 * micro}", "datasets['train'].seq_len=128"]
+  if name == "Llama31_405B":
+    overrides.append("task.ici_mesh_shape=(1, 2, 4)")
+  run = util.build_run(f"llama.{name}", overrides)
+  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
+  totals = memory.totals(memory.state_rows(program.layout, mesh_shape))
+  n = PUBLISHED[name]
+  assert totals["num_params"] == n
+  assert abs(totals["state_bytes_per_device"] - 12 * n / 8) / (12 * n / 8) < 0.01
+  assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before < 1e9
+
+
 def test_vocabulary_is_set_once():
   exp = registry.get("llama.Llama3_8B")()
   cfg = exp.task()
