@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask.layers.attention import Attention, KvCache
+from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 
 
@@ -56,6 +57,7 @@ class Block(nn.Module):
   dtype: jnp.dtype
   wsplit: object
   asplit: object
+  rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
 
   def _dropout(self, x: jax.Array) -> jax.Array:
@@ -71,7 +73,8 @@ class Block(nn.Module):
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         causal=self.causal, name="attn")(h, positions, segment_ids, cache)
+                         rope_scaling=self.rope_scaling, causal=self.causal,
+                         name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
