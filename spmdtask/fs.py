@@ -53,6 +53,10 @@ def join(base: str, *parts: str) -> str:
   return posixpath.join(base, *parts) if is_remote(base) else os.path.join(base, *parts)
 
 
+def dirname(path: str) -> str:
+  return posixpath.dirname(path) if is_remote(path) else os.path.dirname(path)
+
+
 def absolute(path: str) -> str:
   """An absolute local path; a URL unchanged (never `./gs:/bucket/...`)."""
   return str(path).rstrip("/") if is_remote(path) else os.path.abspath(path)
@@ -138,7 +142,7 @@ def read_text(path: str) -> str:
 
 def write_bytes(path: str, data: bytes) -> None:
   """Writes (replaces) `path`; local parent dirs are created."""
-  makedirs(posixpath.dirname(path) if is_remote(path) else os.path.dirname(path) or ".")
+  makedirs(dirname(path) or ".")
   with open(path, "wb") as f:
     f.write(data)
 
