@@ -266,7 +266,7 @@ def format_plan(plan: dict) -> list[str]:
   where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
            + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
            else f"{plan['num_devices']} {t['platform']} devices")
-  lines = [f"Plan of {plan['experiment']} on {where}, mesh {plan['mesh']}:",
+  lines = [f"Plan of {plan['experiment']} ({plan['num_params']:,} params) on {where}, mesh {plan['mesh']}:",
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
