@@ -19,7 +19,8 @@ j <= i, within the segment when packed): positions must count up by one along ea
 decode path (one query token against a cache) always uses xla.
 
 `check` (at validation) and `choose` (at trace time, when the sequence length is known)
-resolve the choice and raise ConfigError naming `task.model.attention_impl` where a choice cannot run.
+resolve the choice and raise ConfigError naming `task.model.attention_impl` where a choice
+cannot run.
 """
 import functools
 from typing import Callable
