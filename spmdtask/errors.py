@@ -21,3 +21,14 @@ class PlanExceeded(RuntimeError):
 
   `spmdtask.main` prints it without a traceback and exits with status 4.
   """
+
+
+class Interrupted(RuntimeError):
+  """Ctrl-C during training: the current step was saved (`step`); a rerun resumes there.
+
+  `spmdtask.main` prints one line and exits with status 130.
+  """
+
+  def __init__(self, step: int):
+    super().__init__(f"Interrupted at step {step}: saved; rerun the same command to resume.")
+    self.step = step

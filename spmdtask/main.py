@@ -11,8 +11,8 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import console, experiment, registry
-from spmdtask.errors import ConfigError, PlanExceeded, TrainingError
+from spmdtask import console, experiment, interrupts, registry
+from spmdtask.errors import ConfigError, Interrupted, PlanExceeded, TrainingError
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
@@ -42,6 +42,9 @@ _PLAN_DEVICES = flags.DEFINE_integer(
 _DEVICE_MEMORY_GB = flags.DEFINE_float(
     "device_memory_gb", None, "--mode=plan: fail (exit 4), naming the largest arrays, when the "
     "estimated peak memory of one device exceeds this many GB (1e9 bytes).")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", None, "Run on this many devices emulated on the host CPU (JAX's cpu "
+    "platform, set before JAX starts), e.g. 8 to try an 8-device mesh on a laptop.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -66,6 +69,21 @@ def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
 def plan_emulated(num_devices: int) -> bool:
   """True in the subprocess that `plan.reexec_emulated` started for `num_devices` devices."""
   return os.environ.get("SPMDTASK_PLAN_DEVICES") == str(num_devices)
+
+
+def use_cpu_devices(num_devices: int | None) -> None:
+  """`--cpu_devices=N`: JAX runs on N emulated CPU devices (before its backends start)."""
+  if num_devices is None:
+    return
+  if num_devices < 1:
+    raise ConfigError(f"--cpu_devices={num_devices}: give a positive device count, e.g. "
+                      "--cpu_devices=8.")
+  if _PLAN_DEVICES.value:
+    raise ConfigError("--cpu_devices and --plan_devices both emulate devices; --mode=plan "
+                      "takes --plan_devices=N alone.")
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", num_devices)
 
 
 def init_distributed() -> None:
@@ -147,9 +165,7 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
-  if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
-    from spmdtask import plan  # pylint: disable=g-import-not-at-top
-    sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
+  use_cpu_devices(_CPU_DEVICES.value)
   init_distributed()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
   run_cfg = build(cfg)
@@ -196,22 +212,39 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
         timeout_s=_EVAL_TIMEOUT.value)
 
 
+def reexec_for_plan() -> None:
+  """--mode=plan --plan_devices=N reruns the command with N emulated devices, and exits."""
+  if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
+    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
+
+
+def _fail(message: str, status: int, log: bool = False) -> None:
+  """Ends the run with one message on stderr (held library warnings first)."""
+  if log:
+    logging.info("%s", message)  # into job_log_dir/logs too
+  logging.flush()
+  console.show_held_records()
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
 def main(argv) -> None:
+  reexec_for_plan()  # before the console setup: the rerun sets up its own
+  console.start(console.verbose_flags_given())
+  interrupts.watch()
   try:
     run(argv)
   except ConfigError as e:
-    logging.flush()
-    print(f"spmdtask: config error: {e}", file=sys.stderr)
-    sys.exit(2)
+    _fail(f"spmdtask: config error: {e}", 2)
   except TrainingError as e:
-    logging.info("%s", e)  # into job_log_dir/logs too
-    logging.flush()
-    print(f"spmdtask: training stopped: {e}", file=sys.stderr)
-    sys.exit(3)
+    _fail(f"spmdtask: training stopped: {e}", 3, log=True)
   except PlanExceeded as e:
-    logging.flush()
-    print(f"spmdtask: plan: {e}", file=sys.stderr)
-    sys.exit(4)
+    _fail(f"spmdtask: plan: {e}", 4)
+  except Interrupted as e:
+    _fail(str(e), 130, log=True)
+  except KeyboardInterrupt:
+    _fail("Interrupted; exiting.", 130, log=True)
 
 
 if __name__ == "__main__":
