@@ -259,8 +259,8 @@ def write_outputs(out_dir: str, name: str, step: int, results: list[dict], token
     f.writelines(json.dumps(r) + "\n" for r in rows)
   new_tokens = sum(len(r["output_ids"]) for r in rows)
   earlier = os.path.basename(path) != f"{name}_step{step}.jsonl"
-  console.say("decode dataset %r, step %d: %d rows, %d tokens generated (%.1f tokens/s); wrote %s%s",
-              name, step, len(rows), new_tokens, new_tokens / max(seconds, 1e-9), path,
+  console.say("decode dataset %r, step %d: %d rows, %d tokens generated (%.1f tokens/s); "
+              "wrote %s%s", name, step, len(rows), new_tokens, new_tokens / max(seconds, 1e-9), path,
               " (earlier decodes of this step kept)" if earlier else "")
   if rows:
     r = rows[0]

@@ -28,7 +28,7 @@ from typing import Callable
 
 INTERRUPTED = "interrupted"
 PREEMPTED = "preempted"
-_ACK_AFTER_S = 2.0  # a stop that takes longer than this is acknowledged on the console
+_ACK_AFTER_S = 10.0  # a stop that takes longer than this is acknowledged on the console
 
 
 class _Watcher:
@@ -58,13 +58,19 @@ class _Watcher:
       self.count += 1
       saving = self.saving
     if self.count >= 2:
-      print("\nInterrupted again: exiting now, without saving.", file=sys.stderr, flush=True)
+      print(after_ctrl_c() + "Interrupted again: exiting now, without saving.",
+            file=sys.stderr, flush=True)
       os._exit(130)  # pylint: disable=protected-access
     if saving is not None:
       saving.on_first_sigint()
 
 
 _watcher: _Watcher | None = None
+
+
+def after_ctrl_c() -> str:
+  """A newline on a terminal, where the line holds the echoed ^C; nothing otherwise."""
+  return "\n" if sys.stderr.isatty() else ""
 
 
 def watch() -> None:
@@ -127,8 +133,9 @@ class StopRequest:
   def on_first_sigint(self) -> None:
     """The watcher thread saw the first Ctrl-C."""
     if self.num_processes > 1 and not _multiprocess_notice():
-      print("\nInterrupted: this multi-process job has no preemption service to agree on a "
-            "step to save, so it exits now, without saving.", file=sys.stderr, flush=True)
+      print(after_ctrl_c() + "Interrupted: this multi-process job has no preemption service "
+            "to agree on a step to save, so it exits now, without saving.", file=sys.stderr,
+            flush=True)
       os._exit(130)  # pylint: disable=protected-access
     self.sigint = True
     ack = threading.Timer(_ACK_AFTER_S, self._acknowledge)
@@ -137,8 +144,8 @@ class StopRequest:
 
   def _acknowledge(self) -> None:
     if not self.done.is_set():
-      print("\nCtrl-C: saving at the end of the current step (Ctrl-C again exits now, "
-            "without saving)...", file=sys.stderr, flush=True)
+      print(after_ctrl_c() + "Ctrl-C: saving at the end of the current step (Ctrl-C again "
+            "exits now, without saving)...", file=sys.stderr, flush=True)
 
   def __call__(self, step: int) -> str | None:
     """The reason to stop after `step` (every process gets the same answer), or None."""

@@ -242,9 +242,9 @@ def main(argv) -> None:
   except PlanExceeded as e:
     _fail(f"spmdtask: plan: {e}", 4)
   except Interrupted as e:
-    _fail(str(e), 130, log=True)
+    _fail(interrupts.after_ctrl_c() + str(e), 130, log=True)
   except KeyboardInterrupt:
-    _fail("Interrupted; exiting.", 130, log=True)
+    _fail(interrupts.after_ctrl_c() + "Interrupted; exiting.", 130, log=True)
 
 
 if __name__ == "__main__":
