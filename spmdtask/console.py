@@ -1,13 +1,15 @@
 """What a person reads: spmdtask's own lines on the console, everything else in job_log_dir/logs.
 
 The binary calls `start(verbose)` first thing: from then on what C/C++ libraries write to
-fd 2 (TensorFlow, libtpu, XLA, tf.data) is captured (`spmdtask.native_output`), and Python
-log records of WARNING and above are held back. `setup(job_log_dir, verbose)` then sends
-process 0's absl log to `job_log_dir/logs/spmdtask.INFO` and fd 2 to `logs/native.log`,
-and decides what the console shows of the log records: spmdtask's own warnings, JAX's
-warnings about the backend it picked (an accelerator present but unused), and ERROR and
-above from anywhere, each as one `spmdtask: warning: ...` / `spmdtask: error ...` line on
-stderr; third-party INFO and WARNING lines (orbax, absl, TensorFlow) only go to the log.
+fds 1 and 2 (TensorFlow, libtpu, XLA, tf.data, gloo) is captured (`spmdtask.native_output`),
+and Python log records of WARNING and above are held back. `setup(job_log_dir, verbose)`
+then sends process 0's absl log to `job_log_dir/logs/spmdtask.INFO` and the captured output
+to `logs/native.log`, and decides what the console shows of the log records: spmdtask's
+own warnings, JAX's warnings about the backend it picked (an accelerator present but
+unused), and ERROR and above from anywhere, each as one `spmdtask: warning: ...` /
+`spmdtask: <library> error: ...` line on stderr; third-party INFO and WARNING lines
+(orbax, absl, TensorFlow) only go to the log. Other processes than 0 drop what was
+captured while starting and print the rest as before.
 `say(...)` is for the few lines a run is read by (the start summary, progress, the end):
 process 0 prints them on stdout and logs them too. With `verbose` (--verbosity,
 --alsologtostderr, --logtostderr or --stderrthreshold given) nothing is captured, stderr
@@ -76,7 +78,7 @@ _records: _ConsoleRecords | None = None
 
 
 def start(verbose: bool) -> None:
-  """The binary's first step: captures fd 2 and holds log records until `setup`."""
+  """The binary's first step: captures fds 1 and 2; holds log records until `setup`."""
   global _records
   if verbose or _records is not None:
     return

@@ -1,16 +1,17 @@
-"""What C/C++ libraries write to file descriptor 2 goes to a log file, not the console.
+"""What C/C++ libraries write to fds 1 and 2 goes to a log file, not the console.
 
 TensorFlow (oneDNN notice, "All log messages before absl::InitializeLog()"), libtpu
 (accelerator-type probes on a machine without a TPU), XLA and tf.data ("Optimization loop
 failed") print to fd 2 from C++ whatever Python's log levels say, some of it while being
-imported. `capture()` points fd 2 at a pipe drained by a small filter process and gives
-Python's `sys.stderr` a copy of the original fd, so Python's own lines (spmdtask's, errors)
-still reach the terminal. The filter writes everything to a temporary file until
-`log_to(path)` (appending what came so far) or `to_terminal()`; from the first line that looks
-fatal (a C++ CHECK failure, a FATAL log line, "Fatal Python error", a signal report) it also
-copies everything to the terminal, so a crash is never silent. The filter is a separate
-process because a crash of this one would lose what a thread had not read yet; it ignores
-SIGINT (Ctrl-C reaches the whole process group) and ends when the pipe closes.
+imported; gloo prints its connections to fd 1. `capture()` points fds 1 and 2 at a pipe
+drained by a small filter process and gives Python's `sys.stdout` and `sys.stderr` copies
+of the original fds, so Python's own lines (spmdtask's, errors) still reach the terminal.
+The filter writes everything to a temporary file until `log_to(path)` (appending what came
+so far) or `to_terminal()`; from the first line that looks fatal (a C++ CHECK failure, a
+FATAL log line, "Fatal Python error", a signal report) it also copies everything to the
+terminal's stderr, so a crash is never silent. The filter is a separate process because a
+crash of this one would lose what a thread had not read yet; it ignores SIGINT (Ctrl-C
+reaches the whole process group) and ends when the pipe closes.
 """
 import os
 import subprocess
@@ -56,15 +57,16 @@ _active = False
 
 
 def capture() -> None:
-  """From now on fd 2 goes through the filter; `sys.stderr` stays on the terminal.
+  """From now on fds 1 and 2 go through the filter; `sys.stdout`/`sys.stderr` stay put.
 
   Call once, early (before TensorFlow, JAX's backends or libtpu load), in the binary only.
   """
   global _active
   if _active:
     return
+  sys.stdout.flush()
   sys.stderr.flush()
-  terminal = os.dup(2)
+  terminal_out, terminal = os.dup(1), os.dup(2)
   fd, temp = tempfile.mkstemp(prefix="spmdtask-native-", suffix=".log")
   os.close(fd)
   read_end, write_end = os.pipe()
@@ -72,9 +74,11 @@ def capture() -> None:
   subprocess.Popen([sys.executable, "-S", "-c", _FILTER, temp], stdin=read_end,
                    stdout=terminal, stderr=subprocess.DEVNULL, close_fds=True)
   os.close(read_end)
+  os.dup2(write_end, 1)
   os.dup2(write_end, 2)
   os.close(write_end)
-  # Python's own stderr (tracebacks, spmdtask's messages) keeps the terminal.
+  # Python's own output (tracebacks, spmdtask's lines) keeps the terminal.
+  sys.stdout = os.fdopen(terminal_out, "w", buffering=1, encoding=sys.stdout.encoding)
   sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
                          errors="backslashreplace")
   _active = True
