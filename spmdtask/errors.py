@@ -9,6 +9,14 @@ class ConfigError(ValueError):
   """
 
 
+class BatchSplitError(ConfigError):
+  """A batch array dim that does not divide over its mesh axes (`dim`, `size`, `shards`)."""
+
+  def __init__(self, message: str, dim: int, size: int, shards: int):
+    super().__init__(message)
+    self.dim, self.size, self.shards = dim, size, shards
+
+
 class TrainingError(RuntimeError):
   """Training cannot go on (e.g. the loss became NaN); the message says why and what to try.
 

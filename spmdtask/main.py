@@ -11,8 +11,9 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import console, experiment, interrupts, registry
-from spmdtask.errors import ConfigError, Interrupted, PlanExceeded, TrainingError
+from spmdtask import console, experiment, interrupts, overrides as overrides_lib, registry
+from spmdtask.errors import (BatchSplitError, ConfigError, Interrupted, PlanExceeded,
+                             TrainingError)
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
@@ -45,16 +46,24 @@ _DEVICE_MEMORY_GB = flags.DEFINE_float(
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", None, "Run on this many devices emulated on the host CPU (JAX's cpu "
     "platform, set before JAX starts), e.g. 8 to try an 8-device mesh on a laptop.")
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "Sets `data_dir` of every dataset and decode dataset that reads one "
+    "(e.g. lm.TextLm's train, eval and prompts), before the --fdl_set overrides.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
-def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
-  """The experiment's root config with every `--fdl_set` override applied."""
+def resolved_config(exp_name: str, overrides: list[str],
+                    data_dir: str | None = None) -> fdl.Config:
+  """The experiment's root config with `data_dir` (--data_dir) and every `--fdl_set`
+  override applied, in that order."""
   cfg = experiment.run_config(registry.get(exp_name)())
+  if data_dir is not None:
+    overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
   for assignment in overrides:
     if "=" not in assignment:
       raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
                         "--fdl_set=task.train.num_train_steps=5.")
+    overrides_lib.check_path(assignment, overrides_lib.field_paths(cfg))
     try:
       fdl_flag_utils.set_value(cfg, assignment)
     except Exception as e:  # fiddle raises several types for a bad path or value
@@ -150,11 +159,8 @@ def build(cfg: fdl.Config):
     run_cfg = fdl.build(cfg)
     run_cfg.task.validate()
     return run_cfg
-  except ConfigError:
-    raise
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"The config does not build: {e}. Check the --fdl_set overrides and the "
-                      "experiment's fields.") from None
+  except (TypeError, ValueError) as e:  # ConfigError too: drop fiddle's argument reprs
+    raise overrides_lib.build_error(e) from None
 
 
 def run(argv) -> None:
@@ -167,7 +173,7 @@ def run(argv) -> None:
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
   use_cpu_devices(_CPU_DEVICES.value)
   init_distributed()
-  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
+  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   from spmdtask import loop  # pylint: disable=g-import-not-at-top
@@ -235,6 +241,8 @@ def main(argv) -> None:
   interrupts.watch()
   try:
     run(argv)
+  except BatchSplitError as e:
+    _fail(f"spmdtask: config error: {overrides_lib.train_batch_error(e)}", 2)
   except ConfigError as e:
     _fail(f"spmdtask: config error: {e}", 2)
   except TrainingError as e:
