@@ -15,6 +15,7 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -81,6 +82,15 @@ def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = N
   return meta
 
 
+def train_command(output_dir: str, meta: dict) -> str:
+  """The command that trains lm.TextLm on `output_dir`, as a shell runs it from any dir."""
+  data_dir = output_dir if "://" in output_dir else os.path.abspath(output_dir)
+  job = data_dir.rstrip("/") + "_textlm"
+  return " ".join(["python -m spmdtask.main --exp=lm.TextLm",
+                   f"--job_log_dir={shlex.quote(job)}", f"--data_dir={shlex.quote(data_dir)}",
+                   f"--fdl_set=task.model.vocab_size={meta['vocab_size']}"])
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("--input", required=True, help="glob of text files, one document each")
@@ -100,8 +110,7 @@ def main():
                      for k, v in meta["splits"].items())
   print(f"{args.output_dir}: {meta['tokenizer']} tokenizer, vocab_size={meta['vocab_size']}, "
         f"eod_id={meta['eod_id']}; {counts}")
-  print(f"Train: --exp=lm.TextLm --fdl_set=task.model.vocab_size={meta['vocab_size']} "
-        f"--fdl_set=\"datasets['train'].data_dir='{args.output_dir}'\" (README)")
+  print("Train on it:\n  " + train_command(args.output_dir, meta))
 
 
 if __name__ == "__main__":
