@@ -141,11 +141,11 @@ def test_a_build_error_names_the_field_not_every_argument():
 
 def test_prepare_hint_is_a_command_that_sets_every_data_dir(tmp_path):
   (tmp_path / "txt").mkdir()
-  for i in range(6):
+  for i in range(25):  # 10 eval documents: lm.TextLm decodes 8 prompts
     (tmp_path / "txt" / f"{i}.txt").write_text(f"document {i} " * 40)
   out = str(tmp_path / "data")
   meta = prepare_text_data.prepare(str(tmp_path / "txt" / "*.txt"), out, "bytes",
-                                   eval_fraction=0.34, num_shards=1)
+                                   eval_fraction=0.4, num_shards=1)
   argv = shlex.split(prepare_text_data.train_command(out, meta))
   assert argv[:3] == ["python", "-m", "spmdtask.main"]
   args = dict(a[2:].split("=", 1) for a in argv[3:])
