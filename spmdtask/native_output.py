@@ -54,6 +54,7 @@ if temp:
 """ % (_CONTROL,)
 
 _active = False
+_filter: subprocess.Popen | None = None  # referenced, so never collected while it runs
 
 
 def capture() -> None:
@@ -61,7 +62,7 @@ def capture() -> None:
 
   Call once, early (before TensorFlow, JAX's backends or libtpu load), in the binary only.
   """
-  global _active
+  global _active, _filter
   if _active:
     return
   sys.stdout.flush()
@@ -71,8 +72,8 @@ def capture() -> None:
   os.close(fd)
   read_end, write_end = os.pipe()
   # pylint: disable-next=consider-using-with  # lives as long as this process
-  subprocess.Popen([sys.executable, "-S", "-c", _FILTER, temp], stdin=read_end,
-                   stdout=terminal, stderr=subprocess.DEVNULL, close_fds=True)
+  _filter = subprocess.Popen([sys.executable, "-S", "-c", _FILTER, temp], stdin=read_end,
+                             stdout=terminal, stderr=subprocess.DEVNULL, close_fds=True)
   os.close(read_end)
   os.dup2(write_end, 1)
   os.dup2(write_end, 2)
