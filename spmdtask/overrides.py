@@ -24,7 +24,7 @@ def field_paths(node, prefix: str = "") -> list[str]:
     for name in node.__signature_info__.parameters:
       path = f"{prefix}.{name}" if prefix else name
       out.append(path)
-      out += field_paths(getattr(node, name, None), path)
+      out += field_paths(node.__arguments__.get(name), path)  # set values only
   elif isinstance(node, dict):
     for key, value in node.items():
       path = f"{prefix}[{key!r}]"

@@ -1,6 +1,7 @@
 """What a person reads: the default run's console (every line spmdtask's), a finished job's
 rerun, an error with the checkpoint manager open, a diverged run; eval and decode lines."""
 import json
+import logging as py_logging
 import math
 import os
 import re
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from spmdtask import checkpoints, decoding, evaluation
+from spmdtask import checkpoints, console, decoding, evaluation
 from tests import subproc
 
 
@@ -109,3 +110,21 @@ def test_a_second_decode_never_overwrites_the_first(tmp_path):
   assert os.path.basename(second) == "prompts_step20_2.jsonl"
   assert [json.loads(l)["output_ids"] for l in open(first)] == [[3, 4, 5], [7]]
   assert [json.loads(l)["output_ids"] for l in open(second)] == [[9], [9]]
+
+
+def test_library_records_that_matter_become_spmdtask_lines(capsys):
+  records = console._ConsoleRecords()  # pylint: disable=protected-access
+  def record(name, level, msg, path):
+    return py_logging.LogRecord(name, level, path, 1, msg, None, None)
+  here = os.path.join(os.path.dirname(console.__file__), "loop.py")
+  records.handle(record("orbax", py_logging.WARNING, "Given directory is read only", "/x/o.py"))
+  records.handle(record("jax._src.xla_bridge", py_logging.WARNING,
+                        "A Google TPU may be present on this machine, but ...", "/x/b.py"))
+  records.handle(record("absl", py_logging.WARNING, "Removing incomplete checkpoint", here))
+  assert capsys.readouterr().err == ""  # held until setup
+  records.let_through(show=True)
+  records.handle(record("tensorstore", py_logging.ERROR, "write failed", "/x/t.py"))
+  assert capsys.readouterr().err.splitlines() == [
+      "spmdtask: jax warning: A Google TPU may be present on this machine, but ...",
+      "spmdtask: warning: Removing incomplete checkpoint",
+      "spmdtask: tensorstore error: write failed"]
