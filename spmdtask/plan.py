@@ -147,14 +147,30 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   FLOPs and HBM bytes, collectives, and (with the chip's facts) the roofline estimate.
 
   `num_devices` run the program (a stage's submesh may hold part of the target);
-  `model_flops` and `tokens` are the program's per step over all of them.
+  `model_flops` and `tokens` are the program's per step over all of them. 'warnings'
+  says what could not be read from the compiled program.
   """
   n = num_devices
-  text = compiled.as_text()
   once = compiled.cost_analysis()
   once = (once[0] if isinstance(once, list) else once) or {}  # XLA:GPU AOT gives None
-  step = xla_cost.per_step(text)
-  ops = hlo.collective_ops(text, target.num_slices)
+  notes = []
+  try:
+    text = compiled.as_text()
+  except jax.errors.JaxRuntimeError as e:
+    # A libtpu newer than jaxlib can emit HLO that jaxlib cannot read back (e.g. async
+    # instructions of a new arity): keep XLA:TPU's own analysis, say what is missing.
+    text = None
+    notes.append("XLA's optimized program could not be read back "
+                 f"({str(e).splitlines()[0][:160]}; libtpu newer than jaxlib? jax[tpu] pins the "
+                 "matching one): FLOPs and HBM bytes are XLA's with loop bodies counted once, "
+                 "collectives are not listed.")
+  if text is not None:
+    step = xla_cost.per_step(text)
+    ops = hlo.collective_ops(text, target.num_slices)
+  else:
+    step = {"flops": float(once.get("flops", 0.0)),
+            "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}
+    ops = []
   traffic = collective_traffic(ops)
   report = {
       "compiled": compiled_memory(compiled),
@@ -168,8 +184,9 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                   "model's is 6·N·T + attention."},
       "hbm_bytes_per_step_per_device": step["bytes accessed"],
       "loops": step["loops"],
-      "collectives": hlo.collectives(text, target.num_slices),
-      "collective_bytes_received_per_device": traffic}
+      "collectives": hlo.collectives(text, target.num_slices) if text is not None else {},
+      "collective_bytes_received_per_device": traffic,
+      "warnings": notes}
   if target.chip is not None:
     report["estimate"] = roofline.estimate(
         target.chip, step["flops"], step["bytes accessed"], traffic["ici"], traffic["dcn"],
@@ -200,7 +217,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
           "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape)
-                      + report.get("estimate", {}).get("notes", []),
+                      + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
           "arrays": [r.as_json() for r in rows]}
   plan["xla_log"] = target.log + log_text
   if task.pipeline is not None:
