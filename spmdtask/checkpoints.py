@@ -17,7 +17,6 @@ item dir present). Incomplete ones are never restored: the previous complete ste
 used, with a warning.
 """
 import os
-import signal
 import time
 from typing import Any
 
@@ -235,7 +234,6 @@ class Checkpointer:
     self._mngr = _manager(self.directory, self.interval, max_to_keep)
     self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
                   "process_count": jax.process_count(), **(metadata or {})}
-    self._sigterm, self._old_handler = False, None
     self.save_seconds: list[float] = []  # blocking part of each save
 
   def latest_step(self) -> int | None:
@@ -267,15 +265,9 @@ class Checkpointer:
         fs.rm(path, recursive=True)
     self._mngr.reload()
 
-  def install_sigterm_handler(self) -> None:
-    """SIGTERM marks a preemption (single process; multi-host uses JAX's sync point)."""
-    if jax.process_count() == 1:
-      self._old_handler = signal.signal(signal.SIGTERM,
-                                        lambda *_: setattr(self, "_sigterm", True))
-
-  def preempted(self, step: int) -> bool:
-    """True at a step where every process should save and exit: SIGTERM or the sync point."""
-    return self._sigterm or self._mngr.reached_preemption(step)
+  def reached_preemption(self, step: int) -> bool:
+    """JAX's multi-host preemption sync point: True at the same step on every process."""
+    return self._mngr.reached_preemption(step)
 
   def should_save(self, step: int) -> bool:
     return step % self.interval == 0
@@ -296,12 +288,13 @@ class Checkpointer:
     self._mngr.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for the last save and restores the previous SIGTERM handler."""
-    self._mngr.wait_until_finished()
-    self._mngr.close()
-    if self._old_handler is not None:
-      signal.signal(signal.SIGTERM, self._old_handler)
-      self._old_handler = None
+    """Waits for the last save; closes the manager (its threads end). Idempotent."""
+    if self._mngr is not None:
+      mngr, self._mngr = self._mngr, None
+      try:
+        mngr.wait_until_finished()
+      finally:
+        mngr.close()
 
 
 def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int | None = None,

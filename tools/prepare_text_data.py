@@ -19,6 +19,7 @@ Train on it with `--exp=lm.TextLm` (README).
 import argparse
 import json
 import os
+import shlex
 import sys
 
 import numpy as np
@@ -115,6 +116,15 @@ def _write(output_dir, paths, texts, pattern, kind, vocab_size, eval_fraction, n
   return meta
 
 
+def train_command(output_dir: str, meta: dict) -> str:
+  """The command that trains lm.TextLm on `output_dir`, as a shell runs it from any dir."""
+  data_dir = output_dir if "://" in output_dir else os.path.abspath(output_dir)
+  job = data_dir.rstrip("/") + "_textlm"
+  return " ".join(["python -m spmdtask.main --exp=lm.TextLm",
+                   f"--job_log_dir={shlex.quote(job)}", f"--data_dir={shlex.quote(data_dir)}",
+                   f"--fdl_set=task.model.vocab_size={meta['vocab_size']}"])
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("--input", required=True, help="glob of text files, one document each")
@@ -145,8 +155,7 @@ def main():
                      for k, v in meta["splits"].items())
   print(f"{args.output_dir}: {meta['tokenizer']} tokenizer, vocab_size={meta['vocab_size']}, "
         f"eod_id={meta['eod_id']}; {counts}")
-  print(f"Train: --exp=lm.TextLm --fdl_set=task.model.vocab_size={meta['vocab_size']} "
-        f"--fdl_set=\"datasets['train'].data_dir='{args.output_dir}'\" (README)")
+  print("Train on it:\n  " + train_command(args.output_dir, meta))
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ def read_meta(data_dir: str, field: str) -> dict:
   if not data_dir or not fs.isfile(path):
     raise ConfigError(
         f"{field}={data_dir!r} holds no {META_FILE}. Set it to a directory written by "
-        "`python tools/prepare_text_data.py --input='GLOB' --output_dir=DIR`.")
+        "`python tools/prepare_text_data.py --input='GLOB' --output_dir=DIR` (the binary's "
+        "--data_dir=DIR sets it for every dataset).")
   return json.loads(fs.read_text(path))
 
 
