@@ -23,5 +23,9 @@ setuptools.setup(
         "safetensors>=0.4.3,<0.9",
         "ml-dtypes>=0.5",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
+    extras_require={
+        "test": ["pytest>=8", "pytest-xdist>=3.5"],
+        # Cloud TPU VMs: libtpu matching the jax pin (`pip install '.[tpu]'` on every worker).
+        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    },
 )

@@ -112,3 +112,42 @@ def test_trains_from_files(tmp_path):
                        edit)
   _, _, losses = loop.train(run)
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0
+
+
+def test_two_processes_read_their_files_and_train_like_one(tmp_path):
+  """2 processes x 4 devices on 2 files: each reads only its file (the input's own count,
+  logged at the last checkpoint) and the losses are those of 1 process x 8 devices."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  from tests import subproc as h  # pylint: disable=g-import-not-at-top
+  from tools import launch_local  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  seqs = [(s + d * np.arange(65)) % 256 for s, d in zip(rng.integers(0, 256, 96),
+                                                          rng.integers(1, 8, 96))]
+  for k in range(2):  # 2 x 48 records: 6 steps of 16 rows are one epoch
+    write_records(str(tmp_path / f"part{k}.tfrecord"), seqs[k::2])
+  sets = ("task.model.num_layers=1", "task.train.num_train_steps=6",
+          "task.train.summary_interval_steps=1", "task.train.eval_interval_steps=0",
+          f"datasets['train'].file_pattern='{tmp_path}/part*.tfrecord'")
+  exp = "tests.registered_exps.TinyLmRecords"
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  r = h.run(h.main_cmd(exp, one, *sets, flags=["--verbosity=0"]))
+  assert r.returncode == 0, r.stderr[-3000:]
+  results = launch_local.launch(2, 4, h.main_cmd(exp, two, *sets, flags=["--verbosity=0"])[3:],
+                                timeout=400, env=h.env(4))
+  for i, res in enumerate(results):
+    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  logs = "".join(open(f).read() for job in (one, two)
+                 for f in glob.glob(os.path.join(job, "logs", "*INFO*")))
+  read = sorted(set(re.findall(
+      r"process (\d) of (\d) at batch 6 has read (\d+) records \(([a-z ]+)\)",
+      logs + "".join(res.stderr for res in (r, *results)))))
+  print("records read by batch 6 (process, processes, records, how):", read)
+  assert read == [("0", "1", "96", "its own files"), ("0", "2", "48", "its own files"),
+                  ("1", "2", "48", "its own files")]
+  want, got = h.train_losses(one), h.train_losses(two)
+  print("losses 1 process", [want[s] for s in range(1, 7)], "2 processes",
+        [got[s] for s in range(1, 7)])
+  np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
+                             rtol=1e-5)

@@ -96,7 +96,7 @@ class TfRecordLmInput:
   def reads_whole_files(self) -> bool:
     """Whether this process opens only its own files (else it keeps every N-th record)."""
     _, count, _ = self._where()
-    return self.repeat and count > 1 and len(self._files()) % count == 0
+    return self.repeat and len(self._files()) % count == 0
 
   def _dataset(self, skip: int) -> tf.data.Dataset:
     """This process's local batches from global batch `skip` on, as (read counts, tokens)."""
