@@ -55,7 +55,7 @@ def test_a_process_never_opens_the_other_processes_files(tmp_path):
   (tmp_path / "b.tfrecord").write_bytes(b"not a tfrecord file" * 100)
   pattern = str(tmp_path / "*.tfrecord")
   mine = TfRecordLmInput(pattern, batch_size=4, seq_len=SEQ, process_index=0, process_count=2)
-  assert [next(mine)["inputs"][:, 0].tolist() for _ in range(8)][:7] == [
+  assert [next(mine)["inputs"][:, 0].tolist() for _ in range(7)] == [
       [0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [0, 1]]
   theirs = TfRecordLmInput(pattern, batch_size=4, seq_len=SEQ, process_index=1,
                            process_count=2)
@@ -90,6 +90,21 @@ def test_restored_position_continues_exactly(records):
   for want in expected[5:]:
     np.testing.assert_array_equal(next(c)["inputs"], want)
   np.testing.assert_array_equal(c.batch_at(12)["inputs"], expected[12])
+
+
+def test_position_of_two_processes_resumes_on_one(records):
+  pattern, _ = records
+  ref = TfRecordLmInput(pattern, batch_size=4, seq_len=SEQ, process_index=0, process_count=1)
+  expected = [next(ref)["inputs"] for _ in range(8)]
+  two = [TfRecordLmInput(pattern, batch_size=4, seq_len=SEQ, process_index=p, process_count=2)
+         for p in range(2)]
+  for _ in range(5):
+    for p in two:
+      next(p)
+  one = TfRecordLmInput(pattern, batch_size=4, seq_len=SEQ, process_index=0, process_count=1)
+  one.set_state(two[0].get_state())
+  for want in expected[5:]:
+    np.testing.assert_array_equal(next(one)["inputs"], want)
 
 
 def test_no_files_is_a_config_error(tmp_path):
@@ -136,8 +151,8 @@ def test_two_processes_read_their_files_and_train_like_one(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   results = launch_local.launch(2, 4, h.main_cmd(exp, two, *sets, flags=["--verbosity=0"])[3:],
                                 timeout=400, env=h.env(4))
-  for i, res in enumerate(results):
-    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  assert [res.returncode for res in results] == [0, 0], "\n".join(
+      f"process {i}: {res.stderr[-3000:]}" for i, res in enumerate(results))
   logs = "".join(open(f).read() for job in (one, two)
                  for f in glob.glob(os.path.join(job, "logs", "*INFO*")))
   read = sorted(set(re.findall(

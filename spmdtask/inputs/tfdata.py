@@ -74,7 +74,6 @@ class TfRecordLmInput:
     self._step = 0
     self._it = None
     self._peeked = None  # (step, batch) read by batch_at, handed out by the next `next`
-    self._count = None
     self.records_read = 0
 
   def _where(self) -> tuple[int, int, int]:
@@ -102,29 +101,25 @@ class TfRecordLmInput:
     """This process's local batches from global batch `skip` on, as (read counts, tokens)."""
     index, count, local = self._where()
     files = self._files()
-    if self._count is None:
-      self._count = tf.Variable(0, dtype=tf.int64, trainable=False)
-    counter = self._count
-
-    def numbered(record):  # a sequential map: the n-th record read gets n, deterministically
-      return counter.assign_add(1), record
-
+    # `enumerate` numbers the records as they come off the reader (0-based), so a batch
+    # carries how many records this stream had read when it was made.
     if self.reads_whole_files():
-      ds = _round_robin(files[index::count]).repeat().map(numbered)
+      ds = _round_robin(files[index::count]).repeat().enumerate()
     elif self.repeat and len(files) == 1:  # shard on the reader: the others' bytes are skipped
-      ds = _round_robin(files).repeat().shard(count, index).map(numbered)
+      ds = _round_robin(files).repeat().shard(count, index).enumerate()
     elif self.repeat:  # the interleave reads every record; this process parses its own
-      ds = _round_robin(files).repeat().map(numbered).shard(count, index)
+      ds = _round_robin(files).repeat().enumerate().shard(count, index)
     else:  # whole global batches only, so every process ends at the same batch
-      ds = (_round_robin(files).map(numbered).batch(self.batch_size, drop_remainder=True)
+      ds = (_round_robin(files).enumerate().batch(self.batch_size, drop_remainder=True)
             .unbatch().shard(count, index))
     spec = {"tokens": tf.io.FixedLenFeature([self.seq_len + 1], tf.int64)}
     return ds.map(lambda n, r: (n, tf.io.parse_single_example(r, spec)["tokens"])).batch(
         local, drop_remainder=True).skip(skip).prefetch(2)
 
-  def _to_batch(self, numbered_tokens) -> dict[str, np.ndarray]:
+  def _to_batch(self, numbered_tokens, count: bool = True) -> dict[str, np.ndarray]:
     numbers, tokens = numbered_tokens
-    self.records_read = max(self.records_read, int(numbers.max()))
+    if count:  # the training stream's reads (not those of a look-up of another step)
+      self.records_read = int(numbers.max()) + 1
     tokens = tokens.astype(np.int32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "weights": np.ones(tokens[:, 1:].shape, np.float32)}
@@ -136,7 +131,8 @@ class TfRecordLmInput:
       self._it = self._dataset(step).as_numpy_iterator()
       self._peeked = (step, self._to_batch(next(self._it)))
       return self._peeked[1]
-    return self._to_batch(next(iter(self._dataset(step).take(1).as_numpy_iterator())))
+    return self._to_batch(next(iter(self._dataset(step).take(1).as_numpy_iterator())),
+                          count=False)
 
   def __iter__(self):
     return self
