@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # jax._src.clusters.slurm_cluster: port = 65535 - 2**12 + 1 + SLURM_JOB_ID % 2**12.
@@ -64,19 +65,27 @@ def launch(num_processes: int, devices_per_process: int, main_args: list[str],
     per_process = [([], slurm_env(num_processes, i, job_id)) for i in range(num_processes)]
   else:
     raise ValueError(f"cluster={cluster!r}: flags or slurm")
+  # Output goes to files, not pipes: a pipe nobody drains yet (we wait for the processes
+  # one by one) fills at 64 KiB and blocks its writer, and a blocked process never reaches
+  # jax.distributed's shutdown barrier, so the others abort there.
+  outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in per_process]
   procs = [subprocess.Popen(
       [sys.executable, "-m", "spmdtask.main", *main_args, *args], cwd=ROOT,
-      env={**env, **extra}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for args, extra in per_process]
+      env={**env, **extra}, stdout=out, stderr=err, text=True)
+      for (args, extra), (out, err) in zip(per_process, outs)]
   results = []
-  for p in procs:
+  for p, (out, err) in zip(procs, outs):
     try:
-      out, err = p.communicate(timeout=timeout)
+      p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
       for q in procs:
         q.kill()
       raise
-    results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    out.seek(0)
+    err.seek(0)
+    results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+    out.close()
+    err.close()
   return results
 
 
