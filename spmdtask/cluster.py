@@ -12,23 +12,16 @@ Three ways, first match wins:
 The environment is told apart with JAX's own `is_env_present` (never re-parsed here), so a
 cluster JAX learns to detect is detected here too.
 """
-import dataclasses
-
 from spmdtask.errors import ConfigError
 
 MODES = ("auto", "true", "false")
 
 
-@dataclasses.dataclass(frozen=True)
-class Joined:
-  """How this process joined: `how` names the source ('flags', 'slurm', 'gcetpu', ...)."""
-  how: str
-  process_id: int
-  num_processes: int
-
-  def describe(self) -> str:
-    return (f"Joined a {self.num_processes}-process job ({self.how}) as process "
-            f"{self.process_id}.")
+def describe(how: str) -> str:
+  """The console line for a process that joined through `how` (call after backends start)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return (f"Joined a {jax.process_count()}-process job ({how}) as process "
+          f"{jax.process_index()}.")
 
 
 def detected_env():
@@ -42,10 +35,11 @@ def detected_env():
 
 
 def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
-         multihost: str = "auto") -> Joined | None:
+         multihost: str = "auto") -> str | None:
   """Initialises jax.distributed when the flags or the environment ask for it.
 
-  Returns how it joined, or None for a single process. Must run before JAX's backends start.
+  Returns how it joined ('flags' or JAX's name of the cluster: 'slurm', 'gcetpu', ...), or
+  None for a single process. Must run before JAX's backends start; starts none itself.
   """
   import jax  # pylint: disable=g-import-not-at-top
   if multihost not in MODES:
@@ -56,7 +50,7 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
                         "process's index, 0-based), the same on every process but the index.")
     _cpu_collectives(jax)
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    return Joined("flags", jax.process_index(), jax.process_count())
+    return "flags"
   if multihost == "false":
     return None
   env = detected_env()
@@ -71,8 +65,7 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
   _cpu_collectives(jax)
   # Naming the detected method makes JAX use exactly that environment.
   jax.distributed.initialize(cluster_detection_method=getattr(env, "name", "") or None)
-  return Joined(getattr(env, "name", "") or env.__name__, jax.process_index(),
-                jax.process_count())
+  return getattr(env, "name", "") or env.__name__
 
 
 def _cpu_collectives(jax) -> None:

@@ -157,7 +157,8 @@ def run(argv) -> None:
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
   if joined is not None:
-    console.say("%s", joined.describe())
+    from spmdtask import cluster  # pylint: disable=g-import-not-at-top
+    console.say("%s", cluster.describe(joined))
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
