@@ -35,8 +35,11 @@ _COORDINATOR = flags.DEFINE_string(
     "--num_processes and --process_id. Every process runs the same command.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index, 0-based.")
-_MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initialize() with "
-                               "peers found by JAX itself (Cloud TPU pods, SLURM).")
+_MULTIHOST = flags.DEFINE_enum(
+    "multihost", "auto", ["auto", "true", "false"], "Join a multi-process job found by JAX's "
+    "own cluster detection (Cloud TPU pod, SLURM srun, Open MPI, Kubernetes JobSet): auto = "
+    "when one is found, else one process; true = require one; false = never. Explicit "
+    "--coordinator_address/--num_processes/--process_id win.")
 _PLAN_DEVICES = flags.DEFINE_integer(
     "plan_devices", None, "--mode=plan: plan for this many devices, emulated on the CPU in a "
     "subprocess (no accelerator needed); default: the devices present.")
@@ -104,18 +107,12 @@ def use_cpu_devices(num_devices: int | None) -> None:
   jax.config.update("jax_num_cpu_devices", num_devices)
 
 
-def init_distributed() -> None:
-  """Joins the multi-process job before any JAX computation, if one is asked for."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if _COORDINATOR.value:
-    if _NUM_PROCESSES.value is None or _PROCESS_ID.value is None:
-      raise ConfigError("--coordinator_address needs --num_processes and --process_id (this "
-                        "process's index, 0-based), the same on every process but the index.")
-    # CPU processes talk over gloo; accelerators use their own collectives.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-  elif _MULTIHOST.value:
-    jax.distributed.initialize()
+def init_distributed():
+  """Joins the multi-process job before any JAX computation, if one is asked for or found."""
+  from spmdtask import cluster  # pylint: disable=g-import-not-at-top
+  # The emulated-plan subprocess is a single process whatever cluster it runs in.
+  multihost = "false" if os.environ.get("SPMDTASK_PLAN_DEVICES") else _MULTIHOST.value
+  return cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, multihost)
 
 
 def _type_ok(value, hint) -> bool:
@@ -192,7 +189,7 @@ def run(argv) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
-  init_distributed()
+  joined = init_distributed()
   backend_log = console.init_backends()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
@@ -202,6 +199,9 @@ def run(argv) -> None:
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
+  if joined is not None:
+    from spmdtask import cluster  # pylint: disable=g-import-not-at-top
+    console.say("%s", cluster.describe(joined))
   if backend_log:
     logging.info("While JAX initialized its backends: %s", backend_log)
   if _MODE.value == "train":
