@@ -31,7 +31,7 @@ import sys
 
 import jax
 
-from spmdtask import console, hlo, memory, roofline, sharding, targets, xla_cost
+from spmdtask import console, fs, hlo, memory, roofline, sharding, targets, xla_cost
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -343,13 +343,10 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
   xla_log = plan.pop("xla_log")
   for line in format_plan(plan):
     console.say("%s", line)
-  path = os.path.join(job_log_dir, "plan.json")
+  path = fs.join(job_log_dir, "plan.json")
   if jax.process_index() == 0:
-    with open(path, "w") as f:
-      json.dump(plan, f, indent=1)
-    os.makedirs(os.path.join(job_log_dir, "logs"), exist_ok=True)
-    with open(os.path.join(job_log_dir, "logs", "plan_xla.log"), "w") as f:
-      f.write(xla_log)
+    fs.write_text(path, json.dumps(plan, indent=1))
+    fs.write_text(fs.join(job_log_dir, "logs", "plan_xla.log"), xla_log)
   console.say("Wrote %s", path)
   if device_memory_gb is not None or "compiler_out_of_memory" in plan:
     check_fits(plan, device_memory_gb or 0.0)
