@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import jax
 
@@ -64,20 +65,33 @@ def captured_fd2(into: list[str]):
       into.append(tmp.read().decode(errors="replace"))
 
 
-def abstract_args(program: program_lib.Program, example_local_batch):
-  """ShapeDtypeStructs (with shardings) of the train step's (state, batch)."""
-  state = program_lib.sharded_structs(program.mesh, program.layout.padded, program.layout.split)
-  batch = program_lib.sharded_structs(
-      program.mesh, global_batch.global_shapes(example_local_batch), program.batch_specs)
-  return state, batch
-
-
-def compile_train(program: program_lib.Program, example_local_batch):
-  """(compiled train step, what XLA printed while compiling it)."""
+def compile_lowering(lowering) -> tuple[Any, str]:
+  """(compiled program, what XLA printed while compiling it)."""
   logs: list[str] = []
   with captured_fd2(logs):
-    compiled = program.train.lower(*abstract_args(program, example_local_batch)).compile()
+    compiled = lowering.lower().compile()
   return compiled, "".join(logs)
+
+
+def compile_train(program, example_local_batch):
+  """(compiled train step, XLA's log) of a one-program (SPMD) task."""
+  return compile_lowering(program.lowerings(example_local_batch)[0])
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost.get("flops", 0.0))
+
+
+def _merge_collectives(found: list[tuple[dict, int]]) -> dict:
+  out = {}
+  for kinds, calls in found:
+    for k, v in kinds.items():
+      o = out.setdefault(k, {"count": 0, "bytes": 0})
+      o["count"] += v["count"] * calls
+      o["bytes"] += v["bytes"] * calls
+  return out
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -133,41 +147,59 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
 
 
 def make_plan(run_cfg, name: str = "experiment") -> dict:
-  """The plan of `run_cfg.task`'s train step on the devices present (JSON-able)."""
+  """The plan of `run_cfg.task`'s train step on the devices present (JSON-able).
+
+  Every program one step runs (`Program.lowerings`: one for SPMD, per part and stage for
+  MPMD) is compiled; `compiled` is the largest per-device peak among them, FLOPs and
+  collectives are summed over a step's calls, and `programs` lists each one.
+  """
   task = run_cfg.task
   example = run_cfg.datasets["train"].batch_at(0)
   program = program_lib.setup(task, example)
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
-  compiled, log_text = compile_train(program, example)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
+  programs, logs, collectives, flops = [], [], [], 0.0
+  for lw in program.lowerings(example):
+    compiled, log_text = compile_lowering(lw)
+    logs.append(log_text)
+    mem = compiled_memory(compiled)
+    n = lw.mesh.devices.size
+    flops += _flops(compiled) * n * lw.calls_per_step
+    collectives.append((hlo.collectives(compiled.as_text()), lw.calls_per_step))
+    programs.append({"name": lw.name, "stage": lw.stage, "devices": n,
+                     "calls_per_step": lw.calls_per_step, "compiled": mem,
+                     "flops": _flops(compiled) * n})
   n = program.mesh.devices.size
   batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
+  peak = max(programs, key=lambda p: p["compiled"]["peak_estimate_bytes"])
   plan = {"experiment": name, "num_devices": n, "mesh": mesh_shape,
+          "strategy": program.layout_facts()["pipeline"], "describe": program.describe(),
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
-          "compiled": compiled_memory(compiled),
+          "compiled": peak["compiled"],
           "flops_per_step": {
-              "xla_cost_analysis": float(cost.get("flops", 0.0)) * n,
+              "xla_cost_analysis": flops,
               "model": float(program.work.train_flops) * batch_shape[0],
               "note": "XLA's count is per device x devices and counts a loop body (scanned "
                       "layers, microbatches) once; the model's is 6·N·T + attention."},
-          "collectives": hlo.collectives(compiled.as_text()),
-          "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape),
+          "collectives": _merge_collectives(collectives),
+          "warnings": warnings(rows, mesh_shape, hlo.remat_warnings("".join(logs)), batch_shape),
           "arrays": [r.as_json() for r in rows]}
-  if task.pipeline is not None:
-    plan["stages"] = stage_report(rows, mesh_shape, task.pipeline)
+  if len(programs) > 1:
+    plan["programs"] = programs
+  axis = plan["strategy"].get("stage_axis")
+  if axis is not None:
+    plan["stages"] = stage_report(rows, mesh_shape, axis)
   return plan
 
 
-def stage_report(rows, mesh_shape, pipeline) -> list[dict]:
-  """Per stage of an SPMD pipeline: its devices and each device's state bytes.
+def stage_report(rows, mesh_shape, axis: str) -> list[dict]:
+  """Per stage of an SPMD pipeline over mesh axis `axis`: its devices and each device's
+  state bytes.
 
   Stacked layers are split over the stage axis; arrays that are not (embedding, head,
   norms) are held by every stage.
   """
-  axis = pipeline.stage_axis
   s = mesh_shape.get(axis, 1)
   per_device = sum(r.bytes_per_device for r in rows)
   shared = sum(r.bytes_per_device for r in rows
@@ -183,6 +215,7 @@ def format_plan(plan: dict) -> list[str]:
   mb = console.human_bytes
   c = plan["compiled"]
   lines = [f"Plan of {plan['experiment']} on {plan['num_devices']} devices, mesh {plan['mesh']}:",
+           *plan["describe"],
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
@@ -200,6 +233,10 @@ def format_plan(plan: dict) -> list[str]:
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
+  for p in plan.get("programs", []):
+    lines.append(f"program {p['name']} on {p['devices']} devices (x{p['calls_per_step']} a step): "
+                 f"peak estimate {mb(p['compiled']['peak_estimate_bytes'])} per device, "
+                 f"{p['flops']:.3g} FLOPs per call")
   for st in plan.get("stages", []):
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "

@@ -92,7 +92,7 @@ class Pipeline:
     self.part_stage = [schedule.owner(v)[0] for v in range(S * V)]
     self.stage_keys = self._stage_keys()
     M = schedule.num_microbatches
-    self._batch_avals = [jax.ShapeDtypeStruct((M, *x.shape), x.dtype)
+    self.batch_avals = [jax.ShapeDtypeStruct((M, *x.shape), x.dtype)
                          for x in jax.tree.leaves(microbatch)]
     self._split_parts = {schedule.virtual_stage(s, a.chunk)
                          for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
@@ -107,6 +107,7 @@ class Pipeline:
     out_shapes = jax.eval_shape(loss_fn, params, microbatch)
     self.aux_tree = jax.tree.structure(out_shapes[1]) if has_aux else None
     loss_dtype = jax.tree.leaves(out_shapes)[0].dtype
+    self.loss_aval = jax.ShapeDtypeStruct((), loss_dtype)
     last = self.part_stage[-1]
     self._last_mesh = stages[last].mesh
     self._combine = steps.partition(lambda ls, w: jnp.sum(jnp.stack(ls) * w), stages[last].mesh,
@@ -181,7 +182,7 @@ class Pipeline:
 
     split_progs = {}
     if v in self._split_parts:
-      args = ([self.param_shapes[i] for i in pleaves], [self._batch_avals[j] for j in bleaves],
+      args = ([self.param_shapes[i] for i in pleaves], [self.batch_avals[j] for j in bleaves],
               jax.ShapeDtypeStruct((), jnp.int32), [aval(i) for i in float_in],
               [aval(i) for i in int_in])
       split_progs = split_backward(fwd, bwd, args,

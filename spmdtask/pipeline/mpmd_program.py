@@ -45,14 +45,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import mesh as mesh_lib
-from spmdtask import program as program_lib
-from spmdtask import sharding, steps, train_state
+from spmdtask import layouts, sharding, steps, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.model import Metrics, Model, Work
-from spmdtask.pipeline import mpmd, mpmd_config, mpmd_step
+from spmdtask.pipeline import mpmd, mpmd_report, mpmd_stages, mpmd_step
 from spmdtask.pipeline.mpmd_step import StageState
-from spmdtask.task import Task
 from spmdtask.train_state import StateLayout, TrainState
 
 
@@ -89,7 +87,7 @@ def _sum_metrics(aux: tuple) -> Metrics:
 @dataclasses.dataclass
 class MpmdProgram:
   """The per-stage programs of one task and the layouts they agree on (module doc)."""
-  task: Task
+  task: Any
   model: Model
   mesh: Mesh  # every device: canonical restore targets
   tx: optax.GradientTransformation  # the canonical optimizer (with clipping)
@@ -99,7 +97,8 @@ class MpmdProgram:
   live: StateLayout  # the live tree (layer groups) of base_tx, split evenly on `mesh`
   live_split: TrainState
   work: Work
-  config: mpmd_config.MpmdConfig
+  config: Any  # the MpmdConfig strategy
+  batch_specs: Any  # the global batch on `mesh` (the loop's view; stages split it)
   pipeline: mpmd.Pipeline
   step_fn: mpmd_step.TrainStep
   _init: steps.Partitioned
@@ -107,7 +106,8 @@ class MpmdProgram:
   _sum: steps.Partitioned
   _to_canonical: steps.Partitioned
   _from_canonical: steps.Partitioned
-  _shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
+  num_layers: int
+  shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
   last_peak_residuals: tuple[int, ...] | None = None
 
   # ---- the Program interface ------------------------------------------------------------
@@ -118,9 +118,9 @@ class MpmdProgram:
 
   @property
   def layout(self) -> StateLayout:
-    """The state's layout on `mesh` for the start summary (Program.layout): the canonical
-    one, whose logical shapes and bytes are those of the per-stage live state."""
-    return self.canonical
+    """The live state's layout (layer groups) laid out evenly on `mesh` (Program.layout);
+    `describe` gives each stage's own bytes."""
+    return self.live
 
   @property
   def _last(self) -> int:
@@ -138,7 +138,7 @@ class MpmdProgram:
     if cross.local[self._last]:
       out = self._finish(cross.localize(state.step, cross.meshes[self._last]), m["loss"],
                          m["grad_norm"], m["param_norm"], m["aux"])
-    step, metrics = cross.broadcast(out, self._last, self._shapes["train"])
+    step, metrics = cross.broadcast(out, self._last, self.shapes["train"])
     return MpmdState(step, stages), metrics
 
   def eval(self, state: MpmdState, batch) -> Metrics:
@@ -147,7 +147,7 @@ class MpmdProgram:
     if not cross.multiprocess:
       return self._sum(aux)
     out = self._sum(aux) if cross.local[self._last] else None
-    return cross.broadcast(out, self._last, self._shapes["eval"])
+    return cross.broadcast(out, self._last, self.shapes["eval"])
 
   def global_batch(self, local_batch) -> Any:
     """Host arrays of the global batch (every process's rows, in process order: each
@@ -157,20 +157,23 @@ class MpmdProgram:
     return jax.tree.map(np.asarray, local_batch)
 
   def canonical_targets(self) -> TrainState:
-    return program_lib.sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
+    return layouts.sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
 
   def layout_facts(self) -> dict:
-    return {**program_lib.mesh_facts(self.mesh),
-            "pipeline": {"mpmd": dataclasses.asdict(self.config)},
-            "num_microbatches": int(self.config.num_microbatches),
-            "canonical": "logical arrays, layers stacked [L, ...]"}
+    return layouts.layout_facts(self.mesh, self.task, self.config)
+
+  def describe(self) -> list[str]:
+    return mpmd_report.describe(self)
+
+  def lowerings(self, example_local_batch) -> list:
+    return mpmd_report.lowerings(self)
 
   def to_canonical(self, state: MpmdState) -> TrainState:
     pl, cross = self.pipeline, self.pipeline.cross
     if cross.multiprocess:  # every stage's state on every device (module doc)
       here = lambda t: jax.tree.map(lambda x: cross.localize(x, self.mesh), t)
       state = MpmdState(here(state.step), tuple(
-          here(cross.broadcast(st, s, self._shapes["stages"][s]))
+          here(cross.broadcast(st, s, self.shapes["stages"][s]))
           for s, st in enumerate(state.stages)))
     params = pl.gather([st.params for st in state.stages])
     per_stage = [_mirrors(self.base_tx, st.opt_state) for st in state.stages]
@@ -216,18 +219,18 @@ class MpmdProgram:
     return MpmdState(step, tuple(stages))
 
 
-def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
-  """Submeshes, layouts and per-stage programs for `task`; ConfigError on a bad config."""
-  config: mpmd_config.MpmdConfig = task.pipeline
+def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
+  """Submeshes, layouts and per-stage programs for `task` under the MpmdConfig `config`;
+  ConfigError on a bad config."""
   devices = list(devices if devices is not None else jax.devices())
-  schedule = mpmd_config.make_schedule(config)
-  meshes = mpmd_config.submeshes(config, task.mesh_axis_names, devices)
+  schedule = mpmd_stages.make_schedule(config)
+  meshes = mpmd_stages.submeshes(config, task.mesh_axis_names, devices)
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
-  model, canonical_model = program_lib.strategy_models(task)
+  model, canonical_model = layouts.strategy_models(task, config)
   shapes = global_batch.global_shapes(example_local_batch)
   global_size = jax.tree.leaves(shapes)[0].shape[0]
-  mb_size = mpmd_config.check_batch(config, global_size)
+  mb_size = mpmd_stages.check_batch(config, global_size)
   if task.train.num_microbatches != 1:
     raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
                       "pipeline: the pipeline splits the batch itself; set "
@@ -286,22 +289,24 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
   live_tree = jax.tree.structure(live.logical.opt_state)
 
   def to_canonical(state: TrainState) -> TrainState:
-    params = program_lib.apply_layout_maps(state.params, maps, True)
-    opt = program_lib.apply_layout_maps(state.opt_state, maps, True)
+    params = layouts.apply_layout_maps(state.params, maps, True)
+    opt = layouts.apply_layout_maps(state.opt_state, maps, True)
     opt = jax.tree.unflatten(canonical_tree, jax.tree.leaves(opt))
     return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), TrainState(state.step, params, opt))
 
   def from_canonical(state: TrainState) -> TrainState:
-    params = program_lib.apply_layout_maps(state.params, maps, False)
+    params = layouts.apply_layout_maps(state.params, maps, False)
     opt = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(base_tx.init, state.params)),
                              jax.tree.leaves(state.opt_state))
-    opt = program_lib.apply_layout_maps(opt, maps, False)
+    opt = layouts.apply_layout_maps(opt, maps, False)
     return TrainState(state.step, params, jax.tree.unflatten(live_tree, jax.tree.leaves(opt)))
 
   return MpmdProgram(
       task=task, model=model, mesh=mesh, tx=tx, base_tx=base_tx, canonical=canonical,
       canonical_split=canonical_split, live=live, live_split=live_split, work=work,
-      config=config, pipeline=pl, step_fn=step_fn, _shapes=cross_shapes,
+      config=config, batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
+                                                    task.batch_axes(), mesh),
+      pipeline=pl, step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),
