@@ -60,6 +60,9 @@ class MpmdState(NamedTuple):
   stages: tuple[StageState, ...]
 
 
+DROPOUT_KEY = "__dropout_key__"  # the batch leaf that carries each microbatch's dropout key
+
+
 def _is_everything(_) -> bool:
   return True
 
@@ -108,7 +111,10 @@ class MpmdProgram:
   _from_canonical: steps.Partitioned
   num_layers: int
   shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
+  make_eval_pipeline: Any = None  # () -> the forward-only Pipeline (no dropout), built once
   last_peak_residuals: tuple[int, ...] | None = None
+  _eval_pipeline: Any = None
+  _last_step: tuple = (None, 0)  # (the step array train returned, its value on the host)
 
   # ---- the Program interface ------------------------------------------------------------
 
@@ -126,24 +132,41 @@ class MpmdProgram:
   def _last(self) -> int:
     return self.pipeline.part_stage[-1]
 
+  def _dropout_keys(self, state: MpmdState) -> np.ndarray:
+    """[M, key] dropout key data: microbatch m's is fold_in(fold_in(key(seed), step), m),
+    what the unpipelined step with M-microbatch accumulation gives microbatch m. The step
+    is read from the device once (after init or restore), then counted here."""
+    arr, n = self._last_step
+    if arr is not state.step:
+      n = int(np.asarray(state.step.addressable_shards[0].data))
+    rng = jax.random.fold_in(jax.random.key(self.task.train.seed), n)
+    return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, m)))
+                     for m in range(self.config.num_microbatches)]), n
+
   def train(self, state: MpmdState, batch) -> tuple[MpmdState, dict]:
     cross = self.pipeline.cross
-    stages, m = self.step_fn(state.stages, batch)
+    keys, n = self._dropout_keys(state)
+    stages, m = self.step_fn(state.stages, {**batch, DROPOUT_KEY: keys})
     self.last_peak_residuals = m["peak_residuals"]
     if not cross.multiprocess:
       step, metrics = self._finish(state.step, m["loss"], m["grad_norm"], m["param_norm"],
                                    m["aux"])
+      self._last_step = (step, n + 1)
       return MpmdState(step, stages), metrics
     out = None
     if cross.local[self._last]:
       out = self._finish(cross.localize(state.step, cross.meshes[self._last]), m["loss"],
                          m["grad_norm"], m["param_norm"], m["aux"])
     step, metrics = cross.broadcast(out, self._last, self.shapes["train"])
+    self._last_step = (step, n + 1)
     return MpmdState(step, stages), metrics
 
   def eval(self, state: MpmdState, batch) -> Metrics:
     cross = self.pipeline.cross
-    _, aux = self.pipeline.forward([st.params if st else None for st in state.stages], batch)
+    if self._eval_pipeline is None:
+      self._eval_pipeline = self.make_eval_pipeline()
+    _, aux = self._eval_pipeline.forward([st.params if st else None for st in state.stages],
+                                         batch)
     if not cross.multiprocess:
       return self._sum(aux)
     out = self._sum(aux) if cross.local[self._last] else None
@@ -264,11 +287,25 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
                                                         ms),
                                 sharding.even_splits(micro, batch_split, ms), act))
 
-  def loss_fn(params, mb):  # microbatch m's loss sum (TrainStep divides by the total weight)
+  def eval_loss_fn(params, mb):  # microbatch m's loss sum (TrainStep divides by the total)
     loss, metrics = model.apply({"params": params}, mb, method=model.loss)
     return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
 
-  pl = mpmd.Pipeline(loss_fn, live.logical.params, micro, specs, schedule, has_aux=True)
+  def loss_fn(params, mb):  # the same, with microbatch m's dropout key (DROPOUT_KEY)
+    rest = {k: v for k, v in mb.items() if k != DROPOUT_KEY}
+    rngs = {"dropout": jax.random.wrap_key_data(mb[DROPOUT_KEY][0])}
+    loss, metrics = model.apply({"params": params}, rest, method=model.loss, rngs=rngs)
+    return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
+
+  key_aval = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  micro_train = {**micro, DROPOUT_KEY: jax.ShapeDtypeStruct((1,) + key_aval.shape,
+                                                            key_aval.dtype)}
+  train_specs = [dataclasses.replace(sp, batch_specs={**sp.batch_specs, DROPOUT_KEY: P()})
+                 for sp in specs]
+  pl = mpmd.Pipeline(loss_fn, live.logical.params, micro_train, train_specs, schedule,
+                     has_aux=True)
+  make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
+                                    has_aux=True)
   step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
                                 loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
   last_mesh = meshes[pl.part_stage[-1]]
@@ -306,7 +343,7 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
       canonical_split=canonical_split, live=live, live_split=live_split, work=work,
       config=config, batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
                                                     task.batch_axes(), mesh),
-      pipeline=pl, step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
+      pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),

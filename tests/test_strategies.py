@@ -1,0 +1,123 @@
+"""Every strategy for every stacked model: cold starts from the 1-device initial weights,
+packed text (segment ids, positions) and dropout under the SPMD pipeline and MPMD, ViT under
+MPMD, each equal to one device; config errors; the plan of an MPMD job."""
+import functools
+
+import fiddle as fdl
+import jax
+import numpy as np
+import pytest
+
+from spmdtask import plan
+from spmdtask.errors import ConfigError
+from spmdtask.pipeline.mpmd_config import MpmdConfig
+from spmdtask.pipeline.spmd import PipelineConfig
+from spmdtask.strategy import StackFacts
+from tests import util
+from tools import prepare_text_data
+
+STEPS = 3
+DROPOUT = ("task.model.dropout_rate=0.1",)
+
+
+def one_device(exp, overrides=(), edit=None, steps=STEPS):
+  ones = "task.ici_mesh_shape=" + str((1,) * len(util.build_run(exp).task.mesh_axis_names))
+  return util.train_steps(exp, steps, jax.devices()[:1], (ones, *overrides), edit)
+
+
+@functools.lru_cache(maxsize=None)
+def tinylm(overrides=()):
+  losses, params, program, _ = one_device("lm.TinyLm", overrides)
+  init = jax.device_get(program.to_canonical(program.init()).params)
+  return losses, params, init
+
+
+@pytest.mark.parametrize("exp", ["lm.TinyLmPipeline", "lm.TinyLmCircular", "lm.TinyLmMpmd"])
+def test_cold_start_has_the_one_device_weights_and_losses(exp):
+  want_losses, _, want_init = tinylm()
+  losses, _, program, _ = util.train_steps(exp, STEPS)
+  init = jax.device_get(program.to_canonical(program.init()).params)
+  util.assert_trees_close(init, want_init, rtol=0)  # identical initial params
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+
+def test_dropout_under_the_spmd_pipeline_and_mpmd_equals_one_device():
+  # The SPMD pipeline splits inside the forward: masks are the whole batch's (row ids).
+  want, _, _ = tinylm(DROPOUT)
+  assert not np.allclose(want, tinylm()[0], rtol=1e-3)  # dropout changes the losses
+  got, _, _, _ = util.train_steps("lm.TinyLmPipeline", STEPS, overrides=DROPOUT)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  # MPMD draws microbatch m's key as 4-microbatch gradient accumulation does.
+  want, _, _ = tinylm(DROPOUT + ("task.train.num_microbatches=4",))
+  got, _, _, _ = util.train_steps("lm.TinyLmMpmd", STEPS, overrides=DROPOUT)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_tiny_vit_mpmd_equals_tiny_vit_on_one_device():
+  want, want_params, _, _ = one_device("vit.TinyVit")
+  got, params, program, state = util.train_steps("vit.TinyVitMpmd", STEPS)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  batch = program.global_batch(util.build_run("vit.TinyVit").datasets["eval"].batch_at(0))
+  metrics = program.eval(state, batch)
+  assert float(metrics["accuracy"].weight) == 32
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  root = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  words = "a packed row holds whole documents each closed by its end id".split()
+  for i in range(24):
+    text = " ".join(words[j] for j in rng.integers(0, len(words), int(rng.integers(3, 60))))
+    (root / f"doc{i:02d}.txt").write_text(f"document {i}: {text}.\n")
+  out = str(root / "bytes")
+  prepare_text_data.prepare(str(root / "*.txt"), out, "bytes", eval_fraction=0.2, num_shards=2)
+  return out
+
+
+def _text(corpus):
+  return ["task.model.vocab_size=257"] + [
+      f"datasets['{s}'].{k}" for s in ("train", "eval")
+      for k in (f"data_dir='{corpus}'", "batch_size=8", "seq_len=64")] + [
+      f"decode_datasets['prompts'].data_dir='{corpus}'"]
+
+
+def _spmd(cfg):
+  cfg.task.mesh_axis_names = ("stage", "data", "fsdp", "model")
+  cfg.task.ici_mesh_shape = (2, 2, 1, 2)
+  cfg.task.pipeline = fdl.Config(PipelineConfig, num_stages=2, num_microbatches=4)
+
+
+def _mpmd(cfg):
+  cfg.task.pipeline = fdl.Config(MpmdConfig, layer_cuts=(2,),
+                                 submesh_shapes=((2, 1, 2), (4, 1, 1)), num_microbatches=4)
+
+
+def test_packed_text_lm_under_both_pipelines_equals_one_device(corpus):
+  want, want_params, _, _ = one_device("lm.TextLm", _text(corpus))
+  batch = util.build_run("lm.TextLm", _text(corpus)).datasets["train"].batch_at(0)
+  assert batch["segment_ids"].max() > 1  # packed rows
+  for edit in (_spmd, _mpmd):
+    got, params, _, _ = util.train_steps("lm.TextLm", STEPS, overrides=_text(corpus), edit=edit)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    util.assert_trees_close(params, want_params, rtol=1e-4, atol=1e-6)
+
+
+def test_interleaved_with_one_chunk_is_a_config_error():
+  run = util.build_run("lm.TinyLmMpmd", ["task.pipeline.schedule='interleaved_1f1b'"])
+  with pytest.raises(ConfigError, match="num_chunks=1 would run un-interleaved"):
+    run.task.pipeline.validate(StackFacts(num_layers=4, batch_size=16, mesh=None))
+
+
+def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
+  got = plan.make_plan(util.build_run("lm.TinyLmMpmd"), "lm.TinyLmMpmd")
+  names = [p["name"] for p in got["programs"]]
+  assert names == ["stage 0 part 0 forward", "stage 0 part 0 backward",
+                   "stage 1 part 1 forward", "stage 1 part 1 backward",
+                   "stage 0 optimizer update", "stage 1 optimizer update"]
+  assert all(p["devices"] == 4 and p["compiled"]["peak_estimate_bytes"] > 0
+             for p in got["programs"])
+  assert got["strategy"]["strategy"] == "mpmd"
+  assert got["describe"][1].startswith("  stage 0: submesh data=2 fsdp=1 model=2 (devices 0-3), "
+                                       "layers 0-0 + embedding")
