@@ -2,13 +2,14 @@
 packed text (segment ids, positions) and dropout under the SPMD pipeline and MPMD, ViT under
 MPMD, each equal to one device; config errors; the plan of an MPMD job."""
 import functools
+import re
 
 import fiddle as fdl
 import jax
 import numpy as np
 import pytest
 
-from spmdtask import plan
+from spmdtask import plan, program as program_lib
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline.mpmd_config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
@@ -121,3 +122,23 @@ def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
   assert got["strategy"]["strategy"] == "mpmd"
   assert got["describe"][1].startswith("  stage 0: submesh data=2 fsdp=1 model=2 (devices 0-3), "
                                        "layers 0-0 + embedding")
+
+
+def test_stage_programs_hold_activations_split_as_the_mapping_says():
+  """Each part is traced under its stage's submesh: stage 0 (data 2 x model 2) constrains the
+  heads and feed-forward activations over `model`; stage 1 (data 4) over data only."""
+  run = util.build_run("lm.TinyLmMpmd")
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(run.task, example)
+  got = {}
+  for lw in program.lowerings(example):
+    if lw.name.endswith("forward"):
+      text = lw.lower().as_text()
+      got[lw.stage] = (re.findall(r"sdy.mesh @\w+ = <([^>]*)>", text),
+                       set(re.findall(r"sdy.sharding_constraint %\S+ <@\w+, (\[[^\n]*?\])>",
+                                      text)))
+  assert got[0][0] == ['["data"=2, "fsdp"=1, "model"=2]']
+  assert '[{"data", "fsdp"}, {}, {"model"}, {}]' in got[0][1]  # heads [b, t, h, hd]
+  assert '[{"data", "fsdp"}, {}, {"model"}]' in got[0][1]  # ff [b, t, d_ff]
+  assert got[1][0] == ['["data"=4, "fsdp"=1, "model"=1]']
+  assert '[{"data", "fsdp"}, {}, {"model"}]' in got[1][1]  # logits (model has size 1 here)

@@ -67,6 +67,7 @@ class Pipeline:
     self.cross = mpmd_cross.Cross([st.mesh for st in self.stages])
     local = self.cross.local
     self.staged = split_lib.split(loss_fn, params, microbatch)
+    self._split_args, self._under_mesh = (loss_fn, params, microbatch), {}
     if self.staged.num_stages != S * V:
       raise ConfigError(
           f"The loss function has {self.staged.num_stages - 1} stage_boundary markers, so "
@@ -127,6 +128,20 @@ class Pipeline:
     keys[0].update(set(self.paths) - set().union(*keys))  # unused leaves: stage 0
     return [tuple(k for k in self.paths if k in ks) for ks in keys]
 
+  def _traced_on_stage(self, v: int) -> split_lib.Stage:
+    """Part v traced under its stage's submesh, so the model's activation sharding
+    constraints (split-dims mappings) apply inside the stage; the same cut as `staged`."""
+    s = self.part_stage[v]
+    if s not in self._under_mesh:
+      with jax.set_mesh(self.stages[s].mesh):
+        self._under_mesh[s] = split_lib.split(*self._split_args)
+    got, want = self._under_mesh[s].stages[v], self.staged.stages[v]
+    if (got.arg_leaves, got.incoming, got.outgoing) != (want.arg_leaves, want.incoming,
+                                                        want.outgoing):
+      raise ValueError(f"Part {v} traced under stage {s}'s submesh is cut differently "
+                       "than without a mesh; keep sharding constraints off stage boundaries.")
+    return got
+
   def sharding(self, stage: int, key: str) -> NamedSharding:
     spec = self.param_specs[stage][self.paths.index(key)]
     return NamedSharding(self.stages[stage].mesh, spec)
@@ -140,7 +155,7 @@ class Pipeline:
                                          for k in keys), self.stages[stage].mesh, (), specs)
 
   def _build_part(self, v: int) -> Part:
-    st, s = self.staged.stages[v], self.part_stage[v]
+    st, s = self._traced_on_stage(v), self.part_stage[v]
     spec = self.stages[s]
     last = v == self.staged.num_stages - 1
     pleaves = [i for i in st.arg_leaves if i < self.num_params]

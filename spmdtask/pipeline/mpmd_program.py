@@ -270,8 +270,8 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
     canonical = train_state.layout(canonical_model, tx, init_batch, full)
     work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                                    for k, v in init_batch.items()})
-  # No mesh while tracing the live model: its activation constraints (full-mesh specs) stay
-  # out of the stage programs; each stage's params and inputs carry its submesh's layout.
+  # The live layout without a mesh (shapes and splits only); the Pipeline traces each
+  # stage's part under that stage's submesh, where the activation constraints apply.
   live = train_state.layout(model, base_tx, init_batch, full)
   canonical_split = sharding.even_splits(canonical.logical, canonical.split, full)
   live_split = sharding.even_splits(live.logical, live.split, full)
@@ -315,7 +315,7 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
                       "grad_norm": grad_norm, "param_norm": param_norm,
                       "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)}
 
-  aux = (jax.eval_shape(loss_fn, live.logical.params, micro)[1],) * config.num_microbatches
+  aux = (jax.eval_shape(eval_loss_fn, live.logical.params, micro)[1],) * config.num_microbatches
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
   cross_shapes = {"train": jax.eval_shape(finish, canonical.logical.step, scalar, scalar, scalar, aux),
             "eval": jax.eval_shape(_sum_metrics, aux),
