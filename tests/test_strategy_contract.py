@@ -104,6 +104,15 @@ def test_layers_import_no_pipeline_and_pipeline_no_model_family():
       assert not {d for d in deps if d.startswith("spmdtask.layers")}, (mod, deps)
 
 
+def test_no_module_over_400_lines_no_class_over_200():
+  for path in _sources():
+    text = open(os.path.join(ROOT, path)).read()
+    assert text.count("\n") <= 400, path
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, ast.ClassDef):
+        assert node.end_lineno - node.lineno < 200, (path, node.name)
+
+
 if __name__ == "__main__":  # prints the graph: python -m tests.test_strategy_contract
   for m, deps in sorted(import_graph().items()):
     print(f"{m} -> {', '.join(sorted(deps)) or '(none)'}")
