@@ -158,9 +158,10 @@ def make_plan(run_cfg, name: str = "experiment") -> dict:
   program = program_lib.setup(task, example)
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
-  programs, logs, collectives, flops = [], [], [], 0.0
+  programs, logs, collectives, flops, pairs = [], [], [], 0.0, []
   for lw in program.lowerings(example):
     compiled, log_text = compile_lowering(lw)
+    pairs.append((lw, compiled))
     logs.append(log_text)
     mem = compiled_memory(compiled)
     n = lw.mesh.devices.size
@@ -190,6 +191,9 @@ def make_plan(run_cfg, name: str = "experiment") -> dict:
   axis = plan["strategy"].get("stage_axis")
   if axis is not None:
     plan["stages"] = stage_report(rows, mesh_shape, axis)
+  stage_plans = program.stage_report(pairs)
+  if stage_plans:
+    plan["stage_plans"] = stage_plans
   return plan
 
 
@@ -241,12 +245,30 @@ def format_plan(plan: dict) -> list[str]:
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "
                  f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
+  for st in plan.get("stage_plans", []):
+    lines.append(
+        f"stage {st['stage']} ({st['devices']} devices, layers {st['layers']}): state "
+        f"{mb(st['state_bytes_per_device'])}, live activations at the schedule's peak "
+        f"{st['peak_activation_sets']:g} sets = {mb(st['peak_activation_bytes'])}, compiled "
+        f"temporaries {mb(st['compiled_temp_bytes'])}; peak estimate "
+        f"{mb(st['peak_estimate_bytes'])} per device; sends {mb(st['transfer_bytes_per_step'])}"
+        f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}")
   lines += [f"warning: {w}" for w in plan["warnings"]]
   return lines
 
 
 def check_fits(plan: dict, device_memory_gb: float) -> None:
   """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget."""
+  for st in plan.get("stage_plans", []):
+    if st["peak_estimate_bytes"] > device_memory_gb * 1e9:
+      raise PlanExceeded(
+          f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
+          f"{st['peak_estimate_bytes'] / 1e9:.3g} GB (state {st['state_bytes_per_device'] / 1e9:.3g}"
+          f" GB, live activations {st['peak_activation_bytes'] / 1e9:.3g} GB at "
+          f"{st['peak_activation_sets']:g} sets, temporaries {st['compiled_temp_bytes'] / 1e9:.3g}"
+          f" GB), exceeds --device_memory_gb={device_memory_gb:g}. Move layers off it "
+          "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
+          "or use a schedule that holds fewer sets (task.pipeline.schedule).")
   peak = plan["compiled"]["peak_estimate_bytes"]
   if peak <= device_memory_gb * 1e9:
     return

@@ -66,6 +66,9 @@ class Program(Protocol):
   def lowerings(self, example_local_batch: Any) -> list[Lowering]:
     """Every program one train step runs, ready to lower from shapes (for the plan)."""
 
+  def stage_report(self, compiled: list) -> list[dict]:
+    """Per-stage plan rows from `(Lowering, compiled)` pairs; [] for one program."""
+
 
 def strategy_of(task) -> Strategy:
   """The task's execution strategy (`task.pipeline`; None = `Scan()`)."""

@@ -71,6 +71,10 @@ class SpmdProgram:
   def describe(self) -> list[str]:
     return [self.strategy.summary()]
 
+  def stage_report(self, compiled) -> list[dict]:
+    del compiled  # one program: plan.stage_report splits its state over the stage axis
+    return []
+
   def lowerings(self, example_local_batch) -> list:
     state = layouts.sharded_structs(self.mesh, self.layout.padded, self.layout.split)
     batch = layouts.sharded_structs(

@@ -11,6 +11,7 @@ import pytest
 
 from spmdtask import plan, program as program_lib
 from spmdtask.errors import ConfigError
+from spmdtask.pipeline import generators, simulate
 from spmdtask.pipeline.mpmd_config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.strategy import StackFacts
@@ -120,6 +121,20 @@ def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
   assert all(p["devices"] == 4 and p["compiled"]["peak_estimate_bytes"] > 0
              for p in got["programs"])
   assert got["strategy"]["strategy"] == "mpmd"
+  # The per-stage plan: live sets at the schedule's peak are the simulator's (1F1B: S - s),
+  # their bytes that count times one set's compiled bytes; stage 1 holds the head.
+  sim = simulate.simulate(generators.one_f_one_b(2, 4))
+  stages = got["stage_plans"]
+  assert [st["peak_activation_sets"] for st in stages] == [float(x) for x in
+                                                           sim.peak_activations] == [2.0, 1.0]
+  for st in stages:
+    assert st["peak_activation_bytes"] == st["peak_activation_sets"] * st[
+        "activation_set_bytes"][0] > 0
+    assert st["transfer_bytes_per_step"] > 0 and st["flops_per_step"] > 0
+    assert st["peak_estimate_bytes"] > st["state_bytes_per_device"] > 0
+  assert stages[0]["layers"] == [[0, 1]] and stages[1]["layers"] == [[1, 4]]
+  with pytest.raises(plan.PlanExceeded, match="pipeline stage 0 does not fit"):
+    plan.check_fits(got, stages[0]["peak_estimate_bytes"] / 1e9 * 0.99)
   assert got["describe"][1].startswith("  stage 0: submesh data=2 fsdp=1 model=2 (devices 0-3), "
                                        "layers 0-0 + embedding")
 

@@ -22,6 +22,8 @@ Memory: F(m, c) makes one activation set (residuals) and B or I releases it; I t
 the smaller weight-grad stash. `RunResult` reports per stage the peak count and the peak
 measured bytes of both (see mpmd_run).
 
+Microbatch m holds rows m, m + M, ... of the batch (as gradient accumulation splits it).
+
 Loss: `loss_fn` returns microbatch m's loss (or `(loss, aux)` with has_aux); the step loss
 is `sum_m w[m] * loss_m` with `w = 1/M` by default, so a per-example-mean loss over equal
 microbatches gives the full-batch mean. Pass `weights` (e.g. tokens_m / tokens) for other

@@ -191,6 +191,9 @@ class MpmdProgram:
   def lowerings(self, example_local_batch) -> list:
     return mpmd_report.lowerings(self)
 
+  def stage_report(self, compiled) -> list[dict]:
+    return mpmd_report.stage_report(self, compiled)
+
   def to_canonical(self, state: MpmdState) -> TrainState:
     pl, cross = self.pipeline, self.pipeline.cross
     if cross.multiprocess:  # every stage's state on every device (module doc)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask import console, layouts, memory
-from spmdtask.pipeline import mpmd_stages
+from spmdtask.pipeline import mpmd_stages, simulate
 from spmdtask.train_state import StateLayout
 
 
@@ -87,3 +87,51 @@ def lowerings(program) -> list[layouts.Lowering]:
         lambda prog=prog, p=params, o=put(sh.opt_state, prog.opt_specs), c=scalar:
         prog.update.lower(p, o, p, c, c)))
   return out
+
+
+def stage_report(program, compiled: list) -> list[dict]:
+  """The per-stage plan, from each lowering's compiled program (`(Lowering, compiled)`s).
+
+  Per stage: its submesh and layers; train state bytes per device; the largest compiled
+  temporaries among its programs; one activation set's bytes per device (a part's forward
+  outputs: residuals and what it sends); the live sets at the schedule's peak (the
+  simulator's count) and their bytes (`simulate.peak_bytes` with those set sizes); bytes
+  it sends per step (activations forward, gradients back); FLOPs per step; the simulated
+  bubble (equal F/B/W costs); and the estimated peak = state + live sets + temporaries.
+  """
+  pl, sched = program.pipeline, program.pipeline.schedule
+  M = sched.num_microbatches
+  sim = simulate.simulate(sched)
+  by_name = {lw.name: (lw, c) for lw, c in compiled}
+  set_bytes = [by_name[f"stage {p.stage} part {p.index} forward"][1].memory_analysis()
+               .output_size_in_bytes for p in pl.parts]
+  live = simulate.peak_bytes(sched, set_bytes)
+  nbytes = lambda ids: sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
+                           * len(pl.values[i].consumers) for i in ids)  # one send a consumer
+  rows = []
+  for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
+    mine = [(lw, c) for lw, c in compiled if lw.stage == s]
+    temp = max(c.memory_analysis().temp_size_in_bytes for _, c in mine)
+    flops = sum(_flops(c) * lw.mesh.devices.size * lw.calls_per_step for lw, c in mine)
+    parts = [p for p in pl.parts if p.stage == s]
+    sent = M * sum(nbytes(p.float_out + p.int_out) for p in parts)
+    sent += M * sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
+                    for p in parts for i in p.float_in)  # gradients back to producers
+    state = memory.totals(stage_state_rows(program, s))["state_bytes_per_device"]
+    rows.append({
+        "stage": s, "devices": spec.mesh.devices.size,
+        "submesh": {a: int(n) for a, n in spec.mesh.shape.items()},
+        "layers": [list(r) for r in layers], "state_bytes_per_device": state,
+        "compiled_temp_bytes": int(temp),
+        "activation_set_bytes": [set_bytes[p.index] for p in parts],
+        "peak_activation_sets": float(sim.peak_activations[s]),
+        "peak_activation_bytes": int(live[s]), "transfer_bytes_per_step": int(sent),
+        "flops_per_step": flops, "bubble": float(sim.bubble_fractions[s]),
+        "peak_estimate_bytes": int(state + live[s] + temp)})
+  return rows
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost.get("flops", 0.0))
