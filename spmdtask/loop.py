@@ -278,11 +278,10 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step)"]
-  lines += program.describe()  # the execution strategy (and its stages)
   if job_log_dir is not None:
     lines.append(f"job dir {os.path.abspath(job_log_dir)} (config.txt, checkpoints/, "
                  "summaries/, logs/)")
-  return lines
+  return lines + program.describe()  # the execution strategy (and its stages)
 
 
 def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -> list[Hook]:
