@@ -59,7 +59,9 @@ def test_tiny_vit_mpmd_equals_tiny_vit_on_one_device():
   want, want_params, _, _ = one_device("vit.TinyVit")
   got, params, program, state = util.train_steps("vit.TinyVitMpmd", STEPS)
   np.testing.assert_allclose(got, want, rtol=1e-5)
-  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  # Adam's first steps move a weight by ~lr whatever its gradient's size: one element in
+  # 16k with a near-zero gradient differs by 4e-5 after 3 steps.
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-4)
   batch = program.global_batch(util.build_run("vit.TinyVit").datasets["eval"].batch_at(0))
   metrics = program.eval(state, batch)
   assert float(metrics["accuracy"].weight) == 32
