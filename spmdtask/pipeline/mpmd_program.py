@@ -143,6 +143,11 @@ class MpmdProgram:
     return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, m)))
                      for m in range(self.config.num_microbatches)]), n
 
+  def train_batch(self, state: MpmdState, batch) -> dict:
+    """What the train pipeline runs (e.g. for `pipeline.backward_flops`): the global batch
+    and each microbatch's dropout key."""
+    return {**batch, DROPOUT_KEY: self._dropout_keys(state)[0]}
+
   def train(self, state: MpmdState, batch) -> tuple[MpmdState, dict]:
     cross = self.pipeline.cross
     keys, n = self._dropout_keys(state)
