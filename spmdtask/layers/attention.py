@@ -11,17 +11,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from spmdtask.layers import rope
+from spmdtask.layers import fused_attention
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form)."""
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[..., None] * freq
-  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -86,6 +78,8 @@ class Attention(nn.Module):
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
   Rotary positions unless `rope_theta` is None; causal unless `causal=False`.
+  `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
+  splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla).
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
   None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """
@@ -99,7 +93,20 @@ class Attention(nn.Module):
   kv_split: SplitDims
   o_split: SplitDims
   heads_act_split: SplitDims | None
+  rope_scaling: rope.Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
+  impl: str = "xla"
+
+  def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
+    """Full sequences: the kernel `impl` resolves to; decoding (a KV cache): `attend`."""
+    if not decoding:
+      backend = fused_attention.platform()
+      impl = fused_attention.choose(self.impl, backend, q.shape[1], q.shape[3], q.dtype,
+                                    segment_ids is not None, self.heads_act_split)
+      if impl != "xla":
+        return fused_attention.fused(impl, q, k, v, segment_ids, self.causal,
+                                     self.heads_act_split, backend)
+    return attend(q, k, v, q_pos, kv_pos, self.causal, segment_ids, segment_ids)
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
@@ -114,7 +121,8 @@ class Attention(nn.Module):
     k = constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)), self.heads_act_split)
     v = constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)), self.heads_act_split)
     if self.rope_theta is not None:
-      q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+      q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
+      k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)
     if cache is None:
       kv_pos = positions
     else:
@@ -124,6 +132,6 @@ class Attention(nn.Module):
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     if cache is not None and segment_ids is not None:
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
-    out = constrain(attend(q, k, v, positions, kv_pos, self.causal, segment_ids, segment_ids),
+    out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
                     self.heads_act_split)
     return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), cache

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask.layers.attention import Attention, KvCache
+from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 
 
@@ -45,7 +46,7 @@ class Block(nn.Module):
   dim). Dropout runs where a `dropout_key` (uint32 key data) is given: row i's mask comes
   from (key, row_ids[i]), so it does not depend on how the batch is split into
   microbatches. `causal=False` makes an encoder block; `rope_theta=None` turns rotary
-  positions off.
+  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`).
   """
   d_model: int
   num_heads: int
@@ -59,7 +60,9 @@ class Block(nn.Module):
   dtype: jnp.dtype
   wsplit: object
   asplit: object
+  rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
+  attention_impl: str = "auto"
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -78,7 +81,8 @@ class Block(nn.Module):
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         causal=self.causal, name="attn")(h, positions, segment_ids, cache)
+                         rope_scaling=self.rope_scaling, causal=self.causal,
+                         impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
@@ -94,6 +98,6 @@ def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> 
 def num_params(model: nn.Module, example) -> int:
   """Parameters of `model` (shapes only), initialised through `loss` on one `example` row."""
   batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  shapes = jax.eval_shape(lambda rng, b: model.init(rng, b, method=model.loss),
-                          jax.random.key(0), batch)
+  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
+  shapes = jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
   return sum(x.size for x in jax.tree.leaves(shapes))  # boxes are pytree nodes

@@ -10,10 +10,12 @@ import optax
 from spmdtask import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import costs as costs_lib
+from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
+from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.model import Metrics, Weighted, Work
 from spmdtask.strategy import StackFacts, Strategy
 
@@ -63,9 +65,11 @@ class TransformerLm(nn.Module):
   tie_embeddings: bool = False
   scale_tied_logits: bool = True  # tied head times d_model**-0.5; Llama's is unscaled (False)
   rope_theta: float = 10000.0
+  rope_scaling: Llama3Scaling | None = None  # Llama 3.1 / 3.2 frequency scaling
   norm_eps: float = 1e-6
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
+  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   weight_split_dims_mapping: WeightSplit = WeightSplit()
@@ -92,9 +96,16 @@ class TransformerLm(nn.Module):
     if self.mlp_activation not in ("swiglu", "gelu"):
       raise ConfigError(f"task.model.mlp_activation={self.mlp_activation!r}: use 'swiglu' or "
                         "'gelu'.")
+    if self.rope_scaling is not None:
+      if not isinstance(self.rope_scaling, Llama3Scaling):
+        raise ConfigError(f"task.model.rope_scaling={self.rope_scaling!r} is not a "
+                          "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
+      self.rope_scaling.validate("task.model.rope_scaling")
     checks.in_range("task.model.dropout_rate", self.dropout_rate, 0.0, 0.99)
     checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
     checks.remat_policy("task.model.remat_policy", self.remat_policy)
+    fused_attention.check(self.attention_impl, mesh.devices.flat[0].platform, self.head_dim,
+                          self.fprop_dtype)
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
@@ -166,8 +177,9 @@ class TransformerLm(nn.Module):
     return dict(d_model=self.d_model, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
+                rope_scaling=self.rope_scaling,
                 norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
-                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
+                attention_impl=self.attention_impl, dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
 
   def _stack(self) -> stack_lib.LayerStack:

@@ -1,0 +1,88 @@
+"""Published facts of the chips a plan can target: one row per TPU generation (and GPU
+model). Pure data.
+
+Each figure is per chip, as its vendor's documentation states it (the source of each row
+is named beside it). ICI (for a GPU: NVLink) is kept as the bidirectional figure the
+pages give; a chip receives at most half of it (`ici_ingress_bytes_per_s`), which is what
+bounds the time of the collectives it takes part in. DCN is the per-chip share of the
+hosts' network, where the documentation gives one. A GPU row also carries XLA's
+description of the device (`gpu_target_config`, a GpuTargetConfigProto in text form),
+which is what XLA's GPU compiler needs to compile for it without one present.
+"""
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU generation's per-chip facts (bytes, bytes/s, FLOP/s)."""
+  name: str                          # the topology prefix libtpu accepts: 'v5e'
+  device_kind: str                   # what jax's Device.device_kind says: 'TPU v5 lite'
+  peak_bf16_flops_per_s: float
+  hbm_bytes: float
+  hbm_bytes_per_s: float
+  ici_bidirectional_bytes_per_s: float
+  dcn_bytes_per_s: float | None      # None: not documented per chip
+  source: str
+  gpu_target_config: str | None = None  # GPUs: XLA's GpuTargetConfigProto (text)
+
+  @property
+  def ici_ingress_bytes_per_s(self) -> float:
+    return self.ici_bidirectional_bytes_per_s / 2
+
+  def as_json(self) -> dict:
+    out = {**dataclasses.asdict(self), "ici_ingress_bytes_per_s": self.ici_ingress_bytes_per_s}
+    out.pop("gpu_target_config")
+    return out
+
+
+GB, GIB = 1e9, 2.0**30
+
+CHIPS = {c.name: c for c in (
+    # https://cloud.google.com/tpu/docs/v4 (key specifications: 275 TFLOPs bf16, HBM2 32 GiB,
+    # 1200 GBps). The page gives no per-chip ICI figure: 6 ICI links x 50 GB/s each way
+    # (TPU v4 paper, Jouppi et al., ISCA 2023, linked from that page) -> 600 GB/s both ways.
+    Chip("v4", "TPU v4", 275e12, 32 * GIB, 1200 * GB, 600 * GB, None,
+         "cloud.google.com/tpu/docs/v4; ICI: the TPU v4 paper (ISCA 2023)"),
+    # https://cloud.google.com/tpu/docs/v5e (197 TFLOPs bf16, HBM2 16 GB at 819 GBps,
+    # bidirectional ICI 400 GBps per chip; 2 x 100 Gbps NICs per 8-chip host = 25 Gbps/chip).
+    Chip("v5e", "TPU v5 lite", 197e12, 16 * GB, 819 * GB, 400 * GB, 25e9 / 8,
+         "cloud.google.com/tpu/docs/v5e"),
+    # https://cloud.google.com/tpu/docs/v5p (459 TFLOPs bf16, HBM 95 GiB at 2765 GBps,
+    # bidirectional ICI 1200 GBps per chip, DCN 50 Gbps per chip).
+    Chip("v5p", "TPU v5", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 50e9 / 8,
+         "cloud.google.com/tpu/docs/v5p"),
+    # https://cloud.google.com/tpu/docs/v6e (918 TFLOPs bf16, HBM 32 GB at 1638 GBps,
+    # bidirectional ICI 800 GBps per chip; no per-chip DCN figure).
+    Chip("v6e", "TPU v6 lite", 918e12, 32 * GB, 1638 * GB, 800 * GB, None,
+         "cloud.google.com/tpu/docs/v6e"),
+)}
+
+
+# XLA's device description of an H100 SXM (the fields of xla/tools/hlo_opt/gpu_specs/
+# h100_sxm.txtpb): what XLA:GPU's cost model and kernel emitters read.
+_H100_SXM_TARGET = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+GPUS = {c.name: c for c in (
+    # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), SXM: BF16
+    # 1979 TFLOPS with sparsity (989 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s
+    # (both ways); DGX H100: one 400 Gb/s ConnectX-7 InfiniBand port per GPU.
+    Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8,
+         "NVIDIA H100 datasheet (SXM); DGX H100 networking", _H100_SXM_TARGET),
+)}
+
+
+def by_device_kind(device_kind: str) -> Chip | None:
+  """The chip whose devices report `device_kind`, or None."""
+  return next((c for c in (*CHIPS.values(), *GPUS.values()) if c.device_kind == device_kind),
+              None)
