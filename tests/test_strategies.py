@@ -23,7 +23,7 @@ DROPOUT = ("task.model.dropout_rate=0.1",)
 
 
 def one_device(exp, overrides=(), edit=None, steps=STEPS):
-  ones = "task.ici_mesh_shape=" + str((1,) * len(util.build_run(exp).task.mesh_axis_names))
+  ones = "task.ici_mesh_shape=" + str((1,) * len(util.build_run(exp, overrides).task.mesh_axis_names))
   return util.train_steps(exp, steps, jax.devices()[:1], (ones, *overrides), edit)
 
 
