@@ -23,7 +23,8 @@ DROPOUT = ("task.model.dropout_rate=0.1",)
 
 
 def one_device(exp, overrides=(), edit=None, steps=STEPS):
-  ones = "task.ici_mesh_shape=" + str((1,) * len(util.build_run(exp, overrides).task.mesh_axis_names))
+  axes = util.build_run(exp, overrides).task.mesh_axis_names
+  ones = "task.ici_mesh_shape=" + str((1,) * len(axes))
   return util.train_steps(exp, steps, jax.devices()[:1], (ones, *overrides), edit)
 
 
@@ -84,7 +85,8 @@ def _text(corpus):
   return ["task.model.vocab_size=257"] + [
       f"datasets['{s}'].{k}" for s in ("train", "eval")
       for k in (f"data_dir='{corpus}'", "batch_size=8", "seq_len=64")] + [
-      f"decode_datasets['prompts'].data_dir='{corpus}'"]
+      f"decode_datasets['prompts'].data_dir='{corpus}'", "decode_datasets['prompts'].num_examples=4",
+      "decode_datasets['prompts'].batch_size=4"]
 
 
 def _spmd(cfg):
