@@ -11,3 +11,14 @@ class OtherLm(lm.TinyLm):
 @register
 class TinyLm(lm.TinyLm):  # a second 'TinyLm': the bare suffix becomes ambiguous
   pass
+
+
+@register
+class TinyLmRecords(lm.TinyLm):
+  """TinyLm trained on TFRecord files (datasets['train'].file_pattern, set per run)."""
+
+  def datasets(self):
+    import fiddle as fdl  # pylint: disable=g-import-not-at-top
+    from spmdtask.inputs.tfdata import TfRecordLmInput  # pylint: disable=g-import-not-at-top
+    return {**super().datasets(), "train": fdl.Config(
+        TfRecordLmInput, file_pattern="", batch_size=self.batch_size, seq_len=self.seq_len)}

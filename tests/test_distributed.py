@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from tests import subproc as h
 from tools import launch_local
@@ -13,17 +14,25 @@ STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=
          "task.train.log_interval_steps=2", "task.model.num_layers=2")
 
 
-def _launch(job, *args):
+def _launch(job, *args, cluster="flags"):
   results = launch_local.launch(2, 4, h.main_cmd("lm.TinyLm", job, *STEPS, flags=args)[3:],
-                                timeout=400, env=h.env(4))
+                                timeout=400, env=h.env(4), cluster=cluster)
   for i, res in enumerate(results):
     assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  return results
 
 
-def test_two_processes_match_one_and_resume_on_one(tmp_path):
-  ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
-  r = h.run(h.main_cmd("lm.TinyLm", ref, *STEPS, "task.train.num_train_steps=8"))
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+  """A 1-process, 8-device run of 8 steps: the losses every layout must give."""
+  job = str(tmp_path_factory.mktemp("ref") / "job")
+  r = h.run(h.main_cmd("lm.TinyLm", job, *STEPS, "task.train.num_train_steps=8"))
   assert r.returncode == 0, r.stderr[-3000:]
+  return job
+
+
+def test_two_processes_match_one_and_resume_on_one(tmp_path, ref):
+  multi = str(tmp_path / "multi")
   _launch(multi, "--fdl_set=task.train.num_train_steps=6")
   # Only process 0 writes summaries (one event file) and the config.
   events = list((tmp_path / "multi" / "summaries" / "train").iterdir())
@@ -57,3 +66,18 @@ def test_eval_and_decode_on_two_processes_match_one(tmp_path):
   assert two_metrics["weight"] == one_metrics["weight"] > 0
   np.testing.assert_allclose(two_metrics["loss"], one_metrics["loss"], rtol=1e-6)
   assert two_tokens == one_tokens and len(one_tokens) > 0
+
+
+def test_srun_environment_joins_one_job(tmp_path, ref):
+  """2 processes given only what `srun` sets (no spmdtask flags) join through JAX's SLURM
+  detection (the default --multihost=auto) and train like 1 process."""
+  job = str(tmp_path / "slurm")
+  results = _launch(job, "--fdl_set=task.train.num_train_steps=4", cluster="slurm")
+  assert "Joined a 2-process job (slurm) as process 0." in results[0].stdout
+  losses = h.train_losses(job)
+  ref_losses = h.train_losses(ref)
+  got = np.asarray([losses[s] for s in range(1, 5)])
+  want = np.asarray([ref_losses[s] for s in range(1, 5)])
+  print("slurm-env 2-process losses", got.tolist(), "1-process", want.tolist(),
+        "max rel diff", float(np.max(np.abs(got / want - 1))))
+  np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -3,6 +3,7 @@ vocabulary checks, prompts; a 2-process run resumes on 1 process on the same bat
 import glob
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -16,11 +17,11 @@ from tools import launch_local, prepare_text_data
 WORDS = "the of a packed row holds whole documents each closed by its end id".split()
 
 
-def _write_corpus(root, num_docs=24, seed=0):
+def _write_corpus(root, num_docs=24, seed=0, max_words=120):
   rng = np.random.default_rng(seed)
   os.makedirs(root, exist_ok=True)
   for i in range(num_docs):
-    n = int(rng.integers(3, 120))
+    n = int(rng.integers(3, max_words))
     words = " ".join(WORDS[j] for j in rng.integers(0, len(WORDS), n))
     with open(os.path.join(root, f"doc{i:02d}.txt"), "w") as f:
       f.write(f"document {i}: {words}.\n")
@@ -33,6 +34,17 @@ def byte_dir(tmp_path_factory):
   pattern = _write_corpus(str(root / "txt"))
   out = str(root / "bytes")
   prepare_text_data.prepare(pattern, out, "bytes", eval_fraction=0.2, num_shards=3)
+  return out
+
+
+@pytest.fixture(scope="module")
+def short_dir(tmp_path_factory):
+  """Documents of at most 63 bytes: each is one piece of a 64-token row."""
+  root = tmp_path_factory.mktemp("short")
+  pattern = _write_corpus(str(root / "txt"), num_docs=80, max_words=8)
+  out = str(root / "bytes")
+  meta = prepare_text_data.prepare(pattern, out, "bytes", eval_fraction=0.1, num_shards=3)
+  assert max(np.load(os.path.join(out, "train_index.npz"))["length"]) <= 64, meta
   return out
 
 
@@ -135,21 +147,58 @@ def test_prompts_are_document_starts_with_text(byte_dir):
   assert len(next(inp)["ids"]) == 1  # 3 examples: a partial last batch
 
 
+def _log(job: str) -> str:
+  return "".join(open(f).read() for f in glob.glob(os.path.join(job, "logs", "*INFO*")))
+
+
 STEPS = ("task.model.num_layers=1", "task.model.vocab_size=257", "task.train.eval_interval_steps=0",
          "task.train.summary_interval_steps=1", "task.train.log_interval_steps=1",
          "datasets['train'].seq_len=64", "datasets['train'].batch_size=8",
          "decode_datasets['prompts'].num_examples=4")
 
 
-def test_two_process_run_resumes_on_one_process_on_the_same_batches(byte_dir, tmp_path):
-  data = [f"datasets['{s}'].data_dir='{byte_dir}'" for s in ("train", "eval")] + [
-      f"decode_datasets['prompts'].data_dir='{byte_dir}'"]
+def test_documents_each_process_reads_are_its_rows_only(byte_dir, short_dir):
+  """Each of 2 processes reads the documents of its own rows: with one-piece documents the
+  two read disjoint sets that together are the 1-process reads; with documents cut into
+  pieces over both processes' rows, those are read by both."""
+  counts = {}
+  for name, data_dir in (("short", short_dir), ("long", byte_dir)):
+    whole = _input(data_dir, batch_size=8)
+    halves = [_input(data_dir, batch_size=8, process_index=p, process_count=2) for p in range(2)]
+    for _ in range(4):
+      next(whole)
+      for p in halves:
+        next(p)
+    counts[name] = (whole.records_read, [p.records_read for p in halves])
+  print("documents read in 4 batches, 1 process vs 2:", counts)
+  one, two = counts["short"]
+  assert sum(two) == one and min(two) > 0
+  one, two = counts["long"]
+  assert max(two) < one <= sum(two)
+
+
+def _records_read(text: str) -> list[int]:
+  return [int(n) for n in re.findall(r"has read (\d+) records", text)]
+
+
+def test_two_process_run_resumes_on_one_process_on_the_same_batches(short_dir, tmp_path):
+  """2 processes each read only their rows' documents (counted by the input's reader and
+  logged at each checkpoint) and train like 1 process; the job resumes on 1 process."""
+  data = [f"datasets['{s}'].data_dir='{short_dir}'" for s in ("train", "eval")] + [
+      f"decode_datasets['prompts'].data_dir='{short_dir}'"]
   ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
-  r = h.run(h.main_cmd("lm.TextLm", ref, *STEPS, *data, "task.train.num_train_steps=4"))
+  r = h.run(h.main_cmd("lm.TextLm", ref, *STEPS, *data, "task.train.num_train_steps=4",
+                       "task.train.save_interval_steps=2"))
   assert r.returncode == 0, r.stderr[-3000:]
-  cmd = h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=2")
-  for i, res in enumerate(launch_local.launch(2, 4, cmd[3:], timeout=400, env=h.env(4))):
+  ref_read = _records_read(_log(ref))
+  cmd = h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=2",
+                   flags=["--verbosity=0"])
+  results = launch_local.launch(2, 4, cmd[3:], timeout=400, env=h.env(4))
+  for i, res in enumerate(results):
     assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  two_read = [_records_read(res.stderr)[-1] for res in results]
+  print(f"documents read by step 2: 1 process {ref_read[0]}, 2 processes {two_read}")
+  assert sum(two_read) == ref_read[0] and min(two_read) > 0
   r = h.run(h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=4"))
   assert r.returncode == 0, r.stderr[-3000:]
   want, got = h.scalars(f"{ref}/summaries/train")["loss"], h.scalars(f"{multi}/summaries/train")

@@ -1,7 +1,13 @@
 """Runs `spmdtask.main` as N processes on this machine, one jax.distributed job.
 
-Each process gets `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=i`
-and its own CPU devices, and the processes run real cross-process collectives (gloo).
+Each process gets its own CPU devices, and the processes run real cross-process
+collectives (gloo). How they find each other (`--cluster`):
+  flags  `--coordinator_address=127.0.0.1:PORT --num_processes=N --process_id=i`;
+  slurm  no flags: the environment `srun` gives each task (SLURM_JOB_ID, SLURM_NTASKS,
+         SLURM_PROCID, SLURM_LOCALID, SLURM_STEP_NODELIST=127.0.0.1, ...), so spmdtask's
+         default `--multihost=auto` joins through JAX's own SLURM detection, whose
+         coordinator port is 61440 + SLURM_JOB_ID % 4096 (the job id is picked to hit a
+         free port).
 
 `python tools/launch_local.py --num_processes=2 --devices_per_process=4 -- \
     --exp=lm.TinyLm --job_log_dir=/tmp/mh`
@@ -12,37 +18,74 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# jax._src.clusters.slurm_cluster: port = 65535 - 2**12 + 1 + SLURM_JOB_ID % 2**12.
+SLURM_PORT_BASE = 65535 - 2**12 + 1
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def free_port(lo: int | None = None) -> int:
+  """A free TCP port on 127.0.0.1: any, or the first free one from `lo` up."""
+  for port in ([0] if lo is None else range(lo, 65536)):
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", port))
+      except OSError:
+        continue
+      return s.getsockname()[1]
+  raise RuntimeError(f"no free port from {lo}")
+
+
+def slurm_env(num_processes: int, index: int, job_id: int) -> dict[str, str]:
+  """What `srun --ntasks=N` on one node sets for task `index` (what JAX reads of it, and
+  the usual companions)."""
+  return {"SLURM_JOB_ID": str(job_id), "SLURM_JOBID": str(job_id),
+          "SLURM_STEP_ID": "0", "SLURM_NTASKS": str(num_processes),
+          "SLURM_NPROCS": str(num_processes), "SLURM_PROCID": str(index),
+          "SLURM_LOCALID": str(index), "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+          "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NUM_TASKS": str(num_processes),
+          "SLURM_NODELIST": "127.0.0.1", "SLURM_STEP_NODELIST": "127.0.0.1",
+          "SLURMD_NODENAME": "127.0.0.1"}
 
 
 def launch(num_processes: int, devices_per_process: int, main_args: list[str],
-           timeout: float | None = None, env: dict | None = None
+           timeout: float | None = None, env: dict | None = None, cluster: str = "flags"
            ) -> list[subprocess.CompletedProcess]:
   """Starts the processes, waits for all, returns their results (stdout/stderr captured)."""
-  port = free_port()
   env = dict(env or os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+  if cluster == "flags":
+    port = free_port()
+    per_process = [([f"--coordinator_address=127.0.0.1:{port}",
+                     f"--num_processes={num_processes}", f"--process_id={i}"], {})
+                   for i in range(num_processes)]
+  elif cluster == "slurm":
+    job_id = free_port(SLURM_PORT_BASE) - SLURM_PORT_BASE + 2**12  # -> that port
+    per_process = [([], slurm_env(num_processes, i, job_id)) for i in range(num_processes)]
+  else:
+    raise ValueError(f"cluster={cluster!r}: flags or slurm")
+  # Output goes to files, not pipes: a pipe nobody drains yet (we wait for the processes
+  # one by one) fills at 64 KiB and blocks its writer, and a blocked process never reaches
+  # jax.distributed's shutdown barrier, so the others abort there.
+  outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in per_process]
   procs = [subprocess.Popen(
-      [sys.executable, "-m", "spmdtask.main", *main_args,
-       f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={num_processes}",
-       f"--process_id={i}"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-      text=True) for i in range(num_processes)]
+      [sys.executable, "-m", "spmdtask.main", *main_args, *args], cwd=ROOT,
+      env={**env, **extra}, stdout=out, stderr=err, text=True)
+      for (args, extra), (out, err) in zip(per_process, outs)]
   results = []
-  for p in procs:
+  for p, (out, err) in zip(procs, outs):
     try:
-      out, err = p.communicate(timeout=timeout)
+      p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
       for q in procs:
         q.kill()
       raise
-    results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    out.seek(0)
+    err.seek(0)
+    results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
+    out.close()
+    err.close()
   return results
 
 
@@ -50,9 +93,10 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--num_processes", type=int, default=2)
   parser.add_argument("--devices_per_process", type=int, default=4)
+  parser.add_argument("--cluster", choices=("flags", "slurm"), default="flags")
   args, rest = parser.parse_known_args()
   rest = [a for a in rest if a != "--"]
-  results = launch(args.num_processes, args.devices_per_process, rest)
+  results = launch(args.num_processes, args.devices_per_process, rest, cluster=args.cluster)
   for i, r in enumerate(results):
     sys.stderr.write(f"==== process {i} (exit {r.returncode}) ====\n{r.stderr[-4000:]}")
   sys.exit(next((r.returncode for r in results if r.returncode), 0))

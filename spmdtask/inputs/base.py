@@ -31,6 +31,11 @@ class StepIndexedInput:
   """
   _step = 0
 
+  def _where(self) -> tuple[int, int]:
+    """(this process's index, the process count)."""
+    return (jax.process_index() if self.process_index is None else self.process_index,
+            jax.process_count() if self.process_count is None else self.process_count)
+
   @property
   def local_batch_size(self) -> int:
     lo, hi = process_slice(self.batch_size, self.process_index, self.process_count)

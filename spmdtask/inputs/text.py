@@ -15,12 +15,13 @@ is the batch number.
 """
 import dataclasses
 import functools
-import os
+import io
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import packing, tokenizers
 from spmdtask.inputs.base import StepIndexedInput
@@ -43,20 +44,30 @@ def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: in
   for i in range(num_shards):
     files.append(shard_name(split, i, num_shards))
     part = docs[bounds[i]:bounds[i + 1]]
-    write_records(os.path.join(data_dir, files[-1]), part)
+    write_records(fs.join(data_dir, files[-1]), part)
     shard += [i] * len(part)
     record += list(range(len(part)))
-  np.savez(os.path.join(data_dir, index_name(split)), shard=np.asarray(shard, np.int64),
-           record=np.asarray(record, np.int64),
+  index = io.BytesIO()
+  np.savez(index, shard=np.asarray(shard, np.int64), record=np.asarray(record, np.int64),
            length=np.asarray([len(d) for d in docs], np.int64))
+  fs.write_bytes(fs.join(data_dir, index_name(split)), index.getvalue())
   return files
+
+
+def _runs(records: np.ndarray) -> list[tuple[int, int]]:
+  """Sorted record numbers -> (first, count) of each run of consecutive ones."""
+  breaks = np.flatnonzero(np.diff(records) != 1) + 1
+  return [(int(r[0]), len(r)) for r in np.split(records, breaks)] if records.size else []
 
 
 class DocumentReader:
   """Reads documents by number from one split's shards with tf.data.
 
-  `read(doc_ids)` touches, per shard, only the records from the first to the last asked
-  for (tf.data skips the ones before); documents read by the previous call are reused.
+  `read(doc_ids)` reads exactly the records asked for: each run of consecutive records is
+  `TFRecordDataset.skip(first).take(count)`, and tf.data's skip steps over the records
+  before it by their length headers (small records still pass through its read buffer).
+  Documents read by the previous call are reused; `records_read` counts the records taken
+  off the files so far.
   """
 
   def __init__(self, data_dir: str, split: str, field: str):
@@ -65,25 +76,31 @@ class DocumentReader:
       raise ConfigError(f"{field}={data_dir!r} has no split {split!r} (it has "
                         f"{sorted(self.meta['splits'])}); set the input's split to one of them.")
     self.data_dir, self.split = data_dir, split
-    self.files = [os.path.join(data_dir, f) for f in self.meta["splits"][split]["files"]]
-    with np.load(os.path.join(data_dir, index_name(split))) as idx:
+    # The shards' bytes are read by tf.data (TensorFlow's own gs:// client for a bucket).
+    self.files = [fs.join(data_dir, f) for f in self.meta["splits"][split]["files"]]
+    with np.load(io.BytesIO(fs.read_bytes(fs.join(data_dir, index_name(split))))) as idx:
       self.shard, self.record, self.lengths = idx["shard"], idx["record"], idx["length"]
     self._cache: dict[int, np.ndarray] = {}
+    self.records_read = 0
 
   def read(self, doc_ids) -> dict[int, np.ndarray]:
     ids = sorted(set(int(d) for d in doc_ids))
     got = {d: self._cache[d] for d in ids if d in self._cache}
     todo = np.asarray([d for d in ids if d not in got], np.int64)
-    spec = {"tokens": tf.io.RaggedFeature(tf.int64)}
-    for s in np.unique(self.shard[todo]) if todo.size else ():
-      want = todo[self.shard[todo] == s]
-      lo, hi = int(self.record[want].min()), int(self.record[want].max())
-      ds = tf.data.TFRecordDataset(self.files[int(s)]).skip(lo).take(hi - lo + 1)
-      first = int(np.searchsorted(self.shard, s)) + lo  # documents are numbered shard by shard
-      for k, toks in enumerate(ds.map(lambda r: tf.io.parse_single_example(r, spec)["tokens"])
-                               .as_numpy_iterator()):
-        if first + k in want:
-          got[first + k] = toks.astype(np.int32)
+    runs = [(int(self.shard[d0]), int(self.record[d0]), n, d0)  # (shard, record, count, doc)
+            for s in np.unique(self.shard[todo])
+            for d0, n in _runs(todo[self.shard[todo] == s])]  # documents number shard by shard
+    if runs:
+      shards, firsts, counts, _ = (np.asarray(c, np.int64) for c in zip(*runs))
+      files = tf.constant(self.files)
+      spec = {"tokens": tf.io.RaggedFeature(tf.int64)}
+      ds = tf.data.Dataset.from_tensor_slices((shards, firsts, counts)).flat_map(
+          lambda s, first, n: tf.data.TFRecordDataset(tf.gather(files, s)).skip(first).take(n))
+      docs = [d0 + k for _, _, n, d0 in runs for k in range(n)]
+      for d, toks in zip(docs, ds.map(lambda r: tf.io.parse_single_example(r, spec)["tokens"])
+                         .as_numpy_iterator(), strict=True):
+        got[d] = toks.astype(np.int32)
+        self.records_read += 1
     for d, toks in got.items():
       if len(toks) != self.lengths[d]:
         raise ValueError(f"{self.data_dir}: document {d} has {len(toks)} tokens, its index "
@@ -172,6 +189,16 @@ class PackedLmInput(StepIndexedInput):
     batch = super().__next__()
     self.last_batch_efficiency = self.efficiency(step)
     return batch
+
+  @property
+  def records_read(self) -> int:
+    """Documents (TFRecord records) this process has read so far."""
+    return self._reader.records_read
+
+  def get_state(self) -> dict[str, int]:
+    logging.info("PackedLmInput %s/%s: process %d of %d at batch %d has read %d records.",
+                 self.data_dir, self.split, *self._where(), self._step, self.records_read)
+    return super().get_state()
 
 
 @dataclasses.dataclass

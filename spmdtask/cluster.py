@@ -1,0 +1,74 @@
+"""Joining a multi-process job before any JAX computation.
+
+Three ways, first match wins:
+1. explicit `--coordinator_address/--num_processes/--process_id` (tools/launch_local.py);
+2. `--multihost=auto` (the default) or `true`: a cluster that JAX itself recognises (its
+   `jax._src.clusters.ClusterEnv` subclasses: Cloud TPU pod VMs and GKE TPU pods, SLURM
+   `srun` steps, Open MPI `mpirun`, Kubernetes JobSets) -> `jax.distributed.initialize()`
+   with no arguments, so JAX reads the coordinator, process count and index from that
+   environment exactly as it documents;
+3. none of them: one process, as on a laptop (`--multihost=true` then is a ConfigError).
+
+The environment is told apart with JAX's own `is_env_present` (never re-parsed here), so a
+cluster JAX learns to detect is detected here too.
+"""
+from spmdtask.errors import ConfigError
+
+MODES = ("auto", "true", "false")
+
+
+def describe(how: str) -> str:
+  """The console line for a process that joined through `how` (call after backends start)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return (f"Joined a {jax.process_count()}-process job ({how}) as process "
+          f"{jax.process_index()}.")
+
+
+def detected_env():
+  """The JAX ClusterEnv class this process runs under (JAX's own detection order), or None.
+
+  Opt-in methods (mpi4py) are skipped, as `jax.distributed.initialize()` skips them.
+  """
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top
+  return next((env for env in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+               if not env.opt_in_only_method and env.is_env_present()), None)
+
+
+def join(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
+         multihost: str = "auto") -> str | None:
+  """Initialises jax.distributed when the flags or the environment ask for it.
+
+  Returns how it joined ('flags' or JAX's name of the cluster: 'slurm', 'gcetpu', ...), or
+  None for a single process. Must run before JAX's backends start; starts none itself.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if multihost not in MODES:
+    raise ConfigError(f"--multihost={multihost!r}: give one of {', '.join(MODES)}.")
+  if coordinator_address:
+    if num_processes is None or process_id is None:
+      raise ConfigError("--coordinator_address needs --num_processes and --process_id (this "
+                        "process's index, 0-based), the same on every process but the index.")
+    _cpu_collectives(jax)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    return "flags"
+  if multihost == "false":
+    return None
+  env = detected_env()
+  if env is None:
+    if multihost == "true":
+      raise ConfigError(
+          "--multihost=true, but this process runs in no cluster JAX recognises (Cloud TPU "
+          "pod VM, GKE TPU, SLURM srun step, Open MPI mpirun, Kubernetes JobSet). Start it "
+          "through one of them (tools/launch_pod.py prints the commands), pass "
+          "--coordinator_address/--num_processes/--process_id, or drop --multihost.")
+    return None
+  _cpu_collectives(jax)
+  # Naming the detected method makes JAX use exactly that environment.
+  jax.distributed.initialize(cluster_detection_method=getattr(env, "name", "") or None)
+  return getattr(env, "name", "") or env.__name__
+
+
+def _cpu_collectives(jax) -> None:
+  # CPU processes talk over gloo; accelerators keep their own collectives (this flag only
+  # affects the CPU backend).
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
