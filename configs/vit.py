@@ -5,6 +5,7 @@ import optax
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.images import SyntheticImageInput
 from spmdtask.layers.vit import VisionTransformer, VitActivationSplit, VitWeightSplit
+from spmdtask.pipeline.mpmd_config import MpmdConfig
 from spmdtask.registry import register
 from spmdtask.task import Task, TrainParams
 
@@ -40,4 +41,17 @@ class TinyVitTp(TinyVit):
   def task(self) -> fdl.Config[Task]:
     cfg = super().task()
     cfg.ici_mesh_shape = (4, 1, 2)
+    return cfg
+
+
+@register
+class TinyVitMpmd(TinyVit):
+  """TinyVit as an MPMD pipeline on 8 devices: patch embedding + layers 0-1 on stage 0
+  (devices 0-3, data 2 x model 2), layers 2-3 + head on stage 1 (devices 4-7, data 4);
+  1F1B over 4 microbatches."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(2,), submesh_shapes=((2, 1, 2), (4, 1, 1)),
+                              schedule="1f1b", num_microbatches=4)
     return cfg

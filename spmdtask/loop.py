@@ -284,7 +284,7 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
   if job_log_dir is not None:
     lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
                  "summaries/, logs/)")
-  return lines
+  return lines + program.describe()  # the execution strategy (and its stages)
 
 
 def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -> list[Hook]:

@@ -19,6 +19,7 @@ A model is a Flax module that implements `Model`:
 Optional protocols:
   - `Decodable`: a KV-cache forward for `--mode=decode`.
   - `ChecksBatch`: a host-side check of each input batch (token ids in the vocabulary).
+  - `LayerCosts`: per-layer train costs, for balancing pipeline stages.
   - `Stacked`: a model with a stack of identical layers that can run under an execution
     strategy chosen on the Task (`task.pipeline`), and that maps its on-device parameter
     layout to the canonical one checkpoints hold (stacked layers `[L, ...]`).
@@ -99,10 +100,19 @@ class LayoutMap(NamedTuple):
 
 @runtime_checkable
 class Stacked(Protocol):
-  """A model whose layer stack can run under an execution strategy (scan, SPMD pipeline)."""
+  """A model whose layer stack can run under an execution strategy (`spmdtask.strategy`:
+  scan, SPMD pipeline, MPMD)."""
 
   def with_pipeline(self, pipeline: Any) -> "Stacked":
-    """The same model with its layer stack run by `pipeline` (None = scanned)."""
+    """The same model with its layer stack run by the strategy `pipeline` (None = scanned)."""
 
   def layout_maps(self) -> tuple[LayoutMap, ...]:
     """Conversions between this model's parameter layout and the canonical one."""
+
+
+@runtime_checkable
+class LayerCosts(Protocol):
+  """A model that measures what its parts cost to train, for balancing pipeline stages."""
+
+  def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
+    """Train FLOPs of [embedding, layer 0, ..., layer L-1, head with the loss]."""

@@ -53,25 +53,22 @@ def reexec_emulated(num_devices: int, argv: list[str]) -> int:
                         check=False).returncode
 
 
-def abstract_args(program: program_lib.Program, example_local_batch):
-  """ShapeDtypeStructs (with shardings) of the train step's (state, batch)."""
-  state = program_lib.sharded_structs(program.mesh, program.layout.padded, program.layout.split)
-  batch = program_lib.sharded_structs(
-      program.mesh, global_batch.global_shapes(example_local_batch), program.batch_specs)
-  return state, batch
-
-
 class CompilerOutOfMemory(Exception):
   """The compiler itself refused the program: it needs more memory than the device has
   (XLA:TPU checks this while compiling). The message is the compiler's."""
 
 
 def compile_train(program: program_lib.Program, example_local_batch):
-  """(compiled train step, what XLA printed while compiling it); CompilerOutOfMemory."""
+  """(compiled train step, XLA's log) of a one-program (SPMD) task; CompilerOutOfMemory."""
+  return compile_lowering(program.lowerings(example_local_batch)[0])
+
+
+def compile_lowering(lowering: program_lib.Lowering):
+  """(compiled program, what XLA printed while compiling it); CompilerOutOfMemory."""
   logs: list[str] = []
   try:
     with console.captured_fd2(logs):
-      compiled = program.train.lower(*abstract_args(program, example_local_batch)).compile()
+      compiled = lowering.lower().compile()
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" in str(e):
       raise CompilerOutOfMemory(str(e).splitlines()[0]) from None
@@ -215,8 +212,20 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   rows = memory.state_rows(program.layout, mesh_shape)
   n = program.mesh.devices.size
   batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
+  lowerings = program.lowerings(example)
+  pairs, programs = [], []
   try:
-    compiled, log_text = compile_train(program, example)
+    compiled, log_text = compile_lowering(lowerings[0])
+    pairs.append((lowerings[0], compiled))
+    for lw in lowerings[1:]:  # MPMD: every part's and stage's program
+      c, text = compile_lowering(lw)
+      pairs.append((lw, c))
+      log_text += text
+    if len(pairs) > 1:  # the largest per-device peak stands for the step
+      programs = [{"name": lw.name, "stage": lw.stage, "devices": lw.mesh.devices.size,
+                   "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c)}
+                  for lw, c in pairs]
+      compiled = max(pairs, key=lambda p: compiled_memory(p[1])["peak_estimate_bytes"])[1]
     report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
                              float(program.work.tokens) * batch_shape[0])
   except CompilerOutOfMemory as e:
@@ -229,18 +238,23 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
                       + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
           "arrays": [r.as_json() for r in rows]}
   plan["xla_log"] = target.log + log_text
-  if task.pipeline is not None:
-    plan["stages"] = stage_report(rows, mesh_shape, task.pipeline)
+  plan["strategy"], plan["describe"] = program.layout_facts()["pipeline"], program.describe()
+  axis = plan["strategy"].get("stage_axis")
+  if axis is not None:
+    plan["stages"] = stage_report(rows, mesh_shape, axis)
+  if programs:
+    plan["programs"] = programs
+    plan["stage_plans"] = program.stage_report(pairs)
   return plan
 
 
-def stage_report(rows, mesh_shape, pipeline) -> list[dict]:
-  """Per stage of an SPMD pipeline: its devices and each device's state bytes.
+def stage_report(rows, mesh_shape, axis: str) -> list[dict]:
+  """Per stage of an SPMD pipeline over mesh axis `axis`: its devices and each device's
+  state bytes.
 
   Stacked layers are split over the stage axis; arrays that are not (embedding, head,
   norms) are held by every stage.
   """
-  axis = pipeline.stage_axis
   s = mesh_shape.get(axis, 1)
   per_device = sum(r.bytes_per_device for r in rows)
   shared = sum(r.bytes_per_device for r in rows
@@ -276,6 +290,7 @@ def format_plan(plan: dict) -> list[str]:
            + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
            else f"{plan['num_devices']} {t['platform']} devices")
   lines = [f"Plan of {plan['experiment']} ({plan['num_params']:,} params) on {where}, mesh {plan['mesh']}:",
+           *plan.get("describe", []),
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
@@ -305,12 +320,34 @@ def format_plan(plan: dict) -> list[str]:
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "
                  f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
+  for p in plan.get("programs", []):
+    lines.append(f"program {p['name']} on {p['devices']} devices (x{p['calls_per_step']} a step): "
+                 f"peak estimate {mb(p['compiled']['peak_estimate_bytes'])} per device")
+  for st in plan.get("stage_plans", []):
+    lines.append(
+        f"stage {st['stage']} ({st['devices']} devices, layers {st['layers']}): state "
+        f"{mb(st['state_bytes_per_device'])}, live activations at the schedule's peak "
+        f"{st['peak_activation_sets']:g} sets = {mb(st['peak_activation_bytes'])}, compiled "
+        f"temporaries {mb(st['compiled_temp_bytes'])}; peak estimate "
+        f"{mb(st['peak_estimate_bytes'])} per device; sends {mb(st['transfer_bytes_per_step'])}"
+        f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}")
   lines += [f"warning: {w}" for w in plan["warnings"]]
   return lines
 
 
 def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None) -> None:
-  """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget."""
+  """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget
+  (for an MPMD plan: the first pipeline stage that does not fit)."""
+  for st in plan.get("stage_plans", []):
+    if st["peak_estimate_bytes"] > device_memory_gb * 1e9:
+      raise PlanExceeded(
+          f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
+          f"{st['peak_estimate_bytes'] / 1e9:.3g} GB (state {st['state_bytes_per_device'] / 1e9:.3g}"
+          f" GB, live activations {st['peak_activation_bytes'] / 1e9:.3g} GB at "
+          f"{st['peak_activation_sets']:g} sets, temporaries {st['compiled_temp_bytes'] / 1e9:.3g}"
+          f" GB), exceeds --device_memory_gb={device_memory_gb:g}. Move layers off it "
+          "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
+          "or use a schedule that holds fewer sets (task.pipeline.schedule).")
   top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
   if "compiler_out_of_memory" in plan:
     over, temps = f"XLA refused to compile it: {plan['compiler_out_of_memory']}", ""

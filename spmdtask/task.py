@@ -7,8 +7,7 @@ import optax
 
 from spmdtask import checks
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline.mpmd_config import MpmdConfig
-from spmdtask.pipeline.spmd import PipelineConfig
+from spmdtask.strategy import Strategy
 
 # A split-dims mapping: one entry per tensor dim; None, a mesh axis, or a tuple of axes.
 SplitDims = tuple[None | str | tuple[str, ...], ...]
@@ -162,10 +161,11 @@ class Task:
     dcn_mesh_shape: mesh shape across slices; None = all ones. The full mesh is
       the element-wise product with ici_mesh_shape.
     data_axes: mesh axes the batch dim is split over by default.
-    pipeline: how the model's layer stack runs: None = a scan; a `PipelineConfig` =
-      the SPMD pipeline over the `stage` mesh axis; an `MpmdConfig` = the MPMD pipeline,
-      one program per stage on its own submesh (both need a `spmdtask.model.Stacked`
-      model). Checkpoints do not depend on it.
+    pipeline: the execution strategy of the model's layer stack (`spmdtask.strategy`):
+      None = a remat'd scan; `pipeline.spmd.PipelineConfig` = the SPMD pipeline over the
+      `stage` mesh axis; `pipeline.mpmd_config.MpmdConfig` = the MPMD pipeline, one program
+      per stage on its own submesh (both need a `spmdtask.model.Stacked` model). Every
+      strategy starts from the same initial weights; checkpoints do not depend on it.
     train: TrainParams.
     decode: DecodeParams, for --mode=decode.
   """
@@ -174,7 +174,7 @@ class Task:
   ici_mesh_shape: tuple[int, ...] = (-1, 1, 1)
   dcn_mesh_shape: tuple[int, ...] | None = None
   data_axes: tuple[str, ...] = ("data", "fsdp")
-  pipeline: PipelineConfig | MpmdConfig | None = None
+  pipeline: Strategy | None = None
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
   decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
 

@@ -57,7 +57,7 @@ def test_errors(costs, p, match):
 def test_lm_layer_costs_follow_the_model():
   model = fdl.build(lm.tiny_model())
   b, t = 4, 64
-  costs = bl.lm_layer_costs(model, b, t)
+  costs = model.layer_costs(b, t)
   assert len(costs) == model.num_layers + 2 and len(set(costs[1:-1])) == 1
   embed, block, head = costs[0], costs[1], costs[-1]
   d, tokens = model.d_model, b * t
@@ -68,6 +68,9 @@ def test_lm_layer_costs_follow_the_model():
   assert head == pytest.approx(6 * d * model.vocab_size * tokens, rel=0.05)
   assert 0 <= embed < 0.01 * block
   # A 16x larger vocabulary makes the head 16x dearer: the balancer gives it fewer blocks.
-  big = bl.lm_layer_costs(dataclasses.replace(model, vocab_size=16 * model.vocab_size), b, t)
+  big = dataclasses.replace(model, vocab_size=16 * model.vocab_size).layer_costs(b, t)
   assert big[:-1] == costs[:-1] and big[-1] == pytest.approx(16 * head, rel=0.05)
   assert bl.balance(costs, 2).cuts == (3,) and bl.balance(big, 2).cuts == (4,)
+  # As layer_cuts (embedding with layer 0, head with the last layer).
+  assert len(bl.stack_costs(costs)) == model.num_layers
+  assert bl.balance(bl.stack_costs(costs), 2).cuts == (2,)

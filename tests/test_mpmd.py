@@ -59,12 +59,17 @@ def gpipe_v(S, M):
 
 
 def measured_equals_simulated(result, schedule):
-  """The executor's peak activation sets and W stashes equal the simulator's (1/v a chunk)."""
+  """The executor's peak activation sets and W stashes equal the simulator's (1/v a chunk),
+  and the residual bytes it measured holding (from the arrays) equal the simulator's
+  replay of the schedule with one set's measured bytes per part."""
   sim = simulate.simulate(schedule, simulate.Costs())
   assert result.peak_activations == sim.peak_activations
   assert result.peak_weight_grad_stash == sim.peak_weight_grad_stash
   assert result.peak_activations == tuple(Fraction(n, schedule.num_chunks)
                                           for n in result.peak_residuals)
+  assert all(b > 0 for b in result.residual_set_bytes)
+  assert result.peak_residual_bytes == simulate.peak_bytes(schedule, result.residual_set_bytes)
+  return result.peak_residual_bytes
 
 
 def submesh(devices, shape):
@@ -174,7 +179,7 @@ def test_aux_and_microbatch_weights():
                      one_f_one_b(2, M), has_aux=True)
   w = np.asarray([0.1, 0.2, 0.3, 0.4], np.float32)
   result = pl.run(pl.place(params), batch, weights=w)
-  mbs = [jax.tree.map(lambda x: x[m * (B // M):(m + 1) * (B // M)], batch) for m in range(M)]
+  mbs = [jax.tree.map(lambda x: x[m::M], batch) for m in range(M)]  # rows m, m + M, ...
   want_loss, want = reference(lambda p, b: sum(wm * base(p, mb) for wm, mb in zip(w, mbs)),
                               params, batch)
   np.testing.assert_allclose(result.loss, want_loss, rtol=1e-5)

@@ -78,7 +78,8 @@ def test_zb_h1_and_interleaved_equal_1f1b():
   util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
   assert program.last_peak_residuals == (2, 1)  # released at I: 1F1B's S - s
   batch = program.global_batch(util.build_run("lm.TinyLmMpmd").datasets["train"].batch_at(0))
-  flops = program.pipeline.backward_flops([st.params for st in state.stages], batch)
+  flops = program.pipeline.backward_flops([st.params for st in state.stages],
+                                          program.train_batch(state, batch))
   assert sorted(flops) == [0, 1]
   for b, i, w in flops.values():
     assert 0.2 * b < w and i + w <= 1.05 * b, (b, i, w)

@@ -26,6 +26,8 @@ def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(tmp
   np.testing.assert_allclose(first, uninterrupted[:10], rtol=1e-5)
   meta = checkpoints.read_meta(str(tmp_path / "pipe"), 10)
   assert meta["pipeline"]["num_stages"] == 2 and meta["canonical"].startswith("logical")
+  assert meta["pipeline"]["strategy"] == "spmd_pipeline"
+  assert (meta["pipeline_microbatches"], meta["grad_accumulation_microbatches"]) == (4, 1)
   for exp in ("lm.TinyLm", "lm.TinyLmCircular"):
     shutil.copytree(tmp_path / "pipe", tmp_path / exp)
     _, _, resumed = _train(exp, tmp_path / exp, 20)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmdtask import program as program_lib, sharding, steps
+from spmdtask import layouts, program as program_lib, sharding, steps
 from spmdtask.train_state import TrainState
 from tests import util
 
@@ -49,7 +49,7 @@ def test_model_options_change_the_weights(overrides, absent, present):
 
 def _to_unpipelined(program, params_tree):
   """A params-shaped tree of `program`'s live layout in the canonical (scanned) one."""
-  return program_lib.apply_layout_maps(params_tree, program.model.layout_maps(), True)
+  return layouts.apply_layout_maps(params_tree, program.model.layout_maps(), True)
 
 
 def _loss_and_grads(run, program, params, batch):

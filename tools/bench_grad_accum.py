@@ -12,14 +12,13 @@ import argparse
 import bench_common  # pylint: disable=unused-import  (sets 8 CPU devices first)
 
 from spmdtask import program as program_lib
-from spmdtask.inputs import global_batch
 
 
 def temp_bytes(exp: str, microbatches: int, overrides) -> tuple[int, int]:
   run = bench_common.build(exp, [*overrides, f"task.train.num_microbatches={microbatches}"])
   local = run.datasets["train"].batch_at(0)
   program = program_lib.setup(run.task, local)
-  compiled = program.train.lower(program.layout.padded, global_batch.global_shapes(local)).compile()
+  compiled = program.lowerings(local)[0].lower().compile()
   mem = compiled.memory_analysis()
   return mem.temp_size_in_bytes, mem.argument_size_in_bytes
 

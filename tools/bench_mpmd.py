@@ -162,7 +162,7 @@ def split_flops():
   program = program_lib.setup(run.task, inputs.batch_at(0))
   state = program.init()
   print_split_flops("lm.TinyLmMpmd", program.pipeline, [st.params for st in state.stages],
-                    program.global_batch(inputs.batch_at(0)))
+                    program.train_batch(state, program.global_batch(inputs.batch_at(0))))
 
 
 def run_all(argv):

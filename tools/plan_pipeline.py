@@ -65,9 +65,14 @@ def _layer_costs(args) -> list[float] | None:
     return None
   # pylint: disable=g-import-not-at-top
   from spmdtask import main as main_lib
+  from spmdtask.model import LayerCosts
   cfg = main_lib.build(main_lib.resolved_config(args.exp, args.fdl_set))
+  if not isinstance(cfg.task.model, LayerCosts):
+    raise ConfigError(f"--exp={args.exp}: its model ({type(cfg.task.model).__name__}) does not "
+                      "measure its layer costs (spmdtask.model.LayerCosts); give --layer_costs.")
   train = cfg.datasets["train"]
-  return balance_lib.lm_layer_costs(cfg.task.model, train.batch_size, train.seq_len)
+  # The embedding runs with layer 0, the head with the last layer: cuts are layer_cuts.
+  return balance_lib.stack_costs(cfg.task.model.layer_costs(train.batch_size, train.seq_len))
 
 
 def plan(args) -> dict:
@@ -117,7 +122,8 @@ def _print_text(out: dict) -> None:
   if "cuts" in out:
     bounds = [0] + out["cuts"] + [len(out["layer_costs"])]
     print(f"balanced cuts of {len(out['layer_costs'])} layer costs into {out['parts']} parts: "
-          f"{out['cuts']} (slowest / mean = {out['balanced_max_over_mean']:.4f})")
+          f"layer_cuts={tuple(out['cuts'])} (slowest / mean = "
+          f"{out['balanced_max_over_mean']:.4f})")
     for i, c in enumerate(out["stage_costs"]):
       print(f"  part {i}: layers {bounds[i]}..{bounds[i + 1] - 1}  cost {c:g}")
 

@@ -40,11 +40,13 @@ class Mlp(nn.Module):
 class Block(nn.Module):
   """One pre-norm layer: x + attn(norm(x)), then + mlp(norm(.)).
 
-  Called as `(x, positions, segment_ids=None, cache=None) -> (x, new_cache)` so that a
-  `LayerStack` can scan it (positions and segment ids broadcast to every layer, the
-  per-layer KV cache scanned over the layer dim). `causal=False` makes
-  an encoder block; `rope_theta=None` turns rotary positions off; `attention_impl` is the
-  attention kernel (`layers.fused_attention`).
+  Called as `(x, positions, segment_ids=None, row_ids=None, cache=None, dropout_key=None)
+  -> (x, new_cache)` so that a `LayerStack` can scan it (positions, segment ids and row ids
+  broadcast to every layer, the per-layer KV cache and dropout key scanned over the layer
+  dim). Dropout runs where a `dropout_key` (uint32 key data) is given: row i's mask comes
+  from (key, row_ids[i]), so it does not depend on how the batch is split into
+  microbatches. `causal=False` makes an encoder block; `rope_theta=None` turns rotary
+  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`).
   """
   d_model: int
   num_heads: int
@@ -62,26 +64,30 @@ class Block(nn.Module):
   causal: bool = True
   attention_impl: str = "auto"
 
-  def _dropout(self, x: jax.Array) -> jax.Array:
-    # Dropout only where the caller passed a 'dropout' rng (the train step does).
-    if self.dropout_rate == 0.0 or not self.has_rng("dropout"):
+  def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
+    if self.dropout_rate == 0.0 or key is None:
       return x
-    return nn.Dropout(self.dropout_rate, deterministic=False)(x)
+    keep = 1.0 - self.dropout_rate
+    base = jax.random.fold_in(jax.random.wrap_key_data(key), which)
+    mask = jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(base, i), keep,
+                                                   x.shape[1:]))(row_ids)
+    return jnp.where(mask, x / keep, jnp.zeros_like(x))
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-               cache: KvCache | None = None):
+               row_ids: jax.Array | None = None, cache: KvCache | None = None,
+               dropout_key: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
-    x = constrain(x + self._dropout(h), a.embed)
+    x = constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
             name="mlp")(h)
-    return constrain(x + self._dropout(h), a.embed), cache
+    return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
 
 def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> float:

@@ -9,6 +9,7 @@ import optax
 
 from spmdtask import checks, sharding
 from spmdtask.errors import ConfigError
+from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.attention import KvCache
@@ -16,8 +17,7 @@ from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weig
 from spmdtask.layers.block import Block, num_params, train_flops
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.model import Metrics, Weighted, Work
-from spmdtask.pipeline import mpmd_config
-from spmdtask.pipeline import spmd as pipeline_lib
+from spmdtask.strategy import StackFacts, Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
 
@@ -75,7 +75,7 @@ class TransformerLm(nn.Module):
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
-  execution: pipeline_lib.PipelineConfig | mpmd_config.MpmdConfig | None = None
+  execution: Strategy | None = None
 
   # ------------------------------------------------------------------ the model contract
 
@@ -109,16 +109,8 @@ class TransformerLm(nn.Module):
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
-    if isinstance(self.execution, mpmd_config.MpmdConfig):
-      mpmd_config.layer_groups(self.execution.layer_cuts, self.num_layers)
-    elif self.execution is not None:
-      pipeline_lib.validate(self.execution, num_layers=self.num_layers,
-                            batch_size=global_batch_size, mesh=mesh)
     if self.execution is not None:
-      if self.dropout_rate:
-        raise ConfigError(
-            f"task.model.dropout_rate={self.dropout_rate} is not supported with "
-            "task.pipeline set: set dropout_rate=0.0 or task.pipeline=None.")
+      self.execution.validate(StackFacts(self.num_layers, global_batch_size, mesh))
 
   def check_batch(self, batch) -> None:
     """Token ids must be in [0, vocab_size): an error, never a silent clamp (ChecksBatch)."""
@@ -136,11 +128,16 @@ class TransformerLm(nn.Module):
     n = num_params(self.clone(execution=None), example)
     return Work(train_flops(n, self.num_layers, self.d_model, t), t)
 
+  @nn.nowrap  # builds modules of its own: not a child of this one
+  def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
+    """Train FLOPs of [embedding, each layer, head with the loss] (LayerCosts)."""
+    return costs_lib.lm_layer_costs(self, batch_size, seq_len)
+
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)
 
   def layout_maps(self):
-    return stack_lib.layout_map(("layers",), self.execution)
+    return stack_lib.layout_maps(("layers",), self.execution)
 
   def split_dims_fields(self) -> dict[str, tuple[SplitDims, tuple[int, ...]]]:
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
@@ -206,9 +203,6 @@ class TransformerLm(nn.Module):
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     x = constrain(jnp.take(emb, tokens, axis=0).astype(dt), a.embed)
-    if segment_ids is not None and self.execution is not None:
-      raise ConfigError("Packed inputs (segment_ids) are not supported with task.pipeline set: "
-                        "use an unpacked input or set task.pipeline=None.")
     x, cache = self._stack()(x, positions, segment_ids, cache=cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:

@@ -19,7 +19,7 @@ from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
 from spmdtask.model import Metrics, Weighted, Work
-from spmdtask.pipeline import spmd as pipeline_lib
+from spmdtask.strategy import StackFacts, Strategy
 
 BATCH = ("data", "fsdp")
 
@@ -66,7 +66,7 @@ class VisionTransformer(nn.Module):
   remat_policy: str | None = "nothing_saveable"
   weight_split_dims_mapping: VitWeightSplit = VitWeightSplit()
   activation_split_dims_mapping: VitActivationSplit = VitActivationSplit()
-  execution: pipeline_lib.PipelineConfig | None = None  # set by the framework (task.pipeline)
+  execution: Strategy | None = None  # set by the framework (task.pipeline)
 
   @property
   def num_patches(self) -> int:
@@ -98,8 +98,7 @@ class VisionTransformer(nn.Module):
       sharding.validate(getattr(a, k), shape, mesh_shape,
                         f"task.model.activation_split_dims_mapping.{k}")
     if self.execution is not None:
-      pipeline_lib.validate(self.execution, num_layers=self.num_layers,
-                            batch_size=global_batch_size, mesh=mesh)
+      self.execution.validate(StackFacts(self.num_layers, global_batch_size, mesh))
 
   def check_batch(self, batch) -> None:
     """Labels must be in [0, num_classes) (ChecksBatch)."""
@@ -118,7 +117,7 @@ class VisionTransformer(nn.Module):
     return self.clone(execution=pipeline)
 
   def layout_maps(self):
-    return stack_lib.layout_map(("layers",), self.execution)
+    return stack_lib.layout_maps(("layers",), self.execution)
 
   @nn.compact
   def __call__(self, images: jax.Array) -> jax.Array:
@@ -139,7 +138,7 @@ class VisionTransformer(nn.Module):
                   wsplit=w, asplit=a, causal=False, attention_impl=self.attention_impl)
     positions = jnp.broadcast_to(jnp.arange(g * g), (b, g * g))
     x, _ = stack_lib.LayerStack(Block, kwargs, self.num_layers, self.remat_policy,
-                                pipeline=self.execution, name="layers")(x, positions)
+                                execution=self.execution, name="layers")(x, positions, None)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     w_head = weight(self, "head", (self.d_model, self.num_classes), w.head, dense_init(0, 1))
     return (jnp.mean(x, axis=1) @ w_head.astype(dt)).astype(jnp.float32)

@@ -7,8 +7,8 @@ splits it returns the one with the lexicographically smallest cuts, i.e. every s
 as an optimal split allows, front first: early stages hold the most activation sets under
 1F1B (p - s on stage s), so they get the fewest layers when it costs nothing.
 
-`lm_layer_costs` measures per-layer costs of the LM itself (the only function here that
-imports jax).
+Layer costs come from the model (`spmdtask.model.LayerCosts`); `stack_costs` folds the
+embedding and head into the first and last layer, so the cuts are `layer_cuts` values.
 """
 import dataclasses
 import itertools
@@ -57,46 +57,14 @@ def balance(costs: Sequence[float], num_stages: int) -> Balance:
   return Balance(tuple(cuts), stage_costs, n)
 
 
-def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
-  """Train-step FLOPs of [embedding, block x num_layers, head with the loss] of a TransformerLm.
-
-  Compiled (`cost_analysis`) FLOPs of forward + backward on one batch of shape
-  [batch_size, seq_len]: the embedding lookup's vjp; one `Block`'s vjp (grads of its weights
-  and of its input); the head (final norm, unembedding, cross entropy) as the one-block
-  model's loss-and-grad minus those two, so that it follows the model's own head code.
-  Remat and pipelining are turned off: they do not change what a layer costs to train.
-  """
-  # pylint: disable=g-import-not-at-top
-  import jax
-  import jax.numpy as jnp
-  from spmdtask.layers.block import Block
-  num_layers = model.num_layers
-  model = dataclasses.replace(model, num_layers=1, remat_policy=None, execution=None,
-                              dropout_rate=0.0)
-  dt = jnp.dtype(model.fprop_dtype)
-  tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-  x = jax.ShapeDtypeStruct((batch_size, seq_len, model.d_model), dt)
-  positions = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
-
-  def flops(fn, *args) -> float:
-    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float(cost.get("flops", 0.0))
-
-  def vjp(fn, *args, cotangent):
-    out, pullback = jax.vjp(fn, *args)
-    return out, pullback(cotangent)
-
-  emb = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), jnp.float32)
-  embed = flops(lambda e, t, ct: vjp(lambda e: jnp.take(e, t, axis=0).astype(dt), e,
-                                     cotangent=ct), emb, tokens, x)
-  block = Block(**model.block_kwargs())
-  block_params = jax.eval_shape(block.init, jax.random.key(0), x, positions)["params"]
-  layer = flops(lambda p, h, pos: vjp(lambda p, h: block.apply({"params": p}, h, pos)[0], p, h,
-                                      cotangent=h), block_params, x, positions)
-  params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
-  batch = {"inputs": tokens, "targets": tokens,
-           "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
-  whole = flops(jax.value_and_grad(
-      lambda p, b: model.apply({"params": p}, b, method=model.loss)[0]), params, batch)
-  return [embed] + [layer] * num_layers + [whole - embed - layer]
+def stack_costs(costs: Sequence[float]) -> list[float]:
+  """[embedding, layer 0, ..., layer L-1, head] -> L layer costs, the embedding counted with
+  layer 0 and the head with layer L-1: where an MPMD pipeline runs them, so that the cuts
+  of `balance(stack_costs(costs), parts)` are `MpmdConfig.layer_cuts` values."""
+  if len(costs) < 3:
+    raise ConfigError(f"Layer costs {list(costs)} must be [embedding, layers..., head] with at "
+                      "least one layer.")
+  out = list(costs[1:-1])
+  out[0] += costs[0]
+  out[-1] += costs[-1]
+  return out

@@ -8,25 +8,21 @@ jits, for every part on the submesh of the stage that runs it (schedule.virtual_
   bwd(residuals, d_outgoing, grad_acc) -> (grad_acc + d_params, d_incoming)   acc donated
 
 through `steps.partition`. `run` walks the schedule in one Python process, dispatching
-asynchronously (no host sync inside a step):
-
-  for (stage, action) in order:           # consistent with every stage's list and deps
-    F(m, c): outgoing, res[m, c] = fwd(...); device_put each outgoing value to the
-             sharding of every part that consumes it (directly, producer -> consumer)
-    B(m, c): grad_acc, d_in = bwd(res.pop(m, c), sum of d_outgoing from its consumers,
-             grad_acc); device_put each d_in back to its producer's sharding
-    I(m, c): d_in, stash[m, c] = input_grad(res.pop(m, c), d_outgoing); send d_in as B
-    W(m, c): grad_acc = weight_grad(stash.pop(m, c), grad_acc)     acc donated
+asynchronously (no host sync inside a step), in `order`: one execution order consistent
+with every stage's list and the split's value dependencies (mpmd_parts.execution_order,
+the validator's and simulator's engine); `mpmd_run.Runner` holds the dispatch table of
+F / B / I / W and measures the residual bytes each stage holds.
 
 I and W (zero-bubble schedules such as zb_h1) are B cut in two by `backward_split`: I
 computes only what the input cotangents need and stashes the per-layer output cotangents
 (with the layer inputs W reads from the residuals); W turns them into weight grads without
 recomputing anything, so FLOPs(I) + FLOPs(W) = FLOPs(B).
 
-Memory, counted as `simulate` counts it: F(m, c) makes one activation set (residuals) and
-B or I releases it (`RunResult.peak_residuals`); I to W holds the smaller weight-grad stash
-(`peak_stash`). A chunk's set counts 1 here and 1/v in simulate's units
-(`RunResult.peak_activations`, `peak_weight_grad_stash` convert).
+Memory: F(m, c) makes one activation set (residuals) and B or I releases it; I to W holds
+the smaller weight-grad stash. `RunResult` reports per stage the peak count and the peak
+measured bytes of both (see mpmd_run).
+
+Microbatch m holds rows m, m + M, ... of the batch (as gradient accumulation splits it).
 
 Loss: `loss_fn` returns microbatch m's loss (or `(loss, aux)` with has_aux); the step loss
 is `sum_m w[m] * loss_m` with `w = 1/M` by default, so a per-example-mean loss over equal
@@ -55,9 +51,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spmdtask import steps
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import mpmd_cross
+from spmdtask.pipeline.mpmd_run import Runner, backward_flops
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline.mpmd_parts import (Part, RunResult, StageSpec, check_meshes, flat_specs,
-                                          is_float, linearize, split_backward)
+                                          execution_order, is_float, split_backward)
 from spmdtask.pipeline.schedule import Schedule
 
 
@@ -72,6 +69,7 @@ class Pipeline:
     self.cross = mpmd_cross.Cross([st.mesh for st in self.stages])
     local = self.cross.local
     self.staged = split_lib.split(loss_fn, params, microbatch)
+    self._split_args, self._under_mesh = (loss_fn, params, microbatch), {}
     if self.staged.num_stages != S * V:
       raise ConfigError(
           f"The loss function has {self.staged.num_stages - 1} stage_boundary markers, so "
@@ -92,14 +90,14 @@ class Pipeline:
     self.part_stage = [schedule.owner(v)[0] for v in range(S * V)]
     self.stage_keys = self._stage_keys()
     M = schedule.num_microbatches
-    self._batch_avals = [jax.ShapeDtypeStruct((M, *x.shape), x.dtype)
+    self.batch_avals = [jax.ShapeDtypeStruct((M, *x.shape), x.dtype)
                          for x in jax.tree.leaves(microbatch)]
     self._split_parts = {schedule.virtual_stage(s, a.chunk)
                          for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
     self.parts = tuple(self._build_part(v) for v in range(S * V))
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
-    self.order = linearize(schedule, self.parts, self.values)
+    self.order = execution_order(schedule, self.parts, self.values)
     for v in self.values.values():
       for c in v.consumers:
         self.cross.check_pair(self.part_stage[v.producer], self.part_stage[c])
@@ -107,6 +105,7 @@ class Pipeline:
     out_shapes = jax.eval_shape(loss_fn, params, microbatch)
     self.aux_tree = jax.tree.structure(out_shapes[1]) if has_aux else None
     loss_dtype = jax.tree.leaves(out_shapes)[0].dtype
+    self.loss_aval = jax.ShapeDtypeStruct((), loss_dtype)
     last = self.part_stage[-1]
     self._last_mesh = stages[last].mesh
     self._combine = steps.partition(lambda ls, w: jnp.sum(jnp.stack(ls) * w), stages[last].mesh,
@@ -117,7 +116,7 @@ class Pipeline:
     self._seeds = steps.partition(lambda w: tuple(w[m].astype(loss_dtype) for m in range(M)),
                                   self._last_mesh,
                                   (P(),), P())
-    self._mirrors = {}
+    self.runner = Runner(self)
     self._mb_index = [[jax.device_put(np.int32(m), NamedSharding(st.mesh, P()))
                        for m in range(M)] if local[s] else None for s, st in enumerate(stages)]
 
@@ -130,6 +129,20 @@ class Pipeline:
           self.paths[i] for i in st.arg_leaves if i < self.num_params)
     keys[0].update(set(self.paths) - set().union(*keys))  # unused leaves: stage 0
     return [tuple(k for k in self.paths if k in ks) for ks in keys]
+
+  def _traced_on_stage(self, v: int) -> split_lib.Stage:
+    """Part v traced under its stage's submesh, so the model's activation sharding
+    constraints (split-dims mappings) apply inside the stage; the same cut as `staged`."""
+    s = self.part_stage[v]
+    if s not in self._under_mesh:
+      with jax.set_mesh(self.stages[s].mesh):
+        self._under_mesh[s] = split_lib.split(*self._split_args)
+    got, want = self._under_mesh[s].stages[v], self.staged.stages[v]
+    if (got.arg_leaves, got.incoming, got.outgoing) != (want.arg_leaves, want.incoming,
+                                                        want.outgoing):
+      raise ValueError(f"Part {v} traced under stage {s}'s submesh is cut differently "
+                       "than without a mesh; keep sharding constraints off stage boundaries.")
+    return got
 
   def sharding(self, stage: int, key: str) -> NamedSharding:
     spec = self.param_specs[stage][self.paths.index(key)]
@@ -144,7 +157,7 @@ class Pipeline:
                                          for k in keys), self.stages[stage].mesh, (), specs)
 
   def _build_part(self, v: int) -> Part:
-    st, s = self.staged.stages[v], self.part_stage[v]
+    st, s = self._traced_on_stage(v), self.part_stage[v]
     spec = self.stages[s]
     last = v == self.staged.num_stages - 1
     pleaves = [i for i in st.arg_leaves if i < self.num_params]
@@ -181,7 +194,7 @@ class Pipeline:
 
     split_progs = {}
     if v in self._split_parts:
-      args = ([self.param_shapes[i] for i in pleaves], [self._batch_avals[j] for j in bleaves],
+      args = ([self.param_shapes[i] for i in pleaves], [self.batch_avals[j] for j in bleaves],
               jax.ShapeDtypeStruct((), jnp.int32), [aval(i) for i in float_in],
               [aval(i) for i in int_in])
       split_progs = split_backward(fwd, bwd, args,
@@ -211,215 +224,16 @@ class Pipeline:
         first.setdefault(k, x)
     return jax.tree.unflatten(self.params_tree, [first[k] for k in self.paths])
 
-  # ---- running --------------------------------------------------------------------------
-
-  def _stage_batches(self, batch) -> list[dict]:
-    M = self.schedule.num_microbatches
-    leaves = jax.tree.leaves(batch)
-    if len(leaves) != self.batch_tree.num_leaves:
-      raise ValueError(f"batch has {len(leaves)} leaves, the pipeline was built for "
-                       f"{self.batch_tree.num_leaves}")
-    stacked = {}
-    for part in self.parts:
-      for j in part.batch_leaves:
-        if j not in stacked:
-          x = leaves[j]
-          if x.shape[0] % M:
-            raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
-                              f"schedule.num_microbatches={M} equal microbatches.")
-          stacked[j] = x.reshape(M, x.shape[0] // M, *x.shape[1:])
-    out = [dict() for _ in self.stages]
-    for part in self.parts:
-      s = part.stage
-      for j in part.batch_leaves if self.cross.local[s] else ():
-        if j not in out[s]:
-          out[s][j] = jax.device_put(stacked[j], NamedSharding(
-              self.stages[s].mesh, P(None, *self.batch_specs[s][j])))
-    return out
+  # ---- running (mpmd_run.Runner) ---------------------------------------------------------
 
   def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
     """Forward and backward of every microbatch, in schedule order (module doc)."""
-    S, M = self.schedule.num_stages, self.schedule.num_microbatches
-    local, last = self.cross.local, self.part_stage[-1]
-    batches = self._stage_batches(batch)
-    w = seeds = None
-    if local[last]:
-      w = self._uniform if weights is None else jax.device_put(
-          weights, NamedSharding(self._last_mesh, P()))
-      seeds = self._seeds(w)
-    acc = [dict(zip(self.stage_keys[s], self._zeros[s]())) if local[s] else None
-           for s in range(S)]
-    inbox, cots, res, stash = {}, {}, {}, {}
-    losses, aux = [None] * M, [None] * M
-    live, peak, stashed, peak_stash = [0] * S, [0] * S, [0] * S, [0] * S
-    for s, a in self.order:
-      part = self.parts[self.schedule.virtual_stage(s, a.chunk)]
-      m = a.microbatch
-      grads = lambda: tuple(acc[s][k] for k in part.param_keys)
-      if a.kind == "F":
-        res[part.index, m] = self._forward(part, m, stage_params, batches, inbox, losses, aux)
-        live[s] += 1
-        peak[s] = max(peak[s], live[s])
-      elif a.kind == "W":
-        stashed[s] -= 1
-        if local[s]:
-          kept, st = stash.pop((part.index, m))
-          acc[s].update(zip(part.param_keys, part.weight_grad(kept, st, grads())))
-      elif not local[s]:  # another process runs it: take the cotangents this one needs
-        res.pop((part.index, m))
-        live[s] -= 1
-        if a.kind == "I":
-          stashed[s] += 1
-          peak_stash[s] = max(peak_stash[s], stashed[s])
-        self._send_cotangents(part, m, (None,) * len(part.float_in), cots)
-      else:  # B or I: the activation set is released here (what W needs is in its stash)
-        r = res.pop((part.index, m))
-        live[s] -= 1
-        if part.index == len(self.parts) - 1:
-          cot = (seeds[m],)
-        else:
-          got = cots.pop((part.index, m))
-          cot = tuple(got[i] for i in part.float_out)
-        if a.kind == "B":
-          new, d_in = part.bwd(r, cot, grads())
-          acc[s].update(zip(part.param_keys, new))
-        else:
-          d_in, st = part.input_grad(r, cot)
-          inputs = jax.tree.leaves(r) + list(cot)
-          stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
-          stashed[s] += 1
-          peak_stash[s] = max(peak_stash[s], stashed[s])
-        self._send_cotangents(part, m, d_in, cots)
-    self._sum_tied(acc)
-    chunks = self.schedule.num_chunks
-    if not local[last]:
-      return RunResult(None, tuple(acc), None, tuple(peak), tuple(peak_stash), chunks)
-    return RunResult(self._combine(tuple(losses), w), tuple(acc), tuple(aux), tuple(peak),
-                     tuple(peak_stash), chunks)
-
-  def _send_cotangents(self, part: Part, m: int, d_in, cots) -> None:
-    """B(m) of `part` made d_in (None where another process ran it): each goes to the
-    part that produced the value; cotangents of a value sent to several parts add up."""
-    for i, g in zip(part.float_in, d_in):
-      src = self.parts[self.values[i].producer]
-      g = self._send(g, i, part.stage, src.stage)
-      if g is None:
-        continue
-      box = cots.setdefault((src.index, m), {})
-      if i in box:
-        g = box[i] + jax.device_put(g, box[i].sharding)
-      box[i] = g
-
-  def _forward(self, part: Part, m: int, stage_params, batches, inbox, losses, aux):
-    """Runs F(m) of `part`, sends its outputs on; the last part's loss and aux go to
-    losses[m], aux[m]. Returns the residuals."""
-    s = part.stage
-    box = inbox.pop((part.index, m), {})
-    if not self.cross.local[s]:  # another process runs it: receive what this one needs
-      if part.index < len(self.parts) - 1:
-        self._send_outputs(part, m, (None,) * len(part.float_out + part.int_out), inbox)
-      return None
-    outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
-                              tuple(batches[s][j] for j in part.batch_leaves),
-                              self._mb_index[s][m], tuple(box[i] for i in part.float_in),
-                              tuple(box[i] for i in part.int_in))
-    if part.index == len(self.parts) - 1:
-      losses[m] = outs[0]
-      aux[m] = jax.tree.unflatten(self.aux_tree, other) if self.has_aux else None
-      return r
-    self._send_outputs(part, m, outs + other, inbox)
-    return r
-
-  def _send_outputs(self, part: Part, m: int, outs, inbox) -> None:
-    """F(m) of `part` made `outs` (None where another process ran it): to every consumer."""
-    for i, x in zip(part.float_out + part.int_out, outs):
-      for c in self.values[i].consumers:
-        y = self._send(x, i, part.stage, self.parts[c].stage)
-        if y is not None:
-          inbox.setdefault((c, m), {})[i] = y
+    return self.runner.run(stage_params, batch, weights)
 
   def forward(self, stage_params: Sequence[dict], batch) -> tuple[tuple, tuple]:
-    """Forward only (e.g. eval): per microbatch, the loss and aux on the last stage.
-
-    Parts run in order for each microbatch; residuals are dropped as soon as they are made.
-    """
-    batches = self._stage_batches(batch)
-    M = self.schedule.num_microbatches
-    inbox, losses, aux = {}, [None] * M, [None] * M
-    for m in range(M):
-      for part in self.parts:
-        self._forward(part, m, stage_params, batches, inbox, losses, aux)
-    return tuple(losses), tuple(aux)
+    """Forward only (e.g. eval): per microbatch, the loss and aux on the last stage."""
+    return self.runner.forward(stage_params, batch)
 
   def backward_flops(self, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
-    """Compiled FLOPs (`cost_analysis`) of B, I and W, per part the schedule splits:
-    {part: (B, I, W)}, lowered on microbatch 0's residuals and zero cotangents. With
-    nothing recomputed, I + W equals B up to XLA's fusion choices."""
-    batches = self._stage_batches(batch)
-    inbox, res, flops = {}, {}, {}
-    for part in self.parts:
-      res[part.index] = self._forward(part, 0, stage_params, batches, inbox, [None], [None])
-    count = lambda prog, *args: prog.lower(*args).compile().cost_analysis().get("flops", 0.0)
-    for part in self.parts:
-      if part.input_grad is None:
-        continue
-      mesh = self.stages[part.stage].mesh
-      avals = ([self._seeds.jitted.eval_shape(self._uniform)[0]]
-               if part.index == len(self.parts) - 1 else
-               [self.values[i].aval for i in part.float_out])
-      cot = tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(
-          mesh, self.stages[part.stage].spec_for(a))) for a in avals)
-      acc = tuple(jax.device_put(jnp.zeros_like(stage_params[part.stage][k]),
-                                 self.sharding(part.stage, k)) for k in part.param_keys)
-      r = res[part.index]
-      _, stash = part.input_grad(r, cot)
-      inputs = jax.tree.leaves(r) + list(cot)
-      kept = tuple(inputs[i] for i in part.kept)
-      flops[part.index] = (count(part.bwd, r, cot, acc), count(part.input_grad, r, cot),
-                           count(part.weight_grad, kept, stash, acc))
-    return flops
-
-  def _send(self, x: jax.Array | None, value: int, src: int, stage: int) -> jax.Array | None:
-    """x (value `value` on stage src's submesh) -> the devices of `stage`, asynchronously.
-
-    Across processes: a collective both call (mpmd_cross.Cross.move), x's layout kept; the
-    result only where `stage` is local, else None.
-
-    With equal device counts the copy keeps x's layout: the destination devices arranged as
-    x's mesh, same PartitionSpec, so every shard is a device-to-device copy; the receiving
-    program re-splits it with a sharding constraint. (A device_put straight to a layout
-    whose shards x does not have goes through the host in jax 0.10 and blocks until x is
-    ready.) Different device counts fall back to that device_put.
-    """
-    if not (self.cross.local[src] and self.cross.local[stage]):
-      aval = self.values[value].aval
-      return self.cross.move(x, aval, self.stages[src].spec_for(aval), src, stage)
-    dst = self.stages[stage]
-    src = x.sharding
-    if not isinstance(src, NamedSharding) or src.mesh.size != dst.mesh.size:
-      return jax.device_put(x, NamedSharding(dst.mesh, dst.spec_for(x.aval)))
-    key = (src.mesh, stage)
-    if key not in self._mirrors:
-      self._mirrors[key] = Mesh(dst.mesh.devices.reshape(src.mesh.devices.shape),
-                                src.mesh.axis_names, axis_types=src.mesh.axis_types)
-    return jax.device_put(x, NamedSharding(self._mirrors[key], src.spec))
-
-  def _sum_tied(self, acc: list) -> None:
-    """Each tied copy's gradient becomes the sum over the stages holding the leaf (a
-    non-local stage's acc is None: its copy moves by collective)."""
-    put, local = self.cross.put, self.cross.local
-    for k, where in self.tied.items():
-      first = where[0]
-      aval = self.param_shapes[self.paths.index(k)]
-      spec = lambda s: self.param_specs[s][self.paths.index(k)]
-      total = acc[first][k] if local[first] else None
-      for s in where[1:]:
-        g = put(acc[s][k] if local[s] else None, aval, s, first, spec(s), spec(first))
-        if g is not None:
-          total = total + g
-      if local[first]:
-        acc[first][k] = total
-      for s in where[1:]:
-        g = put(total, aval, first, s, spec(first), spec(s))
-        if g is not None:
-          acc[s][k] = g
+    """Compiled FLOPs of B, I and W per part the schedule splits (Runner.backward_flops)."""
+    return backward_flops(self.runner, stage_params, batch)

@@ -1,4 +1,4 @@
-"""`task.pipeline = MpmdConfig(...)`: the MPMD pipeline chosen on the task.
+"""`task.pipeline = MpmdConfig(...)`: the MPMD pipeline as an execution strategy.
 
 The layer stack is cut by layer index into `len(layer_cuts) + 1` groups (parts); part p
 runs on stage `schedule.owner(p)` (with one chunk per stage, part p on stage p). The
@@ -10,20 +10,22 @@ first, so submeshes are disjoint and must use exactly the devices of the job.
              num_microbatches=4)
   # 4 layers: layer 0 (+ embedding) on devices 0-3 as data 2 x model 2,
   #           layers 1-3 (+ head, loss) on devices 4-7 as data 4.
+
+In the model each group is its own scan `block_<g>` `[L_g, ...]`, with a `stage_boundary`
+between groups at the top level (outside scan and remat), where `pipeline.split` cuts the
+traced loss; `layout_maps` joins the groups into the canonical `block` `[L, ...]`.
 """
 import dataclasses
-import math
-from typing import Sequence
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
 
-from spmdtask import mesh as mesh_lib
-from spmdtask.errors import ConfigError
-from spmdtask.pipeline import generators
-from spmdtask.pipeline.schedule import Schedule
+from spmdtask.model import LayoutMap
+from spmdtask.pipeline import mpmd_program, mpmd_stages, simulate
+from spmdtask.pipeline.split import stage_boundary
+from spmdtask.strategy import StackFacts
 
-_PL = "task.pipeline."
+BLOCK = "block"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +39,10 @@ class MpmdConfig:
     submesh_shapes: one mesh shape per stage over task.mesh_axis_names (stages may
       differ); their device counts must add up to the job's devices.
     schedule: a schedule generator name: gpipe, 1f1b, interleaved_1f1b or zb_h1.
-    num_microbatches: M; the global batch splits into M equal microbatches.
-    num_chunks: parts per stage (interleaved_1f1b); 1 otherwise.
+    num_microbatches: M, the pipeline's microbatches: the global batch splits into M
+      equal microbatches that the schedule interleaves (not gradient accumulation, which
+      is task.train.num_microbatches and must stay 1 here).
+    num_chunks: parts per stage (interleaved_1f1b needs >= 2); 1 otherwise.
   """
   layer_cuts: tuple[int, ...]
   submesh_shapes: tuple[tuple[int, ...], ...]
@@ -50,69 +54,47 @@ class MpmdConfig:
   def num_stages(self) -> int:
     return len(self.submesh_shapes)
 
+  # ---- the execution-strategy contract (spmdtask.strategy.Strategy) ---------------------
 
-def check_cuts(layer_cuts: Sequence[int]) -> tuple[int, ...]:
-  """The cuts as a tuple; ConfigError unless they are strictly increasing ints."""
-  cuts = tuple(layer_cuts)
-  if any(not isinstance(c, int) for c in cuts) or list(cuts) != sorted(set(cuts)):
-    raise ConfigError(f"{_PL}layer_cuts={cuts!r} must be strictly increasing layer indices "
-                      "(each the first layer of a new part), e.g. (2,) for layers 0-1 | 2-...")
-  return cuts
+  def validate(self, stack: StackFacts) -> None:
+    """Cuts within the stack, and a schedule that fits the stages and chunks."""
+    mpmd_stages.layer_groups(self.layer_cuts, stack.num_layers)
+    mpmd_stages.make_schedule(self)
 
+  def apply_stack(self, runner, x: jax.Array, side: tuple, keys) -> jax.Array:
+    """Each group of layers scanned as `block_<g>`, a stage boundary between groups."""
+    for g, (start, end) in enumerate(mpmd_stages.layer_groups(self.layer_cuts,
+                                                               runner.num_layers)):
+      if g:
+        x = stage_boundary(x)
+      x = runner.scan_layers(x, side, keys, start=start, length=end - start,
+                             name=f"{BLOCK}_{g}")
+    return x
 
-def layer_groups(layer_cuts: Sequence[int], num_layers: int) -> tuple[tuple[int, int], ...]:
-  """[start, end) of each part's layers. Raises ConfigError for a bad cut."""
-  cuts = check_cuts(layer_cuts)
-  if cuts and (cuts[0] < 1 or cuts[-1] > num_layers - 1):
-    raise ConfigError(f"{_PL}layer_cuts={cuts!r} cuts beyond the last layer: a cut must be "
-                      f"between 1 and task.model.num_layers - 1 = {num_layers - 1} (every part "
-                      "needs at least one layer); remove or move the cuts.")
-  bounds = (0,) + cuts + (num_layers,)
-  return tuple(zip(bounds[:-1], bounds[1:]))
+  def layout_maps(self, path) -> tuple[LayoutMap, ...]:
+    return (LayoutMap(tuple(path), join_groups, lambda tree: split_groups(tree, self.layer_cuts)),)
 
+  def build_program(self, task, example_local_batch, devices):
+    return mpmd_program.setup(task, self, example_local_batch, devices)
 
-def make_schedule(config: MpmdConfig) -> Schedule:
-  """The schedule data; ConfigError when it does not fit the stages and parts."""
-  parts = len(check_cuts(config.layer_cuts)) + 1
-  s, v = config.num_stages, config.num_chunks
-  if parts != s * v:
-    raise ConfigError(
-        f"{_PL}layer_cuts={tuple(config.layer_cuts)} make {parts} parts, but the schedule runs "
-        f"{s} stages ({_PL}submesh_shapes) x {v} chunks ({_PL}num_chunks) = {s * v} parts. "
-        f"Give {s * v - 1} cuts, or change the stages or chunks.")
-  try:
-    return generators.generate(config.schedule, s, config.num_microbatches, v)
-  except ConfigError as e:
-    raise ConfigError(f"{_PL}schedule={config.schedule!r} does not fit: {e}") from None
+  def facts(self) -> dict:
+    return {"strategy": "mpmd", **dataclasses.asdict(self)}
+
+  def summary(self) -> str:
+    sim = simulate.simulate(mpmd_stages.make_schedule(self))
+    return (f"strategy MPMD pipeline: {self.num_stages} stages, schedule {self.schedule!r} "
+            f"({self.num_microbatches} pipeline microbatches, {self.num_chunks} chunk(s) per "
+            f"stage), simulated bubble {float(sim.bubble_fraction):.1%} (equal F/B/W costs)")
 
 
-def check_batch(config: MpmdConfig, global_batch_size: int) -> int:
-  """The microbatch size; ConfigError naming num_microbatches when M does not divide."""
-  m = config.num_microbatches
-  if not isinstance(m, int) or m < 1 or global_batch_size % m:
-    raise ConfigError(f"{_PL}num_microbatches={m!r} does not divide the global batch of "
-                      f"{global_batch_size}: use a divisor of {global_batch_size}.")
-  return global_batch_size // m
+def join_groups(tree: dict) -> dict:
+  """{block_0: [L0, ...], block_1: [L1, ...], ...} -> {block: [L0 + L1 + ..., ...]}."""
+  groups = [tree[f"{BLOCK}_{g}"] for g in range(len(tree))]
+  return {BLOCK: jax.tree.map(lambda *xs: jnp.concatenate(xs), *groups)}
 
 
-def submeshes(config: MpmdConfig, axis_names: Sequence[str],
-              devices: Sequence[jax.Device]) -> tuple[Mesh, ...]:
-  """One Auto-axes mesh per stage over consecutive, disjoint runs of `devices`."""
-  shapes = tuple(tuple(s) for s in config.submesh_shapes)
-  if not shapes:
-    raise ConfigError(f"{_PL}submesh_shapes is empty: give one mesh shape per stage.")
-  for s, shape in enumerate(shapes):
-    if len(shape) != len(axis_names) or any(not isinstance(x, int) or x < 1 for x in shape):
-      raise ConfigError(f"{_PL}submesh_shapes[{s}]={shape} must have one positive size per "
-                        f"axis of task.mesh_axis_names={tuple(axis_names)}.")
-  sizes = [math.prod(s) for s in shapes]
-  if sum(sizes) != len(devices):
-    raise ConfigError(
-        f"{_PL}submesh_shapes={shapes} use {sum(sizes)} devices ({' + '.join(map(str, sizes))}) "
-        f"but the job has {len(devices)}: stage submeshes take consecutive devices and must "
-        f"cover every device exactly once. Make the sizes add up to {len(devices)}.")
-  out, start = [], 0
-  for shape, n in zip(shapes, sizes):
-    out.append(mesh_lib.create_mesh(axis_names, shape, None, list(devices)[start:start + n]))
-    start += n
-  return tuple(out)
+def split_groups(tree: dict, layer_cuts) -> dict:
+  """{block: [L, ...]} -> {block_<g>: layers [start_g, end_g)} (inverse of `join_groups`)."""
+  num_layers = jax.tree.leaves(tree[BLOCK])[0].shape[0]
+  return {f"{BLOCK}_{g}": jax.tree.map(lambda a, s=start, e=end: a[s:e], tree[BLOCK])
+          for g, (start, end) in enumerate(mpmd_stages.layer_groups(layer_cuts, num_layers))}

@@ -89,6 +89,10 @@ class RunResult:
   peak_residuals: tuple[int, ...]  # per stage, most (microbatch, chunk) activation sets alive
   peak_stash: tuple[int, ...]  # per stage, most (microbatch, chunk) W stashes alive (I to W)
   num_chunks: int = 1
+  # Measured from the arrays held (their shards on this process's devices), per stage:
+  peak_residual_bytes: tuple[int, ...] = ()
+  peak_stash_bytes: tuple[int, ...] = ()
+  residual_set_bytes: tuple[int | None, ...] = ()  # per part: one F's residual bytes
 
   @property
   def peak_activations(self) -> tuple[Fraction, ...]:
@@ -152,37 +156,25 @@ def check_meshes(stages: Sequence[StageSpec], num_stages: int) -> None:
       seen[d.id] = s
 
 
-def linearize(schedule: Schedule, parts: Sequence[Part], values) -> list:
-  """One dispatch order for all stages: each stage's list in order, cross-stage deps held.
-
-  F(m) of a part needs F(m) of every part it receives from; B(m) needs its own F(m) and
-  B(m) (or I(m)) of every part that receives a differentiable value from it; W(m) needs its
-  own I(m). Raises ConfigError for a schedule that breaks a rule of `schedule.validate`.
+def execution_order(schedule: Schedule, parts: Sequence[Part], values) -> list:
+  """One dispatch order for all stages (`schedule.execution_order` under the split's value
+  dependencies): F(m) of a part needs F(m) of every part it receives from; B(m) or I(m)
+  needs its own F(m) and the B(m) (or I(m)) of every part that receives a differentiable
+  value from it; W(m) needs its own I(m). Raises ConfigError for a schedule that breaks a
+  rule of `schedule.validate` or deadlocks.
   """
   schedule_lib.validate(schedule, "the pipeline's schedule")
-  S = schedule.num_stages
   f_from = {p.index: {values[i].producer for i in p.float_in + p.int_in} for p in parts}
   b_from = {p.index: {c for i in p.float_out for c in values[i].consumers} for p in parts}
-  done, ptr, order = set(), [0] * S, []
-  while len(order) < sum(map(len, schedule.actions)):
-    moved = False
-    for s in range(S):
-      while ptr[s] < len(schedule.actions[s]):
-        a = schedule.actions[s][ptr[s]]
-        v = schedule.virtual_stage(s, a.chunk)
-        need = ({("F", u, a.microbatch) for u in f_from[v]} if a.kind == "F" else
-                {("B", v, a.microbatch)} if a.kind == "W" else
-                {("F", v, a.microbatch)} | {("B", u, a.microbatch) for u in b_from[v]})
-        if not need <= done:
-          break
-        done.add(("B" if a.kind == "I" else a.kind, v, a.microbatch))  # I: grads sent on
-        order.append((s, a))
-        ptr[s] += 1
-        moved = True
-    if not moved:
-      stuck = "; ".join(f"stage {s} at {schedule.actions[s][ptr[s]]}" for s in range(S)
-                        if ptr[s] < len(schedule.actions[s]))
-      raise ConfigError(f"The schedule deadlocks: every stage waits on another ({stuck}). "
-                        "Reorder the actions so each F follows its producers' F and each B "
-                        "its consumers' B.")
-  return order
+
+  def deps(sched, stage, a, backward):
+    v, mb = sched.virtual_stage(stage, a.chunk), a.microbatch
+    if a.kind == "W":
+      return [(stage, schedule_lib.Action("I", mb, a.chunk))]
+    on = lambda u, kind: (sched.owner(u)[0], schedule_lib.Action(kind, mb, sched.owner(u)[1]))
+    if a.kind == "F":
+      return [on(u, "F") for u in sorted(f_from[v])]
+    return [on(v, "F")] + [on(u, backward.get((*sched.owner(u)[:1], mb, sched.owner(u)[1]), "B"))
+                           for u in sorted(b_from[v])]
+
+  return schedule_lib.execution_order(schedule, "the pipeline's schedule", deps)

@@ -45,14 +45,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import mesh as mesh_lib
-from spmdtask import program as program_lib
-from spmdtask import sharding, steps, train_state
+from spmdtask import layouts, sharding, steps, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.model import Metrics, Model, Work
-from spmdtask.pipeline import mpmd, mpmd_config, mpmd_step
+from spmdtask.pipeline import mpmd, mpmd_report, mpmd_stages, mpmd_step
 from spmdtask.pipeline.mpmd_step import StageState
-from spmdtask.task import Task
 from spmdtask.train_state import StateLayout, TrainState
 
 
@@ -60,6 +58,9 @@ class MpmdState(NamedTuple):
   """The live MPMD train state: the step (on the last stage) and every stage's state."""
   step: jax.Array
   stages: tuple[StageState, ...]
+
+
+DROPOUT_KEY = "__dropout_key__"  # the batch leaf that carries each microbatch's dropout key
 
 
 def _is_everything(_) -> bool:
@@ -89,7 +90,7 @@ def _sum_metrics(aux: tuple) -> Metrics:
 @dataclasses.dataclass
 class MpmdProgram:
   """The per-stage programs of one task and the layouts they agree on (module doc)."""
-  task: Task
+  task: Any
   model: Model
   mesh: Mesh  # every device: canonical restore targets
   tx: optax.GradientTransformation  # the canonical optimizer (with clipping)
@@ -99,7 +100,8 @@ class MpmdProgram:
   live: StateLayout  # the live tree (layer groups) of base_tx, split evenly on `mesh`
   live_split: TrainState
   work: Work
-  config: mpmd_config.MpmdConfig
+  config: Any  # the MpmdConfig strategy
+  batch_specs: Any  # the global batch on `mesh` (the loop's view; stages split it)
   pipeline: mpmd.Pipeline
   step_fn: mpmd_step.TrainStep
   _init: steps.Partitioned
@@ -107,8 +109,12 @@ class MpmdProgram:
   _sum: steps.Partitioned
   _to_canonical: steps.Partitioned
   _from_canonical: steps.Partitioned
-  _shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
+  num_layers: int
+  shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
+  make_eval_pipeline: Any = None  # () -> the forward-only Pipeline (no dropout), built once
   last_peak_residuals: tuple[int, ...] | None = None
+  _eval_pipeline: Any = None
+  _last_step: tuple = (None, 0)  # (the step array train returned, its value on the host)
 
   # ---- the Program interface ------------------------------------------------------------
 
@@ -118,36 +124,58 @@ class MpmdProgram:
 
   @property
   def layout(self) -> StateLayout:
-    """The state's layout on `mesh` for the start summary (Program.layout): the canonical
-    one, whose logical shapes and bytes are those of the per-stage live state."""
-    return self.canonical
+    """The live state's layout (layer groups) laid out evenly on `mesh` (Program.layout);
+    `describe` gives each stage's own bytes."""
+    return self.live
 
   @property
   def _last(self) -> int:
     return self.pipeline.part_stage[-1]
 
+  def _dropout_keys(self, state: MpmdState) -> np.ndarray:
+    """[M, key] dropout key data: microbatch m's is fold_in(fold_in(key(seed), step), m),
+    what the unpipelined step with M-microbatch accumulation gives microbatch m. The step
+    is read from the device once (after init or restore), then counted here."""
+    arr, n = self._last_step
+    if arr is not state.step:
+      n = int(np.asarray(state.step.addressable_shards[0].data))
+    rng = jax.random.fold_in(jax.random.key(self.task.train.seed), n)
+    return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, m)))
+                     for m in range(self.config.num_microbatches)]), n
+
+  def train_batch(self, state: MpmdState, batch) -> dict:
+    """What the train pipeline runs (e.g. for `pipeline.backward_flops`): the global batch
+    and each microbatch's dropout key."""
+    return {**batch, DROPOUT_KEY: self._dropout_keys(state)[0]}
+
   def train(self, state: MpmdState, batch) -> tuple[MpmdState, dict]:
     cross = self.pipeline.cross
-    stages, m = self.step_fn(state.stages, batch)
+    keys, n = self._dropout_keys(state)
+    stages, m = self.step_fn(state.stages, {**batch, DROPOUT_KEY: keys})
     self.last_peak_residuals = m["peak_residuals"]
     if not cross.multiprocess:
       step, metrics = self._finish(state.step, m["loss"], m["grad_norm"], m["param_norm"],
                                    m["aux"])
+      self._last_step = (step, n + 1)
       return MpmdState(step, stages), metrics
     out = None
     if cross.local[self._last]:
       out = self._finish(cross.localize(state.step, cross.meshes[self._last]), m["loss"],
                          m["grad_norm"], m["param_norm"], m["aux"])
-    step, metrics = cross.broadcast(out, self._last, self._shapes["train"])
+    step, metrics = cross.broadcast(out, self._last, self.shapes["train"])
+    self._last_step = (step, n + 1)
     return MpmdState(step, stages), metrics
 
   def eval(self, state: MpmdState, batch) -> Metrics:
     cross = self.pipeline.cross
-    _, aux = self.pipeline.forward([st.params if st else None for st in state.stages], batch)
+    if self._eval_pipeline is None:
+      self._eval_pipeline = self.make_eval_pipeline()
+    _, aux = self._eval_pipeline.forward([st.params if st else None for st in state.stages],
+                                         batch)
     if not cross.multiprocess:
       return self._sum(aux)
     out = self._sum(aux) if cross.local[self._last] else None
-    return cross.broadcast(out, self._last, self._shapes["eval"])
+    return cross.broadcast(out, self._last, self.shapes["eval"])
 
   def global_batch(self, local_batch) -> Any:
     """Host arrays of the global batch (every process's rows, in process order: each
@@ -157,20 +185,26 @@ class MpmdProgram:
     return jax.tree.map(np.asarray, local_batch)
 
   def canonical_targets(self) -> TrainState:
-    return program_lib.sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
+    return layouts.sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
 
   def layout_facts(self) -> dict:
-    return {**program_lib.mesh_facts(self.mesh),
-            "pipeline": {"mpmd": dataclasses.asdict(self.config)},
-            "num_microbatches": int(self.config.num_microbatches),
-            "canonical": "logical arrays, layers stacked [L, ...]"}
+    return layouts.layout_facts(self.mesh, self.task, self.config)
+
+  def describe(self) -> list[str]:
+    return mpmd_report.describe(self)
+
+  def lowerings(self, example_local_batch) -> list:
+    return mpmd_report.lowerings(self)
+
+  def stage_report(self, compiled) -> list[dict]:
+    return mpmd_report.stage_report(self, compiled)
 
   def to_canonical(self, state: MpmdState) -> TrainState:
     pl, cross = self.pipeline, self.pipeline.cross
     if cross.multiprocess:  # every stage's state on every device (module doc)
       here = lambda t: jax.tree.map(lambda x: cross.localize(x, self.mesh), t)
       state = MpmdState(here(state.step), tuple(
-          here(cross.broadcast(st, s, self._shapes["stages"][s]))
+          here(cross.broadcast(st, s, self.shapes["stages"][s]))
           for s, st in enumerate(state.stages)))
     params = pl.gather([st.params for st in state.stages])
     per_stage = [_mirrors(self.base_tx, st.opt_state) for st in state.stages]
@@ -216,24 +250,32 @@ class MpmdProgram:
     return MpmdState(step, tuple(stages))
 
 
-def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
-  """Submeshes, layouts and per-stage programs for `task`; ConfigError on a bad config."""
-  config: mpmd_config.MpmdConfig = task.pipeline
+def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
+  """Submeshes, layouts and per-stage programs for `task` under the MpmdConfig `config`;
+  ConfigError on a bad config."""
   devices = list(devices if devices is not None else jax.devices())
-  schedule = mpmd_config.make_schedule(config)
-  meshes = mpmd_config.submeshes(config, task.mesh_axis_names, devices)
+  schedule = mpmd_stages.make_schedule(config)
+  meshes = mpmd_stages.submeshes(config, task.mesh_axis_names, devices)
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
-  model, canonical_model = program_lib.strategy_models(task)
+  model, canonical_model = layouts.strategy_models(task, config)
   shapes = global_batch.global_shapes(example_local_batch)
   global_size = jax.tree.leaves(shapes)[0].shape[0]
-  mb_size = mpmd_config.check_batch(config, global_size)
+  mb_size = mpmd_stages.check_batch(config, global_size)
   if task.train.num_microbatches != 1:
     raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
                       "pipeline: the pipeline splits the batch itself; set "
                       "task.pipeline.num_microbatches and task.train.num_microbatches=1.")
-  for m in meshes:
+  for s, m in enumerate(meshes):
     model.validate(m, mb_size)
+    data = sharding.shards(task.batch_axes() or None, mesh_lib.mesh_shape(m))
+    if mb_size % data:  # the stage's activation constraints split microbatch rows
+      raise ConfigError(
+          f"task.pipeline.num_microbatches={config.num_microbatches} makes microbatches of "
+          f"{mb_size} rows, which do not split over stage {s}'s data axes "
+          f"{task.batch_axes()} ({data} shards, task.pipeline.submesh_shapes[{s}]="
+          f"{tuple(config.submesh_shapes[s])}): use fewer microbatches, a larger batch, or "
+          "fewer data shards on that stage.")
   tp = task.train
   tx = tp.make_optimizer()
   base_tx = tp.optimizer(learning_rate=tp.schedule())
@@ -244,8 +286,8 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
     canonical = train_state.layout(canonical_model, tx, init_batch, full)
     work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                                    for k, v in init_batch.items()})
-  # No mesh while tracing the live model: its activation constraints (full-mesh specs) stay
-  # out of the stage programs; each stage's params and inputs carry its submesh's layout.
+  # The live layout without a mesh (shapes and splits only); the Pipeline traces each
+  # stage's part under that stage's submesh, where the activation constraints apply.
   live = train_state.layout(model, base_tx, init_batch, full)
   canonical_split = sharding.even_splits(canonical.logical, canonical.split, full)
   live_split = sharding.even_splits(live.logical, live.split, full)
@@ -261,11 +303,25 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
                                                         ms),
                                 sharding.even_splits(micro, batch_split, ms), act))
 
-  def loss_fn(params, mb):  # microbatch m's loss sum (TrainStep divides by the total weight)
+  def eval_loss_fn(params, mb):  # microbatch m's loss sum (TrainStep divides by the total)
     loss, metrics = model.apply({"params": params}, mb, method=model.loss)
     return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
 
-  pl = mpmd.Pipeline(loss_fn, live.logical.params, micro, specs, schedule, has_aux=True)
+  def loss_fn(params, mb):  # the same, with microbatch m's dropout key (DROPOUT_KEY)
+    rest = {k: v for k, v in mb.items() if k != DROPOUT_KEY}
+    rngs = {"dropout": jax.random.wrap_key_data(mb[DROPOUT_KEY][0])}
+    loss, metrics = model.apply({"params": params}, rest, method=model.loss, rngs=rngs)
+    return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
+
+  key_aval = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  micro_train = {**micro, DROPOUT_KEY: jax.ShapeDtypeStruct((1,) + key_aval.shape,
+                                                            key_aval.dtype)}
+  train_specs = [dataclasses.replace(sp, batch_specs={**sp.batch_specs, DROPOUT_KEY: P()})
+                 for sp in specs]
+  pl = mpmd.Pipeline(loss_fn, live.logical.params, micro_train, train_specs, schedule,
+                     has_aux=True)
+  make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
+                                    has_aux=True)
   step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
                                 loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
   last_mesh = meshes[pl.part_stage[-1]]
@@ -275,7 +331,7 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
                       "grad_norm": grad_norm, "param_norm": param_norm,
                       "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)}
 
-  aux = (jax.eval_shape(loss_fn, live.logical.params, micro)[1],) * config.num_microbatches
+  aux = (jax.eval_shape(eval_loss_fn, live.logical.params, micro)[1],) * config.num_microbatches
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
   cross_shapes = {"train": jax.eval_shape(finish, canonical.logical.step, scalar, scalar, scalar, aux),
             "eval": jax.eval_shape(_sum_metrics, aux),
@@ -286,22 +342,24 @@ def setup(task: Task, example_local_batch, devices=None) -> MpmdProgram:
   live_tree = jax.tree.structure(live.logical.opt_state)
 
   def to_canonical(state: TrainState) -> TrainState:
-    params = program_lib.apply_layout_maps(state.params, maps, True)
-    opt = program_lib.apply_layout_maps(state.opt_state, maps, True)
+    params = layouts.apply_layout_maps(state.params, maps, True)
+    opt = layouts.apply_layout_maps(state.opt_state, maps, True)
     opt = jax.tree.unflatten(canonical_tree, jax.tree.leaves(opt))
     return jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), TrainState(state.step, params, opt))
 
   def from_canonical(state: TrainState) -> TrainState:
-    params = program_lib.apply_layout_maps(state.params, maps, False)
+    params = layouts.apply_layout_maps(state.params, maps, False)
     opt = jax.tree.unflatten(jax.tree.structure(jax.eval_shape(base_tx.init, state.params)),
                              jax.tree.leaves(state.opt_state))
-    opt = program_lib.apply_layout_maps(opt, maps, False)
+    opt = layouts.apply_layout_maps(opt, maps, False)
     return TrainState(state.step, params, jax.tree.unflatten(live_tree, jax.tree.leaves(opt)))
 
   return MpmdProgram(
       task=task, model=model, mesh=mesh, tx=tx, base_tx=base_tx, canonical=canonical,
       canonical_split=canonical_split, live=live, live_split=live_split, work=work,
-      config=config, pipeline=pl, step_fn=step_fn, _shapes=cross_shapes,
+      config=config, batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
+                                                    task.batch_axes(), mesh),
+      pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),

@@ -202,12 +202,17 @@ def dependencies(schedule: Schedule, stage: int, action: Action,
   return deps
 
 
-def execution_order(schedule: Schedule, source: str = "the schedule") -> list[tuple[int, Action]]:
+def execution_order(schedule: Schedule, source: str = "the schedule",
+                    deps=None) -> list[tuple[int, Action]]:
   """Every (stage, action) in an order that respects each stage's list and every dependency.
 
-  Raises ConfigError if the lists deadlock (no stage can start its next action). Assumes the
-  per-stage rules hold (`validate` checks those first).
+  The one execution-order engine: the validator, the simulator and the MPMD runner use it.
+  `deps(schedule, stage, action, backward)` gives the (stage, action)s an action waits for
+  (default `dependencies`: the chain of parts; the MPMD runner passes the split's value
+  graph, where a value may skip parts). Raises ConfigError if the lists deadlock (no stage
+  can start its next action). Assumes the per-stage rules hold (`validate` checks those).
   """
+  deps = deps or dependencies
   backward = backward_kind(schedule)
   done, order = set(), []
   next_index = [0] * schedule.num_stages
@@ -217,7 +222,7 @@ def execution_order(schedule: Schedule, source: str = "the schedule") -> list[tu
     for s, row in enumerate(schedule.actions):
       while next_index[s] < len(row):
         action = row[next_index[s]]
-        if any(d not in done for d in dependencies(schedule, s, action, backward)):
+        if any(d not in done for d in deps(schedule, s, action, backward)):
           break
         done.add((s, action))
         order.append((s, action))
@@ -228,7 +233,7 @@ def execution_order(schedule: Schedule, source: str = "the schedule") -> list[tu
                if next_index[s] < len(row)]
       waits = "; ".join(
           f"stage {s} at {a} waits for " + " and ".join(
-              f"{d} on stage {ds}" for ds, d in dependencies(schedule, s, a, backward)
+              f"{d} on stage {ds}" for ds, d in deps(schedule, s, a, backward)
               if (ds, d) not in done) for s, a in stuck)
       s, a = stuck[0]
       raise ConfigError(

@@ -85,6 +85,21 @@ def peaks(schedule: Schedule) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...
   return tuple(act_peaks), tuple(stash_peaks)
 
 
+def peak_bytes(schedule: Schedule, set_bytes) -> tuple[int, ...]:
+  """Per stage: the peak bytes of live activation sets, replaying its list with a set of part
+  v weighing `set_bytes[v]` (F adds its set, B or I releases it): `peaks` in bytes, to set
+  beside what an executor measures."""
+  out = []
+  for s, row in enumerate(schedule.actions):
+    live = peak = 0
+    for a in row:
+      size = set_bytes[schedule.virtual_stage(s, a.chunk)]
+      live += size if a.kind == "F" else -size if a.kind in ("B", "I") else 0
+      peak = max(peak, live)
+    out.append(peak)
+  return tuple(out)
+
+
 def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the schedule") -> Simulation:
   """Validates `schedule` (ConfigError if broken) and runs it under `costs`."""
   order = schedule_lib.validate(schedule, source)

@@ -19,12 +19,15 @@ shardings of weights and activations keep working within each stage.
 import dataclasses
 from typing import Any, Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import checks
+from spmdtask import checks, spmd_program
 from spmdtask.errors import ConfigError
+from spmdtask.model import LayoutMap
+from spmdtask.strategy import StackFacts
 
 _PL = "task.pipeline."
 
@@ -67,6 +70,59 @@ class PipelineConfig:
     """Returns M*R + S - 1, the trip count of the pipeline loop."""
     m = self.resolve_num_microbatches(batch_size)
     return m * self.circular_repeat + self.num_stages - 1
+
+  # ---- the execution-strategy contract (spmdtask.strategy.Strategy) ---------------------
+
+  def validate(self, stack: StackFacts) -> None:
+    validate(self, num_layers=stack.num_layers, batch_size=stack.batch_size, mesh=stack.mesh)
+
+  def apply_stack(self, runner, x: jax.Array, side: tuple, keys) -> jax.Array:
+    """Weights `[S, R, Lps, ...]` (stage dim over the stage axis), run by `pipeline_apply`;
+    per-example side inputs and row ids are split into microbatches like `x`, each layer's
+    dropout key goes with its weights."""
+    s, r = self.num_stages, self.circular_repeat
+    # vmap once per leading dim, the outermost mapped to the stage axis.
+    stack = runner.block_cls
+    for length, axis_name in ((runner.num_layers // (s * r), None), (r, None),
+                              (s, self.stage_axis)):
+      stack = nn.vmap(stack, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(None,) * (1 + len(side)), out_axes=0, axis_size=length,
+                      metadata_params={nn.PARTITION_NAME: axis_name})
+    stack = stack(**runner.block_kwargs, name="block")
+    if runner.is_initializing():
+      stack(x, *side)  # the stacked weights' shapes and splits; values come canonical
+      return x
+    params = nn.unbox(runner.variables["params"]["block"])
+    layer = runner.block_fn()
+    given = tuple(a is not None for a in side)
+
+    def layer_fn(pk, h, *arrays):
+      it = iter(arrays)
+      return layer(pk[0], h, pk[1], *(next(it) if g else None for g in given))
+
+    stage_keys = None if keys is None else to_stages(keys, s, r)
+    return pipeline_apply(layer_fn, (params, stage_keys), x,
+                          mesh=jax.sharding.get_abstract_mesh(), config=self,
+                          microbatched_args=tuple(a for a in side if a is not None))
+
+  def layout_maps(self, path) -> tuple[LayoutMap, ...]:
+    s, r = self.num_stages, self.circular_repeat
+    return (LayoutMap(tuple(path), from_stages, lambda tree: to_stages(tree, s, r)),)
+
+  def build_program(self, task, example_local_batch, devices):
+    return spmd_program.build(task, self, example_local_batch, devices)
+
+  def facts(self) -> dict:
+    return {"strategy": "spmd_pipeline", **dataclasses.asdict(self)}
+
+  def summary(self) -> str:
+    s, r = self.num_stages, self.circular_repeat
+    m = self.num_microbatches or f"batch/{self.microbatch_size}"
+    kind = "GPipe" if r == 1 else f"circular x{r}"
+    bubble = (f"; bubble (S-1)/(M*R+S-1) = {(s - 1) / (m * r + s - 1):.1%}"
+              if isinstance(m, int) else "")
+    return (f"strategy SPMD pipeline ({kind}) over mesh axis '{self.stage_axis}': {s} stages, "
+            f"{m} pipeline microbatches{bubble}")
 
 
 def _fail(msg: str):
@@ -172,6 +228,7 @@ def pipeline_apply(
     mesh,
     config: PipelineConfig,
     broadcast_args: tuple = (),
+    microbatched_args: tuple = (),
     _bubble_fill: float | None = None,
 ) -> jax.Array:
   """Applies L = S*R*Lps layers to `x`, pipelined over the stage mesh axis.
@@ -212,7 +269,9 @@ def pipeline_apply(
     mesh: the `jax.sharding.Mesh` (Auto axes) holding `config.stage_axis`.
     config: a `PipelineConfig`.
     broadcast_args: extra arguments passed unchanged to every `layer_fn` call (e.g.
-      positions or a mask shared by all microbatches); replicated over stages.
+      a mask shared by all microbatches); replicated over stages.
+    microbatched_args: `[B, ...]` arrays split into microbatches like `x` (e.g. per-example
+      positions, segment ids); `layer_fn` gets microbatch m's after `broadcast_args`.
     _bubble_fill: test hook: initial value of the internal buffers (default 0).
 
   Returns:
@@ -241,11 +300,11 @@ def pipeline_apply(
       None if config.remat_policy is None else getattr(jax.checkpoint_policies, config.remat_policy)
   )
 
-  def run_stage(params, r, h, bargs):
+  def run_stage(params, r, h, bargs, margs):
     w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), params)
 
     def one_layer(h, p):
-      return layer_fn(p, h, *bargs), None
+      return layer_fn(p, h, *bargs, *margs), None
 
     h, _ = jax.lax.scan(one_layer, h, w, unroll=bool(config.unroll))
     return h
@@ -258,10 +317,11 @@ def pipeline_apply(
   else:
     perm = [(i, i + 1) for i in range(s_n - 1)]
 
-  def per_stage(params, x, bargs):
+  def per_stage(params, x, bargs, margs):
     params = jax.tree.map(lambda a: a[0], params)  # [R, Lps, ...]: this stage's
     s = jax.lax.axis_index(ax)
     xs = x.reshape((mb, m_n) + x.shape[1:])  # microbatch m = x[m::M]
+    ms = tuple(a.reshape((mb, m_n) + a.shape[1:]) for a in margs)
     mb_shape = (mb,) + x.shape[1:]
     cur = jnp.full(mb_shape, fill, x.dtype)
     buf = jnp.full((ring,) + mb_shape if r_n > 1 else (0,), fill, x.dtype)
@@ -280,7 +340,8 @@ def pipeline_apply(
         back = jax.lax.dynamic_index_in_dim(buf, (t + 1) % ring, 0, False)
         first = jnp.where(r == 0, first, back)
       inp = jnp.where(valid, jnp.where(s == 0, first, cur), zeros)
-      h = run_stage(params, r, inp, bargs)
+      margs_m = tuple(jax.lax.dynamic_index_in_dim(a, m, 1, False) for a in ms)
+      h = run_stage(params, r, inp, bargs, margs_m)
       is_out = valid & (s == s_n - 1) & (r == r_n - 1)
       old = jax.lax.dynamic_index_in_dim(out, m, 1, False)
       out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(is_out, h, old), m, 1)
@@ -296,9 +357,9 @@ def pipeline_apply(
   fn = jax.shard_map(
       per_stage,
       mesh=mesh,
-      in_specs=(P(ax), P(), P()),
+      in_specs=(P(ax), P(), P(), P()),
       out_specs=P(),
       axis_names={ax},
       check_vma=False,
   )
-  return fn(stage_params, x, tuple(broadcast_args))
+  return fn(stage_params, x, tuple(broadcast_args), tuple(microbatched_args))

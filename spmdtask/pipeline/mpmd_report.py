@@ -1,0 +1,137 @@
+"""What an MPMD program tells the console and the plan: per-stage facts and lowerings.
+
+`describe(program)`: the strategy line, then one line per stage: its submesh, its layers,
+its train state bytes per device. `lowerings(program)`: every jitted program of one step
+(each part's forward and backward, each stage's optimizer update) as `layouts.Lowering`s
+built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage without running.
+"""
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from spmdtask import console, layouts, memory
+from spmdtask.pipeline import mpmd_stages, simulate
+from spmdtask.train_state import StateLayout
+
+
+def stage_layers(program) -> list[list[tuple[int, int]]]:
+  """Per stage, the [start, end) layer ranges of the parts it runs."""
+  pl = program.pipeline
+  groups = mpmd_stages.layer_groups(program.config.layer_cuts, program.num_layers)
+  out = [[] for _ in pl.stages]
+  for v, s in enumerate(pl.part_stage):
+    out[s].append(groups[v])
+  return out
+
+
+def stage_state_rows(program, s: int) -> list[memory.ArrayRow]:
+  """The rows (bytes per device on its submesh) of stage s's params and optimizer state."""
+  shapes = program.shapes["stages"][s]
+  prog = program.step_fn.programs[s]
+  split = type(shapes)(prog.param_specs, prog.opt_specs)
+  return memory.state_rows(StateLayout(shapes, shapes, split),
+                           dict(program.pipeline.stages[s].mesh.shape))
+
+
+def describe(program) -> list[str]:
+  pl = program.pipeline
+  lines = [program.config.summary()]
+  for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
+    mesh = " ".join(f"{a}={n}" for a, n in spec.mesh.shape.items())
+    ids = [d.id for d in spec.mesh.devices.flat]
+    first, last = s == pl.part_stage[0], s == pl.part_stage[-1]
+    extra = " + embedding" * first + " + head and loss" * last
+    t = memory.totals(stage_state_rows(program, s))
+    lines.append(f"  stage {s}: submesh {mesh} (devices {min(ids)}-{max(ids)}), layers "
+                 + ", ".join(f"{a}-{b - 1}" for a, b in layers) + extra
+                 + f"; train state {console.human_bytes(t['state_bytes_per_device'])} per device")
+  return lines
+
+
+def lowerings(program) -> list[layouts.Lowering]:
+  """Each part's forward and backward (run M times a step) and each stage's update."""
+  pl = program.pipeline
+  M = pl.schedule.num_microbatches
+  out = []
+  for part in pl.parts:
+    s, mesh = part.stage, pl.stages[part.stage].mesh
+    spec = pl.stages[s]
+    struct = lambda aval, sp: jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                                   sharding=NamedSharding(mesh, sp))
+    shapes = dict(zip(pl.paths, pl.param_shapes))
+    params = tuple(struct(shapes[k], pl.param_specs[s][pl.paths.index(k)])
+                   for k in part.param_keys)
+    batch = tuple(struct(pl.batch_avals[j], P(None, *pl.batch_specs[s][j]))
+                  for j in part.batch_leaves)
+    m = struct(jax.ShapeDtypeStruct((), jnp.int32), P())
+    vals = lambda ids: tuple(struct(pl.values[i].aval, spec.spec_for(pl.values[i].aval))
+                             for i in ids)
+    args = (params, batch, m, vals(part.float_in), vals(part.int_in))
+    out.append(layouts.Lowering(f"stage {s} part {part.index} forward", s, mesh,
+                                lambda p=part, a=args: p.fwd.lower(*a), M))
+    last = part.index == len(pl.parts) - 1
+    cot = ((struct(pl.loss_aval, P()),) if last else vals(part.float_out))
+
+    def lower_bwd(p=part, a=args, c=cot, acc=params):
+      res = p.fwd.jitted.eval_shape(*a)[1]
+      return p.bwd.lower(res, c, acc)
+    out.append(layouts.Lowering(f"stage {s} part {part.index} backward", s, mesh, lower_bwd, M))
+  for s, prog in enumerate(program.step_fn.programs):
+    mesh = pl.stages[s].mesh
+    sh = program.shapes["stages"][s]
+    put = lambda tree, specs, mesh=mesh: layouts.sharded_structs(mesh, tree, specs)
+    params = put(sh.params, prog.param_specs)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
+    out.append(layouts.Lowering(
+        f"stage {s} optimizer update", s, mesh,
+        lambda prog=prog, p=params, o=put(sh.opt_state, prog.opt_specs), c=scalar:
+        prog.update.lower(p, o, p, c, c)))
+  return out
+
+
+def stage_report(program, compiled: list) -> list[dict]:
+  """The per-stage plan, from each lowering's compiled program (`(Lowering, compiled)`s).
+
+  Per stage: its submesh and layers; train state bytes per device; the largest compiled
+  temporaries among its programs; one activation set's bytes per device (a part's forward
+  outputs: residuals and what it sends); the live sets at the schedule's peak (the
+  simulator's count) and their bytes (`simulate.peak_bytes` with those set sizes); bytes
+  it sends per step (activations forward, gradients back); FLOPs per step; the simulated
+  bubble (equal F/B/W costs); and the estimated peak = state + live sets + temporaries.
+  """
+  pl, sched = program.pipeline, program.pipeline.schedule
+  M = sched.num_microbatches
+  sim = simulate.simulate(sched)
+  by_name = {lw.name: (lw, c) for lw, c in compiled}
+  set_bytes = [by_name[f"stage {p.stage} part {p.index} forward"][1].memory_analysis()
+               .output_size_in_bytes for p in pl.parts]
+  live = simulate.peak_bytes(sched, set_bytes)
+  nbytes = lambda ids: sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
+                           * len(pl.values[i].consumers) for i in ids)  # one send a consumer
+  rows = []
+  for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
+    mine = [(lw, c) for lw, c in compiled if lw.stage == s]
+    temp = max(c.memory_analysis().temp_size_in_bytes for _, c in mine)
+    flops = sum(_flops(c) * lw.mesh.devices.size * lw.calls_per_step for lw, c in mine)
+    parts = [p for p in pl.parts if p.stage == s]
+    sent = M * sum(nbytes(p.float_out + p.int_out) for p in parts)
+    sent += M * sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
+                    for p in parts for i in p.float_in)  # gradients back to producers
+    state = memory.totals(stage_state_rows(program, s))["state_bytes_per_device"]
+    rows.append({
+        "stage": s, "devices": spec.mesh.devices.size,
+        "submesh": {a: int(n) for a, n in spec.mesh.shape.items()},
+        "layers": [list(r) for r in layers], "state_bytes_per_device": state,
+        "compiled_temp_bytes": int(temp),
+        "activation_set_bytes": [set_bytes[p.index] for p in parts],
+        "peak_activation_sets": float(sim.peak_activations[s]),
+        "peak_activation_bytes": int(live[s]), "transfer_bytes_per_step": int(sent),
+        "flops_per_step": flops, "bubble": float(sim.bubble_fractions[s]),
+        "peak_estimate_bytes": int(state + live[s] + temp)})
+  return rows
+
+
+def _flops(compiled) -> float:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost.get("flops", 0.0))

@@ -1,0 +1,333 @@
+"""Runs an MPMD `Pipeline`'s schedule: one pass of F / B / I / W actions in the pipeline's
+one execution order (`schedule.execution_order` under the value dependencies of the split),
+each kind dispatched by one table (`Runner.run`), the arrays moved between stages.
+
+F(m, c): outgoing, res[m, c] = fwd(...); each outgoing value goes to the sharding of every
+         part that consumes it (directly, producer -> consumer)
+B(m, c): grad_acc, d_in = bwd(res.pop(m, c), sum of d_outgoing from its consumers,
+         grad_acc); each d_in goes back to its producer
+I(m, c): d_in, stash[m, c] = input_grad(res.pop(m, c), d_outgoing); d_in sent as for B
+W(m, c): grad_acc = weight_grad(stash.pop(m, c), grad_acc)     acc donated
+
+Memory is measured, not counted from the schedule: after every action the runner sums
+the bytes of the residual arrays (and W stashes) it holds per stage, from the arrays'
+shards on that stage's devices, and reports each stage's peak (`RunResult`); the number
+of sets held is reported beside it. `simulate.peak_bytes` predicts the same peaks from
+the schedule and one set's bytes per part.
+"""
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdtask.errors import ConfigError
+from spmdtask.pipeline.mpmd_parts import Part, RunResult
+
+
+def held_bytes(tree) -> int:
+  """Bytes of `tree`'s arrays on this process's devices (0 for None: another process's)."""
+  return sum(sh.data.nbytes for x in jax.tree.leaves(tree) for sh in x.addressable_shards)
+
+
+class Meter:
+  """Per stage: residual sets and W stashes held, in count and measured bytes, and peaks."""
+
+  def __init__(self, num_stages: int, num_parts: int):
+    z = lambda: [0] * num_stages
+    self.sets, self.peak_sets, self.stashes, self.peak_stashes = z(), z(), z(), z()
+    self.bytes, self.peak_bytes, self.stash_bytes, self.peak_stash_bytes = z(), z(), z(), z()
+    self.set_bytes = [None] * num_parts  # one F's residual bytes, per part
+    self._of = {}
+
+  def hold(self, s: int, key, tree, stash: bool = False) -> None:
+    n = held_bytes(tree)
+    self._of[key, stash] = n
+    if stash:
+      self.stashes[s] += 1
+      self.stash_bytes[s] += n
+      self.peak_stashes[s] = max(self.peak_stashes[s], self.stashes[s])
+      self.peak_stash_bytes[s] = max(self.peak_stash_bytes[s], self.stash_bytes[s])
+      return
+    if self.set_bytes[key[0]] is None:
+      self.set_bytes[key[0]] = n
+    self.sets[s] += 1
+    self.bytes[s] += n
+    self.peak_sets[s] = max(self.peak_sets[s], self.sets[s])
+    self.peak_bytes[s] = max(self.peak_bytes[s], self.bytes[s])
+
+  def release(self, s: int, key, stash: bool = False) -> None:
+    n = self._of.pop((key, stash))
+    if stash:
+      self.stashes[s] -= 1
+      self.stash_bytes[s] -= n
+    else:
+      self.sets[s] -= 1
+      self.bytes[s] -= n
+
+
+@dataclasses.dataclass
+class _Pass:
+  """The state of one pass of the schedule."""
+  stage_params: Sequence[dict]
+  batches: list
+  seeds: tuple | None
+  acc: list
+  meter: Meter
+  losses: list
+  aux: list
+  inbox: dict = dataclasses.field(default_factory=dict)
+  cots: dict = dataclasses.field(default_factory=dict)
+  res: dict = dataclasses.field(default_factory=dict)
+  stash: dict = dataclasses.field(default_factory=dict)
+
+
+class Runner:
+  """Walks a Pipeline's schedule (module doc)."""
+
+  def __init__(self, pipeline):
+    self.pl = pipeline
+    self._mirrors = {}
+    self._dispatch = {"F": self._f, "B": self._b, "I": self._i, "W": self._w}
+
+  def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
+    """Forward and backward of every microbatch, in the execution order."""
+    pl = self.pl
+    S, M = pl.schedule.num_stages, pl.schedule.num_microbatches
+    local, last = pl.cross.local, pl.part_stage[-1]
+    w = seeds = None
+    if local[last]:
+      w = pl._uniform if weights is None else jax.device_put(  # pylint: disable=protected-access
+          weights, NamedSharding(pl._last_mesh, P()))  # pylint: disable=protected-access
+      seeds = pl._seeds(w)  # pylint: disable=protected-access
+    acc = [dict(zip(pl.stage_keys[s], pl._zeros[s]())) if local[s] else None  # pylint: disable=protected-access
+           for s in range(S)]
+    p = _Pass(stage_params, self.stage_batches(batch), seeds, acc, Meter(S, len(pl.parts)),
+              [None] * M, [None] * M)
+    for s, a in pl.order:
+      self._dispatch[a.kind](p, pl.parts[pl.schedule.virtual_stage(s, a.chunk)], a.microbatch)
+    self._sum_tied(acc)
+    mt = p.meter
+    out = dict(grads=tuple(acc), peak_residuals=tuple(mt.peak_sets),
+               peak_stash=tuple(mt.peak_stashes), num_chunks=pl.schedule.num_chunks,
+               peak_residual_bytes=tuple(mt.peak_bytes), peak_stash_bytes=tuple(mt.peak_stash_bytes),
+               residual_set_bytes=tuple(mt.set_bytes))
+    if not local[last]:
+      return RunResult(loss=None, aux=None, **out)
+    return RunResult(loss=pl._combine(tuple(p.losses), w), aux=tuple(p.aux), **out)  # pylint: disable=protected-access
+
+  # ---- the actions -----------------------------------------------------------------------
+
+  def _f(self, p: _Pass, part: Part, m: int) -> None:
+    r = self.forward_part(part, m, p.stage_params, p.batches, p.inbox, p.losses, p.aux)
+    p.res[part.index, m] = r
+    p.meter.hold(part.stage, (part.index, m), r)
+
+  def _cotangent(self, p: _Pass, part: Part, m: int) -> tuple:
+    if part.index == len(self.pl.parts) - 1:
+      return (p.seeds[m],)
+    got = p.cots.pop((part.index, m))
+    return tuple(got[i] for i in part.float_out)
+
+  def _grads(self, p: _Pass, part: Part) -> tuple:
+    return tuple(p.acc[part.stage][k] for k in part.param_keys)
+
+  def _b(self, p: _Pass, part: Part, m: int) -> None:
+    r = p.res.pop((part.index, m))
+    p.meter.release(part.stage, (part.index, m))
+    if not self.pl.cross.local[part.stage]:  # another process runs it: take what we need
+      self._send_cotangents(part, m, (None,) * len(part.float_in), p.cots)
+      return
+    new, d_in = part.bwd(r, self._cotangent(p, part, m), self._grads(p, part))
+    p.acc[part.stage].update(zip(part.param_keys, new))
+    self._send_cotangents(part, m, d_in, p.cots)
+
+  def _i(self, p: _Pass, part: Part, m: int) -> None:
+    """I: the activation set is released here; what W needs goes to its stash."""
+    r = p.res.pop((part.index, m))
+    p.meter.release(part.stage, (part.index, m))
+    if not self.pl.cross.local[part.stage]:
+      p.meter.hold(part.stage, (part.index, m), None, stash=True)
+      self._send_cotangents(part, m, (None,) * len(part.float_in), p.cots)
+      return
+    cot = self._cotangent(p, part, m)
+    d_in, st = part.input_grad(r, cot)
+    inputs = jax.tree.leaves(r) + list(cot)
+    p.stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
+    p.meter.hold(part.stage, (part.index, m), p.stash[part.index, m], stash=True)
+    self._send_cotangents(part, m, d_in, p.cots)
+
+  def _w(self, p: _Pass, part: Part, m: int) -> None:
+    p.meter.release(part.stage, (part.index, m), stash=True)
+    if self.pl.cross.local[part.stage]:
+      kept, st = p.stash.pop((part.index, m))
+      p.acc[part.stage].update(zip(part.param_keys,
+                                   part.weight_grad(kept, st, self._grads(p, part))))
+
+  # ---- moving arrays ---------------------------------------------------------------------
+
+  def stage_batches(self, batch) -> list[dict]:
+    """Per stage {batch leaf: [M, rows/M, ...] on its submesh} for the leaves it reads."""
+    M = self.pl.schedule.num_microbatches
+    leaves = jax.tree.leaves(batch)
+    if len(leaves) != self.pl.batch_tree.num_leaves:
+      raise ValueError(f"batch has {len(leaves)} leaves, the pipeline was built for "
+                       f"{self.pl.batch_tree.num_leaves}")
+    stacked = {}
+    for part in self.pl.parts:
+      for j in part.batch_leaves:
+        if j not in stacked:
+          x = leaves[j]
+          if x.shape[0] % M:
+            raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
+                              f"schedule.num_microbatches={M} equal microbatches.")
+          # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation).
+          stacked[j] = np.swapaxes(np.reshape(x, (x.shape[0] // M, M, *x.shape[1:])), 0, 1)
+    out = [dict() for _ in self.pl.stages]
+    for part in self.pl.parts:
+      s = part.stage
+      for j in part.batch_leaves if self.pl.cross.local[s] else ():
+        if j not in out[s]:
+          out[s][j] = jax.device_put(stacked[j], NamedSharding(
+              self.pl.stages[s].mesh, P(None, *self.pl.batch_specs[s][j])))
+    return out
+
+
+  def _send_cotangents(self, part: Part, m: int, d_in, cots) -> None:
+    """B(m) of `part` made d_in (None where another process ran it): each goes to the
+    part that produced the value; cotangents of a value sent to several parts add up."""
+    for i, g in zip(part.float_in, d_in):
+      src = self.pl.parts[self.pl.values[i].producer]
+      g = self._send(g, i, part.stage, src.stage)
+      if g is None:
+        continue
+      box = cots.setdefault((src.index, m), {})
+      if i in box:
+        g = box[i] + jax.device_put(g, box[i].sharding)
+      box[i] = g
+
+
+  def forward_part(self, part: Part, m: int, stage_params, batches, inbox, losses, aux):
+    """Runs F(m) of `part`, sends its outputs on; the last part's loss and aux go to
+    losses[m], aux[m]. Returns the residuals."""
+    s = part.stage
+    box = inbox.pop((part.index, m), {})
+    if not self.pl.cross.local[s]:  # another process runs it: receive what this one needs
+      if part.index < len(self.pl.parts) - 1:
+        self._send_outputs(part, m, (None,) * len(part.float_out + part.int_out), inbox)
+      return None
+    outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
+                              tuple(batches[s][j] for j in part.batch_leaves),
+                              self.pl._mb_index[s][m], tuple(box[i] for i in part.float_in),
+                              tuple(box[i] for i in part.int_in))
+    if part.index == len(self.pl.parts) - 1:
+      losses[m] = outs[0]
+      aux[m] = jax.tree.unflatten(self.pl.aux_tree, other) if self.pl.has_aux else None
+      return r
+    self._send_outputs(part, m, outs + other, inbox)
+    return r
+
+
+  def _send_outputs(self, part: Part, m: int, outs, inbox) -> None:
+    """F(m) of `part` made `outs` (None where another process ran it): to every consumer."""
+    for i, x in zip(part.float_out + part.int_out, outs):
+      for c in self.pl.values[i].consumers:
+        y = self._send(x, i, part.stage, self.pl.parts[c].stage)
+        if y is not None:
+          inbox.setdefault((c, m), {})[i] = y
+
+
+  def forward(self, stage_params: Sequence[dict], batch) -> tuple[tuple, tuple]:
+    """Forward only (e.g. eval): per microbatch, the loss and aux on the last stage.
+
+    Parts run in order for each microbatch; residuals are dropped as soon as they are made.
+    """
+    batches = self.stage_batches(batch)
+    M = self.pl.schedule.num_microbatches
+    inbox, losses, aux = {}, [None] * M, [None] * M
+    for m in range(M):
+      for part in self.pl.parts:
+        self.forward_part(part, m, stage_params, batches, inbox, losses, aux)
+    return tuple(losses), tuple(aux)
+
+
+  def _send(self, x: jax.Array | None, value: int, src: int, stage: int) -> jax.Array | None:
+    """x (value `value` on stage src's submesh) -> the devices of `stage`, asynchronously.
+
+    Across processes: a collective both call (mpmd_cross.Cross.move), x's layout kept; the
+    result only where `stage` is local, else None.
+
+    With equal device counts the copy keeps x's layout: the destination devices arranged as
+    x's mesh, same PartitionSpec, so every shard is a device-to-device copy; the receiving
+    program re-splits it with a sharding constraint. (A device_put straight to a layout
+    whose shards x does not have goes through the host in jax 0.10 and blocks until x is
+    ready.) Different device counts fall back to that device_put.
+    """
+    if not (self.pl.cross.local[src] and self.pl.cross.local[stage]):
+      aval = self.pl.values[value].aval
+      return self.pl.cross.move(x, aval, self.pl.stages[src].spec_for(aval), src, stage)
+    dst = self.pl.stages[stage]
+    src = x.sharding
+    if not isinstance(src, NamedSharding) or src.mesh.size != dst.mesh.size:
+      return jax.device_put(x, NamedSharding(dst.mesh, dst.spec_for(x.aval)))
+    key = (src.mesh, stage)
+    if key not in self._mirrors:
+      self._mirrors[key] = Mesh(dst.mesh.devices.reshape(src.mesh.devices.shape),
+                                src.mesh.axis_names, axis_types=src.mesh.axis_types)
+    return jax.device_put(x, NamedSharding(self._mirrors[key], src.spec))
+
+
+  def _sum_tied(self, acc: list) -> None:
+    sum_tied(self.pl, acc)
+
+
+def backward_flops(runner: Runner, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
+  """Compiled FLOPs (`cost_analysis`) of B, I and W, per part the schedule splits:
+  {part: (B, I, W)}, lowered on microbatch 0's residuals and zero cotangents. With
+  nothing recomputed, I + W equals B up to XLA's fusion choices."""
+  batches = runner.stage_batches(batch)
+  inbox, res, flops = {}, {}, {}
+  for part in runner.pl.parts:
+    res[part.index] = runner.forward_part(part, 0, stage_params, batches, inbox, [None], [None])
+  count = lambda prog, *args: prog.lower(*args).compile().cost_analysis().get("flops", 0.0)
+  for part in runner.pl.parts:
+    if part.input_grad is None:
+      continue
+    mesh = runner.pl.stages[part.stage].mesh
+    avals = ([runner.pl._seeds.jitted.eval_shape(runner.pl._uniform)[0]]
+             if part.index == len(runner.pl.parts) - 1 else
+             [runner.pl.values[i].aval for i in part.float_out])
+    cot = tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(
+        mesh, runner.pl.stages[part.stage].spec_for(a))) for a in avals)
+    acc = tuple(jax.device_put(jnp.zeros_like(stage_params[part.stage][k]),
+                               runner.pl.sharding(part.stage, k)) for k in part.param_keys)
+    r = res[part.index]
+    _, stash = part.input_grad(r, cot)
+    inputs = jax.tree.leaves(r) + list(cot)
+    kept = tuple(inputs[i] for i in part.kept)
+    flops[part.index] = (count(part.bwd, r, cot, acc), count(part.input_grad, r, cot),
+                         count(part.weight_grad, kept, stash, acc))
+  return flops
+
+
+def sum_tied(pl, acc: list) -> None:
+  """Each tied copy's gradient becomes the sum over the stages holding the leaf (a
+  non-local stage's acc is None: its copy moves by collective)."""
+  put, local = pl.cross.put, pl.cross.local
+  for k, where in pl.tied.items():
+    first = where[0]
+    aval = pl.param_shapes[pl.paths.index(k)]
+    spec = lambda s: pl.param_specs[s][pl.paths.index(k)]
+    total = acc[first][k] if local[first] else None
+    for s in where[1:]:
+      g = put(acc[s][k] if local[s] else None, aval, s, first, spec(s), spec(first))
+      if g is not None:
+        total = total + g
+    if local[first]:
+      acc[first][k] = total
+    for s in where[1:]:
+      g = put(total, aval, first, s, spec(first), spec(s))
+      if g is not None:
+        acc[s][k] = g
