@@ -84,9 +84,9 @@ def corpus(tmp_path_factory):
 def _text(corpus):
   return ["task.model.vocab_size=257"] + [
       f"datasets['{s}'].{k}" for s in ("train", "eval")
-      for k in (f"data_dir='{corpus}'", "batch_size=8", "seq_len=64")] + [
-      f"decode_datasets['prompts'].data_dir='{corpus}'", "decode_datasets['prompts'].num_examples=4",
-      "decode_datasets['prompts'].batch_size=4"]
+      for k in (f"data_dir='{corpus}'", "batch_size=16", "seq_len=64")] + [
+      f"decode_datasets['prompts'].data_dir='{corpus}'",
+      "decode_datasets['prompts'].num_examples=4", "decode_datasets['prompts'].batch_size=4"]
 
 
 def _spmd(cfg):

@@ -266,8 +266,16 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
     raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
                       "pipeline: the pipeline splits the batch itself; set "
                       "task.pipeline.num_microbatches and task.train.num_microbatches=1.")
-  for m in meshes:
+  for s, m in enumerate(meshes):
     model.validate(m, mb_size)
+    data = sharding.shards(task.batch_axes() or None, mesh_lib.mesh_shape(m))
+    if mb_size % data:  # the stage's activation constraints split microbatch rows
+      raise ConfigError(
+          f"task.pipeline.num_microbatches={config.num_microbatches} makes microbatches of "
+          f"{mb_size} rows, which do not split over stage {s}'s data axes "
+          f"{task.batch_axes()} ({data} shards, task.pipeline.submesh_shapes[{s}]="
+          f"{tuple(config.submesh_shapes[s])}): use fewer microbatches, a larger batch, or "
+          "fewer data shards on that stage.")
   tp = task.train
   tx = tp.make_optimizer()
   base_tx = tp.optimizer(learning_rate=tp.schedule())
