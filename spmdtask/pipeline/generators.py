@@ -21,7 +21,7 @@ and peaks against the published formulas.
 from typing import Callable
 
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline.generators_v import dualpipe_v, zb_v
+from spmdtask.pipeline.generators_v import dualpipe_v, dualpipe_v_pairs, zb_v
 from spmdtask.pipeline.schedule import Action, Schedule
 
 
@@ -101,6 +101,12 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "dualpipe_v": dualpipe_v,
 }
 V_SCHEDULES = ("zb_v", "dualpipe_v")
+
+
+def generate_pairs(name: str, num_stages: int, num_microbatches: int) -> frozenset:
+  """The overlapped (F, B) pairs of schedule `name` as `simulate(paired=)` takes them: DualPipe
+  runs each pair as one unit; the other schedules have none."""
+  return dualpipe_v_pairs(num_stages, num_microbatches) if name == "dualpipe_v" else frozenset()
 
 
 def generate(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
