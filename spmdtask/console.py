@@ -7,12 +7,18 @@ summary, progress, the end): process 0 prints them on stdout and logs them too. 
 `verbose` (--verbosity, --alsologtostderr or --logtostderr given) stderr gets every log
 line as before and `say` only logs, so nothing is printed twice.
 """
+import atexit
 import contextlib
+import io
 import os
+import socket
 import sys
 import tempfile
+import time
 
 from absl import flags, logging
+
+from spmdtask import fs
 
 _echo = False  # print `say` lines on stdout (set by `setup`; library use only logs them)
 
@@ -21,17 +27,30 @@ def setup(job_log_dir: str, verbose: bool) -> str:
   """Process 0 logs to `job_log_dir/logs/`; returns that dir. Other processes keep stderr."""
   global _echo
   import jax  # pylint: disable=g-import-not-at-top
-  log_dir = os.path.join(job_log_dir, "logs")
+  log_dir = fs.join(job_log_dir, "logs")
   if jax.process_index() != 0:
     return log_dir
-  os.makedirs(log_dir, exist_ok=True)
-  logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
+  if fs.is_remote(log_dir):
+    _log_to_object(log_dir)
+  else:
+    fs.makedirs(log_dir)
+    logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
   if verbose:
     flags.FLAGS.alsologtostderr = True
   elif not flags.FLAGS["stderrthreshold"].present:
     flags.FLAGS.stderrthreshold = "warning"
   _echo = not verbose
   return log_dir
+
+
+def _log_to_object(log_dir: str) -> None:
+  """absl's log in memory, written to `log_dir` (gs://) at exit: nothing on the local disk
+  (GCS cannot append, and a local file would outlive a killed VM's job anyway)."""
+  buffer = io.StringIO()
+  logging.get_absl_handler().python_handler.stream = buffer
+  path = fs.join(log_dir, f"spmdtask.{time.strftime('%Y%m%d-%H%M%S')}.{socket.gethostname()}"
+                 f".{os.getpid()}.log")
+  atexit.register(lambda: (logging.flush(), fs.write_text(path, buffer.getvalue())))
 
 
 def verbose_flags_given() -> bool:

@@ -22,7 +22,6 @@ would be (S-1)/S of the step), and the cache then needs no stage dim.
 """
 import dataclasses
 import json
-import os
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -32,7 +31,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import sharding, steps as steps_lib
+from spmdtask import fs, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.model import Decodable
@@ -257,7 +256,7 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
     batch, rows, prompt_len = _prompt_shape(name, inputs)
     decoders[name] = (build(program, run.task.decode, batch, prompt_len), rows)
   state, step = restore(restore_step)
-  out_dir = os.path.join(job_log_dir, "decoder_out")
+  out_dir = fs.join(job_log_dir, "decoder_out")
   files = {}
   for name, (decoder, rows) in decoders.items():
     inputs = run.decode_datasets[name]
@@ -266,13 +265,13 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
     for local in inputs:
       results.extend(decode_batch(decoder, state.params, local, rows))
     new_tokens = sum(len(r["output_ids"]) for r in results)
-    files[name] = os.path.join(out_dir, f"{name}_step{step}.jsonl")
+    files[name] = fs.join(out_dir, f"{name}_step{step}.jsonl")
     if jax.process_index() != 0:
       continue
     logging.info("decode %s: %d prompts, %d tokens, %.1f tokens/s", name, len(results),
                  new_tokens, new_tokens / (time.perf_counter() - t0))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(files[name], "w") as f:
+    fs.makedirs(out_dir)
+    with fs.open(files[name], "w") as f:
       for r in results:
         if tokenizer is not None:
           r = {**r, "prompt_text": tokenizer.decode(r["prompt_ids"]),

@@ -10,7 +10,6 @@ or mesh.
 """
 import json
 import math
-import os
 import time
 from typing import Any, Callable
 
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from spmdtask import summaries
+from spmdtask import fs, summaries
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.base import num_batches
 
@@ -91,8 +90,7 @@ def write(job_log_dir: str | None, name: str, step: int, metrics: dict[str, floa
   writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir, f"eval_{name}"))
   writer.scalars(step, metrics)
   writer.close()
-  with open(os.path.join(job_log_dir, EVAL_METRICS_FILE), "a") as f:
-    f.write(line + "\n")
+  fs.append_text(fs.join(job_log_dir, EVAL_METRICS_FILE), line + "\n")
 
 
 def evaluate_all(datasets: dict[str, Any], program, padded_state, step: int,

@@ -8,7 +8,6 @@ longer loop.
 """
 import dataclasses
 import math
-import os
 import time
 from typing import Any, Sequence
 
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
-from spmdtask import checkpoints, console, evaluation, memory, summaries
+from spmdtask import checkpoints, console, evaluation, fs, memory, summaries
 from spmdtask import program as program_lib
 from spmdtask.errors import TrainingError
 from spmdtask.inputs import global_batch
@@ -146,16 +145,18 @@ class Profiler(Hook):
 
   Steps are numbered as the progress lines number them (step 1 is the first). The trace
   (an .xplane.pb for TensorBoard's profile plugin and a perfetto_trace.json.gz) lands in
-  `directory/plugins/profile/<run>/`.
+  `directory/plugins/profile/<run>/` (for a gs:// directory: traced locally, uploaded, the
+  local copy deleted).
   """
 
   def __init__(self, directory: str, start: int, count: int):
     self.directory, self.start, self.stop = directory, start, start + count - 1
-    self.active = False
+    self.active, self._staged = False, None
 
   def _maybe_start(self, done: int) -> None:
     if not self.active and done + 1 == self.start and jax.process_index() == 0:
-      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self._staged = fs.Staged(self.directory, "spmdtask_profile_")
+      jax.profiler.start_trace(self._staged.local, create_perfetto_trace=True)
       self.active = True
 
   def begin(self, step):
@@ -172,6 +173,7 @@ class Profiler(Hook):
   def _end(self):
     if self.active:
       jax.profiler.stop_trace()
+      self._staged.close()
       self.active = False
 
   def close(self):
@@ -279,7 +281,7 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step)"]
   if job_log_dir is not None:
-    lines.append(f"job dir {os.path.abspath(job_log_dir)} (config.txt, checkpoints/, "
+    lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
                  "summaries/, logs/)")
   return lines + program.describe()  # the execution strategy (and its stages)
 
@@ -294,7 +296,7 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -
       ProgressLog(tp.log_interval_steps, tp.num_train_steps, tp.peak_flops_per_device),
       TrainSummaries(job_log_dir, tp.summary_interval_steps)]
   if tp.profile_steps is not None and job_log_dir is not None:
-    hooks.append(Profiler(os.path.join(job_log_dir, "profile"), *tp.profile_steps))
+    hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))
   if ckpt is not None:
     hooks.append(Checkpoints(ckpt, run.datasets["train"]))
   hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
@@ -334,8 +336,7 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
   first = int(jax.device_get(state.step))
   if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
-    with open(os.path.join(job_log_dir, "config.txt"), "w") as f:
-      f.write(config_text)
+    fs.write_text(fs.join(job_log_dir, "config.txt"), config_text)
   if first >= tp.num_train_steps:
     if ckpt is not None:
       ckpt.close()

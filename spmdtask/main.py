@@ -11,7 +11,7 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import console, experiment, registry
+from spmdtask import console, experiment, fs, registry
 from spmdtask.errors import ConfigError, PlanExceeded, TrainingError
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
@@ -156,6 +156,7 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  fs.check_reachable(_JOB_LOG_DIR.value, "--job_log_dir")  # fail fast, before JAX starts
   if _PLAN_TOPOLOGY.value and _PLAN_DEVICES.value:
     raise ConfigError("--plan_topology and --plan_devices both name the devices to plan for: "
                       "give one (a TPU topology, or N emulated CPU devices).")
@@ -192,8 +193,7 @@ def run(argv) -> None:
                   _DEVICE_MEMORY_GB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
-    with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:
-      f.write(config_text)
+    fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)
   run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
 
 
