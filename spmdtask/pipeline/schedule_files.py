@@ -1,5 +1,7 @@
 """Reads a schedule file: spmdtask's text form (`schedule.loads`) or, for a `.csv` name,
-torch.distributed.pipelining's compute_only CSV (`torch_csv.loads`). Not validated."""
+torch.distributed.pipelining's compute_only CSV (`torch_csv.loads`). Not validated. Paths go
+through `spmdtask.fs` (local or gs://)."""
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import schedule as schedule_lib
 from spmdtask.pipeline import torch_csv
@@ -15,10 +17,9 @@ def load(path: str, source: str | None = None) -> Schedule:
   or malformed."""
   source = source or f"schedule file {path!r}"
   try:
-    with open(path, encoding="utf-8") as f:
-      text = f.read()
+    text = fs.read_text(path)
   except OSError as e:
-    raise ConfigError(f"{source}: cannot read {path!r} ({e.strerror}); give a generator "
+    raise ConfigError(f"{source}: cannot read {path!r} ({e.strerror or e}); give a generator "
                       "name or the path of a schedule file (spmdtask text form, or a torch "
                       "compute_only .csv).") from None
   return torch_csv.loads(text, source) if is_csv(path) else schedule_lib.loads(text, source)
@@ -27,5 +28,4 @@ def load(path: str, source: str | None = None) -> Schedule:
 def dump(schedule: Schedule, path: str) -> None:
   """Writes `schedule` in the form `path`'s suffix names (.csv: torch's, else the text form)."""
   text = torch_csv.dumps(schedule) if is_csv(path) else schedule_lib.dumps(schedule)
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(text)
+  fs.write_text(path, text)
