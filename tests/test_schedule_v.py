@@ -163,7 +163,8 @@ def test_config_takes_generator_text_file_or_torch_csv(tmp_path):
 def test_config_errors_name_the_field(tmp_path):
   bad = tmp_path / "bad.csv"
   bad.write_text(ZB_H1_CSV.replace("0I2", "0X2"))
-  with pytest.raises(ConfigError, match=r"task.pipeline.schedule='.*bad.csv', row 1 .*cell 10: '0X2'"):
+  with pytest.raises(ConfigError,
+                     match=r"task.pipeline.schedule='.*bad.csv', row 1 .*cell 10: '0X2'"):
     mpmd_stages.make_schedule(Cfg(str(bad)))
   with pytest.raises(ConfigError, match=r"task.pipeline.schedule=.*cannot read"):
     mpmd_stages.make_schedule(Cfg(str(tmp_path / "missing.csv")))

@@ -12,12 +12,13 @@ balanced stage cuts of per-layer costs.
     python tools/plan_pipeline.py --stages=2 --exp=lm.TinyLm [--fdl_set=task.model.vocab_size=32000]
 
 A schedule (`--schedule` or `--schedule_file`: the text form of spmdtask.pipeline.schedule, or
-a torch.distributed.pipelining compute_only `.csv`) is validated and simulated with `--costs=F,B,W` per microbatch through one whole stage (an unsplit
-B costs B + W). Layer costs (`--layer_costs`, or from `--exp`: compiled FLOPs of the embedding,
-each block and the head with the loss) are cut into stages x chunks contiguous parts that
-minimise the slowest. `--write=PATH` converts: it writes the validated schedule to PATH in
-torch's CSV when PATH ends in `.csv`, else in the text form. `--json` prints one JSON object instead. A bad flag or schedule file
-prints one paragraph and exits with status 2.
+a torch.distributed.pipelining compute_only `.csv`) is validated and simulated with
+`--costs=F,B,W` per microbatch through one whole stage (an unsplit B costs B + W). Layer costs
+(`--layer_costs`, or from `--exp`: compiled FLOPs of the embedding, each block and the head
+with the loss) are cut into stages x chunks contiguous parts that minimise the slowest.
+`--write=PATH` converts: it writes the validated schedule to PATH in torch's CSV when PATH
+ends in `.csv`, else in the text form. `--json` prints one JSON object instead. A bad flag
+or schedule file prints one paragraph and exits with status 2.
 """
 import argparse
 import json
