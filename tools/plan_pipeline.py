@@ -5,15 +5,20 @@ balanced stage cuts of per-layer costs.
     python tools/plan_pipeline.py --schedule=interleaved_1f1b --stages=4 --microbatches=8 \\
         --chunks=2 --costs=1,1,1 --latency=0.1 --json
     python tools/plan_pipeline.py --schedule_file=my_schedule.txt --costs=1,2,0
+    python tools/plan_pipeline.py --schedule_file=torch_schedule.csv --write=mine.txt
+    python tools/plan_pipeline.py --schedule=zb_v --stages=4 --microbatches=8 --chunks=2 \\
+        --write=zb_v.csv
     python tools/plan_pipeline.py --stages=4 --layer_costs=1,4,4,4,4,4,4,9
     python tools/plan_pipeline.py --stages=2 --exp=lm.TinyLm [--fdl_set=task.model.vocab_size=32000]
 
-A schedule (`--schedule` or `--schedule_file`, the text form of spmdtask.pipeline.schedule) is
-validated and simulated with `--costs=F,B,W` per microbatch through one whole stage (an unsplit
-B costs B + W). Layer costs (`--layer_costs`, or from `--exp`: compiled FLOPs of the embedding,
-each block and the head with the loss) are cut into stages x chunks contiguous parts that
-minimise the slowest. `--json` prints one JSON object instead. A bad flag or schedule file
-prints one paragraph and exits with status 2.
+A schedule (`--schedule` or `--schedule_file`: the text form of spmdtask.pipeline.schedule, or
+a torch.distributed.pipelining compute_only `.csv`) is validated and simulated with
+`--costs=F,B,W` per microbatch through one whole stage (an unsplit B costs B + W). Layer costs
+(`--layer_costs`, or from `--exp`: compiled FLOPs of the embedding, each block and the head
+with the loss) are cut into stages x chunks contiguous parts that minimise the slowest.
+`--write=PATH` converts: it writes the validated schedule to PATH in torch's CSV when PATH
+ends in `.csv`, else in the text form. `--json` prints one JSON object instead. A bad flag
+or schedule file prints one paragraph and exits with status 2.
 """
 import argparse
 import json
@@ -27,6 +32,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.pipeline import balance as balance_lib
 from spmdtask.pipeline import generators
 from spmdtask.pipeline import schedule as schedule_lib
+from spmdtask.pipeline import schedule_files
 from spmdtask.pipeline import simulate as simulate_lib
 
 
@@ -49,7 +55,7 @@ def _costs(args) -> simulate_lib.Costs:
 def _schedule(args) -> tuple[schedule_lib.Schedule, str] | None:
   if args.schedule_file:
     source = f"--schedule_file={args.schedule_file}"
-    return schedule_lib.load(args.schedule_file), source
+    return schedule_files.load(args.schedule_file, source), source
   if args.schedule:
     if args.stages is None or args.microbatches is None:
       raise ConfigError(f"--schedule={args.schedule} needs --stages and --microbatches.")
@@ -82,6 +88,9 @@ def plan(args) -> dict:
   if found:
     sched, source = found
     sim = simulate_lib.simulate(sched, _costs(args), source)
+    if args.write:
+      schedule_files.dump(sched, args.write)
+      out["written"] = args.write
     out.update(
         schedule=args.schedule or args.schedule_file, stages=sched.num_stages,
         microbatches=sched.num_microbatches, chunks=sched.num_chunks,
@@ -140,6 +149,8 @@ def main(argv=None) -> int:
   parser.add_argument("--layer_costs", help="comma-separated per-layer costs to balance")
   parser.add_argument("--exp", help="take layer costs from this experiment's model")
   parser.add_argument("--fdl_set", action="append", default=[], help="override for --exp")
+  parser.add_argument("--write", help="write the schedule here (.csv: torch's compute_only "
+                      "CSV; else spmdtask's text form)")
   parser.add_argument("--json", action="store_true", help="print one JSON object")
   args = parser.parse_args(argv)
   try:

@@ -1,4 +1,5 @@
-"""Schedule generators: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as `schedule.Schedule` data.
+"""Schedule generators: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as `schedule.Schedule` data
+(ZB-V and DualPipeV, two chunks per stage in a V, are in `generators_v`).
 
 p stages, m microbatches, v chunks per stage. Each generator writes every stage's list in
 closed form; `tests/test_generators.py` validates them and `simulate` checks their bubbles
@@ -20,6 +21,7 @@ and peaks against the published formulas.
 from typing import Callable
 
 from spmdtask.errors import ConfigError
+from spmdtask.pipeline.generators_v import dualpipe_v, dualpipe_v_pairs, zb_v
 from spmdtask.pipeline.schedule import Action, Schedule
 
 
@@ -95,7 +97,16 @@ GENERATORS: dict[str, Callable[..., Schedule]] = {
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
     "zb_h1": zb_h1,
+    "zb_v": zb_v,              # two chunks per stage in a V (generators_v)
+    "dualpipe_v": dualpipe_v,
 }
+V_SCHEDULES = ("zb_v", "dualpipe_v")
+
+
+def generate_pairs(name: str, num_stages: int, num_microbatches: int) -> frozenset:
+  """The overlapped (F, B) pairs of schedule `name` as `simulate(paired=)` takes them: DualPipe
+  runs each pair as one unit; the other schedules have none."""
+  return dualpipe_v_pairs(num_stages, num_microbatches) if name == "dualpipe_v" else frozenset()
 
 
 def generate(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> Schedule:
@@ -112,6 +123,11 @@ def generate(name: str, num_stages: int, num_microbatches: int, num_chunks: int 
       raise ConfigError(f"The {name} schedule needs {field} >= 1, got {value!r}.")
   if name == "interleaved_1f1b":
     return interleaved_1f1b(num_stages, num_microbatches, num_chunks)
+  if name in V_SCHEDULES:
+    if num_chunks != 2:
+      raise ConfigError(f"The {name} schedule runs 2 chunks per stage in a V, got chunks="
+                        f"{num_chunks}: set chunks=2 (stages x 2 parts).")
+    return GENERATORS[name](num_stages, num_microbatches)
   if num_chunks != 1:
     raise ConfigError(f"The {name} schedule runs one chunk per stage, got chunks="
                       f"{num_chunks}; use interleaved_1f1b for several chunks per stage.")

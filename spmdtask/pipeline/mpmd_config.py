@@ -38,7 +38,11 @@ class MpmdConfig:
       stages x num_chunks.
     submesh_shapes: one mesh shape per stage over task.mesh_axis_names (stages may
       differ); their device counts must add up to the job's devices.
-    schedule: a schedule generator name: gpipe, 1f1b, interleaved_1f1b or zb_h1.
+    schedule: a schedule generator name (gpipe, 1f1b, interleaved_1f1b, zb_h1, or with
+      num_chunks=2 the V schedules zb_v and dualpipe_v), or the path of a schedule file:
+      spmdtask's text form (pipeline.schedule), or a torch.distributed.pipelining
+      compute_only `.csv` (one row per rank, cells like `0F0`, `2I1`; pipeline.torch_csv).
+      A file's stages, chunks and microbatches must match this config; it is validated.
     num_microbatches: M, the pipeline's microbatches: the global batch splits into M
       equal microbatches that the schedule interleaves (not gradient accumulation, which
       is task.train.num_microbatches and must stay 1 here).

@@ -10,8 +10,8 @@ from jax.sharding import Mesh
 
 from spmdtask import mesh as mesh_lib
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline import generators
-from spmdtask.pipeline.schedule import Schedule
+from spmdtask.pipeline import generators, schedule_files
+from spmdtask.pipeline.schedule import Schedule, validate
 
 _PL = "task.pipeline."
 
@@ -37,7 +37,8 @@ def layer_groups(layer_cuts: Sequence[int], num_layers: int) -> tuple[tuple[int,
 
 
 def make_schedule(config) -> Schedule:
-  """The schedule data; ConfigError when it does not fit the stages and parts."""
+  """The schedule data: a generator's, or the file `config.schedule` names (text form or a
+  torch compute_only .csv), validated; ConfigError when it does not fit the stages and parts."""
   parts = len(check_cuts(config.layer_cuts)) + 1
   s, v = config.num_stages, config.num_chunks
   if parts != s * v:
@@ -50,10 +51,34 @@ def make_schedule(config) -> Schedule:
         f"{_PL}schedule='interleaved_1f1b' with {_PL}num_chunks={v} would run un-interleaved "
         f"(plain 1F1B): set {_PL}num_chunks >= 2 (with stages x chunks - 1 layer_cuts), or "
         f"{_PL}schedule='1f1b'.")
+  if config.schedule not in generators.GENERATORS and _looks_like_path(config.schedule):
+    return _schedule_file(config)
   try:
     return generators.generate(config.schedule, s, config.num_microbatches, v)
   except ConfigError as e:
-    raise ConfigError(f"{_PL}schedule={config.schedule!r} does not fit: {e}") from None
+    raise ConfigError(f"{_PL}schedule={config.schedule!r} does not fit: {e} Or give the path "
+                      "of a schedule file (spmdtask text form, or a torch compute_only .csv)."
+                      ) from None
+
+
+def _looks_like_path(name) -> bool:
+  return isinstance(name, str) and ("/" in name or "." in name)
+
+
+def _schedule_file(config) -> Schedule:
+  source = f"{_PL}schedule={config.schedule!r}"
+  sched = schedule_files.load(config.schedule, source)
+  want = {"stages": (sched.num_stages, config.num_stages, f"{_PL}submesh_shapes"),
+          "chunks per stage": (sched.num_chunks, config.num_chunks, f"{_PL}num_chunks"),
+          "microbatches": (sched.num_microbatches, config.num_microbatches,
+                           f"{_PL}num_microbatches")}
+  for what, (got, need, field) in want.items():
+    if got != need:
+      raise ConfigError(f"{source}: the file's schedule has {got} {what} but {field} gives "
+                        f"{need}; make them agree (a CSV's ranks are its rows, its chunks "
+                        "the stages per rank, its microbatches 1 + the largest index).")
+  validate(sched, source)
+  return sched
 
 
 def check_batch(config, global_batch_size: int) -> int:

@@ -100,8 +100,14 @@ def peak_bytes(schedule: Schedule, set_bytes) -> tuple[int, ...]:
   return tuple(out)
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the schedule") -> Simulation:
-  """Validates `schedule` (ConfigError if broken) and runs it under `costs`."""
+def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the schedule",
+             paired: frozenset = frozenset()) -> Simulation:
+  """Validates `schedule` (ConfigError if broken) and runs it under `costs`.
+
+  `paired`: (stage, position)s whose action and the next one run as one overlapped pair
+  (DualPipe's F&B): the pair starts once the inputs of both exist. Empty: each action starts
+  as soon as its own inputs exist (how the MPMD runner dispatches).
+  """
   order = schedule_lib.validate(schedule, source)
   latency = _exact(costs.latency, "latency")
   duration = durations(costs, schedule.num_chunks)
@@ -114,11 +120,40 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the sche
       start = max(start, end[ds, d] + (latency if ds != s else 0))
     end[s, a] = free[s] = start + duration[a.kind]
     timeline[s].append(Timed(s, a, start, end[s, a]))
+  if paired:
+    timeline = _couple(schedule, timeline, end, paired, latency, backward)
+    free = [row[-1].end if row else Fraction(0) for row in timeline]
   makespan = max(free)
   busy = tuple(sum((t.end - t.start for t in row), Fraction(0)) for row in timeline)
   bubbles = tuple(1 - b / makespan if makespan else Fraction(0) for b in busy)
   act, stash = peaks(schedule)
   return Simulation(makespan, busy, bubbles, act, stash, tuple(map(tuple, timeline)))
+
+
+def _couple(schedule, timeline, end, paired, latency, backward):
+  """Delays each paired action to when its partner's inputs exist too; repeats until no
+  start moves (every move only delays, from the uncoupled times, so this terminates)."""
+  def ready(s, a, skip=None):
+    return max((end[ds, d] + (latency if ds != s else 0)
+                for ds, d in schedule_lib.dependencies(schedule, s, a, backward)
+                if (ds, d) != skip), default=Fraction(0))
+
+  rows = [[t.action for t in row] for row in timeline]
+  changed = True
+  while changed:
+    changed = False
+    for s, row in enumerate(rows):
+      free, new = Fraction(0), []
+      for i, a in enumerate(row):
+        start = max(free, ready(s, a))
+        if (s, i) in paired:
+          start = max(start, ready(s, row[i + 1], skip=(s, a)))
+        free = start + (timeline[s][i].end - timeline[s][i].start)
+        changed |= free != end[s, a]
+        end[s, a] = free
+        new.append(Timed(s, a, start, free))
+      timeline[s] = tuple(new)
+  return timeline
 
 
 def chart(sim: Simulation) -> str:
