@@ -30,7 +30,7 @@ def main() -> None:
   import fiddle as fdl  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
-  from spmdtask import checkpoints, loop, main as main_lib  # pylint: disable=g-import-not-at-top
+  from spmdtask import checkpoints, main as main_lib, program as program_lib  # pylint: disable=g-import-not-at-top
   logging.set_verbosity(logging.WARNING)
 
   run = fdl.build(main_lib.resolved_config(args.exp, args.fdl_set))
