@@ -10,7 +10,9 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from spmdtask.layers import remat
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
 
 
@@ -110,9 +112,13 @@ class Attention(nn.Module):
     wv = weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
     wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
     dt = self.dtype
-    q = constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)), self.heads_act_split)
-    k = constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)), self.heads_act_split)
-    v = constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)), self.heads_act_split)
+    # Named for the remat presets (spmdtask.layers.remat): what a backward may keep.
+    q = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)),
+                                  self.heads_act_split), remat.Q_PROJ)
+    k = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)),
+                                  self.heads_act_split), remat.K_PROJ)
+    v = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)),
+                                  self.heads_act_split), remat.V_PROJ)
     if self.rope_theta is not None:
       q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
     if cache is None:
@@ -126,4 +132,5 @@ class Attention(nn.Module):
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
     out = constrain(attend(q, k, v, positions, kv_pos, self.causal, segment_ids, segment_ids),
                     self.heads_act_split)
-    return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), cache
+    out = checkpoint_name(out, remat.ATTN_CONTEXT)
+    return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), remat.ATTN_OUT), cache

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from spmdtask.layers import remat
 from spmdtask.model import LayoutMap
 from spmdtask.pipeline import mpmd_config, spmd
 from spmdtask.pipeline.split import stage_boundary
@@ -67,8 +68,7 @@ class LayerStack(nn.Module):
   def _remat_block(self):
     if not self.remat_policy:
       return self.block_cls
-    return nn.remat(self.block_cls, policy=getattr(jax.checkpoint_policies, self.remat_policy),
-                    prevent_cse=False)
+    return nn.remat(self.block_cls, policy=remat.policy(self.remat_policy), prevent_cse=False)
 
   def _mpmd(self, x: jax.Array, side: tuple) -> jax.Array:
     """Each group of layers scanned as `block_<g>`, a stage boundary between groups."""

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask import checks
 from spmdtask.errors import ConfigError
+from spmdtask.layers import remat
 
 _PL = "task.pipeline."
 
@@ -42,7 +43,8 @@ class PipelineConfig:
     circular_repeat: R, how many times a microbatch loops over the stages. R = 1 is
       GPipe. R > 1 requires M >= S (a ConfigError otherwise; M < S would leave
       stage 0 without work while it waits for its first microbatch to come back).
-    remat_policy: name of a `jax.checkpoint_policies` member applied to the work of
+    remat_policy: a remat policy name (spmdtask.layers.remat: a preset over the layers'
+      named activations, or a `jax.checkpoint_policies` policy) applied to the work of
       one stage in one iteration, or None for no rematerialization.
     stage_axis: name of the mesh axis that holds the stages.
     unroll: fully unroll the iteration loop and the per-stage layer loop (for FLOP
@@ -237,9 +239,7 @@ def pipeline_apply(
   n_iter = m_n * r_n + s_n - 1
   ring = m_n - s_n + 1  # ring-buffer slots for microbatches looping back (R > 1)
   fill = 0.0 if _bubble_fill is None else _bubble_fill
-  policy = (
-      None if config.remat_policy is None else getattr(jax.checkpoint_policies, config.remat_policy)
-  )
+  policy = remat.policy(config.remat_policy)
 
   def run_stage(params, r, h, bargs):
     w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), params)
