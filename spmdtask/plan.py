@@ -9,6 +9,8 @@ allocated, no step runs), and reports:
   compiled     XLA's memory_analysis of the per-device program, and a peak estimate
                (arguments + outputs - aliased + temporaries);
   FLOPs        cost_analysis (per device, x devices) beside the model's own formula;
+  remat        device and host (offloaded) temporaries, matmul FLOPs against the same
+               step's without remat (spmdtask.remat_cost);
   collectives  by kind, with result bytes per device per step (spmdtask.hlo);
   warnings     large replicated arrays that could be split, padding overhead, and every
                'involuntary full rematerialization' XLA printed while compiling, mapped
@@ -26,7 +28,7 @@ import tempfile
 
 import jax
 
-from spmdtask import console, hlo, memory, sharding
+from spmdtask import console, hlo, memory, remat_cost, sharding
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -140,6 +142,7 @@ def make_plan(run_cfg, name: str = "experiment") -> dict:
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
   compiled, log_text = compile_train(program, example)
+  remat = remat_cost.plan_section(program, example, *abstract_args(program, example), compiled)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   n = program.mesh.devices.size
@@ -154,6 +157,7 @@ def make_plan(run_cfg, name: str = "experiment") -> dict:
               "note": "XLA's count is per device x devices and counts a loop body (scanned "
                       "layers, microbatches) once; the model's is 6·N·T + attention."},
           "collectives": hlo.collectives(compiled.as_text()),
+          "remat": remat,
           "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape),
           "arrays": [r.as_json() for r in rows]}
   if task.pipeline is not None:
@@ -197,6 +201,7 @@ def format_plan(plan: dict) -> list[str]:
       f"{mb(c['temp_size_in_bytes'])}; peak estimate {mb(c['peak_estimate_bytes'])}",
       f"FLOPs per step: XLA {plan['flops_per_step']['xla_cost_analysis']:.3g} (loop bodies once)"
       f", model formula {plan['flops_per_step']['model']:.3g}",
+      remat_line(plan["remat"]),
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
@@ -206,6 +211,17 @@ def format_plan(plan: dict) -> list[str]:
                  f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
   lines += [f"warning: {w}" for w in plan["warnings"]]
   return lines
+
+
+def remat_line(r: dict) -> str:
+  """The console line of a plan's remat section."""
+  line = (f"remat: device temporaries {console.human_bytes(r['device_temp_bytes'])}, offloaded "
+          f"to host {console.human_bytes(r['host_temp_bytes'])}; matmul FLOPs per device "
+          f"{r['flops_per_device']:.3g} = {r['flops_ratio']:.3f}x no remat's")
+  if "roofline" in r:
+    rf = r["roofline"]
+    line += f"; step >= {rf['bound_s'] * 1e3:.1f} ms ({rf['bound_by']}-bound)"
+  return line
 
 
 def check_fits(plan: dict, device_memory_gb: float) -> None:

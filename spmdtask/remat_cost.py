@@ -1,0 +1,83 @@
+"""What a remat policy costs a compiled train step, per chip: the plan's `remat` section.
+
+  device temporaries   memory_analysis().temp_size_in_bytes (activations kept for the
+                       backward, gradients, scratch);
+  host temporaries     memory_analysis().host_temp_size_in_bytes: activations offloaded to
+                       the host's pinned memory (`*_offloaded` presets; 0 where the backend
+                       keeps them on the device, e.g. XLA:CPU);
+  host transfers       2 x host temporaries: each offloaded activation goes to the host in
+                       the forward and comes back once in the backward;
+  recompute FLOPs      the step's matmul FLOPs (spmdtask.flops, loops multiplied out) over
+                       those of the same step without remat;
+  roofline             with chip facts: max(FLOPs / peak, host transfers / host link
+                       bandwidth) and any further terms the caller gives (HBM, ICI): a lower
+                       bound on the step time, and which term sets it.
+"""
+import dataclasses
+
+import jax
+
+from spmdtask import flops
+from spmdtask import program as program_lib
+from spmdtask.pipeline.spmd import PipelineConfig
+from spmdtask.task import Task
+
+
+def without_remat(task: Task) -> Task:
+  """`task` with every remat policy (the model's, the SPMD pipeline's) set to None."""
+  model = task.model
+  if any(f.name == "remat_policy" for f in dataclasses.fields(model)):
+    model = model.clone(remat_policy=None)
+  pipeline = task.pipeline
+  if isinstance(pipeline, PipelineConfig):
+    pipeline = dataclasses.replace(pipeline, remat_policy=None)
+  return dataclasses.replace(task, model=model, pipeline=pipeline)
+
+
+def step_flops(program, state, batch) -> float:
+  """Matmul FLOPs of one train step of `program` on (abstract) state and batch, all devices."""
+  with jax.set_mesh(program.mesh):
+    return flops.traced_flops(program.train.jitted, state, batch)
+
+
+def roofline(terms: dict[str, float]) -> dict:
+  """{'terms': seconds by name, 'bound_s': their max, 'bound_by': its name}."""
+  name = max(terms, key=terms.get)
+  return {"terms_s": dict(terms), "bound_s": terms[name], "bound_by": name}
+
+
+def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: float,
+           chip: dict | None = None, extra_terms: dict[str, float] | None = None) -> dict:
+  """The remat section of a plan (see the module doc); JSON-able.
+
+  Args:
+    memory_analysis: the compiled step's `memory_analysis()`.
+    flops_per_device: matmul FLOPs of the step per device; no_remat_flops_per_device: the
+      same step's without remat.
+    chip: facts of the target chip, {'peak_flops': FLOP/s, 'host_link_bytes_per_s': B/s}
+      (bf16 peak; host link one way), or None for no roofline.
+    extra_terms: more roofline terms in seconds (HBM, ICI) to bound the step with.
+  """
+  host = int(getattr(memory_analysis, "host_temp_size_in_bytes", 0))
+  out = {"device_temp_bytes": int(memory_analysis.temp_size_in_bytes),
+         "host_temp_bytes": host,
+         "host_transfer_bytes": 2 * host,
+         "flops_per_device": flops_per_device,
+         "no_remat_flops_per_device": no_remat_flops_per_device,
+         "flops_ratio": flops_per_device / max(no_remat_flops_per_device, 1.0)}
+  if chip is not None:
+    out["roofline"] = roofline({"compute": flops_per_device / chip["peak_flops"],
+                                "host_link": 2 * host / chip["host_link_bytes_per_s"],
+                                **(extra_terms or {})})
+  return out
+
+
+def plan_section(program, example_local_batch, state, batch, compiled, chip: dict | None = None,
+                 extra_terms: dict[str, float] | None = None) -> dict:
+  """`report` for a compiled SPMD train step on (abstract) `state` and `batch`: traces it,
+  and the same task without remat on the same devices (same state layout), for FLOPs."""
+  base = program_lib.setup(without_remat(program.task), example_local_batch,
+                           devices=list(program.mesh.devices.flat))
+  n = program.mesh.devices.size
+  return report(compiled.memory_analysis(), step_flops(program, state, batch) / n,
+                step_flops(base, state, batch) / n, chip, extra_terms)
