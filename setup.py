@@ -23,5 +23,11 @@ setuptools.setup(
         "safetensors>=0.4.3,<0.9",
         "ml-dtypes>=0.5",
     ],
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3.5"]},
+    extras_require={
+        # XLA:TPU (libtpu): train on Cloud TPU, and --mode=plan --plan_topology=v5e:16x16
+        # compiles for a TPU topology on any machine.
+        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+        # The tests plan TPU topologies too.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "jax[tpu]>=0.10.2,<0.11"],
+    },
 )

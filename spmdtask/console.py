@@ -7,8 +7,10 @@ summary, progress, the end): process 0 prints them on stdout and logs them too. 
 `verbose` (--verbosity, --alsologtostderr or --logtostderr given) stderr gets every log
 line as before and `say` only logs, so nothing is printed twice.
 """
+import contextlib
 import os
 import sys
+import tempfile
 
 from absl import flags, logging
 
@@ -68,3 +70,38 @@ def duration(seconds: float) -> str:
   h, rem = divmod(s, 3600)
   m, s = divmod(rem, 60)
   return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+@contextlib.contextmanager
+def captured_fd2(into: list[str]):
+  """Captures what C++ (XLA, libtpu) writes to file descriptor 2 meanwhile; appends it to
+  `into` (the caller logs it to job_log_dir/logs or parses it)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as tmp:
+    os.dup2(tmp.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      tmp.seek(0)
+      into.append(tmp.read().decode(errors="replace"))
+
+
+def init_backends() -> str:
+  """Initializes JAX's backends; returns what they printed (for the log, not the console).
+
+  With libtpu installed on a machine without a TPU, JAX tries the TPU backend first and
+  libtpu prints warnings (worker hostnames, accelerator type) before JAX falls back to
+  the CPU. Should initialization fail, what was printed goes to stderr after all.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  out: list[str] = []
+  try:
+    with captured_fd2(out):
+      jax.devices()
+  except Exception:
+    sys.stderr.write("".join(out))
+    raise
+  return "".join(out)

@@ -3,10 +3,14 @@
 `collectives(text)` counts every collective of the per-device program by kind, with the
 bytes of its result (the data each device ends up with: all-gather's gathered array,
 all-reduce's reduced one, reduce-scatter's shard). Collectives inside a `while` body
-(a scanned layer stack, gradient accumulation) are counted once per trip, from the
-loop's `known_trip_count`, so the totals are per train step.
+(a scanned layer stack, gradient accumulation) are counted once per trip, so the totals
+are per train step. A loop's trips come from its `known_trip_count` (XLA:CPU annotates
+it) or, where the backend leaves none (XLA:TPU), from its condition `i < N` and the
+constant start of `i`. XLA:TPU clones an async collective into its start / done
+fusions; a collective is one `channel_id`, counted once.
 """
 import collections
+import dataclasses
 import math
 import re
 
@@ -20,6 +24,10 @@ _OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.\-]+)")
 _TRIPS = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
+_WHILE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .* while\(%([\w.\-]+)\), condition=%([\w.\-]+), "
+                    r"body=%([\w.\-]+)")
+_DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
 def shape_bytes(shape: str) -> int:
@@ -46,37 +54,154 @@ def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   return comps, entry
 
 
-def _multipliers(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
+def _definitions(lines: list[str]) -> dict[str, str]:
+  """Instruction name -> the rest of its line ('shape op(operands), attrs')."""
+  return {m.group(1): m.group(2) for m in map(_DEF.match, lines) if m}
+
+
+def _constant(defs: dict[str, str], name: str, depth: int = 3) -> int | None:
+  """The integer value of `name` if it is a scalar constant (through copies), else None."""
+  rhs = defs.get(name, "")
+  m = re.search(r"\bconstant\((-?\d+)\)", rhs)
+  if m:
+    return int(m.group(1))
+  m = re.search(r"\bcopy\(%([\w.\-]+)\)", rhs)
+  return _constant(defs, m.group(1), depth - 1) if (m and depth) else None
+
+
+def _condition_trips(comps, cond: str, parent_defs: dict[str, str], init: str) -> int | None:
+  """Trips of a loop whose condition is `i < N` (or `<=`), with `i` a tuple element."""
+  defs = _definitions(comps.get(cond, []))
+  root = next((l for l in comps.get(cond, []) if l.lstrip().startswith("ROOT ")), "")
+  m = re.search(r"compare\(%([\w.\-]+), %([\w.\-]+)\), direction=(LT|LE)", root)
+  if not m:
+    return None
+  bound = _constant(defs, m.group(2))
+  index = re.search(r"get-tuple-element\(.*index=(\d+)", defs.get(m.group(1), ""))
+  if bound is None or index is None:
+    return None
+  start = 0
+  elements = re.search(r"\btuple\((.*?)\)", parent_defs.get(init, ""))
+  if elements:
+    names = re.findall(r"%([\w.\-]+)", elements.group(1))
+    k = int(index.group(1))
+    if k < len(names) and _constant(parent_defs, names[k]) is not None:
+      start = _constant(parent_defs, names[k])
+  return max(0, bound - start + (m.group(3) == "LE"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """A `while` of the program: its body, the computation holding it, its trips (None:
+  unknown, counted once)."""
+  body: str
+  parent: str
+  trips: int | None
+
+
+def loops(text: str) -> list[Loop]:
+  """Every while loop of the module with its trip count."""
+  comps, _ = computations(text)
+  out = []
+  for name, lines in comps.items():
+    defs = None
+    for line in lines:
+      w = _WHILE.match(line)
+      if not w:
+        continue
+      known = _TRIPS.search(line)
+      if known:
+        trips = int(known.group(1))
+      else:
+        defs = defs if defs is not None else _definitions(lines)
+        trips = _condition_trips(comps, w.group(2), defs, w.group(1))
+      out.append(Loop(w.group(3), name, trips))
+  return out
+
+
+def multipliers(text: str) -> dict[str, int]:
   """How many times each computation runs per execution of ENTRY (while trips multiply)."""
+  comps, entry = computations(text)
+  if entry is None:
+    return {}
+  trips = {l.body: l.trips or 1 for l in loops(text)}
   mult = collections.defaultdict(int)
   mult[entry] = 1
   order = [entry]
   for name in order:  # breadth first; HLO computations form a DAG
     for line in comps.get(name, ()):
       body = _WHILE_BODY.search(line)
-      trips = _TRIPS.search(line)
       for called in _CALLED.findall(line):
-        factor = int(trips.group(1)) if (body and trips and called == body.group(1)) else 1
+        factor = trips.get(called, 1) if (body and called == body.group(1)) else 1
         mult[called] = max(mult[called], mult[name] * factor)
         if called not in order:
           order.append(called)
-  return mult
+  return dict(mult)
 
 
-def collectives(text: str) -> dict[str, dict[str, int]]:
-  """kind -> {'count': ops executed per step, 'bytes': result bytes per device per step}."""
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of the program: its kind, result bytes per device, how often it runs
+  per step, the devices in its group, and whether it crosses slices (DCN)."""
+  kind: str
+  bytes: int
+  runs: int
+  group_size: int
+  dcn: bool = False
+
+
+def _group_size(line: str) -> int:
+  """Devices per replica group: explicit {{0,1},..}, iota [G,S]<=[N], or mesh[..] {axes}."""
+  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+  if m:
+    return len(m.group(1).split(","))
+  m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
+  if m:
+    return int(m.group(1).split(",")[-1])
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if m:
+    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
+    return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
+  return 1
+
+
+# Across slices XLA:TPU hands a collective to the megascale runtime as a host-transfer
+# send / recv pair, named after the collective it implements.
+_DCN_SEND = re.compile(r"=\s*\((\S+?), .*\bsend\(.*xla_megascale_runtime.*"
+                       r'_xla_host_transfer_rendezvous="([a-z\-]+?)(?:-start)?[.\d_"]')
+
+
+def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
+  """Every collective of the per-device program, counted per step (see module doc)."""
   comps, entry = computations(text)
   if entry is None:
-    return {}
-  mult = _multipliers(comps, entry)
-  out: dict[str, dict[str, int]] = {}
+    return []
+  mult = multipliers(text)
+  ops: dict[tuple, Collective] = {}
   for name, lines in comps.items():
+    if not mult.get(name, 0):
+      continue
     for line in lines:
-      m = _OP.search(line)
-      if m and mult.get(name, 0):
-        row = out.setdefault(m.group(2), {"count": 0, "bytes": 0})
-        row["count"] += mult[name]
-        row["bytes"] += mult[name] * shape_bytes(m.group(1))
+      m, dcn = _OP.search(line), _DCN_SEND.search(line)
+      if not (m or dcn):
+        continue
+      channel = _CHANNEL.search(line)
+      key = ("channel", channel.group(1), bool(dcn)) if channel else (name, line)
+      runs = max(mult[name], ops[key].runs if key in ops else 0)
+      ops[key] = (Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
+                  if dcn else
+                  Collective(m.group(2), shape_bytes(m.group(1)), runs, _group_size(line)))
+  return list(ops.values())
+
+
+def collectives(text: str, num_slices: int = 1) -> dict[str, dict[str, int]]:
+  """kind -> {'count': ops executed per step, 'bytes': result bytes per device per step};
+  collectives across slices are kinds of their own, e.g. 'all-reduce (dcn)'."""
+  out: dict[str, dict[str, int]] = {}
+  for op in collective_ops(text, num_slices):
+    row = out.setdefault(op.kind + (" (dcn)" if op.dcn else ""), {"count": 0, "bytes": 0})
+    row["count"] += op.runs
+    row["bytes"] += op.runs * op.bytes
   return out
 
 

@@ -39,9 +39,17 @@ _MULTIHOST = flags.DEFINE_bool("multihost", False, "Call jax.distributed.initial
 _PLAN_DEVICES = flags.DEFINE_integer(
     "plan_devices", None, "--mode=plan: plan for this many devices, emulated on the CPU in a "
     "subprocess (no accelerator needed); default: the devices present.")
+_PLAN_TOPOLOGY = flags.DEFINE_string(
+    "plan_topology", None, "--mode=plan: plan for this TPU topology (libtpu's name, e.g. "
+    "v5e:16x16, v6e:8x8, v4:4x4x4, v5p:4x4x8), compiled by XLA:TPU on this machine "
+    "(needs libtpu: pip install 'spmdtask[tpu]'); adds the roofline estimate.")
+_PLAN_SLICES = flags.DEFINE_integer(
+    "plan_slices", 1, "--mode=plan with --plan_topology: this many slices of that topology "
+    "joined by DCN (task.dcn_mesh_shape must span them).")
 _DEVICE_MEMORY_GB = flags.DEFINE_float(
     "device_memory_gb", None, "--mode=plan: fail (exit 4), naming the largest arrays, when the "
-    "estimated peak memory of one device exceeds this many GB (1e9 bytes).")
+    "estimated peak memory of one device exceeds this many GB (1e9 bytes); with "
+    "--plan_topology the default is the chip's HBM.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -147,10 +155,21 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  if _PLAN_TOPOLOGY.value and _PLAN_DEVICES.value:
+    raise ConfigError("--plan_topology and --plan_devices both name the devices to plan for: "
+                      "give one (a TPU topology, or N emulated CPU devices).")
+  if (_PLAN_TOPOLOGY.value or _PLAN_DEVICES.value) and _MODE.value != "plan":
+    raise ConfigError("--plan_topology / --plan_devices only apply to --mode=plan.")
+  if _MODE.value == "plan" and _PLAN_TOPOLOGY.value:
+    # JAX itself stays on the CPU (no TPU client, even where libtpu finds no chip): the
+    # topology's devices are compile-only, from libtpu loaded as a plugin.
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_platforms", "cpu")
   if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
     from spmdtask import plan  # pylint: disable=g-import-not-at-top
     sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
   init_distributed()
+  backend_log = console.init_backends()
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
@@ -159,6 +178,8 @@ def run(argv) -> None:
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
+  if backend_log:
+    logging.info("While JAX initialized its backends: %s", backend_log)
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
@@ -167,7 +188,7 @@ def run(argv) -> None:
   if _MODE.value == "plan":
     from spmdtask import plan  # pylint: disable=g-import-not-at-top
     plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
-                  _DEVICE_MEMORY_GB.value)
+                  _DEVICE_MEMORY_GB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:

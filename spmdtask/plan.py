@@ -1,34 +1,39 @@
 """`--mode=plan`: where a job's memory, FLOPs and communication go, before it runs.
 
-Builds the program on the mesh (with `--plan_devices=N`: N CPU devices emulated in a
-subprocess, so a 64- or 256-device layout can be planned on a laptop), lowers and
-compiles the train step from ShapeDtypeStructs with their shardings (no array is
-allocated, no step runs), and reports:
+Builds the program on the target's devices (spmdtask.targets: the devices present; with
+`--plan_devices=N` N CPU devices emulated in a subprocess; with `--plan_topology=v5e:16x16`
+a TPU topology that libtpu compiles for on this CPU machine), lowers and compiles the
+train step from ShapeDtypeStructs with their shardings (no array is allocated, no step
+runs), and reports:
+  target       platform, topology, chips, the chip's published facts (spmdtask.chips);
   arrays       every param and optimizer-state array: logical / padded shape,
                PartitionSpec, bytes per device (spmdtask.memory);
   compiled     XLA's memory_analysis of the per-device program, and a peak estimate
                (arguments + outputs - aliased + temporaries);
-  FLOPs        cost_analysis (per device, x devices) beside the model's own formula;
-  remat        device and host (offloaded) temporaries, matmul FLOPs against the same
-               step's without remat (spmdtask.remat_cost);
+  FLOPs, HBM   XLA's cost analysis per step, loop bodies counted per trip
+               (spmdtask.xla_cost), beside the model's own FLOPs formula;
+  remat        device and host (offloaded) temporaries, traced matmul FLOPs against the
+               same step's without remat (spmdtask.remat_cost);
   collectives  by kind, with result bytes per device per step (spmdtask.hlo);
+  estimate     with a chip's facts, the roofline lower bound of the step time, and the
+               tokens/s and MFU ceilings it implies (spmdtask.roofline);
   warnings     large replicated arrays that could be split, padding overhead, and every
                'involuntary full rematerialization' XLA printed while compiling, mapped
                to the param or activation of that shape.
-It prints a summary and writes `job_log_dir/plan.json`. With `device_memory_gb`, an
-estimate above it raises `PlanExceeded` naming the largest consumers.
+It prints a summary and writes `job_log_dir/plan.json`. The memory budget is
+`device_memory_gb`, else the chip's HBM; a peak estimate above it raises `PlanExceeded`
+naming the largest consumers. `compiled_report` plans one compiled program and is what
+a plan of several programs (one per pipeline stage) repeats.
 """
-import contextlib
 import json
 import math
 import os
 import subprocess
 import sys
-import tempfile
 
 import jax
 
-from spmdtask import console, hlo, memory, remat_cost, sharding
+from spmdtask import console, hlo, memory, remat_cost, roofline, sharding, targets, xla_cost
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -50,22 +55,6 @@ def reexec_emulated(num_devices: int, argv: list[str]) -> int:
                         check=False).returncode
 
 
-@contextlib.contextmanager
-def captured_fd2(into: list[str]):
-  """Captures what C++ (XLA) writes to file descriptor 2 meanwhile; appends it to `into`."""
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile() as tmp:
-    os.dup2(tmp.fileno(), 2)
-    try:
-      yield
-    finally:
-      os.dup2(saved, 2)
-      os.close(saved)
-      tmp.seek(0)
-      into.append(tmp.read().decode(errors="replace"))
-
-
 def abstract_args(program: program_lib.Program, example_local_batch):
   """ShapeDtypeStructs (with shardings) of the train step's (state, batch)."""
   state = program_lib.sharded_structs(program.mesh, program.layout.padded, program.layout.split)
@@ -74,11 +63,21 @@ def abstract_args(program: program_lib.Program, example_local_batch):
   return state, batch
 
 
+class CompilerOutOfMemory(Exception):
+  """The compiler itself refused the program: it needs more memory than the device has
+  (XLA:TPU checks this while compiling). The message is the compiler's."""
+
+
 def compile_train(program: program_lib.Program, example_local_batch):
-  """(compiled train step, what XLA printed while compiling it)."""
+  """(compiled train step, what XLA printed while compiling it); CompilerOutOfMemory."""
   logs: list[str] = []
-  with captured_fd2(logs):
-    compiled = program.train.lower(*abstract_args(program, example_local_batch)).compile()
+  try:
+    with console.captured_fd2(logs):
+      compiled = program.train.lower(*abstract_args(program, example_local_batch)).compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise CompilerOutOfMemory(str(e).splitlines()[0]) from None
+    raise
   return compiled, "".join(logs)
 
 
@@ -134,32 +133,80 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
   return out
 
 
-def make_plan(run_cfg, name: str = "experiment") -> dict:
-  """The plan of `run_cfg.task`'s train step on the devices present (JSON-able)."""
+def collective_traffic(ops: list[hlo.Collective]) -> dict[str, float]:
+  """Bytes one device receives per step in its collectives: within its slice (ICI) and
+  across slices (DCN)."""
+  out = {"ici": 0.0, "dcn": 0.0}
+  for op in ops:
+    out["dcn" if op.dcn else "ici"] += op.runs * roofline.received_bytes(
+        op.kind, op.bytes, op.group_size)
+  return out
+
+
+def compiled_report(compiled, target: targets.Target, num_devices: int, model_flops: float,
+                    tokens: float) -> dict:
+  """What one compiled program costs per device per step on `target`'s chips: memory,
+  FLOPs and HBM bytes, collectives, and (with the chip's facts) the roofline estimate.
+
+  `num_devices` run the program (a stage's submesh may hold part of the target);
+  `model_flops` and `tokens` are the program's per step over all of them.
+  """
+  n = num_devices
+  text = compiled.as_text()
+  once = compiled.cost_analysis()
+  once = once[0] if isinstance(once, list) else once
+  step = xla_cost.per_step(text)
+  ops = hlo.collective_ops(text, target.num_slices)
+  traffic = collective_traffic(ops)
+  report = {
+      "compiled": compiled_memory(compiled),
+      "flops_per_step": {
+          "xla": step["flops"] * n,
+          "xla_per_device": step["flops"],
+          "xla_loop_bodies_once": float(once.get("flops", 0.0)) * n,
+          "model": model_flops,
+          "note": "XLA's cost analysis of the optimized program per device x devices, each "
+                  "loop body (scanned layers, microbatches) weighted by its trips; the "
+                  "model's is 6·N·T + attention."},
+      "hbm_bytes_per_step_per_device": step["bytes accessed"],
+      "loops": step["loops"],
+      "collectives": hlo.collectives(text, target.num_slices),
+      "collective_bytes_received_per_device": traffic}
+  if target.chip is not None:
+    report["estimate"] = roofline.estimate(
+        target.chip, step["flops"], step["bytes accessed"], traffic["ici"], traffic["dcn"],
+        model_flops / n, tokens, remat_cost.host_transfer_bytes(compiled.memory_analysis()))
+  return report
+
+
+def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None = None) -> dict:
+  """The plan of `run_cfg.task`'s train step on `target` (default: the devices present)."""
   task = run_cfg.task
+  target = target or targets.present()
+  if target.topology is not None:
+    targets.check_mesh(target, task.dcn_mesh_shape)
   example = run_cfg.datasets["train"].batch_at(0)
-  program = program_lib.setup(task, example)
+  program = program_lib.setup(task, example, devices=list(target.devices))
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
-  compiled, log_text = compile_train(program, example)
-  remat = remat_cost.plan_section(program, example, *abstract_args(program, example), compiled)
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
   n = program.mesh.devices.size
   batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
-  plan = {"experiment": name, "num_devices": n, "mesh": mesh_shape,
+  try:
+    compiled, log_text = compile_train(program, example)
+    report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
+                             float(program.work.tokens) * batch_shape[0])
+    report["remat"] = remat_cost.plan_section(program, example,
+                                              *abstract_args(program, example), compiled)
+  except CompilerOutOfMemory as e:
+    log_text, report = "", {"compiler_out_of_memory": str(e)}
+  plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
-          "compiled": compiled_memory(compiled),
-          "flops_per_step": {
-              "xla_cost_analysis": float(cost.get("flops", 0.0)) * n,
-              "model": float(program.work.train_flops) * batch_shape[0],
-              "note": "XLA's count is per device x devices and counts a loop body (scanned "
-                      "layers, microbatches) once; the model's is 6·N·T + attention."},
-          "collectives": hlo.collectives(compiled.as_text()),
-          "remat": remat,
-          "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape),
+          **report,
+          "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape)
+                      + report.get("estimate", {}).get("notes", []),
           "arrays": [r.as_json() for r in rows]}
+  plan["xla_log"] = target.log + log_text
   if task.pipeline is not None:
     plan["stages"] = stage_report(rows, mesh_shape, task.pipeline)
   return plan
@@ -182,29 +229,57 @@ def stage_report(rows, mesh_shape, pipeline) -> list[dict]:
           for i in range(s)]
 
 
+def format_estimate(plan: dict) -> list[str]:
+  """The roofline lines: the chip, each bound, the binding one and what it implies."""
+  est, chip = plan.get("estimate"), plan["target"]["chip"]
+  if est is None:
+    return []
+  terms = ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in est["seconds"].items())
+  return [
+      f"chip {chip['name']}: peak {chip['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16, HBM "
+      f"{chip['hbm_bytes'] / 1e9:.1f} GB at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, ICI "
+      f"{chip['ici_bidirectional_bytes_per_s'] / 1e9:.0f} GB/s both ways ({chip['source']})",
+      f"roofline per step: {terms}; bound by {est['bound']}: step >= "
+      f"{1e3 * est['step_seconds_lower_bound']:.3g} ms, tokens/s <= "
+      f"{console.human_count(est['tokens_per_second_upper_bound'])}, MFU <= "
+      f"{100 * est['mfu_upper_bound']:.1f}%"]
+
+
 def format_plan(plan: dict) -> list[str]:
   """The console lines of a plan."""
   mb = console.human_bytes
-  c = plan["compiled"]
-  lines = [f"Plan of {plan['experiment']} on {plan['num_devices']} devices, mesh {plan['mesh']}:",
+  t = plan["target"]
+  where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
+           + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
+           else f"{plan['num_devices']} {t['platform']} devices")
+  lines = [f"Plan of {plan['experiment']} on {where}, mesh {plan['mesh']}:",
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
                  f"{str(a['padded_shape']):>16} {str(tuple(a['spec'])):>24} "
                  f"{mb(a['bytes_per_device']):>11}")
-  lines += [
-      f"train state per device {mb(plan['state_bytes_per_device'])} (params "
+  lines.append(
+      f"params {plan['num_params']:,}; train state per device "
+      f"{mb(plan['state_bytes_per_device'])} (params "
       f"{mb(plan['params_bytes_per_device'])}, optimizer {mb(plan['opt_state_bytes_per_device'])})"
-      f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}",
+      f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}")
+  if "compiler_out_of_memory" in plan:
+    return lines + [f"compiler: {plan['compiler_out_of_memory']}"]
+  c, f = plan["compiled"], plan["flops_per_step"]
+  hbm = f" of the chip's {mb(t['chip']['hbm_bytes'])} HBM" if t["chip"] else ""
+  lines += [
       f"compiled step per device: arguments {mb(c['argument_size_in_bytes'])}, outputs "
       f"{mb(c['output_size_in_bytes'])} (aliased {mb(c['alias_size_in_bytes'])}), temporaries "
-      f"{mb(c['temp_size_in_bytes'])}; peak estimate {mb(c['peak_estimate_bytes'])}",
-      f"FLOPs per step: XLA {plan['flops_per_step']['xla_cost_analysis']:.3g} (loop bodies once)"
-      f", model formula {plan['flops_per_step']['model']:.3g}",
-      remat_line(plan["remat"]),
+      f"{mb(c['temp_size_in_bytes'])}; peak estimate {mb(c['peak_estimate_bytes'])}{hbm}",
+      f"FLOPs per step: XLA {f['xla']:.4g} (loops counted per trip; {f['xla_loop_bodies_once']:.3g}"
+      f" with loop bodies once), model formula {f['model']:.4g}; HBM bytes per step per device "
+      f"{mb(plan['hbm_bytes_per_step_per_device'])}",
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
+  if "remat" in plan:
+    lines.append(remat_line(plan["remat"]))
+  lines += format_estimate(plan)
   for st in plan.get("stages", []):
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "
@@ -215,25 +290,27 @@ def format_plan(plan: dict) -> list[str]:
 
 def remat_line(r: dict) -> str:
   """The console line of a plan's remat section."""
-  line = (f"remat: device temporaries {console.human_bytes(r['device_temp_bytes'])}, offloaded "
-          f"to host {console.human_bytes(r['host_temp_bytes'])}; matmul FLOPs per device "
-          f"{r['flops_per_device']:.3g} = {r['flops_ratio']:.3f}x no remat's")
-  if "roofline" in r:
-    rf = r["roofline"]
-    line += f"; step >= {rf['bound_s'] * 1e3:.1f} ms ({rf['bound_by']}-bound)"
-  return line
+  return (f"remat: device temporaries {console.human_bytes(r['device_temp_bytes'])}, offloaded "
+          f"to host {console.human_bytes(r['host_temp_bytes'])} ({console.human_bytes(r['host_transfer_bytes'])} "
+          f"over the host link per step); matmul FLOPs per device {r['flops_per_device']:.4g} = "
+          f"{r['flops_ratio']:.3f}x no remat's")
 
 
-def check_fits(plan: dict, device_memory_gb: float) -> None:
+def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None) -> None:
   """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget."""
-  peak = plan["compiled"]["peak_estimate_bytes"]
-  if peak <= device_memory_gb * 1e9:
-    return
   top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
+  if "compiler_out_of_memory" in plan:
+    over, temps = f"XLA refused to compile it: {plan['compiler_out_of_memory']}", ""
+  else:
+    peak = plan["compiled"]["peak_estimate_bytes"]
+    if peak <= device_memory_gb * 1e9:
+      return
+    over = (f"the estimated peak of one device, {peak / 1e9:.3g} GB, exceeds "
+            f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}")
+    temps = ("temporaries (activations, gradients) "
+             f"{console.human_bytes(plan['compiled']['temp_size_in_bytes'])}; ")
   raise PlanExceeded(
-      f"the estimated peak of one device, {peak / 1e9:.3g} GB, exceeds --device_memory_gb="
-      f"{device_memory_gb:g}. Largest consumers per device: temporaries (activations, "
-      f"gradients) {console.human_bytes(plan['compiled']['temp_size_in_bytes'])}; "
+      f"{over}. Largest consumers per device: {temps}"
       + "; ".join(f"{a['path']} {console.human_bytes(a['bytes_per_device'])}" for a in top)
       + ". Split them over more devices (fsdp / model axes in their split-dims mappings), "
       "remat more (task.model.remat_policy), add microbatches (task.train.num_microbatches) "
@@ -241,18 +318,30 @@ def check_fits(plan: dict, device_memory_gb: float) -> None:
 
 
 def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = None,
-             device_memory_gb: float | None = None) -> dict:
-  """--mode=plan: prints the plan, writes job_log_dir/plan.json, checks the budget."""
+             device_memory_gb: float | None = None, topology: str | None = None,
+             num_slices: int = 1) -> dict:
+  """--mode=plan: prints the plan, writes job_log_dir/plan.json (and what XLA / libtpu
+  printed to job_log_dir/logs/plan_xla.log), checks the memory budget: `device_memory_gb`,
+  else with a topology the chip's HBM."""
   if plan_devices is not None and jax.device_count() != plan_devices:
     raise RuntimeError(f"expected {plan_devices} emulated devices, have {jax.device_count()}")
-  plan = make_plan(run_cfg, name)
+  target = targets.tpu(topology, num_slices) if topology else targets.present()
+  plan = make_plan(run_cfg, name, target)
+  xla_log = plan.pop("xla_log")
   for line in format_plan(plan):
     console.say("%s", line)
   path = os.path.join(job_log_dir, "plan.json")
   if jax.process_index() == 0:
     with open(path, "w") as f:
       json.dump(plan, f, indent=1)
+    os.makedirs(os.path.join(job_log_dir, "logs"), exist_ok=True)
+    with open(os.path.join(job_log_dir, "logs", "plan_xla.log"), "w") as f:
+      f.write(xla_log)
   console.say("Wrote %s", path)
-  if device_memory_gb is not None:
-    check_fits(plan, device_memory_gb)
+  if device_memory_gb is not None or "compiler_out_of_memory" in plan:
+    check_fits(plan, device_memory_gb or 0.0)
+  elif topology and target.chip is not None:
+    check_fits(plan, target.chip.hbm_bytes / 1e9,
+               f"the {target.chip.name} chip's HBM, {target.chip.hbm_bytes / 1e9:.3g} GB "
+               "(--device_memory_gb sets another budget)")
   return plan

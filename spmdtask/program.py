@@ -167,10 +167,12 @@ def setup(task: Task, example_local_batch, devices=None) -> Program:
   schedule = task.train.schedule()
   # Init traces on one row: params do not depend on the batch size.
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
-  with jax.set_mesh(mesh):  # layers read the mesh (constraints, pipeline) while tracing
-    layout = train_state.layout(model, tx, init_batch, mesh_shape)
-    canonical = (layout if canonical_model is model
-                 else train_state.layout(canonical_model, tx, init_batch, mesh_shape))
+  # Layers read the mesh (constraints, pipeline) while tracing; only traces run under it,
+  # so compile-only devices (a TPU topology) plan too.
+  layout = train_state.layout(model, tx, init_batch, mesh_shape, mesh)
+  canonical = (layout if canonical_model is model
+               else train_state.layout(canonical_model, tx, init_batch, mesh_shape, mesh))
+  with jax.set_mesh(mesh):
     work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                                    for k, v in init_batch.items()})
   canonical_split = sharding.even_splits(canonical.logical, canonical.split, mesh_shape)

@@ -8,10 +8,9 @@
   host transfers       2 x host temporaries: each offloaded activation goes to the host in
                        the forward and comes back once in the backward;
   recompute FLOPs      the step's matmul FLOPs (spmdtask.flops, loops multiplied out) over
-                       those of the same step without remat;
-  roofline             with chip facts: max(FLOPs / peak, host transfers / host link
-                       bandwidth) and any further terms the caller gives (HBM, ICI): a lower
-                       bound on the step time, and which term sets it.
+                       those of the same step without remat (traced: the no-remat variant
+                       is never compiled).
+The host transfers are a term of the plan's roofline (spmdtask.roofline: host_link).
 """
 import dataclasses
 
@@ -40,44 +39,33 @@ def step_flops(program, state, batch) -> float:
     return flops.traced_flops(program.train.jitted, state, batch)
 
 
-def roofline(terms: dict[str, float]) -> dict:
-  """{'terms': seconds by name, 'bound_s': their max, 'bound_by': its name}."""
-  name = max(terms, key=terms.get)
-  return {"terms_s": dict(terms), "bound_s": terms[name], "bound_by": name}
+def host_transfer_bytes(memory_analysis) -> int:
+  """Bytes a device moves over its host link per step for offloaded activations: each goes
+  to the host in the forward and comes back once in the backward."""
+  return 2 * int(getattr(memory_analysis, "host_temp_size_in_bytes", 0))
 
 
-def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: float,
-           chip: dict | None = None, extra_terms: dict[str, float] | None = None) -> dict:
+def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: float) -> dict:
   """The remat section of a plan (see the module doc); JSON-able.
 
   Args:
     memory_analysis: the compiled step's `memory_analysis()`.
     flops_per_device: matmul FLOPs of the step per device; no_remat_flops_per_device: the
       same step's without remat.
-    chip: facts of the target chip, {'peak_flops': FLOP/s, 'host_link_bytes_per_s': B/s}
-      (bf16 peak; host link one way), or None for no roofline.
-    extra_terms: more roofline terms in seconds (HBM, ICI) to bound the step with.
   """
-  host = int(getattr(memory_analysis, "host_temp_size_in_bytes", 0))
-  out = {"device_temp_bytes": int(memory_analysis.temp_size_in_bytes),
-         "host_temp_bytes": host,
-         "host_transfer_bytes": 2 * host,
-         "flops_per_device": flops_per_device,
-         "no_remat_flops_per_device": no_remat_flops_per_device,
-         "flops_ratio": flops_per_device / max(no_remat_flops_per_device, 1.0)}
-  if chip is not None:
-    out["roofline"] = roofline({"compute": flops_per_device / chip["peak_flops"],
-                                "host_link": 2 * host / chip["host_link_bytes_per_s"],
-                                **(extra_terms or {})})
-  return out
+  return {"device_temp_bytes": int(memory_analysis.temp_size_in_bytes),
+          "host_temp_bytes": int(getattr(memory_analysis, "host_temp_size_in_bytes", 0)),
+          "host_transfer_bytes": host_transfer_bytes(memory_analysis),
+          "flops_per_device": flops_per_device,
+          "no_remat_flops_per_device": no_remat_flops_per_device,
+          "flops_ratio": flops_per_device / max(no_remat_flops_per_device, 1.0)}
 
 
-def plan_section(program, example_local_batch, state, batch, compiled, chip: dict | None = None,
-                 extra_terms: dict[str, float] | None = None) -> dict:
+def plan_section(program, example_local_batch, state, batch, compiled) -> dict:
   """`report` for a compiled SPMD train step on (abstract) `state` and `batch`: traces it,
   and the same task without remat on the same devices (same state layout), for FLOPs."""
   base = program_lib.setup(without_remat(program.task), example_local_batch,
                            devices=list(program.mesh.devices.flat))
   n = program.mesh.devices.size
   return report(compiled.memory_analysis(), step_flops(program, state, batch) / n,
-                step_flops(base, state, batch) / n, chip, extra_terms)
+                step_flops(base, state, batch) / n)

@@ -1,4 +1,5 @@
 """TrainState and its layout: logical shapes, padded shapes, split-dims mappings."""
+import contextlib
 import dataclasses
 from typing import Any, NamedTuple
 
@@ -54,15 +55,18 @@ def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
 
 
 def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
-           mesh_shape: sharding.MeshShape) -> StateLayout:
+           mesh_shape: sharding.MeshShape, mesh: jax.sharding.Mesh | None = None) -> StateLayout:
   """Traces init abstractly (`jax.eval_shape`) and derives the whole state layout.
 
+  With `mesh`, the traces run under it (layers read it); nothing else does, so a mesh
+  of compile-only devices (a TPU topology planned on a CPU machine) works: optax's
+  eager bits (`tree_map_params` inits on a placeholder) stay on the default device.
   Raises ConfigError if a weight's split-dims mapping does not fit its tensor or the mesh.
   """
-  rng = jax.random.key(0)
-  boxed = jax.eval_shape(lambda: init_params(model, rng, example_batch))
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0), example_batch))
+    logical = jax.eval_shape(lambda: create(model, tx, jax.random.key(0), example_batch))
   param_split = jax.tree.map(_split_of_box, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-  logical = jax.eval_shape(lambda: create(model, tx, rng, example_batch))
   sharding.validate_tree(logical.params, param_split, mesh_shape, "weight")
   opt_split, warnings = sharding.opt_state_split_dims(tx, logical.opt_state, logical.params,
                                                       param_split)

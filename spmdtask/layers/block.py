@@ -92,6 +92,6 @@ def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> 
 def num_params(model: nn.Module, example) -> int:
   """Parameters of `model` (shapes only), initialised through `loss` on one `example` row."""
   batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  shapes = jax.eval_shape(lambda rng, b: model.init(rng, b, method=model.loss),
-                          jax.random.key(0), batch)
+  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
+  shapes = jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
   return sum(x.size for x in jax.tree.leaves(shapes))  # boxes are pytree nodes
