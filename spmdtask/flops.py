@@ -6,8 +6,10 @@ recomputes each layer's forward from one that does not. The jaxpr of the differe
 step can: the backward of a rematerialized layer holds the recomputed forward
 explicitly, and a scan says how many times its body runs. This counts 2·M·N·K per
 `dot_general` (and per convolution output element and kernel tap) through every
-nested jaxpr, times the trip counts of the scans around it and the manual shards of a
-`shard_map` (whose body is traced per shard). Elementwise work is not counted: on a
+nested jaxpr, times the trip counts of the scans around it, the manual shards of a
+`shard_map` (whose body is traced per shard) and the grid of a Pallas kernel (its body
+works on one block; a kernel's own `cost_estimate` wins where it gives one). A `while`
+with no static trip count counts once. Elementwise work is not counted: on a
 transformer it is a small share, and remat changes it in proportion.
 """
 import math
@@ -45,6 +47,8 @@ def _sub_jaxprs(params: dict[str, Any]):
 def _repeats(eqn) -> int:
   """How many times an equation's sub-jaxprs run per run of the equation."""
   name = eqn.primitive.name
+  if name == "pallas_call":  # the kernel body runs once per grid point, on blocks
+    return math.prod(int(g) for g in eqn.params["grid_mapping"].grid)
   if name == "scan":
     return int(eqn.params["length"])
   if name == "shard_map":
@@ -61,6 +65,10 @@ def jaxpr_flops(jaxpr: core.Jaxpr) -> float:
     count = _COUNTERS.get(eqn.primitive.name)
     if count is not None:
       total += count(eqn)
+      continue
+    estimate = eqn.params.get("cost_estimate") if eqn.primitive.name == "pallas_call" else None
+    if estimate is not None and estimate.flops:
+      total += float(estimate.flops)  # the kernel's own count (e.g. a causal mask's skips)
       continue
     subs = [jaxpr_flops(j) for j in _sub_jaxprs(eqn.params)]
     if eqn.primitive.name == "cond":

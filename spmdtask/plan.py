@@ -195,10 +195,10 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     compiled, log_text = compile_train(program, example)
     report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
                              float(program.work.tokens) * batch_shape[0])
-    report["remat"] = remat_cost.plan_section(program, example,
-                                              *abstract_args(program, example), compiled)
   except CompilerOutOfMemory as e:
-    log_text, report = "", {"compiler_out_of_memory": str(e)}
+    compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
+  report["remat"] = remat_cost.plan_section(program, example, *abstract_args(program, example),
+                                            compiled)
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
@@ -277,8 +277,7 @@ def format_plan(plan: dict) -> list[str]:
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
-  if "remat" in plan:
-    lines.append(remat_line(plan["remat"]))
+  lines.append(remat_line(plan["remat"]))
   lines += format_estimate(plan)
   for st in plan.get("stages", []):
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "

@@ -49,16 +49,19 @@ def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: 
   """The remat section of a plan (see the module doc); JSON-able.
 
   Args:
-    memory_analysis: the compiled step's `memory_analysis()`.
+    memory_analysis: the compiled step's `memory_analysis()`, or None where XLA refused
+      to compile it (out of memory): then FLOPs only.
     flops_per_device: matmul FLOPs of the step per device; no_remat_flops_per_device: the
       same step's without remat.
   """
-  return {"device_temp_bytes": int(memory_analysis.temp_size_in_bytes),
-          "host_temp_bytes": int(getattr(memory_analysis, "host_temp_size_in_bytes", 0)),
-          "host_transfer_bytes": host_transfer_bytes(memory_analysis),
-          "flops_per_device": flops_per_device,
+  out = {"flops_per_device": flops_per_device,
           "no_remat_flops_per_device": no_remat_flops_per_device,
           "flops_ratio": flops_per_device / max(no_remat_flops_per_device, 1.0)}
+  if memory_analysis is not None:
+    out.update(device_temp_bytes=int(memory_analysis.temp_size_in_bytes),
+               host_temp_bytes=int(getattr(memory_analysis, "host_temp_size_in_bytes", 0)),
+               host_transfer_bytes=host_transfer_bytes(memory_analysis))
+  return out
 
 
 def plan_section(program, example_local_batch, state, batch, compiled) -> dict:
@@ -67,5 +70,5 @@ def plan_section(program, example_local_batch, state, batch, compiled) -> dict:
   base = program_lib.setup(without_remat(program.task), example_local_batch,
                            devices=list(program.mesh.devices.flat))
   n = program.mesh.devices.size
-  return report(compiled.memory_analysis(), step_flops(program, state, batch) / n,
+  return report(compiled and compiled.memory_analysis(), step_flops(program, state, batch) / n,
                 step_flops(base, state, batch) / n)

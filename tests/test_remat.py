@@ -36,15 +36,24 @@ def _grads_optimizer(cfg):
   cfg.task.train.clip_grad_norm = None
 
 
-@functools.lru_cache(maxsize=None)
-def _loss_and_grads(strategy: str, policy: str | None):
-  """(first step's loss, its canonical gradients) under `policy`."""
+def _program(strategy: str, policy: str | None):
   exp, devices, field, extra = STRATEGIES[strategy]
   run = util.build_run(exp, list(extra) + [f"{field}={policy!r}"], edit=_grads_optimizer)
-  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0),
-                              devices=jax.devices()[:devices])
-  state, metrics = program.train(program.init(),
-                                 program.global_batch(run.datasets["train"].batch_at(0)))
+  batch = run.datasets["train"].batch_at(0)
+  return program_lib.setup(run.task, batch, devices=jax.devices()[:devices]), batch
+
+
+@functools.lru_cache(maxsize=None)
+def _initial(strategy: str):
+  """No remat's program: its init gives every policy's program the same starting state
+  (policies change no layout), so each policy compiles only its train step."""
+  return _program(strategy, None)[0]
+
+
+def _loss_and_grads(strategy: str, policy: str | None):
+  """(first step's loss, its canonical gradients) under `policy`."""
+  program, batch = _program(strategy, policy)
+  state, metrics = program.train(_initial(strategy).init(), program.global_batch(batch))
   return float(metrics["loss"]), jax.device_get(program.to_canonical(state).opt_state[0].trace)
 
 

@@ -12,6 +12,7 @@ roofline step bound of the plan (compute, HBM, ICI, host link for offloaded acti
 """
 import argparse
 import os
+import re
 import time
 
 import bench_common  # pylint: disable=unused-import  (sets 8 CPU devices first)
@@ -49,7 +50,7 @@ def main():
   parser.add_argument("--topology", default=None, help="a TPU topology, e.g. v5e:16x16")
   parser.add_argument("--preset_model", default=None, choices=["llama3_8b"])
   parser.add_argument("--field", default="task.model.remat_policy")
-  parser.add_argument("--policies", default=",".join(("None",) + remat.PRESETS))
+  parser.add_argument("--policies", default=",".join(remat.PRESETS + ("None",)))
   parser.add_argument("--fdl_set", action="append", default=[])
   args = parser.parse_args()
   target = targets.tpu(args.topology) if args.topology else targets.present()
@@ -62,10 +63,13 @@ def main():
   for name in args.policies.split(","):
     policy = None if name == "None" else name
     p, seconds = plan_policy(args.exp, overrides, args.field, policy, target)
-    if "remat" not in p:
-      print(f"{name:30} {p.get('compiler_out_of_memory', 'no compiled program')}", flush=True)
-      continue
     r, est = p["remat"], p.get("estimate")
+    if "compiler_out_of_memory" in p:  # XLA:TPU refuses programs above HBM; it names the need
+      need = re.search(r"temporaries \(([0-9.]+)G\)", p["compiler_out_of_memory"])
+      print(f"{name:30} {need.group(1) + 'G' if need else '?':>10} {'':9} {'':9} "
+            f"{r['flops_ratio']:11.3f}  does not fit: XLA's need above {p['compiler_out_of_memory'][-40:]}",
+            flush=True)
+      continue
     bound = f"{est['step_seconds_lower_bound'] * 1e3:9.1f} ms" if est else f"{'-':>12}"
     print(f"{name:30} {r['device_temp_bytes'] / gib:10.3f} "
           f"{p['compiled']['peak_estimate_bytes'] / gib:9.3f} {r['host_temp_bytes'] / gib:9.3f} "

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask.layers import remat
+from spmdtask.layers import fused_attention, remat
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
 
 
@@ -88,6 +88,8 @@ class Attention(nn.Module):
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
   Rotary positions unless `rope_theta` is None; causal unless `causal=False`.
+  `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
+  splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla).
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
   None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """
@@ -102,6 +104,18 @@ class Attention(nn.Module):
   o_split: SplitDims
   heads_act_split: SplitDims | None
   causal: bool = True
+  impl: str = "xla"
+
+  def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
+    """Full sequences: the kernel `impl` resolves to; decoding (a KV cache): `attend`."""
+    if not decoding:
+      backend = fused_attention.platform()
+      impl = fused_attention.choose(self.impl, backend, q.shape[1], q.shape[3], q.dtype,
+                                    segment_ids is not None, self.heads_act_split)
+      if impl != "xla":
+        return fused_attention.fused(impl, q, k, v, segment_ids, self.causal,
+                                     self.heads_act_split, backend)
+    return attend(q, k, v, q_pos, kv_pos, self.causal, segment_ids, segment_ids)
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
@@ -130,7 +144,7 @@ class Attention(nn.Module):
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     if cache is not None and segment_ids is not None:
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
-    out = constrain(attend(q, k, v, positions, kv_pos, self.causal, segment_ids, segment_ids),
+    out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
                     self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
     return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), remat.ATTN_OUT), cache

@@ -47,7 +47,8 @@ class Block(nn.Module):
   Called as `(x, positions, segment_ids=None, cache=None) -> (x, new_cache)` so that a
   `LayerStack` can scan it (positions and segment ids broadcast to every layer, the
   per-layer KV cache scanned over the layer dim). `causal=False` makes
-  an encoder block; `rope_theta=None` turns rotary positions off.
+  an encoder block; `rope_theta=None` turns rotary positions off; `attention_impl` is the
+  attention kernel (`layers.fused_attention`).
   """
   d_model: int
   num_heads: int
@@ -62,6 +63,7 @@ class Block(nn.Module):
   wsplit: object
   asplit: object
   causal: bool = True
+  attention_impl: str = "auto"
 
   def _dropout(self, x: jax.Array) -> jax.Array:
     # Dropout only where the caller passed a 'dropout' rng (the train step does).
@@ -76,7 +78,7 @@ class Block(nn.Module):
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         causal=self.causal, name="attn")(h, positions, segment_ids, cache)
+                         causal=self.causal, impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,

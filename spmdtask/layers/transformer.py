@@ -9,6 +9,7 @@ import optax
 
 from spmdtask import checks, sharding
 from spmdtask.errors import ConfigError
+from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
@@ -67,6 +68,7 @@ class TransformerLm(nn.Module):
   norm_eps: float = 1e-6
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
+  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   weight_split_dims_mapping: WeightSplit = WeightSplit()
@@ -96,6 +98,8 @@ class TransformerLm(nn.Module):
     checks.in_range("task.model.dropout_rate", self.dropout_rate, 0.0, 0.99)
     checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
     checks.remat_policy("task.model.remat_policy", self.remat_policy)
+    fused_attention.check(self.attention_impl, mesh.devices.flat[0].platform, self.head_dim,
+                          self.fprop_dtype)
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
@@ -171,7 +175,7 @@ class TransformerLm(nn.Module):
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
                 norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
-                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
+                attention_impl=self.attention_impl, dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
 
   def _stack(self) -> stack_lib.LayerStack:

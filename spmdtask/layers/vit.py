@@ -14,6 +14,7 @@ import optax
 
 from spmdtask import checks, sharding
 from spmdtask.errors import ConfigError
+from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
@@ -61,6 +62,7 @@ class VisionTransformer(nn.Module):
   d_ff: int
   norm_eps: float = 1e-6
   fprop_dtype: str = "float32"
+  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   remat_policy: str | None = "nothing_saveable"
   weight_split_dims_mapping: VitWeightSplit = VitWeightSplit()
   activation_split_dims_mapping: VitActivationSplit = VitActivationSplit()
@@ -77,6 +79,8 @@ class VisionTransformer(nn.Module):
                     head_dim=self.head_dim, d_ff=self.d_ff)
     checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
     checks.remat_policy("task.model.remat_policy", self.remat_policy)
+    fused_attention.check(self.attention_impl, mesh.devices.flat[0].platform, self.head_dim,
+                          self.fprop_dtype)
     if self.image_size % self.patch_size:
       raise ConfigError(
           f"task.model.image_size={self.image_size} is not a multiple of "
@@ -132,7 +136,7 @@ class VisionTransformer(nn.Module):
     kwargs = dict(d_model=self.d_model, num_heads=self.num_heads, num_kv_heads=self.num_heads,
                   head_dim=self.head_dim, d_ff=self.d_ff, mlp_activation="gelu",
                   rope_theta=None, norm_eps=self.norm_eps, dropout_rate=0.0, dtype=dt,
-                  wsplit=w, asplit=a, causal=False)
+                  wsplit=w, asplit=a, causal=False, attention_impl=self.attention_impl)
     positions = jnp.broadcast_to(jnp.arange(g * g), (b, g * g))
     x, _ = stack_lib.LayerStack(Block, kwargs, self.num_layers, self.remat_policy,
                                 pipeline=self.execution, name="layers")(x, positions)

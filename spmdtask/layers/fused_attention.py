@@ -1,0 +1,185 @@
+"""Fused attention kernels, and the choice among them: `xla`, `splash`, `cudnn`, or `auto`.
+
+`task.model.attention_impl` picks how `softmax(q·kᵀ/√d + mask)·v` is computed on full
+sequences (training, eval, a no-cache forward) by `layers.attention.Attention`; every
+choice computes the same function:
+  xla     `attention.attend`: einsum + softmax, the [t, s] scores materialized; any backend.
+  splash  the Pallas splash-attention kernel from jax (`jax.experimental.pallas.ops.tpu.
+          splash_attention`): blockwise online softmax, scores never held whole; causal
+          blocks above the diagonal skipped; segment ids; grouped KV heads natively (query
+          head i reads KV head i // group). Compiled on TPU, run in Pallas interpret mode
+          on CPU (slow; for tests). Not on GPU.
+  cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused kernel;
+          GPU only, bf16/fp16.
+  auto    the default: splash on TPU and cudnn on GPU where the shapes allow, else xla.
+
+splash and cudnn take causality from the token index (key j visible to query i iff
+j <= i, within the segment when packed): positions must count up by one along each row
+(restarting per segment), which is what training and eval batches hold. The KV-cache
+decode path (one query token against a cache) always uses xla.
+
+`check` (at validation) and `choose` (at trace time, when the sequence length is known)
+resolve the choice and raise ConfigError naming `task.model.attention_impl` where a choice cannot run.
+"""
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from spmdtask.errors import ConfigError
+from spmdtask.layers.base import SplitDims
+
+FIELD = "task.model.attention_impl"
+IMPLS = ("auto", "xla", "splash", "cudnn")
+SPLASH_LANES = 128          # splash blocks are multiples of the TPU lane width
+SPLASH_BLOCKS = (512, 256, 128)  # tried in order: the largest that divides the sequence
+CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def platform() -> str:
+  """The platform the traced program is for: the context mesh's devices (a TPU topology
+  compiled ahead of time on a CPU host says 'tpu'), else JAX's default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
+  """ConfigError unless `impl` is a known choice that can run on `backend`."""
+  if impl not in IMPLS:
+    raise ConfigError(f"{FIELD}={impl!r} is not an attention implementation: use one of "
+                      f"{', '.join(IMPLS)} ('auto' picks the best for the backend).")
+  if impl == "cudnn":
+    if backend != "gpu":
+      raise ConfigError(
+          f"{FIELD}='cudnn' needs a GPU backend (cuDNN's fused attention), but the mesh's "
+          f"devices are {backend!r}: use 'auto' (splash on TPU, xla on CPU) or 'xla'.")
+    if str(dtype) not in CUDNN_DTYPES or head_dim % 8 or head_dim > 128:
+      raise ConfigError(
+          f"{FIELD}='cudnn' needs a bfloat16/float16 task.model.fprop_dtype and a head_dim "
+          f"that is a multiple of 8, at most 128 (got {dtype}, head_dim={head_dim}): change "
+          "those or use 'auto' / 'xla'.")
+  if impl == "splash" and backend == "gpu":
+    raise ConfigError(f"{FIELD}='splash' is the TPU Pallas kernel (interpret mode on CPU for "
+                      "tests); on GPU use 'cudnn' or 'auto'.")
+
+
+def _splash_problem(seq: int, heads_split: SplitDims | None) -> str | None:
+  """Why splash cannot run on these shapes, or None."""
+  if seq % SPLASH_LANES:
+    return (f"the sequence length {seq} is not a multiple of {SPLASH_LANES} (the kernel's "
+            "block size): pad or pack sequences to a multiple of 128")
+  if heads_split is not None and (heads_split[1] is not None or heads_split[3] is not None):
+    return ("task.model.activation_split_dims_mapping.heads splits the sequence or head_dim "
+            f"({heads_split}), but each device needs whole sequences and heads: split only "
+            "batch and heads")
+  return None
+
+
+def choose(impl: str, backend: str, seq: int, head_dim: int, dtype, has_segments: bool,
+           heads_split: SplitDims | None) -> str:
+  """The concrete implementation for this call: `auto` resolved, explicit ones checked."""
+  check(impl, backend, head_dim, str(jnp.dtype(dtype)))
+  splash_problem = _splash_problem(seq, heads_split)
+  if impl == "auto":
+    if backend == "tpu" and splash_problem is None:
+      return "splash"
+    if (backend == "gpu" and not has_segments and str(jnp.dtype(dtype)) in CUDNN_DTYPES
+        and head_dim % 8 == 0 and head_dim <= 128):
+      return "cudnn"
+    return "xla"
+  if impl == "splash" and splash_problem is not None:
+    raise ConfigError(f"{FIELD}='splash' cannot run here: {splash_problem}; or use 'auto' "
+                      "(falls back to xla) or 'xla'.")
+  return impl
+
+
+def _block_sizes(seq: int):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  b = next(s for s in SPLASH_BLOCKS if seq % s == 0)
+  return sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
+                       block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
+
+
+def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool):
+  """One device's splash call: q [b, t, h, hd], k/v [b, t, kv, hd], segment_ids [b, t] | None."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  _, t, h, hd = q.shape
+  head_mask = sm.CausalMask((t, t)) if causal else sm.FullMask((t, t))
+  kernel = sk.make_splash_mha(sm.MultiHeadMask([head_mask] * h), block_sizes=_block_sizes(t),
+                              head_shards=1, q_seq_shards=1, interpret=interpret)
+  # The kernel wants [heads, seq, hd] per example and does not scale q itself.
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(hd ** -0.5, q.dtype), k, v))
+  if segment_ids is None:
+    out = jax.vmap(kernel)(q, k, v)
+  else:
+    out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=sk.SegmentIds(s, s)))(
+        q, k, v, segment_ids)
+  return jnp.swapaxes(out, 1, 2)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
+           interpret: bool):
+  """Splash attention on [b, t, heads, hd] arrays, per device inside a mesh context.
+
+  A Pallas call has no partitioning rule, so in a mesh it runs under `jax.shard_map` over
+  the axes `heads_split` puts on batch and heads (each device: its examples, its heads,
+  whole sequences). KV heads that do not divide over the heads' axes are repeated to one
+  per query head first.
+  """
+  local = functools.partial(_splash_local, causal=causal, interpret=interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or heads_split is None:
+    return local(q, k, v, segment_ids)
+  head_shards = int(np.prod([mesh.shape[a] for a in _axes(heads_split[2])]))
+  if q.shape[2] % head_shards:
+    raise ConfigError(
+        f"{FIELD}='splash' runs each device on whole heads, but num_heads={q.shape[2]} does "
+        f"not divide over the {head_shards} shards task.model.activation_split_dims_mapping."
+        "heads puts on heads: make it divide, or use 'xla'.")
+  if k.shape[2] % head_shards:
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  # A batch that does not divide over its axes (init traces one row) is not split.
+  batch_shards = int(np.prod([mesh.shape[a] for a in _axes(heads_split[0])]))
+  batch = heads_split[0] if q.shape[0] % batch_shards == 0 else None
+  spec, seg_spec = P(batch, None, heads_split[2], None), P(batch, None)
+  # Manual over every axis not already manual (e.g. 'stage' inside the SPMD pipeline):
+  # the call is replicated over the axes it does not split.
+  axis_names = set(mesh.axis_names) - set(mesh.manual_axes)
+  if segment_ids is None:
+    fn = jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(spec,) * 3,
+                       out_specs=spec, axis_names=axis_names, check_vma=False)
+    return fn(q, k, v)
+  fn = jax.shard_map(local, in_specs=(spec, spec, spec, seg_spec), out_specs=spec,
+                     axis_names=axis_names, check_vma=False)
+  return fn(q, k, v, segment_ids)
+
+
+def cudnn(q, k, v, segment_ids, causal: bool):
+  """cuDNN fused attention (GPU). Packed rows pass their segment mask [b, 1, t, s]."""
+  mask = None
+  if segment_ids is not None:
+    mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+                                      implementation="cudnn")
+
+
+def fused(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
+          causal: bool, heads_split: SplitDims | None, backend: str) -> jax.Array:
+  """Self-attention over full sequences by the fused kernel `impl` ('splash' or 'cudnn', as
+  `choose` returned it): q [b, t, heads, hd], k/v [b, t, kv_heads, hd], segment_ids [b, t]
+  or None -> [b, t, heads, hd]."""
+  kernels: dict[str, Callable] = {
+      "splash": lambda: splash(q, k, v, segment_ids, causal, heads_split,
+                               interpret=backend != "tpu"),
+      "cudnn": lambda: cudnn(q, k, v, segment_ids, causal),
+  }
+  return kernels[impl]()
