@@ -1,10 +1,13 @@
-"""Published facts of the TPU chips a plan can target: one row per generation. Pure data.
+"""Published facts of the chips a plan can target: one row per TPU generation (and GPU
+model). Pure data.
 
-Each figure is per chip, as Google's Cloud TPU documentation states it (the source of each
-row is named beside it). ICI is kept as the bidirectional figure the pages give; a chip
-receives at most half of it (`ici_ingress_bytes_per_s`), which is what bounds the time of
-the collectives it takes part in. DCN is the per-chip share of the hosts' network, where
-the documentation gives one.
+Each figure is per chip, as its vendor's documentation states it (the source of each row
+is named beside it). ICI (for a GPU: NVLink) is kept as the bidirectional figure the
+pages give; a chip receives at most half of it (`ici_ingress_bytes_per_s`), which is what
+bounds the time of the collectives it takes part in. DCN is the per-chip share of the
+hosts' network, where the documentation gives one. A GPU row also carries XLA's
+description of the device (`gpu_target_config`, a GpuTargetConfigProto in text form),
+which is what XLA's GPU compiler needs to compile for it without one present.
 """
 import dataclasses
 
@@ -21,13 +24,16 @@ class Chip:
   dcn_bytes_per_s: float | None      # None: not documented per chip
   source: str
   host_link_bytes_per_s: float | None = None  # host <-> HBM (PCIe) one way; None: unknown
+  gpu_target_config: str | None = None  # GPUs: XLA's GpuTargetConfigProto (text)
 
   @property
   def ici_ingress_bytes_per_s(self) -> float:
     return self.ici_bidirectional_bytes_per_s / 2
 
   def as_json(self) -> dict:
-    return {**dataclasses.asdict(self), "ici_ingress_bytes_per_s": self.ici_ingress_bytes_per_s}
+    out = {**dataclasses.asdict(self), "ici_ingress_bytes_per_s": self.ici_ingress_bytes_per_s}
+    out.pop("gpu_target_config")
+    return out
 
 
 GB, GIB = 1e9, 2.0**30
@@ -56,6 +62,31 @@ CHIPS = {c.name: c for c in (
 )}
 
 
+# XLA's device description of an H100 SXM (the fields of xla/tools/hlo_opt/gpu_specs/
+# h100_sxm.txtpb): what XLA:GPU's cost model and kernel emitters read.
+_H100_SXM_TARGET = """gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84978434048
+  shared_memory_per_block_optin: 232448 cuda_compute_capability { major: 9 }
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+GPUS = {c.name: c for c in (
+    # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), SXM: BF16
+    # 1979 TFLOPS with sparsity (989 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s
+    # (both ways); DGX H100: one 400 Gb/s ConnectX-7 InfiniBand port per GPU.
+    Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 * GB, 3350 * GB, 900 * GB, 400e9 / 8,
+         "NVIDIA H100 datasheet (SXM); DGX H100 networking", _H100_SXM_TARGET),
+)}
+
+
 def by_device_kind(device_kind: str) -> Chip | None:
   """The chip whose devices report `device_kind`, or None."""
-  return next((c for c in CHIPS.values() if c.device_kind == device_kind), None)
+  return next((c for c in (*CHIPS.values(), *GPUS.values()) if c.device_kind == device_kind),
+              None)

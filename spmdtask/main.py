@@ -41,8 +41,9 @@ _PLAN_DEVICES = flags.DEFINE_integer(
     "subprocess (no accelerator needed); default: the devices present.")
 _PLAN_TOPOLOGY = flags.DEFINE_string(
     "plan_topology", None, "--mode=plan: plan for this TPU topology (libtpu's name, e.g. "
-    "v5e:16x16, v6e:8x8, v4:4x4x4, v5p:4x4x8), compiled by XLA:TPU on this machine "
-    "(needs libtpu: pip install 'spmdtask[tpu]'); adds the roofline estimate.")
+    "v5e:16x16, v6e:8x8, v4:4x4x4, v5p:4x4x8; needs libtpu: pip install 'spmdtask[tpu]') or "
+    "GPUs (h100:8, h100:4x8; needs pip install 'spmdtask[gpu_plan]'), compiled on this "
+    "machine; adds the roofline estimate.")
 _PLAN_SLICES = flags.DEFINE_integer(
     "plan_slices", 1, "--mode=plan with --plan_topology: this many slices of that topology "
     "joined by DCN (task.dcn_mesh_shape must span them).")

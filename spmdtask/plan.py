@@ -154,7 +154,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   n = num_devices
   text = compiled.as_text()
   once = compiled.cost_analysis()
-  once = once[0] if isinstance(once, list) else once
+  once = (once[0] if isinstance(once, list) else once) or {}  # XLA:GPU AOT gives None
   step = xla_cost.per_step(text)
   ops = hlo.collective_ops(text, target.num_slices)
   traffic = collective_traffic(ops)
@@ -237,7 +237,8 @@ def format_estimate(plan: dict) -> list[str]:
   terms = ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in est["seconds"].items())
   return [
       f"chip {chip['name']}: peak {chip['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16, HBM "
-      f"{chip['hbm_bytes'] / 1e9:.1f} GB at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, ICI "
+      f"{chip['hbm_bytes'] / 1e9:.1f} GB at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
+      f"{'NVLink' if plan['target']['platform'] == 'gpu' else 'ICI'} "
       f"{chip['ici_bidirectional_bytes_per_s'] / 1e9:.0f} GB/s both ways ({chip['source']})",
       f"roofline per step: {terms}; bound by {est['bound']}: step >= "
       f"{1e3 * est['step_seconds_lower_bound']:.3g} ms, tokens/s <= "
@@ -252,7 +253,7 @@ def format_plan(plan: dict) -> list[str]:
   where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
            + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
            else f"{plan['num_devices']} {t['platform']} devices")
-  lines = [f"Plan of {plan['experiment']} on {where}, mesh {plan['mesh']}:",
+  lines = [f"Plan of {plan['experiment']} ({plan['num_params']:,} params) on {where}, mesh {plan['mesh']}:",
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
     lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
@@ -324,7 +325,7 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
   else with a topology the chip's HBM."""
   if plan_devices is not None and jax.device_count() != plan_devices:
     raise RuntimeError(f"expected {plan_devices} emulated devices, have {jax.device_count()}")
-  target = targets.tpu(topology, num_slices) if topology else targets.present()
+  target = targets.topology(topology, num_slices) if topology else targets.present()
   plan = make_plan(run_cfg, name, target)
   xla_log = plan.pop("xla_log")
   for line in format_plan(plan):

@@ -20,8 +20,12 @@ import jax
 from spmdtask import chips, console
 from spmdtask.errors import ConfigError
 
-PIP_TPU = "pip install 'spmdtask[tpu]'  (or: pip install 'jax[tpu]>=0.10.2,<0.11', which brings libtpu)"
+PIP_TPU = ("pip install 'spmdtask[tpu]'  (or: pip install 'jax[tpu]>=0.10.2,<0.11', which "
+           "brings libtpu)")
+PIP_GPU = ("pip install 'spmdtask[gpu_plan]'  (or: pip install 'jax-cuda12-plugin>=0.10.2,<0.11'"
+           ": XLA:GPU without the CUDA libraries, enough to compile)")
 _TOPOLOGY = re.compile(r"^(v[0-9][a-z]*):([0-9]+(?:x[0-9]+)*)$")
+_GPU_TOPOLOGY = re.compile(r"^([a-z][a-z0-9]*):(?:([0-9]+)x)?([0-9]+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +49,12 @@ class Target:
       return f"{len(self.devices)} {self.platform} devices"
     slices = f" x {self.num_slices} slices over DCN" if self.num_slices > 1 else ""
     return f"{self.topology}{slices} ({len(self.devices)} {self.devices[0].device_kind} chips)"
+
+
+def topology(name: str, num_slices: int = 1) -> Target:
+  """A TPU topology ('v5e:16x16') or a GPU one ('h100:8', 'h100:4x8' = 4 hosts of 8)."""
+  gpu_name = name.split(":", 1)[0]
+  return gpu(name) if gpu_name in chips.GPUS else tpu(name, num_slices)
 
 
 def present() -> Target:
@@ -111,3 +121,30 @@ def check_mesh(target: Target, dcn_mesh_shape) -> None:
         f"{dcn} slice(s). Set task.dcn_mesh_shape so its product is {target.num_slices} "
         f"(e.g. --fdl_set=\"task.dcn_mesh_shape=({target.num_slices}, 1, 1)\" for a data "
         "axis over slices), or change --plan_slices.")
+
+
+def gpu(name: str) -> Target:
+  """Compile-only GPUs: `model:[hosts x]gpus_per_host` (e.g. 'h100:8'), compiled by XLA:GPU
+  from XLA's description of the device (no GPU, driver or CUDA library needed).
+
+  Collectives between hosts are counted at NVLink speed: the bound stays a lower bound.
+  """
+  m = _GPU_TOPOLOGY.match(name)
+  if not m or m.group(1) not in chips.GPUS:
+    raise ConfigError(f"--plan_topology={name!r}: a GPU topology is MODEL:GPUS_PER_HOST or "
+                      f"MODEL:HOSTSxGPUS_PER_HOST, e.g. h100:8 or h100:4x8 (models: "
+                      f"{', '.join(chips.GPUS)}).")
+  chip = chips.GPUS[m.group(1)]
+  hosts, per_host = int(m.group(2) or 1), int(m.group(3))
+  try:
+    importlib.import_module("jax_plugins.xla_cuda12")
+  except ImportError:
+    raise ConfigError(f"--plan_topology={name} compiles with XLA:GPU, which comes with JAX's "
+                      f"CUDA plugin, and it is not installed. Install it: {PIP_GPU}") from None
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  log: list[str] = []
+  with console.captured_fd2(log):
+    devices = tuple(topologies.get_topology_desc(
+        platform="cuda", topology_name="", target_config=chip.gpu_target_config,
+        topology=f"1x{hosts}x{per_host}").devices)
+  return Target("gpu", devices, name, 1, chip, "".join(log))

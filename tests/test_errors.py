@@ -41,6 +41,12 @@ CASES = [
     ("lm.TinyLm", ["task.decode.temperature=-1.0"], ["task.decode.temperature=-1.0"]),
     ("lm.TinyLm", ["task.decode.max_decode_len=0"], ["max_decode_len=0"]),
     ("lm.TinyLm", ["datasets['train'].batch_size='16'"], ["datasets['train'].batch_size"]),
+    ("lm.TinyLm", [f"{M}.attention_impl='flash'"],
+     [f"{M}.attention_impl='flash'", "auto, xla, splash, cudnn"]),
+    ("lm.TinyLm", [f"{M}.attention_impl='cudnn'"], [f"{M}.attention_impl='cudnn'", "GPU"]),
+    ("lm.TinyLm", [f"{M}.attention_impl='splash'"],  # TinyLm's 64 tokens: no splash block
+     [f"{M}.attention_impl='splash'", "64", "multiple of 128"]),
+    ("vit.TinyVit", [f"{M}.attention_impl='flash'"], [f"{M}.attention_impl='flash'"]),
     ("vit.TinyVit", [f"{M}.patch_size=5"], ["patch_size=5"]),
     ("vit.TinyVit", [f"{M}.num_classes=0"], [f"{M}.num_classes=0"]),
 ]
@@ -83,6 +89,7 @@ def test_corrupt_checkpoint_names_its_step_and_an_earlier_one(tmp_path):
     ([f"{M}.remat_policy='offload_dot_with_no_batch_dims'"],
      f"{M}.remat_policy='offload_dot_with_no_batch_dims' is a jax.checkpoint_policies factory"),
     ([f"{M}.remat_policy='minimal_offload'"], f"{M}.remat_policy='minimal_offload' is not a"),
+    ([f"{M}.attention_impl='flash'"], f"{M}.attention_impl='flash'"),
 ])
 def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):
   out = subproc.run(subproc.main_cmd("lm.TinyLm", str(tmp_path / "job"), *overrides),

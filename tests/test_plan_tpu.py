@@ -154,3 +154,19 @@ def test_without_libtpu_exit_2_with_the_pip_line(tmp_path):
   assert out.returncode == 2, out.stderr[-3000:]
   assert "Traceback" not in out.stderr
   assert "pip install 'spmdtask[tpu]'" in out.stderr and "libtpu" in out.stderr
+
+
+def test_gpu_plan_without_a_gpu(tmp_path):
+  """XLA:GPU compiles for 8 H100s from XLA's description of the device (needs only JAX's
+  CUDA plugin, no GPU or CUDA library): `pip install 'spmdtask[gpu_plan]'`."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  run = util.build_run("lm.TinyLm", ["task.ici_mesh_shape=(1, 8, 1)"])
+  got = plan.run_plan(run, str(tmp_path), "lm.TinyLm", topology="h100:8")
+  assert (got["target"]["platform"], got["target"]["chips"]) == ("gpu", 8)
+  assert got["target"]["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert 0 < got["compiled"]["peak_estimate_bytes"] < chips.GPUS["h100"].hbm_bytes
+  model = got["flops_per_step"]["model"]
+  assert model <= got["flops_per_step"]["xla"] <= 1.5 * model
+  est = got["estimate"]
+  assert est["step_seconds_lower_bound"] == max(est["seconds"].values())
+  assert sum(c["count"] for c in got["collectives"].values()) > 0

@@ -1,5 +1,6 @@
 """Prepared text data: the prepare tool, tokenizers, packed batches per process and on resume,
 vocabulary checks, prompts; a 2-process run resumes on 1 process on the same batches."""
+import glob
 import json
 import os
 
@@ -155,3 +156,30 @@ def test_two_process_run_resumes_on_one_process_on_the_same_batches(byte_dir, tm
   assert sorted(got["loss"]) == [1, 2, 3, 4]
   np.testing.assert_allclose([got["loss"][s] for s in range(1, 5)],
                              [want[s] for s in range(1, 5)], rtol=1e-5)
+
+
+def test_hf_tokenizer_json_prepares_data_and_decodes_text(tmp_path):
+  from tests import util  # pylint: disable=g-import-not-at-top
+  pattern = _write_corpus(str(tmp_path / "txt"), num_docs=6)
+  texts = [open(p).read() for p in sorted(glob.glob(pattern))]
+  tok_json = util.tiny_hf_tokenizer(str(tmp_path / "model"), texts, eos=None)
+  with pytest.raises(ConfigError, match="--eod_token"):  # no tokenizer_config.json: say so
+    prepare_text_data.prepare(pattern, str(tmp_path / "no_eod"), f"hf:{tok_json}")
+  out = str(tmp_path / "hf")
+  meta = prepare_text_data.prepare(pattern, out, f"hf:{tok_json}", eval_fraction=0.2,
+                                   eod_token="<eos>")
+  tok = tokenizers.load(out, meta)
+  assert (meta["tokenizer"], meta["vocab_size"], meta["eod_id"]) == ("hf", tok.vocab_size, 1)
+  reader = text.DocumentReader(out, "train", "data_dir")
+  src = os.path.join(str(tmp_path / "txt"), meta["splits"]["train"]["sources"][0])
+  with open(src) as f:
+    source = f.read()
+  doc = reader.read([0])[0].tolist()
+  assert doc == [0] + tok.encode(source)[1:] + [1]  # <bos> (its post-processor) ... <eos>
+  assert tok.decode(doc) == source  # special tokens dropped
+  prompts = TextPromptInput(data_dir=out, split="eval", batch_size=1, prompt_len=8,
+                            num_examples=1, process_index=0, process_count=1)
+  with open(os.path.join(str(tmp_path / "txt"), meta["splits"]["eval"]["sources"][0])) as f:
+    first_eval = f.read()
+  prompt = prompts.tokenizer.decode(prompts.batch_at(0)["prompts"][0])
+  assert len(prompt) > 8 and first_eval.startswith(prompt)

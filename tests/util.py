@@ -53,3 +53,27 @@ def program_and_state(exp: str, num_devices: int):
   program = program_lib.setup(run.task, run.datasets["train"].batch_at(0),
                               devices=jax.devices()[:num_devices])
   return program, program.init()
+
+
+def tiny_hf_tokenizer(directory: str, texts, vocab_size: int = 300, eos: str | None = "<eos>"):
+  """A byte-level BPE tokenizer.json trained on `texts` with the `tokenizers` library, Llama
+  style (a <bos> post-processor), written to directory (with a tokenizer_config.json naming
+  `eos` as its eos_token unless None). Returns the tokenizer.json path."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # pylint: disable=g-import-not-at-top
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(texts, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=["<bos>", "<eos>"], show_progress=False,
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  tok.post_processor = processors.TemplateProcessing(
+      single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, "tokenizer.json")
+  tok.save(path)
+  if eos is not None:
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+      json.dump({"bos_token": "<bos>", "eos_token": {"content": eos}}, f)
+  return path

@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints in and out of spmdtask (safetensors, numpy; no torch).
 
     python tools/convert_llama.py --from_hf=/models/llama --job_log_dir=/tmp/llama
-    python -m spmdtask.main --exp=lm.TinyLm --job_log_dir=/tmp/llama --mode=decode \
+    python -m spmdtask.main --exp=llama.LlamaImport --job_log_dir=/tmp/llama --mode=decode \
         --flagfile=/tmp/llama/model_overrides.txt
     python tools/convert_llama.py --job_log_dir=/tmp/llama --to_hf=/models/llama_out
 
@@ -9,11 +9,20 @@
 model.safetensors.index.json) and writes, into --job_log_dir: a step-0 checkpoint (the
 params, a fresh optimizer state) that --mode=decode, --mode=train and
 task.train.init_checkpoint_dir accept on any mesh; model_overrides.txt, one
-`--fdl_set=...` per line (an absl --flagfile) that makes `--exp=lm.TinyLm` build the
-matching TransformerLm; and hf_source.json (the HF config and tensor dtypes) for --to_hf.
---to_hf writes config.json and model.safetensors from the latest checkpoint.
+`--fdl_set=...` per line (an absl --flagfile) that makes `--exp=llama.LlamaImport` build
+the matching TransformerLm (and, when the architecture is a published one, the name of
+the configs/llama.py experiment that has it: that experiment decodes the checkpoint as
+it is); the model's tokenizer.json (and tokenizer_config.json), when the HF directory
+has one, for decode text; and hf_source.json (the HF config and tensor dtypes) for
+--to_hf. --to_hf writes config.json and model.safetensors from the latest checkpoint.
 Converting in and out gives bit-identical tensors (float32, bfloat16 and float16
 weights are exact in float32).
+
+Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
+rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
+rope_type 'default' and 'llama3' are supported. Anything this converter cannot express
+exactly (another rope_type, unknown RoPE keys, biases, a non-SiLU activation, another
+model_type) is refused by name (exit 2), never replaced by a default.
 
 Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] ->
 q [d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
@@ -26,6 +35,7 @@ with the same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -36,14 +46,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask.errors import ConfigError
 
-EXP = "lm.TinyLm"
+EXP = "llama.LlamaImport"
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
 # HF config fields whose non-default values this converter cannot express.
-UNSUPPORTED = {"hidden_act": "silu", "rope_scaling": None, "attention_bias": False,
-               "mlp_bias": False}
+UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+# The keys each supported rope_type has (HF's names); any other key is refused.
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings")
+ROPE_TYPES = {"default": (), "llama3": LLAMA3_KEYS}
+HF_DEFAULT_ROPE_THETA = 10000.0  # LlamaConfig's, for old configs without rope_theta
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints hold
 
 
@@ -59,6 +74,51 @@ def _hf_layer(i: int) -> dict[str, tuple[str, str]]:
           "layers/block/mlp/wo": (p + "mlp.down_proj.weight", "t"),
           "layers/block/attn_norm/scale": (p + "input_layernorm.weight", "same"),
           "layers/block/mlp_norm/scale": (p + "post_attention_layernorm.weight", "same")}
+
+
+def _rope_parameters(cfg: dict) -> tuple[dict, str]:
+  """(RoPE parameters in transformers >= 5's form, the config key they came from)."""
+  legacy = dict(cfg.get("rope_scaling") or {})
+  if "rope_theta" in cfg:
+    legacy["rope_theta"] = cfg["rope_theta"]
+  params = cfg.get("rope_parameters")
+  if params is None:
+    legacy.setdefault("rope_theta", HF_DEFAULT_ROPE_THETA)
+    return legacy, "rope_scaling"
+  if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+    raise ConfigError(f"config.json: rope_parameters={params!r} is not one flat RoPE setting "
+                      "(per-layer-type RoPE is not supported).")
+  clash = {k: (v, params.get(k)) for k, v in legacy.items() if params.get(k) != v}
+  if clash:
+    raise ConfigError(f"config.json: rope_parameters and the top-level rope_theta/rope_scaling "
+                      f"disagree on {sorted(clash)} ({clash}); keep one of the two layouts.")
+  if "rope_theta" not in params:
+    raise ConfigError("config.json: rope_parameters has no rope_theta; add the model's RoPE "
+                      "base (e.g. 500000.0 for Llama 3).")
+  return dict(params), "rope_parameters"
+
+
+def rope_fields(cfg: dict) -> dict:
+  """TransformerLm's rope_theta and rope_scaling (None or the llama3 fields) of a HF config."""
+  params, where = _rope_parameters(cfg)
+  rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+  params.pop("type", None)
+  theta = params.pop("rope_theta")
+  if rope_type not in ROPE_TYPES:
+    raise ConfigError(f"config.json: {where} rope_type={rope_type!r} is not supported (only "
+                      f"{sorted(ROPE_TYPES)}); spmdtask's RoPE cannot express it, so the "
+                      "conversion would not be exact.")
+  keys = ROPE_TYPES[rope_type]
+  unknown, missing = sorted(set(params) - set(keys)), [k for k in keys if k not in params]
+  if unknown or missing:
+    raise ConfigError(f"config.json: {where} (rope_type={rope_type!r}) "
+                      + (f"has keys this converter does not support: {unknown}" if unknown
+                         else f"lacks {missing}, which rope_type {rope_type!r} needs")
+                      + "; refusing rather than guessing their effect.")
+  scaling = {k: float(params[k]) for k in keys}
+  if "original_max_position_embeddings" in scaling:
+    scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+  return dict(rope_theta=float(theta), rope_scaling=scaling or None)
 
 
 def model_fields(cfg: dict) -> dict:
@@ -81,19 +141,46 @@ def model_fields(cfg: dict) -> dict:
               num_kv_heads=cfg.get("num_key_value_heads") or heads,
               head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
               d_ff=cfg["intermediate_size"], max_seq_len=cfg.get("max_position_embeddings", 2048),
-              mlp_activation="swiglu", rope_theta=float(cfg.get("rope_theta", 10000.0)),
+              mlp_activation="swiglu", **rope_fields(cfg),
               norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
-              scale_tied_logits=not tied)
+              scale_tied_logits=False)  # HF's tied head is unscaled
 
 
-def overrides(cfg: dict) -> list[str]:
-  """`--fdl_set` values that make lm.TinyLm build this model (its synthetic data in vocab)."""
-  lines = [f"task.model.{k}={v!r}" for k, v in model_fields(cfg).items()]
+def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
+  """`--fdl_set` values that make EXP build this model (its synthetic data in vocab);
+  `tokenizer`, a tokenizer.json path, gives the decode output its text."""
+  fields = model_fields(cfg)
+  scaling = fields.pop("rope_scaling")
+  lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
+  if scaling is None:
+    lines.append("task.model.rope_scaling=None")
+  else:  # EXP's model has a Llama3Scaling config: its fields are set one by one
+    lines += [f"task.model.rope_scaling.{k}={v!r}" for k, v in scaling.items()]
   lines += [f"datasets['{s}'].vocab_size={cfg['vocab_size']}" for s in ("train", "eval")]
   lines.append(f"decode_datasets['prompts'].vocab_size={cfg['vocab_size']}")
   if isinstance(cfg.get("eos_token_id"), int):
     lines.append(f"task.decode.eos_id={cfg['eos_token_id']}")
+  if tokenizer:
+    lines.append(f"decode_datasets['prompts'].tokenizer={'hf:' + tokenizer!r}")
   return lines
+
+
+def published_experiment(cfg: dict) -> str | None:
+  """The registered configs/llama.py experiment (`llama.NAME`) whose model is exactly this
+  architecture, if any."""
+  import fiddle as fdl  # pylint: disable=g-import-not-at-top
+  from spmdtask import registry  # pylint: disable=g-import-not-at-top
+  want = model_fields(cfg)
+  for name in registry.names():
+    if not name.startswith("configs.llama.") or name.endswith("." + EXP.split(".")[-1]):
+      continue
+    model = fdl.build(registry.get(name)().task().model)
+    got = {k: getattr(model, k) for k in want}
+    if got["rope_scaling"] is not None:
+      got["rope_scaling"] = {k: getattr(got["rope_scaling"], k) for k in LLAMA3_KEYS}
+    if got == want:
+      return name.removeprefix("configs.")
+  return None
 
 
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
@@ -213,11 +300,17 @@ def read_checkpoint(job_log_dir: str, lines: list[str]) -> dict:
 
 
 def from_hf(hf_dir: str, job_log_dir: str) -> list[str]:
-  """--from_hf: writes the checkpoint, model_overrides.txt and hf_source.json; returns lines."""
+  """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
+  hf_source.json; returns the override lines."""
   cfg, tensors = read_hf(hf_dir)
-  lines = overrides(cfg)
+  has_tokenizer = os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILES[0]))
+  tokenizer = os.path.join(os.path.abspath(job_log_dir), TOKENIZER_FILES[0])
+  lines = overrides(cfg, tokenizer if has_tokenizer else None)
   params = to_params(cfg, tensors)
   os.makedirs(job_log_dir, exist_ok=True)
+  for name in TOKENIZER_FILES if has_tokenizer else ():
+    if os.path.isfile(os.path.join(hf_dir, name)):
+      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(job_log_dir, name))
   write_checkpoint(job_log_dir, lines, params)
   with open(os.path.join(job_log_dir, OVERRIDES_FILE), "w") as f:
     f.write("".join(f"--fdl_set={line}\n" for line in lines))
@@ -235,7 +328,7 @@ def to_hf(job_log_dir: str, hf_dir: str) -> None:
                       "back a job made by --from_hf (it holds the HF config).")
   with open(source) as f:
     src = json.load(f)
-  params = read_checkpoint(job_log_dir, overrides(src["config"]))
+  params = read_checkpoint(job_log_dir, overrides(src["config"]))  # tokenizer: not needed
   os.makedirs(hf_dir, exist_ok=True)
   st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
                      os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -253,8 +346,13 @@ def main():
   try:
     if args.from_hf:
       from_hf(args.from_hf, args.job_log_dir)
+      with open(os.path.join(args.from_hf, "config.json")) as f:
+        published = published_experiment(json.load(f))
       print(f"wrote {args.job_log_dir}: checkpoint step 0, {OVERRIDES_FILE} "
             f"(--exp={EXP} --flagfile={os.path.join(args.job_log_dir, OVERRIDES_FILE)})")
+      if published:
+        print(f"the architecture of --exp={published}, which decodes or trains it as it is "
+              "(its mesh and batch; add the --flagfile for the tokenizer's text)")
     else:
       to_hf(args.job_log_dir, args.to_hf)
       print(f"wrote {args.to_hf}: config.json, model.safetensors")

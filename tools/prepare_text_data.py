@@ -2,19 +2,25 @@
 
     python tools/prepare_text_data.py --input='/data/books/*.txt' --output_dir=/data/books_sp \
         --tokenizer=sentencepiece --vocab_size=4096
+    python tools/prepare_text_data.py --input='/data/books/*.txt' --output_dir=/data/books_l32 \
+        --tokenizer=hf:/models/Llama-3.2-1B/tokenizer.json
 
 Each input file is one document. Documents are shuffled once (--seed), the first
 --eval_fraction of them become the eval split, the rest train. Every document is
 tokenized whole and closed by the end-of-document id. With --tokenizer=sentencepiece a
-BPE model is trained (offline) on the train documents' lines with --vocab_size. The
-output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their `*_index.npz`, the tokenizer
-(`tokenizer.model`, SentencePiece only) and `meta.json` (see spmdtask.inputs.tokenizers).
+BPE model is trained (offline) on the train documents' lines with --vocab_size; with
+--tokenizer=hf:PATH a Hugging Face tokenizer.json (an imported model's own) is used as is,
+its end-of-document id the --eod_token's, else the eos_token of the tokenizer_config.json
+beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
+`*_index.npz`, the tokenizer (`tokenizer.model` or `tokenizer.json`; none for bytes) and
+`meta.json` (see spmdtask.inputs.tokenizers).
 Train on it with `--exp=lm.TextLm` (README).
 """
 import argparse
 import glob
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
@@ -22,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
+from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
 
 
@@ -45,9 +52,21 @@ def split_documents(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray
   return order[num_eval:], order[:num_eval]
 
 
-def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_size: int | None):
+def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_size: int | None,
+                   eod_token: str | None = None):
+  """The tokenizer `kind` names ('bytes', 'sentencepiece' or 'hf:PATH'), its file in output_dir."""
   if kind == "bytes":
     return tokenizers.ByteTokenizer()
+  if kind.startswith("hf:"):
+    tok = tokenizers.from_spec(kind, eod_token)
+    if tok.eod_id is None:
+      raise ConfigError(f"--tokenizer={kind}: no end-of-document token; there is no "
+                        f"{tokenizers.HF_CONFIG_FILE} with an eos_token beside it. Pass "
+                        "--eod_token=TOKEN (one of its special tokens, e.g. '<|end_of_text|>').")
+    copy = os.path.join(output_dir, tokenizers.HF_FILE)
+    if os.path.abspath(kind[3:]) != os.path.abspath(copy):
+      shutil.copyfile(kind[3:], copy)
+    return tokenizers.HfTokenizer(copy, eod_id=tok.eod_id)
   lines = (line for t in train_texts for line in t.splitlines() if line.strip())
   model = tokenizers.train_sentencepiece(
       lines, os.path.join(output_dir, os.path.splitext(tokenizers.SP_MODEL_FILE)[0]),
@@ -56,7 +75,8 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
 
 
 def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = None,
-            eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0) -> dict:
+            eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0,
+            eod_token: str | None = None) -> dict:
   """Writes the data dir; returns its meta.json contents."""
   paths, texts = read_documents(pattern)
   if len(texts) < 2:
@@ -64,7 +84,7 @@ def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = N
                      "an eval split need at least 2 documents.")
   os.makedirs(output_dir, exist_ok=True)
   train_ids, eval_ids = split_documents(len(texts), eval_fraction, seed)
-  tok = make_tokenizer(kind, [texts[i] for i in train_ids], output_dir, vocab_size)
+  tok = make_tokenizer(kind, [texts[i] for i in train_ids], output_dir, vocab_size, eod_token)
   splits = {}
   for name, ids in (("train", train_ids), ("eval", eval_ids)):
     docs = [tok.encode(texts[i]) + [tok.eod_id] for i in ids]
@@ -85,17 +105,28 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("--input", required=True, help="glob of text files, one document each")
   parser.add_argument("--output_dir", required=True)
-  parser.add_argument("--tokenizer", choices=("bytes", "sentencepiece"), default="bytes")
+  parser.add_argument("--tokenizer", default="bytes",
+                      help="bytes, sentencepiece (trained here), or hf:PATH (a Hugging Face "
+                      "tokenizer.json, e.g. an imported model's)")
+  parser.add_argument("--eod_token", default=None,
+                      help="hf: the end-of-document token (default: the eos_token of the "
+                      "tokenizer_config.json beside tokenizer.json)")
   parser.add_argument("--vocab_size", type=int, default=None,
                       help="SentencePiece vocabulary size (default 4096)")
   parser.add_argument("--eval_fraction", type=float, default=0.05)
   parser.add_argument("--num_shards", type=int, default=4, help="train shards")
   parser.add_argument("--seed", type=int, default=0, help="document shuffle seed")
   args = parser.parse_args()
-  if args.vocab_size is not None and args.tokenizer == "bytes":
-    parser.error("--vocab_size is for --tokenizer=sentencepiece (bytes have 257 ids).")
-  meta = prepare(args.input, args.output_dir, args.tokenizer, args.vocab_size,
-                 args.eval_fraction, args.num_shards, args.seed)
+  if args.tokenizer not in ("bytes", "sentencepiece") and not args.tokenizer.startswith("hf:"):
+    parser.error(f"--tokenizer={args.tokenizer!r}: use bytes, sentencepiece or hf:PATH.")
+  if args.vocab_size is not None and args.tokenizer != "sentencepiece":
+    parser.error("--vocab_size is for --tokenizer=sentencepiece (the others fix their own).")
+  try:
+    meta = prepare(args.input, args.output_dir, args.tokenizer, args.vocab_size,
+                   args.eval_fraction, args.num_shards, args.seed, args.eod_token)
+  except ConfigError as e:
+    print(f"prepare_text_data: config error: {e}", file=sys.stderr)
+    sys.exit(2)
   counts = ", ".join(f"{k}: {v['num_documents']} documents, {v['num_tokens']} tokens"
                      for k, v in meta["splits"].items())
   print(f"{args.output_dir}: {meta['tokenizer']} tokenizer, vocab_size={meta['vocab_size']}, "

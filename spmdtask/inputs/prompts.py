@@ -3,6 +3,7 @@ import dataclasses
 
 import numpy as np
 
+from spmdtask.inputs import tokenizers
 from spmdtask.inputs.base import StepIndexedInput
 
 
@@ -21,7 +22,8 @@ class SyntheticPromptInput(StepIndexedInput):
     vocab_size: tokens are in [0, vocab_size).
     num_examples: prompts in all; the input ends after them.
     seed: with the example id, fixes every prompt.
-    tokenizer: None, or an object with `decode(ids) -> str` used for text output.
+    tokenizer: None, an object with `decode(ids) -> str` used for text output, or a
+      tokenizer spec (`tokenizers.from_spec`: 'hf:PATH/tokenizer.json', ...).
   """
   batch_size: int = 8
   prompt_len: int = 8
@@ -32,6 +34,10 @@ class SyntheticPromptInput(StepIndexedInput):
   tokenizer: object | None = None
   process_index: int | None = None
   process_count: int | None = None
+
+  def __post_init__(self):
+    if isinstance(self.tokenizer, str):
+      self.tokenizer = tokenizers.from_spec(self.tokenizer)
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of batch `step` (fewer, or none, in a partial last batch)."""

@@ -1,11 +1,14 @@
-"""Tokenizers of prepared text data: bytes, or a SentencePiece model; and DIR/meta.json.
+"""Tokenizers of prepared text data and decode output: bytes, a SentencePiece model, or a
+Hugging Face `tokenizer.json` (an imported model's own, via the `tokenizers` library);
+and DIR/meta.json.
 
 A prepared data dir (see tools/prepare_text_data.py) holds `meta.json`:
-  tokenizer    'bytes' or 'sentencepiece'
+  tokenizer    'bytes', 'sentencepiece' or 'hf'
   vocab_size   ids are in [0, vocab_size)
   eod_id       the end-of-document id closing every document
   splits       {'train'|'eval': {'files', 'num_documents', 'num_tokens'}}
-and, for SentencePiece, `tokenizer.model`.
+and the tokenizer file: `tokenizer.model` (SentencePiece) or `tokenizer.json` (hf).
+A tokenizer spec names one outside a data dir: 'bytes', 'sentencepiece:PATH' or 'hf:PATH'.
 """
 import json
 import os
@@ -13,11 +16,14 @@ from typing import Iterable
 
 import numpy as np
 import sentencepiece as spm
+import tokenizers as hf_tokenizers
 
 from spmdtask.errors import ConfigError
 
 META_FILE = "meta.json"
 SP_MODEL_FILE = "tokenizer.model"
+HF_FILE = "tokenizer.json"
+HF_CONFIG_FILE = "tokenizer_config.json"  # beside tokenizer.json in a HF model dir: eos_token
 
 
 class ByteTokenizer:
@@ -48,6 +54,61 @@ class SentencePieceTokenizer:
 
   def decode(self, ids) -> str:
     return self._sp.decode([int(i) for i in ids if int(i) != self.eod_id])
+
+
+class HfTokenizer:
+  """A Hugging Face `tokenizer.json` (the `tokenizers` library), e.g. an imported Llama's.
+
+  `encode` applies the tokenizer's own post-processor (Llama's adds its begin-of-text id);
+  `decode` drops special tokens. The end-of-document id is `eod_token`'s, else the
+  `eos_token` of a tokenizer_config.json beside the file, else None (decode-only use).
+  """
+  kind = "hf"
+
+  def __init__(self, path: str, eod_token: str | None = None, eod_id: int | None = None):
+    if not os.path.isfile(path):
+      raise ConfigError(f"The tokenizer {path!r} does not exist; give the path of a Hugging "
+                        f"Face {HF_FILE} (e.g. hf:/models/Llama-3.2-1B/{HF_FILE}).")
+    self.model_file = path
+    self._tok = hf_tokenizers.Tokenizer.from_file(path)
+    self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+    if eod_id is None:
+      eod_token = eod_token or _eos_token(os.path.dirname(path))
+      if eod_token is not None:
+        eod_id = self._tok.token_to_id(eod_token)
+        if eod_id is None:
+          raise ConfigError(f"The end-of-document token {eod_token!r} is not in {path}; name "
+                            "one of its special tokens (e.g. --eod_token='<|end_of_text|>').")
+    self.eod_id = eod_id
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text).ids
+
+  def decode(self, ids) -> str:
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+def _eos_token(directory: str) -> str | None:
+  """The eos_token of DIRECTORY/tokenizer_config.json (a string or {'content': ...})."""
+  path = os.path.join(directory, HF_CONFIG_FILE)
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    eos = json.load(f).get("eos_token")
+  return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def from_spec(spec: str, eod_token: str | None = None):
+  """The tokenizer a spec names: 'bytes', 'sentencepiece:PATH' or 'hf:PATH'."""
+  kind, _, path = spec.partition(":")
+  if kind == "bytes" and not path:
+    return ByteTokenizer()
+  if kind == "hf" and path:
+    return HfTokenizer(path, eod_token)
+  if kind == "sentencepiece" and path:
+    return SentencePieceTokenizer(path)
+  raise ConfigError(f"Tokenizer {spec!r} is not 'bytes', 'sentencepiece:PATH' or 'hf:PATH' "
+                    f"(a Hugging Face {HF_FILE}).")
 
 
 def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size: int) -> str:
@@ -83,6 +144,8 @@ def load(data_dir: str, meta: dict):
   """The tokenizer named by a data dir's meta.json."""
   if meta["tokenizer"] == "bytes":
     return ByteTokenizer()
+  if meta["tokenizer"] == "hf":
+    return HfTokenizer(os.path.join(data_dir, HF_FILE), eod_id=int(meta["eod_id"]))
   return SentencePieceTokenizer(os.path.join(data_dir, SP_MODEL_FILE))
 
 

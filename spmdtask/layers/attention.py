@@ -12,18 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask.layers import fused_attention, remat
+from spmdtask.layers import fused_attention, remat, rope
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
-
-
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding on [batch, seq, heads, head_dim] (rotate-half form)."""
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angle = positions.astype(jnp.float32)[..., None] * freq
-  sin, cos = jnp.sin(angle)[:, :, None, :], jnp.cos(angle)[:, :, None, :]
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -103,6 +93,7 @@ class Attention(nn.Module):
   kv_split: SplitDims
   o_split: SplitDims
   heads_act_split: SplitDims | None
+  rope_scaling: rope.Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
   impl: str = "xla"
 
@@ -134,7 +125,8 @@ class Attention(nn.Module):
     v = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)),
                                   self.heads_act_split), remat.V_PROJ)
     if self.rope_theta is not None:
-      q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+      q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
+      k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)
     if cache is None:
       kv_pos = positions
     else:

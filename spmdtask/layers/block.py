@@ -11,6 +11,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.layers import remat
 from spmdtask.layers.attention import Attention, KvCache
+from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 
 
@@ -62,6 +63,7 @@ class Block(nn.Module):
   dtype: jnp.dtype
   wsplit: object
   asplit: object
+  rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
   attention_impl: str = "auto"
 
@@ -78,7 +80,8 @@ class Block(nn.Module):
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
-                         causal=self.causal, impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
+                         rope_scaling=self.rope_scaling, causal=self.causal,
+                         impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,

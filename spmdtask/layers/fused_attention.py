@@ -96,21 +96,22 @@ def choose(impl: str, backend: str, seq: int, head_dim: int, dtype, has_segments
   return impl
 
 
-def _block_sizes(seq: int):
+def _block_sizes(seq: int, block: int | None):
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  b = next(s for s in SPLASH_BLOCKS if seq % s == 0)
+  b = block or next(s for s in SPLASH_BLOCKS if seq % s == 0)
   return sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
                        block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
 
 
-def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool):
+def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool, block: int | None):
   """One device's splash call: q [b, t, h, hd], k/v [b, t, kv, hd], segment_ids [b, t] | None."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   _, t, h, hd = q.shape
   head_mask = sm.CausalMask((t, t)) if causal else sm.FullMask((t, t))
-  kernel = sk.make_splash_mha(sm.MultiHeadMask([head_mask] * h), block_sizes=_block_sizes(t),
-                              head_shards=1, q_seq_shards=1, interpret=interpret)
+  kernel = sk.make_splash_mha(sm.MultiHeadMask([head_mask] * h),
+                              block_sizes=_block_sizes(t, block), head_shards=1,
+                              q_seq_shards=1, interpret=interpret)
   # The kernel wants [heads, seq, hd] per example and does not scale q itself.
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(hd ** -0.5, q.dtype), k, v))
   if segment_ids is None:
@@ -126,15 +127,18 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
-           interpret: bool):
+           interpret: bool, block: int | None = None):
   """Splash attention on [b, t, heads, hd] arrays, per device inside a mesh context.
+
+  `block`: the kernel's q and kv block size (a multiple of 128 dividing t); by default
+  the largest of 512, 256, 128 that divides t.
 
   A Pallas call has no partitioning rule, so in a mesh it runs under `jax.shard_map` over
   the axes `heads_split` puts on batch and heads (each device: its examples, its heads,
   whole sequences). KV heads that do not divide over the heads' axes are repeated to one
   per query head first.
   """
-  local = functools.partial(_splash_local, causal=causal, interpret=interpret)
+  local = functools.partial(_splash_local, causal=causal, interpret=interpret, block=block)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or heads_split is None:
     return local(q, k, v, segment_ids)

@@ -14,6 +14,7 @@ from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
+from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.model import Metrics, Weighted, Work
 from spmdtask.pipeline import mpmd_config
 from spmdtask.pipeline import spmd as pipeline_lib
@@ -65,6 +66,7 @@ class TransformerLm(nn.Module):
   tie_embeddings: bool = False
   scale_tied_logits: bool = True  # tied head times d_model**-0.5; Llama's is unscaled (False)
   rope_theta: float = 10000.0
+  rope_scaling: Llama3Scaling | None = None  # Llama 3.1 / 3.2 frequency scaling
   norm_eps: float = 1e-6
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
@@ -95,6 +97,11 @@ class TransformerLm(nn.Module):
     if self.mlp_activation not in ("swiglu", "gelu"):
       raise ConfigError(f"task.model.mlp_activation={self.mlp_activation!r}: use 'swiglu' or "
                         "'gelu'.")
+    if self.rope_scaling is not None:
+      if not isinstance(self.rope_scaling, Llama3Scaling):
+        raise ConfigError(f"task.model.rope_scaling={self.rope_scaling!r} is not a "
+                          "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
+      self.rope_scaling.validate("task.model.rope_scaling")
     checks.in_range("task.model.dropout_rate", self.dropout_rate, 0.0, 0.99)
     checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
     checks.remat_policy("task.model.remat_policy", self.remat_policy)
@@ -174,6 +181,7 @@ class TransformerLm(nn.Module):
     return dict(d_model=self.d_model, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
+                rope_scaling=self.rope_scaling,
                 norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
                 attention_impl=self.attention_impl, dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)

@@ -1,0 +1,249 @@
+"""Real-size Llama experiments: `--exp=llama.Llama3_8B` etc.
+
+Each model is the published architecture (the fields of Meta's Hugging Face config.json:
+hidden size, layers, heads, KV heads, MLP width, vocabulary, RMSNorm eps, RoPE θ and
+scaling, tied embeddings, context length), so its parameter count is the published one
+(tests/test_llama_configs.py). Params and optimizer state are float32 (master weights);
+compute is bfloat16. Each names the slice it is sized for: the mesh fills the devices
+present along `fsdp` (`ici_mesh_shape` holds a -1), and the global batch and
+microbatching are chosen for that slice's chip memory. Plan one before booking it:
+`--mode=plan --plan_devices=256` (shapes only; nothing is allocated).
+
+Data: synthetic tokens by default. For a prepared corpus (tools/prepare_text_data.py
+--tokenizer=hf:PATH/tokenizer.json, the model's own tokenizer), subclass and set
+`data_dir`: train, eval and the decode prompts then read it (packed rows).
+
+`LlamaImport` is the experiment `tools/convert_llama.py` writes its model overrides for.
+"""
+import functools
+
+import fiddle as fdl
+import optax
+
+from spmdtask.experiment import Experiment
+from spmdtask.inputs.prompts import SyntheticPromptInput
+from spmdtask.inputs.synthetic import SyntheticLmInput
+from spmdtask.inputs.text import PackedLmInput, TextPromptInput
+from spmdtask.layers.rope import Llama3Scaling
+from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
+from spmdtask.registry import register
+from spmdtask.task import DecodeParams, Task, TrainParams
+
+# Peak dense bf16 FLOP/s per chip (Google Cloud TPU docs, "TPU v5e" / "TPU v5p" pages).
+V5E_PEAK_FLOPS = 1.97e14
+V5P_PEAK_FLOPS = 4.59e14
+
+LLAMA2_VOCAB, LLAMA3_VOCAB = 32000, 128256
+LLAMA2_EOS, LLAMA3_EOS = 2, 128001  # </s>, <|end_of_text|>
+# Llama 3.1 and 3.2 (HF rope_scaling, rope_type 'llama3'); 3.2 uses factor 32.
+LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=8192)
+
+
+def llama_model(*, vocab_size: int, d_model: int, num_layers: int, num_heads: int,
+                num_kv_heads: int, d_ff: int, max_seq_len: int, rope_theta: float,
+                norm_eps: float = 1e-5, rope_scaling: dict | None = None,
+                tie_embeddings: bool = False, head_dim: int | None = None,
+                fprop_dtype: str = "bfloat16") -> fdl.Config[TransformerLm]:
+  """A Llama TransformerLm: SwiGLU, RMSNorm, RoPE, an unscaled (HF) tied head, full remat."""
+  return fdl.Config(
+      TransformerLm, vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
+      num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim or d_model // num_heads,
+      d_ff=d_ff, max_seq_len=max_seq_len, mlp_activation="swiglu",
+      tie_embeddings=tie_embeddings, scale_tied_logits=False, rope_theta=rope_theta,
+      rope_scaling=fdl.Config(Llama3Scaling, **rope_scaling) if rope_scaling else None,
+      norm_eps=norm_eps, fprop_dtype=fprop_dtype, remat_policy="nothing_saveable",
+      weight_split_dims_mapping=fdl.Config(WeightSplit),
+      activation_split_dims_mapping=fdl.Config(ActivationSplit))
+
+
+class _Llama(Experiment):
+  """A published Llama on its target slice. Subclasses set the architecture and target.
+
+  Attributes (class level):
+    batch_size: the GLOBAL batch (rows of seq_len tokens) per optimizer step.
+    seq_len: tokens per training row.
+    num_microbatches: gradient accumulation steps per optimizer step.
+    ici_mesh_shape: (data, fsdp, model); -1 fills the devices present.
+    peak_flops_per_device: the target chip's, for MFU.
+    data_dir: None = synthetic tokens; else a prepared corpus (tools/prepare_text_data.py).
+  """
+  batch_size = 256
+  seq_len = 8192
+  num_microbatches = 1
+  ici_mesh_shape = (1, -1, 1)
+  peak_flops_per_device = V5E_PEAK_FLOPS
+  peak_learning_rate = 3e-4
+  eos_id = LLAMA3_EOS
+  max_decode_len = 256
+  data_dir: str | None = None
+
+  def model(self) -> fdl.Config[TransformerLm]:
+    raise NotImplementedError
+
+  @functools.cache  # one config per instance: the datasets read its vocabulary
+  def task(self) -> fdl.Config[Task]:
+    lr = self.peak_learning_rate
+    schedule = fdl.Config(optax.warmup_cosine_decay_schedule, init_value=0.0, peak_value=lr,
+                          warmup_steps=2000, decay_steps=100_000, end_value=lr / 10)
+    train = fdl.Config(TrainParams, num_train_steps=100_000, learning_rate=schedule,
+                       optimizer=fdl.Partial(optax.adamw, b1=0.9, b2=0.95, weight_decay=0.1),
+                       clip_grad_norm=1.0, num_microbatches=self.num_microbatches,
+                       peak_flops_per_device=self.peak_flops_per_device,
+                       log_interval_steps=10, save_interval_steps=1000)
+    decode = fdl.Config(DecodeParams, max_decode_len=self.max_decode_len, temperature=0.0, eos_id=self.eos_id)
+    return fdl.Config(Task, model=self.model(), mesh_axis_names=("data", "fsdp", "model"),
+                      ici_mesh_shape=self.ici_mesh_shape, train=train, decode=decode)
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    model = self.task().model
+    if self.data_dir:
+      return {"train": fdl.Config(PackedLmInput, data_dir=self.data_dir, split="train",
+                                  batch_size=self.batch_size, seq_len=self.seq_len, model=model),
+              "eval": fdl.Config(PackedLmInput, data_dir=self.data_dir, split="eval",
+                                 batch_size=self.batch_size, seq_len=self.seq_len, repeat=False,
+                                 num_batches=4, model=model)}
+    return {"train": fdl.Config(SyntheticLmInput, batch_size=self.batch_size,
+                                seq_len=self.seq_len, vocab_size=model.vocab_size, seed=1),
+            "eval": fdl.Config(SyntheticLmInput, batch_size=self.batch_size,
+                               seq_len=self.seq_len, vocab_size=model.vocab_size, seed=2,
+                               num_batches=4)}
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    model = self.task().model
+    if self.data_dir:
+      return {"prompts": fdl.Config(TextPromptInput, data_dir=self.data_dir, split="eval",
+                                    batch_size=8, prompt_len=64, num_examples=8, model=model)}
+    return {"prompts": fdl.Config(SyntheticPromptInput, batch_size=8, prompt_len=16,
+                                  vocab_size=model.vocab_size, num_examples=16, seed=3)}
+
+
+class _Llama2(_Llama):
+  seq_len = 4096
+  eos_id = LLAMA2_EOS
+
+
+@register
+class Llama2_7B(_Llama2):
+  """Llama 2 7B (6,738,415,616 params; 4k context) on v5e-256: FSDP over 256 chips,
+  batch 1 × 4096 tokens per chip (global 256 rows = 1M tokens), full remat."""
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA2_VOCAB, d_model=4096, num_layers=32, num_heads=32,
+                       num_kv_heads=32, d_ff=11008, max_seq_len=4096, rope_theta=10000.0)
+
+
+@register
+class Llama2_13B(_Llama2):
+  """Llama 2 13B (13,015,864,320 params; 4k context) on v5e-256: FSDP over 256 chips,
+  batch 1 × 4096 tokens per chip (global 256 rows = 1M tokens), full remat."""
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA2_VOCAB, d_model=5120, num_layers=40, num_heads=40,
+                       num_kv_heads=40, d_ff=13824, max_seq_len=4096, rope_theta=10000.0)
+
+
+@register
+class Llama2_70B(_Llama2):
+  """Llama 2 70B (68,976,648,192 params; GQA 64/8; 4k context) on v5p-256 (128 chips):
+  FSDP over 128, global batch 1024 × 4096 (4M tokens, Llama 2's) in 4 microbatches of
+  2 rows per chip, full remat."""
+  batch_size = 1024
+  num_microbatches = 4
+  peak_flops_per_device = V5P_PEAK_FLOPS
+  peak_learning_rate = 1.5e-4
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA2_VOCAB, d_model=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, d_ff=28672, max_seq_len=4096, rope_theta=10000.0)
+
+
+@register
+class Llama3_8B(_Llama):
+  """Llama 3 8B (8,030,261,248 params; 8k context, θ 500000) on v5e-256: FSDP over 256
+  chips, batch 1 × 8192 tokens per chip (global 256 rows = 2M tokens), full remat."""
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
+                       num_kv_heads=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0)
+
+
+@register
+class Llama31_70B(_Llama):
+  """Llama 3.1 70B (70,553,706,496 params; 128k context by llama3 RoPE scaling ×8) on
+  v5p-256 (128 chips): FSDP over 128, rows of 8192 tokens (the pre-training length; longer
+  rows need context parallelism), global batch 512 × 8192 (4M tokens) in 4 microbatches
+  of 1 row per chip, full remat."""
+  batch_size = 512
+  num_microbatches = 4
+  peak_flops_per_device = V5P_PEAK_FLOPS
+  peak_learning_rate = 1.5e-4
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA3_VOCAB, d_model=8192, num_layers=80, num_heads=64,
+                       num_kv_heads=8, d_ff=28672, max_seq_len=131072, rope_theta=500000.0,
+                       rope_scaling=LLAMA31_SCALING)
+
+
+@register
+class Llama31_405B(_Llama):
+  """Llama 3.1 405B (405,853,388,800 params; 128k context) on v5p-2048 (1024 chips):
+  FSDP 256 × tensor parallel 4 (the `model` axis: heads, KV heads and the MLP split 4
+  ways), global batch 2048 × 8192 (16M tokens, Llama 3's final batch) in 8 microbatches
+  (1 row per FSDP shard each), full remat. State: 16 bytes/param / 1024 chips ≈ 6.3 GB."""
+  batch_size = 2048
+  num_microbatches = 8
+  ici_mesh_shape = (1, -1, 4)
+  peak_flops_per_device = V5P_PEAK_FLOPS
+  peak_learning_rate = 8e-5
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA3_VOCAB, d_model=16384, num_layers=126, num_heads=128,
+                       num_kv_heads=8, d_ff=53248, max_seq_len=131072, rope_theta=500000.0,
+                       rope_scaling=LLAMA31_SCALING)
+
+
+@register
+class Llama32_1B(_Llama):
+  """Llama 3.2 1B (1,235,814,400 params; tied embeddings; 128k context, scaling ×32) on
+  v5e-64: FSDP over 64 chips, batch 1 × 8192 tokens per chip (global 64 rows = 0.5M
+  tokens), full remat."""
+  batch_size = 64
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA3_VOCAB, d_model=2048, num_layers=16, num_heads=32,
+                       num_kv_heads=8, head_dim=64, d_ff=8192, max_seq_len=131072,
+                       rope_theta=500000.0, rope_scaling={**LLAMA31_SCALING, "factor": 32.0},
+                       tie_embeddings=True)
+
+
+@register
+class Llama32_3B(_Llama):
+  """Llama 3.2 3B (3,212,749,824 params; tied embeddings; 128k context, scaling ×32) on
+  v5e-128: FSDP over 128 chips, batch 1 × 8192 tokens per chip (global 128 rows = 1M
+  tokens), full remat."""
+  batch_size = 128
+
+  def model(self):
+    return llama_model(vocab_size=LLAMA3_VOCAB, d_model=3072, num_layers=28, num_heads=24,
+                       num_kv_heads=8, head_dim=128, d_ff=8192, max_seq_len=131072,
+                       rope_theta=500000.0, rope_scaling={**LLAMA31_SCALING, "factor": 32.0},
+                       tie_embeddings=True)
+
+
+@register
+class LlamaImport(Llama32_1B):
+  """The experiment of a checkpoint converted by tools/convert_llama.py: its
+  model_overrides.txt (a --flagfile) sets every model field (rope_scaling to None or its
+  sub-fields), the data vocabulary, eos and the tokenizer. Float32 compute (decodes match
+  HF's float32 greedy tokens), FSDP over the local devices, a small synthetic batch
+  (8 × 128) so that a decode or a short fine-tune runs on one host."""
+  batch_size = 8
+  seq_len = 128
+  max_decode_len = 64
+  peak_flops_per_device = TrainParams.peak_flops_per_device  # a CPU's, not a TPU's
+
+  def model(self):
+    cfg = super().model()
+    cfg.fprop_dtype = "float32"
+    return cfg
