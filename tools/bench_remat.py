@@ -5,8 +5,11 @@ target and prints, per chip: device temporaries, host memory holding offloaded
 activations, matmul FLOPs over no remat's (spmdtask.flops: loops multiplied out) and the
 roofline step bound of the plan (compute, HBM, ICI, host link for offloaded activations).
 
-  # Llama-3-8B-sized, FSDP over a v5e 16x16 pod (ahead of time, through libtpu), 8192 tokens
-  python tools/bench_remat.py --topology=v5e:16x16 --preset_model=llama3_8b
+  # Llama 3 8B, FSDP over a v5e 16x16 pod (ahead of time, through libtpu), 1 x 8192 per chip
+  python tools/bench_remat.py --exp=llama.Llama3_8B --topology=v5e:16x16
+  # the same dims on TinyLm's model (what the numbers in the remat note were taken with)
+  python tools/bench_remat.py --topology=v5e:16x16 --preset_model=llama3_8b \
+      --fdl_set="task.model.attention_impl='splash'"
   # TinyLm fully sharded over 8 emulated CPU devices (no roofline: no chip facts)
   python tools/bench_remat.py
 """
