@@ -22,6 +22,10 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         "safetensors>=0.4.3,<0.9",
         "ml-dtypes>=0.5",
+        # gs:// job and data dirs (spmdtask/fs.py); google-cloud-storage: its start-up probe.
+        "fsspec>=2024.6",
+        "gcsfs>=2024.6",
+        "google-cloud-storage>=2.14",
     ],
     extras_require={
         # XLA:TPU (libtpu): train on Cloud TPU, and --mode=plan --plan_topology=v5e:16x16
@@ -29,7 +33,8 @@ setuptools.setup(
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
         # XLA:GPU without the CUDA libraries: --plan_topology=h100:8 on any machine.
         "gpu_plan": ["jax-cuda12-plugin>=0.10.2,<0.11"],
-        # The tests plan TPU topologies too.
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "jax[tpu]>=0.10.2,<0.11"],
+        # The tests plan TPU topologies too, and run a job in a local GCS emulator.
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "jax[tpu]>=0.10.2,<0.11",
+                 "gcp-storage-emulator>=2024.8"],
     },
 )

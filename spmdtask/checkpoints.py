@@ -17,8 +17,6 @@ item dir present). Incomplete ones are never restored: the previous complete ste
 used, with a warning.
 """
 import os
-import shutil
-import signal
 import time
 from typing import Any
 
@@ -27,7 +25,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
-from spmdtask import sharding
+from spmdtask import fs, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.train_state import TrainState
 
@@ -37,24 +35,23 @@ COMMIT_FILE = "commit_success.txt"
 
 
 def checkpoint_dir(job_log_dir: str) -> str:
-  return os.path.join(os.path.abspath(job_log_dir), "checkpoints")
+  return fs.join(fs.absolute(job_log_dir), "checkpoints")
 
 
 def ensure_writable(job_log_dir: str) -> None:
   """Creates job_log_dir (process 0) and checks it is writable; ConfigError if not."""
   if jax.process_index() != 0:
     return
-  probe = os.path.join(job_log_dir, f".write_probe_{os.getpid()}")
+  probe = fs.join(job_log_dir, f".write_probe_{os.getpid()}")
   try:
-    os.makedirs(job_log_dir, exist_ok=True)
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
+    fs.makedirs(job_log_dir)
+    fs.write_text(probe, "ok")
+    fs.rm(probe)
+  except Exception as e:  # pylint: disable=broad-except  # OSError, or gcsfs' HTTP errors
     raise ConfigError(
         f"--job_log_dir={job_log_dir!r} is not a writable directory ({type(e).__name__}: "
-        f"{e.strerror or e}). Pass a directory you can create and write to; config.txt, "
-        "checkpoints/ and summaries/ go there.") from None
+        f"{getattr(e, 'strerror', None) or e}). Pass a directory you can create and write "
+        "to; config.txt, checkpoints/ and summaries/ go there.") from None
 
 
 def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | None = None,
@@ -70,14 +67,12 @@ def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | No
 
 
 def _is_complete(step_dir: str) -> bool:
-  return (os.path.isfile(os.path.join(step_dir, COMMIT_FILE))
-          and all(os.path.isdir(os.path.join(step_dir, k)) for k in ARRAY_ITEMS + JSON_ITEMS))
+  names = set(fs.listdir(step_dir))
+  return COMMIT_FILE in names and all(k in names for k in ARRAY_ITEMS + JSON_ITEMS)
 
 
 def _step_dirs(directory: str) -> dict[int, str]:
-  if not os.path.isdir(directory):
-    return {}
-  return {int(n): os.path.join(directory, n) for n in os.listdir(directory) if n.isdigit()}
+  return {int(n): fs.join(directory, n) for n in fs.listdir(directory) if n.isdigit()}
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -206,6 +201,7 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
 
 def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
   """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh."""
+  fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
   directory = checkpoint_dir(init_dir)
   step = _pick_step(directory, init_dir, None)
   mngr = _manager(directory, read_only=True)
@@ -238,7 +234,6 @@ class Checkpointer:
     self._mngr = _manager(self.directory, self.interval, max_to_keep)
     self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
                   "process_count": jax.process_count(), **(metadata or {})}
-    self._sigterm, self._old_handler = False, None
     self.save_seconds: list[float] = []  # blocking part of each save
 
   def latest_step(self) -> int | None:
@@ -267,18 +262,12 @@ class Checkpointer:
     for step, path in _step_dirs(self.directory).items():
       if not _is_complete(path):
         logging.warning("Removing incomplete checkpoint %s.", path)
-        shutil.rmtree(path, ignore_errors=True)
+        fs.rm(path, recursive=True)
     self._mngr.reload()
 
-  def install_sigterm_handler(self) -> None:
-    """SIGTERM marks a preemption (single process; multi-host uses JAX's sync point)."""
-    if jax.process_count() == 1:
-      self._old_handler = signal.signal(signal.SIGTERM,
-                                        lambda *_: setattr(self, "_sigterm", True))
-
-  def preempted(self, step: int) -> bool:
-    """True at a step where every process should save and exit: SIGTERM or the sync point."""
-    return self._sigterm or self._mngr.reached_preemption(step)
+  def reached_preemption(self, step: int) -> bool:
+    """JAX's multi-host preemption sync point: True at the same step on every process."""
+    return self._mngr.reached_preemption(step)
 
   def should_save(self, step: int) -> bool:
     return step % self.interval == 0
@@ -299,12 +288,13 @@ class Checkpointer:
     self._mngr.wait_until_finished()
 
   def close(self) -> None:
-    """Waits for the last save and restores the previous SIGTERM handler."""
-    self._mngr.wait_until_finished()
-    self._mngr.close()
-    if self._old_handler is not None:
-      signal.signal(signal.SIGTERM, self._old_handler)
-      self._old_handler = None
+    """Waits for the last save; closes the manager (its threads end). Idempotent."""
+    if self._mngr is not None:
+      mngr, self._mngr = self._mngr, None
+      try:
+        mngr.wait_until_finished()
+      finally:
+        mngr.close()
 
 
 def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int | None = None,

@@ -1,43 +1,145 @@
-"""What a person reads: spmdtask's own lines on stdout, everything else in job_log_dir/logs.
+"""What a person reads: spmdtask's own lines on the console, everything else in job_log_dir/logs.
 
-`setup(job_log_dir, verbose)` (called by `spmdtask.main`) sends process 0's absl log,
-third-party INFO lines included (orbax, jax, ...), to `job_log_dir/logs/`; stderr then
-shows only WARNING and above. `say(...)` is for the few lines a run is read by (the start
-summary, progress, the end): process 0 prints them on stdout and logs them too. With
-`verbose` (--verbosity, --alsologtostderr or --logtostderr given) stderr gets every log
-line as before and `say` only logs, so nothing is printed twice.
+The binary calls `start(verbose)` first thing: from then on what C/C++ libraries write to
+fds 1 and 2 (TensorFlow, libtpu, XLA, tf.data, gloo) is captured (`spmdtask.native_output`),
+and Python log records of WARNING and above are held back. `setup(job_log_dir, verbose)`
+then sends process 0's absl log to `job_log_dir/logs/spmdtask.INFO` and the captured output
+to `logs/native.log`, and decides what the console shows of the log records: spmdtask's
+own warnings, JAX's warnings about the backend it picked (an accelerator present but
+unused), and ERROR and above from anywhere, each as one `spmdtask: warning: ...` /
+`spmdtask: <library> error: ...` line on stderr; third-party INFO and WARNING lines
+(orbax, absl, TensorFlow) only go to the log. Other processes than 0 drop what was
+captured while starting and print the rest as before.
+`say(...)` is for the few lines a run is read by (the start summary, progress, the end):
+process 0 prints them on stdout and logs them too. With `verbose` (--verbosity,
+--alsologtostderr, --logtostderr or --stderrthreshold given) nothing is captured, stderr
+gets every log line as absl prints it, and `say` only logs, so nothing is printed twice.
 """
+import atexit
 import contextlib
+import io
+import logging as py_logging
 import os
+import socket
 import sys
 import tempfile
+import time
 
 from absl import flags, logging
 
+from spmdtask import fs, native_output
+
 _echo = False  # print `say` lines on stdout (set by `setup`; library use only logs them)
+_PACKAGE_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                   d) + os.sep for d in ("spmdtask", "configs", "tools"))
+# Third-party warnings a person should see: JAX running on another backend than the
+# hardware suggests ("A Google TPU may be present ... Falling back to cpu").
+_SHOWN_LOGGERS = ("jax._src.xla_bridge",)
+
+
+class _ConsoleRecords(py_logging.Handler):
+  """Shows the log records that matter as spmdtask lines; holds them until `let_through`."""
+
+  def __init__(self):
+    super().__init__(py_logging.WARNING)
+    self.pending: list[py_logging.LogRecord] | None = []
+    self.show = False
+
+  def emit(self, record):
+    if not (record.levelno >= py_logging.ERROR or _ours(record)
+            or record.name in _SHOWN_LOGGERS):
+      return
+    if self.pending is not None:
+      self.pending.append(record)
+    elif self.show:
+      _print_record(record)
+
+  def let_through(self, show: bool) -> None:
+    """From now on records are printed (`show`) or dropped; held ones go the same way."""
+    pending, self.pending, self.show = self.pending or [], None, show
+    if show:
+      for record in pending:
+        _print_record(record)
+
+
+def _ours(record: py_logging.LogRecord) -> bool:
+  return (record.pathname or "").startswith(_PACKAGE_DIRS)
+
+
+def _print_record(record: py_logging.LogRecord) -> None:
+  if _ours(record):
+    kind = "warning" if record.levelno < py_logging.ERROR else "error"
+  else:
+    where = record.name.split(".")[0] if record.name not in ("absl", "root") else (
+        os.path.basename(record.pathname or "?"))
+    kind = (f"{where} warning" if record.levelno < py_logging.ERROR else f"{where} error")
+  try:
+    msg = record.getMessage()
+  except Exception:  # pylint: disable=broad-except  # a library's bad format string
+    msg = str(record.msg)
+  print(f"spmdtask: {kind}: {msg}", file=sys.stderr, flush=True)
+
+
+_records: _ConsoleRecords | None = None
+
+
+def start(verbose: bool) -> None:
+  """The binary's first step: captures fds 1 and 2; holds log records until `setup`."""
+  global _records
+  if verbose or _records is not None:
+    return
+  native_output.capture()
+  _records = _ConsoleRecords()
+  py_logging.getLogger().addHandler(_records)
 
 
 def setup(job_log_dir: str, verbose: bool) -> str:
   """Process 0 logs to `job_log_dir/logs/`; returns that dir. Other processes keep stderr."""
   global _echo
   import jax  # pylint: disable=g-import-not-at-top
-  log_dir = os.path.join(job_log_dir, "logs")
+  log_dir = fs.join(job_log_dir, "logs")
   if jax.process_index() != 0:
+    native_output.to_terminal()
+    if _records is not None:
+      _records.let_through(show=False)
     return log_dir
-  os.makedirs(log_dir, exist_ok=True)
-  logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
+  if fs.is_remote(log_dir):
+    _log_to_object(log_dir)
+    # A bucket cannot take the capture process's appends: native output (fatal lines still
+    # reach the terminal) is dropped rather than left in a local file that outlives the VM.
+    native_output.log_to(os.devnull)
+  else:
+    fs.makedirs(log_dir)
+    logging.get_absl_handler().use_absl_log_file("spmdtask", log_dir)
+    native_output.log_to(os.path.join(log_dir, "native.log"))
   if verbose:
     flags.FLAGS.alsologtostderr = True
-  elif not flags.FLAGS["stderrthreshold"].present:
-    flags.FLAGS.stderrthreshold = "warning"
+  elif _records is not None:
+    _records.let_through(show=True)
   _echo = not verbose
   return log_dir
+
+
+def _log_to_object(log_dir: str) -> None:
+  """absl's log in memory, written to `log_dir` (gs://) at exit: nothing on the local disk
+  (GCS cannot append, and a local file would outlive a killed VM's job anyway)."""
+  buffer = io.StringIO()
+  logging.get_absl_handler().python_handler.stream = buffer
+  path = fs.join(log_dir, f"spmdtask.{time.strftime('%Y%m%d-%H%M%S')}.{socket.gethostname()}"
+                 f".{os.getpid()}.log")
+  atexit.register(lambda: (logging.flush(), fs.write_text(path, buffer.getvalue())))
+
+
+def show_held_records() -> None:
+  """Prints the records held back so far (an error ends the run before `setup`)."""
+  if _records is not None and _records.pending:
+    _records.let_through(show=True)
 
 
 def verbose_flags_given() -> bool:
   """True when the user asked for the full log on stderr (absl's own logging flags)."""
   return any(flags.FLAGS[name].present
-             for name in ("verbosity", "alsologtostderr", "logtostderr"))
+             for name in ("verbosity", "alsologtostderr", "logtostderr", "stderrthreshold"))
 
 
 def say(fmt: str, *args) -> None:

@@ -22,17 +22,15 @@ would be (S-1)/S of the step), and the cache then needs no stage dim.
 """
 import dataclasses
 import json
-import os
 import time
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import sharding, steps as steps_lib
+from spmdtask import console, fs, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.model import Decodable
@@ -229,6 +227,48 @@ def decode_batch(decoder: Decoder, padded_params, local: dict, local_rows: int,
           for r in range(len(ids)) if ids[r] >= 0]
 
 
+def fresh_path(out_dir: str, name: str, step: int) -> str:
+  """`out_dir/<name>_step<step>.jsonl`, or the first free `..._2.jsonl`, `..._3.jsonl`, ..."""
+  base = fs.join(out_dir, f"{name}_step{step}")
+  path, k = base + ".jsonl", 1
+  while fs.exists(path):
+    k += 1
+    path = f"{base}_{k}.jsonl"
+  return path
+
+
+def _short(value, limit: int = 80) -> str:
+  text = value if isinstance(value, str) else " ".join(map(str, value))
+  text = text.replace("\n", "\\n")
+  return repr(text[:limit] + ("..." if len(text) > limit else ""))
+
+
+def write_outputs(out_dir: str, name: str, step: int, results: list[dict], tokenizer,
+                  seconds: float) -> str:
+  """Writes one decode dataset's rows to a fresh file; says what and where, with a sample."""
+  fs.makedirs(out_dir)
+  path = fresh_path(out_dir, name, step)
+  rows = []
+  for r in results:
+    if tokenizer is not None:
+      r = {**r, "prompt_text": tokenizer.decode(r["prompt_ids"]),
+           "output_text": tokenizer.decode(r["output_ids"])}
+    rows.append(r)
+  # fresh_path: never over an earlier decode's file (process 0 is the only writer).
+  fs.write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+  new_tokens = sum(len(r["output_ids"]) for r in rows)
+  earlier = not path.endswith(f"/{name}_step{step}.jsonl")
+  console.say("decode dataset %r, step %d: %d rows, %d tokens generated (%.1f tokens/s); "
+              "wrote %s%s", name, step, len(rows), new_tokens, new_tokens / max(seconds, 1e-9), path,
+              " (earlier decodes of this step kept)" if earlier else "")
+  if rows:
+    r = rows[0]
+    console.say("  sample id %d: prompt %s -> %s", r["id"],
+                _short(r.get("prompt_text", r["prompt_ids"])),
+                _short(r.get("output_text", r["output_ids"])))
+  return path
+
+
 def _prompt_shape(name: str, inputs) -> tuple[int, int, int]:
   """(global batch size, local rows, prompt_len) of a decode dataset."""
   first = inputs.batch_at(0) if hasattr(inputs, "batch_at") else None
@@ -243,10 +283,11 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
                restore_step: int | None = None) -> dict[str, str]:
   """--mode=decode: decodes every decode dataset with a checkpoint's params.
 
-  Writes `job_log_dir/decoder_out/<dataset>_step<N>.jsonl` (process 0), one line per
-  prompt: id, prompt_ids, output_ids, and prompt/output text when the dataset has a
-  `tokenizer` with `decode(ids)`. Everything is validated before the checkpoint is read.
-  Returns the files written, by dataset.
+  Writes `job_log_dir/decoder_out/<dataset>_step<N>.jsonl` (process 0; `..._<k>.jsonl`
+  when an earlier decode wrote that name), one line per prompt: id, prompt_ids,
+  output_ids, and prompt/output text when the dataset has a `tokenizer` with
+  `decode(ids)`; says what it wrote, with one sample. Everything is validated before the
+  checkpoint is read. Returns the files written by process 0, by dataset.
   """
   if not run.decode_datasets:
     raise ConfigError("--mode=decode needs a decode dataset, but Experiment.decode_datasets() "
@@ -257,7 +298,7 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
     batch, rows, prompt_len = _prompt_shape(name, inputs)
     decoders[name] = (build(program, run.task.decode, batch, prompt_len), rows)
   state, step = restore(restore_step)
-  out_dir = os.path.join(job_log_dir, "decoder_out")
+  out_dir = fs.join(job_log_dir, "decoder_out")
   files = {}
   for name, (decoder, rows) in decoders.items():
     inputs = run.decode_datasets[name]
@@ -265,17 +306,7 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
     t0, results = time.perf_counter(), []
     for local in inputs:
       results.extend(decode_batch(decoder, state.params, local, rows))
-    new_tokens = sum(len(r["output_ids"]) for r in results)
-    files[name] = os.path.join(out_dir, f"{name}_step{step}.jsonl")
-    if jax.process_index() != 0:
-      continue
-    logging.info("decode %s: %d prompts, %d tokens, %.1f tokens/s", name, len(results),
-                 new_tokens, new_tokens / (time.perf_counter() - t0))
-    os.makedirs(out_dir, exist_ok=True)
-    with open(files[name], "w") as f:
-      for r in results:
-        if tokenizer is not None:
-          r = {**r, "prompt_text": tokenizer.decode(r["prompt_ids"]),
-               "output_text": tokenizer.decode(r["output_ids"])}
-        f.write(json.dumps(r) + "\n")
+    seconds = time.perf_counter() - t0
+    if jax.process_index() == 0:
+      files[name] = write_outputs(out_dir, name, step, results, tokenizer, seconds)
   return files

@@ -9,6 +9,14 @@ class ConfigError(ValueError):
   """
 
 
+class BatchSplitError(ConfigError):
+  """A batch array dim that does not divide over its mesh axes (`dim`, `size`, `shards`)."""
+
+  def __init__(self, message: str, dim: int, size: int, shards: int):
+    super().__init__(message)
+    self.dim, self.size, self.shards = dim, size, shards
+
+
 class TrainingError(RuntimeError):
   """Training cannot go on (e.g. the loss became NaN); the message says why and what to try.
 
@@ -21,3 +29,14 @@ class PlanExceeded(RuntimeError):
 
   `spmdtask.main` prints it without a traceback and exits with status 4.
   """
+
+
+class Interrupted(RuntimeError):
+  """Ctrl-C during training: the current step was saved (`step`); a rerun resumes there.
+
+  `spmdtask.main` prints one line and exits with status 130.
+  """
+
+  def __init__(self, step: int):
+    super().__init__(f"Interrupted at step {step}: saved; rerun the same command to resume.")
+    self.step = step

@@ -10,7 +10,6 @@ or mesh.
 """
 import json
 import math
-import os
 import time
 from typing import Any, Callable
 
@@ -18,7 +17,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from spmdtask import summaries
+from spmdtask import console, fs, summaries
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.base import num_batches
 
@@ -85,14 +84,21 @@ def write(job_log_dir: str | None, name: str, step: int, metrics: dict[str, floa
   record = {"dataset": name, "step": int(step), **metrics}
   line = json.dumps(record, sort_keys=True)
   logging.info("eval %s", line)
-  print(line, flush=True)
+  console.say("%s", readable(name, step, metrics))
   if job_log_dir is None:
     return
   writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir, f"eval_{name}"))
   writer.scalars(step, metrics)
   writer.close()
-  with open(os.path.join(job_log_dir, EVAL_METRICS_FILE), "a") as f:
-    f.write(line + "\n")
+  fs.append_text(fs.join(job_log_dir, EVAL_METRICS_FILE), line + "\n")
+
+
+def readable(name: str, step: int, metrics: dict[str, float]) -> str:
+  """One console line: the dataset, the step, the model's metrics, then the counts."""
+  shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                    if k not in ("weight", "num_batches"))
+  return (f"eval dataset {name!r}, step {step}: {shown}  ({metrics.get('num_batches', 0):.0f} "
+          f"batches, weight {metrics.get('weight', 0):.0f})")
 
 
 def evaluate_all(datasets: dict[str, Any], program, padded_state, step: int,

@@ -6,19 +6,18 @@ happens around the steps is a `Hook`: progress logging, TensorBoard summaries,
 checkpoints, evaluation; a new concern (profiling, NaN checks) is a new hook, not a
 longer loop.
 """
+import contextlib
 import dataclasses
 import math
-import os
 import time
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 
-from spmdtask import checkpoints, console, evaluation, memory, summaries
+from spmdtask import checkpoints, console, evaluation, fs, interrupts, memory, summaries
 from spmdtask import program as program_lib
-from spmdtask.errors import TrainingError
+from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.inputs import global_batch
 from spmdtask.task import RunConfig
 
@@ -146,16 +145,18 @@ class Profiler(Hook):
 
   Steps are numbered as the progress lines number them (step 1 is the first). The trace
   (an .xplane.pb for TensorBoard's profile plugin and a perfetto_trace.json.gz) lands in
-  `directory/plugins/profile/<run>/`.
+  `directory/plugins/profile/<run>/` (for a gs:// directory: traced locally, uploaded, the
+  local copy deleted).
   """
 
   def __init__(self, directory: str, start: int, count: int):
     self.directory, self.start, self.stop = directory, start, start + count - 1
-    self.active = False
+    self.active, self._staged = False, None
 
   def _maybe_start(self, done: int) -> None:
     if not self.active and done + 1 == self.start and jax.process_index() == 0:
-      jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+      self._staged = fs.Staged(self.directory, "spmdtask_profile_")
+      jax.profiler.start_trace(self._staged.local, create_perfetto_trace=True)
       self.active = True
 
   def begin(self, step):
@@ -172,6 +173,7 @@ class Profiler(Hook):
   def _end(self):
     if self.active:
       jax.profiler.stop_trace()
+      self._staged.close()
       self.active = False
 
   def close(self):
@@ -237,9 +239,11 @@ def rates(program: program_lib.Program, num_steps: int, seconds: float,
 
 
 def run_steps(program: program_lib.Program, state, inputs, first: int, last_step: int,
-              batch_size: int, hooks: Sequence[Hook], preempted=lambda step: False):
-  """Runs steps first+1 .. last_step; returns (state, losses of the steps run)."""
-  losses, pending = [], []
+              batch_size: int, hooks: Sequence[Hook], stop=lambda step: None):
+  """Runs steps first+1 .. last_step, or until `stop(step)` gives a reason (a step that
+  then counts as the last: metrics fetched, saved). Returns (state, losses of the steps
+  run, the stop reason or None)."""
+  losses, pending, reason = [], [], None
   for h in hooks:
     h.begin(first)
   t0 = time.perf_counter()
@@ -247,8 +251,8 @@ def run_steps(program: program_lib.Program, state, inputs, first: int, last_step
     state, metrics = program.train(state, program.global_batch(next(inputs)))
     pending.append(metrics)
     done = step + 1
-    stop = preempted(done)
-    last = done == last_step or stop
+    reason = stop(done)
+    last = done == last_step or reason is not None
     if any(h.wants_metrics(done, last) for h in hooks):
       values = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
       fetched = Fetched(done, values, rates(program, len(pending), time.perf_counter() - t0,
@@ -260,10 +264,9 @@ def run_steps(program: program_lib.Program, state, inputs, first: int, last_step
       pending, t0 = [], time.perf_counter()
     for h in hooks:
       h.after_step(done, state, last)
-    if stop:
-      logging.warning("Preempted: saved a checkpoint at step %d; exiting.", done)
+    if reason is not None:
       break
-  return state, losses
+  return state, losses, reason
 
 
 def start_summary(program: program_lib.Program, name: str, batch_size: int,
@@ -279,7 +282,7 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step)"]
   if job_log_dir is not None:
-    lines.append(f"job dir {os.path.abspath(job_log_dir)} (config.txt, checkpoints/, "
+    lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
                  "summaries/, logs/)")
   return lines
 
@@ -294,12 +297,47 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -
       ProgressLog(tp.log_interval_steps, tp.num_train_steps, tp.peak_flops_per_device),
       TrainSummaries(job_log_dir, tp.summary_interval_steps)]
   if tp.profile_steps is not None and job_log_dir is not None:
-    hooks.append(Profiler(os.path.join(job_log_dir, "profile"), *tp.profile_steps))
+    hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))
   if ckpt is not None:
     hooks.append(Checkpoints(ckpt, run.datasets["train"]))
   hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
                             job_log_dir))
   return hooks
+
+
+_FINISHED = "finished before it started"
+
+
+def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, batch_size,
+                    hooks, job_log_dir):
+  """The start state (restored, warm-started or fresh), then the steps to num_train_steps.
+
+  Returns (state, losses of the steps run, why the steps stopped early: None, an
+  `interrupts` reason, or _FINISHED when the checkpoint is already at num_train_steps).
+  """
+  tp = run.task.train
+  inputs = run.datasets["train"]
+  state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
+  first = int(jax.device_get(state.step))
+  if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
+    fs.write_text(fs.join(job_log_dir, "config.txt"), config_text)
+  if first >= tp.num_train_steps:
+    console.say("Nothing to do: this job's checkpoint is at step %d and "
+                "task.train.num_train_steps=%d, so training is finished. Raise num_train_steps "
+                "to train on.", first, tp.num_train_steps)
+    return state, [], _FINISHED
+  console.say("%s at step %d; training to step %d.",
+              "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
+  all_hooks = hooks_for(run, program, ckpt, job_log_dir) + list(hooks)
+  stop = (interrupts.StopRequest(jax.process_count(), ckpt.reached_preemption)
+          if ckpt is not None else None)
+  with stop or contextlib.nullcontext():
+    try:
+      return run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
+                       all_hooks, stop or (lambda step: None))
+    finally:
+      for h in all_hooks:
+        h.close()  # the last save is committed here
 
 
 def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | None = None,
@@ -314,15 +352,15 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   state is known; saves checkpoints every `save_interval_steps` and at the end; writes
   TensorBoard scalars every `summary_interval_steps`; evaluates every eval dataset every
   `eval_interval_steps`; traces `profile_steps`; on SIGTERM or the multi-host preemption
-  sync point, saves at the current step and returns early. A non-finite loss or
-  gradient norm raises `TrainingError` before that state is saved. `hooks` run after
+  sync point, saves at the current step and returns early; on Ctrl-C (with the binary's
+  `interrupts.watch()`), saves at the current step and raises `Interrupted`. A non-finite
+  loss or gradient norm raises `TrainingError` before that state is saved. `hooks` run after
   the built-in ones. `devices`: the devices of the mesh (default: all).
   Returns (final live state, program, losses of the steps run here, as floats).
   """
   t_start = time.perf_counter()
-  task, inputs = run.task, run.datasets["train"]
-  tp = task.train
-  example = inputs.batch_at(0)
+  task, tp = run.task, run.task.train
+  example = run.datasets["train"].batch_at(0)
   program = program_lib.setup(task, example, devices)
   batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
   for line in start_summary(program, name, batch_size, job_log_dir):
@@ -331,31 +369,21 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   if job_log_dir is not None:
     ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
                                     tp.max_to_keep, {"config": config_text or ""})
-  state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
-  first = int(jax.device_get(state.step))
-  if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
-    with open(os.path.join(job_log_dir, "config.txt"), "w") as f:
-      f.write(config_text)
-  if first >= tp.num_train_steps:
+  try:  # the manager is closed on every way out (its threads outlive an error otherwise)
+    state, losses, reason = _resume_and_run(run, program, ckpt, restore_step, config_text,
+                                            batch_size, hooks, job_log_dir)
+  finally:
     if ckpt is not None:
       ckpt.close()
-    console.say("Nothing to do: this job's checkpoint is at step %d and "
-                "task.train.num_train_steps=%d, so training is finished. Raise num_train_steps "
-                "to train on.", first, tp.num_train_steps)
+  if reason == _FINISHED:
     return state, program, []
-  console.say("%s at step %d; training to step %d.",
-              "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
-  all_hooks = hooks_for(run, program, ckpt, job_log_dir) + list(hooks)
-  if ckpt is not None:
-    ckpt.install_sigterm_handler()
-  try:
-    state, losses = run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
-                              all_hooks,
-                              ckpt.preempted if ckpt is not None else (lambda step: False))
-  finally:
-    for h in all_hooks:
-      h.close()
   end = int(jax.device_get(state.step))
+  if reason == interrupts.INTERRUPTED:
+    raise Interrupted(end)
+  if reason == interrupts.PREEMPTED:
+    console.say("Preempted: saved a checkpoint at step %d; exiting. Rerun the same command to "
+                "resume.", end)
+    return state, program, losses
   console.say("Done at step %d (loss %.4f) in %s%s.", end, losses[-1] if losses else math.nan,
               console.duration(time.perf_counter() - t_start),
               f"; checkpoint in {ckpt.directory}" if ckpt is not None else "")

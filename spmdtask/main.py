@@ -11,8 +11,9 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import console, experiment, registry
-from spmdtask.errors import ConfigError, PlanExceeded, TrainingError
+from spmdtask import console, experiment, fs, interrupts, overrides as overrides_lib, registry
+from spmdtask.errors import (BatchSplitError, ConfigError, Interrupted, PlanExceeded,
+                             TrainingError)
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
@@ -51,16 +52,27 @@ _DEVICE_MEMORY_GB = flags.DEFINE_float(
     "device_memory_gb", None, "--mode=plan: fail (exit 4), naming the largest arrays, when the "
     "estimated peak memory of one device exceeds this many GB (1e9 bytes); with "
     "--plan_topology the default is the chip's HBM.")
+_CPU_DEVICES = flags.DEFINE_integer(
+    "cpu_devices", None, "Run on this many devices emulated on the host CPU (JAX's cpu "
+    "platform, set before JAX starts), e.g. 8 to try an 8-device mesh on a laptop.")
+_DATA_DIR = flags.DEFINE_string(
+    "data_dir", None, "Sets `data_dir` of every dataset and decode dataset that reads one "
+    "(e.g. lm.TextLm's train, eval and prompts), before the --fdl_set overrides.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
-def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
-  """The experiment's root config with every `--fdl_set` override applied."""
+def resolved_config(exp_name: str, overrides: list[str],
+                    data_dir: str | None = None) -> fdl.Config:
+  """The experiment's root config with `data_dir` (--data_dir) and every `--fdl_set`
+  override applied, in that order."""
   cfg = experiment.run_config(registry.get(exp_name)())
+  if data_dir is not None:
+    overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
   for assignment in overrides:
     if "=" not in assignment:
       raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
                         "--fdl_set=task.train.num_train_steps=5.")
+    overrides_lib.check_path(assignment, overrides_lib.field_paths(cfg))
     try:
       fdl_flag_utils.set_value(cfg, assignment)
     except Exception as e:  # fiddle raises several types for a bad path or value
@@ -75,6 +87,21 @@ def resolved_config(exp_name: str, overrides: list[str]) -> fdl.Config:
 def plan_emulated(num_devices: int) -> bool:
   """True in the subprocess that `plan.reexec_emulated` started for `num_devices` devices."""
   return os.environ.get("SPMDTASK_PLAN_DEVICES") == str(num_devices)
+
+
+def use_cpu_devices(num_devices: int | None) -> None:
+  """`--cpu_devices=N`: JAX runs on N emulated CPU devices (before its backends start)."""
+  if num_devices is None:
+    return
+  if num_devices < 1:
+    raise ConfigError(f"--cpu_devices={num_devices}: give a positive device count, e.g. "
+                      "--cpu_devices=8.")
+  if _PLAN_DEVICES.value:
+    raise ConfigError("--cpu_devices and --plan_devices both emulate devices; --mode=plan "
+                      "takes --plan_devices=N alone.")
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update("jax_platforms", "cpu")
+  jax.config.update("jax_num_cpu_devices", num_devices)
 
 
 def init_distributed() -> None:
@@ -141,11 +168,8 @@ def build(cfg: fdl.Config):
     run_cfg = fdl.build(cfg)
     run_cfg.task.validate()
     return run_cfg
-  except ConfigError:
-    raise
-  except (TypeError, ValueError) as e:
-    raise ConfigError(f"The config does not build: {e}. Check the --fdl_set overrides and the "
-                      "experiment's fields.") from None
+  except (TypeError, ValueError) as e:  # ConfigError too: drop fiddle's argument reprs
+    raise overrides_lib.build_error(e) from None
 
 
 def run(argv) -> None:
@@ -156,6 +180,7 @@ def run(argv) -> None:
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
+  fs.check_reachable(_JOB_LOG_DIR.value, "--job_log_dir")  # fail fast, before JAX starts
   if _PLAN_TOPOLOGY.value and _PLAN_DEVICES.value:
     raise ConfigError("--plan_topology and --plan_devices both name the devices to plan for: "
                       "give one (a TPU topology, or N emulated CPU devices).")
@@ -166,12 +191,10 @@ def run(argv) -> None:
     # topology's devices are compile-only, from libtpu loaded as a plugin.
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
-  if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
-    from spmdtask import plan  # pylint: disable=g-import-not-at-top
-    sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
+  use_cpu_devices(_CPU_DEVICES.value)
   init_distributed()
   backend_log = console.init_backends()
-  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [])
+  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   from spmdtask import loop  # pylint: disable=g-import-not-at-top
@@ -192,8 +215,7 @@ def run(argv) -> None:
                   _DEVICE_MEMORY_GB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
-    with open(os.path.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), "w") as f:
-      f.write(config_text)
+    fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)
   run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
 
 
@@ -218,22 +240,41 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
         timeout_s=_EVAL_TIMEOUT.value)
 
 
+def reexec_for_plan() -> None:
+  """--mode=plan --plan_devices=N reruns the command with N emulated devices, and exits."""
+  if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
+    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
+
+
+def _fail(message: str, status: int, log: bool = False) -> None:
+  """Ends the run with one message on stderr (held library warnings first)."""
+  if log:
+    logging.info("%s", message)  # into job_log_dir/logs too
+  logging.flush()
+  console.show_held_records()
+  print(message, file=sys.stderr, flush=True)
+  sys.exit(status)
+
+
 def main(argv) -> None:
+  reexec_for_plan()  # before the console setup: the rerun sets up its own
+  console.start(console.verbose_flags_given())
+  interrupts.watch()
   try:
     run(argv)
+  except BatchSplitError as e:
+    _fail(f"spmdtask: config error: {overrides_lib.train_batch_error(e)}", 2)
   except ConfigError as e:
-    logging.flush()
-    print(f"spmdtask: config error: {e}", file=sys.stderr)
-    sys.exit(2)
+    _fail(f"spmdtask: config error: {e}", 2)
   except TrainingError as e:
-    logging.info("%s", e)  # into job_log_dir/logs too
-    logging.flush()
-    print(f"spmdtask: training stopped: {e}", file=sys.stderr)
-    sys.exit(3)
+    _fail(f"spmdtask: training stopped: {e}", 3, log=True)
   except PlanExceeded as e:
-    logging.flush()
-    print(f"spmdtask: plan: {e}", file=sys.stderr)
-    sys.exit(4)
+    _fail(f"spmdtask: plan: {e}", 4)
+  except Interrupted as e:
+    _fail(interrupts.after_ctrl_c() + str(e), 130, log=True)
+  except KeyboardInterrupt:
+    _fail(interrupts.after_ctrl_c() + "Interrupted; exiting.", 130, log=True)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import sys
 
 import jax
 
-from spmdtask import console, hlo, memory, remat_cost, roofline, sharding, targets, xla_cost
+from spmdtask import console, fs, hlo, memory, remat_cost, roofline, sharding, targets, xla_cost
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -149,14 +149,30 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   FLOPs and HBM bytes, collectives, and (with the chip's facts) the roofline estimate.
 
   `num_devices` run the program (a stage's submesh may hold part of the target);
-  `model_flops` and `tokens` are the program's per step over all of them.
+  `model_flops` and `tokens` are the program's per step over all of them. 'warnings'
+  says what could not be read from the compiled program.
   """
   n = num_devices
-  text = compiled.as_text()
   once = compiled.cost_analysis()
   once = (once[0] if isinstance(once, list) else once) or {}  # XLA:GPU AOT gives None
-  step = xla_cost.per_step(text)
-  ops = hlo.collective_ops(text, target.num_slices)
+  notes = []
+  try:
+    text = compiled.as_text()
+  except jax.errors.JaxRuntimeError as e:
+    # A libtpu newer than jaxlib can emit HLO that jaxlib cannot read back (e.g. async
+    # instructions of a new arity): keep XLA:TPU's own analysis, say what is missing.
+    text = None
+    notes.append("XLA's optimized program could not be read back "
+                 f"({str(e).splitlines()[0][:160]}; libtpu newer than jaxlib? jax[tpu] pins the "
+                 "matching one): FLOPs and HBM bytes are XLA's with loop bodies counted once, "
+                 "collectives are not listed.")
+  if text is not None:
+    step = xla_cost.per_step(text)
+    ops = hlo.collective_ops(text, target.num_slices)
+  else:
+    step = {"flops": float(once.get("flops", 0.0)),
+            "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}
+    ops = []
   traffic = collective_traffic(ops)
   report = {
       "compiled": compiled_memory(compiled),
@@ -170,8 +186,9 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                   "model's is 6·N·T + attention."},
       "hbm_bytes_per_step_per_device": step["bytes accessed"],
       "loops": step["loops"],
-      "collectives": hlo.collectives(text, target.num_slices),
-      "collective_bytes_received_per_device": traffic}
+      "collectives": hlo.collectives(text, target.num_slices) if text is not None else {},
+      "collective_bytes_received_per_device": traffic,
+      "warnings": notes}
   if target.chip is not None:
     report["estimate"] = roofline.estimate(
         target.chip, step["flops"], step["bytes accessed"], traffic["ici"], traffic["dcn"],
@@ -204,7 +221,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
           "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape)
-                      + report.get("estimate", {}).get("notes", []),
+                      + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
           "arrays": [r.as_json() for r in rows]}
   plan["xla_log"] = target.log + log_text
   if task.pipeline is not None:
@@ -330,13 +347,10 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
   xla_log = plan.pop("xla_log")
   for line in format_plan(plan):
     console.say("%s", line)
-  path = os.path.join(job_log_dir, "plan.json")
+  path = fs.join(job_log_dir, "plan.json")
   if jax.process_index() == 0:
-    with open(path, "w") as f:
-      json.dump(plan, f, indent=1)
-    os.makedirs(os.path.join(job_log_dir, "logs"), exist_ok=True)
-    with open(os.path.join(job_log_dir, "logs", "plan_xla.log"), "w") as f:
-      f.write(xla_log)
+    fs.write_text(path, json.dumps(plan, indent=1))
+    fs.write_text(fs.join(job_log_dir, "logs", "plan_xla.log"), xla_log)
   console.say("Wrote %s", path)
   if device_memory_gb is not None or "compiler_out_of_memory" in plan:
     check_fits(plan, device_memory_gb or 0.0)

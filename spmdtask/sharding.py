@@ -12,7 +12,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from spmdtask.errors import ConfigError
+from spmdtask.errors import BatchSplitError, ConfigError
 
 MeshShape = Mapping[str, int]
 
@@ -283,10 +283,10 @@ def input_split_dims(batch_shapes, inputs_split_mapping: Mapping[str, Sequence] 
     validate(split, x.shape, mesh_shape, where)
     for dim, (size, entry) in enumerate(zip(x.shape, split)):
       if size % shards(entry, mesh_shape):
-        raise ConfigError(
+        raise BatchSplitError(
             f"{where}: dim {dim} has size {size}, which does not divide over mesh axes "
             f"{entry_axes(entry)} ({shards(entry, mesh_shape)} shards). Make the batch size a "
             f"multiple of {shards(entry, mesh_shape)} (the input's batch_size field), or change "
-            "the mesh.")
+            "the mesh.", dim, size, shards(entry, mesh_shape))
     return P(*split)
   return jax.tree_util.tree_map_with_path(split_of, batch_shapes)

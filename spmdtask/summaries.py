@@ -1,19 +1,27 @@
-"""TensorBoard scalars via `tf.summary`, written by process 0 only.
+"""TensorBoard scalars, written by process 0 only, through `spmdtask.fs` (local or gs://).
 
-Train summaries go to `job_log_dir/summaries/train`. TensorFlow is imported only
-when a writer is created on process 0, and in a background thread (it takes
-seconds; the train step compiles meanwhile); other processes never load it.
+Train summaries go to `job_log_dir/summaries/train`. Events are TensorBoard's own
+protos (`scalar_pb`, `Event`) framed by its `RecordWriter`; TensorFlow is not needed.
+An event file is built in memory and written whole on each `flush` (GCS objects cannot
+be appended to); past `max_file_bytes` the next flush starts a new file, so a flush
+costs at most that much. TensorBoard reads every event file of a run dir in name order.
 """
-import importlib
+import io
+import itertools
 import os
-import threading
+import socket
+import time
 from typing import Mapping
 
 import jax
 
+from spmdtask import fs
+
+_serial = itertools.count()
+
 
 def summary_dir(job_log_dir: str, name: str = "train") -> str:
-  return os.path.join(job_log_dir, "summaries", name)
+  return fs.join(job_log_dir, "summaries", name)
 
 
 class SummaryWriter:
@@ -21,42 +29,55 @@ class SummaryWriter:
 
   Args:
     directory: the run dir, e.g. `summary_dir(job_log_dir, 'train')`; None = no-op.
+    max_file_bytes: an event file's size after which a new one is started.
   """
 
-  def __init__(self, directory: str | None):
-    self._writer, self._directory, self._import = None, directory, None
-    if directory is not None and jax.process_index() == 0:
-      os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-      self._import = threading.Thread(target=importlib.import_module, args=("tensorflow",),
-                                      daemon=True)
-      self._import.start()
+  def __init__(self, directory: str | None, max_file_bytes: int = 4 << 20):
+    self._directory = directory if jax.process_index() == 0 else None
+    self._max_bytes = max_file_bytes
+    self._buffer = self._writer = self._path = None
+    self._dirty = False
 
   @property
   def active(self) -> bool:
-    return self._import is not None
+    return self._directory is not None
 
-  def _get(self):
-    if self._writer is None and self._import is not None:
-      self._import.join()
-      import tensorflow as tf  # pylint: disable=g-import-not-at-top
-      tf.config.set_visible_devices([], "GPU")  # TF must not take accelerator memory.
-      self._tf = tf
-      self._writer = tf.summary.create_file_writer(self._directory)
-    return self._writer
+  def _start_file(self) -> None:
+    # pylint: disable=g-import-not-at-top
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.summary.writer import record_writer
+    name = (f"events.out.tfevents.{time.time():.6f}.{socket.gethostname()}.{os.getpid()}."
+            f"{next(_serial)}.v2")
+    self._path = fs.join(self._directory, name)
+    self._buffer = io.BytesIO()
+    self._writer = record_writer.RecordWriter(self._buffer)
+    self._writer.write(event_pb2.Event(wall_time=time.time(),
+                                       file_version="brain.Event:2").SerializeToString())
 
   def scalars(self, step: int, values: Mapping[str, float]) -> None:
     """Writes each `name: value` at `step` (buffered until `flush`)."""
-    if self._get() is None:
+    if not self.active:
       return
-    with self._writer.as_default(step=int(step)):
-      for name, value in values.items():
-        self._tf.summary.scalar(name, float(value))
+    # pylint: disable=g-import-not-at-top
+    from tensorboard.compat.proto import event_pb2
+    from tensorboard.plugins.scalar import summary_v2
+    if self._writer is None:
+      self._start_file()
+    for name, value in values.items():
+      event = event_pb2.Event(wall_time=time.time(), step=int(step),
+                              summary=summary_v2.scalar_pb(name, float(value)))
+      self._writer.write(event.SerializeToString())
+    self._dirty = True
 
   def flush(self) -> None:
-    if self._writer is not None:
-      self._writer.flush()
+    """Writes the current event file (whole) to the run dir."""
+    if not self._dirty:
+      return
+    fs.write_bytes(self._path, self._buffer.getvalue())
+    self._dirty = False
+    if self._buffer.tell() >= self._max_bytes:
+      self._writer = self._buffer = None
 
   def close(self) -> None:
-    if self._writer is not None:
-      self._writer.close()
-    self._writer, self._import = None, None
+    self.flush()
+    self._directory = self._writer = self._buffer = None

@@ -1,30 +1,70 @@
-"""What a person reads: the default run's console, a finished job's rerun, a diverged run."""
+"""What a person reads: the default run's console (every line spmdtask's), a finished job's
+rerun, an error with the checkpoint manager open, a diverged run; eval and decode lines."""
+import json
+import logging as py_logging
 import math
 import os
+import re
+import subprocess
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from spmdtask import checkpoints
+from spmdtask import checkpoints, console, decoding, evaluation
 from tests import subproc
+
+
+# Every line the binary prints in these runs is one of these (spmdtask's own formats).
+SPMDTASK_LINES = re.compile("|".join([
+    r"lm\.TinyLm: [\d.]+[KMB]? params on mesh .+ devices?\); train state .+ tokens/step\)",
+    r"job dir \S+ \(config\.txt, checkpoints/, summaries/, logs/\)",
+    r"(Starting|Resuming from the checkpoint) at step \d+; training to step \d+\.",
+    r"step \d+/\d+  loss \S+  .+ tokens/s  MFU .+ ETA \S+",
+    r"Done at step \d+ \(loss \S+\) in \S+; checkpoint in \S+\.",
+    r"Nothing to do: .+", r"spmdtask: (config error|training stopped): .+"]))
+
+
+def user_env(**extra) -> dict:
+  """A user's environment: no TF / JAX log or platform settings (libtpu probes for a TPU,
+  TensorFlow prints its oneDNN notice) and no emulated devices but --cpu_devices."""
+  env = subproc.env(**extra)
+  for key in ("TF_CPP_MIN_LOG_LEVEL", "JAX_PLATFORMS", "XLA_FLAGS"):
+    env.pop(key, None)
+  return env
+
+
+def run_as_user(cmd, **extra) -> subprocess.CompletedProcess:
+  return subprocess.run(cmd, env=user_env(**extra), cwd=subproc.REPO, capture_output=True,
+                        text=True, timeout=300, check=False)
 
 
 def test_default_run_console_rerun_and_nan_stop(tmp_path):
   job = str(tmp_path)
-  out = subproc.run(subproc.main_cmd("lm.TinyLm", job), timeout=300)
+  out = run_as_user(subproc.main_cmd("lm.TinyLm", job, flags=["--cpu_devices=8"]))
   assert out.returncode == 0, out.stderr[-3000:]
   lines = (out.stdout + out.stderr).splitlines()
   assert len(lines) <= 25, "\n".join(lines)
-  assert lines[0].startswith("lm.TinyLm: 1.05M params on mesh data=8 fsdp=1 model=1")
+  for line in lines:
+    assert SPMDTASK_LINES.fullmatch(line), f"not spmdtask's: {line!r}\n" + "\n".join(lines)
+  assert lines[0].startswith("lm.TinyLm: 1.05M params on mesh data=8 fsdp=1 model=1 (8 cpu "
+                             "devices)")
   assert "per device" in lines[0] and job in lines[1]
   progress = [l for l in lines if l.startswith("step ")]
   assert [l.split()[1] for l in progress] == ["5/20", "10/20", "15/20", "20/20"]
   for l in progress:
     assert "tokens/s" in l and "MFU" in l and "peak 1.3e+11" in l and "ETA" in l
     assert math.isfinite(float(l.split("loss ")[1].split()[0]))
-  assert not any("orbax" in l or "checkpoint_manager" in l for l in lines)
   assert "Saving checkpoint" in open(os.path.join(job, "logs", "spmdtask.INFO")).read()
+  assert os.path.isfile(os.path.join(job, "logs", "native.log"))
+
+  # An error while the checkpoint manager is open: one paragraph, exit 2, and none of
+  # orbax's background-thread tracebacks at interpreter shutdown.
+  missing = subproc.run(subproc.main_cmd("lm.TinyLm", job, flags=["--restore_step=7"]))
+  assert missing.returncode == 2, missing.stderr[-3000:]
+  assert "Traceback" not in missing.stderr and "cannot schedule" not in missing.stderr
+  (error,) = [l for l in missing.stderr.splitlines() if l.strip()]
+  assert error.startswith("spmdtask: config error: --restore_step=7") and "[20]" in error
 
   again = subproc.run(subproc.main_cmd("lm.TinyLm", job), timeout=300)
   assert again.returncode == 0, again.stderr[-3000:]
@@ -37,6 +77,8 @@ def test_default_run_console_rerun_and_nan_stop(tmp_path):
       "lm.TinyLm", job, "task.train.learning_rate=1e30", "task.train.num_train_steps=30",
       "task.train.save_interval_steps=1"), timeout=300)
   assert diverged.returncode == 3, diverged.stderr[-3000:]
+  for line in (again.stdout + again.stderr + diverged.stdout + diverged.stderr).splitlines():
+    assert SPMDTASK_LINES.fullmatch(line), f"not spmdtask's: {line!r}"
   assert "Resuming from the checkpoint at step 20" in diverged.stdout
   assert "Traceback" not in diverged.stderr
   (msg,) = [l for l in diverged.stderr.splitlines() if l.startswith("spmdtask: training stopped")]
@@ -49,3 +91,40 @@ def test_default_run_console_rerun_and_nan_stop(tmp_path):
     saved = reader.restore(os.path.join(checkpoints.checkpoint_dir(job), str(max(steps)),
                                         "params"))
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved))
+
+
+def test_eval_line_is_readable():
+  line = evaluation.readable("eval", 20, {"loss": 1.57732, "accuracy": 0.5, "weight": 6400.0,
+                                          "num_batches": 7.0})
+  assert line == ("eval dataset 'eval', step 20: loss 1.5773  accuracy 0.5000  (7 batches, "
+                  "weight 6400)")
+
+
+def test_a_second_decode_never_overwrites_the_first(tmp_path):
+  rows = [{"id": 0, "prompt_ids": [1, 2], "output_ids": [3, 4, 5]},
+          {"id": 1, "prompt_ids": [6], "output_ids": [7]}]
+  first = decoding.write_outputs(str(tmp_path), "prompts", 20, rows, None, 1.0)
+  changed = [dict(r, output_ids=[9]) for r in rows]
+  second = decoding.write_outputs(str(tmp_path), "prompts", 20, changed, None, 1.0)
+  assert os.path.basename(first) == "prompts_step20.jsonl"
+  assert os.path.basename(second) == "prompts_step20_2.jsonl"
+  assert [json.loads(l)["output_ids"] for l in open(first)] == [[3, 4, 5], [7]]
+  assert [json.loads(l)["output_ids"] for l in open(second)] == [[9], [9]]
+
+
+def test_library_records_that_matter_become_spmdtask_lines(capsys):
+  records = console._ConsoleRecords()  # pylint: disable=protected-access
+  def record(name, level, msg, path):
+    return py_logging.LogRecord(name, level, path, 1, msg, None, None)
+  here = os.path.join(os.path.dirname(console.__file__), "loop.py")
+  records.handle(record("orbax", py_logging.WARNING, "Given directory is read only", "/x/o.py"))
+  records.handle(record("jax._src.xla_bridge", py_logging.WARNING,
+                        "A Google TPU may be present on this machine, but ...", "/x/b.py"))
+  records.handle(record("absl", py_logging.WARNING, "Removing incomplete checkpoint", here))
+  assert capsys.readouterr().err == ""  # held until setup
+  records.let_through(show=True)
+  records.handle(record("tensorstore", py_logging.ERROR, "write failed", "/x/t.py"))
+  assert capsys.readouterr().err.splitlines() == [
+      "spmdtask: jax warning: A Google TPU may be present on this machine, but ...",
+      "spmdtask: warning: Removing incomplete checkpoint",
+      "spmdtask: tensorstore error: write failed"]

@@ -5,9 +5,15 @@ import os
 
 import pytest
 
-from spmdtask import checkpoints, loop, main, program as program_lib
-from spmdtask.errors import ConfigError
+import dataclasses
+import shlex
+
+import fiddle as fdl
+
+from spmdtask import checkpoints, loop, main, overrides, program as program_lib
+from spmdtask.errors import BatchSplitError, ConfigError
 from tests import subproc, util
+from tools import prepare_text_data
 
 M = "task.model"
 
@@ -100,3 +106,63 @@ def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):
   assert needle in line
   assert not (tmp_path / "job" / "config.txt").exists()
   assert not (tmp_path / "job" / "checkpoints").exists()
+
+
+def test_fdl_set_typo_names_the_closest_fields():
+  message = config_error("lm.TinyLm", ["task.train.num_train_stepz=3"])
+  assert "task.train has no field 'num_train_stepz'" in message, message
+  assert "Did you mean task.train.num_train_steps" in message
+  message = config_error("lm.TinyLm", ["datasets['trian'].batch_size=8"])
+  assert "Did you mean datasets['train'].batch_size" in message, message
+
+
+def test_a_train_batch_that_does_not_split_names_its_batch_size_first():
+  run = util.build_run("lm.TinyLm", ["datasets['train'].batch_size=12"])
+  with pytest.raises(BatchSplitError) as err:
+    program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  message = str(overrides.train_batch_error(err.value))
+  assert message.startswith("datasets['train'].batch_size=12 does not divide over the data "
+                            "axes (8 shards): make it a multiple of 8"), message
+  assert "batch_size=16" in message
+
+
+@dataclasses.dataclass
+class _Picky:
+  size: int
+  big: tuple
+
+  def __post_init__(self):
+    if self.size < 0:
+      raise ValueError(f"size={self.size} must be >= 0")
+
+
+def test_a_build_error_names_the_field_not_every_argument():
+  message = config_error("lm.TextLm", [])  # no data dir: the dataset's ConfigError
+  assert message.startswith("datasets['train'].data_dir='' holds no meta.json"), message
+  assert "--data_dir" in message and "Fiddle context" not in message
+  assert "TransformerLm" not in message and len(message) < 400
+  cfg = fdl.Config(dict, picky=fdl.Config(_Picky, size=-1, big=tuple(range(1000))))
+  with pytest.raises(ValueError) as err:
+    fdl.build(cfg)
+  message = str(overrides.build_error(err.value))
+  assert message.startswith("picky (_Picky) does not build: ValueError: size=-1 must be >= 0")
+  assert "999" not in message, message
+
+
+def test_prepare_hint_is_a_command_that_sets_every_data_dir(tmp_path):
+  (tmp_path / "txt").mkdir()
+  for i in range(25):  # 10 eval documents: lm.TextLm decodes 8 prompts
+    (tmp_path / "txt" / f"{i}.txt").write_text(f"document {i} " * 40)
+  out = str(tmp_path / "data")
+  meta = prepare_text_data.prepare(str(tmp_path / "txt" / "*.txt"), out, "bytes",
+                                   eval_fraction=0.4, num_shards=1)
+  argv = shlex.split(prepare_text_data.train_command(out, meta))
+  assert argv[:3] == ["python", "-m", "spmdtask.main"]
+  args = dict(a[2:].split("=", 1) for a in argv[3:])
+  assert set(args) <= set(main.flags.FLAGS) and args["data_dir"] == out
+  run = main.build(main.resolved_config(args["exp"], [args["fdl_set"]], args["data_dir"]))
+  dirs = [run.datasets["train"].data_dir, run.datasets["eval"].data_dir,
+          run.decode_datasets["prompts"].data_dir]
+  assert dirs == [out] * 3
+  with pytest.raises(ConfigError, match="--data_dir='/x': no dataset of --exp=lm.TinyLm"):
+    main.resolved_config("lm.TinyLm", [], "/x")

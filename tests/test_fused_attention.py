@@ -111,7 +111,16 @@ def test_decoding_with_a_cache_uses_xla_whatever_the_impl():
 ])
 def test_auto_resolves_per_backend(impl, backend, seq, dtype, segments, want):
   heads = (("data", "fsdp"), None, "model", None)
-  assert fa.choose(impl, backend, seq, 128, jnp.dtype(dtype), segments, heads) == want
+  mesh = {"data": 2, "fsdp": 2, "model": 2}
+  assert fa.choose(impl, backend, seq, 8, 128, jnp.dtype(dtype), segments, heads, mesh) == want
+
+
+def test_auto_falls_back_to_xla_where_heads_do_not_divide_the_mesh():
+  heads = (("data", "fsdp"), None, "model", None)
+  mesh = {"data": 1, "fsdp": 1, "model": 3}
+  assert fa.choose("auto", "tpu", 256, 8, 128, jnp.bfloat16, False, heads, mesh) == "xla"
+  with pytest.raises(ConfigError, match="num_heads=8 does not divide over the 3 shards"):
+    fa.choose("splash", "tpu", 256, 8, 128, jnp.bfloat16, False, heads, mesh)
 
 
 @pytest.mark.parametrize("impl,backend,seq,heads,needles", [
@@ -124,7 +133,7 @@ def test_auto_resolves_per_backend(impl, backend, seq, dtype, segments, want):
 ])
 def test_a_choice_that_cannot_run_is_a_config_error(impl, backend, seq, heads, needles):
   with pytest.raises(ConfigError) as err:
-    fa.choose(impl, backend, seq, 128, jnp.bfloat16, False, heads)
+    fa.choose(impl, backend, seq, 8, 128, jnp.bfloat16, False, heads, {"model": 1})
   for needle in needles:
     assert needle in str(err.value), str(err.value)
   assert "task.model.attention_impl" in str(err.value)

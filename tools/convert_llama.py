@@ -35,7 +35,6 @@ with the same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied
 import argparse
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -44,6 +43,7 @@ from safetensors import numpy as st_numpy
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 
 EXP = "llama.LlamaImport"
@@ -185,24 +185,23 @@ def published_experiment(cfg: dict) -> str | None:
 
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
   """(config.json, tensors by name) of a HF directory, single-file or sharded."""
-  path = os.path.join(hf_dir, "config.json")
-  if not os.path.isfile(path):
+  path = fs.join(hf_dir, "config.json")
+  if not fs.isfile(path):
     raise ConfigError(f"--from_hf={hf_dir!r} has no config.json; point it at a Hugging Face "
                       "Llama directory (config.json + *.safetensors).")
-  with open(path) as f:
-    cfg = json.load(f)
-  index = os.path.join(hf_dir, "model.safetensors.index.json")
-  if os.path.isfile(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+  cfg = json.loads(fs.read_text(path))
+  index = fs.join(hf_dir, "model.safetensors.index.json")
+  if fs.isfile(index):
+    files = sorted(set(json.loads(fs.read_text(index))["weight_map"].values()))
   else:
     files = ["model.safetensors"]
   for name in files:
-    if not os.path.isfile(os.path.join(hf_dir, name)):
+    if not fs.isfile(fs.join(hf_dir, name)):
       raise ConfigError(f"--from_hf={hf_dir!r} has no {name}, which holds the weights.")
   tensors = {}
   for name in files:
-    tensors.update(st_numpy.load_file(os.path.join(hf_dir, name)))
+    with fs.local_file(fs.join(hf_dir, name)) as path:  # safetensors reads (mmaps) a file
+      tensors.update(st_numpy.load_file(path))
   return cfg, tensors
 
 
@@ -303,37 +302,39 @@ def from_hf(hf_dir: str, job_log_dir: str) -> list[str]:
   """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
   hf_source.json; returns the override lines."""
   cfg, tensors = read_hf(hf_dir)
-  has_tokenizer = os.path.isfile(os.path.join(hf_dir, TOKENIZER_FILES[0]))
-  tokenizer = os.path.join(os.path.abspath(job_log_dir), TOKENIZER_FILES[0])
+  has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
+  tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
   lines = overrides(cfg, tokenizer if has_tokenizer else None)
   params = to_params(cfg, tensors)
-  os.makedirs(job_log_dir, exist_ok=True)
+  fs.makedirs(job_log_dir)
   for name in TOKENIZER_FILES if has_tokenizer else ():
-    if os.path.isfile(os.path.join(hf_dir, name)):
-      shutil.copyfile(os.path.join(hf_dir, name), os.path.join(job_log_dir, name))
+    if fs.isfile(fs.join(hf_dir, name)):
+      fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
   write_checkpoint(job_log_dir, lines, params)
-  with open(os.path.join(job_log_dir, OVERRIDES_FILE), "w") as f:
-    f.write("".join(f"--fdl_set={line}\n" for line in lines))
-  with open(os.path.join(job_log_dir, SOURCE_FILE), "w") as f:
-    json.dump({"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, f,
-              indent=1)
+  fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
+                "".join(f"--fdl_set={line}\n" for line in lines))
+  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(
+      {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, indent=1))
   return lines
 
 
 def to_hf(job_log_dir: str, hf_dir: str) -> None:
   """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir."""
-  source = os.path.join(job_log_dir, SOURCE_FILE)
-  if not os.path.isfile(source):
+  source = fs.join(job_log_dir, SOURCE_FILE)
+  if not fs.isfile(source):
     raise ConfigError(f"--job_log_dir={job_log_dir!r} has no {SOURCE_FILE}; --to_hf converts "
                       "back a job made by --from_hf (it holds the HF config).")
-  with open(source) as f:
-    src = json.load(f)
+  src = json.loads(fs.read_text(source))
   params = read_checkpoint(job_log_dir, overrides(src["config"]))  # tokenizer: not needed
-  os.makedirs(hf_dir, exist_ok=True)
-  st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
-                     os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-  with open(os.path.join(hf_dir, "config.json"), "w") as f:
-    json.dump(src["config"], f, indent=2)
+  staged = fs.Staged(hf_dir, "spmdtask_hf_")  # safetensors writes a local file
+  try:
+    st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
+                       os.path.join(staged.local, "model.safetensors"), metadata={"format": "pt"})
+    fs.write_text(os.path.join(staged.local, "config.json"), json.dumps(src["config"], indent=2))
+  except BaseException:
+    staged.close(upload=False)
+    raise
+  staged.close()
 
 
 def main():
@@ -346,10 +347,10 @@ def main():
   try:
     if args.from_hf:
       from_hf(args.from_hf, args.job_log_dir)
-      with open(os.path.join(args.from_hf, "config.json")) as f:
-        published = published_experiment(json.load(f))
+      published = published_experiment(json.loads(fs.read_text(fs.join(args.from_hf,
+                                                                        "config.json"))))
       print(f"wrote {args.job_log_dir}: checkpoint step 0, {OVERRIDES_FILE} "
-            f"(--exp={EXP} --flagfile={os.path.join(args.job_log_dir, OVERRIDES_FILE)})")
+            f"(--exp={EXP} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
       if published:
         print(f"the architecture of --exp={published}, which decodes or trains it as it is "
               "(its mesh and batch; add the --flagfile for the tokenizer's text)")

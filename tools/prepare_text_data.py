@@ -17,10 +17,9 @@ beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
 Train on it with `--exp=lm.TextLm` (README).
 """
 import argparse
-import glob
 import json
 import os
-import shutil
+import shlex
 import sys
 
 import numpy as np
@@ -28,6 +27,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
 
@@ -35,9 +35,9 @@ from spmdtask.inputs import text, tokenizers
 def read_documents(pattern: str) -> tuple[list[str], list[str]]:
   """(paths, texts) of the non-empty files matching `pattern`, in sorted path order."""
   paths, texts = [], []
-  for path in sorted(glob.glob(pattern, recursive=True)):
-    if os.path.isfile(path):
-      with open(path, encoding="utf-8", errors="replace") as f:
+  for path in fs.glob(pattern):
+    if fs.isfile(path):
+      with fs.open(path, "r", encoding="utf-8", errors="replace") as f:
         content = f.read()
       if content:
         paths.append(path)
@@ -64,8 +64,8 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
                         f"{tokenizers.HF_CONFIG_FILE} with an eos_token beside it. Pass "
                         "--eod_token=TOKEN (one of its special tokens, e.g. '<|end_of_text|>').")
     copy = os.path.join(output_dir, tokenizers.HF_FILE)
-    if os.path.abspath(kind[3:]) != os.path.abspath(copy):
-      shutil.copyfile(kind[3:], copy)
+    if fs.absolute(kind[3:]) != fs.absolute(copy):
+      fs.write_bytes(copy, fs.read_bytes(kind[3:]))
     return tokenizers.HfTokenizer(copy, eod_id=tok.eod_id)
   lines = (line for t in train_texts for line in t.splitlines() if line.strip())
   model = tokenizers.train_sentencepiece(
@@ -77,12 +77,27 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
 def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = None,
             eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0,
             eod_token: str | None = None) -> dict:
-  """Writes the data dir; returns its meta.json contents."""
+  """Writes the data dir (local, or gs://: written locally, uploaded, the local copy
+  deleted); returns its meta.json contents."""
   paths, texts = read_documents(pattern)
   if len(texts) < 2:
     raise SystemExit(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train and "
                      "an eval split need at least 2 documents.")
-  os.makedirs(output_dir, exist_ok=True)
+  fs.check_reachable(output_dir, "--output_dir")
+  staged = fs.Staged(output_dir, "spmdtask_data_")
+  try:
+    meta = _write(staged.local, paths, texts, pattern, kind, vocab_size, eval_fraction,
+                  num_shards, seed, eod_token)
+  except BaseException:
+    staged.close(upload=False)
+    raise
+  staged.close()
+  return meta
+
+
+def _write(output_dir, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards,
+           seed, eod_token) -> dict:
+  """Writes the data dir into local `output_dir`; returns meta.json's contents."""
   train_ids, eval_ids = split_documents(len(texts), eval_fraction, seed)
   tok = make_tokenizer(kind, [texts[i] for i in train_ids], output_dir, vocab_size, eod_token)
   splits = {}
@@ -99,6 +114,15 @@ def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = N
   with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
     json.dump(meta, f, indent=1)
   return meta
+
+
+def train_command(output_dir: str, meta: dict) -> str:
+  """The command that trains lm.TextLm on `output_dir`, as a shell runs it from any dir."""
+  data_dir = output_dir if "://" in output_dir else os.path.abspath(output_dir)
+  job = data_dir.rstrip("/") + "_textlm"
+  return " ".join(["python -m spmdtask.main --exp=lm.TextLm",
+                   f"--job_log_dir={shlex.quote(job)}", f"--data_dir={shlex.quote(data_dir)}",
+                   f"--fdl_set=task.model.vocab_size={meta['vocab_size']}"])
 
 
 def main():
@@ -131,8 +155,7 @@ def main():
                      for k, v in meta["splits"].items())
   print(f"{args.output_dir}: {meta['tokenizer']} tokenizer, vocab_size={meta['vocab_size']}, "
         f"eod_id={meta['eod_id']}; {counts}")
-  print(f"Train: --exp=lm.TextLm --fdl_set=task.model.vocab_size={meta['vocab_size']} "
-        f"--fdl_set=\"datasets['train'].data_dir='{args.output_dir}'\" (README)")
+  print("Train on it:\n  " + train_command(args.output_dir, meta))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,13 @@ is the batch number.
 """
 import dataclasses
 import functools
-import os
+import io
 
 import numpy as np
 import tensorflow as tf
 from absl import logging
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import packing, tokenizers
 from spmdtask.inputs.base import StepIndexedInput
@@ -43,12 +44,13 @@ def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: in
   for i in range(num_shards):
     files.append(shard_name(split, i, num_shards))
     part = docs[bounds[i]:bounds[i + 1]]
-    write_records(os.path.join(data_dir, files[-1]), part)
+    write_records(fs.join(data_dir, files[-1]), part)
     shard += [i] * len(part)
     record += list(range(len(part)))
-  np.savez(os.path.join(data_dir, index_name(split)), shard=np.asarray(shard, np.int64),
-           record=np.asarray(record, np.int64),
+  index = io.BytesIO()
+  np.savez(index, shard=np.asarray(shard, np.int64), record=np.asarray(record, np.int64),
            length=np.asarray([len(d) for d in docs], np.int64))
+  fs.write_bytes(fs.join(data_dir, index_name(split)), index.getvalue())
   return files
 
 
@@ -65,8 +67,9 @@ class DocumentReader:
       raise ConfigError(f"{field}={data_dir!r} has no split {split!r} (it has "
                         f"{sorted(self.meta['splits'])}); set the input's split to one of them.")
     self.data_dir, self.split = data_dir, split
-    self.files = [os.path.join(data_dir, f) for f in self.meta["splits"][split]["files"]]
-    with np.load(os.path.join(data_dir, index_name(split))) as idx:
+    # The shards' bytes are read by tf.data (TensorFlow's own gs:// client for a bucket).
+    self.files = [fs.join(data_dir, f) for f in self.meta["splits"][split]["files"]]
+    with np.load(io.BytesIO(fs.read_bytes(fs.join(data_dir, index_name(split))))) as idx:
       self.shard, self.record, self.lengths = idx["shard"], idx["record"], idx["length"]
     self._cache: dict[int, np.ndarray] = {}
 

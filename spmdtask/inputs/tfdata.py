@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.base import process_slice
 
@@ -50,7 +51,7 @@ class TfRecordLmInput:
     self._it = None
 
   def _dataset(self, skip: int) -> tf.data.Dataset:
-    files = sorted(tf.io.gfile.glob(self.file_pattern))
+    files = fs.glob(self.file_pattern)  # the bytes: tf.data (TensorFlow's gs:// client)
     if not files:
       raise ConfigError(f"datasets[...].file_pattern={self.file_pattern!r} matches no file. "
                         "Point it at TFRecord files of token sequences.")

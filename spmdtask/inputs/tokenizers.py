@@ -11,13 +11,13 @@ and the tokenizer file: `tokenizer.model` (SentencePiece) or `tokenizer.json` (h
 A tokenizer spec names one outside a data dir: 'bytes', 'sentencepiece:PATH' or 'hf:PATH'.
 """
 import json
-import os
 from typing import Iterable
 
 import numpy as np
 import sentencepiece as spm
 import tokenizers as hf_tokenizers
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 
 META_FILE = "meta.json"
@@ -45,7 +45,7 @@ class SentencePieceTokenizer:
 
   def __init__(self, model_file: str):
     self.model_file = model_file
-    self._sp = spm.SentencePieceProcessor(model_file=model_file)
+    self._sp = spm.SentencePieceProcessor(model_proto=fs.read_bytes(model_file))
     self.vocab_size = int(self._sp.vocab_size())
     self.eod_id = int(self._sp.eos_id())
 
@@ -66,14 +66,14 @@ class HfTokenizer:
   kind = "hf"
 
   def __init__(self, path: str, eod_token: str | None = None, eod_id: int | None = None):
-    if not os.path.isfile(path):
+    if not fs.isfile(path):
       raise ConfigError(f"The tokenizer {path!r} does not exist; give the path of a Hugging "
                         f"Face {HF_FILE} (e.g. hf:/models/Llama-3.2-1B/{HF_FILE}).")
     self.model_file = path
-    self._tok = hf_tokenizers.Tokenizer.from_file(path)
+    self._tok = hf_tokenizers.Tokenizer.from_str(fs.read_text(path))
     self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
     if eod_id is None:
-      eod_token = eod_token or _eos_token(os.path.dirname(path))
+      eod_token = eod_token or _eos_token(fs.dirname(path))
       if eod_token is not None:
         eod_id = self._tok.token_to_id(eod_token)
         if eod_id is None:
@@ -90,11 +90,10 @@ class HfTokenizer:
 
 def _eos_token(directory: str) -> str | None:
   """The eos_token of DIRECTORY/tokenizer_config.json (a string or {'content': ...})."""
-  path = os.path.join(directory, HF_CONFIG_FILE)
-  if not os.path.isfile(path):
+  path = fs.join(directory, HF_CONFIG_FILE)
+  if not fs.isfile(path):
     return None
-  with open(path) as f:
-    eos = json.load(f).get("eos_token")
+  eos = json.loads(fs.read_text(path)).get("eos_token")
   return eos.get("content") if isinstance(eos, dict) else eos
 
 
@@ -131,13 +130,15 @@ def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size:
 
 def read_meta(data_dir: str, field: str) -> dict:
   """DIR/meta.json; ConfigError naming `field` (the config field holding DIR) if absent."""
-  path = os.path.join(data_dir or "", META_FILE)
-  if not data_dir or not os.path.isfile(path):
+  if data_dir:
+    fs.check_reachable(data_dir, field)
+  path = fs.join(data_dir or "", META_FILE)
+  if not data_dir or not fs.isfile(path):
     raise ConfigError(
         f"{field}={data_dir!r} holds no {META_FILE}. Set it to a directory written by "
-        "`python tools/prepare_text_data.py --input='GLOB' --output_dir=DIR`.")
-  with open(path) as f:
-    return json.load(f)
+        "`python tools/prepare_text_data.py --input='GLOB' --output_dir=DIR` (the binary's "
+        "--data_dir=DIR sets it for every dataset).")
+  return json.loads(fs.read_text(path))
 
 
 def load(data_dir: str, meta: dict):
@@ -145,8 +146,8 @@ def load(data_dir: str, meta: dict):
   if meta["tokenizer"] == "bytes":
     return ByteTokenizer()
   if meta["tokenizer"] == "hf":
-    return HfTokenizer(os.path.join(data_dir, HF_FILE), eod_id=int(meta["eod_id"]))
-  return SentencePieceTokenizer(os.path.join(data_dir, SP_MODEL_FILE))
+    return HfTokenizer(fs.join(data_dir, HF_FILE), eod_id=int(meta["eod_id"]))
+  return SentencePieceTokenizer(fs.join(data_dir, SP_MODEL_FILE))
 
 
 def check_vocab(meta: dict, model_vocab_size: int, data_dir: str) -> None:

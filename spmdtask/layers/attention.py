@@ -101,8 +101,10 @@ class Attention(nn.Module):
     """Full sequences: the kernel `impl` resolves to; decoding (a KV cache): `attend`."""
     if not decoding:
       backend = fused_attention.platform()
-      impl = fused_attention.choose(self.impl, backend, q.shape[1], q.shape[3], q.dtype,
-                                    segment_ids is not None, self.heads_act_split)
+      impl = fused_attention.choose(
+          self.impl, backend, q.shape[1], q.shape[2], q.shape[3], q.dtype,
+          segment_ids is not None, self.heads_act_split,
+          dict(jax.sharding.get_abstract_mesh().shape))
       if impl != "xla":
         return fused_attention.fused(impl, q, k, v, segment_ids, self.causal,
                                      self.heads_act_split, backend)

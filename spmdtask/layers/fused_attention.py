@@ -19,7 +19,8 @@ j <= i, within the segment when packed): positions must count up by one along ea
 decode path (one query token against a cache) always uses xla.
 
 `check` (at validation) and `choose` (at trace time, when the sequence length is known)
-resolve the choice and raise ConfigError naming `task.model.attention_impl` where a choice cannot run.
+resolve the choice and raise ConfigError naming `task.model.attention_impl` where a choice
+cannot run.
 """
 import functools
 from typing import Callable
@@ -66,23 +67,38 @@ def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
                       "tests); on GPU use 'cudnn' or 'auto'.")
 
 
-def _splash_problem(seq: int, heads_split: SplitDims | None) -> str | None:
+def _shards(entry, mesh_shape) -> int:
+  return int(np.prod([mesh_shape[a] for a in _axes(entry)]))
+
+
+def _splash_problem(seq: int, num_heads: int, heads_split: SplitDims | None,
+                    mesh_shape) -> str | None:
   """Why splash cannot run on these shapes, or None."""
   if seq % SPLASH_LANES:
     return (f"the sequence length {seq} is not a multiple of {SPLASH_LANES} (the kernel's "
             "block size): pad or pack sequences to a multiple of 128")
-  if heads_split is not None and (heads_split[1] is not None or heads_split[3] is not None):
+  if heads_split is None or not mesh_shape:
+    return None
+  if heads_split[1] is not None or heads_split[3] is not None:
     return ("task.model.activation_split_dims_mapping.heads splits the sequence or head_dim "
             f"({heads_split}), but each device needs whole sequences and heads: split only "
             "batch and heads")
+  if num_heads % _shards(heads_split[2], mesh_shape):
+    return (f"num_heads={num_heads} does not divide over the "
+            f"{_shards(heads_split[2], mesh_shape)} shards task.model."
+            "activation_split_dims_mapping.heads puts on heads, and each device needs whole "
+            "heads: make it divide")
   return None
 
 
-def choose(impl: str, backend: str, seq: int, head_dim: int, dtype, has_segments: bool,
-           heads_split: SplitDims | None) -> str:
-  """The concrete implementation for this call: `auto` resolved, explicit ones checked."""
+def choose(impl: str, backend: str, seq: int, num_heads: int, head_dim: int, dtype,
+           has_segments: bool, heads_split: SplitDims | None, mesh_shape=None) -> str:
+  """The concrete implementation for this call: `auto` resolved, explicit ones checked.
+
+  `mesh_shape` ({axis: size}; None or empty outside a mesh) is what `heads_split` splits.
+  """
   check(impl, backend, head_dim, str(jnp.dtype(dtype)))
-  splash_problem = _splash_problem(seq, heads_split)
+  splash_problem = _splash_problem(seq, num_heads, heads_split, mesh_shape)
   if impl == "auto":
     if backend == "tpu" and splash_problem is None:
       return "splash"
@@ -135,25 +151,18 @@ def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
 
   A Pallas call has no partitioning rule, so in a mesh it runs under `jax.shard_map` over
   the axes `heads_split` puts on batch and heads (each device: its examples, its heads,
-  whole sequences). KV heads that do not divide over the heads' axes are repeated to one
-  per query head first.
+  whole sequences; `choose` checked that the heads divide). KV heads that do not divide
+  over the heads' axes are repeated to one per query head first.
   """
   local = functools.partial(_splash_local, causal=causal, interpret=interpret, block=block)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or heads_split is None:
     return local(q, k, v, segment_ids)
-  head_shards = int(np.prod([mesh.shape[a] for a in _axes(heads_split[2])]))
-  if q.shape[2] % head_shards:
-    raise ConfigError(
-        f"{FIELD}='splash' runs each device on whole heads, but num_heads={q.shape[2]} does "
-        f"not divide over the {head_shards} shards task.model.activation_split_dims_mapping."
-        "heads puts on heads: make it divide, or use 'xla'.")
-  if k.shape[2] % head_shards:
+  if k.shape[2] % _shards(heads_split[2], mesh.shape):
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   # A batch that does not divide over its axes (init traces one row) is not split.
-  batch_shards = int(np.prod([mesh.shape[a] for a in _axes(heads_split[0])]))
-  batch = heads_split[0] if q.shape[0] % batch_shards == 0 else None
+  batch = heads_split[0] if q.shape[0] % _shards(heads_split[0], mesh.shape) == 0 else None
   spec, seg_spec = P(batch, None, heads_split[2], None), P(batch, None)
   # Manual over every axis not already manual (e.g. 'stage' inside the SPMD pipeline):
   # the call is replicated over the axes it does not split.

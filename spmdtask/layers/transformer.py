@@ -181,9 +181,9 @@ class TransformerLm(nn.Module):
     return dict(d_model=self.d_model, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling,
-                norm_eps=self.norm_eps, dropout_rate=self.dropout_rate,
-                attention_impl=self.attention_impl, dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
+                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
+                dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
+                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
 
   def _stack(self) -> stack_lib.LayerStack:

@@ -31,6 +31,7 @@ exactly when, running every list in order, no stage can start its next action.
 import dataclasses
 import re
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 
 KINDS = ("F", "B", "I", "W")
@@ -159,16 +160,14 @@ def _parse_header(line: str, where: str) -> dict:
 def load(path: str) -> Schedule:
   """Reads a schedule file in the text form (not validated; see `validate`)."""
   try:
-    with open(path) as f:
-      text = f.read()
+    text = fs.read_text(path)
   except OSError as e:
-    raise ConfigError(f"Cannot read the schedule file {path!r}: {e.strerror}.") from None
+    raise ConfigError(f"Cannot read the schedule file {path!r}: {e.strerror or e}.") from None
   return loads(text, source=f"schedule file {path!r}")
 
 
 def dump(schedule: Schedule, path: str) -> None:
-  with open(path, "w") as f:
-    f.write(dumps(schedule))
+  fs.write_text(path, dumps(schedule))
 
 
 # ---------------------------------------------------------------------------------------------

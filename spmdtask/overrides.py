@@ -1,0 +1,113 @@
+"""Command-line changes to an experiment's fiddle config, and the errors they can meet.
+
+`--fdl_set=path=value` paths are checked against the config's real fields first, so a typo
+names the closest ones (difflib); `--data_dir` sets the `data_dir` of every dataset that has
+one; a failure while fiddle builds the config is reported by the field it was building,
+without fiddle's repr of every argument (which, for a dataset, holds the whole model).
+"""
+import difflib
+import re
+
+import fiddle as fdl
+
+from spmdtask.errors import BatchSplitError, ConfigError
+
+_GROUPS = ("datasets", "decode_datasets")
+
+
+def field_paths(node, prefix: str = "") -> list[str]:
+  """Every settable path under `node`, as --fdl_set spells it (`task.train.x`,
+  `datasets['train'].batch_size`): the parameters of each Buildable, set or not, and
+  the keys of dicts."""
+  out = []
+  if isinstance(node, fdl.Buildable):
+    for name in node.__signature_info__.parameters:
+      path = f"{prefix}.{name}" if prefix else name
+      out.append(path)
+      out += field_paths(node.__arguments__.get(name), path)  # set values only
+  elif isinstance(node, dict):
+    for key, value in node.items():
+      path = f"{prefix}[{key!r}]"
+      out.append(path)
+      out += field_paths(value, path)
+  return out
+
+
+def _normalize(path: str) -> str:
+  """One spelling of subscripts: ["x"] and ['x'] alike, no spaces."""
+  return re.sub(r"\[\s*\"([^\"]*)\"\s*\]", r"['\1']", path.replace(" ", ""))
+
+
+def check_path(assignment: str, paths: list[str]) -> None:
+  """ConfigError naming the closest real fields when `path=value` sets no real field."""
+  path = _normalize(assignment.split("=", 1)[0])
+  known = set(paths)
+  # A known path, or an element of a tuple-valued one (e.g. `task.ici_mesh_shape[0]`).
+  base = re.sub(r"(\[-?\d+\])+$", "", path)
+  if path in known or base in known:
+    return
+  parent = path.rsplit(".", 1)[0] if "." in path else ""
+  close = difflib.get_close_matches(path, paths, n=3, cutoff=0.6)
+  hint = (f" Did you mean {' or '.join(close)}?" if close else
+          " Paths start at task, datasets or decode_datasets.")
+  where = (f"{parent} has no field {path[len(parent) + 1:]!r}" if parent in known
+           else f"there is no field {path!r}")
+  raise ConfigError(
+      f"--fdl_set={assignment!r}: {where}.{hint} The resolved config (job_log_dir/config.txt "
+      "of a run) lists every field, one `path = value` a line.")
+
+
+def set_data_dirs(cfg: fdl.Config, data_dir: str, exp: str) -> list[str]:
+  """`--data_dir`: sets `data_dir` on every dataset and decode dataset that has that field;
+  returns their paths. ConfigError if none has one."""
+  hits = []
+  for group in _GROUPS:
+    for name, node in (getattr(cfg, group, None) or {}).items():
+      if isinstance(node, fdl.Buildable) and "data_dir" in node.__signature_info__.parameters:
+        node.data_dir = data_dir
+        hits.append(f"{group}[{name!r}].data_dir")
+  if not hits:
+    raise ConfigError(f"--data_dir={data_dir!r}: no dataset of --exp={exp} reads a data_dir "
+                      "(it has no `data_dir` field). Drop --data_dir, or pick an experiment "
+                      "that reads prepared data, e.g. --exp=lm.TextLm.")
+  return hits
+
+
+_CONTEXT = re.compile(r"\n\nFiddle context: failed to construct or call (\S+) at "
+                      r"<root>(\S*) with", re.S)
+
+
+def build_error(error: Exception) -> ConfigError:
+  """The ConfigError for an exception raised while fiddle built the config: the error's own
+  message and the field being built; fiddle's context (every argument's repr) dropped."""
+  text = str(error)
+  match = _CONTEXT.search(text)
+  message = text[:match.start()].strip() if match else text.split("\n\nFiddle context:")[0]
+  if isinstance(error, ConfigError):
+    if match:  # name the dataset where the message could only say `datasets[...]`
+      path = match.group(2).lstrip(".")
+      for group in _GROUPS:
+        if path.startswith(group + "["):
+          message = message.replace(f"{group}[...]", path)
+    return ConfigError(message)
+  if not match:
+    return ConfigError(f"The config does not build: {type(error).__name__}: {message}. Check "
+                       "the --fdl_set overrides and the experiment's fields.")
+  what, path = match.group(1), match.group(2).lstrip(".") or "the config"
+  return ConfigError(
+      f"{path} ({what}) does not build: {type(error).__name__}: {message}. Fix that field "
+      f"(--fdl_set={path}.FIELD=VALUE; job_log_dir/config.txt lists the resolved fields).")
+
+
+
+def train_batch_error(error: BatchSplitError) -> ConfigError:
+  """The batch-dim error of the train batch (every mode sets up its program on
+  datasets['train']'s batches), naming the field to change first."""
+  if error.dim != 0:
+    return error
+  up = -(-error.size // error.shards) * error.shards
+  return ConfigError(
+      f"datasets['train'].batch_size={error.size} does not divide over the data axes "
+      f"({error.shards} shards): make it a multiple of {error.shards} (e.g. "
+      f"--fdl_set=\"datasets['train'].batch_size={up}\"), or change the mesh "
+      f"(task.ici_mesh_shape) or task.train.inputs_split_mapping. ({error})")

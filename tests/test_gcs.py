@@ -1,0 +1,142 @@
+"""A whole job in a GCS bucket (a local emulator): train, SIGKILL, resume on the
+uninterrupted losses, eval, decode, TensorBoard summaries, nothing on the local disk; and
+an unreachable gs:// job dir fails fast with exit 2, creating nothing."""
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from tests import gcs_emulator
+from tests import subproc as h
+
+BASE = ("task.train.num_train_steps=6", "task.train.save_interval_steps=3",
+        "task.train.summary_interval_steps=1", "task.train.log_interval_steps=3")
+
+
+@pytest.fixture(scope="module")
+def emulator():
+  with gcs_emulator.Emulator("bucket") as emu:
+    yield emu
+
+
+def _files(root: str) -> list[str]:
+  """Files under `root`, but Keras's own settings file (TensorFlow's import writes it to
+  $HOME/.keras/keras.json on first use; it is no part of a job)."""
+  return sorted(p for p in (os.path.join(r, f) for r, _, fs in os.walk(root) for f in fs)
+                if not p.endswith(os.path.join(".keras", "keras.json")))
+
+
+def _start(cmd, local, emu_env, script=None, **extra):
+  """Starts `cmd` (a main_cmd) with cwd, HOME and TMPDIR in the watched local dirs."""
+  if script is not None:
+    cmd = [cmd[0], "-c", script] + cmd[3:]
+  env = h.env(**emu_env, HOME=local["home"], TMPDIR=local["tmp"], **extra)
+  # Output to unnamed files of the test process (no pipe fills while another run is awaited).
+  files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
+  return subprocess.Popen(cmd, env=env, cwd=local["cwd"], stdout=files[0], stderr=files[1]), files
+
+
+def _wait(*started) -> list[subprocess.CompletedProcess]:
+  out = []
+  for proc, files in started:
+    proc.wait(timeout=300)
+    text = []
+    for f in files:
+      f.seek(0)
+      text.append(f.read().decode(errors="replace"))
+      f.close()
+    out.append(subprocess.CompletedProcess(proc.args, proc.returncode, *text))
+  return out
+
+
+def _run(cmd, local, emu_env, **extra) -> subprocess.CompletedProcess:
+  return _wait(_start(cmd, local, emu_env, **extra))[0]
+
+
+def _why(r) -> str:
+  """A failed run's stderr: its start (the first error) and its end."""
+  return r.stderr if len(r.stderr) < 8000 else r.stderr[:5000] + "\n...\n" + r.stderr[-3000:]
+
+
+def _losses(gcs, run_dir: str, dest: str) -> dict[int, float]:
+  """step -> loss of the TensorBoard run dir `run_dir` in the bucket, read with tensorboard."""
+  os.makedirs(dest)
+  for name in gcs.ls(run_dir, detail=False):
+    gcs.get(name, os.path.join(dest, os.path.basename(name)))
+  return h.scalars(dest)["loss"]
+
+
+def test_job_in_a_bucket(emulator, tmp_path):
+  local = {k: str(tmp_path / k) for k in ("cwd", "home", "tmp")}
+  for d in local.values():
+    os.makedirs(d)
+  gcs, env = emulator.filesystem(), emulator.env()
+  ref, job = "gs://bucket/ref", "gs://bucket/job"
+
+  # The uninterrupted reference and the run killed after its step-3 checkpoint, side by side.
+  r, killed = _wait(_start(h.main_cmd("TinyLm", ref, *BASE), local, env),
+                    _start(h.main_cmd("TinyLm", job, *BASE), local, env,
+                           script=h.KILL_AFTER_SAVE, KILL_AFTER_COMMITTED_STEP="3"))
+  assert r.returncode == 0, _why(r)
+  assert f"job dir {ref} " in r.stdout  # never ./gs:/bucket/...
+  assert killed.returncode == -signal.SIGKILL, _why(killed)
+  assert sorted(n.rsplit("/", 1)[1] for n in gcs.ls("bucket/job/checkpoints")
+                if n.rsplit("/", 1)[1].isdigit()) == ["3"]
+  resumed = _run(h.main_cmd("TinyLm", job, *BASE), local, env)
+  assert resumed.returncode == 0, _why(resumed)
+  assert "Resuming from the checkpoint at step 3" in resumed.stdout
+  want = _losses(gcs, "bucket/ref/summaries/train", str(tmp_path / "ref_tb"))
+  got = _losses(gcs, "bucket/job/summaries/train", str(tmp_path / "job_tb"))
+  assert sorted(want) == sorted(got) == list(range(1, 7))
+  for step in range(1, 7):
+    assert got[step] == pytest.approx(want[step], rel=1e-6), step
+
+  # Eval and decode read the job side by side (they write different files).
+  ev, dec = _wait(_start(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=eval"]), local, env),
+                  _start(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=decode"]), local, env))
+  assert ev.returncode == 0, _why(ev)
+  assert dec.returncode == 0, _why(dec)
+  lines = [json.loads(x) for x in gcs.cat("bucket/job/eval_metrics.jsonl").decode().splitlines()]
+  assert [(x["dataset"], x["step"]) for x in lines] == [("eval", 6)]
+  assert 0 < lines[0]["loss"] < 10
+  ev_tb = str(tmp_path / "eval_tb")
+  os.makedirs(ev_tb)
+  for name in gcs.ls("bucket/job/summaries/eval_eval", detail=False):
+    gcs.get(name, os.path.join(ev_tb, os.path.basename(name)))
+  assert h.scalars(ev_tb)["loss"] == {6: pytest.approx(lines[0]["loss"], rel=1e-6)}
+
+  out = [n for n in gcs.ls("bucket/job/decoder_out", detail=False)]
+  assert len(out) == 1 and out[0].endswith("_step6.jsonl"), out
+  rows = [json.loads(x) for x in gcs.cat(out[0]).decode().splitlines()]
+  assert len(rows) == 16 and all(len(r["output_ids"]) > 0 for r in rows)
+
+  names = {n.split("/", 2)[2] for n in gcs.find("bucket/job")}
+  assert {"config.txt", "config_eval.txt", "config_decode.txt"} <= names
+  assert any(n.startswith("logs/") for n in names)
+  assert not [n for n in names if n.startswith(".write_probe")]
+  # Nothing of the job on the local disk: not in the working dir, HOME or TMPDIR.
+  assert [_files(d) for d in local.values()] == [[], [], []]
+
+
+@pytest.mark.parametrize("where", ["no_bucket", "nobody_listens"])
+def test_unreachable_bucket_exits_2_fast_and_writes_nothing(emulator, tmp_path, where):
+  local = {k: str(tmp_path / k) for k in ("cwd", "home", "tmp")}
+  for d in local.values():
+    os.makedirs(d)
+  url = emulator.url if where == "no_bucket" else f"http://127.0.0.1:{gcs_emulator.free_port()}"
+  t0 = time.perf_counter()
+  r = _run(h.main_cmd("TinyLm", "gs://no-such-bucket/job", *BASE), local,
+           gcs_emulator.env_for(url))
+  seconds = time.perf_counter() - t0
+  assert r.returncode == 2, _why(r)
+  assert seconds < 60
+  err = r.stderr.strip().splitlines()[-1]
+  assert err.startswith("spmdtask: config error: --job_log_dir='gs://no-such-bucket/job' cannot "
+                        "be reached"), _why(r)
+  assert "Traceback" not in r.stderr
+  assert [_files(d) for d in local.values()] == [[], [], []]
+  print(f"{where}: exit 2 after {seconds:.1f} s: {err}")
