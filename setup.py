@@ -22,6 +22,7 @@ setuptools.setup(
         "sentencepiece>=0.2,<0.3",
         "safetensors>=0.4.3,<0.9",
         "ml-dtypes>=0.5",
+        "tokenizers>=0.15",  # an imported model's tokenizer.json (hf:PATH)
         # gs:// job and data dirs (spmdtask/fs.py); google-cloud-storage: its start-up probe.
         "fsspec>=2024.6",
         "gcsfs>=2024.6",

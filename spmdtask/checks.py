@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask.errors import ConfigError
+from spmdtask import remat
 
 
 def positive(where: str, **fields) -> None:
@@ -19,11 +20,8 @@ def in_range(field: str, value, lo: float, hi: float, fix: str = "") -> None:
 
 
 def remat_policy(field: str, policy) -> None:
-  """None or the name of a `jax.checkpoint_policies` policy."""
-  names = sorted(n for n in dir(jax.checkpoint_policies) if not n.startswith("_"))
-  if policy is not None and (not isinstance(policy, str) or policy not in names):
-    raise ConfigError(f"{field}={policy!r} is not a jax.checkpoint_policies name; use None (no "
-                      f"remat) or one of: {', '.join(names)}.")
+  """None, a preset of spmdtask.remat or a `jax.checkpoint_policies` policy name."""
+  remat.check(field, policy)
 
 
 def dtype(field: str, value: str) -> None:

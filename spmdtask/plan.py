@@ -12,6 +12,8 @@ runs), and reports:
                (arguments + outputs - aliased + temporaries);
   FLOPs, HBM   XLA's cost analysis per step, loop bodies counted per trip
                (spmdtask.xla_cost), beside the model's own FLOPs formula;
+  remat        device and host (offloaded) temporaries, traced matmul FLOPs against the
+               same step's without remat (spmdtask.remat_cost);
   collectives  by kind, with result bytes per device per step (spmdtask.hlo);
   estimate     with a chip's facts, the roofline lower bound of the step time, and the
                tokens/s and MFU ceilings it implies (spmdtask.roofline);
@@ -31,7 +33,7 @@ import sys
 
 import jax
 
-from spmdtask import console, fs, hlo, memory, roofline, sharding, targets, xla_cost
+from spmdtask import console, fs, hlo, layouts, memory, remat_cost, roofline, sharding, targets, xla_cost
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.inputs import global_batch
@@ -196,7 +198,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       flops = max(flops, model_flops / n)
     report["estimate"] = roofline.estimate(
         target.chip, flops, step["bytes accessed"], traffic["ici"], traffic["dcn"],
-        model_flops / n, tokens)
+        model_flops / n, tokens, remat_cost.host_transfer_bytes(compiled.memory_analysis()))
   return report
 
 
@@ -229,7 +231,12 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
                              float(program.work.tokens) * batch_shape[0])
   except CompilerOutOfMemory as e:
-    log_text, report = "", {"compiler_out_of_memory": str(e)}
+    compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
+  if len(lowerings) == 1:  # one SPMD program (an MPMD plan reports per stage instead)
+    state = layouts.sharded_structs(program.mesh, program.layout.padded, program.layout.split)
+    batch = layouts.sharded_structs(program.mesh, global_batch.global_shapes(example),
+                                    program.batch_specs)
+    report["remat"] = remat_cost.plan_section(program, example, state, batch, compiled)
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
@@ -315,6 +322,8 @@ def format_plan(plan: dict) -> list[str]:
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
+  if "remat" in plan:
+    lines.append(remat_line(plan["remat"]))
   lines += format_estimate(plan)
   for st in plan.get("stages", []):
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
@@ -333,6 +342,14 @@ def format_plan(plan: dict) -> list[str]:
         f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}")
   lines += [f"warning: {w}" for w in plan["warnings"]]
   return lines
+
+
+def remat_line(r: dict) -> str:
+  """The console line of a plan's remat section."""
+  return (f"remat: device temporaries {console.human_bytes(r['device_temp_bytes'])}, offloaded "
+          f"to host {console.human_bytes(r['host_temp_bytes'])} ({console.human_bytes(r['host_transfer_bytes'])} "
+          f"over the host link per step); matmul FLOPs per device {r['flops_per_device']:.4g} = "
+          f"{r['flops_ratio']:.3f}x no remat's")
 
 
 def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None) -> None:

@@ -5,7 +5,9 @@ Each per-chip resource gives a time the step cannot beat:
   hbm      XLA's HBM bytes accessed per chip per step / the HBM bandwidth;
   ici      bytes a chip receives in the collectives within its slice / its ICI ingress
            bandwidth (half the documented bidirectional figure);
-  dcn      the same for collectives that cross slices / its share of the DCN.
+  dcn      the same for collectives that cross slices / its share of the DCN;
+  host_link  bytes of offloaded activations (remat `*_offloaded` presets) moved between
+           HBM and host memory / the chip's host link (PCIe) bandwidth.
 The step takes at least the largest (they may overlap perfectly, never better), which
 bounds tokens/s from above and the MFU (model FLOPs / (step time x peak)) too.
 """
@@ -30,7 +32,7 @@ def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
 
 
 def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_bytes: float,
-             model_flops: float, tokens: float) -> dict:
+             model_flops: float, tokens: float, host_bytes: float = 0.0) -> dict:
   """The roofline of one step; every argument is per chip per step but `tokens` (the
   step's tokens over all chips) and `model_flops` (the model formula's, per chip)."""
   terms = {"compute": flops / chip.peak_bf16_flops_per_s,
@@ -43,6 +45,12 @@ def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_b
     else:
       notes.append(f"{chip.name} has no documented per-chip DCN bandwidth: the "
                    f"{dcn_bytes:.3g} DCN bytes per step are not in the bound.")
+  if host_bytes:
+    if chip.host_link_bytes_per_s:
+      terms["host_link"] = host_bytes / chip.host_link_bytes_per_s
+    else:
+      notes.append(f"{chip.name} has no documented host link bandwidth: the {host_bytes:.3g} "
+                   "offload bytes per step are not in the bound.")
   bound = max(terms, key=terms.get)
   step = terms[bound]
   return {"seconds": terms, "bound": bound, "step_seconds_lower_bound": step,

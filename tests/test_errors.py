@@ -92,6 +92,9 @@ def test_corrupt_checkpoint_names_its_step_and_an_earlier_one(tmp_path):
 @pytest.mark.parametrize("overrides,needle", [
     (["task.train.num_train_steps='abc'"], "task.train.num_train_steps='abc'"),
     ([f"{M}.num_kv_heads=3"], "num_kv_heads=3"),
+    ([f"{M}.remat_policy='offload_dot_with_no_batch_dims'"],
+     f"{M}.remat_policy='offload_dot_with_no_batch_dims' is a jax.checkpoint_policies factory"),
+    ([f"{M}.remat_policy='minimal_offload'"], f"{M}.remat_policy='minimal_offload' is not a"),
     ([f"{M}.attention_impl='flash'"], f"{M}.attention_impl='flash'"),
 ])
 def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):

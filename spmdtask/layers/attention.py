@@ -10,9 +10,9 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask.layers import rope
-from spmdtask.layers import fused_attention
+from spmdtask.layers import fused_attention, remat, rope
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
 
 
@@ -119,9 +119,13 @@ class Attention(nn.Module):
     wv = weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
     wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
     dt = self.dtype
-    q = constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)), self.heads_act_split)
-    k = constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)), self.heads_act_split)
-    v = constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)), self.heads_act_split)
+    # Named for the remat presets (spmdtask.remat): what a backward may keep.
+    q = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)),
+                                  self.heads_act_split), remat.Q_PROJ)
+    k = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)),
+                                  self.heads_act_split), remat.K_PROJ)
+    v = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)),
+                                  self.heads_act_split), remat.V_PROJ)
     if self.rope_theta is not None:
       q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
       k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)
@@ -136,4 +140,5 @@ class Attention(nn.Module):
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
     out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
                     self.heads_act_split)
-    return jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), cache
+    out = checkpoint_name(out, remat.ATTN_CONTEXT)
+    return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), remat.ATTN_OUT), cache

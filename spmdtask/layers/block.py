@@ -7,7 +7,9 @@ A block's split-dims mappings come in two objects with these fields (the LM's
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
+from spmdtask import remat
 from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
@@ -27,14 +29,17 @@ class Mlp(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
     w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-    h = constrain(x @ w_in.astype(dt), self.ff_act_split)
+    # Named for the remat presets (spmdtask.remat): what a backward may keep.
+    h = checkpoint_name(constrain(x @ w_in.astype(dt), self.ff_act_split), remat.MLP_UP)
     if self.activation == "swiglu":
       w_gate = weight(self, "wg", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-      h = jax.nn.silu(constrain(x @ w_gate.astype(dt), self.ff_act_split)) * h
+      gate = checkpoint_name(constrain(x @ w_gate.astype(dt), self.ff_act_split), remat.MLP_GATE)
+      h = jax.nn.silu(gate) * h
     else:
       h = jax.nn.gelu(h)
+    h = checkpoint_name(h, remat.MLP_HIDDEN)
     w_out = weight(self, "wo", (self.d_ff, self.d_model), self.out_split, dense_init(0, 1))
-    return h @ w_out.astype(dt)
+    return checkpoint_name(h @ w_out.astype(dt), remat.MLP_OUT)
 
 
 class Block(nn.Module):

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from spmdtask import remat
 from spmdtask.model import LayoutMap
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
@@ -72,8 +73,7 @@ class LayerStack(nn.Module):
     """The block class under `remat_policy` (or unchanged without one)."""
     if not self.remat_policy:
       return self.block_cls
-    return nn.remat(self.block_cls, policy=getattr(jax.checkpoint_policies, self.remat_policy),
-                    prevent_cse=False)
+    return nn.remat(self.block_cls, policy=remat.policy(self.remat_policy), prevent_cse=False)
 
   def scan_layers(self, x: jax.Array, side: tuple, keys: jax.Array | None, *, start: int = 0,
                   length: int | None = None, name: str = BLOCK) -> jax.Array:

@@ -49,7 +49,8 @@ class TransformerLm(nn.Module):
 
   `loss(batch)` is the training objective; `__call__` gives logits. The layers are a
   `LayerStack` (one compiled layer body whatever the depth, rematerialized under
-  `remat_policy`, a `jax.checkpoint_policies` name or None); the framework sets
+  `remat_policy`: a preset of spmdtask.remat such as 'minimal' or
+  'minimal_offloaded', a `jax.checkpoint_policies` policy name, or None); the framework sets
   `execution` from `task.pipeline` to pipeline them. Params stay float32; compute runs
   in `fprop_dtype`.
   """

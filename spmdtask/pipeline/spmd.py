@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask import checks, spmd_program
 from spmdtask.errors import ConfigError
+from spmdtask import remat
 from spmdtask.model import LayoutMap
 from spmdtask.strategy import StackFacts
 
@@ -45,7 +46,8 @@ class PipelineConfig:
     circular_repeat: R, how many times a microbatch loops over the stages. R = 1 is
       GPipe. R > 1 requires M >= S (a ConfigError otherwise; M < S would leave
       stage 0 without work while it waits for its first microbatch to come back).
-    remat_policy: name of a `jax.checkpoint_policies` member applied to the work of
+    remat_policy: a remat policy name (spmdtask.remat: a preset over the layers'
+      named activations, or a `jax.checkpoint_policies` policy) applied to the work of
       one stage in one iteration, or None for no rematerialization.
     stage_axis: name of the mesh axis that holds the stages.
     unroll: fully unroll the iteration loop and the per-stage layer loop (for FLOP
@@ -296,9 +298,7 @@ def pipeline_apply(
   n_iter = m_n * r_n + s_n - 1
   ring = m_n - s_n + 1  # ring-buffer slots for microbatches looping back (R > 1)
   fill = 0.0 if _bubble_fill is None else _bubble_fill
-  policy = (
-      None if config.remat_policy is None else getattr(jax.checkpoint_policies, config.remat_policy)
-  )
+  policy = remat.policy(config.remat_policy)
 
   def run_stage(params, r, h, bargs, margs):
     w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, False), params)

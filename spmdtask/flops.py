@@ -1,0 +1,83 @@
+"""Matmul FLOPs of a traced step, loops multiplied out: what remat's recompute costs. Pure.
+
+`compiled.cost_analysis()` counts a loop body once, and a train step's layers,
+microbatches and pipeline iterations are loops, so it cannot tell a policy that
+recomputes each layer's forward from one that does not. The jaxpr of the differentiated
+step can: the backward of a rematerialized layer holds the recomputed forward
+explicitly, and a scan says how many times its body runs. This counts 2·M·N·K per
+`dot_general` (and per convolution output element and kernel tap) through every
+nested jaxpr, times the trip counts of the scans around it, the manual shards of a
+`shard_map` (whose body is traced per shard) and the grid of a Pallas kernel (its body
+works on one block; a kernel's own `cost_estimate` wins where it gives one). A `while`
+with no static trip count counts once. Elementwise work is not counted: on a
+transformer it is a small share, and remat changes it in proportion.
+"""
+import math
+from typing import Any, Callable
+
+import jax
+from jax.extend import core
+
+
+def _dot_flops(eqn) -> float:
+  lhs = eqn.invars[0].aval
+  (contract, _), _ = eqn.params["dimension_numbers"]
+  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs.shape[d] for d in contract)
+
+
+def _conv_flops(eqn) -> float:
+  rhs = eqn.invars[1].aval
+  dn = eqn.params["dimension_numbers"]
+  out_feature = rhs.shape[dn.rhs_spec[0]]
+  return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs.shape) / out_feature
+
+
+_COUNTERS = {"dot_general": _dot_flops, "conv_general_dilated": _conv_flops}
+
+
+def _sub_jaxprs(params: dict[str, Any]):
+  for value in params.values():
+    for v in (value if isinstance(value, (tuple, list)) else (value,)):
+      if isinstance(v, core.ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, core.Jaxpr):
+        yield v
+
+
+def _repeats(eqn) -> int:
+  """How many times an equation's sub-jaxprs run per run of the equation."""
+  name = eqn.primitive.name
+  if name == "pallas_call":  # the kernel body runs once per grid point, on blocks
+    return math.prod(int(g) for g in eqn.params["grid_mapping"].grid)
+  if name == "scan":
+    return int(eqn.params["length"])
+  if name == "shard_map":
+    mesh = eqn.params["mesh"]
+    manual = eqn.params.get("newly_manual_axes") or mesh.axis_names
+    return math.prod(mesh.shape[a] for a in manual)
+  return 1
+
+
+def jaxpr_flops(jaxpr: core.Jaxpr) -> float:
+  """Matmul FLOPs of one run of `jaxpr` (all devices together)."""
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    count = _COUNTERS.get(eqn.primitive.name)
+    if count is not None:
+      total += count(eqn)
+      continue
+    estimate = eqn.params.get("cost_estimate") if eqn.primitive.name == "pallas_call" else None
+    if estimate is not None and estimate.flops:
+      total += float(estimate.flops)  # the kernel's own count (e.g. a causal mask's skips)
+      continue
+    subs = [jaxpr_flops(j) for j in _sub_jaxprs(eqn.params)]
+    if eqn.primitive.name == "cond":
+      total += max(subs, default=0.0)  # one branch runs
+    else:
+      total += _repeats(eqn) * sum(subs)
+  return total
+
+
+def traced_flops(fn: Callable, *args) -> float:
+  """Matmul FLOPs of one call `fn(*args)` (args may be ShapeDtypeStructs), all devices."""
+  return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
