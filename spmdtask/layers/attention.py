@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask.layers import fused_attention, remat, rope
+from spmdtask import remat
+from spmdtask.layers import fused_attention, rope
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
 
 
