@@ -15,13 +15,17 @@ class Lowering(NamedTuple):
 
   name: e.g. 'train step' or 'stage 1 part 1 forward'; stage: the pipeline stage it runs
   on (None: every device); mesh: the devices it runs on; lower: `() -> jax Lowered` (from
-  ShapeDtypeStructs: nothing is allocated); calls_per_step: how often one step runs it.
+  ShapeDtypeStructs: nothing is allocated); calls_per_step: how often one step runs it;
+  fn, args: the jitted function and its abstract args, for tracing it (e.g. FLOPs of the
+  traced step), where the program exposes them.
   """
   name: str
   stage: int | None
   mesh: Mesh
   lower: Callable[[], Any]
   calls_per_step: int = 1
+  fn: Callable[..., Any] | None = None
+  args: tuple = ()
 
 
 def sharded_structs(mesh: Mesh, shapes, specs):

@@ -33,7 +33,7 @@ import sys
 
 import jax
 
-from spmdtask import (console, fs, hlo, layouts, memory, plan_console, remat_cost, roofline,
+from spmdtask import (console, fs, hlo, memory, plan_console, remat_cost, roofline,
                       sharding, targets, xla_cost)
 from spmdtask import program as program_lib
 from spmdtask.errors import PlanExceeded
@@ -233,11 +233,8 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
                              float(program.work.tokens) * batch_shape[0])
   except CompilerOutOfMemory as e:
     compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
-  if len(lowerings) == 1:  # one SPMD program (an MPMD plan reports per stage instead)
-    state = layouts.sharded_structs(program.mesh, program.layout.padded, program.layout.split)
-    batch = layouts.sharded_structs(program.mesh, global_batch.global_shapes(example),
-                                    program.batch_specs)
-    report["remat"] = remat_cost.plan_section(program, example, state, batch, compiled)
+  if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
+    report["remat"] = remat_cost.plan_section(program, example, lowerings[0], compiled)
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,

@@ -32,10 +32,11 @@ def without_remat(task: Task) -> Task:
   return dataclasses.replace(task, model=model, pipeline=pipeline)
 
 
-def step_flops(program, state, batch) -> float:
-  """Matmul FLOPs of one train step of `program` on (abstract) state and batch, all devices."""
-  with jax.set_mesh(program.mesh):
-    return flops.traced_flops(program.train, state, batch)
+def step_flops(lowering) -> float:
+  """Matmul FLOPs of one train step (a `layouts.Lowering` with its fn and abstract args),
+  all devices."""
+  with jax.set_mesh(lowering.mesh):
+    return flops.traced_flops(lowering.fn, *lowering.args)
 
 
 def host_transfer_bytes(memory_analysis) -> int:
@@ -63,11 +64,11 @@ def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: 
   return out
 
 
-def plan_section(program, example_local_batch, state, batch, compiled) -> dict:
-  """`report` for a compiled SPMD train step on (abstract) `state` and `batch`: traces it,
-  and the same task without remat on the same devices (same state layout), for FLOPs."""
+def plan_section(program, example_local_batch, lowering, compiled) -> dict:
+  """`report` for a compiled SPMD train step (`lowering`, with its fn and abstract args):
+  traces it, and the same task without remat on the same devices, for FLOPs."""
   base = program_lib.setup(without_remat(program.task), example_local_batch,
                            devices=list(program.mesh.devices.flat))
   n = program.mesh.devices.size
-  return report(compiled and compiled.memory_analysis(), step_flops(program, state, batch) / n,
-                step_flops(base, state, batch) / n)
+  return report(compiled and compiled.memory_analysis(), step_flops(lowering) / n,
+                step_flops(base.lowerings(example_local_batch)[0]) / n)

@@ -79,7 +79,8 @@ class SpmdProgram:
     state = layouts.sharded_structs(self.mesh, self.layout.padded, self.layout.split)
     batch = layouts.sharded_structs(
         self.mesh, global_batch.global_shapes(example_local_batch), self.batch_specs)
-    return [layouts.Lowering("train step", None, self.mesh, lambda: self._train.lower(state, batch))]
+    return [layouts.Lowering("train step", None, self.mesh, lambda: self._train.lower(state, batch),
+                             fn=self._train.jitted, args=(state, batch))]
 
 
 def build(task, strategy, example_local_batch, devices=None) -> SpmdProgram:

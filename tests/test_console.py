@@ -19,6 +19,7 @@ from tests import subproc
 SPMDTASK_LINES = re.compile("|".join([
     r"lm\.TinyLm: [\d.]+[KMB]? params on mesh .+ devices?\); train state .+ tokens/step\)",
     r"job dir \S+ \(config\.txt, checkpoints/, summaries/, logs/\)",
+    r"strategy scan \(one program, layers scanned\)",
     r"(Starting|Resuming from the checkpoint) at step \d+; training to step \d+\.",
     r"step \d+/\d+  loss \S+  .+ tokens/s  MFU .+ ETA \S+",
     r"Done at step \d+ \(loss \S+\) in \S+; checkpoint in \S+\.",

@@ -42,7 +42,7 @@ def test_text_chart_and_balancing():
   assert out.returncode == 0, out.stderr
   assert "stage0: F0 F1 ...I0 W0 I1 W1\nstage1: ...F0 I0 F1 I1 W0 W1" in out.stdout
   assert "bubble fraction (max over stages) 0.1429" in out.stdout  # (p-1)/(3m+p-1) = 1/7
-  assert "balanced cuts of 4 layer costs into 2 parts: [3]" in out.stdout
+  assert "balanced cuts of 4 layer costs into 2 parts: layer_cuts=(3,)" in out.stdout
   bal = plan_json("--stages=3", "--layer_costs=5,1,1,1,1,1,1,5")
   assert (bal["cuts"], bal["stage_costs"]) == ([1, 6], [5.0, 5.0, 6.0])
 
@@ -88,6 +88,7 @@ def test_bad_flags(flags, needle):
 def test_layer_costs_from_an_experiment():
   out = plan_json("--stages=2", "--exp=lm.TinyLm", "--fdl_set=task.model.vocab_size=4096")
   costs = out["layer_costs"]
-  assert len(costs) == 6 and costs[-1] > 1.9 * costs[1]  # a big-vocabulary head
-  assert out["cuts"] == [4]  # so it gets only one block beside it
-  assert out["stage_costs"] == [sum(costs[:4]), sum(costs[4:])]
+  # One cost per layer: the embedding runs with layer 0, the big-vocabulary head with layer 3.
+  assert len(costs) == 4 and costs[-1] > 1.9 * costs[1]
+  assert out["cuts"] == [3]  # layer_cuts=(3,): the last layer and the head alone
+  assert out["stage_costs"] == [sum(costs[:3]), sum(costs[3:])]
