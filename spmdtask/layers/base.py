@@ -20,9 +20,26 @@ def constrain(x: jax.Array, split: SplitDims | None) -> jax.Array:
 
   A no-op outside one (e.g. a layer applied eagerly in a unit test).
   """
-  if split is None or jax.sharding.get_abstract_mesh().empty:
+  mesh = jax.sharding.get_abstract_mesh()
+  if split is None or mesh.empty:
     return x
+  manual = set(mesh.manual_axes)
+  if manual:  # inside a shard_map those axes are split by hand: name only the others
+    split = [tuple(a for a in e if a not in manual) or None if isinstance(e, tuple) else
+             None if e in manual else e for e in split]
   return jax.lax.with_sharding_constraint(x, P(*split))
+
+
+def manual_row_offset(rows: int) -> jax.Array | int:
+  """The global id of this device's first row when `rows` rows per device are split by
+  hand over the manual axes of the context (MPMD's per-device gradient accumulation runs
+  a stage's part under a shard_map manual over its data axes), in mesh order; 0 outside
+  one. Only valid where every manual axis splits the rows."""
+  mesh = jax.sharding.get_abstract_mesh()
+  index = 0
+  for name in () if mesh.empty else mesh.manual_axes:
+    index = index * dict(mesh.shape)[name] + jax.lax.axis_index(name)
+  return index * rows
 
 
 def dense_init(in_axis, out_axis) -> Callable:

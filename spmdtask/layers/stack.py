@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask import remat
+from spmdtask.layers import base
 from spmdtask.model import LayoutMap
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
@@ -61,7 +62,9 @@ class LayerStack(nn.Module):
     return bool(self.block_kwargs.get("dropout_rate")) and self.has_rng("dropout")
 
   def _row_ids(self, x):
-    return jnp.arange(x.shape[0], dtype=jnp.int32) if self._dropout() else None
+    if not self._dropout():
+      return None
+    return jnp.arange(x.shape[0], dtype=jnp.int32) + base.manual_row_offset(x.shape[0])
 
   def layer_keys(self) -> jax.Array | None:
     """Dropout key data `[num_layers, 2]` uint32 (one stream per layer), or None."""

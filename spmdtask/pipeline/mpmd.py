@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import steps
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline import mpmd_cross
+from spmdtask.pipeline import mpmd_cross, mpmd_local, mpmd_programs
 from spmdtask.pipeline.mpmd_run import Runner, backward_flops
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline.mpmd_parts import (Part, RunResult, StageSpec, check_meshes, flat_specs,
@@ -62,7 +62,7 @@ class Pipeline:
   """A loss function cut into stages on submeshes, and a schedule to run it (module doc)."""
 
   def __init__(self, loss_fn: Callable, params, microbatch, stages: Sequence[StageSpec],
-               schedule: Schedule, has_aux: bool = False):
+               schedule: Schedule, has_aux: bool = False, rows_are_sums: bool = False):
     self.stages, self.schedule, self.has_aux = tuple(stages), schedule, has_aux
     S, V = schedule.num_stages, schedule.num_chunks
     check_meshes(self.stages, S)
@@ -94,7 +94,9 @@ class Pipeline:
                          for x in jax.tree.leaves(microbatch)]
     self._split_parts = {schedule.virtual_stage(s, a.chunk)
                          for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
+    self.dp = tuple(self._dp_axes(s, rows_are_sums) for s in range(S))
     self.parts = tuple(self._build_part(v) for v in range(S * V))
+    self._reduce = [self._reduce_program(s) for s in range(S)]
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
     self.order = execution_order(schedule, self.parts, self.values)
@@ -132,11 +134,23 @@ class Pipeline:
 
   def _traced_on_stage(self, v: int) -> split_lib.Stage:
     """Part v traced under its stage's submesh, so the model's activation sharding
-    constraints (split-dims mappings) apply inside the stage; the same cut as `staged`."""
+    constraints (split-dims mappings) apply inside the stage; the same cut as `staged`.
+    With per-device accumulation (`dp`), traced on one device's rows inside the stage's
+    manual context (mpmd_local)."""
     s = self.part_stage[v]
     if s not in self._under_mesh:
-      with jax.set_mesh(self.stages[s].mesh):
-        self._under_mesh[s] = split_lib.split(*self._split_args)
+      mesh, dp = self.stages[s].mesh, self.dp[s]
+      if dp:
+        loss_fn, params, micro = self._split_args
+        n = mpmd_local.size(mesh, dp)
+        micro = jax.tree.unflatten(self.batch_tree, [
+            jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]) if split else x.shape, x.dtype)
+            for x, split in zip(jax.tree.leaves(micro), self._rows_split(s))])
+        self._under_mesh[s] = mpmd_local.trace_local(
+            lambda: split_lib.split(loss_fn, params, micro), mesh, dp)
+      else:
+        with jax.set_mesh(mesh):
+          self._under_mesh[s] = split_lib.split(*self._split_args)
     got, want = self._under_mesh[s].stages[v], self.staged.stages[v]
     if (got.arg_leaves, got.incoming, got.outgoing) != (want.arg_leaves, want.incoming,
                                                         want.outgoing):
@@ -144,21 +158,60 @@ class Pipeline:
                        "than without a mesh; keep sharding constraints off stage boundaries.")
     return got
 
+  def _rows_split(self, s: int) -> list[bool]:
+    """Per batch leaf: whether stage s splits its rows (a dim-0 entry in its spec)."""
+    return [len(sp) > 0 and sp[0] is not None for sp in self.batch_specs[s]]
+
+  def _dp_axes(self, s: int, rows_are_sums: bool) -> tuple[str, ...]:
+    """Stage s's per-device accumulation axes (mpmd_local.dp_axes), () if none: every
+    boundary value and row-split batch leaf of its parts must split its rows over them."""
+    if not rows_are_sums:
+      return ()
+    spec = self.stages[s]
+    ids = {i for st in self.staged.stages if self.part_stage[st.index] == s
+           for i in st.incoming + st.outgoing}
+    rows = [spec.spec_for(self.values[i].aval) for i in sorted(ids)]
+    rows += [sp for sp, split in zip(self.batch_specs[s], self._rows_split(s)) if split]
+    return mpmd_local.dp_axes(spec.mesh, rows, self.param_specs[s])
+
   def sharding(self, stage: int, key: str) -> NamedSharding:
     spec = self.param_specs[stage][self.paths.index(key)]
     return NamedSharding(self.stages[stage].mesh, spec)
+
+  def acc_specs(self, stage: int) -> tuple[P, ...]:
+    """PartitionSpecs of the stage's gradient accumulators, in stage_keys order: like the
+    params, or stacked per device (`[D, ...]`) on its dp axes."""
+    dp = self.dp[stage]
+    specs = [self.param_specs[stage][self.paths.index(k)] for k in self.stage_keys[stage]]
+    return tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in specs)
 
   def _zeros_program(self, stage: int) -> steps.Partitioned:
     """`() -> zeros` for the stage's params: the gradient accumulators of one step."""
     keys = self.stage_keys[stage]
     shapes = dict(zip(self.paths, self.param_shapes))
-    specs = tuple(self.param_specs[stage][self.paths.index(k)] for k in keys)
-    return steps.partition(lambda: tuple(jnp.zeros(shapes[k].shape, shapes[k].dtype)
-                                         for k in keys), self.stages[stage].mesh, (), specs)
+    lead = (mpmd_local.size(self.stages[stage].mesh, self.dp[stage]),) if self.dp[stage] else ()
+    return steps.partition(lambda: tuple(jnp.zeros(lead + shapes[k].shape, shapes[k].dtype)
+                                         for k in keys), self.stages[stage].mesh, (),
+                           self.acc_specs(stage))
+
+  def _reduce_program(self, stage: int) -> steps.Partitioned | None:
+    dp = self.dp[stage]
+    if not dp:
+      return None
+    keys = self.stage_keys[stage]
+    return mpmd_local.reduce_program(self.stages[stage].mesh, dp, tuple(
+        self.param_specs[stage][self.paths.index(k)] for k in keys))
+
+  def reduce(self, stage: int, acc: dict) -> dict:
+    """The stage's accumulated gradients, reduced over its dp axes (once per step)."""
+    if self._reduce[stage] is None:
+      return acc
+    keys = self.stage_keys[stage]
+    return dict(zip(keys, self._reduce[stage](tuple(acc[k] for k in keys))))
 
   def _build_part(self, v: int) -> Part:
     st, s = self._traced_on_stage(v), self.part_stage[v]
-    spec = self.stages[s]
+    spec, dp = self.stages[s], self.dp[s]
     last = v == self.staged.num_stages - 1
     pleaves = [i for i in st.arg_leaves if i < self.num_params]
     bleaves = tuple(i - self.num_params for i in st.arg_leaves if i >= self.num_params)
@@ -189,24 +242,36 @@ class Pipeline:
     act = lambda ids: tuple(spec.spec_for(aval(i)) for i in ids)
 
     def constrain(xs, ids):  # values arrive in their sender's layout (see `_send`)
+      if dp:  # inside the stage's shard_map: the automatic axes only
+        return tuple(jax.lax.with_sharding_constraint(x, mpmd_local.strip(sp, dp))
+                     for x, sp in zip(xs, act(ids)))
       return tuple(jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, sp))
                    for x, sp in zip(xs, act(ids)))
 
-    split_progs = {}
+    fns = {"fwd": fwd, "bwd": bwd_acc}
+    kept, num_res = (), 0
     if v in self._split_parts:
-      args = ([self.param_shapes[i] for i in pleaves], [self.batch_avals[j] for j in bleaves],
-              jax.ShapeDtypeStruct((), jnp.int32), [aval(i) for i in float_in],
-              [aval(i) for i in int_in])
-      split_progs = split_backward(fwd, bwd, args,
-                                    (lambda c: c) if last else lambda c: constrain(c, float_out),
-                                    spec.mesh, pspecs, act(float_in))
-    out_specs = (((P(),), None, None) if last else
-                 (act(float_out), None, act(int_out)))
-    fwd_p = steps.partition(fwd, spec.mesh, (pspecs, bspecs, P(), None, None), out_specs)
-    bwd_p = steps.partition(bwd_acc, spec.mesh, (None, (P(),) if last else None, pspecs),
-                            (pspecs, act(float_in)), donate_argnums=(2,))
+      local = lambda a, split=True: (jax.ShapeDtypeStruct(
+          (a.shape[0] // mpmd_local.size(spec.mesh, dp), *a.shape[1:]), a.dtype) if dp and split
+                                     else a)
+      rows = self._rows_split(s)
+      args = ([self.param_shapes[i] for i in pleaves],
+              [jax.ShapeDtypeStruct((a.shape[0], *local(
+                  jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows[j]).shape), a.dtype)
+               for j, a in ((j, self.batch_avals[j]) for j in bleaves)],
+              jax.ShapeDtypeStruct((), jnp.int32), [local(aval(i)) for i in float_in],
+              [local(aval(i)) for i in int_in])
+      cut = lambda: split_backward(fwd, bwd, args,
+                                   (lambda c: c) if last else lambda c: constrain(c, float_out))
+      fns["input_grad"], fns["weight_grad"], kept, num_res = (
+          mpmd_local.trace_local(cut, spec.mesh, dp) if dp else cut())
+    progs = mpmd_programs.partition_part(
+        fns, spec.mesh, dp, last=last, kept=kept, num_res=num_res, pspecs=pspecs, bspecs=bspecs,
+        acc_specs=tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in pspecs),
+        rows=tuple(self._rows_split(s)[j] for j in bleaves),
+        act_in=act(float_in), act_out=act(float_out), act_int_out=act(int_out))
     return Part(v, s, tuple(self.paths[i] for i in pleaves), bleaves, float_in, int_in,
-                float_out, int_out, fwd_p, bwd_p, **split_progs)
+                float_out, int_out, kept=kept, **progs)
 
   # ---- placing params -------------------------------------------------------------------
 

@@ -110,10 +110,14 @@ def is_float(aval) -> bool:
   return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def split_backward(fwd, bwd, args, constrain, mesh, pspecs, in_specs) -> dict:
-  """Part fields input_grad, weight_grad, kept: `bwd` cut by `backward_split` so that W
-  turns I's stashed per-layer cotangents (and the layer inputs it keeps from the
-  residuals) into weight grads, with no recomputation: FLOPs(I) + FLOPs(W) = FLOPs(B)."""
+def split_backward(fwd, bwd, args, constrain):
+  """(input_grad, weight_grad, kept, num_res): `bwd` cut by `backward_split` so that W turns I's
+  stashed per-layer cotangents (and the layer inputs it keeps from the residuals) into
+  weight grads, with no recomputation: FLOPs(I) + FLOPs(W) = FLOPs(B). Plain functions
+  (the caller jits them on the stage's submesh):
+    input_grad(res, cot) -> (d_incoming, stash); weight_grad(kept, stash, acc) -> acc + d
+  `kept`: what W reads of (residual leaves + cotangents), by index, and num_res: how
+  many residual leaves come first."""
   res = jax.eval_shape(lambda *a: fwd(*a)[1], *args)
   res_avals, res_tree = jax.tree.flatten(res)
   n_res = len(res_avals)
@@ -136,11 +140,7 @@ def split_backward(fwd, bwd, args, constrain, mesh, pspecs, in_specs) -> dict:
   def weight_grad(kept, stash, acc):
     return tuple(a + g for a, g in zip(acc, run_w(*kept, *stash)))
 
-  return {"input_grad": steps.partition(input_grad, mesh, (None, None),
-                                        (in_specs, None)),
-          "weight_grad": steps.partition(weight_grad, mesh, (None, None, pspecs), pspecs,
-                                         donate_argnums=(2,)),
-          "kept": sb.kept}
+  return input_grad, weight_grad, sb.kept, n_res
 
 
 def check_meshes(stages: Sequence[StageSpec], num_stages: int) -> None:

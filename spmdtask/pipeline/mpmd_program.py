@@ -319,7 +319,7 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   train_specs = [dataclasses.replace(sp, batch_specs={**sp.batch_specs, DROPOUT_KEY: P()})
                  for sp in specs]
   pl = mpmd.Pipeline(loss_fn, live.logical.params, micro_train, train_specs, schedule,
-                     has_aux=True)
+                     has_aux=True, rows_are_sums=True)
   make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
                                     has_aux=True)
   step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,

@@ -108,6 +108,9 @@ class Runner:
               [None] * M, [None] * M)
     for s, a in pl.order:
       self._dispatch[a.kind](p, pl.parts[pl.schedule.virtual_stage(s, a.chunk)], a.microbatch)
+    for s in range(S):  # the step's one data-parallel reduction per stage
+      if local[s]:
+        acc[s] = pl.reduce(s, acc[s])
     self._sum_tied(acc)
     mt = p.meter
     out = dict(grads=tuple(acc), peak_residuals=tuple(mt.peak_sets),
@@ -301,8 +304,8 @@ def backward_flops(runner: Runner, stage_params: Sequence[dict], batch) -> dict[
              [runner.pl.values[i].aval for i in part.float_out])
     cot = tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(
         mesh, runner.pl.stages[part.stage].spec_for(a))) for a in avals)
-    acc = tuple(jax.device_put(jnp.zeros_like(stage_params[part.stage][k]),
-                               runner.pl.sharding(part.stage, k)) for k in part.param_keys)
+    zeros = dict(zip(runner.pl.stage_keys[part.stage], runner.pl._zeros[part.stage]()))  # pylint: disable=protected-access
+    acc = tuple(zeros[k] for k in part.param_keys)
     r = res[part.index]
     _, stash = part.input_grad(r, cot)
     inputs = jax.tree.leaves(r) + list(cot)
