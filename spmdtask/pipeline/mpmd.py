@@ -51,7 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spmdtask import steps
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import mpmd_cross, mpmd_local, mpmd_programs
-from spmdtask.pipeline.mpmd_run import Runner, backward_flops
+from spmdtask.pipeline.mpmd_run import Runner, backward_flops, compiled_backward
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline.mpmd_parts import (Part, RunResult, StageSpec, check_meshes, flat_specs,
                                           execution_order, is_float, split_backward)
@@ -94,7 +94,9 @@ class Pipeline:
                          for x in jax.tree.leaves(microbatch)]
     self._split_parts = {schedule.virtual_stage(s, a.chunk)
                          for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
-    self.dp = tuple(self._dp_axes(s, rows_are_sums) for s in range(S))
+    self.dp = [()] * S
+    for s in range(S):
+      self.dp[s] = self._dp_axes(s, rows_are_sums)
     self.parts = tuple(self._build_part(v) for v in range(S * V))
     self._reduce = [self._reduce_program(s) for s in range(S)]
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
@@ -163,16 +165,29 @@ class Pipeline:
     return [len(sp) > 0 and sp[0] is not None for sp in self.batch_specs[s]]
 
   def _dp_axes(self, s: int, rows_are_sums: bool) -> tuple[str, ...]:
-    """Stage s's per-device accumulation axes (mpmd_local.dp_axes), () if none: every
-    boundary value and row-split batch leaf of its parts must split its rows over them."""
+    """Stage s's per-device accumulation axes (mpmd_local.dp_axes), () if none. The
+    candidates split the rows of every row-split batch leaf; they hold if, traced on one
+    device's rows, every differentiable value between parts keeps its rows split (a
+    replicated float would need its cotangent summed over the devices)."""
     if not rows_are_sums:
       return ()
     spec = self.stages[s]
-    ids = {i for st in self.staged.stages if self.part_stage[st.index] == s
-           for i in st.incoming + st.outgoing}
-    rows = [spec.spec_for(self.values[i].aval) for i in sorted(ids)]
-    rows += [sp for sp, split in zip(self.batch_specs[s], self._rows_split(s)) if split]
-    return mpmd_local.dp_axes(spec.mesh, rows, self.param_specs[s])
+    rows = [sp for sp, split in zip(self.batch_specs[s], self._rows_split(s)) if split]
+    dp = mpmd_local.dp_axes(spec.mesh, rows, self.param_specs[s])
+    if not dp:
+      return ()
+    self.dp[s] = dp
+    self._traced_on_stage(next(v for v in range(len(self.part_stage)) if self.part_stage[v] == s))
+    if all(self._row_split(s, i) for st in self.staged.stages if self.part_stage[st.index] == s
+           for i in st.incoming + st.outgoing if is_float(self.values[i].aval)):
+      return dp
+    self._under_mesh.pop(s)
+    return ()
+
+  def _row_split(self, s: int, value: int) -> bool:
+    """Whether value's rows are split over stage s's dp axes (its local trace has fewer)."""
+    full, here = self.values[value].aval, self._under_mesh[s].values[value].aval
+    return bool(full.shape) and here.shape[0] != full.shape[0]
 
   def sharding(self, stage: int, key: str) -> NamedSharding:
     spec = self.param_specs[stage][self.paths.index(key)]
@@ -269,6 +284,9 @@ class Pipeline:
         fns, spec.mesh, dp, last=last, kept=kept, num_res=num_res, pspecs=pspecs, bspecs=bspecs,
         acc_specs=tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in pspecs),
         rows=tuple(self._rows_split(s)[j] for j in bleaves),
+        values={k: tuple(bool(dp) and self._row_split(s, i) for i in ids) for k, ids in (
+            ("float_in", float_in), ("int_in", int_in), ("float_out", float_out),
+            ("int_out", int_out))},
         act_in=act(float_in), act_out=act(float_out), act_int_out=act(int_out))
     return Part(v, s, tuple(self.paths[i] for i in pleaves), bleaves, float_in, int_in,
                 float_out, int_out, kept=kept, **progs)
@@ -298,6 +316,11 @@ class Pipeline:
   def forward(self, stage_params: Sequence[dict], batch) -> tuple[tuple, tuple]:
     """Forward only (e.g. eval): per microbatch, the loss and aux on the last stage."""
     return self.runner.forward(stage_params, batch)
+
+  def compiled_backward(self, stage_params: Sequence[dict], batch) -> dict:
+    """Every part's compiled backward programs and each stage's reduction
+    (mpmd_run.compiled_backward)."""
+    return compiled_backward(self.runner, stage_params, batch)
 
   def backward_flops(self, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
     """Compiled FLOPs of B, I and W per part the schedule splits (Runner.backward_flops)."""

@@ -23,13 +23,13 @@ from spmdtask.pipeline.mpmd_local import STACKED
 
 def partition_part(fns: dict, mesh: Mesh, dp: Sequence[str], *, last: bool, kept: Sequence[int],
                    num_res: int, pspecs: tuple, bspecs: tuple, acc_specs: tuple,
-                   rows: Sequence[bool], act_in: tuple, act_out: tuple,
+                   rows: Sequence[bool], values: dict, act_in: tuple, act_out: tuple,
                    act_int_out: tuple) -> dict:
   """{fwd, bwd[, input_grad, weight_grad]} jitted (module doc); `fns` holds the plain
   functions of one device's rows when `dp` is given, else of the whole microbatch."""
   cot_in = (P(),) if last else None
   fwd_out = ((P(),), None, None) if last else (act_out, None, act_int_out)
-  fns = _per_device(fns, mesh, dp, last, kept, num_res, rows) if dp else fns
+  fns = _per_device(fns, mesh, dp, last, kept, num_res, rows, values) if dp else fns
   out = {"fwd": steps.partition(fns["fwd"], mesh, (pspecs, bspecs, P(), None, None), fwd_out),
          "bwd": steps.partition(fns["bwd"], mesh, (None, cot_in, acc_specs),
                                 (acc_specs, act_in), donate_argnums=(2,))}
@@ -40,14 +40,18 @@ def partition_part(fns: dict, mesh: Mesh, dp: Sequence[str], *, last: bool, kept
   return out
 
 
-def _per_device(fns: dict, mesh: Mesh, dp, last: bool, kept, num_res: int, rows) -> dict:
-  """The same functions over global arrays, run per device on the dp axes."""
-  split = P(tuple(dp))
-  cot = P() if last else split
+def _per_device(fns: dict, mesh: Mesh, dp, last: bool, kept, num_res: int, rows,
+                values: dict) -> dict:
+  """The same functions over global arrays, run per device on the dp axes. `rows`: per
+  batch leaf, `values[kind]`: per value, whether its rows are split (else replicated)."""
+  specs = {k: tuple(P(tuple(dp)) if r else P() for r in v) for k, v in values.items()}
+  cot = P() if last else specs["float_out"]
+  d_in = specs["float_in"]
   batch = tuple(P(None, tuple(dp)) if r else P() for r in rows)
   wrap = lambda f, ins, outs: mpmd_local.wrap(f, mesh, dp, ins, outs)
-  fwd = wrap(fns["fwd"], (P(), batch, P(), split, split),
-             ((STACKED,), STACKED, STACKED) if last else (split, STACKED, split))
+  fwd = wrap(fns["fwd"], (P(), batch, P(), specs["float_in"], specs["int_in"]),
+             ((STACKED,), STACKED, STACKED) if last else
+             (specs["float_out"], STACKED, specs["int_out"]))
 
   def fwd_total(*args):
     outs, res, other = fwd(*args)
@@ -56,9 +60,10 @@ def _per_device(fns: dict, mesh: Mesh, dp, last: bool, kept, num_res: int, rows)
       return total(outs), res, total(other)
     return outs, res, other
 
-  out = {"fwd": fwd_total, "bwd": wrap(fns["bwd"], (STACKED, cot, STACKED), (STACKED, split))}
+  out = {"fwd": fwd_total, "bwd": wrap(fns["bwd"], (STACKED, cot, STACKED), (STACKED, d_in))}
   if "input_grad" in fns:
-    out["input_grad"] = wrap(fns["input_grad"], (STACKED, cot), (split, STACKED))
-    kept_specs = tuple(STACKED if i < num_res else cot for i in kept)
+    out["input_grad"] = wrap(fns["input_grad"], (STACKED, cot), (d_in, STACKED))
+    cots = (cot,) if last else cot
+    kept_specs = tuple(STACKED if i < num_res else cots[i - num_res] for i in kept)
     out["weight_grad"] = wrap(fns["weight_grad"], (kept_specs, STACKED, STACKED), STACKED)
   return out
