@@ -33,17 +33,27 @@ def held_bytes(tree) -> int:
 
 
 class Meter:
-  """Per stage: residual sets and W stashes held, in count and measured bytes, and peaks."""
+  """Per stage: residual sets and W stashes held, in count and measured bytes, and peaks.
 
-  def __init__(self, num_stages: int, num_parts: int):
+  A part's residuals (or stash) have the same arrays' shapes and shardings for every
+  microbatch and step (one program makes them), so their bytes are measured once per
+  part and kept in `measured`, shared across passes: summing shards per array on every
+  action was most of the host's time per action."""
+
+  def __init__(self, num_stages: int, num_parts: int, measured: dict):
     z = lambda: [0] * num_stages
     self.sets, self.peak_sets, self.stashes, self.peak_stashes = z(), z(), z(), z()
     self.bytes, self.peak_bytes, self.stash_bytes, self.peak_stash_bytes = z(), z(), z(), z()
     self.set_bytes = [None] * num_parts  # one F's residual bytes, per part
-    self._of = {}
+    self._of, self._measured = {}, measured
 
   def hold(self, s: int, key, tree, stash: bool = False) -> None:
-    n = held_bytes(tree)
+    if tree is None:  # another process's stage
+      n = 0
+    else:
+      n = self._measured.get((key[0], stash))
+      if n is None:
+        n = self._measured[key[0], stash] = held_bytes(tree)
     self._of[key, stash] = n
     if stash:
       self.stashes[s] += 1
@@ -89,7 +99,7 @@ class Runner:
 
   def __init__(self, pipeline):
     self.pl = pipeline
-    self._mirrors = {}
+    self._mirrors, self._measured = {}, {}
     self._dispatch = {"F": self._f, "B": self._b, "I": self._i, "W": self._w}
 
   def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
@@ -104,7 +114,7 @@ class Runner:
       seeds = pl._seeds(w)  # pylint: disable=protected-access
     acc = [dict(zip(pl.stage_keys[s], pl._zeros[s]())) if local[s] else None  # pylint: disable=protected-access
            for s in range(S)]
-    p = _Pass(stage_params, self.stage_batches(batch), seeds, acc, Meter(S, len(pl.parts)),
+    p = _Pass(stage_params, self.stage_batches(batch), seeds, acc, Meter(S, len(pl.parts), self._measured),
               [None] * M, [None] * M)
     for s, a in pl.order:
       self._dispatch[a.kind](p, pl.parts[pl.schedule.virtual_stage(s, a.chunk)], a.microbatch)
@@ -271,15 +281,18 @@ class Runner:
     if not (self.pl.cross.local[src] and self.pl.cross.local[stage]):
       aval = self.pl.values[value].aval
       return self.pl.cross.move(x, aval, self.pl.stages[src].spec_for(aval), src, stage)
-    dst = self.pl.stages[stage]
     src = x.sharding
-    if not isinstance(src, NamedSharding) or src.mesh.size != dst.mesh.size:
-      return jax.device_put(x, NamedSharding(dst.mesh, dst.spec_for(x.aval)))
-    key = (src.mesh, stage)
-    if key not in self._mirrors:
-      self._mirrors[key] = Mesh(dst.mesh.devices.reshape(src.mesh.devices.shape),
-                                src.mesh.axis_names, axis_types=src.mesh.axis_types)
-    return jax.device_put(x, NamedSharding(self._mirrors[key], src.spec))
+    key = (src, stage)
+    dst = self._mirrors.get(key)
+    if dst is None:  # built once per (layout, stage): a send is then one device_put
+      st = self.pl.stages[stage]
+      if not isinstance(src, NamedSharding) or src.mesh.size != st.mesh.size:
+        dst = NamedSharding(st.mesh, st.spec_for(x.aval))
+      else:
+        dst = NamedSharding(Mesh(st.mesh.devices.reshape(src.mesh.devices.shape),
+                                 src.mesh.axis_names, axis_types=src.mesh.axis_types), src.spec)
+      self._mirrors[key] = dst
+    return jax.device_put(x, dst)
 
 
   def _sum_tied(self, acc: list) -> None:
