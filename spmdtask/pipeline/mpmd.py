@@ -7,7 +7,11 @@ jits, for every part on the submesh of the stage that runs it (schedule.virtual_
   fwd(params, batch[M, ...], m, incoming) -> (outgoing, residuals)    jax.fwd_and_bwd
   bwd(residuals, d_outgoing, grad_acc) -> (grad_acc + d_params, d_incoming)   acc donated
 
-through `steps.partition`. `run` walks the schedule in one Python process, dispatching
+through `steps.partition` (mpmd_programs). With `rows_are_sums` (the loss and aux are sums
+over the microbatch's rows, as the MPMD program's are), a stage whose submesh splits the rows
+over data-parallel axes runs its parts per device on them and keeps grad_acc as per-device
+partial sums `[D, ...]`, reduced once after the step's last backward (mpmd_local): one
+data-parallel reduction per step instead of one per microbatch. `run` walks the schedule in one Python process, dispatching
 asynchronously (no host sync inside a step), in `order`: one execution order consistent
 with every stage's list and the split's value dependencies (mpmd_parts.execution_order,
 the validator's and simulator's engine); `mpmd_run.Runner` holds the dispatch table of
