@@ -121,6 +121,7 @@ def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
   names = [p["name"] for p in got["programs"]]
   assert names == ["stage 0 part 0 forward", "stage 0 part 0 backward",
                    "stage 1 part 1 forward", "stage 1 part 1 backward",
+                   "stage 0 gradient reduction", "stage 1 gradient reduction",
                    "stage 0 optimizer update", "stage 1 optimizer update"]
   assert all(p["devices"] == 4 and p["compiled"]["peak_estimate_bytes"] > 0
              for p in got["programs"])
@@ -145,7 +146,7 @@ def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
 
 def test_stage_programs_hold_activations_split_as_the_mapping_says():
   """Each part is traced under its stage's submesh: stage 0 (data 2 x model 2) constrains the
-  heads and feed-forward activations over `model`; stage 1 (data 4) over data only."""
+  heads and feed-forward activations over `model`; stage 1 (data 4) over the batch only."""
   run = util.build_run("lm.TinyLmMpmd")
   example = run.datasets["train"].batch_at(0)
   program = program_lib.setup(run.task, example)
@@ -155,9 +156,11 @@ def test_stage_programs_hold_activations_split_as_the_mapping_says():
       text = lw.lower().as_text()
       got[lw.stage] = (re.findall(r"sdy.mesh @\w+ = <([^>]*)>", text),
                        set(re.findall(r"sdy.sharding_constraint %\S+ <@\w+, (\[[^\n]*?\])>",
-                                      text)))
-  assert got[0][0] == ['["data"=2, "fsdp"=1, "model"=2]']
-  assert '[{"data", "fsdp"}, {}, {"model"}, {}]' in got[0][1]  # heads [b, t, h, hd]
-  assert '[{"data", "fsdp"}, {}, {"model"}]' in got[0][1]  # ff [b, t, d_ff]
-  assert got[1][0] == ['["data"=4, "fsdp"=1, "model"=1]']
-  assert '[{"data", "fsdp"}, {}, {"model"}]' in got[1][1]  # logits (model has size 1 here)
+                                      text)), re.findall(r"manual_axes=(\{[^}]*\})", text))
+  # Each part runs per device on the data axis (one gradient reduction a step, mpmd_local):
+  # inside, the batch dim names the automatic data axes only (fsdp).
+  assert got[0][0] == ['["data"=2, "fsdp"=1, "model"=2]'] and set(got[0][2]) == {'{"data"}'}
+  assert '[{"fsdp"}, {}, {"model"}, {}]' in got[0][1]  # heads [b, t, h, hd]
+  assert '[{"fsdp"}, {}, {"model"}]' in got[0][1]  # ff [b, t, d_ff]
+  assert got[1][0] == ['["data"=4, "fsdp"=1, "model"=1]'] and set(got[1][2]) == {'{"data"}'}
+  assert '[{"fsdp"}, {}, {"model"}]' in got[1][1]  # logits (model has size 1 here)

@@ -102,7 +102,7 @@ class Pipeline:
     for s in range(S):
       self.dp[s] = self._dp_axes(s, rows_are_sums)
     self.parts = tuple(self._build_part(v) for v in range(S * V))
-    self._reduce = [self._reduce_program(s) for s in range(S)]
+    self.reductions = [self._reduce_program(s) for s in range(S)]
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
     self.order = execution_order(schedule, self.parts, self.values)
@@ -204,6 +204,15 @@ class Pipeline:
     specs = [self.param_specs[stage][self.paths.index(k)] for k in self.stage_keys[stage]]
     return tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in specs)
 
+  def acc_structs(self, stage: int) -> dict:
+    """{path: ShapeDtypeStruct (with its sharding)} of the stage's gradient accumulators."""
+    mesh, dp = self.stages[stage].mesh, self.dp[stage]
+    lead = (mpmd_local.size(mesh, dp),) if dp else ()
+    shapes = dict(zip(self.paths, self.param_shapes))
+    return {k: jax.ShapeDtypeStruct(lead + shapes[k].shape, shapes[k].dtype,
+                                    sharding=NamedSharding(mesh, sp))
+            for k, sp in zip(self.stage_keys[stage], self.acc_specs(stage))}
+
   def _zeros_program(self, stage: int) -> steps.Partitioned:
     """`() -> zeros` for the stage's params: the gradient accumulators of one step."""
     keys = self.stage_keys[stage]
@@ -223,10 +232,10 @@ class Pipeline:
 
   def reduce(self, stage: int, acc: dict) -> dict:
     """The stage's accumulated gradients, reduced over its dp axes (once per step)."""
-    if self._reduce[stage] is None:
+    if self.reductions[stage] is None:
       return acc
     keys = self.stage_keys[stage]
-    return dict(zip(keys, self._reduce[stage](tuple(acc[k] for k in keys))))
+    return dict(zip(keys, self.reductions[stage](tuple(acc[k] for k in keys))))
 
   def _build_part(self, v: int) -> Part:
     st, s = self._traced_on_stage(v), self.part_stage[v]

@@ -49,7 +49,8 @@ def describe(program) -> list[str]:
 
 
 def lowerings(program) -> list[layouts.Lowering]:
-  """Each part's forward and backward (run M times a step) and each stage's update."""
+  """Each part's forward and backward (run M times a step), each stage's gradient
+  reduction (once a step, with per-device accumulation) and its update."""
   pl = program.pipeline
   M = pl.schedule.num_microbatches
   out = []
@@ -72,10 +73,17 @@ def lowerings(program) -> list[layouts.Lowering]:
     last = part.index == len(pl.parts) - 1
     cot = ((struct(pl.loss_aval, P()),) if last else vals(part.float_out))
 
-    def lower_bwd(p=part, a=args, c=cot, acc=params):
+    accs = pl.acc_structs(s)
+
+    def lower_bwd(p=part, a=args, c=cot, acc=tuple(accs[k] for k in part.param_keys)):
       res = p.fwd.jitted.eval_shape(*a)[1]
       return p.bwd.lower(res, c, acc)
     out.append(layouts.Lowering(f"stage {s} part {part.index} backward", s, mesh, lower_bwd, M))
+  for s, prog in enumerate(pl.reductions):
+    if prog is not None:  # per-device partial sums -> the step's gradients, once a step
+      out.append(layouts.Lowering(
+          f"stage {s} gradient reduction", s, pl.stages[s].mesh,
+          lambda prog=prog, acc=tuple(pl.acc_structs(s).values()): prog.lower(acc), 1))
   for s, prog in enumerate(program.step_fn.programs):
     mesh = pl.stages[s].mesh
     sh = program.shapes["stages"][s]

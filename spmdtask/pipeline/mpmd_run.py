@@ -326,7 +326,7 @@ def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> di
       kept = tuple(inputs[i] for i in part.kept)
       out[part.index].update(input_grad=compile_(part.input_grad, r, cot),
                              weight_grad=compile_(part.weight_grad, kept, stash, acc))
-  for s, prog in enumerate(pl._reduce):  # pylint: disable=protected-access
+  for s, prog in enumerate(pl.reductions):
     if prog is not None:
       out["reduce", s] = compile_(prog, pl._zeros[s]())  # pylint: disable=protected-access
   return out
