@@ -35,6 +35,7 @@ canonical state and each process keeps its stages' leaves. These conversions hol
 copy of the state per device for a moment; they run at init, save and restore only.
 """
 import dataclasses
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -61,6 +62,7 @@ class MpmdState(NamedTuple):
 
 
 DROPOUT_KEY = "__dropout_key__"  # the batch leaf that carries each microbatch's dropout key
+_KEY_SHAPE = (2,)  # threefry key data
 
 
 def _is_everything(_) -> bool:
@@ -81,6 +83,15 @@ def _rebuild(tx, template, subs, others):
   return optax.tree_utils.tree_map_params(tx, lambda _: next(subs), template,
                                           is_leaf=_is_everything,
                                           transform_non_params=lambda _: next(others))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _microbatch_keys(seed: int, step, num_microbatches: int) -> jax.Array:
+  """[M, 2] key data: fold_in(fold_in(key(seed), step), m) for every m, in one program
+  (one dispatch and one read a step instead of 2M eager ops)."""
+  rng = jax.random.fold_in(jax.random.key(seed), step)
+  return jax.vmap(lambda m: jax.random.key_data(jax.random.fold_in(rng, m)))(
+      jnp.arange(num_microbatches))
 
 
 def _sum_metrics(aux: tuple) -> Metrics:
@@ -115,6 +126,7 @@ class MpmdProgram:
   last_peak_residuals: tuple[int, ...] | None = None
   _eval_pipeline: Any = None
   _last_step: tuple = (None, 0)  # (the step array train returned, its value on the host)
+  reads_dropout_key: bool = True  # whether a stage part reads DROPOUT_KEY (dropout on)
 
   # ---- the Program interface ------------------------------------------------------------
 
@@ -139,9 +151,10 @@ class MpmdProgram:
     arr, n = self._last_step
     if arr is not state.step:
       n = int(np.asarray(state.step.addressable_shards[0].data))
-    rng = jax.random.fold_in(jax.random.key(self.task.train.seed), n)
-    return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(rng, m)))
-                     for m in range(self.config.num_microbatches)]), n
+    M = self.config.num_microbatches
+    if not self.reads_dropout_key:  # no dropout: nothing to compute (nor wait for)
+      return np.zeros((M, *_KEY_SHAPE), np.uint32), n
+    return _microbatch_keys(self.task.train.seed, n, M), n  # on a device, not read here
 
   def train_batch(self, state: MpmdState, batch) -> dict:
     """What the train pipeline runs (e.g. for `pipeline.backward_flops`): the global batch
@@ -320,6 +333,8 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
                  for sp in specs]
   pl = mpmd.Pipeline(loss_fn, live.logical.params, micro_train, train_specs, schedule,
                      has_aux=True, rows_are_sums=True)
+  key_leaf = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      micro_train)[0]].index(jax.tree_util.keystr((jax.tree_util.DictKey(DROPOUT_KEY),)))
   make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
                                     has_aux=True)
   step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
@@ -359,7 +374,8 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
       canonical_split=canonical_split, live=live, live_split=live_split, work=work,
       config=config, batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
                                                     task.batch_axes(), mesh),
-      pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
+      pipeline=pl, make_eval_pipeline=make_eval,
+      reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts), step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),

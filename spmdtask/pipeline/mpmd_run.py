@@ -197,7 +197,8 @@ class Runner:
             raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
                               f"schedule.num_microbatches={M} equal microbatches.")
           # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation).
-          stacked[j] = np.swapaxes(np.reshape(x, (x.shape[0] // M, M, *x.shape[1:])), 0, 1)
+          # (methods: a host array stays on the host, a device array on its device)
+          stacked[j] = x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1)
     out = [dict() for _ in self.pl.stages]
     for part in self.pl.parts:
       s = part.stage
@@ -292,7 +293,7 @@ class Runner:
         dst = NamedSharding(Mesh(st.mesh.devices.reshape(src.mesh.devices.shape),
                                  src.mesh.axis_names, axis_types=src.mesh.axis_types), src.spec)
       self._mirrors[key] = dst
-    return jax.device_put(x, dst)
+    return jax.device_put(x, dst, may_alias=True)  # a copy anyway (disjoint devices); cheaper
 
 
   def _sum_tied(self, acc: list) -> None:
