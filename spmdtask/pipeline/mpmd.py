@@ -50,15 +50,15 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask import steps
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import mpmd_cross, mpmd_local, mpmd_programs
 from spmdtask.pipeline.mpmd_run import Runner, backward_flops, compiled_backward
 from spmdtask.pipeline import split as split_lib
-from spmdtask.pipeline.mpmd_parts import (Part, RunResult, StageSpec, check_meshes, flat_specs,
-                                          execution_order, is_float, split_backward)
+from spmdtask.pipeline.mpmd_parts import (RunResult, StageSpec, check_meshes, flat_specs,
+                                          execution_order, is_float)
 from spmdtask.pipeline.schedule import Schedule
 
 
@@ -96,20 +96,22 @@ class Pipeline:
     M = schedule.num_microbatches
     self.batch_avals = [jax.ShapeDtypeStruct((M, *x.shape), x.dtype)
                          for x in jax.tree.leaves(microbatch)]
-    self._split_parts = {schedule.virtual_stage(s, a.chunk)
+    self.split_parts = {schedule.virtual_stage(s, a.chunk)
                          for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
     self.dp = [()] * S
     for s in range(S):
       self.dp[s] = self._dp_axes(s, rows_are_sums)
-    self.parts = tuple(self._build_part(v) for v in range(S * V))
-    self.reductions = [self._reduce_program(s) for s in range(S)]
+    self.parts = tuple(mpmd_programs.build_part(self, v) for v in range(S * V))
+    self.acc = [mpmd_local.Accumulators(self.stages[s].mesh, self.dp[s], {
+        k: self.param_shapes[self.paths.index(k)] for k in self.stage_keys[s]}, [
+            self.param_specs[s][self.paths.index(k)] for k in self.stage_keys[s]])
+                for s in range(S)]
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
     self.order = execution_order(schedule, self.parts, self.values)
     for v in self.values.values():
       for c in v.consumers:
         self.cross.check_pair(self.part_stage[v.producer], self.part_stage[c])
-    self._zeros = [self._zeros_program(s) for s in range(S)]
     out_shapes = jax.eval_shape(loss_fn, params, microbatch)
     self.aux_tree = jax.tree.structure(out_shapes[1]) if has_aux else None
     loss_dtype = jax.tree.leaves(out_shapes)[0].dtype
@@ -138,7 +140,7 @@ class Pipeline:
     keys[0].update(set(self.paths) - set().union(*keys))  # unused leaves: stage 0
     return [tuple(k for k in self.paths if k in ks) for ks in keys]
 
-  def _traced_on_stage(self, v: int) -> split_lib.Stage:
+  def traced_on_stage(self, v: int) -> split_lib.Stage:
     """Part v traced under its stage's submesh, so the model's activation sharding
     constraints (split-dims mappings) apply inside the stage; the same cut as `staged`.
     With per-device accumulation (`dp`), traced on one device's rows inside the stage's
@@ -151,7 +153,7 @@ class Pipeline:
         n = mpmd_local.size(mesh, dp)
         micro = jax.tree.unflatten(self.batch_tree, [
             jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]) if split else x.shape, x.dtype)
-            for x, split in zip(jax.tree.leaves(micro), self._rows_split(s))])
+            for x, split in zip(jax.tree.leaves(micro), self.rows_split(s))])
         self._under_mesh[s] = mpmd_local.trace_local(
             lambda: split_lib.split(loss_fn, params, micro), mesh, dp)
       else:
@@ -164,7 +166,7 @@ class Pipeline:
                        "than without a mesh; keep sharding constraints off stage boundaries.")
     return got
 
-  def _rows_split(self, s: int) -> list[bool]:
+  def rows_split(self, s: int) -> list[bool]:
     """Per batch leaf: whether stage s splits its rows (a dim-0 entry in its spec)."""
     return [len(sp) > 0 and sp[0] is not None for sp in self.batch_specs[s]]
 
@@ -176,19 +178,19 @@ class Pipeline:
     if not rows_are_sums:
       return ()
     spec = self.stages[s]
-    rows = [sp for sp, split in zip(self.batch_specs[s], self._rows_split(s)) if split]
+    rows = [sp for sp, split in zip(self.batch_specs[s], self.rows_split(s)) if split]
     dp = mpmd_local.dp_axes(spec.mesh, rows, self.param_specs[s])
     if not dp:
       return ()
     self.dp[s] = dp
-    self._traced_on_stage(next(v for v in range(len(self.part_stage)) if self.part_stage[v] == s))
-    if all(self._row_split(s, i) for st in self.staged.stages if self.part_stage[st.index] == s
+    self.traced_on_stage(next(v for v in range(len(self.part_stage)) if self.part_stage[v] == s))
+    if all(self.row_split(s, i) for st in self.staged.stages if self.part_stage[st.index] == s
            for i in st.incoming + st.outgoing if is_float(self.values[i].aval)):
       return dp
     self._under_mesh.pop(s)
     return ()
 
-  def _row_split(self, s: int, value: int) -> bool:
+  def row_split(self, s: int, value: int) -> bool:
     """Whether value's rows are split over stage s's dp axes (its local trace has fewer)."""
     full, here = self.values[value].aval, self._under_mesh[s].values[value].aval
     return bool(full.shape) and here.shape[0] != full.shape[0]
@@ -196,113 +198,6 @@ class Pipeline:
   def sharding(self, stage: int, key: str) -> NamedSharding:
     spec = self.param_specs[stage][self.paths.index(key)]
     return NamedSharding(self.stages[stage].mesh, spec)
-
-  def acc_specs(self, stage: int) -> tuple[P, ...]:
-    """PartitionSpecs of the stage's gradient accumulators, in stage_keys order: like the
-    params, or stacked per device (`[D, ...]`) on its dp axes."""
-    dp = self.dp[stage]
-    specs = [self.param_specs[stage][self.paths.index(k)] for k in self.stage_keys[stage]]
-    return tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in specs)
-
-  def acc_structs(self, stage: int) -> dict:
-    """{path: ShapeDtypeStruct (with its sharding)} of the stage's gradient accumulators."""
-    mesh, dp = self.stages[stage].mesh, self.dp[stage]
-    lead = (mpmd_local.size(mesh, dp),) if dp else ()
-    shapes = dict(zip(self.paths, self.param_shapes))
-    return {k: jax.ShapeDtypeStruct(lead + shapes[k].shape, shapes[k].dtype,
-                                    sharding=NamedSharding(mesh, sp))
-            for k, sp in zip(self.stage_keys[stage], self.acc_specs(stage))}
-
-  def _zeros_program(self, stage: int) -> steps.Partitioned:
-    """`() -> zeros` for the stage's params: the gradient accumulators of one step."""
-    keys = self.stage_keys[stage]
-    shapes = dict(zip(self.paths, self.param_shapes))
-    lead = (mpmd_local.size(self.stages[stage].mesh, self.dp[stage]),) if self.dp[stage] else ()
-    return steps.partition(lambda: tuple(jnp.zeros(lead + shapes[k].shape, shapes[k].dtype)
-                                         for k in keys), self.stages[stage].mesh, (),
-                           self.acc_specs(stage))
-
-  def _reduce_program(self, stage: int) -> steps.Partitioned | None:
-    dp = self.dp[stage]
-    if not dp:
-      return None
-    keys = self.stage_keys[stage]
-    return mpmd_local.reduce_program(self.stages[stage].mesh, dp, tuple(
-        self.param_specs[stage][self.paths.index(k)] for k in keys))
-
-  def reduce(self, stage: int, acc: dict) -> dict:
-    """The stage's accumulated gradients, reduced over its dp axes (once per step)."""
-    if self.reductions[stage] is None:
-      return acc
-    keys = self.stage_keys[stage]
-    return dict(zip(keys, self.reductions[stage](tuple(acc[k] for k in keys))))
-
-  def _build_part(self, v: int) -> Part:
-    st, s = self._traced_on_stage(v), self.part_stage[v]
-    spec, dp = self.stages[s], self.dp[s]
-    last = v == self.staged.num_stages - 1
-    pleaves = [i for i in st.arg_leaves if i < self.num_params]
-    bleaves = tuple(i - self.num_params for i in st.arg_leaves if i >= self.num_params)
-    aval = lambda i: self.values[i].aval
-    float_in = tuple(i for i in st.incoming if is_float(aval(i)))
-    int_in = tuple(i for i in st.incoming if not is_float(aval(i)))
-    float_out = tuple(i for i in st.outgoing if is_float(aval(i)))
-    int_out = tuple(i for i in st.outgoing if not is_float(aval(i)))
-
-    def part_fn(p, batch, m, fin, iin):
-      mb = [jax.lax.dynamic_index_in_dim(b, m, keepdims=False) for b in batch]
-      fin, iin = constrain(fin, float_in), constrain(iin, int_in)
-      have = dict(zip(float_in + int_in, fin + iin))
-      outs = st(list(p) + mb, [have[i] for i in st.incoming])
-      if last:
-        return (outs[0],), tuple(outs[1:])
-      got = dict(zip(st.outgoing, outs))
-      return tuple(got[i] for i in float_out), tuple(got[i] for i in int_out)
-
-    fwd, bwd = jax.fwd_and_bwd(part_fn, argnums=(0, 3), has_aux=True, jitted=False)
-
-    def bwd_acc(res, cot, acc):
-      d_params, d_in = bwd(res, cot if last else constrain(cot, float_out))
-      return tuple(a + g for a, g in zip(acc, d_params)), d_in
-
-    pspecs = tuple(self.param_specs[s][i] for i in pleaves)
-    bspecs = tuple(P(None, *self.batch_specs[s][j]) for j in bleaves)
-    act = lambda ids: tuple(spec.spec_for(aval(i)) for i in ids)
-
-    def constrain(xs, ids):  # values arrive in their sender's layout (see `_send`)
-      if dp:  # inside the stage's shard_map: the automatic axes only
-        return tuple(jax.lax.with_sharding_constraint(x, mpmd_local.strip(sp, dp))
-                     for x, sp in zip(xs, act(ids)))
-      return tuple(jax.lax.with_sharding_constraint(x, NamedSharding(spec.mesh, sp))
-                   for x, sp in zip(xs, act(ids)))
-
-    fns = {"fwd": fwd, "bwd": bwd_acc}
-    kept, num_res = (), 0
-    if v in self._split_parts:
-      local = lambda a, split=True: (jax.ShapeDtypeStruct(
-          (a.shape[0] // mpmd_local.size(spec.mesh, dp), *a.shape[1:]), a.dtype) if dp and split
-                                     else a)
-      rows = self._rows_split(s)
-      args = ([self.param_shapes[i] for i in pleaves],
-              [jax.ShapeDtypeStruct((a.shape[0], *local(
-                  jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows[j]).shape), a.dtype)
-               for j, a in ((j, self.batch_avals[j]) for j in bleaves)],
-              jax.ShapeDtypeStruct((), jnp.int32), [local(aval(i)) for i in float_in],
-              [local(aval(i)) for i in int_in])
-      cut = lambda: split_backward(fwd, bwd, args,
-                                   (lambda c: c) if last else lambda c: constrain(c, float_out))
-      fns["input_grad"], fns["weight_grad"], kept, num_res = (
-          mpmd_local.trace_local(cut, spec.mesh, dp) if dp else cut())
-    progs = mpmd_programs.partition_part(
-        fns, spec.mesh, dp, last=last, kept=kept, num_res=num_res, pspecs=pspecs, bspecs=bspecs,
-        acc_specs=tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in pspecs),
-        rows=tuple(self._rows_split(s)[j] for j in bleaves),
-        values={k: tuple(bool(dp) and self._row_split(s, i) for i in ids) for k, ids in (
-            ("float_in", float_in), ("int_in", int_in), ("float_out", float_out),
-            ("int_out", int_out))},
-        act_in=act(float_in), act_out=act(float_out), act_int_out=act(int_out))
-    return Part(v, s, tuple(self.paths[i] for i in pleaves), bleaves, float_in, int_in,
-                float_out, int_out, kept=kept, **progs)
 
   # ---- placing params -------------------------------------------------------------------
 

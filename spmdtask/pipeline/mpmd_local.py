@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import steps
 
@@ -123,9 +123,33 @@ def wrap(fn: Callable, mesh: Mesh, dp: Sequence[str], in_specs: tuple, out_specs
                        axis_names=set(dp), check_vma=False)
 
 
-def reduce_program(mesh: Mesh, dp: Sequence[str], pspecs: tuple) -> steps.Partitioned:
-  """`[D, ...]` per-device partial sums -> their sum, split like the params: the stage's
-  one data-parallel reduction of the step."""
-  return steps.partition(lambda acc: tuple(jnp.sum(a, axis=0) for a in acc), mesh,
-                         (tuple(stacked_spec(dp, s) for s in pspecs),), pspecs,
-                         donate_argnums=(0,))
+class Accumulators:
+  """A stage's gradient accumulators for one step, in stage_keys order: shaped and split
+  like the params, or with dp axes each device's partial sums stacked (`[D, ...]`, split
+  over dp on the new dim), summed once a step by `reduce`."""
+
+  def __init__(self, mesh: Mesh, dp: Sequence[str], shapes: dict, pspecs: Sequence[P]):
+    self.keys, self.dp = tuple(shapes), tuple(dp)
+    lead = (size(mesh, dp),) if dp else ()
+    self.specs = tuple(stacked_spec(dp, sp) if dp else sp for sp in pspecs)
+    self.structs = {k: jax.ShapeDtypeStruct(lead + a.shape, a.dtype,
+                                            sharding=NamedSharding(mesh, sp))
+                    for (k, a), sp in zip(shapes.items(), self.specs)}
+    self.zeros = steps.partition(lambda: tuple(jnp.zeros(a.shape, a.dtype)
+                                               for a in self.structs.values()), mesh, (),
+                                 self.specs)
+    # Per-device partial sums -> their sum, split like the params: the stage's one
+    # data-parallel reduction of the step.
+    self.reduction = steps.partition(lambda acc: tuple(jnp.sum(a, axis=0) for a in acc), mesh,
+                                     (self.specs,), tuple(pspecs),
+                                     donate_argnums=(0,)) if dp else None
+
+  def fresh(self) -> dict:
+    """{path: zeros} for a new step."""
+    return dict(zip(self.keys, self.zeros()))
+
+  def reduce(self, acc: dict) -> dict:
+    """The step's gradients (the identity without dp axes)."""
+    if self.reduction is None:
+      return acc
+    return dict(zip(self.keys, self.reduction(tuple(acc[k] for k in self.keys))))

@@ -73,17 +73,17 @@ def lowerings(program) -> list[layouts.Lowering]:
     last = part.index == len(pl.parts) - 1
     cot = ((struct(pl.loss_aval, P()),) if last else vals(part.float_out))
 
-    accs = pl.acc_structs(s)
+    accs = pl.acc[s].structs
 
     def lower_bwd(p=part, a=args, c=cot, acc=tuple(accs[k] for k in part.param_keys)):
       res = p.fwd.jitted.eval_shape(*a)[1]
       return p.bwd.lower(res, c, acc)
     out.append(layouts.Lowering(f"stage {s} part {part.index} backward", s, mesh, lower_bwd, M))
-  for s, prog in enumerate(pl.reductions):
-    if prog is not None:  # per-device partial sums -> the step's gradients, once a step
+  for s, acc in enumerate(pl.acc):
+    if acc.reduction is not None:  # per-device partial sums -> the step's gradients
       out.append(layouts.Lowering(
           f"stage {s} gradient reduction", s, pl.stages[s].mesh,
-          lambda prog=prog, acc=tuple(pl.acc_structs(s).values()): prog.lower(acc), 1))
+          lambda acc=acc: acc.reduction.lower(tuple(acc.structs.values())), 1))
   for s, prog in enumerate(program.step_fn.programs):
     mesh = pl.stages[s].mesh
     sh = program.shapes["stages"][s]

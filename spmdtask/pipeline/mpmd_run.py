@@ -20,7 +20,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.errors import ConfigError
@@ -112,7 +111,7 @@ class Runner:
       w = pl._uniform if weights is None else jax.device_put(  # pylint: disable=protected-access
           weights, NamedSharding(pl._last_mesh, P()))  # pylint: disable=protected-access
       seeds = pl._seeds(w)  # pylint: disable=protected-access
-    acc = [dict(zip(pl.stage_keys[s], pl._zeros[s]())) if local[s] else None  # pylint: disable=protected-access
+    acc = [pl.acc[s].fresh() if local[s] else None
            for s in range(S)]
     p = _Pass(stage_params, self.stage_batches(batch), seeds, acc, Meter(S, len(pl.parts), self._measured),
               [None] * M, [None] * M)
@@ -120,8 +119,8 @@ class Runner:
       self._dispatch[a.kind](p, pl.parts[pl.schedule.virtual_stage(s, a.chunk)], a.microbatch)
     for s in range(S):  # the step's one data-parallel reduction per stage
       if local[s]:
-        acc[s] = pl.reduce(s, acc[s])
-    self._sum_tied(acc)
+        acc[s] = pl.acc[s].reduce(acc[s])
+    sum_tied(pl, acc)
     mt = p.meter
     out = dict(grads=tuple(acc), peak_residuals=tuple(mt.peak_sets),
                peak_stash=tuple(mt.peak_stashes), num_chunks=pl.schedule.num_chunks,
@@ -296,10 +295,6 @@ class Runner:
     return jax.device_put(x, dst, may_alias=True)  # a copy anyway (disjoint devices); cheaper
 
 
-  def _sum_tied(self, acc: list) -> None:
-    sum_tied(self.pl, acc)
-
-
 def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> dict[int, dict]:
   """The compiled backward programs of every part: {part: {"bwd": Compiled, and where the
   schedule splits the part "input_grad", "weight_grad"}}, lowered on microbatch 0's
@@ -317,7 +312,7 @@ def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> di
              if part.index == len(pl.parts) - 1 else [pl.values[i].aval for i in part.float_out])
     cot = tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(
         mesh, pl.stages[part.stage].spec_for(a))) for a in avals)
-    zeros = dict(zip(pl.stage_keys[part.stage], pl._zeros[part.stage]()))  # pylint: disable=protected-access
+    zeros = pl.acc[part.stage].fresh()
     acc = tuple(zeros[k] for k in part.param_keys)
     r = res[part.index]
     out[part.index] = {"bwd": compile_(part.bwd, r, cot, acc)}
@@ -327,9 +322,9 @@ def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> di
       kept = tuple(inputs[i] for i in part.kept)
       out[part.index].update(input_grad=compile_(part.input_grad, r, cot),
                              weight_grad=compile_(part.weight_grad, kept, stash, acc))
-  for s, prog in enumerate(pl.reductions):
-    if prog is not None:
-      out["reduce", s] = compile_(prog, pl._zeros[s]())  # pylint: disable=protected-access
+  for s, acc in enumerate(pl.acc):
+    if acc.reduction is not None:
+      out["reduce", s] = compile_(acc.reduction, acc.zeros())
   return out
 
 
