@@ -45,6 +45,8 @@ def _flags(argv=None):
   p.add_argument("--d_ff", type=int, default=4096)
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--vocab", type=int, default=32768)
+  p.add_argument("--term", default=None, choices=["compute", "hbm", "ici"],
+                 help="time every program by this roofline term alone (default: the bound)")
   p.add_argument("--json", action="store_true", help="print one JSON object instead")
   return p.parse_args(argv)
 
@@ -86,7 +88,11 @@ def build(args, chips: int, pipeline=None, mesh=None):
   return fdl.build(cfg)
 
 
-def whole_step(run, target) -> dict:
+def _say(text: str) -> None:
+  print(text, file=sys.stderr, flush=True)
+
+
+def whole_step(run, target, term=None) -> dict:
   """A one-program strategy's roofline step on `target` (plan.compiled_report)."""
   example = run.datasets["train"].batch_at(0)
   program = program_lib.setup(run.task, example, devices=list(target.devices))
@@ -96,7 +102,8 @@ def whole_step(run, target) -> dict:
                              float(program.work.train_flops) * batch,
                              float(program.work.tokens) * batch)
   est = rep["estimate"]
-  return {"step_ms": est["step_seconds_lower_bound"] * 1e3, "bound": est["bound"],
+  step = est["step_seconds_lower_bound"] if term is None else est["seconds"][term]
+  return {"step_ms": step * 1e3, "bound": est["bound"],
           "terms_ms": {k: v * 1e3 for k, v in est["seconds"].items()},
           "flops_xla": rep["flops_per_step"]["xla"], "flops_model": rep["flops_per_step"]["model"],
           "loop_trips": sorted({l["trips"] for l in rep["loops"]}),
@@ -114,8 +121,8 @@ def mpmd_pipeline(args, chips, target, cuts, schedule, num_chunks, kinds):
   on = stage_costs.on_target(program, run.task, target.devices)
   lws = [lw for lw in mpmd_report.lowerings(on) + stage_costs.split_lowerings(on.pipeline)
          if lw.name.split(" ", 4)[-1] in kinds]
-  times = stage_costs.roofline(lws, target)
-  updates = [times[f"stage {s} optimizer update"]["seconds"] / 1e-6
+  times = stage_costs.roofline(lws, target, lambda name: _say(f"compiling {schedule}: {name}"))
+  updates = [stage_costs.seconds(times[f"stage {s} optimizer update"], args.term) / 1e-6
              for s in range(args.stages)]
   return on.pipeline, times, updates
 
@@ -147,7 +154,7 @@ def compare(args) -> dict:
                                       "update"})
   for name, split in (("gpipe", False), ("1f1b", False), ("zb_h1", True)):
     schedule = mpmd_stages.make_schedule(MpmdConfig(cuts, ((1,),) * S, name, M))
-    costs = stage_costs.part_costs(pl, times, target.chip, split)
+    costs = stage_costs.part_costs(pl, times, target.chip, split, args.term)
     got = stage_costs.step(schedule, costs, updates)
     rows.append(_row("mpmd", name, got["step"] / MS, got["bubble"], _per_stage(pl, costs)))
     facts[f"mpmd {name}"] = {k: v for k, v in got.items() if k != "simulation"}
@@ -155,7 +162,7 @@ def compare(args) -> dict:
   vcuts = tuple(range(L // (2 * S), L, L // (2 * S)))
   plv, timesv, updatesv = mpmd_pipeline(args, chips, target, vcuts, "zb_v", 2,
                                         {"forward", "input_grad", "weight_grad", "update"})
-  costs = stage_costs.part_costs(plv, timesv, target.chip, True)
+  costs = stage_costs.part_costs(plv, timesv, target.chip, True, args.term)
   got = stage_costs.step(plv.schedule, costs, updatesv)
   rows.append(_row("mpmd", "zb_v", got["step"] / MS, got["bubble"], _per_stage(plv, costs)))
   facts["mpmd zb_v"] = {k: v for k, v in got.items() if k != "simulation"}
@@ -165,24 +172,28 @@ def compare(args) -> dict:
   for name, repeat in (("gpipe", 1), ("circular", 2)):
     cfg = fdl.Config(PipelineConfig, num_stages=S, num_microbatches=M, circular_repeat=repeat,
                      remat_policy=None)
-    got = whole_step(build(args, chips, cfg, mesh), target)
+    _say(f"compiling the SPMD {name} step")
+    got = whole_step(build(args, chips, cfg, mesh), target, args.term)
     bubble = (S - 1) / (M * repeat + S - 1)
     rows.append(_row("spmd", name, got["step_ms"], bubble, bound=got["bound"]))
     facts[f"spmd {name}"] = got
-  got = whole_step(build(args, chips), target)
+  _say("compiling the unpipelined (FSDP) step")
+  got = whole_step(build(args, chips), target, args.term)
   rows.append(_row("scan", "fsdp", got["step_ms"], 0.0, bound=got["bound"]))
   facts["scan"] = got
   ref = next(r["step_ms"] for r in rows if r["strategy"] == "spmd" and r["schedule"] == "gpipe")
   for r in rows:
     r["vs_spmd_gpipe"] = r["step_ms"] / ref
-  return {"topology": args.topology, "chips": chips, "stages": S, "microbatches": M,
+  return {"topology": args.topology, "term": args.term or "roofline bound", "chips": chips,
+          "stages": S, "microbatches": M,
           "batch": args.batch, "seq": args.seq, "model": {k: getattr(args, k) for k in (
               "layers", "d_model", "d_ff", "heads", "vocab")}, "rows": rows, "facts": facts}
 
 
 NOTES = """Modeled: each program's time is its roofline lower bound on the chip (max of XLA's
-FLOPs / peak bf16, HBM bytes / HBM bandwidth, collective bytes / ICI ingress), no launch or
-dispatch overhead. MPMD: a send delays only its receiver (activation bytes per receiving chip
+FLOPs / peak bf16, HBM bytes / HBM bandwidth, collective bytes / ICI ingress; --term: one
+of them), no launch or dispatch overhead. HBM bytes are XLA's 'bytes accessed' (operands and
+results of every op, no on-chip reuse): an overcount, so programs tend to show HBM-bound. MPMD: a send delays only its receiver (activation bytes per receiving chip
 / ICI ingress, all links, no contention) and overlaps the sender's compute; the optimizer
 update follows each stage's last action; bubble = 1 - busy / makespan, worst stage. SPMD:
 the compiled step already holds the S-1 bubble iterations' work (bubble column: (S-1)/(MR+S-1)
@@ -190,7 +201,8 @@ of the iterations) and its ppermutes; XLA schedules their overlap. No remat anyw
 
 
 def table(out: dict) -> str:
-  lines = [f"{out['topology']} ({out['chips']} chips), {out['stages']} stages, "
+  lines = [f"{out['topology']} ({out['chips']} chips), times: {out.get('term')}, "
+           f"{out['stages']} stages, "
            f"{out['microbatches']} microbatches, global batch {out['batch']} x {out['seq']} "
            f"tokens, model {out['model']}",
            f"{'strategy':8} {'schedule':9} {'per-stage F/B/W ms (per microbatch)':52} "
@@ -201,6 +213,12 @@ def table(out: dict) -> str:
     lines.append(f"{r['strategy']:8} {r['schedule']:9} {stages:52} {r['step_ms']:8.3f} "
                  f"{r['bubble']:7.1%} {r['vs_spmd_gpipe']:13.3f}")
   lines.append(f"hop (one activation, stage to stage): {out['facts']['hop_ms']:.4f} ms")
+  for key in ("mpmd programs", "mpmd zb_v programs"):
+    bounds = {}
+    for name, t in out["facts"][key].items():
+      bounds.setdefault(name.split(" ", 4)[-1], []).append(t["bound"])
+    lines.append(f"{key} bound by (stage / part order): " + "; ".join(
+        f"{k} {','.join(v)}" for k, v in bounds.items()))
   for k in ("spmd gpipe", "spmd circular", "scan"):
     f = out["facts"][k]
     lines.append(f"{k}: XLA FLOPs {f['flops_xla']:.3g} vs model {f['flops_model']:.3g} "

@@ -70,11 +70,12 @@ def split_lowerings(pl) -> list[layouts.Lowering]:
   return out
 
 
-def roofline(lowerings, target) -> dict[str, dict]:
+def roofline(lowerings, target, progress=lambda name: None) -> dict[str, dict]:
   """Lowering name -> its compiled roofline on `target`'s chip: {'seconds' (the bound),
-  'bound' (which term), 'terms', 'flops_per_device'}."""
+  'bound' (which term), 'terms', 'flops_per_device'}; `progress(name)` before each."""
   out = {}
   for lw in lowerings:
+    progress(lw.name)
     compiled, _ = plan.compile_lowering(lw)
     est = plan.compiled_report(compiled, target, lw.mesh.devices.size, 0.0, 1.0)
     out[lw.name] = {"seconds": est["estimate"]["step_seconds_lower_bound"],
@@ -101,14 +102,21 @@ def hop_seconds(pl, part, chip) -> float:
   return got / chip.ici_ingress_bytes_per_s
 
 
-def part_costs(pl, times: dict[str, dict], chip, split: bool,
+def seconds(time: dict, term: str | None = None) -> float:
+  """A program's time from `roofline`: its bound, or one term of it ('compute': FLOPs
+  at peak only, the view where XLA's bytes-accessed count does not decide)."""
+  return time["seconds"] if term is None else time["terms"][term]
+
+
+def part_costs(pl, times: dict[str, dict], chip, split: bool, term: str | None = None,
                unit: float = 1e-6) -> list[simulate.Costs]:
   """One `simulate.Costs` per part in `unit` seconds (default microseconds, so the
   simulator's exact fractions keep the precision): F, and with `split` I and W (the
-  part's compiled input_grad and weight_grad), else B (its compiled backward) with W = 0."""
+  part's compiled input_grad and weight_grad), else B (its compiled backward) with W = 0;
+  each program's time is `seconds(time, term)`."""
   out = []
   for part in pl.parts:
-    t = lambda kind: times[f"stage {part.stage} part {part.index} {kind}"]["seconds"] / unit
+    t = lambda kind: seconds(times[f"stage {part.stage} part {part.index} {kind}"], term) / unit
     out.append(simulate.Costs(
         forward=t("forward"), backward=t("input_grad") if split else t("backward"),
         weight=t("weight_grad") if split else 0.0, latency=hop_seconds(pl, part, chip) / unit))
