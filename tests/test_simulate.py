@@ -4,7 +4,7 @@ from fractions import Fraction as Fr
 import pytest
 
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline import generators
+from spmdtask.pipeline import generators, generators_v
 from spmdtask.pipeline import simulate as sim_lib
 from spmdtask.pipeline.schedule import Action, Schedule
 
@@ -93,3 +93,56 @@ def test_bad_costs_and_schedules_are_config_errors():
   with pytest.raises(ConfigError, match="stage 0, action B1: runs before F1"):
     sim_lib.simulate(Schedule(1, 2, ((Action("F", 0), Action("B", 1), Action("F", 1),
                                       Action("B", 0)),)))
+
+
+SCHEDULES = [generators.gpipe(4, 8), generators.one_f_one_b(4, 8), generators.zb_h1(4, 8),
+             generators.interleaved_1f1b(4, 8, 2), generators_v.zb_v(4, 8)]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: f"v{s.num_chunks}")
+def test_equal_per_stage_costs_give_the_shared_result(schedule):
+  c = sim_lib.Costs(forward=1, backward=1.5, weight=0.75, latency=0.25)
+  shared = sim_lib.simulate(schedule, c)
+  assert sim_lib.simulate(schedule, [c] * schedule.num_stages) == shared
+  # One per part, each a 1/v share of its stage's cost.
+  v = schedule.num_chunks
+  part = sim_lib.Costs(forward=1 / v, backward=1.5 / v, weight=0.75 / v, latency=0.25)
+  assert sim_lib.simulate(schedule, [part] * schedule.num_stages * v) == shared
+
+
+def test_a_slow_stage_by_hand():
+  """1F1B, 2 stages, 2 microbatches; stage 1 twice as slow; a hop into stage 0 takes 1/4,
+  into stage 1 takes 1/2. Stage 1: F0 [3/2, 7/2], B0 [7/2, 15/2], F1 [15/2, 19/2] (its input
+  arrived at 5/2), B1 [19/2, 27/2]; stage 0: F0 [0, 1], F1 [1, 2], B0 [31/4, 39/4],
+  B1 [55/4, 63/4]."""
+  costs = [sim_lib.Costs(forward=1, backward=2, weight=0, latency=0.25),
+           sim_lib.Costs(forward=2, backward=3, weight=1, latency=0.5)]
+  r = sim_lib.simulate(generators.one_f_one_b(2, 2), costs)
+  assert r.makespan == Fr(63, 4)
+  assert r.busy == (6, 12)
+  assert r.bubble_fractions == (1 - Fr(6) / Fr(63, 4), 1 - Fr(12) / Fr(63, 4))
+  assert [(t.start, t.end) for t in r.timeline[1]] == [
+      (Fr(3, 2), Fr(7, 2)), (Fr(7, 2), Fr(15, 2)), (Fr(15, 2), Fr(19, 2)), (Fr(19, 2), Fr(27, 2))]
+  assert [(t.start, t.end) for t in r.timeline[0]] == [
+      (0, 1), (1, 2), (Fr(31, 4), Fr(39, 4)), (Fr(55, 4), Fr(63, 4))]
+
+
+def test_per_part_costs_on_a_v_schedule():
+  """zb_v, 2 stages x 2 chunks: part 3 (stage 0's chunk 1, with the head) costs 3x the
+  others; each of its actions lasts its own part's cost, no 1/v."""
+  s = generators_v.zb_v(2, 4)
+  half = sim_lib.Costs(forward=0.5, backward=0.5, weight=0.5)
+  slow = sim_lib.Costs(forward=1.5, backward=1.5, weight=1.5)
+  base = sim_lib.simulate(s, [half] * 4)
+  r = sim_lib.simulate(s, [half, half, half, slow])
+  for row in r.timeline:
+    for t in row:
+      part = s.virtual_stage(t.stage, t.action.chunk)
+      assert t.end - t.start == (Fr(3, 2) if part == 3 else Fr(1, 2))
+  assert r.busy == (base.busy[0] + 4 * 3 * 1, base.busy[1])  # 4 microbatches x F, I, W x 1
+  assert r.makespan > base.makespan and r.makespan >= max(r.busy)
+
+
+def test_wrong_number_of_costs_is_a_config_error():
+  with pytest.raises(ConfigError, match="3 pipeline Costs.*4 stages x 1 chunks"):
+    sim_lib.simulate(generators.gpipe(4, 4), [sim_lib.Costs()] * 3)

@@ -66,11 +66,12 @@ class Pipeline:
   """A loss function cut into stages on submeshes, and a schedule to run it (module doc)."""
 
   def __init__(self, loss_fn: Callable, params, microbatch, stages: Sequence[StageSpec],
-               schedule: Schedule, has_aux: bool = False, rows_are_sums: bool = False):
+               schedule: Schedule, has_aux: bool = False, rows_are_sums: bool = False,
+               compile_only: bool = False):
     self.stages, self.schedule, self.has_aux = tuple(stages), schedule, has_aux
     S, V = schedule.num_stages, schedule.num_chunks
     check_meshes(self.stages, S)
-    self.cross = mpmd_cross.Cross([st.mesh for st in self.stages])
+    self.cross = mpmd_cross.Cross([st.mesh for st in self.stages], compile_only)
     local = self.cross.local
     self.staged = split_lib.split(loss_fn, params, microbatch)
     self._split_args, self._under_mesh = (loss_fn, params, microbatch), {}

@@ -65,9 +65,10 @@ class Cross:
   """The stages' submeshes, which of them this process owns, and the collectives between
   them (module doc). Programs and zero blocks are cached per layout."""
 
-  def __init__(self, meshes: Sequence[Mesh]):
+  def __init__(self, meshes: Sequence[Mesh], compile_only: bool = False):
     self.meshes = tuple(meshes)
-    self.local = owned_stages(self.meshes)
+    # Compile-only devices (a TPU topology's, planned ahead of time) belong to no process.
+    self.local = (False,) * len(self.meshes) if compile_only else owned_stages(self.meshes)
     self.multiprocess = not all(self.local)
     self.all_mesh = Mesh(np.array([d for m in self.meshes for d in m.devices.flat]), (ALL,))
     self._cache = {}

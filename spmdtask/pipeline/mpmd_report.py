@@ -48,6 +48,26 @@ def describe(program) -> list[str]:
   return lines
 
 
+def part_args(pl, part) -> tuple[tuple, tuple]:
+  """(forward args, output cotangents) of `part` as ShapeDtypeStructs on its submesh: what
+  its programs are lowered on (forward(*args); backward(residuals, cotangents, params))."""
+  s, mesh = part.stage, pl.stages[part.stage].mesh
+  spec = pl.stages[s]
+  struct = lambda aval, sp: jax.ShapeDtypeStruct(aval.shape, aval.dtype,
+                                                 sharding=NamedSharding(mesh, sp))
+  shapes = dict(zip(pl.paths, pl.param_shapes))
+  params = tuple(struct(shapes[k], pl.param_specs[s][pl.paths.index(k)])
+                 for k in part.param_keys)
+  batch = tuple(struct(pl.batch_avals[j], P(None, *pl.batch_specs[s][j]))
+                for j in part.batch_leaves)
+  m = struct(jax.ShapeDtypeStruct((), jnp.int32), P())
+  vals = lambda ids: tuple(struct(pl.values[i].aval, spec.spec_for(pl.values[i].aval))
+                           for i in ids)
+  last = part.index == len(pl.parts) - 1
+  cot = (struct(pl.loss_aval, P()),) if last else vals(part.float_out)
+  return (params, batch, m, vals(part.float_in), vals(part.int_in)), cot
+
+
 def lowerings(program) -> list[layouts.Lowering]:
   """Each part's forward and backward (run M times a step), each stage's gradient
   reduction (once a step, with per-device accumulation) and its update."""
@@ -56,22 +76,9 @@ def lowerings(program) -> list[layouts.Lowering]:
   out = []
   for part in pl.parts:
     s, mesh = part.stage, pl.stages[part.stage].mesh
-    spec = pl.stages[s]
-    struct = lambda aval, sp: jax.ShapeDtypeStruct(aval.shape, aval.dtype,
-                                                   sharding=NamedSharding(mesh, sp))
-    shapes = dict(zip(pl.paths, pl.param_shapes))
-    params = tuple(struct(shapes[k], pl.param_specs[s][pl.paths.index(k)])
-                   for k in part.param_keys)
-    batch = tuple(struct(pl.batch_avals[j], P(None, *pl.batch_specs[s][j]))
-                  for j in part.batch_leaves)
-    m = struct(jax.ShapeDtypeStruct((), jnp.int32), P())
-    vals = lambda ids: tuple(struct(pl.values[i].aval, spec.spec_for(pl.values[i].aval))
-                             for i in ids)
-    args = (params, batch, m, vals(part.float_in), vals(part.int_in))
+    args, cot = part_args(pl, part)
     out.append(layouts.Lowering(f"stage {s} part {part.index} forward", s, mesh,
                                 lambda p=part, a=args: p.fwd.lower(*a), M))
-    last = part.index == len(pl.parts) - 1
-    cot = ((struct(pl.loss_aval, P()),) if last else vals(part.float_out))
 
     accs = pl.acc[s].structs
 

@@ -8,6 +8,11 @@ Costs are per microbatch through one whole stage; a chunk action costs 1/v of th
 An action starts when its stage is free and its inputs exist (`schedule.dependencies`); an
 input made on another stage arrives `latency` later. Times are exact `Fraction`s.
 
+Costs may differ per stage (a stage holding the embedding or the head is slower): pass a
+sequence of `Costs`, one per stage (each chunk costs 1/v of its stage's, as above), or,
+for v > 1, one per part (virtual stage, `schedule.virtual_stage`), each the cost of that
+part itself (no 1/v). A hop into a stage (or part) takes that receiver's `latency`.
+
 Activation memory is counted in sets (one microbatch's residuals through one whole stage; a
 chunk holds 1/v): F adds a set, and B (or I, for the split backward) releases it. Releasing at
 I matches the published accounting: the zero-bubble paper counts a microbatch's activation
@@ -19,6 +24,7 @@ the smaller stash of layer inputs and output gradients (its M_W), reported separ
 import dataclasses
 import math
 from fractions import Fraction
+from typing import Sequence
 
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import schedule as schedule_lib
@@ -70,6 +76,29 @@ def durations(costs: Costs, num_chunks: int) -> dict[str, Fraction]:
   return {kind: cost / num_chunks for kind, cost in (("F", f), ("I", b), ("W", w), ("B", b + w))}
 
 
+def part_durations(schedule: Schedule, costs: "Costs | Sequence[Costs]"
+                   ) -> dict[tuple[int, int], tuple[dict[str, Fraction], Fraction]]:
+  """(stage, chunk) -> (action kind -> duration, latency of a hop into it) under `costs`:
+  one Costs for every stage, one per stage, or (v > 1) one per part (module docstring)."""
+  S, V = schedule.num_stages, schedule.num_chunks
+  if isinstance(costs, Costs):
+    costs = (costs,) * S
+  costs = tuple(costs)
+  if len(costs) == S:
+    pick = lambda s, c: (costs[s], V)
+  elif len(costs) == S * V:
+    pick = lambda s, c: (costs[schedule.virtual_stage(s, c)], 1)
+  else:
+    raise ConfigError(f"{len(costs)} pipeline Costs for a schedule of {S} stages x {V} chunks: "
+                      f"give one Costs, one per stage ({S}) or one per part ({S * V}).")
+  out = {}
+  for s in range(S):
+    for c in range(V):
+      cost, share = pick(s, c)
+      out[s, c] = durations(cost, share), _exact(cost.latency, "latency")
+  return out
+
+
 def peaks(schedule: Schedule) -> tuple[tuple[Fraction, ...], tuple[Fraction, ...]]:
   """Per stage: (peak live activation sets, peak weight-grad stash), in sets of 1/v chunks."""
   unit = Fraction(1, schedule.num_chunks)
@@ -100,25 +129,26 @@ def peak_bytes(schedule: Schedule, set_bytes) -> tuple[int, ...]:
   return tuple(out)
 
 
-def simulate(schedule: Schedule, costs: Costs = Costs(), source: str = "the schedule",
-             paired: frozenset = frozenset()) -> Simulation:
-  """Validates `schedule` (ConfigError if broken) and runs it under `costs`.
+def simulate(schedule: Schedule, costs: "Costs | Sequence[Costs]" = Costs(),
+             source: str = "the schedule", paired: frozenset = frozenset()) -> Simulation:
+  """Validates `schedule` (ConfigError if broken) and runs it under `costs` (one Costs for
+  every stage, or one per stage or part: `part_durations`).
 
   `paired`: (stage, position)s whose action and the next one run as one overlapped pair
   (DualPipe's F&B): the pair starts once the inputs of both exist. Empty: each action starts
   as soon as its own inputs exist (how the MPMD runner dispatches).
   """
   order = schedule_lib.validate(schedule, source)
-  latency = _exact(costs.latency, "latency")
-  duration = durations(costs, schedule.num_chunks)
+  timing = part_durations(schedule, costs)
+  latency = lambda s, a: timing[s, a.chunk][1]
   backward = schedule_lib.backward_kind(schedule)
   end, free = {}, [Fraction(0)] * schedule.num_stages
   timeline = [[] for _ in range(schedule.num_stages)]
   for s, a in order:  # dependencies come earlier in `order`, so their end times are known
     start = free[s]
     for ds, d in schedule_lib.dependencies(schedule, s, a, backward):
-      start = max(start, end[ds, d] + (latency if ds != s else 0))
-    end[s, a] = free[s] = start + duration[a.kind]
+      start = max(start, end[ds, d] + (latency(s, a) if ds != s else 0))
+    end[s, a] = free[s] = start + timing[s, a.chunk][0][a.kind]
     timeline[s].append(Timed(s, a, start, end[s, a]))
   if paired:
     timeline = _couple(schedule, timeline, end, paired, latency, backward)
@@ -134,7 +164,7 @@ def _couple(schedule, timeline, end, paired, latency, backward):
   """Delays each paired action to when its partner's inputs exist too; repeats until no
   start moves (every move only delays, from the uncoupled times, so this terminates)."""
   def ready(s, a, skip=None):
-    return max((end[ds, d] + (latency if ds != s else 0)
+    return max((end[ds, d] + (latency(s, a) if ds != s else 0)
                 for ds, d in schedule_lib.dependencies(schedule, s, a, backward)
                 if (ds, d) != skip), default=Fraction(0))
 
