@@ -56,6 +56,8 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
   ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
   assert sorted(multi_losses) == [1, 2, 3, 4]
+  print("2 processes, 1 stage each: losses", [multi_losses[s] for s in range(1, 5)],
+        "1 process", [ref_losses[s] for s in range(1, 5)])
   np.testing.assert_allclose([multi_losses[s] for s in range(1, 5)],
                              [ref_losses[s] for s in range(1, 5)], rtol=1e-5)
   assert ref_losses[4] < ref_losses[1]  # it trains
@@ -87,5 +89,7 @@ def test_stages_of_different_device_counts_across_processes_match_one_process(tm
                             ("2", 16, 3, 16, 2, "targets, weights")]
   ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
   assert sorted(multi_losses) == [1, 2, 3]
+  print("stages of 2, 2 | 4 devices: losses", [multi_losses[s] for s in (1, 2, 3)],
+        "1 process", [ref_losses[s] for s in (1, 2, 3)])
   np.testing.assert_allclose([multi_losses[s] for s in (1, 2, 3)],
                              [ref_losses[s] for s in (1, 2, 3)], rtol=1e-5)
