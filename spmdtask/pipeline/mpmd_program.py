@@ -87,6 +87,14 @@ def _rebuild(tx, template, subs, others):
                                           transform_non_params=lambda _: next(others))
 
 
+def _drained(tree):
+  """`tree`, once computed. With several processes a step ends there: without a host
+  sync per step one process dispatches later steps' collectives while its peer is still
+  in earlier ones, and a 2-process eval (no host sync in its loop) then hung in about
+  half the runs here (gloo, CPU). The host all-gather of the batch used to be that sync."""
+  return jax.block_until_ready(tree)
+
+
 def _sum_metrics(aux: tuple) -> Metrics:
   return jax.tree.map(lambda *xs: sum(xs), *aux)
 
@@ -169,7 +177,8 @@ class MpmdProgram:
     if cross.local[self._last]:
       out = self._finish(cross.localize(state.step, cross.meshes[self._last]), m["loss"],
                          m["grad_norm"], m["param_norm"], m["aux"])
-    step, metrics = cross.broadcast(out, self._last, self.shapes["train"])
+    # Each multi-process step ends when its broadcast is done (see `_drained`).
+    step, metrics = _drained(cross.broadcast(out, self._last, self.shapes["train"]))
     self._last_step = (step, n + 1)
     return MpmdState(step, stages), metrics
 
@@ -182,7 +191,7 @@ class MpmdProgram:
     if not cross.multiprocess:
       return self._sum(aux)
     out = self._sum(aux) if cross.local[self._last] else None
-    return cross.broadcast(out, self._last, self.shapes["eval"])
+    return _drained(cross.broadcast(out, self._last, self.shapes["eval"]))
 
   def input_share(self) -> Share:
     return self.feed
