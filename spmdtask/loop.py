@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from spmdtask import checkpoints, console, evaluation, fs, interrupts, memory, summaries
 from spmdtask import program as program_lib
 from spmdtask.errors import Interrupted, TrainingError
+from spmdtask.inputs import base as inputs_base
 from spmdtask.inputs import global_batch
 from spmdtask.task import RunConfig
 
@@ -363,6 +364,9 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   example = run.datasets["train"].batch_at(0)
   program = program_lib.setup(task, example, devices)
   batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
+  # Each process's inputs read what the program asks of them (e.g. MPMD: its stages' leaves).
+  run = dataclasses.replace(run, datasets=inputs_base.reading_all(run.datasets,
+                                                                  program.input_share()))
   for line in start_summary(program, name, batch_size, job_log_dir):
     console.say("%s", line)
   ckpt = None

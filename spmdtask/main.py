@@ -1,4 +1,5 @@
 """The spmdtask binary: `python -m spmdtask.main --exp=NAME --job_log_dir=DIR --mode=train`."""
+import dataclasses
 import os
 import sys
 import types
@@ -223,6 +224,7 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
   # pylint: disable-next=g-import-not-at-top
   from spmdtask import checkpoints, decoding, evaluation, program as program_lib
+  from spmdtask.inputs import base as inputs_base  # pylint: disable=g-import-not-at-top
   task = run_cfg.task
   if _MODE.value == "decode":
     task = decoding.decode_task(task)
@@ -234,6 +236,8 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   if _MODE.value == "decode":
     decoding.run_decode(run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value)
   else:
+    run_cfg = dataclasses.replace(run_cfg, datasets=inputs_base.reading_all(
+        run_cfg.datasets, program.input_share()))
     evaluation.run_eval(
         run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value, _CONTINUOUS_EVAL.value,
         available=lambda: checkpoints.complete_steps(checkpoints.checkpoint_dir(job_log_dir)),

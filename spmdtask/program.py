@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from jax.sharding import Mesh
 
+from spmdtask.inputs.base import Share
 from spmdtask.layouts import Lowering  # (re-exported: part of the contract)
 from spmdtask.model import Metrics, Model, Work
 from spmdtask.pipeline.scan import Scan
@@ -45,8 +46,13 @@ class Program(Protocol):
   def eval(self, state: Any, batch: Any) -> Metrics:
     """Weighted metric sums of one global batch."""
 
+  def input_share(self) -> Share:
+    """The rows and leaves of each global batch this process reads (`inputs.base.reading`
+    makes an input read them): SPMD, its 1/N share of the rows; multi-process MPMD, every
+    row of the leaves its own stages consume."""
+
   def global_batch(self, local_batch: Any) -> Any:
-    """This process's host rows -> what `train` / `eval` take."""
+    """The host rows this process read (`input_share`) -> what `train` / `eval` take."""
 
   def to_canonical(self, state: Any) -> TrainState:
     """Live -> canonical state on `mesh` (fresh buffers)."""

@@ -18,6 +18,7 @@ from spmdtask import layouts
 from spmdtask import mesh as mesh_lib
 from spmdtask import sharding, steps, train_state
 from spmdtask.inputs import global_batch
+from spmdtask.inputs.base import Share
 from spmdtask.model import ChecksBatch, Model, Stacked, Work
 from spmdtask.train_state import StateLayout, TrainState
 
@@ -56,6 +57,9 @@ class SpmdProgram:
 
   def from_canonical(self, state: TrainState):
     return self._from_canonical(state)
+
+  def input_share(self) -> Share:
+    return Share()  # each process its 1/N share of the rows; to_global assembles them
 
   def global_batch(self, local_batch) -> Any:
     if isinstance(self.model, ChecksBatch):

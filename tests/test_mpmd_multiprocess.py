@@ -1,17 +1,34 @@
 """Multi-process MPMD: 2 processes x 4 CPU devices, each owning one stage of lm.TinyLmMpmd
 (stage 0 on process 0's devices, stage 1 on process 1's), train and evaluate with the
-numbers of one process driving both stages on 8 devices, and their checkpoint resumes in
-one process on the same loss curve."""
+numbers of one process driving both stages on 8 devices, each process reading and placing
+only its stages' leaves of the global batch (no host gather), and their checkpoint
+resumes in one process on the same loss curve. Stages of different device counts (2, 2 |
+4) cross processes too."""
 import json
 import os
+import re
 
 import numpy as np
+import pytest
 
 from tests import subproc as h
 from tools import launch_local
 
 STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=4",
          "task.train.log_interval_steps=2")
+FEED = re.compile(r"MPMD feed: process (\d) of 2 \(stages \[([\d, ]+)\]\) reads (\d+) rows x "
+                  r"(\d+) leaves of each global batch of 16 rows and places (\d+) rows x (\d+) "
+                  r"leaves \(([a-z, ]*)\)")
+
+
+def feeds(results) -> list[tuple]:
+  """Per process: (stages, rows read, leaves read, rows placed, leaves placed, names)."""
+  out = []
+  for i, res in enumerate(results):
+    m = FEED.findall(res.stderr)
+    assert len(m) == 1 and int(m[0][0]) == i, res.stderr[-3000:]
+    out.append((m[0][1], *map(int, m[0][2:6]), m[0][6]))
+  return out
 
 
 def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
@@ -19,10 +36,13 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   r = h.run(h.main_cmd("lm.TinyLmMpmd", ref, *STEPS, "task.train.num_train_steps=6"))
   assert r.returncode == 0, r.stderr[-3000:]
   results = launch_local.launch(
-      2, 4, h.main_cmd("lm.TinyLmMpmd", multi, *STEPS, "task.train.num_train_steps=4")[3:],
-      timeout=400, env=h.env(4))
+      2, 4, h.main_cmd("lm.TinyLmMpmd", multi, *STEPS, "task.train.num_train_steps=4",
+                       flags=["--verbosity=0"])[3:], timeout=400, env=h.env(4))
   for i, res in enumerate(results):
     assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  # Each process reads all 16 rows (its input makes whole rows: 3 leaves) and places only
+  # its stage's leaves: stage 0 the inputs, the last stage the targets and loss weights.
+  assert feeds(results) == [("0", 16, 3, 16, 1, "inputs"), ("1", 16, 3, 16, 2, "targets, weights")]
   # Eval of the step-4 checkpoint: 2 processes, then 1 (the metrics file keeps both lines).
   for launch in (lambda *f: launch_local.launch(2, 4, h.main_cmd("lm.TinyLmMpmd", multi, *STEPS,
                                                                  flags=f)[3:],
@@ -36,6 +56,8 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
   ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
   assert sorted(multi_losses) == [1, 2, 3, 4]
+  print("2 processes, 1 stage each: losses", [multi_losses[s] for s in range(1, 5)],
+        "1 process", [ref_losses[s] for s in range(1, 5)])
   np.testing.assert_allclose([multi_losses[s] for s in range(1, 5)],
                              [ref_losses[s] for s in range(1, 5)], rtol=1e-5)
   assert ref_losses[4] < ref_losses[1]  # it trains
@@ -44,3 +66,30 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   resumed = h.train_losses(multi)
   np.testing.assert_allclose([resumed[5], resumed[6]], [ref_losses[5], ref_losses[6]], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_stages_of_different_device_counts_across_processes_match_one_process(tmp_path):
+  """3 stages of 2, 2 and 4 devices: process 0 owns stages 0 and 1 (TP 2, then DP 2),
+  process 1 stage 2 (DP 2 x TP 2), so activations and gradients cross processes between
+  submeshes of 2 and 4 devices (mpmd_cross: a sum over their union); the losses are those
+  of one process driving all three stages."""
+  sets = ("task.train.summary_interval_steps=1", "task.train.num_train_steps=3",
+          "task.pipeline.layer_cuts=(1,2)",
+          "task.pipeline.submesh_shapes=((1,1,2),(2,1,1),(2,1,2))")
+  ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
+  r = h.run(h.main_cmd("lm.TinyLmMpmd", ref, *sets))
+  assert r.returncode == 0, r.stderr[-3000:]
+  results = launch_local.launch(2, 4, h.main_cmd("lm.TinyLmMpmd", multi, *sets,
+                                                 flags=["--verbosity=0"])[3:],
+                                timeout=400, env=h.env(4))
+  for i, res in enumerate(results):
+    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
+  assert feeds(results) == [("0, 1", 16, 3, 16, 1, "inputs"),
+                            ("2", 16, 3, 16, 2, "targets, weights")]
+  ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
+  assert sorted(multi_losses) == [1, 2, 3]
+  print("stages of 2, 2 | 4 devices: losses", [multi_losses[s] for s in (1, 2, 3)],
+        "1 process", [ref_losses[s] for s in (1, 2, 3)])
+  np.testing.assert_allclose([multi_losses[s] for s in (1, 2, 3)],
+                             [ref_losses[s] for s in (1, 2, 3)], rtol=1e-5)

@@ -11,6 +11,8 @@ collectives (gloo). How they find each other (`--cluster`):
 
 `python tools/launch_local.py --num_processes=2 --devices_per_process=4 -- \
     --exp=lm.TinyLm --job_log_dir=/tmp/mh`
+`--devices_per_process=2,6` gives each process its own device count (e.g. an MPMD job
+whose stages have 2 and 6 devices).
 Exits with the first non-zero exit status of any process.
 """
 import argparse
@@ -19,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from typing import Sequence
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # jax._src.clusters.slurm_cluster: port = 65535 - 2**12 + 1 + SLURM_JOB_ID % 2**12.
@@ -49,12 +52,24 @@ def slurm_env(num_processes: int, index: int, job_id: int) -> dict[str, str]:
           "SLURMD_NODENAME": "127.0.0.1"}
 
 
-def launch(num_processes: int, devices_per_process: int, main_args: list[str],
+def device_counts(num_processes: int, devices_per_process) -> list[int]:
+  """Per process, its CPU device count: one int for all, or one per process."""
+  counts = ([devices_per_process] * num_processes if isinstance(devices_per_process, int)
+            else [int(n) for n in devices_per_process])
+  if len(counts) != num_processes or min(counts) < 1:
+    raise ValueError(f"devices_per_process={devices_per_process!r}: one count >= 1, or one "
+                     f"per process ({num_processes})")
+  return counts
+
+
+def launch(num_processes: int, devices_per_process: int | Sequence[int], main_args: list[str],
            timeout: float | None = None, env: dict | None = None, cluster: str = "flags"
            ) -> list[subprocess.CompletedProcess]:
-  """Starts the processes, waits for all, returns their results (stdout/stderr captured)."""
-  env = dict(env or os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")
+  """Starts the processes, waits for all, returns their results (stdout/stderr captured).
+  `devices_per_process`: every process's CPU device count, or one count per process."""
+  env = dict(env or os.environ, JAX_PLATFORMS="cpu")
+  devices = [{"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+             for n in device_counts(num_processes, devices_per_process)]
   if cluster == "flags":
     port = free_port()
     per_process = [([f"--coordinator_address=127.0.0.1:{port}",
@@ -71,8 +86,8 @@ def launch(num_processes: int, devices_per_process: int, main_args: list[str],
   outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in per_process]
   procs = [subprocess.Popen(
       [sys.executable, "-m", "spmdtask.main", *main_args, *args], cwd=ROOT,
-      env={**env, **extra}, stdout=out, stderr=err, text=True)
-      for (args, extra), (out, err) in zip(per_process, outs)]
+      env={**env, **extra, **dev}, stdout=out, stderr=err, text=True)
+      for (args, extra), dev, (out, err) in zip(per_process, devices, outs)]
   results = []
   for p, (out, err) in zip(procs, outs):
     try:
@@ -92,11 +107,14 @@ def launch(num_processes: int, devices_per_process: int, main_args: list[str],
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--num_processes", type=int, default=2)
-  parser.add_argument("--devices_per_process", type=int, default=4)
+  parser.add_argument("--devices_per_process", default="4",
+                      help="CPU devices of each process, or a comma-separated count per process")
   parser.add_argument("--cluster", choices=("flags", "slurm"), default="flags")
   args, rest = parser.parse_known_args()
   rest = [a for a in rest if a != "--"]
-  results = launch(args.num_processes, args.devices_per_process, rest, cluster=args.cluster)
+  counts = [int(n) for n in args.devices_per_process.split(",")]
+  results = launch(args.num_processes, counts[0] if len(counts) == 1 else counts, rest,
+                   cluster=args.cluster)
   for i, r in enumerate(results):
     sys.stderr.write(f"==== process {i} (exit {r.returncode}) ====\n{r.stderr[-4000:]}")
   sys.exit(next((r.returncode for r in results if r.returncode), 0))

@@ -1,6 +1,58 @@
-"""What host-fed inputs share: this process's rows of a global batch, and a restorable position."""
+"""What host-fed inputs share: this process's rows of a global batch, and a restorable position.
+
+Which rows a process reads is the program's call (`Program.input_share()`): SPMD programs
+take each process's 1/N share of the rows (the default); a multi-process MPMD program has
+each process read every row of the leaves its own stages consume. `reading(inputs, share)`
+gives the input that reads a share: every input is a dataclass with `process_index` and
+`process_count` fields (None = jax's), and a share only sets those.
+"""
+import dataclasses
+
 import jax
 import numpy as np
+
+from spmdtask.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+  """The part of each global batch one process reads.
+
+  process_index, process_count: the contiguous rows `process_slice` gives; None = this
+    process's own 1/N share (jax's index and count); (0, 1) = every row.
+  leaves: the leaves (`jax.tree_util.keystr(path, simple=True, separator='/')`, e.g.
+    'targets') this process's programs take; None = all. An input may skip the others;
+    the program drops any others before placing the batch.
+  """
+  process_index: int | None = None
+  process_count: int | None = None
+  leaves: tuple[str, ...] | None = None
+
+
+def reading(inputs, share: Share):
+  """`inputs` made to read `share`'s rows: itself when it already does (always for the
+  default share), else a copy with the share's process_index / process_count (read from
+  the start: do this before restoring its position)."""
+  if share.process_index is None and share.process_count is None:
+    return inputs
+  names = {f.name for f in dataclasses.fields(inputs)} if dataclasses.is_dataclass(inputs) else ()
+  if not {"process_index", "process_count"} <= set(names):
+    raise ConfigError(
+        f"datasets[...] is a {type(inputs).__name__}, which this program cannot ask for rows "
+        f"{share.process_index} of {share.process_count} (a multi-process MPMD pipeline has "
+        "each process read every row of the leaves its stages consume): make the input a "
+        "dataclass with `process_index` and `process_count` fields, like "
+        "spmdtask.inputs.synthetic.SyntheticLmInput.")
+  if (inputs.process_index, inputs.process_count) == (share.process_index,
+                                                      share.process_count):
+    return inputs
+  return dataclasses.replace(inputs, process_index=share.process_index,
+                             process_count=share.process_count)
+
+
+def reading_all(datasets: dict, share: Share) -> dict:
+  """Every input of `datasets` reading `share` (`reading`)."""
+  return {name: reading(inputs, share) for name, inputs in datasets.items()}
 
 
 def process_slice(batch_size: int, process_index: int | None = None,

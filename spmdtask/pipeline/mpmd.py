@@ -110,9 +110,6 @@ class Pipeline:
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
     self.order = execution_order(schedule, self.parts, self.values)
-    for v in self.values.values():
-      for c in v.consumers:
-        self.cross.check_pair(self.part_stage[v.producer], self.part_stage[c])
     out_shapes = jax.eval_shape(loss_fn, params, microbatch)
     self.aux_tree = jax.tree.structure(out_shapes[1]) if has_aux else None
     loss_dtype = jax.tree.leaves(out_shapes)[0].dtype

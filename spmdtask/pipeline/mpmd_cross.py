@@ -4,12 +4,20 @@ With several processes (`--num_processes`), every stage's submesh lies inside on
 and a process runs only the programs of the stages it owns. What one stage makes and
 another needs crosses processes with collectives over the devices of both:
 
-  move(x, aval, spec, a, b)   stage a -> stage b. The "pair mesh" stacks b's devices,
-      arranged like a's submesh, under a new axis `_pair` (a = 0, b = 1); x's first dim is
-      split over `_pair` too, so each device's block is exactly its shard of x. A jitted
-      shard_map `ppermute` 0 -> 1 sends every shard to its mirror device. The sender passes
-      x's shards, the receiver zeros; the receiver rebuilds x from its blocks, in x's
-      layout on its own devices (like the one-process `Pipeline._send`).
+  move(x, aval, spec, a, b)   stage a -> stage b. Equal device counts: the "pair mesh"
+      stacks b's devices, arranged like a's submesh, under a new axis `_pair` (a = 0,
+      b = 1); x's first dim is split over `_pair` too, so each device's block is exactly
+      its shard of x. A jitted shard_map `ppermute` 0 -> 1 sends every shard to its mirror
+      device. The sender passes x's shards, the receiver zeros; the receiver rebuilds x
+      from its blocks, in x's layout on its own devices (like the one-process
+      `Pipeline._send`). Cost: each shard crosses once (x's bytes in all).
+      Different device counts (e.g. 2 and 6): no device mirrors another, so x goes as a
+      sum over a 1-D mesh of the devices of both stages (`_union`), where only a's first
+      device holds x and every other device zeros (exact: x + 0 + ...); the result is
+      replicated on every device of both, and the receiver keeps it replicated on its
+      submesh (its program re-splits it locally). Cost: one all-reduce of the whole of x
+      over na + nb devices (about 2·|x| bytes through each device) and a full copy of x
+      on each of b's devices, against |x| in all for the equal-count ppermute.
   broadcast(tree, a, shapes)  stage a -> every device: a jitted sum over a 1-D mesh of all
       devices where only a's first device holds the value (exact: x + 0 + ...), replicated
       on every device, so every process can read it (metrics, the step, checkpoints).
@@ -78,26 +86,21 @@ class Cross:
       self._cache[key] = make()
     return self._cache[key]
 
-  def check_pair(self, a: int, b: int) -> None:
-    """ConfigError unless stages a and b can exchange arrays across processes."""
-    if self.local[a] != self.local[b] and self.meshes[a].size != self.meshes[b].size:
-      raise ConfigError(
-          f"MPMD stages {a} and {b} exchange arrays across processes but have "
-          f"{self.meshes[a].size} and {self.meshes[b].size} devices; across processes stage "
-          "submeshes must have equal device counts (task.pipeline.submesh_shapes).")
-
   # ---- stage -> stage ----------------------------------------------------------------
 
   def move(self, x, aval, spec: P, a: int, b: int):
     """x (on stage a in NamedSharding(mesh_a, spec); None where a is not local) -> on b's
-    devices arranged like a's mesh, same spec, on b's process; None elsewhere."""
+    devices arranged like a's mesh, same spec (different device counts: replicated on
+    b's submesh), on b's process; None elsewhere."""
     local_a, local_b = self.local[a], self.local[b]
     if not (local_a or local_b):
       return None
     src = self.meshes[a]
     if local_a and local_b:
       return jax.device_put(x, NamedSharding(self._mirror(a, b), spec))
-    self.check_pair(a, b)
+    if src.size != self.meshes[b].size:
+      y = self._sum_from(x, a, aval, self._union(a, b))
+      return self.localize(y, self.meshes[b]) if local_b else None
     shape = tuple(aval.shape) or (1,)
     gshape = (2 * shape[0],) + shape[1:]
     pair = self._cached(("pair", a, b), lambda: Mesh(
@@ -143,11 +146,23 @@ class Cross:
   def broadcast(self, tree, a: int, shapes):
     """`tree` (on stage a; None where a is not local) -> the same values replicated on
     every device (`all_mesh`, P()), readable by every process. `shapes`: its avals."""
+    return self._sum_from(tree, a, shapes, self.all_mesh)
+
+  def _union(self, a: int, b: int) -> Mesh:
+    """A 1-D mesh of stage a's devices, then b's."""
+    return self._cached(("union", a, b), lambda: Mesh(np.array(
+        [d for s in (a, b) for d in self.meshes[s].devices.flat]), (ALL,)))
+
+  def _sum_from(self, tree, a: int, shapes, mesh: Mesh):
+    """`tree` (on stage a; None where a is not local) -> replicated on every device of
+    `mesh` (a 1-D mesh over a's devices and others): a jitted sum over `mesh` of blocks
+    where only a's first device holds the values and every other device zeros. Every
+    process with a device in `mesh` calls it."""
     leaves, treedef = jax.tree.flatten(shapes)
     xs = jax.tree.leaves(tree) if self.local[a] else [None] * len(leaves)
     first = self.meshes[a].devices.flat[0]
-    mine = [d for d in self.all_mesh.devices.flat if d.process_index == jax.process_index()]
-    n = self.all_mesh.size
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    n = mesh.size
     arrays = []
     for x, aval in zip(xs, leaves):
       blocks = []
@@ -158,11 +173,11 @@ class Cross:
           blocks.append(self._cached(("zero1", d, tuple(aval.shape), aval.dtype), lambda: jnp.zeros(
               (1,) + tuple(aval.shape), aval.dtype, device=d)))
       arrays.append(jax.make_array_from_single_device_arrays(
-          (n,) + tuple(aval.shape), NamedSharding(self.all_mesh, P(ALL)), blocks))
-    total = self._cached(("sum", treedef, tuple((tuple(v.shape), v.dtype) for v in leaves)),
+          (n,) + tuple(aval.shape), NamedSharding(mesh, P(ALL)), blocks))
+    total = self._cached(("sum", mesh, treedef, tuple((tuple(v.shape), v.dtype) for v in leaves)),
                          lambda: steps.partition(
                              lambda ys: [jnp.sum(y, axis=0, dtype=y.dtype) for y in ys],
-                             self.all_mesh, P(ALL), P()))
+                             mesh, P(ALL), P()))
     return jax.tree.unflatten(treedef, total(arrays))
 
   def replicate(self, tree, mesh: Mesh):

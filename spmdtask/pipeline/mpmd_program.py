@@ -26,13 +26,16 @@ stages' optimizer's leaves in the same order.
 
 Processes. One process drives every submesh; with several (`--num_processes`) each owns
 whole stages (their submeshes lie on its devices) and runs only their programs, and the
-arrays between stages cross with collectives (mpmd_cross). Every process then gets the
-same view of what the loop, evaluation and checkpoints read: the global batch (an
-all-gather of the processes' rows: each stage needs every microbatch), the step and the
-metrics (broadcast from the last stage to every device), and the canonical state
-(every stage's state broadcast, then laid out on `mesh`); `from_canonical` replicates the
-canonical state and each process keeps its stages' leaves. These conversions hold a full
-copy of the state per device for a moment; they run at init, save and restore only.
+arrays between stages cross with collectives (mpmd_cross). Each process reads only what
+its stages consume (`input_share`, `mpmd_feed`): every row of the global batch (a stage
+needs every microbatch) but only the leaves its stages' parts read (e.g. the first
+stage's 'inputs', the last stage's 'targets' and 'weights'); `global_batch` drops any
+other leaf before placement, and nothing is gathered between hosts. Every process gets
+the same view of the step and the metrics (broadcast from the last stage to every
+device), and of the canonical state (every stage's state broadcast, then laid out on
+`mesh`); `from_canonical` replicates the canonical state and each process keeps its
+stages' leaves. These conversions hold a full copy of the state per device for a moment;
+they run at init, save and restore only.
 """
 import dataclasses
 import functools
@@ -42,15 +45,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
+from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask import mesh as mesh_lib
 from spmdtask import layouts, sharding, steps, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
+from spmdtask.inputs.base import Share
 from spmdtask.model import Metrics, Model, Work
-from spmdtask.pipeline import mpmd, mpmd_report, mpmd_stages, mpmd_step
+from spmdtask.pipeline import mpmd, mpmd_feed, mpmd_report, mpmd_stages, mpmd_step
 from spmdtask.pipeline.mpmd_step import StageState
 from spmdtask.train_state import StateLayout, TrainState
 
@@ -94,6 +98,14 @@ def _microbatch_keys(seed: int, step, num_microbatches: int) -> jax.Array:
       jnp.arange(num_microbatches))
 
 
+def _drained(tree):
+  """`tree`, once computed. With several processes a step ends there: without a host
+  sync per step one process dispatches later steps' collectives while its peer is still
+  in earlier ones, and a 2-process eval (no host sync in its loop) then hung in about
+  half the runs here (gloo, CPU). The host all-gather of the batch used to be that sync."""
+  return jax.block_until_ready(tree)
+
+
 def _sum_metrics(aux: tuple) -> Metrics:
   return jax.tree.map(lambda *xs: sum(xs), *aux)
 
@@ -123,7 +135,10 @@ class MpmdProgram:
   num_layers: int
   shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
   make_eval_pipeline: Any = None  # () -> the forward-only Pipeline (no dropout), built once
+  feed: Share = Share()  # what this process reads of each global batch (input_share)
+  batch_rows: int = 0  # rows of the global batch
   last_peak_residuals: tuple[int, ...] | None = None
+  _feed_logged: bool = False
   _eval_pipeline: Any = None
   _last_step: tuple = (None, 0)  # (the step array train returned, its value on the host)
   reads_dropout_key: bool = True  # whether a stage part reads DROPOUT_KEY (dropout on)
@@ -175,7 +190,8 @@ class MpmdProgram:
     if cross.local[self._last]:
       out = self._finish(cross.localize(state.step, cross.meshes[self._last]), m["loss"],
                          m["grad_norm"], m["param_norm"], m["aux"])
-    step, metrics = cross.broadcast(out, self._last, self.shapes["train"])
+    # Each multi-process step ends when its broadcast is done (see `_drained`).
+    step, metrics = _drained(cross.broadcast(out, self._last, self.shapes["train"]))
     self._last_step = (step, n + 1)
     return MpmdState(step, stages), metrics
 
@@ -188,14 +204,22 @@ class MpmdProgram:
     if not cross.multiprocess:
       return self._sum(aux)
     out = self._sum(aux) if cross.local[self._last] else None
-    return cross.broadcast(out, self._last, self.shapes["eval"])
+    return _drained(cross.broadcast(out, self._last, self.shapes["eval"]))
+
+  def input_share(self) -> Share:
+    return self.feed
 
   def global_batch(self, local_batch) -> Any:
-    """Host arrays of the global batch (every process's rows, in process order: each
-    stage needs every microbatch); the pipeline splits them on each stage's submesh."""
-    if jax.process_count() > 1:
-      return multihost_utils.process_allgather(local_batch, tiled=True)
-    return jax.tree.map(np.asarray, local_batch)
+    """Host arrays of the global batch for the pipeline, which splits them on each stage's
+    submesh; with several processes, of the leaves this process's stages read, the
+    others None (`mpmd_feed.select`)."""
+    out = mpmd_feed.select(local_batch, self.feed, self.batch_rows)
+    if self.feed.leaves is not None and not self._feed_logged:
+      self._feed_logged = True
+      logging.info("%s", mpmd_feed.describe(
+          local_batch, out, self.feed, self.batch_rows,
+          [s for s, here in enumerate(self.pipeline.cross.local) if here]))
+    return out
 
   def canonical_targets(self) -> TrainState:
     return layouts.sharded_structs(self.mesh, self.canonical.logical, self.canonical_split)
@@ -337,6 +361,7 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
       micro_train)[0]].index(jax.tree_util.keystr((jax.tree_util.DictKey(DROPOUT_KEY),)))
   make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
                                     has_aux=True)
+  feed = mpmd_feed.share(pl, micro_train, skip=(DROPOUT_KEY,))
   step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
                                 loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
   last_mesh = meshes[pl.part_stage[-1]]
@@ -376,6 +401,10 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
                                                     task.batch_axes(), mesh),
       pipeline=pl, make_eval_pipeline=make_eval,
       reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts), step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
+
+
+      pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes,
+      num_layers=canonical_model.num_layers, feed=feed, batch_rows=global_size,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),

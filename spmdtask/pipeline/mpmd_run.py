@@ -181,32 +181,33 @@ class Runner:
   # ---- moving arrays ---------------------------------------------------------------------
 
   def stage_batches(self, batch) -> list[dict]:
-    """Per stage {batch leaf: [M, rows/M, ...] on its submesh} for the leaves it reads."""
+    """Per local stage {batch leaf: [M, rows/M, ...] on its submesh} for the leaves it
+    reads; `batch` may hold None for leaves no local stage reads (mpmd_feed)."""
     M = self.pl.schedule.num_microbatches
-    leaves = jax.tree.leaves(batch)
-    if len(leaves) != self.pl.batch_tree.num_leaves:
-      raise ValueError(f"batch has {len(leaves)} leaves, the pipeline was built for "
-                       f"{self.pl.batch_tree.num_leaves}")
-    stacked = {}
-    for part in self.pl.parts:
-      for j in part.batch_leaves:
-        if j not in stacked:
-          x = leaves[j]
-          if x.shape[0] % M:
-            raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
-                              f"schedule.num_microbatches={M} equal microbatches.")
-          # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation).
-          # (methods: a host array stays on the host, a device array on its device)
-          stacked[j] = x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1)
+    try:
+      leaves = self.pl.batch_tree.flatten_up_to(batch)
+    except ValueError as e:
+      raise ValueError(f"the batch does not have the tree the pipeline was built for: {e}"
+                       ) from None
     out = [dict() for _ in self.pl.stages]
     for part in self.pl.parts:
       s = part.stage
       for j in part.batch_leaves if self.pl.cross.local[s] else ():
-        if j not in out[s]:
-          out[s][j] = jax.device_put(stacked[j], NamedSharding(
-              self.pl.stages[s].mesh, P(None, *self.pl.batch_specs[s][j])))
+        if j in out[s]:
+          continue
+        x = leaves[j]
+        if x is None:
+          raise ValueError(f"batch leaf {j} is read by stage {s} but was not fed to process "
+                           f"{jax.process_index()} (Program.input_share)")
+        if x.shape[0] % M:
+          raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
+                            f"schedule.num_microbatches={M} equal microbatches.")
+        # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation);
+        # methods, so a host array stays on the host and a device array on its device.
+        stacked = x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1)
+        out[s][j] = jax.device_put(stacked, NamedSharding(
+            self.pl.stages[s].mesh, P(None, *self.pl.batch_specs[s][j])))
     return out
-
 
   def _send_cotangents(self, part: Part, m: int, d_in, cots) -> None:
     """B(m) of `part` made d_in (None where another process ran it): each goes to the
