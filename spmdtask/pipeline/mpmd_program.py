@@ -319,8 +319,10 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   lr_schedule = tp.schedule()
   full = mesh_lib.mesh_shape(mesh)
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
+  # `mesh=`, not a mesh context: optax's eager bits must not run on compile-only devices
+  # (a TPU topology planned on this machine).
+  canonical = train_state.layout(canonical_model, tx, init_batch, full, mesh)
   with jax.set_mesh(mesh):
-    canonical = train_state.layout(canonical_model, tx, init_batch, full)
     work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                                    for k, v in init_batch.items()})
   # The live layout without a mesh (shapes and splits only); the Pipeline traces each
@@ -399,12 +401,9 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
       canonical_split=canonical_split, live=live, live_split=live_split, work=work,
       config=config, batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
                                                     task.batch_axes(), mesh),
-      pipeline=pl, make_eval_pipeline=make_eval,
-      reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts), step_fn=step_fn, shapes=cross_shapes, num_layers=canonical_model.num_layers,
-
-
       pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes,
       num_layers=canonical_model.num_layers, feed=feed, batch_rows=global_size,
+      reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts),
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),
