@@ -357,12 +357,14 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
                                                             key_aval.dtype)}
   train_specs = [dataclasses.replace(sp, batch_specs={**sp.batch_specs, DROPOUT_KEY: P()})
                  for sp in specs]
+  # Devices this process cannot run on (a TPU topology planned here) get no arrays.
+  compile_only = not set(devices) <= set(jax.devices())
   pl = mpmd.Pipeline(loss_fn, live.logical.params, micro_train, train_specs, schedule,
-                     has_aux=True, rows_are_sums=True)
+                     has_aux=True, rows_are_sums=True, compile_only=compile_only)
   key_leaf = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
       micro_train)[0]].index(jax.tree_util.keystr((jax.tree_util.DictKey(DROPOUT_KEY),)))
   make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
-                                    has_aux=True)
+                                    has_aux=True, compile_only=compile_only)
   feed = mpmd_feed.share(pl, micro_train, skip=(DROPOUT_KEY,))
   step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
                                 loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
