@@ -100,6 +100,18 @@ def test_plan_over_two_slices_has_dcn_collectives(tmp_path):
                   topology="v5e:2x2", num_slices=2)
 
 
+def test_mpmd_plan_on_v5e_compiles_every_stage_program(tmp_path):
+  # The pipeline is built compile-only on the topology's chips (nothing placed there);
+  # each stage's programs compile for XLA:TPU, its gradient reduction among them.
+  got = plan.run_plan(util.build_run("lm.TinyLmMpmd"), str(tmp_path), "lm.TinyLmMpmd",
+                      topology="v5e:2x4")
+  programs = {p["name"]: p for p in got["programs"]}
+  assert {p["devices"] for p in programs.values()} == {4}
+  assert programs["stage 1 gradient reduction"]["compiled"]["peak_estimate_bytes"] > 0
+  assert [st["stage"] for st in got["stage_plans"]] == [0, 1]
+  assert all(st["flops_per_step"] > 0 for st in got["stage_plans"])
+
+
 def test_out_of_hbm_names_the_largest_arrays(tmp_path):
   # d_ff 2^21: 4 layers x 2 x 128 x 2^21 fp32 weights (8 GiB), replicated, plus Adam:
   # XLA:TPU itself refuses to compile more than the chip's HBM.
