@@ -15,14 +15,7 @@ clipping (clipping uses the norm over all stages). The loss is the model's weigh
 each microbatch contributes its loss sum `loss · weight` and the step divides by the
 summed weight (Model contract), so loss and update equal the unpipelined step's.
 
-Canonical conversion. The live state is per stage: `{path: param}` and the optimizer's
-state over those params. `to_canonical` gathers the params (a tied leaf from its first
-stage) into the live tree (layer groups `block_<g>`), collects every optimizer statistic
-that mirrors the params (optax identifies them: `tree_map_params`) the same way, moves
-everything onto `mesh` and converts with the model's `layout_maps` (groups -> `[L, ...]`);
-`from_canonical` does the reverse. The canonical optimizer state is that of
-`task.train.make_optimizer()`: its clipping adds an empty state, so its leaves are the
-stages' optimizer's leaves in the same order.
+Canonical conversion: `mpmd_canonical`.
 
 Processes. One process drives every submesh; with several (`--num_processes`) each owns
 whole stages (their submeshes lie on its devices) and runs only their programs, and the
@@ -46,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from spmdtask import mesh as mesh_lib
 from spmdtask import layouts, sharding, steps, train_state
@@ -67,26 +60,6 @@ class MpmdState(NamedTuple):
 
 DROPOUT_KEY = "__dropout_key__"  # the batch leaf that carries each microbatch's dropout key
 _KEY_SHAPE = (2,)  # threefry key data
-
-
-def _is_everything(_) -> bool:
-  return True
-
-
-def _mirrors(tx, opt_state) -> tuple[list, list]:
-  """(param-mirroring subtrees, other leaves) of an optax state, in tree order."""
-  subs, others = [], []
-  optax.tree_utils.tree_map_params(tx, subs.append, opt_state, is_leaf=_is_everything,
-                                   transform_non_params=others.append)
-  return subs, others
-
-
-def _rebuild(tx, template, subs, others):
-  """`template` (an optax state of `tx`) with its mirrors and other leaves replaced."""
-  subs, others = iter(subs), iter(others)
-  return optax.tree_utils.tree_map_params(tx, lambda _: next(subs), template,
-                                          is_leaf=_is_everything,
-                                          transform_non_params=lambda _: next(others))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -237,54 +210,10 @@ class MpmdProgram:
     return mpmd_report.stage_report(self, compiled)
 
   def to_canonical(self, state: MpmdState) -> TrainState:
-    pl, cross = self.pipeline, self.pipeline.cross
-    if cross.multiprocess:  # every stage's state on every device (module doc)
-      here = lambda t: jax.tree.map(lambda x: cross.localize(x, self.mesh), t)
-      state = MpmdState(here(state.step), tuple(
-          here(cross.broadcast(st, s, self.shapes["stages"][s]))
-          for s, st in enumerate(state.stages)))
-    params = pl.gather([st.params for st in state.stages])
-    per_stage = [_mirrors(self.base_tx, st.opt_state) for st in state.stages]
-    subs = []
-    for i in range(len(per_stage[0][0])):
-      merged = {}
-      for stage_subs, _ in per_stage:
-        for k, x in stage_subs[i].items():
-          merged.setdefault(k, x)  # a tied leaf's statistics from its first stage
-      subs.append(jax.tree.unflatten(pl.params_tree, [merged[k] for k in pl.paths]))
-    opt_state = _rebuild(self.base_tx, self.live.logical.opt_state, subs, per_stage[0][1])
-    live = TrainState(state.step, params, opt_state)
-    live = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(self.mesh, s)), live,
-                        self.live_split)
-    return self._to_canonical(live)
+    return self._to_canonical(mpmd_canonical.gather(self, state.step, state.stages))
 
   def from_canonical(self, state: TrainState) -> MpmdState:
-    live = self._from_canonical(state)
-    pl, cross = self.pipeline, self.pipeline.cross
-    if cross.multiprocess:  # replicated: each process takes its stages' leaves locally
-      live = cross.replicate(live, self.mesh)
-      here = lambda t, s: jax.tree.map(lambda x: cross.localize(x, pl.stages[s].mesh), t)
-    else:
-      here = lambda t, s: t
-    flat = dict(zip(pl.paths, jax.tree.leaves(live.params)))
-    subs, others = _mirrors(self.base_tx, live.opt_state)
-    flat_subs = [dict(zip(pl.paths, jax.tree.leaves(sub))) for sub in subs]
-    stages = []
-    for s, (keys, prog, spec) in enumerate(zip(pl.stage_keys, self.step_fn.programs,
-                                               pl.stages)):
-      if not cross.local[s]:
-        stages.append(None)
-        continue
-      params = {k: jax.device_put(here(flat[k], s), pl.sharding(s, k)) for k in keys}
-      template = jax.eval_shape(self.base_tx.init, params)
-      opt = _rebuild(self.base_tx, template, [{k: f[k] for k in keys} for f in flat_subs],
-                     others)
-      stages.append(StageState(params, jax.device_put(
-          here(opt, s), steps.named_shardings(spec.mesh, prog.opt_specs))))
-    if cross.multiprocess:
-      return MpmdState(live.step, tuple(stages))
-    step = jax.device_put(live.step, NamedSharding(pl.stages[self._last].mesh, P()))
-    return MpmdState(step, tuple(stages))
+    return MpmdState(*mpmd_canonical.scatter(self, self._from_canonical(state)))
 
 
 def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
