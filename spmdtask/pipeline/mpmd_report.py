@@ -1,9 +1,11 @@
 """What an MPMD program tells the console and the plan: per-stage facts and lowerings.
 
-`describe(program)`: the strategy line, then one line per stage: its submesh, its layers,
-its train state bytes per device. `lowerings(program)`: every jitted program of one step
-(each part's forward and backward, each stage's optimizer update) as `layouts.Lowering`s
-built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage without running.
+`describe(program)`: the strategy line, the cuts with each stage's compiled cost
+(`auto_cuts.CutCosts`), then one line per stage: its submesh, its layers, its cost relative
+to the slowest stage, its train state bytes per device. `lowerings(program)`: every jitted
+program of one step (each part's forward and backward, each stage's optimizer update) as
+`layouts.Lowering`s built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage
+without running.
 """
 import jax
 import jax.numpy as jnp
@@ -35,7 +37,8 @@ def stage_state_rows(program, s: int) -> list[memory.ArrayRow]:
 
 def describe(program) -> list[str]:
   pl = program.pipeline
-  lines = [program.config.summary()]
+  costs = program.cut_costs()
+  lines = [program.config.summary(), costs.line()]
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mesh = " ".join(f"{a}={n}" for a, n in spec.mesh.shape.items())
     ids = [d.id for d in spec.mesh.devices.flat]
@@ -44,7 +47,8 @@ def describe(program) -> list[str]:
     t = memory.totals(stage_state_rows(program, s))
     lines.append(f"  stage {s}: submesh {mesh} (devices {min(ids)}-{max(ids)}), layers "
                  + ", ".join(f"{a}-{b - 1}" for a, b in layers) + extra
-                 + f"; train state {console.human_bytes(t['state_bytes_per_device'])} per device")
+                 + f", cost {costs.ratios[s]:.2f} of the slowest; train state "
+                 + f"{console.human_bytes(t['state_bytes_per_device'])} per device")
   return lines
 
 
@@ -97,7 +101,9 @@ def stage_report(program, compiled: list) -> list[dict]:
   outputs: residuals and what it sends); the live sets at the schedule's peak (the
   simulator's count) and their bytes (`simulate.peak_bytes` with those set sizes); bytes
   it sends per step (activations forward, gradients back); FLOPs per step; the simulated
-  bubble (equal F/B/W costs); and the estimated peak = state + live sets + temporaries.
+  bubble (equal F/B/W costs); the estimated peak = state + live sets + temporaries; and
+  its cost per microbatch (compiled train FLOPs per device of its layers, `CutCosts`) and
+  that relative to the slowest stage.
   """
   pl, sched = program.pipeline, program.pipeline.schedule
   M = sched.num_microbatches
@@ -108,7 +114,7 @@ def stage_report(program, compiled: list) -> list[dict]:
   live = simulate.peak_bytes(sched, set_bytes)
   nbytes = lambda ids: sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
                            * len(pl.values[i].consumers) for i in ids)  # one send a consumer
-  rows = []
+  rows, costs = [], program.cut_costs()
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mine = [(lw, c) for lw, c in compiled if lw.stage == s]
     temp = max(c.memory_analysis().temp_size_in_bytes for _, c in mine)
@@ -127,7 +133,9 @@ def stage_report(program, compiled: list) -> list[dict]:
         "peak_activation_sets": float(sim.peak_activations[s]),
         "peak_activation_bytes": int(live[s]), "transfer_bytes_per_step": int(sent),
         "flops_per_step": flops, "bubble": float(sim.bubble_fractions[s]),
-        "peak_estimate_bytes": int(state + live[s] + temp)})
+        "peak_estimate_bytes": int(state + live[s] + temp),
+        "cost_flops_per_microbatch": costs.loads[s], "cost_vs_slowest": costs.ratios[s],
+        "layer_cuts_auto": costs.auto})
   return rows
 
 
