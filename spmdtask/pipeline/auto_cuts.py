@@ -1,15 +1,17 @@
 """`task.pipeline.layer_cuts="auto"`: MPMD cuts from compiled per-layer costs.
 
-`measure` prices every layer on every stage: the model's own loss is traced under a
-probe cut with every layer its own part (`layer_cuts = 1, ..., L-1`), split at the stage
-boundaries as the pipeline splits it, and three parts are compiled, forward + backward of
-one microbatch, with the stage's shardings on its submesh (the model's activation
-constraints apply there): part 0 (embedding + layer 0), part 1 (one layer: every middle
-layer is the same, remat included) and part L-1 (layer L-1 + head and loss). Their
-per-device FLOPs (`xla_cost.per_step`: loop bodies counted per trip) fill the table
-`cost[s][l]`, embedding folded into layer 0 and head into layer L-1. Submeshes of the
-same shape share one measurement, so a job compiles three small programs per distinct
-submesh shape. A stage's time is taken as proportional to its per-device FLOPs (the
+`measure` prices every layer on every stage: the model's own loss is traced under the
+probe cuts `(1, 2, L-1)`, split at the stage boundaries as the pipeline splits it, and its
+four parts are compiled, forward + backward of one microbatch, with the stage's shardings
+on its submesh (the model's activation constraints apply there): part 0 (embedding +
+layer 0), part 1 (layer 1), part 2 (layers 2..L-2 in one scan: the layers are identical;
+its cost / (L-3) is a layer's) and part 3 (layer L-1 + head and loss). The embedding is
+part 0 - part 1 and the head part 3 - part 1: XLA drops a one-trip scan's remat
+recompute, which a scan of several layers keeps, so only the scan prices a layer.
+These per-device FLOPs (`xla_cost.per_step`: loop bodies counted per trip) fill the table
+`cost[s][l]`, embedding folded into layer 0 and head into layer L-1 (fewer than 4 layers:
+one part per layer). Submeshes of the same shape share one measurement, so a job compiles
+four small programs per distinct submesh shape. A stage's time is taken as proportional to its per-device FLOPs (the
 same chip everywhere); a roofline time on a TPU target is not modelled.
 
 `resolve` turns "auto" into the cuts of `balance.balance_table(cost)` (the slowest
@@ -106,12 +108,11 @@ def measure(task, config, meshes, micro, batch_split,
             num_layers: int) -> tuple[tuple[float, ...], ...]:
   """cost[s][l] (module doc): per-device train FLOPs of layer l on stage s's submesh."""
   L = num_layers
-  probe = dataclasses.replace(config, layer_cuts=tuple(range(1, L)))
+  probe_cuts = tuple(c for c in (1, 2, L - 1) if 0 < c < L and (c != L - 1 or L > 3))
+  probe = dataclasses.replace(config, layer_cuts=probe_cuts)
   model, _ = layouts.strategy_models(task, probe)
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), micro)
-  shape0 = mesh_lib.mesh_shape(meshes[0])
-  live = train_state.layout(model, optax.identity(), init_batch, shape0)
-  parts = sorted({0, min(1, L - 1), L - 1})
+  live = train_state.layout(model, optax.identity(), init_batch, mesh_lib.mesh_shape(meshes[0]))
   by_shape, table = {}, []
   for mesh in meshes:
     key = tuple(mesh.devices.shape)
@@ -120,14 +121,26 @@ def measure(task, config, meshes, micro, batch_split,
       spec = StageSpec(mesh, sharding.even_splits(live.logical.params, live.split.params, ms),
                        sharding.even_splits(micro, batch_split, ms),
                        P(task.batch_axes() or None))
-      by_shape[key] = _part_flops(model, live.logical.params, micro, spec, parts)
-    c = by_shape[key]
-    table.append(tuple(c[0] if l == 0 else c[L - 1] if l == L - 1 else c[1] for l in range(L)))
+      parts = _part_flops(model, live.logical.params, micro, spec)
+      by_shape[key] = _layer_row(_part_flops(model, live.logical.params, micro, spec), L)
+    table.append(by_shape[key])
   return tuple(table)
 
 
-def _part_flops(model, params, micro, spec: StageSpec, parts) -> dict[int, float]:
-  """{part: per-device FLOPs of its forward + backward on `spec.mesh`} (module doc)."""
+def _layer_row(parts: list[float], L: int) -> tuple[float, ...]:
+  """Per-layer costs from the probe parts' costs (module doc): with L >= 4, the embedding
+  is part 0 - part 1 and the head part 3 - part 1 (single-layer parts alike), and every
+  layer costs part 2 / (L - 3) (a scan of several layers, remat's recompute included)."""
+  if L < 4:
+    return tuple(parts)
+  one, mid = parts[1], parts[2] / (L - 3)
+  return tuple(parts[0] - one + mid if l == 0 else parts[3] - one + mid if l == L - 1
+               else mid for l in range(L))
+
+
+def _part_flops(model, params, micro, spec: StageSpec) -> list[float]:
+  """Per part of `model`'s loss: the per-device FLOPs of its forward + backward on
+  `spec.mesh` (one microbatch)."""
   def loss_fn(p, mb):  # microbatch m's loss sum, as the pipeline's loss
     loss, metrics = model.apply({"params": p}, mb, method=model.loss)
     return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
@@ -138,8 +151,8 @@ def _part_flops(model, params, micro, spec: StageSpec, parts) -> dict[int, float
   pspecs = jax.tree.leaves(spec.param_specs, is_leaf=lambda x: isinstance(x, P))
   bspecs = jax.tree.leaves(spec.batch_specs, is_leaf=lambda x: isinstance(x, P))
   n = len(flat_p)
-  out = {}
-  for v in parts:
+  out = []
+  for v in range(staged.num_stages):
     st, last = staged.stages[v], v == staged.num_stages - 1
     pl = [i for i in st.arg_leaves if i < n]
     bl = [i - n for i in st.arg_leaves if i >= n]
@@ -164,5 +177,5 @@ def _part_flops(model, params, micro, spec: StageSpec, parts) -> dict[int, float
     in_specs = ([pspecs[i] for i in pl], [bspecs[j] for j in bl],
                 [spec.spec_for(aval(i)) for i in fin], [spec.spec_for(aval(i)) for i in iin])
     compiled = steps.partition(train, spec.mesh, in_specs, None).lower(*avals).compile()
-    out[v] = float(xla_cost.per_step(compiled.as_text())["flops"])
+    out.append(float(xla_cost.per_step(compiled.as_text())["flops"]))
   return out

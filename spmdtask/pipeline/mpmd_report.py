@@ -1,8 +1,8 @@
 """What an MPMD program tells the console and the plan: per-stage facts and lowerings.
 
-`describe(program)`: the strategy line, the cuts with each stage's compiled cost
-(`auto_cuts.CutCosts`), then one line per stage: its submesh, its layers, its cost relative
-to the slowest stage, its train state bytes per device. `lowerings(program)`: every jitted
+`describe(program)`: the strategy line, one line per stage (its submesh, its layers, its
+cost relative to the slowest stage, its train state bytes per device), then the cuts with
+each stage's compiled cost (`auto_cuts.CutCosts`). `lowerings(program)`: every jitted
 program of one step (each part's forward and backward, each stage's optimizer update) as
 `layouts.Lowering`s built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage
 without running.
@@ -38,7 +38,7 @@ def stage_state_rows(program, s: int) -> list[memory.ArrayRow]:
 def describe(program) -> list[str]:
   pl = program.pipeline
   costs = program.cut_costs()
-  lines = [program.config.summary(), costs.line()]
+  lines = [program.config.summary()]
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mesh = " ".join(f"{a}={n}" for a, n in spec.mesh.shape.items())
     ids = [d.id for d in spec.mesh.devices.flat]
@@ -49,7 +49,7 @@ def describe(program) -> list[str]:
                  + ", ".join(f"{a}-{b - 1}" for a, b in layers) + extra
                  + f", cost {costs.ratios[s]:.2f} of the slowest; train state "
                  + f"{console.human_bytes(t['state_bytes_per_device'])} per device")
-  return lines
+  return lines + [costs.line()]
 
 
 def lowerings(program) -> list[layouts.Lowering]:
