@@ -8,3 +8,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "slow: a test that takes over ~30 s (deselect: -m 'not slow')")

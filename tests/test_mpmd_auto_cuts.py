@@ -17,6 +17,7 @@ STEPS = 3
 UNPIPELINED = ("task.pipeline=None", "task.ici_mesh_shape=(1, 1, 1)")
 
 
+@pytest.mark.slow  # two 8-device MPMD setups with their cost probes, and a 1-device run
 def test_auto_cuts_balance_compiled_costs_and_train_like_one_device():
   losses, params, program, _ = util.train_steps("lm.TinyLmMpmdAuto", STEPS)
   costs = program.cut_costs()

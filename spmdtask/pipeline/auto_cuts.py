@@ -16,8 +16,9 @@ same chip everywhere); a roofline time on a TPU target is not modelled.
 
 `resolve` turns "auto" into the cuts of `balance.balance_table(cost)` (the slowest
 stage as fast as possible; ties: early stages shorter) and returns the config with them,
-which the program uses everywhere after; for hand-set cuts it measures only when asked
-(`CutCosts` for the start summary and the plan: each stage's cost next to the slowest).
+which the program uses everywhere after. `CutCosts` gives each stage's cost next to the
+slowest: in the start summary with "auto" (measured anyway) and in every MPMD plan; hand-set
+cuts are measured only when the plan asks, so that starting a job costs no extra compiles.
 
 Several parts per stage (num_chunks > 1) are not balanced: "auto" needs num_chunks=1
 (the parts of a stage are not contiguous layers); hand-set chunked cuts still get their
@@ -87,10 +88,23 @@ def check(config, num_layers: int) -> None:
         f"stages ({_PL}submesh_shapes): every stage needs a layer; use fewer stages.")
 
 
+class LazyCosts:
+  """`costs()`: the CutCosts, measured on the first call; `costs(measure=False)`: them if
+  measured already (always with "auto"), else None."""
+
+  def __init__(self, measure: Callable[[], CutCosts], measured: bool):
+    self._measure, self._value = measure, measure() if measured else None
+
+  def __call__(self, measure: bool = True) -> CutCosts | None:
+    if self._value is None and measure:
+      self._value = self._measure()
+    return self._value
+
+
 def resolve(task, config, meshes, micro, batch_split,
-            num_layers: int) -> tuple[object, Callable[[], CutCosts]]:
-  """(`config` with its cuts resolved, () -> CutCosts of those cuts). "auto" measures and
-  balances now; hand-set cuts are returned as they are and measured on the first call."""
+            num_layers: int) -> tuple[object, LazyCosts]:
+  """(`config` with its cuts resolved, its LazyCosts). "auto" measures and balances now;
+  hand-set cuts are returned as they are and measured when first asked (the plan)."""
   measured = functools.cache(lambda: measure(task, config, meshes, micro, batch_split,
                                              num_layers))
   auto = mpmd_stages.is_auto(config.layer_cuts)
@@ -101,7 +115,7 @@ def resolve(task, config, meshes, micro, batch_split,
   sched = mpmd_stages.make_schedule(config)
   part_stage = tuple(sched.owner(v)[0] for v in range(mpmd_stages.num_parts(config)))
   cuts = tuple(config.layer_cuts)
-  return config, functools.cache(lambda: CutCosts(measured(), cuts, part_stage, auto))
+  return config, LazyCosts(lambda: CutCosts(measured(), cuts, part_stage, auto), auto)
 
 
 def measure(task, config, meshes, micro, batch_split,
@@ -121,7 +135,6 @@ def measure(task, config, meshes, micro, batch_split,
       spec = StageSpec(mesh, sharding.even_splits(live.logical.params, live.split.params, ms),
                        sharding.even_splits(micro, batch_split, ms),
                        P(task.batch_axes() or None))
-      parts = _part_flops(model, live.logical.params, micro, spec)
       by_shape[key] = _layer_row(_part_flops(model, live.logical.params, micro, spec), L)
     table.append(by_shape[key])
   return tuple(table)

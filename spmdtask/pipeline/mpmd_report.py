@@ -2,7 +2,8 @@
 
 `describe(program)`: the strategy line, one line per stage (its submesh, its layers, its
 cost relative to the slowest stage, its train state bytes per device), then the cuts with
-each stage's compiled cost (`auto_cuts.CutCosts`). `lowerings(program)`: every jitted
+each stage's compiled cost (`auto_cuts.CutCosts`; costs once measured: always with
+layer_cuts="auto", after `stage_report` for hand-set cuts). `lowerings(program)`: every jitted
 program of one step (each part's forward and backward, each stage's optimizer update) as
 `layouts.Lowering`s built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage
 without running.
@@ -37,7 +38,7 @@ def stage_state_rows(program, s: int) -> list[memory.ArrayRow]:
 
 def describe(program) -> list[str]:
   pl = program.pipeline
-  costs = program.cut_costs()
+  costs = program.cut_costs(measure=False)  # measured with "auto"; hand-set: by the plan
   lines = [program.config.summary()]
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mesh = " ".join(f"{a}={n}" for a, n in spec.mesh.shape.items())
@@ -47,9 +48,10 @@ def describe(program) -> list[str]:
     t = memory.totals(stage_state_rows(program, s))
     lines.append(f"  stage {s}: submesh {mesh} (devices {min(ids)}-{max(ids)}), layers "
                  + ", ".join(f"{a}-{b - 1}" for a, b in layers) + extra
-                 + f", cost {costs.ratios[s]:.2f} of the slowest; train state "
+                 + (f", cost {costs.ratios[s]:.2f} of the slowest" if costs else "")
+                 + "; train state "
                  + f"{console.human_bytes(t['state_bytes_per_device'])} per device")
-  return lines + [costs.line()]
+  return lines + ([costs.line()] if costs else [])
 
 
 def lowerings(program) -> list[layouts.Lowering]:
