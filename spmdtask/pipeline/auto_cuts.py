@@ -1,18 +1,17 @@
 """`task.pipeline.layer_cuts="auto"`: MPMD cuts from compiled per-layer costs.
 
 `measure` prices every layer on every stage: the model's own loss is traced under the
-probe cuts `(1, 2, L-1)`, split at the stage boundaries as the pipeline splits it, and its
-four parts are compiled, forward + backward of one microbatch, with the stage's shardings
-on its submesh (the model's activation constraints apply there): part 0 (embedding +
-layer 0), part 1 (layer 1), part 2 (layers 2..L-2 in one scan: the layers are identical;
-its cost / (L-3) is a layer's) and part 3 (layer L-1 + head and loss). The embedding is
-part 0 - part 1 and the head part 3 - part 1: XLA drops a one-trip scan's remat
-recompute, which a scan of several layers keeps, so only the scan prices a layer.
-These per-device FLOPs (`xla_cost.per_step`: loop bodies counted per trip) fill the table
-`cost[s][l]`, embedding folded into layer 0 and head into layer L-1 (fewer than 4 layers:
-one part per layer). Submeshes of the same shape share one measurement, so a job compiles
-four small programs per distinct submesh shape. A stage's time is taken as proportional to its per-device FLOPs (the
-same chip everywhere); a roofline time on a TPU target is not modelled.
+probe cuts `(1, L-1)`, split at the stage boundaries as the pipeline splits it, and each
+of its three parts is compiled as the pipeline compiles it (`jax.fwd_and_bwd`: a forward
+program that keeps residuals and a backward program, which recomputes what remat
+dropped), one microbatch, with the stage's shardings on its submesh (the model's
+activation constraints apply there): part 0 (embedding + layer 0), part 1 (layers
+1..L-2 in one scan: the layers are identical; its cost / (L-2) is a layer's) and part 2
+(layer L-1 + head and loss). Their per-device FLOPs, forward + backward
+(`xla_cost.per_step`: loop bodies counted per trip), fill the table `cost[s][l]`,
+embedding folded into layer 0 and head into layer L-1 (fewer than 3 layers: a part per
+layer). Submeshes of the same shape share one measurement, so a job compiles six small
+programs per distinct submesh shape.
 
 `resolve` turns "auto" into the cuts of `balance.balance_table(cost)` (the slowest
 stage as fast as possible; ties: early stages shorter) and returns the config with them,
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask import layouts, mesh as mesh_lib, sharding, steps, train_state, xla_cost
 from spmdtask.errors import ConfigError
@@ -122,7 +121,7 @@ def measure(task, config, meshes, micro, batch_split,
             num_layers: int) -> tuple[tuple[float, ...], ...]:
   """cost[s][l] (module doc): per-device train FLOPs of layer l on stage s's submesh."""
   L = num_layers
-  probe_cuts = tuple(c for c in (1, 2, L - 1) if 0 < c < L and (c != L - 1 or L > 3))
+  probe_cuts = tuple(sorted({1, L - 1} - {0, L}))  # layer 0 | layers 1..L-2 | layer L-1
   probe = dataclasses.replace(config, layer_cuts=probe_cuts)
   model, _ = layouts.strategy_models(task, probe)
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), micro)
@@ -141,14 +140,13 @@ def measure(task, config, meshes, micro, batch_split,
 
 
 def _layer_row(parts: list[float], L: int) -> tuple[float, ...]:
-  """Per-layer costs from the probe parts' costs (module doc): with L >= 4, the embedding
-  is part 0 - part 1 and the head part 3 - part 1 (single-layer parts alike), and every
-  layer costs part 2 / (L - 3) (a scan of several layers, remat's recompute included)."""
-  if L < 4:
+  """Per-layer costs from the probe parts' costs (module doc): part 0 for layer 0 (with
+  the embedding), part 1 / (L - 2) for each middle layer, the last part for layer L-1
+  (with the head and loss); with fewer than 3 layers a part is a layer."""
+  if L < 3:
     return tuple(parts)
-  one, mid = parts[1], parts[2] / (L - 3)
-  return tuple(parts[0] - one + mid if l == 0 else parts[3] - one + mid if l == L - 1
-               else mid for l in range(L))
+  mid = parts[1] / (L - 2)
+  return tuple(parts[0] if l == 0 else parts[2] if l == L - 1 else mid for l in range(L))
 
 
 def _part_flops(model, params, micro, spec: StageSpec) -> list[float]:
@@ -174,21 +172,29 @@ def _part_flops(model, params, micro, spec: StageSpec) -> list[float]:
     iin = tuple(i for i in st.incoming if not is_float(aval(i)))
     fout = tuple(i for i in st.outgoing if is_float(aval(i)))
 
-    def train(p, b, xs, ys, st=st, last=last, fin=fin, iin=iin, fout=fout):
-      def f(p, xs):
-        have = dict(zip(fin + iin, tuple(xs) + tuple(ys)))
-        outs = st(list(p) + list(b), [have[i] for i in st.incoming])
-        if last:
-          return outs[0]
-        got = dict(zip(st.outgoing, outs))
-        return tuple(got[i] for i in fout)
-      y, pull = jax.vjp(f, p, xs)
-      return pull(jax.tree.map(jnp.ones_like, y))
+    def part_fn(p, b, xs, ys, st=st, last=last, fin=fin, iin=iin, fout=fout):
+      have = dict(zip(fin + iin, tuple(xs) + tuple(ys)))
+      outs = st(list(p) + list(b), [have[i] for i in st.incoming])
+      if last:
+        return (outs[0],), ()
+      got = dict(zip(st.outgoing, outs))
+      return tuple(got[i] for i in fout), ()
 
+    # The pipeline's own split: a forward program keeping residuals, a backward program.
+    fwd, bwd = jax.fwd_and_bwd(part_fn, argnums=(0, 2), has_aux=True, jitted=False)
     avals = ([flat_p[i] for i in pl], [flat_b[j] for j in bl], [aval(i) for i in fin],
              [aval(i) for i in iin])
     in_specs = ([pspecs[i] for i in pl], [bspecs[j] for j in bl],
                 [spec.spec_for(aval(i)) for i in fin], [spec.spec_for(aval(i)) for i in iin])
-    compiled = steps.partition(train, spec.mesh, in_specs, None).lower(*avals).compile()
-    out.append(float(xla_cost.per_step(compiled.as_text())["flops"]))
+    fwd_p = steps.partition(fwd, spec.mesh, in_specs, None)
+    res = fwd_p.jitted.eval_shape(*avals)[1]
+    put = lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                             sharding=NamedSharding(spec.mesh, sp))
+    cot = ((put(st.jaxpr.out_avals[0], P()),) if last else
+           tuple(put(aval(i), spec.spec_for(aval(i))) for i in fout))
+    flops = 0.0
+    for lowered in (fwd_p.lower(*avals), steps.partition(bwd, spec.mesh, (None, None), None)
+                    .lower(res, cot)):
+      flops += float(xla_cost.per_step(lowered.compile().as_text())["flops"])
+    out.append(flops)
   return out
