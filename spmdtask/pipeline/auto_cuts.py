@@ -28,7 +28,6 @@ import functools
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
