@@ -67,11 +67,6 @@ class CutCosts:
             f"FLOPs per device): " + ", ".join(f"{x:.3g}" for x in self.loads)
             + "; relative to the slowest: " + ", ".join(f"{r:.2f}" for r in self.ratios))
 
-  def as_json(self) -> dict:
-    return {"layer_cuts": list(self.cuts), "auto": self.auto,
-            "layer_flops_per_device": [list(r) for r in self.table],
-            "stage_flops_per_device": list(self.loads), "stage_cost_vs_slowest": list(self.ratios)}
-
 
 def check(config, num_layers: int) -> None:
   """ConfigError unless "auto" can cut `num_layers` layers for `config`'s stages."""
