@@ -180,3 +180,20 @@ class TinyLmMpmdTied(TinyLmMpmd):
     cfg = super().task()
     cfg.model.tie_embeddings = True
     return cfg
+
+
+@register
+class TinyLmMpmdAuto(TinyLmMpmd):
+  """An 8-layer TinyLm as an MPMD pipeline on unequal stages: stage 0 on devices 0-1 (data
+  2), stage 1 on devices 2-7 (data 6); layer_cuts="auto" picks the cuts from each layer's
+  compiled cost on each submesh (the 6-device stage gets more layers). Batch 24 in 2
+  microbatches of 12 rows (they split over 2 and over 6 data shards)."""
+  batch_size = 24
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.model.num_layers = 8
+    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts="auto",
+                              submesh_shapes=((2, 1, 1), (6, 1, 1)), schedule="1f1b",
+                              num_microbatches=2)
+    return cfg

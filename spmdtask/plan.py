@@ -243,13 +243,14 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
                       + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
           "arrays": [r.as_json() for r in rows]}
   plan["xla_log"] = target.log + log_text
-  plan["strategy"], plan["describe"] = program.layout_facts()["pipeline"], program.describe()
+  plan["strategy"] = program.layout_facts()["pipeline"]
   axis = plan["strategy"].get("stage_axis")
   if axis is not None:
     plan["stages"] = stage_report(rows, mesh_shape, axis)
   if programs:
     plan["programs"] = programs
     plan["stage_plans"] = program.stage_report(pairs)
+  plan["describe"] = program.describe()  # after stage_report: MPMD stage costs measured
   return plan
 
 

@@ -69,7 +69,9 @@ def format_plan(plan: dict) -> list[str]:
         f"{st['peak_activation_sets']:g} sets = {mb(st['peak_activation_bytes'])}, compiled "
         f"temporaries {mb(st['compiled_temp_bytes'])}; peak estimate "
         f"{mb(st['peak_estimate_bytes'])} per device; sends {mb(st['transfer_bytes_per_step'])}"
-        f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}")
+        f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}"
+        + (f"; cost {st['cost_vs_slowest']:.2f} of the slowest" if "cost_vs_slowest" in st
+           else ""))
   lines += [f"warning: {w}" for w in plan["warnings"]]
   return lines
 

@@ -1,4 +1,5 @@
-"""Balanced stage cuts equal brute force; layer costs of the LM follow its FLOPs."""
+"""Balanced stage cuts equal brute force (also with a per-stage cost table); layer costs of
+the LM follow its FLOPs."""
 import dataclasses
 import itertools
 import random
@@ -30,6 +31,39 @@ def test_equals_brute_force_on_random_costs():
     assert [sum(costs[i] for i in got.layers(s)) for s in range(p)] == list(got.stage_costs)
 
 
+def brute_force_table(table):
+  """min over all contiguous splits of (slowest stage, cuts), stage s costed by table[s]."""
+  p, n = len(table), len(table[0])
+  return min((max(sum(table[s][a:b]) for s, (a, b) in enumerate(zip((0,) + c, c + (n,)))), c)
+             for c in itertools.combinations(range(1, n), p - 1))
+
+
+def test_table_equals_brute_force_on_random_costs():
+  rng = random.Random(2)
+  for _ in range(300):
+    n = rng.randint(1, 9)
+    p = rng.randint(1, n)
+    table = [[rng.randint(0, 9) for _ in range(n)] for _ in range(p)]
+    got = bl.balance_table(table)
+    slowest, cuts = brute_force_table(table)
+    assert (max(got.stage_costs), got.cuts) == (slowest, cuts), (table, p)
+    assert bl.stage_loads(table, got.cuts) == got.stage_costs
+
+
+def test_table_gives_the_faster_stage_more_layers():
+  # 8 equal layers; stage 1 runs each 3x faster (3x the devices); the embedding rides on
+  # layer 0 and the head on layer 7.
+  layer = 6.0
+  table = [[layer / 2] * 8, [layer / 6] * 8]
+  table[0][0] += 0.1
+  table[1][-1] += 0.5
+  got = bl.balance_table(table)
+  assert got.cuts == (2,) and got.stage_costs == pytest.approx((6.1, 6.5))
+  # Several parts per stage: part v on stage owner[v]; loads add over a stage's parts.
+  assert bl.stage_loads(table, (1, 4, 6), (0, 1, 1, 0)) == pytest.approx(
+      (3.1 + 2 * 3.0, 3 * 1.0 + 2 * 1.0))
+
+
 def test_float_costs_match_brute_force_value():
   rng = random.Random(1)
   for _ in range(100):
@@ -47,6 +81,7 @@ def test_ties_give_early_stages_fewer_layers():
 
 
 @pytest.mark.parametrize("costs,p,match", [([1, 2], 3, "2 layer costs into 3 stages"),
+                                           ([1, 2], 0, "2 layer costs into 0 stages"),
                                            ([1, -2, 3], 2, ">= 0"),
                                            ([1, float("nan")], 1, ">= 0")])
 def test_errors(costs, p, match):

@@ -141,7 +141,16 @@ def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
   with pytest.raises(plan.PlanExceeded, match="pipeline stage 0 does not fit"):
     plan.check_fits(got, stages[0]["peak_estimate_bytes"] / 1e9 * 0.99)
   assert got["describe"][1].startswith("  stage 0: submesh data=2 fsdp=1 model=2 (devices 0-3), "
-                                       "layers 0-0 + embedding")
+                                       "layers 0-0 + embedding, cost ")
+  # Each stage's compiled cost (auto_cuts) next to the slowest: hand-set cut (1,) of 4 equal
+  # layers on equal device counts leaves stage 0 (embedding + 1 layer) much the lighter.
+  assert stages[1]["cost_vs_slowest"] == 1.0 and 0.2 < stages[0]["cost_vs_slowest"] < 0.5
+  # The probe's costs are the stage programs' own: FLOPs per step per device per microbatch
+  # (the optimizer update, once a step, adds under 2%).
+  for st in stages:
+    assert st["flops_per_step"] / 4 / 4 == pytest.approx(st["cost_flops_per_microbatch"],
+                                                         rel=0.02)
+  assert "(set by hand)" in got["describe"][-1]
 
 
 def test_stage_programs_hold_activations_split_as_the_mapping_says():

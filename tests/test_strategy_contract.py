@@ -9,10 +9,11 @@ STRATEGY_TYPES = {"Scan", "PipelineConfig", "MpmdConfig"}
 # Fields only a strategy's own modules may read (reading them elsewhere is type knowledge).
 STRATEGY_FIELDS = {"layer_cuts", "submesh_shapes", "circular_repeat", "stage_axis",
                    "microbatch_size"}  # (num_chunks is also a Schedule field)
-# The strategies' own modules (and the MPMD program and report, which are MPMD's).
+# The strategies' own modules (and the MPMD program, report and auto cuts, which are MPMD's).
 OWN = {"spmdtask/pipeline/scan.py", "spmdtask/pipeline/spmd.py",
        "spmdtask/pipeline/mpmd_config.py", "spmdtask/pipeline/mpmd_stages.py",
-       "spmdtask/pipeline/mpmd_program.py", "spmdtask/pipeline/mpmd_report.py"}
+       "spmdtask/pipeline/mpmd_program.py", "spmdtask/pipeline/mpmd_report.py",
+       "spmdtask/pipeline/auto_cuts.py"}
 
 
 def _sources():

@@ -14,6 +14,11 @@ first, so submeshes are disjoint and must use exactly the devices of the job.
 In the model each group is its own scan `block_<g>` `[L_g, ...]`, with a `stage_boundary`
 between groups at the top level (outside scan and remat), where `pipeline.split` cuts the
 traced loss; `layout_maps` joins the groups into the canonical `block` `[L, ...]`.
+
+`layer_cuts="auto"` lets `build_program` choose the cuts (`auto_cuts.resolve`) from the
+compiled train cost of the embedding, one layer and the head on each stage's submesh; the
+program then holds this config with those cuts, which everything after it uses (model,
+layout maps, checkpoint metadata, the plan).
 """
 import dataclasses
 
@@ -21,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask.model import LayoutMap
-from spmdtask.pipeline import mpmd_program, mpmd_stages, simulate
+from spmdtask.pipeline import auto_cuts, mpmd_program, mpmd_stages, simulate
 from spmdtask.pipeline.split import stage_boundary
 from spmdtask.strategy import StackFacts
 
@@ -35,7 +40,8 @@ class MpmdConfig:
   Attributes:
     layer_cuts: sorted layer indices where a new part starts (uneven parts allowed):
       `(1,)` on 4 layers = layer 0 | layers 1-3. Parts = len(layer_cuts) + 1 must equal
-      stages x num_chunks.
+      stages x num_chunks. Or "auto" (num_chunks=1): the cuts that minimise the slowest
+      stage's compiled per-device FLOPs (embedding and head included) on the submeshes.
     submesh_shapes: one mesh shape per stage over task.mesh_axis_names (stages may
       differ); their device counts must add up to the job's devices.
     schedule: a schedule generator name (gpipe, 1f1b, interleaved_1f1b, zb_h1, or with
@@ -48,7 +54,7 @@ class MpmdConfig:
       is task.train.num_microbatches and must stay 1 here).
     num_chunks: parts per stage (interleaved_1f1b needs >= 2); 1 otherwise.
   """
-  layer_cuts: tuple[int, ...]
+  layer_cuts: tuple[int, ...] | str
   submesh_shapes: tuple[tuple[int, ...], ...]
   schedule: str = "1f1b"
   num_microbatches: int = 4
@@ -61,8 +67,12 @@ class MpmdConfig:
   # ---- the execution-strategy contract (spmdtask.strategy.Strategy) ---------------------
 
   def validate(self, stack: StackFacts) -> None:
-    """Cuts within the stack, and a schedule that fits the stages and chunks."""
-    mpmd_stages.layer_groups(self.layer_cuts, stack.num_layers)
+    """Cuts within the stack (or "auto" that can cut it), and a schedule that fits the
+    stages and chunks."""
+    if mpmd_stages.is_auto(self.layer_cuts):
+      auto_cuts.check(self, stack.num_layers)
+    else:
+      mpmd_stages.layer_groups(self.layer_cuts, stack.num_layers)
     mpmd_stages.make_schedule(self)
 
   def apply_stack(self, runner, x: jax.Array, side: tuple, keys) -> jax.Array:

@@ -47,7 +47,8 @@ from spmdtask.errors import ConfigError
 from spmdtask.inputs import global_batch
 from spmdtask.inputs.base import Share
 from spmdtask.model import Metrics, Model, Work
-from spmdtask.pipeline import mpmd, mpmd_feed, mpmd_report, mpmd_stages, mpmd_step
+from spmdtask.pipeline import (auto_cuts, mpmd, mpmd_canonical, mpmd_feed, mpmd_report,
+                               mpmd_stages, mpmd_step)
 from spmdtask.pipeline.mpmd_step import StageState
 from spmdtask.train_state import StateLayout, TrainState
 
@@ -110,6 +111,7 @@ class MpmdProgram:
   make_eval_pipeline: Any = None  # () -> the forward-only Pipeline (no dropout), built once
   feed: Share = Share()  # what this process reads of each global batch (input_share)
   batch_rows: int = 0  # rows of the global batch
+  cut_costs: Any = None  # () -> auto_cuts.CutCosts: the stages' compiled costs (measured once)
   last_peak_residuals: tuple[int, ...] | None = None
   _feed_logged: bool = False
   _eval_pipeline: Any = None
@@ -218,13 +220,13 @@ class MpmdProgram:
 
 def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   """Submeshes, layouts and per-stage programs for `task` under the MpmdConfig `config`;
-  ConfigError on a bad config."""
+  ConfigError on a bad config. `layer_cuts="auto"` is resolved first (auto_cuts) and the
+  program holds the config with the chosen cuts."""
   devices = list(devices if devices is not None else jax.devices())
-  schedule = mpmd_stages.make_schedule(config)
   meshes = mpmd_stages.submeshes(config, task.mesh_axis_names, devices)
   mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
                               devices)
-  model, canonical_model = layouts.strategy_models(task, config)
+  model, canonical_model = layouts.strategy_models(task, config)  # cuts may be "auto" here
   shapes = global_batch.global_shapes(example_local_batch)
   global_size = jax.tree.leaves(shapes)[0].shape[0]
   mb_size = mpmd_stages.check_batch(config, global_size)
@@ -242,11 +244,18 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
           f"{task.batch_axes()} ({data} shards, task.pipeline.submesh_shapes[{s}]="
           f"{tuple(config.submesh_shapes[s])}): use fewer microbatches, a larger batch, or "
           "fewer data shards on that stage.")
+  full = mesh_lib.mesh_shape(mesh)
+  batch_split = sharding.input_split_dims(shapes, task.train.inputs_split_mapping,
+                                          task.batch_axes(), full)
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
+  config, cut_costs = auto_cuts.resolve(task, config, meshes, micro, batch_split,
+                                        canonical_model.num_layers)  # "auto" -> its cuts
+  model, _ = layouts.strategy_models(task, config)
+  schedule = mpmd_stages.make_schedule(config)
   tp = task.train
   tx = tp.make_optimizer()
   base_tx = tp.optimizer(learning_rate=tp.schedule())
   lr_schedule = tp.schedule()
-  full = mesh_lib.mesh_shape(mesh)
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
   # `mesh=`, not a mesh context: optax's eager bits must not run on compile-only devices
   # (a TPU topology planned on this machine).
@@ -260,9 +269,6 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   canonical_split = sharding.even_splits(canonical.logical, canonical.split, full)
   live_split = sharding.even_splits(live.logical, live.split, full)
 
-  batch_split = sharding.input_split_dims(shapes, tp.inputs_split_mapping, task.batch_axes(),
-                                          full)
-  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
   act = P(task.batch_axes() or None)
   specs = []
   for m in meshes:
@@ -335,6 +341,7 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
       pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes,
       num_layers=canonical_model.num_layers, feed=feed, batch_rows=global_size,
       reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts),
+      cut_costs=cut_costs,
       _init=steps.partition(lambda: train_state.create(canonical_model, tx,
                                                        jax.random.key(tp.seed), init_batch),
                             mesh, (), canonical_split),

@@ -1,15 +1,18 @@
 """What an MPMD program tells the console and the plan: per-stage facts and lowerings.
 
-`describe(program)`: the strategy line, then one line per stage: its submesh, its layers,
-its train state bytes per device. `lowerings(program)`: every jitted program of one step
-(each part's forward and backward, each stage's optimizer update) as `layouts.Lowering`s
-built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage without running.
+`describe(program)`: the strategy line, one line per stage (its submesh, its layers, its
+cost relative to the slowest stage, its train state bytes per device), then the cuts with
+each stage's compiled cost (`auto_cuts.CutCosts`; costs once measured: always with
+layer_cuts="auto", after `stage_report` for hand-set cuts). `lowerings(program)`: every jitted
+program of one step (each part's forward and backward, each stage's optimizer update) as
+`layouts.Lowering`s built from ShapeDtypeStructs, so `--mode=plan` compiles them per stage
+without running.
 """
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask import console, layouts, memory
+from spmdtask import console, layouts, memory, xla_cost
 from spmdtask.pipeline import mpmd_stages, simulate
 from spmdtask.train_state import StateLayout
 
@@ -35,6 +38,7 @@ def stage_state_rows(program, s: int) -> list[memory.ArrayRow]:
 
 def describe(program) -> list[str]:
   pl = program.pipeline
+  costs = program.cut_costs(measure=False)  # measured with "auto"; hand-set: by the plan
   lines = [program.config.summary()]
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mesh = " ".join(f"{a}={n}" for a, n in spec.mesh.shape.items())
@@ -44,8 +48,10 @@ def describe(program) -> list[str]:
     t = memory.totals(stage_state_rows(program, s))
     lines.append(f"  stage {s}: submesh {mesh} (devices {min(ids)}-{max(ids)}), layers "
                  + ", ".join(f"{a}-{b - 1}" for a, b in layers) + extra
-                 + f"; train state {console.human_bytes(t['state_bytes_per_device'])} per device")
-  return lines
+                 + (f", cost {costs.ratios[s]:.2f} of the slowest" if costs else "")
+                 + "; train state "
+                 + f"{console.human_bytes(t['state_bytes_per_device'])} per device")
+  return lines + ([costs.line()] if costs else [])
 
 
 def part_args(pl, part) -> tuple[tuple, tuple]:
@@ -112,7 +118,9 @@ def stage_report(program, compiled: list) -> list[dict]:
   outputs: residuals and what it sends); the live sets at the schedule's peak (the
   simulator's count) and their bytes (`simulate.peak_bytes` with those set sizes); bytes
   it sends per step (activations forward, gradients back); FLOPs per step; the simulated
-  bubble (equal F/B/W costs); and the estimated peak = state + live sets + temporaries.
+  bubble (equal F/B/W costs); the estimated peak = state + live sets + temporaries; and
+  its cost per microbatch (compiled train FLOPs per device of its layers, `CutCosts`) and
+  that relative to the slowest stage.
   """
   pl, sched = program.pipeline, program.pipeline.schedule
   M = sched.num_microbatches
@@ -123,7 +131,7 @@ def stage_report(program, compiled: list) -> list[dict]:
   live = simulate.peak_bytes(sched, set_bytes)
   nbytes = lambda ids: sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
                            * len(pl.values[i].consumers) for i in ids)  # one send a consumer
-  rows = []
+  rows, costs = [], program.cut_costs()
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mine = [(lw, c) for lw, c in compiled if lw.stage == s]
     temp = max(c.memory_analysis().temp_size_in_bytes for _, c in mine)
@@ -142,11 +150,12 @@ def stage_report(program, compiled: list) -> list[dict]:
         "peak_activation_sets": float(sim.peak_activations[s]),
         "peak_activation_bytes": int(live[s]), "transfer_bytes_per_step": int(sent),
         "flops_per_step": flops, "bubble": float(sim.bubble_fractions[s]),
-        "peak_estimate_bytes": int(state + live[s] + temp)})
+        "peak_estimate_bytes": int(state + live[s] + temp),
+        "cost_flops_per_microbatch": costs.loads[s], "cost_vs_slowest": costs.ratios[s],
+        "layer_cuts_auto": costs.auto})
   return rows
 
 
 def _flops(compiled) -> float:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float(cost.get("flops", 0.0))
+  """Per-device FLOPs of one call, loop bodies counted per trip (a part's scanned layers)."""
+  return float(xla_cost.per_step(compiled.as_text())["flops"])

@@ -14,10 +14,32 @@ from spmdtask.pipeline import generators, schedule_files
 from spmdtask.pipeline.schedule import Schedule, validate
 
 _PL = "task.pipeline."
+AUTO = "auto"  # layer_cuts chosen from compiled per-layer costs (pipeline.auto_cuts)
+
+
+def is_auto(layer_cuts) -> bool:
+  """True for `layer_cuts="auto"`; ConfigError for any other string."""
+  if isinstance(layer_cuts, str):
+    if layer_cuts != AUTO:
+      raise ConfigError(f"{_PL}layer_cuts={layer_cuts!r}: the only string accepted is "
+                        f"{AUTO!r} (cuts balanced from compiled per-layer costs); otherwise "
+                        "give strictly increasing layer indices, e.g. (2,).")
+    return True
+  return False
+
+
+def num_parts(config) -> int:
+  """The parts the cuts make: stages x chunks for "auto" (resolved to that many)."""
+  if is_auto(config.layer_cuts):
+    return config.num_stages * config.num_chunks
+  return len(check_cuts(config.layer_cuts)) + 1
 
 
 def check_cuts(layer_cuts: Sequence[int]) -> tuple[int, ...]:
-  """The cuts as a tuple; ConfigError unless they are strictly increasing ints."""
+  """The cuts as a tuple; ConfigError unless they are strictly increasing ints (or
+  "auto", which must be resolved first: `auto_cuts.resolve`)."""
+  if is_auto(layer_cuts):
+    raise ValueError(f"{_PL}layer_cuts={AUTO!r} must be resolved (auto_cuts.resolve) first.")
   cuts = tuple(layer_cuts)
   if any(not isinstance(c, int) for c in cuts) or list(cuts) != sorted(set(cuts)):
     raise ConfigError(f"{_PL}layer_cuts={cuts!r} must be strictly increasing layer indices "
@@ -39,7 +61,7 @@ def layer_groups(layer_cuts: Sequence[int], num_layers: int) -> tuple[tuple[int,
 def make_schedule(config) -> Schedule:
   """The schedule data: a generator's, or the file `config.schedule` names (text form or a
   torch compute_only .csv), validated; ConfigError when it does not fit the stages and parts."""
-  parts = len(check_cuts(config.layer_cuts)) + 1
+  parts = num_parts(config)
   s, v = config.num_stages, config.num_chunks
   if parts != s * v:
     raise ConfigError(
