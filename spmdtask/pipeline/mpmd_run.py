@@ -113,7 +113,8 @@ class Runner:
       seeds = pl._seeds(w)  # pylint: disable=protected-access
     acc = [pl.acc[s].fresh() if local[s] else None
            for s in range(S)]
-    p = _Pass(stage_params, self.stage_batches(batch), seeds, acc, Meter(S, len(pl.parts), self._measured),
+    p = _Pass(stage_params, stage_batches(pl, batch), seeds, acc,
+              Meter(S, len(pl.parts), self._measured),
               [None] * M, [None] * M)
     for s, a in pl.order:
       self._dispatch[a.kind](p, pl.parts[pl.schedule.virtual_stage(s, a.chunk)], a.microbatch)
@@ -180,35 +181,6 @@ class Runner:
 
   # ---- moving arrays ---------------------------------------------------------------------
 
-  def stage_batches(self, batch) -> list[dict]:
-    """Per local stage {batch leaf: [M, rows/M, ...] on its submesh} for the leaves it
-    reads; `batch` may hold None for leaves no local stage reads (mpmd_feed)."""
-    M = self.pl.schedule.num_microbatches
-    try:
-      leaves = self.pl.batch_tree.flatten_up_to(batch)
-    except ValueError as e:
-      raise ValueError(f"the batch does not have the tree the pipeline was built for: {e}"
-                       ) from None
-    out = [dict() for _ in self.pl.stages]
-    for part in self.pl.parts:
-      s = part.stage
-      for j in part.batch_leaves if self.pl.cross.local[s] else ():
-        if j in out[s]:
-          continue
-        x = leaves[j]
-        if x is None:
-          raise ValueError(f"batch leaf {j} is read by stage {s} but was not fed to process "
-                           f"{jax.process_index()} (Program.input_share)")
-        if x.shape[0] % M:
-          raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
-                            f"schedule.num_microbatches={M} equal microbatches.")
-        # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation);
-        # methods, so a host array stays on the host and a device array on its device.
-        stacked = x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1)
-        out[s][j] = jax.device_put(stacked, NamedSharding(
-            self.pl.stages[s].mesh, P(None, *self.pl.batch_specs[s][j])))
-    return out
-
   def _send_cotangents(self, part: Part, m: int, d_in, cots) -> None:
     """B(m) of `part` made d_in (None where another process ran it): each goes to the
     part that produced the value; cotangents of a value sent to several parts add up."""
@@ -258,7 +230,7 @@ class Runner:
 
     Parts run in order for each microbatch; residuals are dropped as soon as they are made.
     """
-    batches = self.stage_batches(batch)
+    batches = stage_batches(self.pl, batch)
     M = self.pl.schedule.num_microbatches
     inbox, losses, aux = {}, [None] * M, [None] * M
     for m in range(M):
@@ -296,13 +268,43 @@ class Runner:
     return jax.device_put(x, dst, may_alias=True)  # a copy anyway (disjoint devices); cheaper
 
 
+def stage_batches(pl, batch) -> list[dict]:
+  """The Pipeline `pl`'s batch per local stage: {batch leaf: [M, rows/M, ...] on its submesh} for the leaves it
+  reads; `batch` may hold None for leaves no local stage reads (mpmd_feed)."""
+  M = pl.schedule.num_microbatches
+  try:
+    leaves = pl.batch_tree.flatten_up_to(batch)
+  except ValueError as e:
+    raise ValueError(f"the batch does not have the tree the pipeline was built for: {e}"
+                     ) from None
+  out = [dict() for _ in pl.stages]
+  for part in pl.parts:
+    s = part.stage
+    for j in part.batch_leaves if pl.cross.local[s] else ():
+      if j in out[s]:
+        continue
+      x = leaves[j]
+      if x is None:
+        raise ValueError(f"batch leaf {j} is read by stage {s} but was not fed to process "
+                         f"{jax.process_index()} (Program.input_share)")
+      if x.shape[0] % M:
+        raise ConfigError(f"The batch (leaf {j}, {x.shape[0]} rows) does not split into "
+                          f"schedule.num_microbatches={M} equal microbatches.")
+      # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation);
+      # methods, so a host array stays on the host and a device array on its device.
+      stacked = x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1)
+      out[s][j] = jax.device_put(stacked, NamedSharding(
+          pl.stages[s].mesh, P(None, *pl.batch_specs[s][j])))
+  return out
+
+
 def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> dict[int, dict]:
   """The compiled backward programs of every part: {part: {"bwd": Compiled, and where the
   schedule splits the part "input_grad", "weight_grad"}}, lowered on microbatch 0's
   residuals, zero cotangents and the stage's accumulators (its per-device stack with dp
   axes); and {"reduce", stage}: the stage's once-a-step reduction, where it has one."""
   pl = runner.pl
-  batches = runner.stage_batches(batch)
+  batches = stage_batches(pl, batch)
   inbox, res, out = {}, {}, {}
   for part in pl.parts:
     res[part.index] = runner.forward_part(part, 0, stage_params, batches, inbox, [None], [None])
