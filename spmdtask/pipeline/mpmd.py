@@ -99,12 +99,14 @@ class Pipeline:
                          for x in jax.tree.leaves(microbatch)]
     self.split_parts = {schedule.virtual_stage(s, a.chunk)
                          for s, row in enumerate(schedule.actions) for a in row if a.kind == "I"}
-    self.dp = [self._dp_axes(s, rows_are_sums) for s in range(S)]
+    self.dp = [()] * S
+    for s in range(S):
+      self.dp[s] = self._dp_axes(s, rows_are_sums)
+    self.parts = tuple(mpmd_programs.build_part(self, v) for v in range(S * V))
     self.acc = [mpmd_local.Accumulators(self.stages[s].mesh, self.dp[s], {
         k: self.param_shapes[self.paths.index(k)] for k in self.stage_keys[s]}, [
             self.param_specs[s][self.paths.index(k)] for k in self.stage_keys[s]])
                 for s in range(S)]
-    self.parts = tuple(mpmd_programs.build_part(self, v) for v in range(S * V))
     self.tied = {k: tuple(s for s in range(S) if k in self.stage_keys[s])
                  for k in self.paths if sum(k in ks for ks in self.stage_keys) > 1}
     self.order = execution_order(schedule, self.parts, self.values)
@@ -143,37 +145,24 @@ class Pipeline:
     manual context (mpmd_local)."""
     s = self.part_stage[v]
     if s not in self._under_mesh:
-      self._under_mesh[s] = self._trace(s, self.dp[s])
+      mesh, dp = self.stages[s].mesh, self.dp[s]
+      if dp:
+        loss_fn, params, micro = self._split_args
+        n = mpmd_local.size(mesh, dp)
+        micro = jax.tree.unflatten(self.batch_tree, [
+            jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]) if split else x.shape, x.dtype)
+            for x, split in zip(jax.tree.leaves(micro), self.rows_split(s))])
+        self._under_mesh[s] = mpmd_local.trace_local(
+            lambda: split_lib.split(loss_fn, params, micro), mesh, dp)
+      else:
+        with jax.set_mesh(mesh):
+          self._under_mesh[s] = split_lib.split(*self._split_args)
     got, want = self._under_mesh[s].stages[v], self.staged.stages[v]
     if (got.arg_leaves, got.incoming, got.outgoing) != (want.arg_leaves, want.incoming,
                                                         want.outgoing):
       raise ValueError(f"Part {v} traced under stage {s}'s submesh is cut differently "
                        "than without a mesh; keep sharding constraints off stage boundaries.")
     return got
-
-  def _trace(self, s: int, dp: tuple[str, ...]) -> split_lib.Staged:
-    """The loss split as stage s sees it: under its submesh, or with dp axes on one
-    device's rows inside its manual context."""
-    mesh = self.stages[s].mesh
-    if not dp:
-      with jax.set_mesh(mesh):
-        return split_lib.split(*self._split_args)
-    loss_fn, params, _ = self._split_args
-    micro = jax.tree.unflatten(self.batch_tree, self.stage_micro(s, dp))
-    return mpmd_local.trace_local(lambda: split_lib.split(loss_fn, params, micro), mesh, dp)
-
-  def stage_micro(self, s: int, dp: tuple[str, ...] | None = None) -> list:
-    """The microbatch's leaves (avals) as stage s's parts see them: with dp axes, a
-    row-split leaf holds one device's rows."""
-    dp = self.dp[s] if dp is None else dp
-    n = mpmd_local.size(self.stages[s].mesh, dp) if dp else 1
-    return [jax.ShapeDtypeStruct((x.shape[0] // n, *x.shape[1:]) if split else x.shape,
-                                 x.dtype)
-            for x, split in zip(jax.tree.leaves(self._split_args[2]), self.rows_split(s))]
-
-  def stage_aval(self, s: int, value: int):
-    """Value's aval as stage s's parts see it (one device's rows with dp axes)."""
-    return self._under_mesh[s].values[value].aval
 
   def rows_split(self, s: int) -> list[bool]:
     """Per batch leaf: whether stage s splits its rows (a dim-0 entry in its spec)."""
@@ -191,17 +180,17 @@ class Pipeline:
     dp = mpmd_local.dp_axes(spec.mesh, rows, self.param_specs[s])
     if not dp:
       return ()
-    traced = self._trace(s, dp)
-    if all(traced.values[i].aval.shape[:1] != self.values[i].aval.shape[:1]
-           for st in self.staged.stages if self.part_stage[st.index] == s
+    self.dp[s] = dp
+    self.traced_on_stage(next(v for v in range(len(self.part_stage)) if self.part_stage[v] == s))
+    if all(self.row_split(s, i) for st in self.staged.stages if self.part_stage[st.index] == s
            for i in st.incoming + st.outgoing if is_float(self.values[i].aval)):
-      self._under_mesh[s] = traced
       return dp
+    self._under_mesh.pop(s)
     return ()
 
   def row_split(self, s: int, value: int) -> bool:
     """Whether value's rows are split over stage s's dp axes (its local trace has fewer)."""
-    full, here = self.values[value].aval, self.stage_aval(s, value)
+    full, here = self.values[value].aval, self._under_mesh[s].values[value].aval
     return bool(full.shape) and here.shape[0] != full.shape[0]
 
   def sharding(self, stage: int, key: str) -> NamedSharding:

@@ -8,7 +8,7 @@ Instead the stage's part programs run under `jax.shard_map`, manual over those a
 parameter replicated over `dp` then stays each device's partial sum (no psum is inserted),
 and the gradient accumulator holds one partial sum per device, stacked on a leading dim
 split over `dp` (`[D, ...]`, the same bytes per device as a replicated gradient). The
-stage reduces it once, after its last backward of the step (`Accumulators.reduce`).
+stage reduces it once, after its last backward of the step (`reduce_program`).
 
 Inside the shard_map the part is traced on the device's rows (microbatch rows / D) under
 the manual context, so the model's activation constraints name only the automatic axes
@@ -129,7 +129,7 @@ class Accumulators:
   over dp on the new dim), summed once a step by `reduce`."""
 
   def __init__(self, mesh: Mesh, dp: Sequence[str], shapes: dict, pspecs: Sequence[P]):
-    self.keys = tuple(shapes)
+    self.keys, self.dp = tuple(shapes), tuple(dp)
     lead = (size(mesh, dp),) if dp else ()
     self.specs = tuple(stacked_spec(dp, sp) if dp else sp for sp in pspecs)
     self.structs = {k: jax.ShapeDtypeStruct(lead + a.shape, a.dtype,

@@ -115,19 +115,23 @@ def build_part(pl, v: int) -> Part:
   fns = {"fwd": fwd, "bwd": bwd_acc}
   kept, num_res = (), 0
   if v in pl.split_parts:
-    M = pl.schedule.num_microbatches
-    micro = pl.stage_micro(s)
-    here = lambda ids: [pl.stage_aval(s, i) for i in ids]
+    local = lambda a, split=True: (jax.ShapeDtypeStruct(
+        (a.shape[0] // mpmd_local.size(spec.mesh, dp), *a.shape[1:]), a.dtype) if dp and split
+                                   else a)
+    rows = pl.rows_split(s)
     args = ([pl.param_shapes[i] for i in pleaves],
-            [jax.ShapeDtypeStruct((M, *micro[j].shape), micro[j].dtype) for j in bleaves],
-            jax.ShapeDtypeStruct((), jnp.int32), here(float_in), here(int_in))
+            [jax.ShapeDtypeStruct((a.shape[0], *local(
+                jax.ShapeDtypeStruct(a.shape[1:], a.dtype), rows[j]).shape), a.dtype)
+             for j, a in ((j, pl.batch_avals[j]) for j in bleaves)],
+            jax.ShapeDtypeStruct((), jnp.int32), [local(aval(i)) for i in float_in],
+            [local(aval(i)) for i in int_in])
     cut = lambda: split_backward(fwd, bwd, args,
                                  (lambda c: c) if last else lambda c: constrain(c, float_out))
     fns["input_grad"], fns["weight_grad"], kept, num_res = (
         mpmd_local.trace_local(cut, spec.mesh, dp) if dp else cut())
   progs = partition_part(
       fns, spec.mesh, dp, last=last, kept=kept, num_res=num_res, pspecs=pspecs, bspecs=bspecs,
-      acc_specs=tuple(pl.acc[s].structs[pl.paths[i]].sharding.spec for i in pleaves),
+      acc_specs=tuple(mpmd_local.stacked_spec(dp, sp) if dp else sp for sp in pspecs),
       rows=tuple(pl.rows_split(s)[j] for j in bleaves),
       values={k: tuple(bool(dp) and pl.row_split(s, i) for i in ids) for k, ids in (
           ("float_in", float_in), ("int_in", int_in), ("float_out", float_out),
