@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.errors import ConfigError
+from spmdtask.pipeline import mpmd_cross
 from spmdtask.pipeline.mpmd_parts import Part, RunResult
 
 
@@ -184,12 +185,12 @@ class Runner:
   def _send_cotangents(self, part: Part, m: int, d_in, cots) -> None:
     """B(m) of `part` made d_in (None where another process ran it): each goes to the
     part that produced the value; cotangents of a value sent to several parts add up."""
-    for i, g in zip(part.float_in, d_in):
-      src = self.pl.parts[self.pl.values[i].producer]
-      g = self._send(g, i, part.stage, src.stage)
+    src = [self.pl.parts[self.pl.values[i].producer] for i in part.float_in]
+    got = self._send(d_in, part.float_in, part.stage, [p.stage for p in src])
+    for i, p, g in zip(part.float_in, src, got):
       if g is None:
         continue
-      box = cots.setdefault((src.index, m), {})
+      box = cots.setdefault((p.index, m), {})
       if i in box:
         g = box[i] + jax.device_put(g, box[i].sharding)
       box[i] = g
@@ -218,11 +219,13 @@ class Runner:
 
   def _send_outputs(self, part: Part, m: int, outs, inbox) -> None:
     """F(m) of `part` made `outs` (None where another process ran it): to every consumer."""
-    for i, x in zip(part.float_out + part.int_out, outs):
-      for c in self.pl.values[i].consumers:
-        y = self._send(x, i, part.stage, self.pl.parts[c].stage)
-        if y is not None:
-          inbox.setdefault((c, m), {})[i] = y
+    ids = part.float_out + part.int_out
+    to = [(i, x, c) for i, x in zip(ids, outs) for c in self.pl.values[i].consumers]
+    got = self._send([x for _, x, _ in to], [i for i, _, _ in to], part.stage,
+                     [self.pl.parts[c].stage for _, _, c in to])
+    for (i, _, c), y in zip(to, got):
+      if y is not None:
+        inbox.setdefault((c, m), {})[i] = y
 
 
   def forward(self, stage_params: Sequence[dict], batch) -> tuple[tuple, tuple]:
@@ -239,33 +242,52 @@ class Runner:
     return tuple(losses), tuple(aux)
 
 
-  def _send(self, x: jax.Array | None, value: int, src: int, stage: int) -> jax.Array | None:
-    """x (value `value` on stage src's submesh) -> the devices of `stage`, asynchronously.
+  def _send(self, xs, values, src: int, stages) -> list:
+    """xs[k] (value values[k] on stage src's submesh) -> the devices of stages[k],
+    asynchronously; None where that stage is another process's.
 
-    Across processes: a collective both call (mpmd_cross.Cross.move), x's layout kept; the
-    result only where `stage` is local, else None.
+    Across processes: a collective both call (mpmd_cross.Cross.move), x's layout kept.
 
-    With equal device counts the copy keeps x's layout: the destination devices arranged as
-    x's mesh, same PartitionSpec, so every shard is a device-to-device copy; the receiving
-    program re-splits it with a sharding constraint. (A device_put straight to a layout
-    whose shards x does not have goes through the host in jax 0.10 and blocks until x is
-    ready.) Different device counts fall back to that device_put.
+    Within the process, with equal device counts the copy keeps x's layout: the
+    destination devices arranged as x's mesh, same PartitionSpec, so every shard is a
+    device-to-device copy, and the action's copies go as one batch (mpmd_cross.copy); the
+    receiving program re-splits them with a sharding constraint. (A device_put straight
+    to a layout whose shards x does not have goes through the host in jax 0.10 and blocks
+    until x is ready.) Different device counts fall back to that device_put.
     """
-    if not (self.pl.cross.local[src] and self.pl.cross.local[stage]):
-      aval = self.pl.values[value].aval
-      return self.pl.cross.move(x, aval, self.pl.stages[src].spec_for(aval), src, stage)
-    src = x.sharding
-    key = (src, stage)
-    dst = self._mirrors.get(key)
-    if dst is None:  # built once per (layout, stage): a send is then one device_put
-      st = self.pl.stages[stage]
-      if not isinstance(src, NamedSharding) or src.mesh.size != st.mesh.size:
-        dst = NamedSharding(st.mesh, st.spec_for(x.aval))
+    local = self.pl.cross.local
+    out, fast, dsts = [None] * len(xs), [], []
+    for k, (x, i, t) in enumerate(zip(xs, values, stages)):
+      if not (local[src] and local[t]):
+        aval = self.pl.values[i].aval
+        out[k] = self.pl.cross.move(x, aval, self.pl.stages[src].spec_for(aval), src, t)
+        continue
+      dst, same = self._mirror(x, t)
+      if same:
+        fast.append(k)
+        dsts.append(dst)
       else:
+        out[k] = jax.device_put(x, dst)
+    if fast:
+      for k, y in zip(fast, mpmd_cross.copy([xs[k] for k in fast], dsts)):
+        out[k] = y
+    return out
+
+  def _mirror(self, x: jax.Array, stage: int) -> tuple[NamedSharding, bool]:
+    """Where x goes on `stage` (_send), and whether that is its own layout there; built
+    once per (layout, shape, stage)."""
+    key = (x.sharding, x.shape, stage)
+    got = self._mirrors.get(key)
+    if got is None:
+      src, st = x.sharding, self.pl.stages[stage]
+      dst = None
+      if isinstance(src, NamedSharding) and src.mesh.size == st.mesh.size:
         dst = NamedSharding(Mesh(st.mesh.devices.reshape(src.mesh.devices.shape),
                                  src.mesh.axis_names, axis_types=src.mesh.axis_types), src.spec)
-      self._mirrors[key] = dst
-    return jax.device_put(x, dst, may_alias=True)  # a copy anyway (disjoint devices); cheaper
+      if dst is None or not mpmd_cross.same_layout(src, dst):
+        dst = NamedSharding(st.mesh, st.spec_for(x.aval))
+      got = self._mirrors[key] = (dst, mpmd_cross.same_layout(src, dst))
+    return got
 
 
 def stage_batches(pl, batch) -> list[dict]:
