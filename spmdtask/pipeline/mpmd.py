@@ -58,7 +58,7 @@ from spmdtask.pipeline import mpmd_cross, mpmd_local, mpmd_programs
 from spmdtask.pipeline.mpmd_run import Runner, backward_flops, compiled_backward
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline.mpmd_parts import (RunResult, StageSpec, check_meshes, flat_specs,
-                                          execution_order, is_float)
+                                          execution_order, fused_part, is_float)
 from spmdtask.pipeline.schedule import Schedule
 
 
@@ -102,6 +102,7 @@ class Pipeline:
     self.dp = [()] * S
     for s in range(S):
       self.dp[s] = self._dp_axes(s, rows_are_sums)
+    self.fused = fused_part(schedule)
     self.parts = tuple(mpmd_programs.build_part(self, v) for v in range(S * V))
     self.acc = [mpmd_local.Accumulators(self.stages[s].mesh, self.dp[s], {
         k: self.param_shapes[self.paths.index(k)] for k in self.stage_keys[s]}, [

@@ -78,6 +78,11 @@ class Part:
   input_grad: steps.Partitioned | None = None
   weight_grad: steps.Partitioned | None = None
   kept: tuple[int, ...] = ()  # what W reads of (residual leaves + cotangents), by index
+  # The last part's F(m) and its backward as one program, where the schedule always runs
+  # them back to back (`fused_part`); B: fused(params, batch, m, in_float, in_int, cot, acc)
+  # -> (outgoing, other, acc + d_params, d_incoming), acc donated; I: fused(..., cot) ->
+  # (outgoing, other, d_incoming, kept, stash).
+  fused: steps.Partitioned | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +146,23 @@ def split_backward(fwd, bwd, args, constrain):
     return tuple(a + g for a, g in zip(acc, run_w(*kept, *stash)))
 
   return input_grad, weight_grad, sb.kept, n_res
+
+
+def fused_part(schedule: Schedule) -> int | None:
+  """The last part (the loss) if, on its stage, every F(m) of it is directly followed by its
+  own backward (B or I of m), as in 1F1B and ZB-H1; else None. The runner then runs each
+  such pair as one program: one dispatch instead of two, and the residuals never leave the
+  program. Only the last part qualifies: any other part's backward needs its consumers'
+  backward, which needs this part's forward to have been sent on."""
+  v = schedule.num_stages * schedule.num_chunks - 1
+  s, c = schedule.owner(v)
+  row = schedule.actions[s]
+  for k, a in enumerate(row):
+    if a.kind == "F" and a.chunk == c and not (
+        k + 1 < len(row) and row[k + 1].kind in ("B", "I") and
+        (row[k + 1].microbatch, row[k + 1].chunk) == (a.microbatch, c)):
+      return None
+  return v
 
 
 def check_meshes(stages: Sequence[StageSpec], num_stages: int) -> None:

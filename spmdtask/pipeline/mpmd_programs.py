@@ -5,6 +5,7 @@ over the whole submesh (GSPMD) or per device on its data-parallel axes (mpmd_loc
   bwd(res, d_outgoing, acc) -> (acc + d_params, d_incoming)                  acc donated
   input_grad(res, d_outgoing) -> (d_incoming, stash)
   weight_grad(kept, stash, acc) -> acc + d_params                            acc donated
+  fused: the last part's fwd then bwd (or input_grad) as one program (mpmd_parts.Part)
 
 For the last part `outgoing` is `(loss,)` and `other` the loss function's aux. With dp
 axes, residuals, stashes and accumulators are stacked per device; the last part's loss
@@ -25,7 +26,7 @@ from spmdtask.pipeline.mpmd_parts import Part, is_float, split_backward
 def partition_part(fns: dict, mesh: Mesh, dp: Sequence[str], *, last: bool, kept: Sequence[int],
                    num_res: int, pspecs: tuple, bspecs: tuple, acc_specs: tuple,
                    rows: Sequence[bool], values: dict, act_in: tuple, act_out: tuple,
-                   act_int_out: tuple) -> dict:
+                   act_int_out: tuple, fuse: bool = False) -> dict:
   """{fwd, bwd[, input_grad, weight_grad]} jitted (module doc); `fns` holds the plain
   functions of one device's rows when `dp` is given, else of the whole microbatch."""
   cot_in = (P(),) if last else None
@@ -38,7 +39,32 @@ def partition_part(fns: dict, mesh: Mesh, dp: Sequence[str], *, last: bool, kept
     out["input_grad"] = steps.partition(fns["input_grad"], mesh, (None, cot_in), (act_in, None))
     out["weight_grad"] = steps.partition(fns["weight_grad"], mesh, (None, None, acc_specs),
                                          acc_specs, donate_argnums=(2,))
+  if fuse:
+    fwd_in = (pspecs, bspecs, P(), None, None)
+    out["fused"] = (steps.partition(_fused_i(fns, kept), mesh, fwd_in + (cot_in,),
+                                    (fwd_out[0], fwd_out[2], act_in, None, None))
+                    if "input_grad" in fns else
+                    steps.partition(_fused_b(fns), mesh, fwd_in + (cot_in, acc_specs),
+                                    (fwd_out[0], fwd_out[2], acc_specs, act_in),
+                                    donate_argnums=(6,)))
   return out
+
+
+def _fused_b(fns: dict):
+  def fused(p, batch, m, fin, iin, cot, acc):
+    outs, res, other = fns["fwd"](p, batch, m, fin, iin)
+    new, d_in = fns["bwd"](res, cot, acc)
+    return outs, other, new, d_in
+  return fused
+
+
+def _fused_i(fns: dict, kept: Sequence[int]):
+  def fused(p, batch, m, fin, iin, cot):
+    outs, res, other = fns["fwd"](p, batch, m, fin, iin)
+    d_in, stash = fns["input_grad"](res, cot)
+    inputs = jax.tree.leaves(res) + list(cot)
+    return outs, other, d_in, tuple(inputs[i] for i in kept), stash
+  return fused
 
 
 def _per_device(fns: dict, mesh: Mesh, dp, last: bool, kept, num_res: int, rows,
@@ -136,6 +162,7 @@ def build_part(pl, v: int) -> Part:
       values={k: tuple(bool(dp) and pl.row_split(s, i) for i in ids) for k, ids in (
           ("float_in", float_in), ("int_in", int_in), ("float_out", float_out),
           ("int_out", int_out))},
-      act_in=act(float_in), act_out=act(float_out), act_int_out=act(int_out))
+      act_in=act(float_in), act_out=act(float_out), act_int_out=act(int_out),
+      fuse=v == pl.fused)
   return Part(v, s, tuple(pl.paths[i] for i in pleaves), bleaves, float_in, int_in,
               float_out, int_out, kept=kept, **progs)

@@ -135,9 +135,28 @@ class Runner:
   # ---- the actions -----------------------------------------------------------------------
 
   def _f(self, p: _Pass, part: Part, m: int) -> None:
+    if part.fused is not None and self.pl.cross.local[part.stage]:
+      self._fused(p, part, m)
+      return
     r = self.forward_part(part, m, p.stage_params, p.batches, p.inbox, p.losses, p.aux)
     p.res[part.index, m] = r
     p.meter.hold(part.stage, (part.index, m), r)
+
+  def _fused(self, p: _Pass, part: Part, m: int) -> None:
+    """F(m) and its B or I as one program (mpmd_parts.fused_part). The set is counted as
+    held until the backward's turn, with no bytes: its residuals live inside the program.
+    d_in is sent (and a stash kept) at the backward's turn in the order, where every
+    process expects it."""
+    args = self._fwd_args(part, m, p.stage_params, p.batches, p.inbox) + ((p.seeds[m],),)
+    if part.input_grad is None:
+      outs, other, new, d_in = part.fused(*args, self._grads(p, part))
+      p.acc[part.stage].update(zip(part.param_keys, new))
+    else:
+      outs, other, d_in, kept, st = part.fused(*args)
+      p.stash[part.index, m] = (kept, st)
+    self._loss(m, outs, other, p.losses, p.aux)
+    p.res[part.index, m] = d_in
+    p.meter.hold(part.stage, (part.index, m), ())
 
   def _cotangent(self, p: _Pass, part: Part, m: int) -> tuple:
     if part.index == len(self.pl.parts) - 1:
@@ -154,6 +173,9 @@ class Runner:
     if not self.pl.cross.local[part.stage]:  # another process runs it: take what we need
       self._send_cotangents(part, m, (None,) * len(part.float_in), p.cots)
       return
+    if part.fused is not None:  # ran with its F: r is d_in
+      self._send_cotangents(part, m, r, p.cots)
+      return
     new, d_in = part.bwd(r, self._cotangent(p, part, m), self._grads(p, part))
     p.acc[part.stage].update(zip(part.param_keys, new))
     self._send_cotangents(part, m, d_in, p.cots)
@@ -166,10 +188,13 @@ class Runner:
       p.meter.hold(part.stage, (part.index, m), None, stash=True)
       self._send_cotangents(part, m, (None,) * len(part.float_in), p.cots)
       return
-    cot = self._cotangent(p, part, m)
-    d_in, st = part.input_grad(r, cot)
-    inputs = jax.tree.leaves(r) + list(cot)
-    p.stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
+    if part.fused is not None:  # ran with its F: r is d_in, the stash is kept
+      d_in = r
+    else:
+      cot = self._cotangent(p, part, m)
+      d_in, st = part.input_grad(r, cot)
+      inputs = jax.tree.leaves(r) + list(cot)
+      p.stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
     p.meter.hold(part.stage, (part.index, m), p.stash[part.index, m], stash=True)
     self._send_cotangents(part, m, d_in, p.cots)
 
@@ -196,22 +221,28 @@ class Runner:
       box[i] = g
 
 
+  def _fwd_args(self, part: Part, m: int, stage_params, batches, inbox) -> tuple:
+    s = part.stage
+    box = inbox.pop((part.index, m), {})
+    return (tuple(stage_params[s][k] for k in part.param_keys),
+            tuple(batches[s][j] for j in part.batch_leaves), self.pl._mb_index[s][m],  # pylint: disable=protected-access
+            tuple(box[i] for i in part.float_in), tuple(box[i] for i in part.int_in))
+
+  def _loss(self, m: int, outs, other, losses, aux) -> None:
+    losses[m] = outs[0]
+    aux[m] = jax.tree.unflatten(self.pl.aux_tree, other) if self.pl.has_aux else None
+
   def forward_part(self, part: Part, m: int, stage_params, batches, inbox, losses, aux):
     """Runs F(m) of `part`, sends its outputs on; the last part's loss and aux go to
     losses[m], aux[m]. Returns the residuals."""
-    s = part.stage
-    box = inbox.pop((part.index, m), {})
-    if not self.pl.cross.local[s]:  # another process runs it: receive what this one needs
+    if not self.pl.cross.local[part.stage]:  # another process runs it: receive what we need
+      inbox.pop((part.index, m), None)
       if part.index < len(self.pl.parts) - 1:
         self._send_outputs(part, m, (None,) * len(part.float_out + part.int_out), inbox)
       return None
-    outs, r, other = part.fwd(tuple(stage_params[s][k] for k in part.param_keys),
-                              tuple(batches[s][j] for j in part.batch_leaves),
-                              self.pl._mb_index[s][m], tuple(box[i] for i in part.float_in),
-                              tuple(box[i] for i in part.int_in))
+    outs, r, other = part.fwd(*self._fwd_args(part, m, stage_params, batches, inbox))
     if part.index == len(self.pl.parts) - 1:
-      losses[m] = outs[0]
-      aux[m] = jax.tree.unflatten(self.pl.aux_tree, other) if self.pl.has_aux else None
+      self._loss(m, outs, other, losses, aux)
       return r
     self._send_outputs(part, m, outs + other, inbox)
     return r
