@@ -330,11 +330,11 @@ def stage_batches(pl, batch) -> list[dict]:
   except ValueError as e:
     raise ValueError(f"the batch does not have the tree the pipeline was built for: {e}"
                      ) from None
-  out = [dict() for _ in pl.stages]
+  out, todo = [dict() for _ in pl.stages], {}
   for part in pl.parts:
     s = part.stage
     for j in part.batch_leaves if pl.cross.local[s] else ():
-      if j in out[s]:
+      if (s, j) in todo:
         continue
       x = leaves[j]
       if x is None:
@@ -345,9 +345,12 @@ def stage_batches(pl, batch) -> list[dict]:
                           f"schedule.num_microbatches={M} equal microbatches.")
       # Microbatch m = rows m, m + M, ... (as steps.microbatches splits for accumulation);
       # methods, so a host array stays on the host and a device array on its device.
-      stacked = x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1)
-      out[s][j] = jax.device_put(stacked, NamedSharding(
-          pl.stages[s].mesh, P(None, *pl.batch_specs[s][j])))
+      todo[s, j] = (x.reshape((x.shape[0] // M, M, *x.shape[1:])).swapaxes(0, 1),
+                    NamedSharding(pl.stages[s].mesh, P(None, *pl.batch_specs[s][j])))
+  if todo:  # one placement for every stage's leaves
+    placed = jax.device_put([x for x, _ in todo.values()], [d for _, d in todo.values()])
+    for (s, j), x in zip(todo, placed):
+      out[s][j] = x
   return out
 
 
