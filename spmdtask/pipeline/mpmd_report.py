@@ -102,11 +102,11 @@ def lowerings(program) -> list[layouts.Lowering]:
     sh = program.shapes["stages"][s]
     put = lambda tree, specs, mesh=mesh: layouts.sharded_structs(mesh, tree, specs)
     params = put(sh.params, prog.param_specs)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P()))
+    norm_scale = jax.ShapeDtypeStruct((2,), jnp.float32, sharding=NamedSharding(mesh, P()))
     out.append(layouts.Lowering(
         f"stage {s} optimizer update", s, mesh,
-        lambda prog=prog, p=params, o=put(sh.opt_state, prog.opt_specs), c=scalar:
-        prog.update.lower(p, o, p, c, c)))
+        lambda prog=prog, p=params, o=put(sh.opt_state, prog.opt_specs), c=norm_scale:
+        prog.update.lower(p, o, p, c)))
   return out
 
 

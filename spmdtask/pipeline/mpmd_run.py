@@ -8,12 +8,16 @@ B(m, c): grad_acc, d_in = bwd(res.pop(m, c), sum of d_outgoing from its consumer
          grad_acc); each d_in goes back to its producer
 I(m, c): d_in, stash[m, c] = input_grad(res.pop(m, c), d_outgoing); d_in sent as for B
 W(m, c): grad_acc = weight_grad(stash.pop(m, c), grad_acc)     acc donated
+Where the schedule always runs the last part's B (or I) right after its F, both run as one
+program at F's turn (`Part.fused`): one dispatch, and the residuals stay inside it.
 
 Memory is measured, not counted from the schedule: after every action the runner sums
 the bytes of the residual arrays (and W stashes) it holds per stage, from the arrays'
-shards on that stage's devices, and reports each stage's peak (`RunResult`); the number
-of sets held is reported beside it. `simulate.peak_bytes` predicts the same peaks from
-the schedule and one set's bytes per part.
+shards on that stage's devices (once per part: every microbatch's set has the same
+arrays), and reports each stage's peak (`RunResult`); the number of sets held is
+reported beside it (a fused part's set counts, with 0 bytes held between dispatches).
+`simulate.peak_bytes` predicts the same peaks from the schedule and one set's bytes per
+part.
 """
 import dataclasses
 from typing import Sequence
@@ -99,7 +103,7 @@ class Runner:
 
   def __init__(self, pipeline):
     self.pl = pipeline
-    self._mirrors, self._measured = {}, {}
+    self._mirrors, self._measured, self._seeds = {}, {}, (None, None)
     self._dispatch = {"F": self._f, "B": self._b, "I": self._i, "W": self._w}
 
   def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
@@ -111,7 +115,9 @@ class Runner:
     if local[last]:
       w = pl._uniform if weights is None else jax.device_put(  # pylint: disable=protected-access
           weights, NamedSharding(pl._last_mesh, P()))  # pylint: disable=protected-access
-      seeds = pl._seeds(w)  # pylint: disable=protected-access
+      if w is not self._seeds[0]:  # the same weights every step (uniform or ones): once
+        self._seeds = (w, pl._seeds(w))  # pylint: disable=protected-access
+      seeds = self._seeds[1]
     acc = [pl.acc[s].fresh() if local[s] else None
            for s in range(S)]
     p = _Pass(stage_params, stage_batches(pl, batch), seeds, acc,
@@ -292,6 +298,9 @@ class Runner:
       if not (local[src] and local[t]):
         aval = self.pl.values[i].aval
         out[k] = self.pl.cross.move(x, aval, self.pl.stages[src].spec_for(aval), src, t)
+        continue
+      if t == src:  # a part to the next chunk on the same stage: x as it is
+        out[k] = x
         continue
       dst, same = self._mirror(x, t)
       if same:

@@ -46,8 +46,9 @@ def clip_by_norm(grads, norm, max_norm: float):
 class StageProgram:
   """A stage's jitted optimizer programs."""
   init: steps.Partitioned  # params -> opt_state
-  sq_norm: steps.Partitioned  # (grads, params) -> sums of squares of those this stage owns
-  update: steps.Partitioned  # (params, opt_state, grads, norm, scale) -> (params, opt_state)
+  sq_norm: steps.Partitioned  # (grads, params) -> [2]: their sums of squares, of the leaves
+                             # this stage owns (one array: one transfer to the last stage)
+  update: steps.Partitioned  # (params, opt_state, grads, [norm, scale]) -> (params, opt_state)
   param_specs: dict  # {path: PartitionSpec} on the stage's submesh
   opt_specs: Any  # PartitionSpecs of the stage's optimizer state
 
@@ -72,12 +73,13 @@ class TrainStep:
         self._norm_mesh, P())) if pl.cross.local[last] else None
 
     def norms(sq, loss, aux):
-      """(loss, grad norm, param norm, grad scale) of the normalised step."""
+      """(loss, grad norm, param norm, [grad norm, grad scale]) of the normalised step."""
       scale = jnp.ones((), jnp.float32)
       if loss_weight is not None:
         scale = 1.0 / jnp.maximum(loss_weight(aux), jnp.finfo(jnp.float32).tiny)
-      gsq, psq = sum(g for g, _ in sq), sum(p for _, p in sq)
-      return loss * scale.astype(loss.dtype), jnp.sqrt(gsq) * scale, jnp.sqrt(psq), scale
+      total = sum(sq)
+      norm = jnp.sqrt(total[0]) * scale
+      return loss * scale.astype(loss.dtype), norm, jnp.sqrt(total[1]), jnp.stack([norm, scale])
 
     self.loss_weight = loss_weight
     self._norms = steps.partition(norms, self._norm_mesh, (P(), P(), P()), P())
@@ -93,17 +95,19 @@ class TrainStep:
       return sum((jnp.sum(jnp.square(tree[k].astype(jnp.float32))) for k in owned),
                  jnp.zeros((), jnp.float32))
 
-    sq_norm = steps.partition(lambda g, p: (sq(g), sq(p)), mesh, (pspecs, pspecs), P())
+    sq_norm = steps.partition(lambda g, p: jnp.stack([sq(g), sq(p)]), mesh, (pspecs, pspecs),
+                              P())
     max_norm = self.max_grad_norm
 
-    def update(params, opt_state, grads, norm, scale):
+    def update(params, opt_state, grads, norm_scale):
+      norm, scale = norm_scale[0], norm_scale[1]
       grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
       if max_norm is not None:
         grads = clip_by_norm(grads, norm, max_norm)
       updates, opt_state = self.tx.update(grads, opt_state, params)
       return optax.apply_updates(params, updates), opt_state
 
-    update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P(), P()),
+    update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P()),
                                (pspecs, ospecs), donate_argnums=(0, 1))
     return StageProgram(init, sq_norm, update_p, pspecs, ospecs)
 
@@ -127,17 +131,18 @@ class TrainStep:
     if weights is None and self.loss_weight is not None and local[last]:
       weights = self._ones
     result = pl.run([st.params if st else None for st in states], batch, weights)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    sq = tuple(tuple(put(x, scalar, s, last) for x in (
-        prog.sq_norm(g, st.params) if local[s] else (None, None)))
+    pair = jax.ShapeDtypeStruct((2,), jnp.float32)
+    # The last stage's own scalars stay where they are; the others' cross once each way.
+    move = lambda x, a, b: x if a == b else put(x, pair, a, b)
+    sq = tuple(move(prog.sq_norm(g, st.params) if local[s] else None, s, last)
                for s, (prog, g, st) in enumerate(zip(self.programs, result.grads, states)))
-    loss = norm = param_norm = scale = None
+    loss = norm = param_norm = norm_scale = None
     if local[last]:
-      loss, norm, param_norm, scale = self._norms(sq, result.loss, result.aux)
+      loss, norm, param_norm, norm_scale = self._norms(sq, result.loss, result.aux)
     new = []
     for s, (st, prog, g) in enumerate(zip(states, self.programs, result.grads)):
-      n, sc = put(norm, scalar, last, s), put(scale, scalar, last, s)
-      new.append(StageState(*prog.update(st.params, st.opt_state, g, n, sc)) if local[s]
+      ns = move(norm_scale, last, s)
+      new.append(StageState(*prog.update(st.params, st.opt_state, g, ns)) if local[s]
                  else None)
     metrics = {"loss": loss, "grad_norm": norm, "param_norm": param_norm,
                "peak_residuals": result.peak_residuals}
