@@ -26,7 +26,9 @@ def tinylm_v5e(tmp_path_factory):
 def test_tinylm_on_v5e_2x2(tinylm_v5e):
   got, out = tinylm_v5e
   assert json.loads((out / "plan.json").read_text())["estimate"] == got["estimate"]
-  assert "TPU_WORKER_HOSTNAMES" in (out / "logs" / "plan_xla.log").read_text()
+  # What libtpu prints goes to the log (test_exit_4_and_a_clean_console: its first start in
+  # a fresh process; here another test may have started it in this worker already).
+  assert (out / "logs" / "plan_xla.log").is_file()
   t = got["target"]
   assert (t["platform"], t["topology"], t["chips"], t["device_kind"]) == (
       "tpu", "v5e:2x2", 4, "TPU v5 lite")
@@ -139,6 +141,7 @@ def test_exit_4_and_a_clean_console(tmp_path):
   assert "Traceback" not in out.stderr
   for noise in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "jellyfish"):
     assert noise not in out.stderr + out.stdout
+  assert "TPU_WORKER_HOSTNAMES" in (tmp_path / "logs" / "plan_xla.log").read_text()
   assert "bound by" in out.stdout and "v5e:2x2 (4 TPU v5 lite chips)" in out.stdout
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
   assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]

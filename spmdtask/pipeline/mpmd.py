@@ -55,7 +55,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spmdtask import steps
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import mpmd_cross, mpmd_local, mpmd_programs
-from spmdtask.pipeline.mpmd_run import Runner, backward_flops, compiled_backward
+from spmdtask.pipeline.mpmd_compiled import backward_flops, compiled_backward
+from spmdtask.pipeline.mpmd_run import Runner
 from spmdtask.pipeline import split as split_lib
 from spmdtask.pipeline.mpmd_parts import (RunResult, StageSpec, check_meshes, flat_specs,
                                           execution_order, fused_part, is_float)
@@ -226,9 +227,9 @@ class Pipeline:
 
   def compiled_backward(self, stage_params: Sequence[dict], batch) -> dict:
     """Every part's compiled backward programs and each stage's reduction
-    (mpmd_run.compiled_backward)."""
+    (mpmd_compiled.compiled_backward)."""
     return compiled_backward(self.runner, stage_params, batch)
 
   def backward_flops(self, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
-    """Compiled FLOPs of B, I and W per part the schedule splits (Runner.backward_flops)."""
+    """Compiled FLOPs of B, I and W per part the schedule splits (mpmd_compiled.backward_flops)."""
     return backward_flops(self.runner, stage_params, batch)

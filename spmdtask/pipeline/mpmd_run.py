@@ -23,7 +23,6 @@ import dataclasses
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.errors import ConfigError
@@ -103,7 +102,7 @@ class Runner:
 
   def __init__(self, pipeline):
     self.pl = pipeline
-    self._mirrors, self._measured, self._seeds = {}, {}, (None, None)
+    self._send, self._measured, self._seeds = Sends(pipeline), {}, (None, None)
     self._dispatch = {"F": self._f, "B": self._b, "I": self._i, "W": self._w}
 
   def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
@@ -279,7 +278,14 @@ class Runner:
     return tuple(losses), tuple(aux)
 
 
-  def _send(self, xs, values, src: int, stages) -> list:
+class Sends:
+  """A pipeline's arrays from one stage to others (`__call__`); the destination layouts
+  are built once per (layout, shape, stage)."""
+
+  def __init__(self, pipeline):
+    self._pl, self._dsts = pipeline, {}
+
+  def __call__(self, xs, values, src: int, stages) -> list:
     """xs[k] (value values[k] on stage src's submesh) -> the devices of stages[k],
     asynchronously; None where that stage is another process's.
 
@@ -292,12 +298,12 @@ class Runner:
     to a layout whose shards x does not have goes through the host in jax 0.10 and blocks
     until x is ready.) Different device counts fall back to that device_put.
     """
-    local = self.pl.cross.local
+    local = self._pl.cross.local
     out, fast, dsts = [None] * len(xs), [], []
     for k, (x, i, t) in enumerate(zip(xs, values, stages)):
       if not (local[src] and local[t]):
-        aval = self.pl.values[i].aval
-        out[k] = self.pl.cross.move(x, aval, self.pl.stages[src].spec_for(aval), src, t)
+        aval = self._pl.values[i].aval
+        out[k] = self._pl.cross.move(x, aval, self._pl.stages[src].spec_for(aval), src, t)
         continue
       if t == src:  # a part to the next chunk on the same stage: x as it is
         out[k] = x
@@ -314,19 +320,19 @@ class Runner:
     return out
 
   def _mirror(self, x: jax.Array, stage: int) -> tuple[NamedSharding, bool]:
-    """Where x goes on `stage` (_send), and whether that is its own layout there; built
+    """Where x goes on `stage` (`__call__`), and whether that is its own layout there; built
     once per (layout, shape, stage)."""
     key = (x.sharding, x.shape, stage)
-    got = self._mirrors.get(key)
+    got = self._dsts.get(key)
     if got is None:
-      src, st = x.sharding, self.pl.stages[stage]
+      src, st = x.sharding, self._pl.stages[stage]
       dst = None
       if isinstance(src, NamedSharding) and src.mesh.size == st.mesh.size:
         dst = NamedSharding(Mesh(st.mesh.devices.reshape(src.mesh.devices.shape),
                                  src.mesh.axis_names, axis_types=src.mesh.axis_types), src.spec)
       if dst is None or not mpmd_cross.same_layout(src, dst):
         dst = NamedSharding(st.mesh, st.spec_for(x.aval))
-      got = self._mirrors[key] = (dst, mpmd_cross.same_layout(src, dst))
+      got = self._dsts[key] = (dst, mpmd_cross.same_layout(src, dst))
     return got
 
 
@@ -361,49 +367,6 @@ def stage_batches(pl, batch) -> list[dict]:
     for (s, j), x in zip(todo, placed):
       out[s][j] = x
   return out
-
-
-def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> dict[int, dict]:
-  """The compiled backward programs of every part: {part: {"bwd": Compiled, and where the
-  schedule splits the part "input_grad", "weight_grad"}}, lowered on microbatch 0's
-  residuals, zero cotangents and the stage's accumulators (its per-device stack with dp
-  axes); and {"reduce", stage}: the stage's once-a-step reduction, where it has one."""
-  pl = runner.pl
-  batches = stage_batches(pl, batch)
-  inbox, res, out = {}, {}, {}
-  for part in pl.parts:
-    res[part.index] = runner.forward_part(part, 0, stage_params, batches, inbox, [None], [None])
-  compile_ = lambda prog, *args: prog.lower(*args).compile()
-  for part in pl.parts:
-    mesh = pl.stages[part.stage].mesh
-    avals = ([pl._seeds.jitted.eval_shape(pl._uniform)[0]]  # pylint: disable=protected-access
-             if part.index == len(pl.parts) - 1 else [pl.values[i].aval for i in part.float_out])
-    cot = tuple(jax.device_put(jnp.zeros(a.shape, a.dtype), NamedSharding(
-        mesh, pl.stages[part.stage].spec_for(a))) for a in avals)
-    zeros = pl.acc[part.stage].fresh()
-    acc = tuple(zeros[k] for k in part.param_keys)
-    r = res[part.index]
-    out[part.index] = {"bwd": compile_(part.bwd, r, cot, acc)}
-    if part.input_grad is not None:
-      _, stash = part.input_grad(r, cot)
-      inputs = jax.tree.leaves(r) + list(cot)
-      kept = tuple(inputs[i] for i in part.kept)
-      out[part.index].update(input_grad=compile_(part.input_grad, r, cot),
-                             weight_grad=compile_(part.weight_grad, kept, stash, acc))
-  for s, acc in enumerate(pl.acc):
-    if acc.reduction is not None:
-      out["reduce", s] = compile_(acc.reduction, acc.zeros())
-  return out
-
-
-def backward_flops(runner: Runner, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
-  """Compiled FLOPs (`cost_analysis`) of B, I and W, per part the schedule splits:
-  {part: (B, I, W)} (`compiled_backward`). With nothing recomputed, I + W equals B up to
-  XLA's fusion choices."""
-  flops = lambda c: c.cost_analysis().get("flops", 0.0)
-  return {v: (flops(c["bwd"]), flops(c["input_grad"]), flops(c["weight_grad"]))
-          for v, c in compiled_backward(runner, stage_params, batch).items()
-          if isinstance(v, int) and "input_grad" in c}
 
 
 def sum_tied(pl, acc: list) -> None:
