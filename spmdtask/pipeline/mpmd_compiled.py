@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
+from spmdtask.pipeline.mpmd_parts import kept_inputs
 from spmdtask.pipeline.mpmd_run import Runner, stage_batches
 
 
@@ -32,8 +33,7 @@ def compiled_backward(runner: Runner, stage_params: Sequence[dict], batch) -> di
     out[part.index] = {"bwd": compile_(part.bwd, r, cot, acc)}
     if part.input_grad is not None:
       _, stash = part.input_grad(r, cot)
-      inputs = jax.tree.leaves(r) + list(cot)
-      kept = tuple(inputs[i] for i in part.kept)
+      kept = kept_inputs(r, cot, part.kept)
       out[part.index].update(input_grad=compile_(part.input_grad, r, cot),
                              weight_grad=compile_(part.weight_grad, kept, stash, acc))
   for s, acc in enumerate(pl.acc):

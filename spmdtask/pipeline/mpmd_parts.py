@@ -148,6 +148,13 @@ def split_backward(fwd, bwd, args, constrain):
   return input_grad, weight_grad, sb.kept, n_res
 
 
+def kept_inputs(res, cot, kept: Sequence[int]) -> tuple:
+  """What W reads (`split_backward`'s `kept`, by index) of I's inputs: the residual leaves
+  of `res`, then the cotangents `cot`."""
+  inputs = jax.tree.leaves(res) + list(cot)
+  return tuple(inputs[i] for i in kept)
+
+
 def fused_part(schedule: Schedule) -> int | None:
   """The last part (the loss) if, on its stage, every F(m) of it is directly followed by its
   own backward (B or I of m), as in 1F1B and ZB-H1; else None. The runner then runs each

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from spmdtask import steps
 from spmdtask.pipeline import mpmd_local
 from spmdtask.pipeline.mpmd_local import STACKED
-from spmdtask.pipeline.mpmd_parts import Part, is_float, split_backward
+from spmdtask.pipeline.mpmd_parts import Part, is_float, kept_inputs, split_backward
 
 
 def partition_part(fns: dict, mesh: Mesh, dp: Sequence[str], *, last: bool, kept: Sequence[int],
@@ -62,8 +62,7 @@ def _fused_i(fns: dict, kept: Sequence[int]):
   def fused(p, batch, m, fin, iin, cot):
     outs, res, other = fns["fwd"](p, batch, m, fin, iin)
     d_in, stash = fns["input_grad"](res, cot)
-    inputs = jax.tree.leaves(res) + list(cot)
-    return outs, other, d_in, tuple(inputs[i] for i in kept), stash
+    return outs, other, d_in, kept_inputs(res, cot, kept), stash
   return fused
 
 

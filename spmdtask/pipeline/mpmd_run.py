@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline import mpmd_cross
-from spmdtask.pipeline.mpmd_parts import Part, RunResult
+from spmdtask.pipeline.mpmd_parts import Part, RunResult, kept_inputs
 
 
 def held_bytes(tree) -> int:
@@ -152,7 +152,8 @@ class Runner:
     held until the backward's turn, with no bytes: its residuals live inside the program.
     d_in is sent (and a stash kept) at the backward's turn in the order, where every
     process expects it."""
-    args = self._fwd_args(part, m, p.stage_params, p.batches, p.inbox) + ((p.seeds[m],),)
+    args = self._fwd_args(part, m, p.stage_params, p.batches, p.inbox) + (
+        self._cotangent(p, part, m),)
     if part.input_grad is None:
       outs, other, new, d_in = part.fused(*args, self._grads(p, part))
       p.acc[part.stage].update(zip(part.param_keys, new))
@@ -198,8 +199,7 @@ class Runner:
     else:
       cot = self._cotangent(p, part, m)
       d_in, st = part.input_grad(r, cot)
-      inputs = jax.tree.leaves(r) + list(cot)
-      p.stash[part.index, m] = (tuple(inputs[i] for i in part.kept), st)
+      p.stash[part.index, m] = (kept_inputs(r, cot, part.kept), st)
     p.meter.hold(part.stage, (part.index, m), p.stash[part.index, m], stash=True)
     self._send_cotangents(part, m, d_in, p.cots)
 
@@ -326,13 +326,12 @@ class Sends:
     got = self._dsts.get(key)
     if got is None:
       src, st = x.sharding, self._pl.stages[stage]
-      dst = None
+      got = None
       if isinstance(src, NamedSharding) and src.mesh.size == st.mesh.size:
         dst = NamedSharding(Mesh(st.mesh.devices.reshape(src.mesh.devices.shape),
                                  src.mesh.axis_names, axis_types=src.mesh.axis_types), src.spec)
-      if dst is None or not mpmd_cross.same_layout(src, dst):
-        dst = NamedSharding(st.mesh, st.spec_for(x.aval))
-      got = self._dsts[key] = (dst, mpmd_cross.same_layout(src, dst))
+        got = (dst, True) if mpmd_cross.same_layout(src, dst) else None
+      got = self._dsts[key] = got or (NamedSharding(st.mesh, st.spec_for(x.aval)), False)
     return got
 
 

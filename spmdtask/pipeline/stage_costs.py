@@ -17,11 +17,10 @@ import dataclasses
 import math
 import types
 
-import jax
 from jax.sharding import NamedSharding
 
 from spmdtask import layouts, plan
-from spmdtask.pipeline import mpmd, mpmd_report, mpmd_stages, mpmd_step
+from spmdtask.pipeline import mpmd, mpmd_parts, mpmd_report, mpmd_stages, mpmd_step
 from spmdtask.pipeline import simulate
 
 
@@ -49,7 +48,7 @@ def split_lowerings(pl) -> list[layouts.Lowering]:
     args, cot = mpmd_report.part_args(pl, part)
     res = part.fwd.jitted.eval_shape(*args)[1]
     stash = part.input_grad.jitted.eval_shape(res, cot)[1]
-    kept = tuple((jax.tree.leaves(res) + list(cot))[i] for i in part.kept)
+    kept = mpmd_parts.kept_inputs(res, cot, part.kept)
     out.append(layouts.Lowering(f"stage {s} part {part.index} input_grad", s, mesh,
                                 lambda p=part, r=res, c=cot: p.input_grad.lower(r, c), M))
     out.append(layouts.Lowering(f"stage {s} part {part.index} weight_grad", s, mesh,
