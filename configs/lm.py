@@ -9,7 +9,7 @@ from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
-from spmdtask.pipeline.mpmd_config import MpmdConfig
+from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register
 from spmdtask.task import DecodeParams, Task, TrainParams

@@ -5,7 +5,7 @@ import optax
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.images import SyntheticImageInput
 from spmdtask.layers.vit import VisionTransformer, VitActivationSplit, VitWeightSplit
-from spmdtask.pipeline.mpmd_config import MpmdConfig
+from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.registry import register
 from spmdtask.task import Task, TrainParams
 

@@ -31,7 +31,8 @@ from spmdtask import fs, native_output
 
 _echo = False  # print `say` lines on stdout (set by `setup`; library use only logs them)
 _PACKAGE_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                   d) + os.sep for d in ("spmdtask", "configs", "tools"))
+                                   d) + os.sep for d in ("spmdtask", "configs", "tools",
+                                                          "benchmarks"))
 # Third-party warnings a person should see: JAX running on another backend than the
 # hardware suggests ("A Google TPU may be present ... Falling back to cpu").
 _SHOWN_LOGGERS = ("jax._src.xla_bridge",)

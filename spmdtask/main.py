@@ -12,7 +12,8 @@ from fiddle import printing
 from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
-from spmdtask import console, experiment, fs, interrupts, overrides as overrides_lib, registry
+from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
+from spmdtask.run import interrupts
 from spmdtask.errors import (BatchSplitError, ConfigError, Interrupted, PlanExceeded,
                              TrainingError)
 
@@ -110,7 +111,7 @@ def use_cpu_devices(num_devices: int | None) -> None:
 
 def init_distributed():
   """Joins the multi-process job before any JAX computation, if one is asked for or found."""
-  from spmdtask import cluster  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
   # The emulated-plan subprocess is a single process whatever cluster it runs in.
   multihost = "false" if os.environ.get("SPMDTASK_PLAN_DEVICES") else _MULTIHOST.value
   return cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, multihost)
@@ -195,13 +196,13 @@ def run(argv) -> None:
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
   import jax  # pylint: disable=g-import-not-at-top
-  from spmdtask import loop  # pylint: disable=g-import-not-at-top
-  from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import loop  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
   if joined is not None:
-    from spmdtask import cluster  # pylint: disable=g-import-not-at-top
+    from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
     console.say("%s", cluster.describe(joined))
   if backend_log:
     logging.info("While JAX initialized its backends: %s", backend_log)
@@ -211,7 +212,7 @@ def run(argv) -> None:
                config_text=config_text, name=_EXP.value)
     return
   if _MODE.value == "plan":
-    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
     plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
                   _DEVICE_MEMORY_GB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
     return
@@ -223,8 +224,9 @@ def run(argv) -> None:
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
   # pylint: disable-next=g-import-not-at-top
-  from spmdtask import checkpoints, decoding, evaluation, program as program_lib
-  from spmdtask.inputs import base as inputs_base  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints, decoding, evaluation
+  from spmdtask.core import program as program_lib
+  from spmdtask.core import host_input as inputs_base  # pylint: disable=g-import-not-at-top
   task = run_cfg.task
   if _MODE.value == "decode":
     task = decoding.decode_task(task)
@@ -247,7 +249,7 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
 def reexec_for_plan() -> None:
   """--mode=plan --plan_devices=N reruns the command with N emulated devices, and exits."""
   if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
-    from spmdtask import plan  # pylint: disable=g-import-not-at-top
+    from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
     sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
 
 

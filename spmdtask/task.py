@@ -5,9 +5,9 @@ from typing import Any, Callable
 import flax.linen as nn
 import optax
 
-from spmdtask import checks
+from spmdtask.core import checks
 from spmdtask.errors import ConfigError
-from spmdtask.strategy import Strategy
+from spmdtask.core.strategy import Strategy
 
 # A split-dims mapping: one entry per tensor dim; None, a mesh axis, or a tuple of axes.
 SplitDims = tuple[None | str | tuple[str, ...], ...]
@@ -152,7 +152,7 @@ class Task:
   """A model on a mesh, how it executes, and its train params.
 
   Attributes:
-    model: a Flax module implementing `spmdtask.model.Model` (`loss(batch) ->
+    model: a Flax module implementing `spmdtask.core.model.Model` (`loss(batch) ->
       (loss, metrics)`, ...) with weights created with split-dims metadata
       (`nn.with_partitioning`).
     mesh_axis_names: names of the mesh axes, e.g. ('data', 'fsdp', 'model').
@@ -161,10 +161,10 @@ class Task:
     dcn_mesh_shape: mesh shape across slices; None = all ones. The full mesh is
       the element-wise product with ici_mesh_shape.
     data_axes: mesh axes the batch dim is split over by default.
-    pipeline: the execution strategy of the model's layer stack (`spmdtask.strategy`):
+    pipeline: the execution strategy of the model's layer stack (`spmdtask.core.strategy`):
       None = a remat'd scan; `pipeline.spmd.PipelineConfig` = the SPMD pipeline over the
       `stage` mesh axis; `pipeline.mpmd_config.MpmdConfig` = the MPMD pipeline, one program
-      per stage on its own submesh (both need a `spmdtask.model.Stacked` model). Every
+      per stage on its own submesh (both need a `spmdtask.core.model.Stacked` model). Every
       strategy starts from the same initial weights; checkpoints do not depend on it.
     train: TrainParams.
     decode: DecodeParams, for --mode=decode.

@@ -1,15 +1,15 @@
 """Test oracles: greedy decoding that reruns the full forward pass for every token.
 
 The reference the KV-cache decoder is checked against (tests) and measured against
-(tools/bench_decode.py). Not production code.
+(benchmarks/decode.py). Not production code.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import sharding, steps as steps_lib
-from spmdtask.decoding import _put
+from spmdtask.core import sharding, steps as steps_lib
+from spmdtask.run.decoding import _put
 
 
 def full_forward_step_fn(model, logical_params):

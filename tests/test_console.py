@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from spmdtask import checkpoints, console, decoding, evaluation
+from spmdtask.run import checkpoints, decoding, evaluation
+from spmdtask import console
 from tests import subproc
 
 

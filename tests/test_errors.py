@@ -10,7 +10,9 @@ import shlex
 
 import fiddle as fdl
 
-from spmdtask import checkpoints, loop, main, overrides, program as program_lib
+from spmdtask.run import checkpoints, loop
+from spmdtask import main, overrides
+from spmdtask.core import program as program_lib
 from spmdtask.errors import BatchSplitError, ConfigError
 from tests import subproc, util
 from tools import prepare_text_data

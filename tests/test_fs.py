@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from spmdtask import fs, summaries
+from spmdtask import fs
+from spmdtask.run import summaries
 from spmdtask.errors import ConfigError
 from tests import subproc as h
 

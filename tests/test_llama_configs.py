@@ -27,7 +27,7 @@ def test_each_sets_up_on_8_devices_from_shapes_alone(name):
   4-way model axis): the state is float32 params + Adam moments split 8 ways, and nothing is
   allocated (405B's state alone is 4.9 TB)."""
   import resource  # pylint: disable=g-import-not-at-top
-  from spmdtask import memory, program as program_lib  # pylint: disable=g-import-not-at-top
+  from spmdtask.core import memory, program as program_lib  # pylint: disable=g-import-not-at-top
   from tests import util  # pylint: disable=g-import-not-at-top
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   micro = util.build_run(f"llama.{name}").task.train.num_microbatches
@@ -57,16 +57,16 @@ def test_llama32_1b_plans_from_shapes_alone(tmp_path):
   count is printed, the state is sized, and no param is allocated (peak RSS grows far less
   than the 4.9 GB of float32 params)."""
   import resource  # pylint: disable=g-import-not-at-top
-  from spmdtask import plan, plan_console  # pylint: disable=g-import-not-at-top
+  from spmdtask.plan import planner, printout  # pylint: disable=g-import-not-at-top
   from tests import util  # pylint: disable=g-import-not-at-top
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   run = util.build_run("llama.Llama32_1B", ["datasets['train'].batch_size=8",
                                             "datasets['train'].seq_len=256"])
-  got = plan.make_plan(run, "llama.Llama32_1B")
+  got = planner.make_plan(run, "llama.Llama32_1B")
   grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
   n = PUBLISHED["Llama32_1B"]
   assert got["num_params"] == n and got["mesh"] == {"data": 1, "fsdp": 8, "model": 1}
-  assert "(1,235,814,400 params)" in plan_console.format_plan(got)[0]
+  assert "(1,235,814,400 params)" in printout.format_plan(got)[0]
   # float32 params + Adam's two moments, split 8 ways (a few replicated norms aside).
   assert abs(got["state_bytes_per_device"] - 12 * n / 8) / (12 * n / 8) < 0.01
   assert grown < 2e9, grown

@@ -5,7 +5,9 @@ import fiddle as fdl
 import jax
 import numpy as np
 
-from spmdtask import loop, main, program as program_lib, sharding
+from spmdtask.run import loop
+from spmdtask import main
+from spmdtask.core import program as program_lib, sharding
 
 
 def build_run(exp: str, overrides=(), edit=None):

@@ -270,7 +270,8 @@ def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np
 
 
 def _program(lines: list[str]):
-  from spmdtask import main, program as program_lib  # pylint: disable=g-import-not-at-top
+  from spmdtask import main
+  from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
   import fiddle as fdl  # pylint: disable=g-import-not-at-top
   run = fdl.build(main.resolved_config(EXP, lines))
   return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
@@ -279,7 +280,7 @@ def _program(lines: list[str]):
 def write_checkpoint(job_log_dir: str, lines: list[str], params: dict) -> None:
   """A step-0 train state with `params` (logical) and a fresh optimizer state, via spmdtask's
   checkpoint module: the one place that knows the checkpoint layout."""
-  from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
   program = _program(lines)
   canonical = program.to_canonical(program.init())
   state = program.from_canonical(canonical._replace(params=params))
@@ -292,7 +293,7 @@ def write_checkpoint(job_log_dir: str, lines: list[str], params: dict) -> None:
 def read_checkpoint(job_log_dir: str, lines: list[str]) -> dict:
   """The logical params of the latest checkpoint of `job_log_dir`, as numpy."""
   import jax  # pylint: disable=g-import-not-at-top
-  from spmdtask import checkpoints  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
   program = _program(lines)
   state, _ = checkpoints.restore_state(job_log_dir, program)
   return jax.device_get(program.to_canonical(state).params)

@@ -11,7 +11,7 @@ balanced stage cuts of per-layer costs.
     python tools/plan_pipeline.py --stages=4 --layer_costs=1,4,4,4,4,4,4,9
     python tools/plan_pipeline.py --stages=2 --exp=lm.TinyLm [--fdl_set=task.model.vocab_size=32000]
 
-A schedule (`--schedule` or `--schedule_file`: the text form of spmdtask.pipeline.schedule, or
+A schedule (`--schedule` or `--schedule_file`: the text form of spmdtask.pipeline.schedules.schedule, or
 a torch.distributed.pipelining compute_only `.csv`) is validated and simulated with
 `--costs=F,B,W` per microbatch through one whole stage (an unsplit B costs B + W). Layer costs
 (`--layer_costs`, or from `--exp`: compiled FLOPs of the embedding, each block and the head
@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline import balance as balance_lib
-from spmdtask.pipeline import generators
-from spmdtask.pipeline import schedule as schedule_lib
-from spmdtask.pipeline import schedule_files
-from spmdtask.pipeline import simulate as simulate_lib
+from spmdtask.pipeline.schedules import balance as balance_lib
+from spmdtask.pipeline.schedules import generators
+from spmdtask.pipeline.schedules import schedule as schedule_lib
+from spmdtask.pipeline.schedules import files
+from spmdtask.pipeline.schedules import simulate as simulate_lib
 
 
 def _floats(text: str, flag: str, count: int | None = None) -> list[float]:
@@ -55,7 +55,7 @@ def _costs(args) -> simulate_lib.Costs:
 def _schedule(args) -> tuple[schedule_lib.Schedule, str] | None:
   if args.schedule_file:
     source = f"--schedule_file={args.schedule_file}"
-    return schedule_files.load(args.schedule_file, source), source
+    return files.load(args.schedule_file, source), source
   if args.schedule:
     if args.stages is None or args.microbatches is None:
       raise ConfigError(f"--schedule={args.schedule} needs --stages and --microbatches.")
@@ -71,11 +71,11 @@ def _layer_costs(args) -> list[float] | None:
     return None
   # pylint: disable=g-import-not-at-top
   from spmdtask import main as main_lib
-  from spmdtask.model import LayerCosts
+  from spmdtask.core.model import LayerCosts
   cfg = main_lib.build(main_lib.resolved_config(args.exp, args.fdl_set))
   if not isinstance(cfg.task.model, LayerCosts):
     raise ConfigError(f"--exp={args.exp}: its model ({type(cfg.task.model).__name__}) does not "
-                      "measure its layer costs (spmdtask.model.LayerCosts); give --layer_costs.")
+                      "measure its layer costs (spmdtask.core.model.LayerCosts); give --layer_costs.")
   train = cfg.datasets["train"]
   # The embedding runs with layer 0, the head with the last layer: cuts are layer_cuts.
   return balance_lib.stack_costs(cfg.task.model.layer_costs(train.batch_size, train.seq_len))
@@ -89,7 +89,7 @@ def plan(args) -> dict:
     sched, source = found
     sim = simulate_lib.simulate(sched, _costs(args), source)
     if args.write:
-      schedule_files.dump(sched, args.write)
+      files.dump(sched, args.write)
       out["written"] = args.write
     out.update(
         schedule=args.schedule or args.schedule_file, stages=sched.num_stages,

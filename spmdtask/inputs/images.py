@@ -3,7 +3,7 @@ import dataclasses
 
 import numpy as np
 
-from spmdtask.inputs.base import StepIndexedInput
+from spmdtask.core.host_input import StepIndexedInput
 
 
 @dataclasses.dataclass

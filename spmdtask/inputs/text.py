@@ -24,7 +24,7 @@ from absl import logging
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import packing, tokenizers
-from spmdtask.inputs.base import StepIndexedInput
+from spmdtask.core.host_input import StepIndexedInput
 from spmdtask.inputs.tfdata import write_records
 
 

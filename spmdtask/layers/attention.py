@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask import remat
+from spmdtask.core import remat
 from spmdtask.layers import fused_attention, rope
 from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
 
@@ -120,7 +120,7 @@ class Attention(nn.Module):
     wv = weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
     wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
     dt = self.dtype
-    # Named for the remat presets (spmdtask.remat): what a backward may keep.
+    # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     q = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)),
                                   self.heads_act_split), remat.Q_PROJ)
     k = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)),

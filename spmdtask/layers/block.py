@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask import remat
+from spmdtask.core import remat
 from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
@@ -29,7 +29,7 @@ class Mlp(nn.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     dt = self.dtype
     w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-    # Named for the remat presets (spmdtask.remat): what a backward may keep.
+    # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     h = checkpoint_name(constrain(x @ w_in.astype(dt), self.ff_act_split), remat.MLP_UP)
     if self.activation == "swiglu":
       w_gate = weight(self, "wg", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))

@@ -1,5 +1,5 @@
 """Per-layer train costs of a decoder LM, measured from its own compiled code (what
-`TransformerLm.layer_costs`, the `spmdtask.model.LayerCosts` protocol, returns)."""
+`TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol, returns)."""
 import dataclasses
 
 import jax

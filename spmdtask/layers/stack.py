@@ -1,7 +1,7 @@
 """A stack of identical layers, run by the task's execution strategy (or the decode scan).
 
 The strategy is not the model's choice: the framework picks it from the Task
-(`task.pipeline`, a `spmdtask.strategy.Strategy`; None = the remat'd scan) and the stack
+(`task.pipeline`, a `spmdtask.core.strategy.Strategy`; None = the remat'd scan) and the stack
 calls it through that protocol only (`apply_stack`, `layout_maps`), never by its type.
 Whatever the strategy, the stack's canonical layout (what checkpoints hold) is the
 scanned one: every weight stacked as `[num_layers, ...]`.
@@ -18,9 +18,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spmdtask import remat
+from spmdtask.core import remat
 from spmdtask.layers import base
-from spmdtask.model import LayoutMap
+from spmdtask.core.model import LayoutMap
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
 
@@ -29,14 +29,14 @@ class LayerStack(nn.Module):
   """`num_layers` copies of `block_cls(**block_kwargs)` applied in order (module doc).
 
   Returns `(x, new_cache)`; new_cache is None without a cache. Implements
-  `spmdtask.strategy.StackRunner` for the strategy in `execution`.
+  `spmdtask.core.strategy.StackRunner` for the strategy in `execution`.
   """
   block_cls: type
   block_kwargs: dict
   num_layers: int
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
-  execution: Any = None  # a spmdtask.strategy.Strategy; None = scan
+  execution: Any = None  # a spmdtask.core.strategy.Strategy; None = scan
 
   def _scan(self, block, num_bcast: int, length: int):
     return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},

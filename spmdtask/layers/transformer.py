@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmdtask import checks, sharding
+from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import fused_attention
@@ -16,8 +16,8 @@ from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
 from spmdtask.layers.rope import Llama3Scaling
-from spmdtask.model import Metrics, Weighted, Work
-from spmdtask.strategy import StackFacts, Strategy
+from spmdtask.core.model import Metrics, Weighted, Work
+from spmdtask.core.strategy import StackFacts, Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
 
@@ -45,11 +45,11 @@ class ActivationSplit:
 
 
 class TransformerLm(nn.Module):
-  """Decoder-only LM: implements spmdtask.model's `Model`, `Decodable` and `Stacked`.
+  """Decoder-only LM: implements spmdtask.core.model's `Model`, `Decodable` and `Stacked`.
 
   `loss(batch)` is the training objective; `__call__` gives logits. The layers are a
   `LayerStack` (one compiled layer body whatever the depth, rematerialized under
-  `remat_policy`: a preset of spmdtask.remat such as 'minimal' or
+  `remat_policy`: a preset of spmdtask.core.remat such as 'minimal' or
   'minimal_offloaded', a `jax.checkpoint_policies` policy name, or None); the framework sets
   `execution` from `task.pipeline` to pipeline them. Params stay float32; compute runs
   in `fprop_dtype`.

@@ -12,14 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from spmdtask import checks, sharding
+from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
-from spmdtask.model import Metrics, Weighted, Work
-from spmdtask.strategy import StackFacts, Strategy
+from spmdtask.core.model import Metrics, Weighted, Work
+from spmdtask.core.strategy import StackFacts, Strategy
 
 BATCH = ("data", "fsdp")
 
@@ -47,7 +47,7 @@ class VitActivationSplit:
 
 
 class VisionTransformer(nn.Module):
-  """ViT classifier: implements spmdtask.model's `Model` and `Stacked`.
+  """ViT classifier: implements spmdtask.core.model's `Model` and `Stacked`.
 
   batch: `images` [b, H, W, C] float, `labels` [b] int32, `weights` [b] float (0 = padding).
   """

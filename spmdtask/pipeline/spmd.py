@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmdtask import checks, spmd_program
+from spmdtask.core import checks, spmd_program
 from spmdtask.errors import ConfigError
-from spmdtask import remat
-from spmdtask.model import LayoutMap
-from spmdtask.strategy import StackFacts
+from spmdtask.core import remat
+from spmdtask.core.model import LayoutMap
+from spmdtask.core.strategy import StackFacts
 
 _PL = "task.pipeline."
 
@@ -46,7 +46,7 @@ class PipelineConfig:
     circular_repeat: R, how many times a microbatch loops over the stages. R = 1 is
       GPipe. R > 1 requires M >= S (a ConfigError otherwise; M < S would leave
       stage 0 without work while it waits for its first microbatch to come back).
-    remat_policy: a remat policy name (spmdtask.remat: a preset over the layers'
+    remat_policy: a remat policy name (spmdtask.core.remat: a preset over the layers'
       named activations, or a `jax.checkpoint_policies` policy) applied to the work of
       one stage in one iteration, or None for no rematerialization.
     stage_axis: name of the mesh axis that holds the stages.
@@ -73,7 +73,7 @@ class PipelineConfig:
     m = self.resolve_num_microbatches(batch_size)
     return m * self.circular_repeat + self.num_stages - 1
 
-  # ---- the execution-strategy contract (spmdtask.strategy.Strategy) ---------------------
+  # ---- the execution-strategy contract (spmdtask.core.strategy.Strategy) ---------------------
 
   def validate(self, stack: StackFacts) -> None:
     validate(self, num_layers=stack.num_layers, batch_size=stack.batch_size, mesh=stack.mesh)

@@ -1,0 +1,118 @@
+"""The model contract: the one typed seam between the framework and a model family.
+
+The framework (program, steps, loop, evaluation, checkpoints) depends on these
+protocols and nothing else; only `layers/` and `configs/` import a model family.
+
+A model is a Flax module that implements `Model`:
+  - `loss(batch) -> (loss, metrics)`: a scalar loss and a dict of `Weighted` metrics.
+    `metrics['loss']` is required and `loss == metrics['loss'].sum / metrics['loss'].weight`,
+    which is what lets the framework split a batch into microbatches (gradient
+    accumulation) and still take the gradient of the whole batch's loss: it sums
+    `loss * weight` over microbatches and divides by the summed weight. Every metric
+    is aggregated the same generic way: sums and weights are summed over microbatches,
+    batches and processes, and reported as sum / weight.
+  - `work_per_example(example)`: the train FLOPs (forward + backward) and the tokens of one
+    example, for MFU and tokens/s.
+  - `validate(mesh, global_batch_size)`: ConfigError naming the field when the model's
+    config cannot run on this mesh and batch.
+
+Optional protocols:
+  - `Decodable`: a KV-cache forward for `--mode=decode`.
+  - `ChecksBatch`: a host-side check of each input batch (token ids in the vocabulary).
+  - `LayerCosts`: per-layer train costs, for balancing pipeline stages.
+  - `Stacked`: a model with a stack of identical layers that can run under an execution
+    strategy chosen on the Task (`task.pipeline`), and that maps its on-device parameter
+    layout to the canonical one checkpoints hold (stacked layers `[L, ...]`).
+"""
+from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
+
+import jax
+
+
+class Weighted(NamedTuple):
+  """A metric as (sum of values · weights, sum of weights); reported as sum / weight."""
+  sum: jax.Array
+  weight: jax.Array
+
+
+Metrics = dict[str, Weighted]
+
+
+class Work(NamedTuple):
+  """What one training example costs: forward + backward FLOPs, and its tokens."""
+  train_flops: float
+  tokens: int
+
+
+@runtime_checkable
+class Model(Protocol):
+  """What every model gives the framework (implemented by a Flax module)."""
+
+  def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
+    """(scalar loss, metrics); metrics['loss'].sum / metrics['loss'].weight == loss."""
+
+  def work_per_example(self, example: dict[str, Any]) -> Work:
+    """Train FLOPs and tokens of one example; `example` has the shapes of one row."""
+
+  def validate(self, mesh: jax.sharding.Mesh, global_batch_size: int) -> None:
+    """Raises ConfigError (naming the config field) if the model cannot run here."""
+
+
+@runtime_checkable
+class Decodable(Protocol):
+  """A model that decodes with a KV cache (`--mode=decode`).
+
+  `__call__(tokens [b, t], positions [b, t], cache) -> (logits [b, t, vocab], cache)`.
+  """
+  max_seq_len: int
+
+  def cache_shape(self, batch_size: int, max_len: int) -> Any:
+    """ShapeDtypeStructs of an empty cache for `batch_size` rows of `max_len` slots."""
+
+  def cache_split_dims(self, mesh_shape: dict[str, int]) -> Any:
+    """The cache's PartitionSpecs (a tree like `cache_shape`) on this mesh."""
+
+
+@runtime_checkable
+class ChecksBatch(Protocol):
+  """A model that checks each host batch before it is fed (e.g. token ids < vocab_size).
+
+  `check_batch(batch)` gets this process's numpy rows and raises ConfigError naming the
+  data and the model field; it runs on the host for every train and eval batch, so it
+  must be cheap (a min / max per array).
+  """
+
+  def check_batch(self, batch: dict[str, Any]) -> None:
+    ...
+
+
+class LayoutMap(NamedTuple):
+  """How one subtree of the on-device parameters maps to the canonical layout.
+
+  `path` is a sequence of keys. Every subtree of the train state found under a key path
+  ending with it (the params' own, and each optimizer statistic that mirrors the params,
+  e.g. Adam's `mu/layers`) is converted as a whole: `to_canonical(subtree)` and back.
+  """
+  path: tuple[str, ...]
+  to_canonical: Callable[[Any], Any]
+  from_canonical: Callable[[Any], Any]
+
+
+@runtime_checkable
+class Stacked(Protocol):
+  """A model whose layer stack can run under an execution strategy (`spmdtask.core.strategy`:
+  scan, SPMD pipeline, MPMD)."""
+
+  def with_pipeline(self, pipeline: Any) -> "Stacked":
+    """The same model with its layer stack run by the strategy `pipeline` (None = scanned)."""
+
+  def layout_maps(self) -> tuple[LayoutMap, ...]:
+    """Conversions between this model's parameter layout and the canonical one."""
+
+
+@runtime_checkable
+class LayerCosts(Protocol):
+  """A model that measures what its parts cost to train, for balancing pipeline stages."""
+
+  def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
+    """Train FLOPs of [embedding, layer 0, ..., layer L-1, head with the loss]."""

@@ -1,0 +1,86 @@
+"""The program contract: a task on devices, as the loop, evaluation, checkpoints and plan see it.
+
+`setup(task, example_local_batch)` is the entry point: the task's execution strategy
+(`task.pipeline`, a `spmdtask.core.strategy.Strategy`; None = the scan) builds its program:
+one SPMD program (`spmd_program`) for the scan and the SPMD pipeline, per-stage programs
+(`pipeline.mpmd_program`) for MPMD. Every program implements `Program`:
+
+  live       what train / eval run on, in the strategy's layout;
+  canonical  what checkpoints hold: logical (unpadded) arrays in the layout of the model
+             run without a pipeline (layers `[L, ...]`), split evenly where dims divide.
+
+`init()` gives the canonical fresh state (the unpipelined model's initial weights, the same
+whatever the strategy) converted to the live layout; `to_canonical` / `from_canonical`
+convert a whole train state, so a checkpoint restores onto any mesh, device count or
+strategy.
+"""
+from typing import Any, Protocol, runtime_checkable
+
+from jax.sharding import Mesh
+
+from spmdtask.core.host_input import Share
+from spmdtask.core.layouts import Lowering  # (re-exported: part of the contract)
+from spmdtask.core.model import Metrics, Model, Work
+from spmdtask.core.scan import Scan
+from spmdtask.core.strategy import Strategy
+from spmdtask.core.train_state import StateLayout, TrainState
+
+
+@runtime_checkable
+class Program(Protocol):
+  """A task's programs on its devices and the layouts they agree on (module doc)."""
+  task: Any
+  model: Model
+  mesh: Mesh  # every device of the job: canonical restore targets live here
+  work: Work
+  layout: StateLayout  # the live state's layout on `mesh` (bytes per device)
+  canonical: StateLayout
+  batch_specs: Any  # PartitionSpecs of the global batch on `mesh`
+
+  def init(self) -> Any:
+    """The fresh live state: the canonical initial weights, converted."""
+
+  def train(self, state: Any, batch: Any) -> tuple[Any, dict]:
+    """One step `(live state, global batch) -> (live state, metrics)`; state donated."""
+
+  def eval(self, state: Any, batch: Any) -> Metrics:
+    """Weighted metric sums of one global batch."""
+
+  def input_share(self) -> Share:
+    """The rows and leaves of each global batch this process reads (`inputs.base.reading`
+    makes an input read them): SPMD, its 1/N share of the rows; multi-process MPMD, every
+    row of the leaves its own stages consume."""
+
+  def global_batch(self, local_batch: Any) -> Any:
+    """The host rows this process read (`input_share`) -> what `train` / `eval` take."""
+
+  def to_canonical(self, state: Any) -> TrainState:
+    """Live -> canonical state on `mesh` (fresh buffers)."""
+
+  def from_canonical(self, state: TrainState) -> Any:
+    """Canonical -> live state."""
+
+  def canonical_targets(self) -> TrainState:
+    """ShapeDtypeStructs of the canonical state with their shardings on `mesh`."""
+
+  def layout_facts(self) -> dict:
+    """JSON-able facts for checkpoint metadata: mesh, strategy, microbatch knobs."""
+
+  def describe(self) -> list[str]:
+    """Console lines on how the program runs: the strategy, stages, submeshes, bytes."""
+
+  def lowerings(self, example_local_batch: Any) -> list[Lowering]:
+    """Every program one train step runs, ready to lower from shapes (for the plan)."""
+
+  def stage_report(self, compiled: list) -> list[dict]:
+    """Per-stage plan rows from `(Lowering, compiled)` pairs; [] for one program."""
+
+
+def strategy_of(task) -> Strategy:
+  """The task's execution strategy (`task.pipeline`; None = `Scan()`)."""
+  return Scan() if task.pipeline is None else task.pipeline
+
+
+def setup(task, example_local_batch, devices=None) -> Program:
+  """The task's program on `devices` (default: all); raises ConfigError on a bad config."""
+  return strategy_of(task).build_program(task, example_local_batch, devices)

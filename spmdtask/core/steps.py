@@ -1,0 +1,138 @@
+"""The pure step functions, and `partition`, the one place that wraps `jax.jit`.
+
+Steps take the padded on-device state, slice it to logical shapes, do the math, and
+pad it back, so padding never reaches the loss, the gradients or the optimizer
+statistics. They know a model only through `spmdtask.core.model.Model`.
+"""
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+
+from spmdtask.core import sharding
+from spmdtask.core.model import Metrics
+from spmdtask.core.train_state import StateLayout, TrainState, create
+
+
+@dataclasses.dataclass(frozen=True)
+class Partitioned:
+  """A jitted function that runs (traces, lowers, executes) under its mesh."""
+  jitted: Any
+  mesh: Mesh
+
+  def __call__(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted(*args)
+
+  def lower(self, *args):
+    with jax.set_mesh(self.mesh):
+      return self.jitted.lower(*args)
+
+
+def named_shardings(mesh: Mesh, specs):
+  """A tree of PartitionSpecs -> the same tree of NamedShardings on `mesh`."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def partition(fn: Callable, mesh: Mesh, in_specs, out_specs, donate_argnums=()) -> Partitioned:
+  """jax.jit with NamedShardings built from PartitionSpec trees (pjit)."""
+  return Partitioned(jax.jit(fn, in_shardings=named_shardings(mesh, in_specs),
+                             out_shardings=named_shardings(mesh, out_specs),
+                             donate_argnums=donate_argnums), mesh)
+
+
+def microbatches(batch, num_microbatches: int):
+  """[B, ...] leaves -> [M, B/M, ...]; microbatch m holds rows m, m+M, ... (a strided split,
+  so a batch dim sharded over the data axes stays sharded inside every microbatch)."""
+  m = num_microbatches
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape((x.shape[0] // m, m) + x.shape[1:]), 0, 1),
+                      batch)
+
+
+def reported(metrics: Metrics) -> dict[str, jax.Array]:
+  """Weighted metrics -> replicated scalars sum / weight (0 where the weight is 0)."""
+  return {k: m.sum / jnp.maximum(m.weight, jnp.finfo(jnp.float32).tiny)
+          for k, m in metrics.items()}
+
+
+def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
+                   num_microbatches: int = 1) -> tuple[jax.Array, Metrics, Any]:
+  """(loss, metrics, grads) of the whole batch, accumulating over microbatches in a scan.
+
+  With M > 1 the gradient of each microbatch's `loss · weight` (its loss sum) is
+  accumulated, then divided by the total weight: exactly the whole batch's gradient.
+  Microbatch i's dropout rng is fold_in(rng, i).
+  """
+  def loss_fn(p, b, key):
+    return model.apply({"params": p}, b, method=model.loss, rngs={"dropout": key})
+
+  if num_microbatches == 1:
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
+    return loss, metrics, grads
+
+  def summed_loss(p, b, key):
+    loss, metrics = loss_fn(p, b, key)
+    return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
+
+  def body(acc, xs):
+    i, mb = xs
+    (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(
+        params, mb, jax.random.fold_in(rng, i))
+    return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+  mbs = microbatches(batch, num_microbatches)
+  one = jax.tree.map(lambda x: x[0], mbs)
+  metric_shapes = jax.eval_shape(lambda: loss_fn(params, one, rng)[1])
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes))
+  (grads, metrics), _ = jax.lax.scan(body, zeros, (jnp.arange(num_microbatches), mbs))
+  total = jnp.maximum(metrics["loss"].weight, jnp.finfo(jnp.float32).tiny)
+  grads = jax.tree.map(lambda g: g / total, grads)
+  return metrics["loss"].sum / total, metrics, grads
+
+
+def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
+                  layout: StateLayout, seed: int, num_microbatches: int = 1) -> Callable:
+  """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.
+
+  Metrics are replicated scalars: loss, every model metric (sum / weight over the
+  batch), grad_norm, param_norm (of the params the step started from) and
+  learning_rate (the step's). Dropout's rng is fold_in(seed, step), so it depends on
+  neither the mesh nor a restart.
+  """
+  def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
+    state = sharding.unpad(padded, layout.logical)
+    rng = jax.random.fold_in(jax.random.key(seed), state.step)
+    loss, metrics, grads = loss_and_grads(model, state.params, batch, rng, num_microbatches)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    # optax.tree.norm is what clip_by_global_norm computes, so XLA shares the work; the
+    # param norm is of the params the step started from, off the update's critical path.
+    out = {**reported(metrics), "loss": loss, "grad_norm": optax.tree.norm(grads),
+           "param_norm": optax.tree.norm(state.params),
+           "learning_rate": jnp.asarray(schedule(state.step), jnp.float32)}
+    new = TrainState(state.step + 1, params, opt_state)
+    return sharding.pad(new, layout.padded), out
+
+  return step
+
+
+def eval_step_fn(model: nn.Module, layout: StateLayout) -> Callable:
+  """The pure eval step `(padded_state, batch) -> Metrics` (sums and weights, to aggregate)."""
+  def step(padded: TrainState, batch) -> Metrics:
+    params = sharding.unpad(padded.params, layout.logical.params)
+    return model.apply({"params": params}, batch, method=model.loss)[1]
+  return step
+
+
+def init_fn(model: nn.Module, tx: optax.GradientTransformation, layout: StateLayout,
+            example_batch, seed: int) -> Callable:
+  """`() -> padded_state`: a fresh state, padded for the mesh. Values do not depend on it."""
+  def init():
+    return sharding.pad(create(model, tx, jax.random.key(seed), example_batch), layout.padded)
+  return init

@@ -1,0 +1,76 @@
+"""TrainState and its layout: logical shapes, padded shapes, split-dims mappings."""
+import contextlib
+import dataclasses
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+from jax.sharding import PartitionSpec as P
+
+from spmdtask.core import sharding
+
+
+class TrainState(NamedTuple):
+  """What a train step carries: `(state, batch) -> (state, metrics)`."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+  """The train state as the partitioner sees it. Every field is a TrainState tree.
+
+  logical: ShapeDtypeStructs of the math (what checkpoints hold).
+  padded: ShapeDtypeStructs on device: uneven dims rounded up to their shard count.
+  split: a PartitionSpec per leaf, derived from the split-dims mappings.
+  """
+  logical: TrainState
+  padded: TrainState
+  split: TrainState
+
+  def padding(self, mesh_shape) -> dict[str, tuple]:
+    return sharding.padding_report(self.logical, self.split, mesh_shape)
+
+
+def _split_of_box(x) -> P:
+  if isinstance(x, nn.Partitioned):
+    return P(*x.names)
+  return sharding.replicated(x)
+
+
+def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
+  """Boxed (nn.Partitioned) params from `model.loss` on an example batch."""
+  return model.init(rng, example_batch, method=model.loss)["params"]
+
+
+def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
+           example_batch) -> TrainState:
+  """A fresh logical train state at step 0."""
+  params = nn.unbox(init_params(model, rng, example_batch))
+  return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+
+def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
+           mesh_shape: sharding.MeshShape, mesh: jax.sharding.Mesh | None = None) -> StateLayout:
+  """Traces init abstractly (`jax.eval_shape`) and derives the whole state layout.
+
+  With `mesh`, the traces run under it (layers read it); nothing else does, so a mesh
+  of compile-only devices (a TPU topology planned on a CPU machine) works: optax's
+  eager bits (`tree_map_params` inits on a placeholder) stay on the default device.
+  Raises ConfigError if a weight's split-dims mapping does not fit its tensor or the mesh.
+  """
+  with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0), example_batch))
+    logical = jax.eval_shape(lambda: create(model, tx, jax.random.key(0), example_batch))
+  param_split = jax.tree.map(_split_of_box, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  sharding.validate_tree(logical.params, param_split, mesh_shape, "weight")
+  opt_split, warnings = sharding.opt_state_split_dims(tx, logical.opt_state, logical.params,
+                                                      param_split)
+  for w in warnings:
+    logging.warning("%s", w)
+  split = TrainState(P(), param_split, opt_split)
+  return StateLayout(logical, sharding.padded_shapes(logical, split, mesh_shape), split)

@@ -1,0 +1,9 @@
+"""`--mode=plan`: a job compiled for its target (emulated CPU devices, a TPU topology through
+libtpu, a GPU through XLA:GPU) and never run: memory per device, FLOPs and HBM bytes per step,
+collectives, a roofline bound, what remat costs.
+
+- `planner` builds the plan, `printout` formats it, `targets` and `chips` say what it is for;
+- `xla_cost`, `hlo`, `flops`, `roofline`, `remat_cost` read compiled programs. Pure where they can be.
+
+Imports: core, `task` and the top-level shared modules.
+"""

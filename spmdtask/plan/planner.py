@@ -1,0 +1,331 @@
+"""`--mode=plan`: where a job's memory, FLOPs and communication go, before it runs.
+
+Builds the program on the target's devices (spmdtask.plan.targets: the devices present; with
+`--plan_devices=N` N CPU devices emulated in a subprocess; with `--plan_topology=v5e:16x16`
+a TPU topology that libtpu compiles for on this CPU machine), lowers and compiles the
+train step from ShapeDtypeStructs with their shardings (no array is allocated, no step
+runs), and reports:
+  target       platform, topology, chips, the chip's published facts (spmdtask.plan.chips);
+  arrays       every param and optimizer-state array: logical / padded shape,
+               PartitionSpec, bytes per device (spmdtask.core.memory);
+  compiled     XLA's memory_analysis of the per-device program, and a peak estimate
+               (arguments + outputs - aliased + temporaries);
+  FLOPs, HBM   XLA's cost analysis per step, loop bodies counted per trip
+               (spmdtask.plan.xla_cost), beside the model's own FLOPs formula;
+  remat        device and host (offloaded) temporaries, traced matmul FLOPs against the
+               same step's without remat (spmdtask.plan.remat_cost);
+  collectives  by kind, with result bytes per device per step (spmdtask.plan.hlo);
+  estimate     with a chip's facts, the roofline lower bound of the step time, and the
+               tokens/s and MFU ceilings it implies (spmdtask.plan.roofline);
+  warnings     large replicated arrays that could be split, padding overhead, and every
+               'involuntary full rematerialization' XLA printed while compiling, mapped
+               to the param or activation of that shape.
+It prints a summary and writes `job_log_dir/plan.json`. The memory budget is
+`device_memory_gb`, else the chip's HBM; a peak estimate above it raises `PlanExceeded`
+naming the largest consumers. `compiled_report` plans one compiled program and is what
+a plan of several programs (one per pipeline stage) repeats.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+
+from spmdtask import console, fs
+from spmdtask.plan import hlo, printout, remat_cost, roofline, targets, xla_cost
+from spmdtask.core import memory, sharding
+from spmdtask.core import program as program_lib
+from spmdtask.errors import PlanExceeded
+from spmdtask.core import global_batch
+
+REPLICATED_WARN_BYTES = 1 << 20  # a replicated array above this that could be split is named
+PADDING_WARN_FRACTION = 0.05     # padding above this fraction of an array is named
+
+
+def reexec_emulated(num_devices: int, argv: list[str]) -> int:
+  """Reruns this command line with `num_devices` emulated CPU devices; its exit status.
+
+  XLA reads the device count when JAX starts, so it takes a fresh process.
+  """
+  env = dict(os.environ, JAX_PLATFORMS="cpu", SPMDTASK_PLAN_DEVICES=str(num_devices),
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        f" --xla_force_host_platform_device_count={num_devices}").strip(),
+             TF_CPP_MIN_LOG_LEVEL="1")  # keep XLA's warnings: they are part of the plan
+  return subprocess.run([sys.executable, "-m", "spmdtask.main"] + argv[1:], env=env,
+                        check=False).returncode
+
+
+class CompilerOutOfMemory(Exception):
+  """The compiler itself refused the program: it needs more memory than the device has
+  (XLA:TPU checks this while compiling). The message is the compiler's."""
+
+
+def compile_train(program: program_lib.Program, example_local_batch):
+  """(compiled train step, XLA's log) of a one-program (SPMD) task; CompilerOutOfMemory."""
+  return compile_lowering(program.lowerings(example_local_batch)[0])
+
+
+def compile_lowering(lowering: program_lib.Lowering):
+  """(compiled program, what XLA printed while compiling it); CompilerOutOfMemory."""
+  logs: list[str] = []
+  try:
+    with console.captured_fd2(logs):
+      compiled = lowering.lower().compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise CompilerOutOfMemory(str(e).splitlines()[0]) from None
+    raise
+  return compiled, "".join(logs)
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+  """memory_analysis fields of the per-device program, and the peak estimate."""
+  ma = compiled.memory_analysis()
+  out = {k: int(getattr(ma, k)) for k in (
+      "argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+      "temp_size_in_bytes", "generated_code_size_in_bytes") if hasattr(ma, k)}
+  out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                                - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+  return out
+
+
+def _owner(shape: tuple[int, ...], rows: list[memory.ArrayRow], batch_shape) -> str:
+  """A param of this shape, else an activation described by its leading batch dims."""
+  names = [r.path for r in rows if r.kind == "params" and shape in (r.logical_shape,
+                                                                     r.padded_shape)]
+  if names:
+    return "param " + ", ".join(names[:3])
+  if len(shape) >= 2 and tuple(shape[:2]) == tuple(batch_shape[:2]):
+    return f"an activation [batch {shape[0]}, seq {shape[1]}, ...] {list(shape)}"
+  if shape and shape[0] == batch_shape[0]:
+    return f"an activation [batch {shape[0]}, ...] {list(shape)}"
+  return f"a tensor {list(shape)}"
+
+
+def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: list[dict],
+             batch_shape) -> list[str]:
+  """Human-readable warnings, each naming the array it concerns."""
+  out = []
+  devices = math.prod(mesh_shape.values())
+  params = [r for r in rows if r.kind == "params"]  # optimizer state mirrors its param
+  # The axes weights are split over (none in pure data parallelism, where replicas are meant).
+  weight_axes = {a for r in params for e in r.spec for a in sharding.entry_axes(e)
+                 if mesh_shape[a] > 1}
+  for r in params:
+    if (r.shards == 1 and r.bytes_total >= REPLICATED_WARN_BYTES
+        and any(d % mesh_shape[a] == 0 for d in r.logical_shape for a in weight_axes)):
+      out.append(f"{r.path} {list(r.logical_shape)} ({console.human_bytes(r.bytes_total)}) is "
+                 f"replicated on all {devices} devices, though a dim divides a weight axis "
+                 f"{sorted(weight_axes)}: split it in its weight_split_dims_mapping field.")
+    pad = r.bytes_per_device * r.shards - r.bytes_total
+    if r.bytes_total and pad / r.bytes_total > PADDING_WARN_FRACTION:
+      out.append(f"{r.path} is padded from {list(r.logical_shape)} to {list(r.padded_shape)} "
+                 f"(+{100 * pad / r.bytes_total:.0f}%, and so is its optimizer state): pick "
+                 "dims divisible by their mesh axes.")
+  for w in remats:
+    owner = _owner(hlo.dims(w["shape"]), rows, batch_shape)
+    out.append(f"XLA involuntary full rematerialization of {owner} (HLO %{w['op']} "
+               f"{w['shape']}): it cannot reshard {w['from']} -> {w['to']} without replicating "
+               "it; align the split-dims mappings of the arrays around it.")
+  return out
+
+
+def collective_traffic(ops: list[hlo.Collective]) -> dict[str, float]:
+  """Bytes one device receives per step in its collectives: within its slice (ICI) and
+  across slices (DCN)."""
+  out = {"ici": 0.0, "dcn": 0.0}
+  for op in ops:
+    out["dcn" if op.dcn else "ici"] += op.runs * roofline.received_bytes(
+        op.kind, op.bytes, op.group_size)
+  return out
+
+
+def compiled_report(compiled, target: targets.Target, num_devices: int, model_flops: float,
+                    tokens: float) -> dict:
+  """What one compiled program costs per device per step on `target`'s chips: memory,
+  FLOPs and HBM bytes, collectives, and (with the chip's facts) the roofline estimate.
+
+  `num_devices` run the program (a stage's submesh may hold part of the target);
+  `model_flops` and `tokens` are the program's per step over all of them. 'warnings'
+  says what could not be read from the compiled program.
+  """
+  n = num_devices
+  once = compiled.cost_analysis()
+  once = (once[0] if isinstance(once, list) else once) or {}  # XLA:GPU AOT gives None
+  notes = []
+  try:
+    text = compiled.as_text()
+  except jax.errors.JaxRuntimeError as e:
+    # A libtpu newer than jaxlib can emit HLO that jaxlib cannot read back (e.g. async
+    # instructions of a new arity): keep XLA:TPU's own analysis, say what is missing.
+    text = None
+    notes.append("XLA's optimized program could not be read back "
+                 f"({str(e).splitlines()[0][:160]}; libtpu newer than jaxlib? jax[tpu] pins the "
+                 "matching one): FLOPs and HBM bytes are XLA's with loop bodies counted once, "
+                 "collectives are not listed.")
+  if text is not None:
+    step = xla_cost.per_step(text)
+    ops = hlo.collective_ops(text, target.num_slices)
+    kernels = text.count('custom_call_target="tpu_custom_call"')
+    if kernels:
+      notes.append(f"{kernels} Pallas kernel call(s) (e.g. splash attention): XLA's cost "
+                   "analysis counts none of their FLOPs, so the compute bound uses the model "
+                   "formula's FLOPs where larger (its attention term is unmasked: up to that "
+                   "term's half above a causal kernel's work).")
+  else:
+    step = {"flops": float(once.get("flops", 0.0)),
+            "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}
+    ops = []
+  traffic = collective_traffic(ops)
+  report = {
+      "compiled": compiled_memory(compiled),
+      "flops_per_step": {
+          "xla": step["flops"] * n,
+          "xla_per_device": step["flops"],
+          "xla_loop_bodies_once": float(once.get("flops", 0.0)) * n,
+          "model": model_flops,
+          "note": "XLA's cost analysis of the optimized program per device x devices, each "
+                  "loop body (scanned layers, microbatches) weighted by its trips; the "
+                  "model's is 6·N·T + attention."},
+      "hbm_bytes_per_step_per_device": step["bytes accessed"],
+      "loops": step["loops"],
+      "collectives": hlo.collectives(text, target.num_slices) if text is not None else {},
+      "collective_bytes_received_per_device": traffic,
+      "warnings": notes}
+  if target.chip is not None:
+    flops = step["flops"]
+    if any("Pallas kernel" in w for w in notes):
+      flops = max(flops, model_flops / n)
+    report["estimate"] = roofline.estimate(
+        target.chip, flops, step["bytes accessed"], traffic["ici"], traffic["dcn"],
+        model_flops / n, tokens, remat_cost.host_transfer_bytes(compiled.memory_analysis()))
+  return report
+
+
+def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None = None) -> dict:
+  """The plan of `run_cfg.task`'s train step on `target` (default: the devices present)."""
+  task = run_cfg.task
+  target = target or targets.present()
+  if target.topology is not None:
+    targets.check_mesh(target, task.dcn_mesh_shape)
+  example = run_cfg.datasets["train"].batch_at(0)
+  program = program_lib.setup(task, example, devices=list(target.devices))
+  mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
+  rows = memory.state_rows(program.layout, mesh_shape)
+  n = program.mesh.devices.size
+  batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
+  lowerings = program.lowerings(example)
+  pairs, programs = [], []
+  try:
+    compiled, log_text = compile_lowering(lowerings[0])
+    pairs.append((lowerings[0], compiled))
+    for lw in lowerings[1:]:  # MPMD: every part's and stage's program
+      c, text = compile_lowering(lw)
+      pairs.append((lw, c))
+      log_text += text
+    if len(pairs) > 1:  # the largest per-device peak stands for the step
+      programs = [{"name": lw.name, "stage": lw.stage, "devices": lw.mesh.devices.size,
+                   "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c)}
+                  for lw, c in pairs]
+      compiled = max(pairs, key=lambda p: compiled_memory(p[1])["peak_estimate_bytes"])[1]
+    report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
+                             float(program.work.tokens) * batch_shape[0])
+  except CompilerOutOfMemory as e:
+    compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
+  if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
+    report["remat"] = remat_cost.plan_section(program, example, lowerings[0], compiled)
+  plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
+          **memory.totals(rows),
+          "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
+          **report,
+          "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape)
+                      + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
+          "arrays": [r.as_json() for r in rows]}
+  plan["xla_log"] = target.log + log_text
+  plan["strategy"] = program.layout_facts()["pipeline"]
+  axis = plan["strategy"].get("stage_axis")
+  if axis is not None:
+    plan["stages"] = stage_report(rows, mesh_shape, axis)
+  if programs:
+    plan["programs"] = programs
+    plan["stage_plans"] = program.stage_report(pairs)
+  plan["describe"] = program.describe()  # after stage_report: MPMD stage costs measured
+  return plan
+
+
+def stage_report(rows, mesh_shape, axis: str) -> list[dict]:
+  """Per stage of an SPMD pipeline over mesh axis `axis`: its devices and each device's
+  state bytes.
+
+  Stacked layers are split over the stage axis; arrays that are not (embedding, head,
+  norms) are held by every stage.
+  """
+  s = mesh_shape.get(axis, 1)
+  per_device = sum(r.bytes_per_device for r in rows)
+  shared = sum(r.bytes_per_device for r in rows
+               if not any(axis in (e if isinstance(e, tuple) else (e,)) for e in r.spec))
+  devices = math.prod(mesh_shape.values()) // s
+  return [{"stage": i, "devices": devices, "state_bytes_per_device": per_device,
+           "bytes_held_by_every_stage": shared}
+          for i in range(s)]
+
+
+def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None) -> None:
+  """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget
+  (for an MPMD plan: the first pipeline stage that does not fit)."""
+  for st in plan.get("stage_plans", []):
+    if st["peak_estimate_bytes"] > device_memory_gb * 1e9:
+      raise PlanExceeded(
+          f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
+          f"{st['peak_estimate_bytes'] / 1e9:.3g} GB (state {st['state_bytes_per_device'] / 1e9:.3g}"
+          f" GB, live activations {st['peak_activation_bytes'] / 1e9:.3g} GB at "
+          f"{st['peak_activation_sets']:g} sets, temporaries {st['compiled_temp_bytes'] / 1e9:.3g}"
+          f" GB), exceeds --device_memory_gb={device_memory_gb:g}. Move layers off it "
+          "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
+          "or use a schedule that holds fewer sets (task.pipeline.schedule).")
+  top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
+  if "compiler_out_of_memory" in plan:
+    over, temps = f"XLA refused to compile it: {plan['compiler_out_of_memory']}", ""
+  else:
+    peak = plan["compiled"]["peak_estimate_bytes"]
+    if peak <= device_memory_gb * 1e9:
+      return
+    over = (f"the estimated peak of one device, {peak / 1e9:.3g} GB, exceeds "
+            f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}")
+    temps = ("temporaries (activations, gradients) "
+             f"{console.human_bytes(plan['compiled']['temp_size_in_bytes'])}; ")
+  raise PlanExceeded(
+      f"{over}. Largest consumers per device: {temps}"
+      + "; ".join(f"{a['path']} {console.human_bytes(a['bytes_per_device'])}" for a in top)
+      + ". Split them over more devices (fsdp / model axes in their split-dims mappings), "
+      "remat more (task.model.remat_policy), add microbatches (task.train.num_microbatches) "
+      "or a smaller batch.")
+
+
+def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = None,
+             device_memory_gb: float | None = None, topology: str | None = None,
+             num_slices: int = 1) -> dict:
+  """--mode=plan: prints the plan, writes job_log_dir/plan.json (and what XLA / libtpu
+  printed to job_log_dir/logs/plan_xla.log), checks the memory budget: `device_memory_gb`,
+  else with a topology the chip's HBM."""
+  if plan_devices is not None and jax.device_count() != plan_devices:
+    raise RuntimeError(f"expected {plan_devices} emulated devices, have {jax.device_count()}")
+  target = targets.topology(topology, num_slices) if topology else targets.present()
+  plan = make_plan(run_cfg, name, target)
+  xla_log = plan.pop("xla_log")
+  for line in printout.format_plan(plan):
+    console.say("%s", line)
+  path = fs.join(job_log_dir, "plan.json")
+  if jax.process_index() == 0:
+    fs.write_text(path, json.dumps(plan, indent=1))
+    fs.write_text(fs.join(job_log_dir, "logs", "plan_xla.log"), xla_log)
+  console.say("Wrote %s", path)
+  if device_memory_gb is not None or "compiler_out_of_memory" in plan:
+    check_fits(plan, device_memory_gb or 0.0)
+  elif topology and target.chip is not None:
+    check_fits(plan, target.chip.hbm_bytes / 1e9,
+               f"the {target.chip.name} chip's HBM, {target.chip.hbm_bytes / 1e9:.3g} GB "
+               "(--device_memory_gb sets another budget)")
+  return plan

@@ -1,0 +1,84 @@
+"""The console lines of a plan (`spmdtask.plan.planner` builds it; this only formats it). Pure."""
+from spmdtask import console
+
+
+def format_estimate(plan: dict) -> list[str]:
+  """The roofline lines: the chip, each bound, the binding one and what it implies."""
+  est, chip = plan.get("estimate"), plan["target"]["chip"]
+  if est is None:
+    return []
+  terms = ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in est["seconds"].items())
+  return [
+      f"chip {chip['name']}: peak {chip['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16, HBM "
+      f"{chip['hbm_bytes'] / 1e9:.1f} GB at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
+      f"{'NVLink' if plan['target']['platform'] == 'gpu' else 'ICI'} "
+      f"{chip['ici_bidirectional_bytes_per_s'] / 1e9:.0f} GB/s both ways ({chip['source']})",
+      f"roofline per step: {terms}; bound by {est['bound']}: step >= "
+      f"{1e3 * est['step_seconds_lower_bound']:.3g} ms, tokens/s <= "
+      f"{console.human_count(est['tokens_per_second_upper_bound'])}, MFU <= "
+      f"{100 * est['mfu_upper_bound']:.1f}%"]
+
+
+def format_plan(plan: dict) -> list[str]:
+  """The console lines of a plan."""
+  mb = console.human_bytes
+  t = plan["target"]
+  where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
+           + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
+           else f"{plan['num_devices']} {t['platform']} devices")
+  lines = [f"Plan of {plan['experiment']} ({plan['num_params']:,} params) on {where}, mesh {plan['mesh']}:",
+           *plan.get("describe", []),
+           f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
+  for a in plan["arrays"]:
+    lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
+                 f"{str(a['padded_shape']):>16} {str(tuple(a['spec'])):>24} "
+                 f"{mb(a['bytes_per_device']):>11}")
+  lines.append(
+      f"params {plan['num_params']:,}; train state per device "
+      f"{mb(plan['state_bytes_per_device'])} (params "
+      f"{mb(plan['params_bytes_per_device'])}, optimizer {mb(plan['opt_state_bytes_per_device'])})"
+      f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}")
+  if "compiler_out_of_memory" in plan:
+    return lines + [f"compiler: {plan['compiler_out_of_memory']}"]
+  c, f = plan["compiled"], plan["flops_per_step"]
+  hbm = f" of the chip's {mb(t['chip']['hbm_bytes'])} HBM" if t["chip"] else ""
+  lines += [
+      f"compiled step per device: arguments {mb(c['argument_size_in_bytes'])}, outputs "
+      f"{mb(c['output_size_in_bytes'])} (aliased {mb(c['alias_size_in_bytes'])}), temporaries "
+      f"{mb(c['temp_size_in_bytes'])}; peak estimate {mb(c['peak_estimate_bytes'])}{hbm}",
+      f"FLOPs per step: XLA {f['xla']:.4g} (loops counted per trip; {f['xla_loop_bodies_once']:.3g}"
+      f" with loop bodies once), model formula {f['model']:.4g}; HBM bytes per step per device "
+      f"{mb(plan['hbm_bytes_per_step_per_device'])}",
+      "collectives per step: " + (", ".join(
+          f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
+          or "none")]
+  if "remat" in plan:
+    lines.append(remat_line(plan["remat"]))
+  lines += format_estimate(plan)
+  for st in plan.get("stages", []):
+    lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
+                 f"{mb(st['state_bytes_per_device'])} per device (of which "
+                 f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
+  for p in plan.get("programs", []):
+    lines.append(f"program {p['name']} on {p['devices']} devices (x{p['calls_per_step']} a step): "
+                 f"peak estimate {mb(p['compiled']['peak_estimate_bytes'])} per device")
+  for st in plan.get("stage_plans", []):
+    lines.append(
+        f"stage {st['stage']} ({st['devices']} devices, layers {st['layers']}): state "
+        f"{mb(st['state_bytes_per_device'])}, live activations at the schedule's peak "
+        f"{st['peak_activation_sets']:g} sets = {mb(st['peak_activation_bytes'])}, compiled "
+        f"temporaries {mb(st['compiled_temp_bytes'])}; peak estimate "
+        f"{mb(st['peak_estimate_bytes'])} per device; sends {mb(st['transfer_bytes_per_step'])}"
+        f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}"
+        + (f"; cost {st['cost_vs_slowest']:.2f} of the slowest" if "cost_vs_slowest" in st
+           else ""))
+  lines += [f"warning: {w}" for w in plan["warnings"]]
+  return lines
+
+
+def remat_line(r: dict) -> str:
+  """The console line of a plan's remat section."""
+  return (f"remat: device temporaries {console.human_bytes(r['device_temp_bytes'])}, offloaded "
+          f"to host {console.human_bytes(r['host_temp_bytes'])} ({console.human_bytes(r['host_transfer_bytes'])} "
+          f"over the host link per step); matmul FLOPs per device {r['flops_per_device']:.4g} = "
+          f"{r['flops_ratio']:.3f}x no remat's")

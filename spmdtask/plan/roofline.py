@@ -1,0 +1,59 @@
+"""A roofline estimate of one train step on a chip: a lower bound on its time. Pure.
+
+Each per-chip resource gives a time the step cannot beat:
+  compute  XLA's FLOPs per chip per step / the chip's peak bf16 FLOP/s;
+  hbm      XLA's HBM bytes accessed per chip per step / the HBM bandwidth;
+  ici      bytes a chip receives in the collectives within its slice / its ICI ingress
+           bandwidth (half the documented bidirectional figure);
+  dcn      the same for collectives that cross slices / its share of the DCN;
+  host_link  bytes of offloaded activations (remat `*_offloaded` presets) moved between
+           HBM and host memory / the chip's host link (PCIe) bandwidth.
+The step takes at least the largest (they may overlap perfectly, never better), which
+bounds tokens/s from above and the MFU (model FLOPs / (step time x peak)) too.
+"""
+from spmdtask.plan.chips import Chip
+
+
+def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
+  """Bytes one device receives in a collective with a ring algorithm, from its result.
+
+  all-gather / all-to-all: all but its own share of the result; reduce-scatter: the
+  other members' partial sums of its shard; all-reduce: a reduce-scatter and an
+  all-gather; collective-permute: the whole result.
+  """
+  n = max(1, group_size)
+  if kind == "collective-permute":
+    return result_bytes
+  if kind == "reduce-scatter":
+    return result_bytes * (n - 1)
+  if kind == "all-reduce":
+    return 2 * result_bytes * (n - 1) / n
+  return result_bytes * (n - 1) / n  # all-gather, all-to-all
+
+
+def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_bytes: float,
+             model_flops: float, tokens: float, host_bytes: float = 0.0) -> dict:
+  """The roofline of one step; every argument is per chip per step but `tokens` (the
+  step's tokens over all chips) and `model_flops` (the model formula's, per chip)."""
+  terms = {"compute": flops / chip.peak_bf16_flops_per_s,
+           "hbm": hbm_bytes / chip.hbm_bytes_per_s,
+           "ici": ici_bytes / chip.ici_ingress_bytes_per_s}
+  notes = []
+  if dcn_bytes:
+    if chip.dcn_bytes_per_s:
+      terms["dcn"] = dcn_bytes / chip.dcn_bytes_per_s
+    else:
+      notes.append(f"{chip.name} has no documented per-chip DCN bandwidth: the "
+                   f"{dcn_bytes:.3g} DCN bytes per step are not in the bound.")
+  if host_bytes:
+    if chip.host_link_bytes_per_s:
+      terms["host_link"] = host_bytes / chip.host_link_bytes_per_s
+    else:
+      notes.append(f"{chip.name} has no documented host link bandwidth: the {host_bytes:.3g} "
+                   "offload bytes per step are not in the bound.")
+  bound = max(terms, key=terms.get)
+  step = terms[bound]
+  return {"seconds": terms, "bound": bound, "step_seconds_lower_bound": step,
+          "tokens_per_second_upper_bound": tokens / step if step else None,
+          "mfu_upper_bound": model_flops / (step * chip.peak_bf16_flops_per_s) if step else None,
+          "notes": notes}

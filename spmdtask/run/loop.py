@@ -1,0 +1,396 @@
+"""The train loop: steps driven one by one, with small hooks for everything around them.
+
+The loop itself only feeds batches, runs `program.train` and fetches metrics when a
+hook asks for them (fetching is a host sync, so it happens only at those steps). What
+happens around the steps is a `Hook`: progress logging, TensorBoard summaries,
+checkpoints, evaluation; a new concern (profiling, NaN checks) is a new hook, not a
+longer loop.
+"""
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from spmdtask.run import checkpoints, evaluation, interrupts, summaries
+from spmdtask import console, fs
+from spmdtask.core import memory
+from spmdtask.core import program as program_lib
+from spmdtask.errors import Interrupted, TrainingError
+from spmdtask.core import host_input as inputs_base
+from spmdtask.core import global_batch
+from spmdtask.task import RunConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+  """Metrics of the steps since the last fetch, and the throughput over them."""
+  step: int                     # the last step in `metrics`
+  metrics: list[dict]           # one dict of replicated scalars per step, as floats
+  rates: dict[str, float]       # steps_per_sec, examples_per_sec, tokens_per_sec, mfu
+
+
+class Hook:
+  """Runs around train steps. Every method is optional; `step` counts completed steps."""
+
+  def begin(self, step: int) -> None:
+    """Called once before the first step runs; `step` steps are already done."""
+
+  def wants_metrics(self, step: int, last: bool) -> bool:
+    """True if `on_metrics` should see the metrics up to `step` (forces a host fetch)."""
+    return False
+
+  def on_metrics(self, fetched: Fetched, last: bool) -> None:
+    pass
+
+  def after_step(self, step: int, state: Any, last: bool) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+class ProgressLog(Hook):
+  """Process 0 prints step, loss, step time, tokens/s, MFU and ETA every `every` steps.
+
+  Times are averaged over the steps since the last line; the first line's include
+  compiling the step, so its ETA is pessimistic.
+  """
+
+  def __init__(self, every: int, num_train_steps: int, peak_flops_per_device: float):
+    self.every, self.num_steps, self.peak = max(1, every), num_train_steps, peak_flops_per_device
+    self._first = True
+
+  def wants_metrics(self, step, last):
+    return last or step % self.every == 0
+
+  def on_metrics(self, fetched, last):
+    r = fetched.rates
+    step_time = 1.0 / r["steps_per_sec"]
+    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% (peak %.3g "
+                "FLOP/s/device)  ETA %s", fetched.step, self.num_steps,
+                fetched.metrics[-1]["loss"], step_time, " (incl. compile)" if self._first else "",
+                console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak,
+                console.duration((self.num_steps - fetched.step) * step_time))
+    self._first = False
+
+
+class NonFiniteGuard(Hook):
+  """Stops training at the first non-finite loss or gradient norm, before it is saved.
+
+  It asks for the metrics at every step where a checkpoint may be saved (and every
+  `every` steps, and the last), sees every step since the previous fetch, and runs
+  before the `Checkpoints` hook, so a non-finite state is never saved: the latest
+  checkpoint stays the last good one. Raises `TrainingError`.
+  """
+
+  def __init__(self, every: int, saves, task, last_good=lambda: None):
+    self.every, self.saves, self.task, self.last_good = max(1, every), saves, task, last_good
+
+  def wants_metrics(self, step, last):
+    return last or step % self.every == 0 or self.saves(step)
+
+  def on_metrics(self, fetched, last):
+    first = fetched.step - len(fetched.metrics) + 1
+    for i, m in enumerate(fetched.metrics):
+      bad = {k: m[k] for k in ("loss", "grad_norm") if k in m and not math.isfinite(m[k])}
+      if bad:
+        raise TrainingError(non_finite_message(first + i, bad, self.task, self.last_good()))
+
+  def after_step(self, step, state, last):
+    # A step's metrics describe the params it started from; the state it leaves behind is
+    # checked here, right before the Checkpoints hook would save it.
+    if (last or self.saves(step)) and not _all_finite(state):
+      raise TrainingError(non_finite_message(
+          step, {"updated train state": "not finite"}, self.task, self.last_good()))
+
+
+def _all_finite(tree) -> bool:
+  """Every floating leaf finite. Leaves are checked per device set: an MPMD state lives on
+  several submeshes, and one program cannot take arrays from different devices. (With
+  several MPMD processes each checks the stages it holds; the loss and gradient norm,
+  checked on every process, catch a divergence first.)"""
+  groups = {}
+  for x in jax.tree.leaves(tree):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault(frozenset(x.sharding.device_set), []).append(x)
+  return all(bool(_finite(xs)) for xs in groups.values())
+
+
+@jax.jit
+def _finite(xs) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | None) -> str:
+  """The one paragraph a diverged run ends with: the step, what diverged, the knobs."""
+  tp = task.train
+  lr = tp.learning_rate if isinstance(tp.learning_rate, (int, float)) else "a schedule"
+  dtype = getattr(task.model, "fprop_dtype", None)
+  what = " and ".join(f"the {k.replace('_', ' ')} is {v}" for k, v in bad.items())
+  kept = (f"the latest checkpoint, step {last_good}, is the last good one" if last_good is not None
+          else "no checkpoint was written")
+  return (f"Training stopped at step {step}: {what}. Nothing from that step was saved; {kept}. "
+          f"Usual causes: a learning rate too high (task.train.learning_rate={lr}: lower it or "
+          f"warm it up), loose or no gradient clipping (task.train.clip_grad_norm="
+          f"{tp.clip_grad_norm}: try 1.0 or lower)"
+          + (f", low-precision compute (task.model.fprop_dtype={dtype!r}: try 'float32')"
+             if dtype not in (None, "float32") else "")
+          + ", or bad data at that step. Fix the config and rerun with the same --job_log_dir "
+          "to resume from the last good checkpoint.")
+
+
+class Profiler(Hook):
+  """Process 0 traces steps start .. start+count-1 with `jax.profiler` into `directory`.
+
+  Steps are numbered as the progress lines number them (step 1 is the first). The trace
+  (an .xplane.pb for TensorBoard's profile plugin and a perfetto_trace.json.gz) lands in
+  `directory/plugins/profile/<run>/` (for a gs:// directory: traced locally, uploaded, the
+  local copy deleted).
+  """
+
+  def __init__(self, directory: str, start: int, count: int):
+    self.directory, self.start, self.stop = directory, start, start + count - 1
+    self.active, self._staged = False, None
+
+  def _maybe_start(self, done: int) -> None:
+    if not self.active and done + 1 == self.start and jax.process_index() == 0:
+      self._staged = fs.Staged(self.directory, "spmdtask_profile_")
+      jax.profiler.start_trace(self._staged.local, create_perfetto_trace=True)
+      self.active = True
+
+  def begin(self, step):
+    self._maybe_start(step)
+
+  def after_step(self, step, state, last):
+    if self.active and (step >= self.stop or last):
+      jax.block_until_ready(state)
+      self._end()
+      console.say("Profiled steps %d-%d: trace in %s", self.start, step, self.directory)
+    else:
+      self._maybe_start(step)
+
+  def _end(self):
+    if self.active:
+      jax.profiler.stop_trace()
+      self._staged.close()
+      self.active = False
+
+  def close(self):
+    self._end()
+
+
+class TrainSummaries(Hook):
+  """TensorBoard scalars (summaries/train) every `every` steps: metrics and rates."""
+
+  def __init__(self, job_log_dir: str | None, every: int):
+    self.every = max(1, every)
+    self.writer = summaries.SummaryWriter(
+        summaries.summary_dir(job_log_dir) if job_log_dir else None)
+
+  def wants_metrics(self, step, last):
+    return self.writer.active and (last or step % self.every == 0)
+
+  def on_metrics(self, fetched, last):
+    self.writer.scalars(fetched.step, {**fetched.metrics[-1], **fetched.rates})
+    self.writer.flush()
+
+  def close(self):
+    self.writer.close()
+
+
+class Checkpoints(Hook):
+  """Saves every `save_interval_steps`, at the last step and on preemption."""
+
+  def __init__(self, ckpt: checkpoints.Checkpointer, inputs):
+    self.ckpt, self.inputs = ckpt, inputs
+
+  def after_step(self, step, state, last):
+    if last or self.ckpt.should_save(step):
+      self.ckpt.save(step, state, self.inputs.get_state() if hasattr(self.inputs, "get_state")
+                     else None)
+
+  def close(self):
+    self.ckpt.close()
+
+
+class PeriodicEval(Hook):
+  """Evaluates every eval dataset every `every` steps (summaries, eval_metrics.jsonl)."""
+
+  def __init__(self, datasets, program, every: int, eval_steps, job_log_dir):
+    self.datasets, self.program, self.every = datasets, program, every
+    self.eval_steps, self.job_log_dir = eval_steps, job_log_dir
+
+  def after_step(self, step, state, last):
+    if self.every and step % self.every == 0:
+      evaluation.evaluate_all(self.datasets, self.program, state, step, self.eval_steps,
+                              self.job_log_dir)
+
+
+def rates(program: program_lib.Program, num_steps: int, seconds: float,
+          batch_size: int) -> dict[str, float]:
+  """Throughput of `num_steps` steps in `seconds`; MFU against the configured peak."""
+  tp = program.task.train
+  examples = num_steps * batch_size / seconds
+  return {"steps_per_sec": num_steps / seconds, "examples_per_sec": examples,
+          "tokens_per_sec": examples * program.work.tokens,
+          "mfu": examples * program.work.train_flops / (tp.peak_flops_per_device
+                                                        * program.mesh.devices.size)}
+
+
+def run_steps(program: program_lib.Program, state, inputs, first: int, last_step: int,
+              batch_size: int, hooks: Sequence[Hook], stop=lambda step: None):
+  """Runs steps first+1 .. last_step, or until `stop(step)` gives a reason (a step that
+  then counts as the last: metrics fetched, saved). Returns (state, losses of the steps
+  run, the stop reason or None)."""
+  losses, pending, reason = [], [], None
+  for h in hooks:
+    h.begin(first)
+  t0 = time.perf_counter()
+  for step in range(first, last_step):
+    state, metrics = program.train(state, program.global_batch(next(inputs)))
+    pending.append(metrics)
+    done = step + 1
+    reason = stop(done)
+    last = done == last_step or reason is not None
+    if any(h.wants_metrics(done, last) for h in hooks):
+      values = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
+      fetched = Fetched(done, values, rates(program, len(pending), time.perf_counter() - t0,
+                                            batch_size))
+      losses.extend(m["loss"] for m in values)
+      for h in hooks:
+        if h.wants_metrics(done, last):
+          h.on_metrics(fetched, last)
+      pending, t0 = [], time.perf_counter()
+    for h in hooks:
+      h.after_step(done, state, last)
+    if reason is not None:
+      break
+  return state, losses, reason
+
+
+def start_summary(program: program_lib.Program, name: str, batch_size: int,
+                  job_log_dir: str | None) -> list[str]:
+  """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
+  t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
+  mesh = " ".join(f"{a}={s}" for a, s in program.mesh.shape.items())
+  devices = program.mesh.devices
+  lines = [f"{name}: {console.human_count(t['num_params'])} params on mesh {mesh} "
+           f"({devices.size} {devices.flat[0].platform} device{'s' * (devices.size > 1)}); "
+           f"train state "
+           f"{console.human_bytes(t['state_bytes_per_device'])} per device "
+           f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
+           f"({batch_size * program.work.tokens} tokens/step)"]
+  if job_log_dir is not None:
+    lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
+                 "summaries/, logs/)")
+  return lines + program.describe()  # the execution strategy (and its stages)
+
+
+def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -> list[Hook]:
+  """The built-in hooks, in the order they must run (the guard before any save)."""
+  tp = run.task.train
+  hooks: list[Hook] = [
+      NonFiniteGuard(tp.log_interval_steps,
+                     ckpt.should_save if ckpt is not None else (lambda step: False), run.task,
+                     (lambda: (ckpt.wait(), ckpt.latest_step())[1]) if ckpt else (lambda: None)),
+      ProgressLog(tp.log_interval_steps, tp.num_train_steps, tp.peak_flops_per_device),
+      TrainSummaries(job_log_dir, tp.summary_interval_steps)]
+  if tp.profile_steps is not None and job_log_dir is not None:
+    hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))
+  if ckpt is not None:
+    hooks.append(Checkpoints(ckpt, run.datasets["train"]))
+  hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
+                            job_log_dir))
+  return hooks
+
+
+_FINISHED = "finished before it started"
+
+
+def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, batch_size,
+                    hooks, job_log_dir):
+  """The start state (restored, warm-started or fresh), then the steps to num_train_steps.
+
+  Returns (state, losses of the steps run, why the steps stopped early: None, an
+  `interrupts` reason, or _FINISHED when the checkpoint is already at num_train_steps).
+  """
+  tp = run.task.train
+  inputs = run.datasets["train"]
+  state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
+  first = int(jax.device_get(state.step))
+  if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
+    fs.write_text(fs.join(job_log_dir, "config.txt"), config_text)
+  if first >= tp.num_train_steps:
+    console.say("Nothing to do: this job's checkpoint is at step %d and "
+                "task.train.num_train_steps=%d, so training is finished. Raise num_train_steps "
+                "to train on.", first, tp.num_train_steps)
+    return state, [], _FINISHED
+  console.say("%s at step %d; training to step %d.",
+              "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
+  all_hooks = hooks_for(run, program, ckpt, job_log_dir) + list(hooks)
+  stop = (interrupts.StopRequest(jax.process_count(), ckpt.reached_preemption)
+          if ckpt is not None else None)
+  with stop or contextlib.nullcontext():
+    try:
+      return run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
+                       all_hooks, stop or (lambda step: None))
+    finally:
+      for h in all_hooks:
+        h.close()  # the last save is committed here
+
+
+def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | None = None,
+          config_text: str | None = None, hooks: Sequence[Hook] = (), devices=None,
+          name: str = "experiment"):
+  """Trains `run.task` on `run.datasets['train']` for `num_train_steps`.
+
+  Prints a start summary and progress every `log_interval_steps` (process 0). With
+  `job_log_dir`: resumes from its latest complete checkpoint (or `restore_step`), else
+  warm-starts from `task.train.init_checkpoint_dir`; a job already at `num_train_steps`
+  says so and trains nothing; writes `config.txt` (the `config_text`) once the start
+  state is known; saves checkpoints every `save_interval_steps` and at the end; writes
+  TensorBoard scalars every `summary_interval_steps`; evaluates every eval dataset every
+  `eval_interval_steps`; traces `profile_steps`; on SIGTERM or the multi-host preemption
+  sync point, saves at the current step and returns early; on Ctrl-C (with the binary's
+  `interrupts.watch()`), saves at the current step and raises `Interrupted`. A non-finite
+  loss or gradient norm raises `TrainingError` before that state is saved. `hooks` run after
+  the built-in ones. `devices`: the devices of the mesh (default: all).
+  Returns (final live state, program, losses of the steps run here, as floats).
+  """
+  t_start = time.perf_counter()
+  task, tp = run.task, run.task.train
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(task, example, devices)
+  batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
+  # Each process's inputs read what the program asks of them (e.g. MPMD: its stages' leaves).
+  run = dataclasses.replace(run, datasets=inputs_base.reading_all(run.datasets,
+                                                                  program.input_share()))
+  for line in start_summary(program, name, batch_size, job_log_dir):
+    console.say("%s", line)
+  ckpt = None
+  if job_log_dir is not None:
+    ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
+                                    tp.max_to_keep, {"config": config_text or ""})
+  try:  # the manager is closed on every way out (its threads outlive an error otherwise)
+    state, losses, reason = _resume_and_run(run, program, ckpt, restore_step, config_text,
+                                            batch_size, hooks, job_log_dir)
+  finally:
+    if ckpt is not None:
+      ckpt.close()
+  if reason == _FINISHED:
+    return state, program, []
+  end = int(jax.device_get(state.step))
+  if reason == interrupts.INTERRUPTED:
+    raise Interrupted(end)
+  if reason == interrupts.PREEMPTED:
+    console.say("Preempted: saved a checkpoint at step %d; exiting. Rerun the same command to "
+                "resume.", end)
+    return state, program, losses
+  console.say("Done at step %d (loss %.4f) in %s%s.", end, losses[-1] if losses else math.nan,
+              console.duration(time.perf_counter() - t_start),
+              f"; checkpoint in {ckpt.directory}" if ckpt is not None else "")
+  return state, program, losses

@@ -1,0 +1,61 @@
+"""The partitioner's program: canonical checkpoints across pipeline strategies, gradient
+accumulation; each against an uninterrupted or unaccumulated run."""
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from spmdtask.run import checkpoints, loop
+from spmdtask.errors import ConfigError
+from tests import util
+
+ONE_DEVICE = ["task.ici_mesh_shape=(1, 1, 1)"]
+
+
+def _train(exp, job_log_dir, num_steps, overrides=()):
+  run = util.build_run(exp, [f"task.train.num_train_steps={num_steps}",
+                             "task.train.save_interval_steps=10", *overrides])
+  return loop.train(run, job_log_dir=str(job_log_dir))
+
+
+def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(tmp_path):
+  """10 steps as TinyLmPipeline, then steps 11-20 as TinyLm and as TinyLmCircular."""
+  _, _, uninterrupted = _train("lm.TinyLmPipeline", tmp_path / "ref", 20)
+  _, program, first = _train("lm.TinyLmPipeline", tmp_path / "pipe", 10)
+  np.testing.assert_allclose(first, uninterrupted[:10], rtol=1e-5)
+  meta = checkpoints.read_meta(str(tmp_path / "pipe"), 10)
+  assert meta["pipeline"]["num_stages"] == 2 and meta["canonical"].startswith("logical")
+  assert meta["pipeline"]["strategy"] == "spmd_pipeline"
+  assert (meta["pipeline_microbatches"], meta["grad_accumulation_microbatches"]) == (4, 1)
+  for exp in ("lm.TinyLm", "lm.TinyLmCircular"):
+    shutil.copytree(tmp_path / "pipe", tmp_path / exp)
+    _, _, resumed = _train(exp, tmp_path / exp, 20)
+    np.testing.assert_allclose(resumed, uninterrupted[10:], rtol=1e-4, err_msg=exp)
+
+
+def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(tmp_path):
+  _, program, _ = _train("lm.TinyLmPipeline", tmp_path / "pipe", 10)
+  ckpt = checkpoints.restore_state(str(tmp_path / "pipe"), program)[0]
+  want = jax.device_get(program.to_canonical(ckpt).params)
+  state, scanned, _ = _train("lm.TinyLm", tmp_path / "warm", 0,
+                             [f"task.train.init_checkpoint_dir='{tmp_path / 'pipe'}'"])
+  assert int(state.step) == 0
+  util.assert_trees_close(jax.device_get(scanned.to_canonical(state).params), want, rtol=0)
+
+
+@pytest.mark.parametrize("exp,devices", [("lm.TinyLm", 1), ("lm.TinyLmFsdpTp", 8)])
+def test_gradient_accumulation_equals_the_whole_batch(exp, devices):
+  extra = ONE_DEVICE if devices == 1 else []
+  whole = util.train_steps(exp, 10, jax.devices()[:devices], extra)
+  accumulated = util.train_steps(exp, 10, jax.devices()[:devices],
+                                 extra + ["task.train.num_microbatches=4"])
+  np.testing.assert_allclose(accumulated[0], whole[0], rtol=1e-5)
+  util.assert_trees_close(accumulated[1], whole[1], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_accumulation_that_does_not_divide_is_a_config_error():
+  with pytest.raises(ConfigError, match="task.train.num_microbatches=3"):
+    util.train_steps("lm.TinyLm", 1, overrides=["task.train.num_microbatches=3"])
+  with pytest.raises(ConfigError, match=r"task.train.num_microbatches=8 .*\(8 shards\)"):
+    util.train_steps("lm.TinyLm", 1, overrides=["task.train.num_microbatches=8"])

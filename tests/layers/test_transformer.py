@@ -1,0 +1,102 @@
+"""The LM: causal, GQA, options; and its pipelined stack equal to the scanned one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spmdtask.core import layouts, program as program_lib, sharding, steps
+from spmdtask.core.train_state import TrainState
+from tests import util
+
+ONE_DEVICE = ["task.mesh_axis_names=('data', 'fsdp', 'model')", "task.ici_mesh_shape=(1, 1, 1)",
+              "task.pipeline=None"]
+
+
+def _program(exp, overrides=(), devices=None):
+  run = util.build_run(exp, overrides)
+  inputs = run.datasets["train"]
+  return run, inputs, program_lib.setup(run.task, inputs.batch_at(0), devices=devices)
+
+
+def test_tiny_lm_size_and_causality():
+  run, inputs, program = _program("lm.TinyLm")
+  n = sum(x.size for x in jax.tree.leaves(program.layout.logical.params))
+  assert 1e6 <= n <= 5e6
+  state = program.init()
+  params = sharding.unpad(state.params, program.layout.logical.params)
+  tokens = jnp.asarray(inputs.batch_at(0)["inputs"][:2])
+  logits = run.task.model.apply({"params": params}, tokens)
+  changed = tokens.at[:, 40:].set((tokens[:, 40:] + 1) % 256)
+  logits2 = run.task.model.apply({"params": params}, changed)
+  np.testing.assert_array_equal(logits[:, :40], logits2[:, :40])  # no peeking at the future
+  assert float(jnp.abs(logits[:, 40:] - logits2[:, 40:]).max()) > 1e-3
+  # Grouped-query attention: 4 query heads share 2 KV heads.
+  assert params["layers"]["block"]["attn"]["k"].shape == (4, 128, 2, 32)
+  assert params["layers"]["block"]["attn"]["q"].shape == (4, 128, 4, 32)
+
+
+@pytest.mark.parametrize("overrides,absent,present", [
+    (["task.model.tie_embeddings=True", "task.model.mlp_activation='gelu'"],
+     ["unembed", "wg"], ["embedding", "wi", "wo"]),
+    ([], [], ["unembed", "wg"]),
+])
+def test_model_options_change_the_weights(overrides, absent, present):
+  _, _, program = _program("lm.TinyLm", overrides + ["task.model.num_layers=1"])
+  names = {sharding.path_str(p).split("/")[-1]
+           for p, _ in jax.tree_util.tree_flatten_with_path(program.layout.logical.params)[0]}
+  assert not names & set(absent) and set(present) <= names
+
+
+def _to_unpipelined(program, params_tree):
+  """A params-shaped tree of `program`'s live layout in the canonical (scanned) one."""
+  return layouts.apply_layout_maps(params_tree, program.model.layout_maps(), True)
+
+
+def _loss_and_grads(run, program, params, batch):
+  model = program.model
+  def loss(p):
+    return model.apply({"params": p}, batch, method=model.loss)[0]
+  with jax.set_mesh(program.mesh):
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("exp", ["lm.TinyLmPipeline", "lm.TinyLmCircular"])
+def test_pipelined_loss_and_grads_match_scanned(exp):
+  run, inputs, program = _program(exp)
+  params = sharding.unpad(program.init().params, program.layout.logical.params)
+  batch = program.global_batch(inputs.batch_at(0))
+  loss, grads = _loss_and_grads(run, program, params, batch)
+  ref_run, _, ref_program = _program(exp, ONE_DEVICE, devices=jax.devices()[:1])
+  ref_params = jax.device_get(_to_unpipelined(program, jax.device_get(params)))
+  ref_loss, ref_grads = _loss_and_grads(ref_run, ref_program, ref_params,
+                                        jax.device_get(batch))
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  util.assert_trees_close(_to_unpipelined(program, jax.device_get(grads)), ref_grads, rtol=1e-5,
+                          atol=1e-7)
+
+
+def test_pipeline_trains_like_one_device_and_holds_only_its_stage():
+  run, inputs, program = _program("lm.TinyLmPipeline")
+  state = program.init()
+  # Each device holds one stage of the [S=2, R=1, Lps=2, ...] weights.
+  wi = state.params["layers"]["block"]["mlp"]["wi"]
+  assert wi.shape == (2, 1, 2, 128, 512)
+  assert {s.data.shape for s in wi.addressable_shards} == {(1, 1, 2, 128, 256)}
+  init_params = jax.device_get(state.params)
+  losses = []
+  for _ in range(10):
+    state, m = program.train(state, program.global_batch(next(inputs)))
+    losses.append(float(m["loss"]))
+
+  ref_run, ref_inputs, ref = _program("lm.TinyLmPipeline", ONE_DEVICE, devices=jax.devices()[:1])
+  params = _to_unpipelined(program, init_params)
+  ref_state = TrainState(jnp.zeros((), jnp.int32), params, ref.tx.init(params))
+  ref_state = jax.device_put(ref_state, steps.named_shardings(ref.mesh, ref.layout.split))
+  ref_losses = []
+  for _ in range(10):
+    ref_state, m = ref.train(ref_state, ref.global_batch(next(ref_inputs)))
+    ref_losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+  assert losses[-1] < losses[0] - 1.0
+  util.assert_trees_close(_to_unpipelined(program, jax.device_get(state.params)),
+                          jax.device_get(ref_state.params), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,38 @@
+"""The second model family: a ViT on 1 device equals its data x model split on 8; it learns,
+reports accuracy and resumes."""
+import json
+import os
+
+import jax
+import numpy as np
+
+from spmdtask.run import loop
+from tests import subproc, util
+
+
+def test_tiny_vit_on_one_device_equals_tiny_vit_tp_on_eight():
+  one = util.train_steps("vit.TinyVit", 10, jax.devices()[:1])
+  eight = util.train_steps("vit.TinyVitTp", 10)
+  assert dict(eight[2].mesh.shape) == {"data": 4, "fsdp": 1, "model": 2}
+  np.testing.assert_allclose(eight[0], one[0], rtol=1e-5)
+  # Adam divides by sqrt(v): an element with a tiny second moment amplifies reduction-order
+  # differences, so params get an absolute tolerance of 2e-5 (1 element in 16384 needs it).
+  util.assert_trees_close(eight[1], one[1], rtol=1e-5, atol=2e-5)
+
+
+def test_vit_trains_evaluates_accuracy_and_resumes(tmp_path):
+  job = str(tmp_path)
+  run = util.build_run("vit.TinyVitTp", ["task.train.num_train_steps=30",
+                                         "task.train.save_interval_steps=20"])
+  _, _, losses = loop.train(run, job_log_dir=job)
+  lines = [json.loads(l) for l in open(os.path.join(job, "eval_metrics.jsonl"))]
+  assert [(l["dataset"], l["step"], l["weight"]) for l in lines] == [("eval", 30, 96.0)]
+  assert lines[0]["accuracy"] > 0.2 > 0.1  # chance is 0.1 (10 classes)
+  assert losses[-1] < losses[0]
+  scalars = subproc.scalars(os.path.join(job, "summaries", "eval_eval"))
+  assert scalars["accuracy"][30] == lines[0]["accuracy"]
+  # Resume at 30 and train to 40: the same losses as an uninterrupted 40-step run.
+  resumed = loop.train(util.build_run("vit.TinyVitTp", ["task.train.num_train_steps=40"]),
+                       job_log_dir=job)[2]
+  straight = util.train_steps("vit.TinyVitTp", 40)[0]
+  np.testing.assert_allclose(losses + resumed, straight, rtol=1e-5)

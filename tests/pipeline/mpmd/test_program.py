@@ -1,0 +1,143 @@
+"""Tests for spmdtask.pipeline.mpmd.program (and MpmdConfig, the LayerStack's MPMD layer groups):
+lm.TinyLmMpmd through the production loop on 8 devices (two submeshes of different shapes)
+trains with the losses and final params of lm.TinyLm on one device; GPipe, 1F1B, ZB-H1 and
+interleaved 1F1B agree; I + W compiled FLOPs equal B's on the LM stages;
+the tied variant matches; checkpoints cross between MPMD and lm.TinyLm both ways on the same
+loss curve; the executor's peak residual sets are GPipe's M and 1F1B's S - s; bad configs
+raise ConfigError naming the field."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from spmdtask.run import evaluation, loop
+from spmdtask.core import program as program_lib
+from spmdtask.errors import ConfigError
+from tests import util
+
+STEPS = 20
+ONE_DEVICE = ("task.ici_mesh_shape=(1, 1, 1)",)
+TIED = ("task.model.tie_embeddings=True",)
+
+
+@functools.lru_cache(maxsize=None)
+def one_device(steps: int, overrides=()):
+  """(losses, canonical params, eval metrics after training) of lm.TinyLm on one device."""
+  losses, params, program, state = util.train_steps("lm.TinyLm", steps, jax.devices()[:1],
+                                                    ONE_DEVICE + overrides)
+  return losses, params, evaluate(program, state)
+
+
+def evaluate(program, state):
+  """The whole eval set: 100 sequences, so the last batch is partial (padded)."""
+  eval_set = util.build_run("lm.TinyLm").datasets["eval"]
+  return evaluation.evaluate(program, state, eval_set)
+
+
+def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
+  want_losses, want_params, want_eval = one_device(STEPS)
+  losses, params, program, state = util.train_steps("lm.TinyLmMpmd", STEPS)
+  scope = lambda k: k[:k.index("]", k.index("block")) + 1] if "block" in k else k
+  where = [{scope(k) for k in keys} for keys in program.pipeline.stage_keys]
+  assert where == [{"['embedding']", "['layers']['block_0']"},
+                   {"['layers']['block_1']", "['final_norm']['scale']", "['unembed']"}]
+  assert program.last_peak_residuals == (2, 1)  # 1F1B: S - s
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  got_eval = evaluate(program, state)
+  assert got_eval["weight"] == want_eval["weight"] == 100 * 64
+  np.testing.assert_allclose(got_eval["loss"], want_eval["loss"], rtol=1e-5)
+  gpipe, _, program, _ = util.train_steps("lm.TinyLmMpmd", 3,
+                                          overrides=["task.pipeline.schedule='gpipe'"])
+  assert program.last_peak_residuals == (4, 4)  # GPipe: M
+  np.testing.assert_allclose(gpipe, losses[:3], rtol=1e-6)
+
+
+def _train_program(overrides, steps=3):
+  """(losses, canonical params, program, state) of lm.TinyLmMpmd's program driven step by
+  step on its train batches (the schedule is the only difference between callers)."""
+  run = util.build_run("lm.TinyLmMpmd", list(overrides))
+  inputs = run.datasets["train"]
+  program = program_lib.setup(run.task, inputs.batch_at(0))
+  state, losses = program.init(), []
+  for i in range(steps):
+    state, metrics = program.train(state, program.global_batch(inputs.batch_at(i)))
+    losses.append(float(metrics["loss"]))
+  params = jax.device_get(program.to_canonical(state).params)
+  return np.asarray(losses), params, program, state
+
+
+def test_zb_h1_and_interleaved_equal_1f1b():
+  """Through the product: ZB-H1 (I/W split backward) and interleaved 1F1B (2 chunks per
+  stage) train with 1F1B's losses and params; on the LM stages compiled FLOPs of I + W
+  stay within 1.05x of the fused backward B."""
+  want, want_params, _, _ = _train_program(())
+  zb, params, program, state = _train_program(("task.pipeline.schedule='zb_h1'",))
+  np.testing.assert_allclose(zb, want, rtol=1e-5)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  assert program.last_peak_residuals == (2, 1)  # released at I: 1F1B's S - s
+  batch = program.global_batch(util.build_run("lm.TinyLmMpmd").datasets["train"].batch_at(0))
+  flops = program.pipeline.backward_flops([st.params for st in state.stages],
+                                          program.train_batch(state, batch))
+  assert sorted(flops) == [0, 1]
+  for b, i, w in flops.values():
+    assert 0.2 * b < w and i + w <= 1.05 * b, (b, i, w)
+  interleaved, params, program, _ = _train_program((
+      "task.pipeline.schedule='interleaved_1f1b'", "task.pipeline.num_chunks=2",
+      "task.pipeline.layer_cuts=(1, 2, 3)"))
+  assert program.pipeline.part_stage == [0, 1, 0, 1]
+  np.testing.assert_allclose(interleaved, want, rtol=1e-5)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+
+
+def test_tied_embeddings_match_one_device():
+  want_losses, want_params, _ = one_device(5, TIED)
+  losses, params, program, state = util.train_steps("lm.TinyLmMpmdTied", 5)
+  assert program.pipeline.tied == {"['embedding']": (0, 1)}
+  stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
+  np.testing.assert_array_equal(stage0, stage1)  # the two copies stay identical
+  assert "unembed" not in params  # the checkpoint holds one embedding
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+
+
+def _train(exp, steps, job_log_dir, overrides=()):
+  run = util.build_run(exp, list(overrides) + [f"task.train.num_train_steps={steps}",
+                                               "task.train.save_interval_steps=100"])
+  devices = jax.devices()[:1] if overrides else None
+  return loop.train(run, job_log_dir=job_log_dir, devices=devices)[2]
+
+
+def test_checkpoints_cross_between_mpmd_and_spmd(tmp_path):
+  want = one_device(STEPS)[0][:10]
+  # MPMD saves at step 5; lm.TinyLm (one device) resumes it.
+  mpmd_dir = str(tmp_path / "mpmd")
+  np.testing.assert_allclose(_train("lm.TinyLmMpmd", 5, mpmd_dir), want[:5], rtol=1e-4)
+  np.testing.assert_allclose(_train("lm.TinyLm", 10, mpmd_dir, ONE_DEVICE), want[5:], rtol=1e-4)
+  # lm.TinyLm (one device) saves at step 5; MPMD resumes it.
+  spmd_dir = str(tmp_path / "spmd")
+  _train("lm.TinyLm", 5, spmd_dir, ONE_DEVICE)
+  np.testing.assert_allclose(_train("lm.TinyLmMpmd", 10, spmd_dir), want[5:], rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["task.pipeline.layer_cuts=(4,)"], r"task.pipeline.layer_cuts=\(4,\).*beyond the last"),
+    (["task.pipeline.layer_cuts=(2, 1)"], r"task.pipeline.layer_cuts=\(2, 1\).*increasing"),
+    (["task.pipeline.layer_cuts=(1, 2)"], r"3 parts.*2 stages"),
+    (["task.pipeline.submesh_shapes=((2, 1, 2), (2, 1, 1))"],
+     r"task.pipeline.submesh_shapes=.*6 devices.*the job has 8"),
+    (["task.pipeline.submesh_shapes=((2, 1, 2), (4, 1, 2))"], r"12 devices.*the job has 8"),
+    (["task.pipeline.submesh_shapes=((2, 2), (4, 1))"], r"submesh_shapes\[0\].*one positive"),
+    (["task.pipeline.schedule='zigzag'"], r"task.pipeline.schedule='zigzag'.*Unknown"),
+    (["task.pipeline.schedule='interleaved_1f1b'", "task.pipeline.num_chunks=2"],
+     r"2 parts.*2 stages.*x 2 chunks"),
+    (["task.pipeline.schedule='1f1b'", "task.pipeline.num_chunks=2",
+      "task.pipeline.layer_cuts=(1, 2, 3)"], r"task.pipeline.schedule='1f1b'.*one chunk"),
+    (["task.pipeline.num_microbatches=3"], r"task.pipeline.num_microbatches=3.*divide"),
+    (["task.train.num_microbatches=2"], r"task.train.num_microbatches=2.*MPMD"),
+])
+def test_bad_configs_raise(overrides, match):
+  run = util.build_run("lm.TinyLmMpmd", overrides)
+  with pytest.raises(ConfigError, match=match):
+    program_lib.setup(run.task, run.datasets["train"].batch_at(0))

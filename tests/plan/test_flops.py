@@ -1,0 +1,53 @@
+"""spmdtask.plan.flops counts matmul FLOPs through scans and remat: a scanned two-matmul layer costs
+6 matmuls per layer without remat (forward 2, backward 4), 8 when its forward is recomputed."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from spmdtask.plan import flops
+from spmdtask.core import remat
+
+B, D, F, L = 8, 16, 32, 4
+MATMUL = 2 * B * D * F
+
+
+def _loss(w, x, policy):
+  def layer(wi, h):
+    return jnp.sin(jnp.tanh(h @ wi) @ wi.T)
+  if policy is not None:
+    layer = jax.checkpoint(layer, policy=remat.policy(policy))
+  y, _ = jax.lax.scan(lambda h, wi: (layer(wi, h), None), x, w)
+  return jnp.sum(y ** 2)
+
+
+@pytest.mark.parametrize("policy,matmuls_per_layer", [
+    (None, 6), ("full", 8), ("dots_saveable", 6), ("minimal_offloaded", 8)])
+def test_scanned_layers_count_their_recompute(policy, matmuls_per_layer):
+  grad = jax.grad(lambda w, x: _loss(w, x, policy))
+  got = flops.traced_flops(grad, jnp.ones((L, D, F)), jnp.ones((B, D)))
+  assert got == L * matmuls_per_layer * MATMUL
+
+
+def test_shard_map_bodies_count_once_per_shard():
+  mesh = jax.make_mesh((4,), ("s",), axis_types=(jax.sharding.AxisType.Explicit,))
+  f = jax.shard_map(lambda a: a @ a.T, mesh=mesh, in_specs=jax.P("s"), out_specs=jax.P("s"),
+                    axis_names={"s"})
+  x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("s")))
+  assert flops.traced_flops(f, x) == 4 * 2 * 2 * 2 * 16  # 4 shards of [2,16] @ [16,2]
+
+
+def test_a_pallas_kernel_counts_its_block_matmul_once_per_grid_point():
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] @ y_ref[...]
+
+  def matmul(x, y):  # [64, 32] @ [32, 64] in 4 blocks of [32, 32] @ [32, 32]
+    return pl.pallas_call(
+        kernel, grid=(2, 2), interpret=True,
+        in_specs=[pl.BlockSpec((32, 32), lambda i, j: (i, 0)),
+                  pl.BlockSpec((32, 32), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((32, 32), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32))(x, y)
+
+  assert flops.traced_flops(matmul, jnp.ones((64, 32)), jnp.ones((32, 64))) == 2 * 64 * 32 * 64

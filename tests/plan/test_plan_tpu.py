@@ -1,0 +1,187 @@
+"""--mode=plan for TPU topologies: XLA:TPU compiles on this CPU machine (libtpu), the
+roofline estimate, per-step costs with loop trips, DCN across slices, missing libtpu."""
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdtask.plan import chips, hlo, planner, targets, xla_cost
+from spmdtask.errors import ConfigError, PlanExceeded
+from tests import subproc, util
+
+FSDP4 = ["task.ici_mesh_shape=(1, 4, 1)"]
+
+
+@pytest.fixture(scope="module")
+def tinylm_v5e(tmp_path_factory):
+  out = tmp_path_factory.mktemp("v5e")
+  run = util.build_run("lm.TinyLm", FSDP4)
+  return planner.run_plan(run, str(out), "lm.TinyLm", topology="v5e:2x2"), out
+
+
+def test_tinylm_on_v5e_2x2(tinylm_v5e):
+  got, out = tinylm_v5e
+  assert json.loads((out / "plan.json").read_text())["estimate"] == got["estimate"]
+  # What libtpu prints goes to the log (test_exit_4_and_a_clean_console: its first start in
+  # a fresh process; here another test may have started it in this worker already).
+  assert (out / "logs" / "plan_xla.log").is_file()
+  t = got["target"]
+  assert (t["platform"], t["topology"], t["chips"], t["device_kind"]) == (
+      "tpu", "v5e:2x2", 4, "TPU v5 lite")
+  chip = chips.CHIPS["v5e"]
+  assert t["chip"] == chip.as_json() and chip.hbm_bytes == 16e9
+  assert got["mesh"] == {"data": 1, "fsdp": 4, "model": 1}
+  assert 0 < got["compiled"]["peak_estimate_bytes"] < chip.hbm_bytes
+  # FSDP: weights gathered for use, gradients reduced; scanned layers count per trip.
+  assert got["collectives"]["all-gather"]["count"] >= 4
+  est = got["estimate"]
+  secs = est["seconds"]
+  assert est["bound"] == max(secs, key=secs.get)
+  assert est["step_seconds_lower_bound"] == max(secs.values())
+  per_chip = got["flops_per_step"]["xla_per_device"]
+  assert math.isclose(secs["compute"], per_chip / chip.peak_bf16_flops_per_s)
+  assert math.isclose(secs["hbm"], got["hbm_bytes_per_step_per_device"] / chip.hbm_bytes_per_s)
+  assert math.isclose(secs["ici"], got["collective_bytes_received_per_device"]["ici"]
+                      / (chip.ici_bidirectional_bytes_per_s / 2))
+  model = got["flops_per_step"]["model"]
+  assert math.isclose(est["mfu_upper_bound"],
+                      model / 4 / (est["step_seconds_lower_bound"] * chip.peak_bf16_flops_per_s))
+  assert math.isclose(est["tokens_per_second_upper_bound"],
+                      16 * 64 / est["step_seconds_lower_bound"])
+  # XLA's FLOPs with the 4 scanned layers counted per trip cover the model's formula
+  # (plus what the formula leaves out); counted once they do not.
+  assert model <= got["flops_per_step"]["xla"] <= 1.5 * model
+  assert got["flops_per_step"]["xla_loop_bodies_once"] < model
+  assert [l["trips"] for l in got["loops"]].count(4) >= 2  # forward and backward scans
+
+
+def _stack(unroll):
+  def f(w, x):
+    return jax.lax.scan(lambda c, wi: (jnp.tanh(c @ wi), None), x, w, unroll=unroll)[0].sum()
+  return f
+
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_per_step_cost_counts_each_trip(platform):
+  """A scanned 6-layer stack costs what the unrolled stack does (XLA's own count)."""
+  devices = jax.devices()[:4] if platform == "cpu" else targets.tpu("v5e:2x2").devices
+  # Each backend's native matmul type: XLA:TPU would convert f32 weights to bf16 first
+  # (work the unrolled program fuses away).
+  dtype = jnp.float32 if platform == "cpu" else jnp.bfloat16
+  mesh = Mesh(np.asarray(devices), ("fsdp",))
+  w = jax.ShapeDtypeStruct((6, 256, 256), dtype, sharding=NamedSharding(mesh, P()))
+  x = jax.ShapeDtypeStruct((32, 256), dtype, sharding=NamedSharding(mesh, P("fsdp")))
+  looped = jax.jit(_stack(1)).lower(w, x).compile()
+  unrolled = jax.jit(_stack(True)).lower(w, x).compile()
+  text = looped.as_text()
+  assert [l.trips for l in hlo.loops(text)] == [6]
+  per_step = xla_cost.per_step(text)["flops"]
+  expected = xla_cost.per_step(unrolled.as_text())["flops"]
+  assert abs(per_step - expected) / expected < 0.02, (per_step, expected)
+  once = looped.cost_analysis()
+  once = once[0] if isinstance(once, list) else once
+  assert per_step > 4 * float(once["flops"])  # XLA's own count: the body once
+
+
+def test_plan_over_two_slices_has_dcn_collectives(tmp_path):
+  run = util.build_run("lm.TinyLm", ["task.ici_mesh_shape=(1, 4, 1)",
+                                     "task.dcn_mesh_shape=(2, 1, 1)"])
+  got = planner.run_plan(run, str(tmp_path), "lm.TinyLm", topology="v5e:2x2", num_slices=2)
+  assert got["target"]["num_slices"] == 2 and got["target"]["chips"] == 8
+  assert got["mesh"] == {"data": 2, "fsdp": 4, "model": 1}
+  # Data parallel across slices: the gradients are all-reduced over DCN.
+  assert got["collectives"]["all-reduce (dcn)"]["bytes"] > 0
+  assert got["collective_bytes_received_per_device"]["dcn"] > 0
+  assert got["estimate"]["seconds"]["dcn"] > 0
+  with pytest.raises(ConfigError, match="task.dcn_mesh_shape"):
+    planner.run_plan(util.build_run("lm.TinyLm", FSDP4), str(tmp_path), "lm.TinyLm",
+                  topology="v5e:2x2", num_slices=2)
+
+
+def test_mpmd_plan_on_v5e_compiles_every_stage_program(tmp_path):
+  # The pipeline is built compile-only on the topology's chips (nothing placed there);
+  # each stage's programs compile for XLA:TPU, its gradient reduction among them.
+  got = planner.run_plan(util.build_run("lm.TinyLmMpmd"), str(tmp_path), "lm.TinyLmMpmd",
+                      topology="v5e:2x4")
+  programs = {p["name"]: p for p in got["programs"]}
+  assert {p["devices"] for p in programs.values()} == {4}
+  assert programs["stage 1 gradient reduction"]["compiled"]["peak_estimate_bytes"] > 0
+  assert [st["stage"] for st in got["stage_plans"]] == [0, 1]
+  assert all(st["flops_per_step"] > 0 for st in got["stage_plans"])
+
+
+def test_out_of_hbm_names_the_largest_arrays(tmp_path):
+  # d_ff 2^21: 4 layers x 2 x 128 x 2^21 fp32 weights (8 GiB), replicated, plus Adam:
+  # XLA:TPU itself refuses to compile more than the chip's HBM.
+  run = util.build_run("lm.TinyLm", ["task.model.d_ff=2097152"])
+  with pytest.raises(PlanExceeded, match="XLA refused.*exceeds available HBM.*mlp/w"):
+    planner.run_plan(run, str(tmp_path), "lm.TinyLm", topology="v5e:2x2")
+  on_disk = json.loads((tmp_path / "plan.json").read_text())
+  assert "exceeds available HBM" in on_disk["compiler_out_of_memory"]
+  assert on_disk["params_bytes_per_device"] > 8 * 2**30
+
+
+def test_bad_topology_names_the_flag():
+  with pytest.raises(ConfigError, match="--plan_topology=v9x:2x2"):
+    targets.tpu("v9x:2x2")
+  with pytest.raises(ConfigError, match="libtpu refused"):
+    targets.tpu("v5e:3x5")
+
+
+def test_exit_4_and_a_clean_console(tmp_path):
+  out = subproc.run(subproc.main_cmd(
+      "lm.TinyLm", str(tmp_path), *FSDP4,
+      flags=["--mode=plan", "--plan_topology=v5e:2x2", "--device_memory_gb=0.001"]),
+      num_devices=1, timeout=180)
+  assert out.returncode == 4, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  for noise in ("TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "jellyfish"):
+    assert noise not in out.stderr + out.stdout
+  assert "TPU_WORKER_HOSTNAMES" in (tmp_path / "logs" / "plan_xla.log").read_text()
+  assert "bound by" in out.stdout and "v5e:2x2 (4 TPU v5 lite chips)" in out.stdout
+  err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
+  assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
+
+
+# Runs spmdtask.main in a process where `import libtpu` fails, as it does without it.
+WITHOUT_LIBTPU = """
+import sys
+class NoLibtpu:
+  def find_spec(self, name, path=None, target=None):
+    if name == "libtpu" or name.startswith("libtpu."):
+      raise ModuleNotFoundError("No module named 'libtpu'", name=name)
+sys.meta_path.insert(0, NoLibtpu())
+from absl import app
+from spmdtask import main
+sys.argv = ["spmdtask.main"] + sys.argv[1:]
+app.run(main.main)
+"""
+
+
+def test_without_libtpu_exit_2_with_the_pip_line(tmp_path):
+  cmd = subproc.main_cmd("lm.TinyLm", str(tmp_path), flags=["--mode=plan",
+                                                           "--plan_topology=v5e:2x2"])
+  out = subproc.run([cmd[0], "-c", WITHOUT_LIBTPU] + cmd[3:], num_devices=1, timeout=120)
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  assert "pip install 'spmdtask[tpu]'" in out.stderr and "libtpu" in out.stderr
+
+
+def test_gpu_plan_without_a_gpu(tmp_path):
+  """XLA:GPU compiles for 8 H100s from XLA's description of the device (needs only JAX's
+  CUDA plugin, no GPU or CUDA library): `pip install 'spmdtask[gpu_plan]'`."""
+  pytest.importorskip("jax_plugins.xla_cuda12")
+  run = util.build_run("lm.TinyLm", ["task.ici_mesh_shape=(1, 8, 1)"])
+  got = planner.run_plan(run, str(tmp_path), "lm.TinyLm", topology="h100:8")
+  assert (got["target"]["platform"], got["target"]["chips"]) == ("gpu", 8)
+  assert got["target"]["device_kind"] == "NVIDIA H100 80GB HBM3"
+  assert 0 < got["compiled"]["peak_estimate_bytes"] < chips.GPUS["h100"].hbm_bytes
+  model = got["flops_per_step"]["model"]
+  assert model <= got["flops_per_step"]["xla"] <= 1.5 * model
+  est = got["estimate"]
+  assert est["step_seconds_lower_bound"] == max(est["seconds"].values())
+  assert sum(c["count"] for c in got["collectives"].values()) > 0

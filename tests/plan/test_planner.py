@@ -1,0 +1,89 @@
+"""--mode=plan: its per-device state bytes equal what a real run allocates; 64 devices; budget."""
+import json
+
+import jax
+import numpy as np
+
+from spmdtask.plan import hlo, planner
+from spmdtask.core import memory
+from tests import subproc, util
+
+
+def allocated_bytes_per_device(state) -> dict:
+  """Device -> bytes of the shards of `state` that live on it (the test oracle)."""
+  out = {}
+  for leaf in jax.tree.leaves(state):
+    for shard in leaf.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out
+
+
+def test_plan_bytes_equal_a_real_runs_arrays(tmp_path):
+  run = util.build_run("lm.TinyLmFsdp")
+  got = planner.run_plan(run, str(tmp_path), "lm.TinyLmFsdp")
+  on_disk = json.loads((tmp_path / "plan.json").read_text())
+  for key in ("num_devices", "state_bytes_total", "state_bytes_per_device", "compiled",
+              "flops_per_step", "arrays"):
+    assert key in on_disk
+  assert on_disk["num_devices"] == 8
+  per_device = got["params_bytes_per_device"] + got["opt_state_bytes_per_device"]
+  total = got["params_bytes_total"] + got["opt_state_bytes_total"]
+  assert abs(per_device - total / 8) / (total / 8) < 0.02, (per_device, total / 8)
+  program, state = util.program_and_state("lm.TinyLmFsdp", 8)
+  allocated = allocated_bytes_per_device(state)
+  assert sorted(set(allocated.values())) == [got["state_bytes_per_device"]]
+  # The compiled step's arguments are that state plus this device's batch rows.
+  batch_bytes = sum(np.asarray(x).nbytes for x in run.datasets["train"].batch_at(0).values()) // 8
+  assert got["compiled"]["argument_size_in_bytes"] == got["state_bytes_per_device"] + batch_bytes
+  # FSDP over 8: gathers in the forward / backward, reductions of the gradients.
+  assert got["collectives"]["all-gather"]["count"] > 0
+  assert got["flops_per_step"]["model"] == program.work.train_flops * 16
+
+
+def test_64_device_plan_and_memory_budget(tmp_path):
+  out = subproc.run(subproc.main_cmd(
+      "lm.TinyLmFsdpTp", str(tmp_path), "task.ici_mesh_shape=(1, 8, 8)",
+      flags=["--mode=plan", "--plan_devices=64", "--device_memory_gb=0.001"]),
+      num_devices=1, timeout=120)
+  assert out.returncode == 4, out.stderr[-3000:]
+  assert "Traceback" not in out.stderr
+  plan_json = json.loads((tmp_path / "plan.json").read_text())
+  assert plan_json["num_devices"] == 64 and plan_json["mesh"] == {"data": 1, "fsdp": 8, "model": 8}
+  # q [L, d, heads 4, hd] has its heads padded to the 8-way model axis: named.
+  assert any("params/layers/block/attn/q is padded" in w for w in plan_json["warnings"])
+  err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
+  assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
+  assert "params/layers/block/mlp/w" in err[0]  # the largest arrays are named
+
+
+HLO = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[8,4]{1,0} all-gather(f32[2,4]{1,0} %x), dimensions={0}
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %c = pred[] constant(true)
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %a), to_apply=%add
+  %w = (s32[], f32[8]) while(%t), condition=%cond, body=%body, """ \
+  """backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_collectives_count_loop_bodies_per_trip():
+  assert hlo.collectives(HLO) == {"all-reduce": {"count": 1, "bytes": 32},
+                                  "all-gather": {"count": 3, "bytes": 3 * 128}}
+
+
+def test_remat_warning_names_the_param_of_that_shape():
+  log = ("W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler "
+         "cannot go from sharding {devices=[2,4]<=[8]} to {devices=[8,1]<=[8]} efficiently for "
+         "HLO operation %copy.3 = f32[256,128]{1,0} copy(%p), sharding={...}. As the last")
+  program, _ = util.program_and_state("lm.TinyLm", 8)
+  rows = memory.state_rows(program.layout, dict(program.mesh.shape))
+  (w,) = planner.warnings(rows, dict(program.mesh.shape), hlo.remat_warnings(log), (16, 64))
+  assert "param params/embedding" in w and "%copy.3" in w

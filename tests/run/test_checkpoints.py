@@ -1,0 +1,199 @@
+"""Checkpoints: bitwise resume after SIGKILL, other meshes, incomplete saves, SIGTERM,
+warm start and bad input. Process-level tests run `spmdtask.main` in subprocesses."""
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import fiddle as fdl
+import jax
+import numpy as np
+import pytest
+
+from tests import subproc as h
+from spmdtask.run import checkpoints, loop
+from spmdtask import main
+from spmdtask.core import program as program_lib
+from spmdtask.errors import ConfigError
+
+BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
+        "task.train.summary_interval_steps=1", "task.train.log_interval_steps=4")
+
+
+def _program(exp="TinyLm", *overrides):
+  run = fdl.build(main.resolved_config(exp, list(overrides)))
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+
+
+def _steps(job):
+  return sorted(int(n) for n in os.listdir(os.path.join(job, "checkpoints")) if n.isdigit())
+
+
+def _snapshot(job):
+  """path -> (size, mtime) of every regular file (logs/ symlinks to the newest log move)."""
+  out = {}
+  for root, _, files in os.walk(job):
+    for f in files:
+      p = os.path.join(root, f)
+      if os.path.islink(p):
+        continue
+      st = os.stat(p)
+      out[p] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+@pytest.fixture(scope="module")
+def reference_job(tmp_path_factory):
+  """TinyLm, 12 uninterrupted steps on 8-way data parallel, saving every 4."""
+  job = str(tmp_path_factory.mktemp("ref"))
+  r = h.run(h.main_cmd("TinyLm", job, *BASE))
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert _steps(job) == [4, 8, 12]
+  return job
+
+
+def test_bitwise_resume_after_sigkill(reference_job, tmp_path):
+  job = str(tmp_path / "killed")
+  cmd = h.main_cmd("TinyLm", job, *BASE)
+  killed = subprocess.run([cmd[0], "-c", h.KILL_AFTER_SAVE] + cmd[3:], env=h.env(
+      KILL_AFTER_COMMITTED_STEP="8"), cwd=h.REPO, capture_output=True, text=True, timeout=240)
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  assert _steps(job) == [4, 8]
+  # A partly written later step dir (no commit marker) must be skipped, not restored.
+  shutil.copytree(os.path.join(job, "checkpoints", "8"), os.path.join(job, "checkpoints", "12"))
+  os.remove(os.path.join(job, "checkpoints", "12", checkpoints.COMMIT_FILE))
+  resumed = h.run(cmd)  # the same command again
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "incomplete" in resumed.stderr
+  assert "Resuming from the checkpoint at step 8" in resumed.stdout
+  assert _steps(job) == [4, 8, 12]
+
+  program = _program()
+  ref, ref_step = checkpoints.restore_state(reference_job, program)
+  got, got_step = checkpoints.restore_state(job, program)
+  assert ref_step == got_step == 12
+  for a, b in zip(jax.tree.leaves(jax.device_get(ref)), jax.tree.leaves(jax.device_get(got))):
+    np.testing.assert_array_equal(a, b)  # bitwise: params and optimizer state
+  ref_loss = h.scalars(os.path.join(reference_job, "summaries", "train"))["loss"]
+  got_loss = h.scalars(os.path.join(job, "summaries", "train"))["loss"]
+  for step in range(9, 13):
+    assert got_loss[step] == ref_loss[step], step
+
+
+def test_incomplete_checkpoints_are_never_restored(reference_job, tmp_path, caplog):
+  job = str(tmp_path / "job")
+  shutil.copytree(os.path.join(reference_job, "checkpoints"), os.path.join(job, "checkpoints"))
+  ck = os.path.join(job, "checkpoints")
+  shutil.rmtree(os.path.join(ck, "12"))
+  # Killed mid-async-save: orbax's tmp dir. Partly written: a step dir without its commit.
+  shutil.copytree(os.path.join(ck, "8"), os.path.join(ck, "16.orbax-checkpoint-tmp-123"))
+  shutil.copytree(os.path.join(ck, "8"), os.path.join(ck, "12"))
+  os.remove(os.path.join(ck, "12", checkpoints.COMMIT_FILE))
+  shutil.rmtree(os.path.join(ck, "12", "opt_state"))
+  program = _program()
+  with caplog.at_level(logging.WARNING):
+    state, step = checkpoints.restore_state(job, program)
+  assert step == 8 and int(jax.device_get(state.step)) == 8
+  assert any("incomplete" in r.getMessage() for r in caplog.records)
+  with pytest.raises(ConfigError, match=r"Available steps: \[4, 8\]"):
+    checkpoints.restore_state(job, program, step=12)
+
+
+def test_restore_state_errors(reference_job, tmp_path):
+  program = _program()
+  with pytest.raises(ConfigError, match="no complete checkpoint.*" + str(tmp_path)):
+    checkpoints.restore_state(str(tmp_path), program)
+  with pytest.raises(ConfigError, match=r"Available steps: \[4, 8, 12\]"):
+    checkpoints.restore_state(reference_job, program, step=5)
+
+
+@pytest.mark.parametrize("target", ["2x2x2", "1 device"])
+def test_resume_on_other_mesh(tmp_path_factory, target):
+  """Uneven dims: 8-way data parallel (no padding) -> data2 x fsdp2 x model2 (padded) / 1 device."""
+  small = ("task.model.num_layers=2", "task.train.num_train_steps=7",
+           "task.train.save_interval_steps=4", "task.train.summary_interval_steps=1")
+  dp = "task.ici_mesh_shape=(-1, 1, 1)"
+  ref = os.path.join(str(tmp_path_factory.getbasetemp()), "uneven_dp_ref")
+  if not os.path.isdir(os.path.join(ref, "checkpoints", "7")):
+    r = h.run(h.main_cmd("TinyLmUneven", ref, *small, dp))
+    assert r.returncode == 0, r.stderr[-3000:]
+  job = str(tmp_path_factory.mktemp("resumed"))
+  shutil.copytree(os.path.join(ref, "checkpoints", "4"), os.path.join(job, "checkpoints", "4"))
+  mesh, devices = ("task.ici_mesh_shape=(2, 2, 2)", 8) if target == "2x2x2" else (dp, 1)
+  r = h.run(h.main_cmd("TinyLmUneven", job, *small, mesh), num_devices=devices)
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Resuming from the checkpoint at step 4" in r.stdout
+  want = h.scalars(os.path.join(ref, "summaries", "train"))["loss"]
+  got = h.scalars(os.path.join(job, "summaries", "train"))["loss"]
+  assert sorted(got) == [5, 6, 7]
+  for step in (5, 6, 7):
+    np.testing.assert_allclose(got[step], want[step], rtol=1e-5)
+
+
+def test_sigterm_saves_at_current_step_and_exits_zero(tmp_path):
+  job = str(tmp_path / "job")
+  log = open(tmp_path / "stderr.txt", "w")
+  proc = subprocess.Popen(h.main_cmd("TinyLm", job, "task.train.num_train_steps=100000",
+                                     "task.train.save_interval_steps=100000",
+                                     "task.train.log_interval_steps=1"),
+                          env=h.env(), cwd=h.REPO, stdout=log, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + 180
+    while "step 3/" not in open(tmp_path / "stderr.txt").read():
+      assert proc.poll() is None and time.time() < deadline
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  text = open(tmp_path / "stderr.txt").read()
+  (step,) = _steps(job)
+  assert step >= 3 and f"Preempted: saved a checkpoint at step {step}" in text
+  program = _program()
+  state, restored = checkpoints.restore_state(job, program)
+  assert restored == step == int(jax.device_get(state.step))
+
+
+def test_warm_start_loads_params_with_fresh_optimizer(reference_job):
+  program = _program()
+  fresh = program.init()
+  fresh_opt = jax.device_get(fresh.opt_state)
+  warm = checkpoints.warm_start(reference_job, program, fresh)
+  ref, _ = checkpoints.restore_state(reference_job, program)
+  for a, b in zip(jax.tree.leaves(jax.device_get(warm.params)),
+                  jax.tree.leaves(jax.device_get(ref.params))):
+    np.testing.assert_array_equal(a, b)
+  for a, b in zip(jax.tree.leaves(jax.device_get(warm.opt_state)), jax.tree.leaves(fresh_opt)):
+    np.testing.assert_array_equal(a, b)
+  assert int(jax.device_get(warm.step)) == 0
+
+
+def test_warm_start_shape_mismatch_lists_variables(reference_job):
+  program = _program("TinyLm", "task.model.d_ff=256")
+  want = r"3 mismatched variable.*layers/block/mlp/wi: checkpoint \(4, 128, 512\) float32, model \(4, 128"
+  with pytest.raises(ConfigError, match=want):
+    checkpoints.warm_start(reference_job, program, None)
+
+
+def test_bad_input_is_a_config_error_and_overwrites_nothing(reference_job, tmp_path):
+  before = _snapshot(reference_job)
+  # A checkpoint of a different model.
+  r = h.run(h.main_cmd("TinyLm", reference_job, *BASE, "task.model.d_ff=256"))
+  assert r.returncode == 2 and "mismatched variable" in r.stderr, r.stderr[-2000:]
+  assert "layers/block/mlp/wi: checkpoint (4, 128, 512) float32, model (4, 128, 256)" in r.stderr
+  # A restore step that does not exist.
+  r = h.run(h.main_cmd("TinyLm", reference_job, *BASE, flags=["--restore_step=5"]))
+  assert r.returncode == 2 and "Available steps: [4, 8, 12]" in r.stderr, r.stderr[-2000:]
+  after = _snapshot(reference_job)
+  # Nothing changed or removed but the logs, which only grow (logs/native.log is appended).
+  assert {p: after.get(p) for p in before if "/logs/" not in p} == {
+      p: v for p, v in before.items() if "/logs/" not in p}
+  assert all(after[p][0] >= before[p][0] for p in before if "/logs/" in p)
+  assert all("/logs/" in p for p in after.keys() - before.keys())  # only new log files
+  # A job_log_dir that cannot be written (its parent is a file).
+  (tmp_path / "file").write_text("x")
+  r = h.run(h.main_cmd("TinyLm", str(tmp_path / "file" / "job"), *BASE))
+  assert r.returncode == 2 and "--job_log_dir" in r.stderr and "not a writable" in r.stderr

@@ -1,0 +1,55 @@
+"""Ctrl-C: the binary saves the step it was at, exits 130 with one line, and the rerun of
+the same command resumes there on the uninterrupted run's losses."""
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+
+from spmdtask.run import checkpoints
+from tests import subproc, util
+
+STEPS = 30
+OVERRIDES = (f"task.train.num_train_steps={STEPS}", "task.train.log_interval_steps=1",
+             "task.train.summary_interval_steps=1", "task.train.save_interval_steps=1000")
+
+
+def test_ctrl_c_saves_the_current_step_and_the_rerun_resumes_on_the_same_losses(tmp_path):
+  job = str(tmp_path / "job")
+  cmd = subproc.main_cmd("lm.TinyLm", job, *OVERRIDES)
+  out_path = tmp_path / "out.txt"
+  with open(out_path, "w") as out:
+    proc = subprocess.Popen(cmd, env=subproc.env(), cwd=subproc.REPO, stdout=out,
+                            stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + 240
+    while "step 3/" not in out_path.read_text():
+      assert proc.poll() is None and time.time() < deadline, out_path.read_text()[-3000:]
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  text = out_path.read_text()
+  lines = text.splitlines()
+  assert code == 130, text[-3000:]
+  assert "Traceback" not in text
+  step = int(lines[-1].split("Interrupted at step ")[1].split(":")[0])
+  assert lines[-1] == f"Interrupted at step {step}: saved; rerun the same command to resume."
+  assert 3 <= step < STEPS, text
+  assert lines[-2].startswith(f"step {step}/{STEPS} ")  # nothing else printed in between
+  assert checkpoints.complete_steps(checkpoints.checkpoint_dir(job)) == [step]
+
+  rerun = subproc.run(cmd)
+  assert rerun.returncode == 0, rerun.stderr[-3000:]
+  assert f"Resuming from the checkpoint at step {step}; training to step {STEPS}." in rerun.stdout
+  got = subproc.train_losses(job)  # both runs' summaries: steps 1..STEPS
+  assert sorted(got) == list(range(1, STEPS + 1))
+
+  want, _, _, _ = util.train_steps("lm.TinyLm", STEPS, overrides=OVERRIDES)  # uninterrupted
+  np.testing.assert_allclose([got[s] for s in range(1, STEPS + 1)], want, rtol=1e-5)
+  print(f"interrupted at step {step}, exit {code}; resumed losses (steps {step + 1}-{STEPS}) "
+        f"{[round(got[s], 6) for s in range(step + 1, STEPS + 1)]}; uninterrupted "
+        f"{[round(float(x), 6) for x in want[step:]]}")
