@@ -163,7 +163,7 @@ class Task:
     data_axes: mesh axes the batch dim is split over by default.
     pipeline: the execution strategy of the model's layer stack (`spmdtask.core.strategy`):
       None = a remat'd scan; `pipeline.spmd.PipelineConfig` = the SPMD pipeline over the
-      `stage` mesh axis; `pipeline.mpmd_config.MpmdConfig` = the MPMD pipeline, one program
+      `stage` mesh axis; `pipeline.mpmd.config.MpmdConfig` = the MPMD pipeline, one program
       per stage on its own submesh (both need a `spmdtask.core.model.Stacked` model). Every
       strategy starts from the same initial weights; checkpoints do not depend on it.
     train: TrainParams.

@@ -3,7 +3,7 @@
 `setup(task, example_local_batch)` is the entry point: the task's execution strategy
 (`task.pipeline`, a `spmdtask.core.strategy.Strategy`; None = the scan) builds its program:
 one SPMD program (`spmd_program`) for the scan and the SPMD pipeline, per-stage programs
-(`pipeline.mpmd_program`) for MPMD. Every program implements `Program`:
+(`pipeline.mpmd.program`) for MPMD. Every program implements `Program`:
 
   live       what train / eval run on, in the strategy's layout;
   canonical  what checkpoints hold: logical (unpadded) arrays in the layout of the model

@@ -1,6 +1,6 @@
 """The execution-strategy contract: how a model's stack of identical layers runs.
 
-A strategy is `task.pipeline`'s value (None = `pipeline.scan.Scan()`, the remat'd scan):
+A strategy is `task.pipeline`'s value (None = `core.scan.Scan()`, the remat'd scan):
 `PipelineConfig` (the SPMD stage-dim pipeline) and `MpmdConfig` (one program per stage on
 its own submesh) are the others. The framework and the models call it only through
 `Strategy`, never by its type, so a new strategy is one new module that implements it

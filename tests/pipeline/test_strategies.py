@@ -167,7 +167,7 @@ def test_stage_programs_hold_activations_split_as_the_mapping_says():
       got[lw.stage] = (re.findall(r"sdy.mesh @\w+ = <([^>]*)>", text),
                        set(re.findall(r"sdy.sharding_constraint %\S+ <@\w+, (\[[^\n]*?\])>",
                                       text)), re.findall(r"manual_axes=(\{[^}]*\})", text))
-  # Each part runs per device on the data axis (one gradient reduction a step, mpmd_local):
+  # Each part runs per device on the data axis (one gradient reduction a step, mpmd.local):
   # inside, the batch dim names the automatic data axes only (fsdp).
   assert got[0][0] == ['["data"=2, "fsdp"=1, "model"=2]'] and set(got[0][2]) == {'{"data"}'}
   assert '[{"fsdp"}, {}, {"model"}, {}]' in got[0][1]  # heads [b, t, h, hd]

@@ -72,7 +72,7 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
 def test_stages_of_different_device_counts_across_processes_match_one_process(tmp_path):
   """3 stages of 2, 2 and 4 devices: process 0 owns stages 0 and 1 (TP 2, then DP 2),
   process 1 stage 2 (DP 2 x TP 2), so activations and gradients cross processes between
-  submeshes of 2 and 4 devices (mpmd_cross: a sum over their union); the losses are those
+  submeshes of 2 and 4 devices (mpmd.transfers: a sum over their union); the losses are those
   of one process driving all three stages."""
   sets = ("task.train.summary_interval_steps=1", "task.train.num_train_steps=3",
           "task.pipeline.layer_cuts=(1,2)",

@@ -1,4 +1,4 @@
-"""mpmd_parts' pure planning: which part runs its forward and backward as one program."""
+"""mpmd.parts' pure planning: which part runs its forward and backward as one program."""
 import pytest
 
 from spmdtask.pipeline.schedules import generators, generators_v

@@ -1,4 +1,4 @@
-"""mpmd_cross within one process: which sends keep their layout, and the batched copy."""
+"""mpmd.transfers within one process: which sends keep their layout, and the batched copy."""
 import jax
 import jax.numpy as jnp
 import numpy as np
