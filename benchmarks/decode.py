@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import time
 
+import common  # pylint: disable=unused-import  (the repository on sys.path; 8 CPU devices)
 import fiddle as fdl
 import jax
 
