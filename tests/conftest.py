@@ -11,4 +11,4 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def pytest_configure(config):
-  config.addinivalue_line("markers", "slow: a test that takes over ~30 s (deselect: -m 'not slow')")
+  config.addinivalue_line("markers", "slow: an end-to-end test that takes over ~20 s on 2 cores (deselect: -m 'not slow')")

@@ -1,5 +1,6 @@
 """What a person reads: the default run's console (every line spmdtask's), a finished job's
 rerun, an error with the checkpoint manager open, a diverged run; eval and decode lines."""
+import pytest
 import json
 import logging as py_logging
 import math
@@ -41,6 +42,7 @@ def run_as_user(cmd, **extra) -> subprocess.CompletedProcess:
                         text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow
 def test_default_run_console_rerun_and_nan_stop(tmp_path):
   job = str(tmp_path)
   out = run_as_user(subproc.main_cmd("lm.TinyLm", job, flags=["--cpu_devices=8"]))

@@ -19,6 +19,7 @@ def _train(exp, job_log_dir, num_steps, overrides=()):
   return loop.train(run, job_log_dir=str(job_log_dir))
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(tmp_path):
   """10 steps as TinyLmPipeline, then steps 11-20 as TinyLm and as TinyLmCircular."""
   _, _, uninterrupted = _train("lm.TinyLmPipeline", tmp_path / "ref", 20)

@@ -63,6 +63,7 @@ def _loss_and_grads(strategy: str, policy: str | None):
     ("scan-1", remat.PRESETS), ("scan-8", remat.PRESETS),
     ("spmd-pipeline-8", ("minimal", "save_qkv_proj_offloaded")),
     ("mpmd-8", ("minimal", "save_qkv_proj_offloaded"))])
+@pytest.mark.slow
 def test_presets_give_no_remats_loss_and_grads(strategy, presets):
   want_loss, want_grads = _loss_and_grads(strategy, None)
   for name in presets:

@@ -181,6 +181,7 @@ def _records_read(text: str) -> list[int]:
   return [int(n) for n in re.findall(r"has read (\d+) records", text)]
 
 
+@pytest.mark.slow
 def test_two_process_run_resumes_on_one_process_on_the_same_batches(short_dir, tmp_path):
   """2 processes each read only their rows' documents (counted by the input's reader and
   logged at each checkpoint) and train like 1 process; the job resumes on 1 process."""

@@ -129,6 +129,7 @@ def test_trains_from_files(tmp_path):
   assert len(losses) == 12 and losses[-1] < losses[0] - 1.0
 
 
+@pytest.mark.slow
 def test_two_processes_read_their_files_and_train_like_one(tmp_path):
   """2 processes x 4 devices on 2 files: each reads only its file (the input's own count,
   logged at the last checkpoint) and the losses are those of 1 process x 8 devices."""

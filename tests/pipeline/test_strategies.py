@@ -45,6 +45,7 @@ def test_cold_start_has_the_one_device_weights_and_losses(exp):
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dropout_under_the_spmd_pipeline_and_mpmd_equals_one_device():
   # The SPMD pipeline splits inside the forward: masks are the whole batch's (row ids).
   want, _, _ = tinylm(DROPOUT)
@@ -101,6 +102,7 @@ def _mpmd(cfg):
                                  submesh_shapes=((2, 1, 2), (4, 1, 1)), num_microbatches=4)
 
 
+@pytest.mark.slow
 def test_packed_text_lm_under_both_pipelines_equals_one_device(corpus):
   want, want_params, _, _ = one_device("lm.TextLm", _text(corpus))
   batch = util.build_run("lm.TextLm", _text(corpus)).datasets["train"].batch_at(0)

@@ -110,6 +110,7 @@ def test_restore_state_errors(reference_job, tmp_path):
 
 
 @pytest.mark.parametrize("target", ["2x2x2", "1 device"])
+@pytest.mark.slow
 def test_resume_on_other_mesh(tmp_path_factory, target):
   """Uneven dims: 8-way data parallel (no padding) -> data2 x fsdp2 x model2 (padded) / 1 device."""
   small = ("task.model.num_layers=2", "task.train.num_train_steps=7",

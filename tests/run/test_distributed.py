@@ -31,6 +31,7 @@ def ref(tmp_path_factory):
   return job
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_and_resume_on_one(tmp_path, ref):
   multi = str(tmp_path / "multi")
   _launch(multi, "--fdl_set=task.train.num_train_steps=6")
@@ -48,6 +49,7 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path, ref):
   np.testing.assert_allclose([resumed[7], resumed[8]], [ref_losses[7], ref_losses[8]], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_eval_and_decode_on_two_processes_match_one(tmp_path):
   job = str(tmp_path / "job")
   r = h.run(h.main_cmd("lm.TinyLm", job, *STEPS, "task.train.num_train_steps=2"))

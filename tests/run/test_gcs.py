@@ -70,6 +70,7 @@ def _losses(gcs, run_dir: str, dest: str) -> dict[int, float]:
   return h.scalars(dest)["loss"]
 
 
+@pytest.mark.slow
 def test_job_in_a_bucket(emulator, tmp_path):
   local = {k: str(tmp_path / k) for k in ("cwd", "home", "tmp")}
   for d in local.values():

@@ -1,5 +1,6 @@
 """Ctrl-C: the binary saves the step it was at, exits 130 with one line, and the rerun of
 the same command resumes there on the uninterrupted run's losses."""
+import pytest
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ OVERRIDES = (f"task.train.num_train_steps={STEPS}", "task.train.log_interval_ste
              "task.train.summary_interval_steps=1", "task.train.save_interval_steps=1000")
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_current_step_and_the_rerun_resumes_on_the_same_losses(tmp_path):
   job = str(tmp_path / "job")
   cmd = subproc.main_cmd("lm.TinyLm", job, *OVERRIDES)

@@ -75,6 +75,7 @@ def test_one_reduction_per_step_with_the_one_device_grads(schedule):
   print("data-parallel reductions per step per stage, GSPMD vs per device:", counts)
 
 
+@pytest.mark.slow
 def test_tinylm_mpmd_reduces_once_per_step_with_the_one_device_losses():
   over = ("task.pipeline.submesh_shapes=((4,1,1),(4,1,1))",)  # data 4: every reduction is DP
   want = one_device("lm.TinyLm")[0]

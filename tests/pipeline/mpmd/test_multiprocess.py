@@ -31,6 +31,7 @@ def feeds(results) -> list[tuple]:
   return out
 
 
+@pytest.mark.slow
 def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
   ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
   r = h.run(h.main_cmd("lm.TinyLmMpmd", ref, *STEPS, "task.train.num_train_steps=6"))

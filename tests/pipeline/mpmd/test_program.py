@@ -35,6 +35,7 @@ def evaluate(program, state):
   return evaluation.evaluate(program, state, eval_set)
 
 
+@pytest.mark.slow
 def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
   want_losses, want_params, want_eval = one_device(STEPS)
   losses, params, program, state = util.train_steps("lm.TinyLmMpmd", STEPS)
@@ -68,6 +69,7 @@ def _train_program(overrides, steps=3):
   return np.asarray(losses), params, program, state
 
 
+@pytest.mark.slow
 def test_zb_h1_and_interleaved_equal_1f1b():
   """Through the product: ZB-H1 (I/W split backward) and interleaved 1F1B (2 chunks per
   stage) train with 1F1B's losses and params; on the LM stages compiled FLOPs of I + W
@@ -109,6 +111,7 @@ def _train(exp, steps, job_log_dir, overrides=()):
   return loop.train(run, job_log_dir=job_log_dir, devices=devices)[2]
 
 
+@pytest.mark.slow
 def test_checkpoints_cross_between_mpmd_and_spmd(tmp_path):
   want = one_device(STEPS)[0][:10]
   # MPMD saves at step 5; lm.TinyLm (one device) resumes it.
