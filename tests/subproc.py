@@ -11,7 +11,8 @@ CACHE = os.path.join(tempfile.gettempdir(), "spmdtask_test_jax_cache")
 KILL_AFTER_SAVE = """
 import os, signal, sys
 from absl import app
-from spmdtask import checkpoints, main
+from spmdtask import main
+from spmdtask.run import checkpoints
 kill_step = int(os.environ["KILL_AFTER_COMMITTED_STEP"])
 original = checkpoints.Checkpointer.save
 def save(self, step, state, input_state):
