@@ -9,6 +9,10 @@ interface, so the loop, evaluation and checkpoints run it unchanged.
     to_canonical(state)        -> TrainState on `mesh` (all devices), the canonical layout
     from_canonical(TrainState) -> MpmdState
 
+`setup` is one pass: `stages.plan` makes every decision once (submeshes, microbatches, the
+cuts with "auto" resolved, the schedule) into the frozen `StagePlan` the program holds;
+the models and layouts, the pipelines and the step are built from it in that order.
+
 The model's loss is cut at its stage boundaries (`pipeline.split`) and run by
 `mpmd.Pipeline`; `mpmd_step.TrainStep` updates every stage with the optimizer without its
 clipping (clipping uses the norm over all stages). The loss is the model's weighted mean:
