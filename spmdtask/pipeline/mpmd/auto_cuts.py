@@ -13,9 +13,9 @@ embedding folded into layer 0 and head into layer L-1 (fewer than 3 layers: a pa
 layer). Submeshes of the same shape share one measurement, so a job compiles six small
 programs per distinct submesh shape.
 
-`choose` turns the table into the cuts of `balance.balance_table(cost)` (the slowest
-stage as fast as possible; ties: early stages shorter): `stages.plan` resolves "auto" with
-it, and the program uses the plan's cuts everywhere after. `CutCosts` gives each stage's cost next to the
+`resolve` turns "auto" into the cuts of `balance.balance_table(cost)` (the slowest stage
+as fast as possible; ties: early stages shorter) for `stages.plan`, whose cuts the program
+uses everywhere after. `CutCosts` gives each stage's cost next to the
 slowest: in the start summary with "auto" (measured anyway) and in every MPMD plan; hand-set
 cuts are measured only when the plan asks, so that starting a job costs no extra compiles.
 
@@ -24,6 +24,7 @@ Several parts per stage (num_chunks > 1) are not balanced: "auto" needs num_chun
 stage costs (`balance.stage_loads` over `schedule.owner`).
 """
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -94,16 +95,15 @@ class LazyCosts:
     return self._value
 
 
-def choose(table) -> tuple[int, ...]:
-  """The cuts that balance the cost `table` (`balance.balance_table`, module doc)."""
-  return balance.balance_table(table).cuts
-
-
-def lazy_costs(measured: Callable, cuts: tuple[int, ...], part_stage: tuple[int, ...],
-               auto: bool) -> LazyCosts:
-  """The stages' CutCosts under `cuts`, from `measured()` (the cost table, cached): with
-  "auto" measured already; hand-set cuts when first asked (the plan)."""
-  return LazyCosts(lambda: CutCosts(measured(), cuts, part_stage, auto), auto)
+def resolve(task, canonical_model, config, meshes, micro, batch_split,
+            part_stage: tuple[int, ...], auto: bool) -> tuple[tuple[int, ...], LazyCosts]:
+  """(the cuts, their LazyCosts). `auto`: the cuts that balance the measured costs
+  (`balance.balance_table`, module doc), measured now; else `config`'s cuts, measured when
+  first asked (the plan)."""
+  measured = functools.cache(lambda: measure(task, canonical_model, config, meshes, micro,
+                                             batch_split))
+  cuts = balance.balance_table(measured()).cuts if auto else tuple(config.layer_cuts)
+  return cuts, LazyCosts(lambda: CutCosts(measured(), cuts, part_stage, auto), auto)
 
 
 def measure(task, canonical_model, config, meshes, micro,

@@ -10,7 +10,6 @@ compiles its probes): layer groups from cuts, the schedule, the microbatch size,
 submeshes. `config.MpmdConfig` is the strategy that uses them, `program` the program.
 """
 import dataclasses
-import functools
 import math
 from typing import Any, Sequence
 
@@ -204,20 +203,20 @@ def plan(task, config, shapes, devices: Sequence[jax.Device]) -> StagePlan:
   if auto:  # the strategy's own checks (`MpmdConfig.validate`), once
     auto_cuts.check(config, model.num_layers)
   else:
-    layer_groups(config.layer_cuts, model.num_layers)
+    groups = layer_groups(config.layer_cuts, model.num_layers)
   schedule = make_schedule(config)
   batch_split = sharding.input_split_dims(shapes, task.train.inputs_split_mapping,
                                           task.batch_axes(), mesh_lib.mesh_shape(mesh))
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
-  measured = functools.cache(lambda: auto_cuts.measure(task, model, config, meshes, micro,
-                                                       batch_split))
-  if auto:  # "auto" -> the balanced cuts (measured now)
-    config = dataclasses.replace(config, layer_cuts=auto_cuts.choose(measured()))
-  cuts = tuple(config.layer_cuts)
-  part_stage = tuple(schedule.owner(v)[0] for v in range(len(cuts) + 1))
+  part_stage = tuple(schedule.owner(v)[0] for v in range(num_parts(config)))
+  cuts, costs = auto_cuts.resolve(task, model, config, meshes, micro, batch_split, part_stage,
+                                  auto)  # "auto": the balanced cuts, measured now
+  if auto:
+    config = dataclasses.replace(config, layer_cuts=cuts)
+    groups = layer_groups(cuts, model.num_layers)
   return StagePlan(
       config=config, layer_cuts=cuts, auto=auto, num_layers=model.num_layers,
-      groups=layer_groups(cuts, model.num_layers), schedule=schedule, num_stages=len(meshes),
+      groups=groups, schedule=schedule, num_stages=len(meshes),
       part_stage=part_stage, batch_rows=rows, num_microbatches=schedule.num_microbatches,
       microbatch_size=mb_size, micro=micro, batch_split=batch_split, meshes=meshes, mesh=mesh,
-      cut_costs=auto_cuts.lazy_costs(measured, cuts, part_stage, auto))
+      cut_costs=costs)
