@@ -13,9 +13,9 @@ embedding folded into layer 0 and head into layer L-1 (fewer than 3 layers: a pa
 layer). Submeshes of the same shape share one measurement, so a job compiles six small
 programs per distinct submesh shape.
 
-`resolve` turns "auto" into the cuts of `balance.balance_table(cost)` (the slowest
-stage as fast as possible; ties: early stages shorter) and returns the config with them,
-which the program uses everywhere after. `CutCosts` gives each stage's cost next to the
+`resolve` turns "auto" into the cuts of `balance.balance_table(cost)` (the slowest stage
+as fast as possible; ties: early stages shorter) for `stages.plan`, whose cuts the program
+uses everywhere after. `CutCosts` gives each stage's cost next to the
 slowest: in the start summary with "auto" (measured anyway) and in every MPMD plan; hand-set
 cuts are measured only when the plan asks, so that starting a job costs no extra compiles.
 
@@ -32,11 +32,10 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask.core import layouts, mesh as mesh_lib, sharding, steps, train_state
+from spmdtask.core import mesh as mesh_lib, sharding, steps, train_state
 from spmdtask.plan import xla_cost
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline.schedules import balance
-from spmdtask.pipeline.mpmd import stages
 from spmdtask.pipeline.mpmd import split as split_lib
 from spmdtask.pipeline.mpmd.parts import StageSpec, is_float
 
@@ -96,30 +95,24 @@ class LazyCosts:
     return self._value
 
 
-def resolve(task, config, meshes, micro, batch_split,
-            num_layers: int) -> tuple[object, LazyCosts]:
-  """(`config` with its cuts resolved, its LazyCosts). "auto" measures and balances now;
-  hand-set cuts are returned as they are and measured when first asked (the plan)."""
-  measured = functools.cache(lambda: measure(task, config, meshes, micro, batch_split,
-                                             num_layers))
-  auto = stages.is_auto(config.layer_cuts)
-  if auto:
-    check(config, num_layers)
-    cuts = balance.balance_table(measured()).cuts
-    config = dataclasses.replace(config, layer_cuts=cuts)
-  sched = stages.make_schedule(config)
-  part_stage = tuple(sched.owner(v)[0] for v in range(stages.num_parts(config)))
-  cuts = tuple(config.layer_cuts)
-  return config, LazyCosts(lambda: CutCosts(measured(), cuts, part_stage, auto), auto)
+def resolve(task, canonical_model, config, meshes, micro, batch_split,
+            part_stage: tuple[int, ...], auto: bool) -> tuple[tuple[int, ...], LazyCosts]:
+  """(the cuts, their LazyCosts). `auto`: the cuts that balance the measured costs
+  (`balance.balance_table`, module doc), measured now; else `config`'s cuts, measured when
+  first asked (the plan)."""
+  measured = functools.cache(lambda: measure(task, canonical_model, config, meshes, micro,
+                                             batch_split))
+  cuts = balance.balance_table(measured()).cuts if auto else tuple(config.layer_cuts)
+  return cuts, LazyCosts(lambda: CutCosts(measured(), cuts, part_stage, auto), auto)
 
 
-def measure(task, config, meshes, micro, batch_split,
-            num_layers: int) -> tuple[tuple[float, ...], ...]:
-  """cost[s][l] (module doc): per-device train FLOPs of layer l on stage s's submesh."""
-  L = num_layers
+def measure(task, canonical_model, config, meshes, micro,
+            batch_split) -> tuple[tuple[float, ...], ...]:
+  """cost[s][l] (module doc): per-device train FLOPs of layer l on stage s's submesh
+  (`canonical_model`: the task's model unpipelined)."""
+  L = canonical_model.num_layers
   probe_cuts = tuple(sorted({1, L - 1} - {0, L}))  # layer 0 | layers 1..L-2 | layer L-1
-  probe = dataclasses.replace(config, layer_cuts=probe_cuts)
-  model, _ = layouts.strategy_models(task, probe)
+  model = canonical_model.with_pipeline(dataclasses.replace(config, layer_cuts=probe_cuts))
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), micro)
   live = train_state.layout(model, optax.identity(), init_batch, mesh_lib.mesh_shape(meshes[0]))
   by_shape, table = {}, []

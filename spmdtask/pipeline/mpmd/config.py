@@ -15,10 +15,10 @@ In the model each group is its own scan `block_<g>` `[L_g, ...]`, with a `stage_
 between groups at the top level (outside scan and remat), where `pipeline.split` cuts the
 traced loss; `layout_maps` joins the groups into the canonical `block` `[L, ...]`.
 
-`layer_cuts="auto"` lets `build_program` choose the cuts (`auto_cuts.resolve`) from the
-compiled train cost of the embedding, one layer and the head on each stage's submesh; the
-program then holds this config with those cuts, which everything after it uses (model,
-layout maps, checkpoint metadata, the plan).
+`layer_cuts="auto"` lets `build_program` choose the cuts (`stages.plan`, through
+`auto_cuts`) from the compiled train cost of the embedding, one layer and the head on each
+stage's submesh; the program's `StagePlan` then holds this config with those cuts, which
+everything after it uses (model, layout maps, checkpoint metadata, the plan).
 """
 import dataclasses
 
@@ -27,7 +27,6 @@ import jax.numpy as jnp
 
 from spmdtask.core.model import LayoutMap
 from spmdtask.pipeline.mpmd import auto_cuts, program, stages
-from spmdtask.pipeline.schedules import simulate
 from spmdtask.pipeline.mpmd.split import stage_boundary
 from spmdtask.core.strategy import StackFacts
 
@@ -96,10 +95,7 @@ class MpmdConfig:
     return {"strategy": "mpmd", **dataclasses.asdict(self)}
 
   def summary(self) -> str:
-    sim = simulate.simulate(stages.make_schedule(self))
-    return (f"strategy MPMD pipeline: {self.num_stages} stages, schedule {self.schedule!r} "
-            f"({self.num_microbatches} pipeline microbatches, {self.num_chunks} chunk(s) per "
-            f"stage), simulated bubble {float(sim.bubble_fraction):.1%} (equal F/B/W costs)")
+    return stages.summary(self, stages.make_schedule(self))
 
 
 def join_groups(tree: dict) -> dict:

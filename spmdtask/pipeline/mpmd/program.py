@@ -9,6 +9,10 @@ interface, so the loop, evaluation and checkpoints run it unchanged.
     to_canonical(state)        -> TrainState on `mesh` (all devices), the canonical layout
     from_canonical(TrainState) -> MpmdState
 
+`setup` is one pass: `stages.plan` makes every decision once (submeshes, microbatches, the
+cuts with "auto" resolved, the schedule) into the frozen `StagePlan` the program holds;
+the models and layouts, the pipelines and the step are built from it in that order.
+
 The model's loss is cut at its stage boundaries (`pipeline.split`) and run by
 `mpmd.Pipeline`; `mpmd_step.TrainStep` updates every stage with the optimizer without its
 clipping (clipping uses the norm over all stages). The loss is the model's weighted mean:
@@ -43,11 +47,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from spmdtask.core import mesh as mesh_lib
 from spmdtask.core import layouts, sharding, steps, train_state
-from spmdtask.errors import ConfigError
 from spmdtask.core import global_batch
 from spmdtask.core.host_input import Share
 from spmdtask.core.model import Metrics, Model, Work
-from spmdtask.pipeline.mpmd import (auto_cuts, pipeline as mpmd, canonical as mpmd_canonical,
+from spmdtask.pipeline.mpmd import (pipeline as mpmd, canonical as mpmd_canonical,
     feed as mpmd_feed, report, stages as mpmd_stages, step as mpmd_step)
 from spmdtask.pipeline.mpmd.step import StageState
 from spmdtask.core.train_state import StateLayout, TrainState
@@ -88,6 +91,7 @@ def _sum_metrics(aux: tuple) -> Metrics:
 class MpmdProgram:
   """The per-stage programs of one task and the layouts they agree on (module doc)."""
   task: Any
+  plan: mpmd_stages.StagePlan  # every decision: cuts, schedule, microbatches, submeshes
   model: Model
   mesh: Mesh  # every device: canonical restore targets
   tx: optax.GradientTransformation  # the canonical optimizer (with clipping)
@@ -97,7 +101,6 @@ class MpmdProgram:
   live: StateLayout  # the live tree (layer groups) of base_tx, split evenly on `mesh`
   live_split: TrainState
   work: Work
-  config: Any  # the MpmdConfig strategy
   batch_specs: Any  # the global batch on `mesh` (the loop's view; stages split it)
   pipeline: mpmd.Pipeline
   step_fn: mpmd_step.TrainStep
@@ -106,17 +109,31 @@ class MpmdProgram:
   _sum: steps.Partitioned
   _to_canonical: steps.Partitioned
   _from_canonical: steps.Partitioned
-  num_layers: int
   shapes: dict  # avals of what crosses processes: "train", "eval" outputs, "stages"
   make_eval_pipeline: Any = None  # () -> the forward-only Pipeline (no dropout), built once
   feed: Share = Share()  # what this process reads of each global batch (input_share)
-  batch_rows: int = 0  # rows of the global batch
-  cut_costs: Any = None  # () -> auto_cuts.CutCosts: the stages' compiled costs (measured once)
   last_peak_residuals: tuple[int, ...] | None = None
   _feed_logged: bool = False
   _eval_pipeline: Any = None
   _last_step: tuple = (None, 0)  # (the step array train returned, its value on the host)
   reads_dropout_key: bool = True  # whether a stage part reads DROPOUT_KEY (dropout on)
+
+  @property
+  def config(self):
+    """The MpmdConfig strategy, its cuts resolved (the plan's)."""
+    return self.plan.config
+
+  @property
+  def num_layers(self) -> int:
+    return self.plan.num_layers
+
+  @property
+  def batch_rows(self) -> int:  # rows of the global batch
+    return self.plan.batch_rows
+
+  @property
+  def cut_costs(self):  # () -> auto_cuts.CutCosts: the stages' compiled costs (measured once)
+    return self.plan.cut_costs
 
   # ---- the Program interface ------------------------------------------------------------
 
@@ -141,7 +158,7 @@ class MpmdProgram:
     arr, n = self._last_step
     if arr is not state.step:
       n = int(np.asarray(state.step.addressable_shards[0].data))
-    M = self.config.num_microbatches
+    M = self.plan.num_microbatches
     if not self.reads_dropout_key:  # no dropout: nothing to compute (nor wait for)
       return np.zeros((M, *_KEY_SHAPE), np.uint32), n
     return _microbatch_keys(self.task.train.seed, n, M), n  # on a device, not read here
@@ -218,64 +235,68 @@ class MpmdProgram:
     return MpmdState(*mpmd_canonical.scatter(self, self._from_canonical(state)))
 
 
+class _States(NamedTuple):
+  """The models and the state layouts a plan gives (`_states`)."""
+  model: Model  # the model under the plan's cuts (layer groups)
+  canonical_model: Model  # the same model unpipelined
+  tx: optax.GradientTransformation
+  base_tx: optax.GradientTransformation
+  init_batch: Any  # one example row of zeros: what init traces
+  canonical: StateLayout
+  canonical_split: TrainState
+  live: StateLayout
+  live_split: TrainState
+  work: Work
+
+
 def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   """Submeshes, layouts and per-stage programs for `task` under the MpmdConfig `config`;
-  ConfigError on a bad config. `layer_cuts="auto"` is resolved first (auto_cuts) and the
-  program holds the config with the chosen cuts."""
+  ConfigError on a bad config. One pass: the stage plan (every decision, "auto" cuts
+  resolved), the models and layouts under it, the split pipelines (parts, programs,
+  runner), the train step, the program."""
   devices = list(devices if devices is not None else jax.devices())
-  meshes = mpmd_stages.submeshes(config, task.mesh_axis_names, devices)
-  mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
-                              devices)
-  model, canonical_model = layouts.strategy_models(task, config)  # cuts may be "auto" here
-  shapes = global_batch.global_shapes(example_local_batch)
-  global_size = jax.tree.leaves(shapes)[0].shape[0]
-  mb_size = mpmd_stages.check_batch(config, global_size)
-  if task.train.num_microbatches != 1:
-    raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
-                      "pipeline: the pipeline splits the batch itself; set "
-                      "task.pipeline.num_microbatches and task.train.num_microbatches=1.")
-  for s, m in enumerate(meshes):
-    model.validate(m, mb_size)
-    data = sharding.shards(task.batch_axes() or None, mesh_lib.mesh_shape(m))
-    if mb_size % data:  # the stage's activation constraints split microbatch rows
-      raise ConfigError(
-          f"task.pipeline.num_microbatches={config.num_microbatches} makes microbatches of "
-          f"{mb_size} rows, which do not split over stage {s}'s data axes "
-          f"{task.batch_axes()} ({data} shards, task.pipeline.submesh_shapes[{s}]="
-          f"{tuple(config.submesh_shapes[s])}): use fewer microbatches, a larger batch, or "
-          "fewer data shards on that stage.")
-  full = mesh_lib.mesh_shape(mesh)
-  batch_split = sharding.input_split_dims(shapes, task.train.inputs_split_mapping,
-                                          task.batch_axes(), full)
-  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
-  config, cut_costs = auto_cuts.resolve(task, config, meshes, micro, batch_split,
-                                        canonical_model.num_layers)  # "auto" -> its cuts
-  model, _ = layouts.strategy_models(task, config)
-  schedule = mpmd_stages.make_schedule(config)
+  plan = mpmd_stages.plan(task, config, global_batch.global_shapes(example_local_batch),
+                          devices)
+  st = _states(task, plan, example_local_batch)
+  micro_train = _micro_train(plan)
+  pl, make_eval, eval_loss_fn = _pipelines(task, plan, st, micro_train, devices)
+  step_fn = mpmd_step.TrainStep(pl, st.base_tx, task.train.clip_grad_norm or None,
+                                loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
+  return _program(task, plan, st, micro_train, pl, make_eval, eval_loss_fn, step_fn,
+                  example_local_batch)
+
+
+def _states(task, plan: mpmd_stages.StagePlan, example_local_batch) -> _States:
+  """The models under `plan`'s cuts and their canonical and live state layouts."""
+  model, canonical_model = layouts.strategy_models(task, plan.config)
   tp = task.train
-  tx = tp.make_optimizer()
-  base_tx = tp.optimizer(learning_rate=tp.schedule())
-  lr_schedule = tp.schedule()
+  tx, base_tx = tp.make_optimizer(), tp.optimizer(learning_rate=tp.schedule())
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
+  full = mesh_lib.mesh_shape(plan.mesh)
   # `mesh=`, not a mesh context: optax's eager bits must not run on compile-only devices
   # (a TPU topology planned on this machine).
-  canonical = train_state.layout(canonical_model, tx, init_batch, full, mesh)
-  with jax.set_mesh(mesh):
+  canonical = train_state.layout(canonical_model, tx, init_batch, full, plan.mesh)
+  with jax.set_mesh(plan.mesh):
     work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype)
                                    for k, v in init_batch.items()})
   # The live layout without a mesh (shapes and splits only); the Pipeline traces each
   # stage's part under that stage's submesh, where the activation constraints apply.
   live = train_state.layout(model, base_tx, init_batch, full)
-  canonical_split = sharding.even_splits(canonical.logical, canonical.split, full)
-  live_split = sharding.even_splits(live.logical, live.split, full)
+  return _States(model, canonical_model, tx, base_tx, init_batch, canonical,
+                 sharding.even_splits(canonical.logical, canonical.split, full), live,
+                 sharding.even_splits(live.logical, live.split, full), work)
 
+
+def _pipelines(task, plan: mpmd_stages.StagePlan, st: _States, micro_train, devices):
+  """(the train Pipeline, () -> the eval Pipeline, the eval loss): `st.model`'s loss split
+  at its stage boundaries, each part's programs on its stage's submesh."""
+  model, params = st.model, st.live.logical.params
   act = P(task.batch_axes() or None)
   specs = []
-  for m in meshes:
+  for m in plan.meshes:
     ms = mesh_lib.mesh_shape(m)
-    specs.append(mpmd.StageSpec(m, sharding.even_splits(live.logical.params, live.split.params,
-                                                        ms),
-                                sharding.even_splits(micro, batch_split, ms), act))
+    specs.append(mpmd.StageSpec(m, sharding.even_splits(params, st.live.split.params, ms),
+                                sharding.even_splits(plan.micro, plan.batch_split, ms), act))
 
   def eval_loss_fn(params, mb):  # microbatch m's loss sum (TrainStep divides by the total)
     loss, metrics = model.apply({"params": params}, mb, method=model.loss)
@@ -287,36 +308,49 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
     loss, metrics = model.apply({"params": params}, rest, method=model.loss, rngs=rngs)
     return loss * jax.lax.stop_gradient(metrics["loss"].weight), metrics
 
-  key_aval = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
-  micro_train = {**micro, DROPOUT_KEY: jax.ShapeDtypeStruct((1,) + key_aval.shape,
-                                                            key_aval.dtype)}
   train_specs = [dataclasses.replace(sp, batch_specs={**sp.batch_specs, DROPOUT_KEY: P()})
                  for sp in specs]
   # Devices this process cannot run on (a TPU topology planned here) get no arrays.
   compile_only = not set(devices) <= set(jax.devices())
-  pl = mpmd.Pipeline(loss_fn, live.logical.params, micro_train, train_specs, schedule,
+  pl = mpmd.Pipeline(loss_fn, params, micro_train, train_specs, plan.schedule,
                      has_aux=True, rows_are_sums=True, compile_only=compile_only)
+  make_eval = lambda: mpmd.Pipeline(eval_loss_fn, params, plan.micro, specs, plan.schedule,
+                                    has_aux=True, compile_only=compile_only)
+  return pl, make_eval, eval_loss_fn
+
+
+def _micro_train(plan: mpmd_stages.StagePlan) -> dict:
+  """A train microbatch: the plan's, with its dropout key (DROPOUT_KEY)."""
+  key_aval = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+  return {**plan.micro, DROPOUT_KEY: jax.ShapeDtypeStruct((1,) + key_aval.shape,
+                                                          key_aval.dtype)}
+
+
+def _program(task, plan: mpmd_stages.StagePlan, st: _States, micro_train, pl: mpmd.Pipeline,
+             make_eval, eval_loss_fn, step_fn: mpmd_step.TrainStep,
+             example_local_batch) -> MpmdProgram:
+  """The MpmdProgram: the plan, the pipelines and step, and the small programs around
+  them (init, the step's finish, eval sums, canonical conversion)."""
+  tp, base_tx, canonical, live = task.train, st.base_tx, st.canonical, st.live
+  lr_schedule = tp.schedule()
   key_leaf = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
       micro_train)[0]].index(jax.tree_util.keystr((jax.tree_util.DictKey(DROPOUT_KEY),)))
-  make_eval = lambda: mpmd.Pipeline(eval_loss_fn, live.logical.params, micro, specs, schedule,
-                                    has_aux=True, compile_only=compile_only)
-  feed = mpmd_feed.share(pl, micro_train, skip=(DROPOUT_KEY,))
-  step_fn = mpmd_step.TrainStep(pl, base_tx, tp.clip_grad_norm or None,
-                                loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
-  last_mesh = meshes[pl.part_stage[-1]]
+  last_mesh = plan.meshes[pl.part_stage[-1]]
 
   def finish(step, loss, grad_norm, param_norm, aux):
     return step + 1, {**steps.reported(_sum_metrics(aux)), "loss": loss,
                       "grad_norm": grad_norm, "param_norm": param_norm,
                       "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)}
 
-  aux = (jax.eval_shape(eval_loss_fn, live.logical.params, micro)[1],) * config.num_microbatches
+  aux = (jax.eval_shape(eval_loss_fn, live.logical.params, plan.micro)[1],) * \
+      plan.num_microbatches
   scalar = jax.ShapeDtypeStruct((), jnp.float32)
-  cross_shapes = {"train": jax.eval_shape(finish, canonical.logical.step, scalar, scalar, scalar, aux),
-            "eval": jax.eval_shape(_sum_metrics, aux),
-            "stages": [jax.eval_shape(lambda p: StageState(p, base_tx.init(p)), {
-                k: pl.param_shapes[pl.paths.index(k)] for k in keys}) for keys in pl.stage_keys]}
-  maps = model.layout_maps()
+  cross_shapes = {
+      "train": jax.eval_shape(finish, canonical.logical.step, scalar, scalar, scalar, aux),
+      "eval": jax.eval_shape(_sum_metrics, aux),
+      "stages": [jax.eval_shape(lambda p: StageState(p, base_tx.init(p)), {
+          k: pl.param_shapes[pl.paths.index(k)] for k in keys}) for keys in pl.stage_keys]}
+  maps = st.model.layout_maps()
   canonical_tree = jax.tree.structure(canonical.logical.opt_state)
   live_tree = jax.tree.structure(live.logical.opt_state)
 
@@ -333,19 +367,19 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
     opt = layouts.apply_layout_maps(opt, maps, False)
     return TrainState(state.step, params, jax.tree.unflatten(live_tree, jax.tree.leaves(opt)))
 
+  mesh, csplit, lsplit = plan.mesh, st.canonical_split, st.live_split
   return MpmdProgram(
-      task=task, model=model, mesh=mesh, tx=tx, base_tx=base_tx, canonical=canonical,
-      canonical_split=canonical_split, live=live, live_split=live_split, work=work,
-      config=config, batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
-                                                    task.batch_axes(), mesh),
+      task=task, plan=plan, model=st.model, mesh=mesh, tx=st.tx, base_tx=base_tx,
+      canonical=canonical, canonical_split=csplit, live=live, live_split=lsplit, work=st.work,
+      batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
+                                     task.batch_axes(), mesh),
       pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes,
-      num_layers=canonical_model.num_layers, feed=feed, batch_rows=global_size,
+      feed=mpmd_feed.share(pl, micro_train, skip=(DROPOUT_KEY,)),
       reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts),
-      cut_costs=cut_costs,
-      _init=steps.partition(lambda: train_state.create(canonical_model, tx,
-                                                       jax.random.key(tp.seed), init_batch),
-                            mesh, (), canonical_split),
+      _init=steps.partition(lambda: train_state.create(st.canonical_model, st.tx,
+                                                       jax.random.key(tp.seed), st.init_batch),
+                            mesh, (), csplit),
       _finish=steps.partition(finish, last_mesh, (P(), P(), P(), P(), P()), P()),
       _sum=steps.partition(_sum_metrics, last_mesh, (P(),), P()),
-      _to_canonical=steps.partition(to_canonical, mesh, (live_split,), canonical_split),
-      _from_canonical=steps.partition(from_canonical, mesh, (canonical_split,), live_split))
+      _to_canonical=steps.partition(to_canonical, mesh, (lsplit,), csplit),
+      _from_canonical=steps.partition(from_canonical, mesh, (csplit,), lsplit))

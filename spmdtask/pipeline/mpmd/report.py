@@ -15,7 +15,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spmdtask import console
 from spmdtask.core import layouts, memory
 from spmdtask.plan import xla_cost
-from spmdtask.pipeline.mpmd import stages
 from spmdtask.pipeline.schedules import simulate
 from spmdtask.core.train_state import StateLayout
 
@@ -23,7 +22,7 @@ from spmdtask.core.train_state import StateLayout
 def stage_layers(program) -> list[list[tuple[int, int]]]:
   """Per stage, the [start, end) layer ranges of the parts it runs."""
   pl = program.pipeline
-  groups = stages.layer_groups(program.config.layer_cuts, program.num_layers)
+  groups = program.plan.groups
   out = [[] for _ in pl.stages]
   for v, s in enumerate(pl.part_stage):
     out[s].append(groups[v])
@@ -42,7 +41,7 @@ def stage_state_rows(program, s: int) -> list[memory.ArrayRow]:
 def describe(program) -> list[str]:
   pl = program.pipeline
   costs = program.cut_costs(measure=False)  # measured with "auto"; hand-set: by the plan
-  lines = [program.config.summary()]
+  lines = [program.plan.summary()]
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mesh = " ".join(f"{a}={n}" for a, n in spec.mesh.shape.items())
     ids = [d.id for d in spec.mesh.devices.flat]

@@ -1,16 +1,25 @@
-"""The MPMD stage plan's pure pieces: layer groups from cuts, the schedule, the microbatch
-size and the stage submeshes (no tracing, no device work; `mpmd_config.MpmdConfig` is the
-strategy that uses them, `mpmd_program` the program).
+"""The MPMD stage plan: every decision of a program, made once (`plan` -> `StagePlan`).
+
+`plan(task, config, shapes, devices)` makes the stage submeshes and the full mesh, checks
+the batch split into microbatches and the model on every submesh, checks the cuts (or
+that "auto" can cut the stack) and makes the schedule, then resolves `layer_cuts="auto"`
+(`auto_cuts`: compiled per-layer costs, balanced); the frozen `StagePlan` holds the
+result, and everything after it (models, the Pipeline, the step, the report, the
+program) reads it. Its pieces are pure (no tracing, no device work; only "auto"
+compiles its probes): layer groups from cuts, the schedule, the microbatch size, the
+submeshes. `config.MpmdConfig` is the strategy that uses them, `program` the program.
 """
+import dataclasses
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh
 
-from spmdtask.core import mesh as mesh_lib
+from spmdtask.core import layouts, mesh as mesh_lib, sharding
 from spmdtask.errors import ConfigError
-from spmdtask.pipeline.schedules import generators, files
+from spmdtask.pipeline.mpmd import auto_cuts
+from spmdtask.pipeline.schedules import generators, files, simulate
 from spmdtask.pipeline.schedules.schedule import Schedule, validate
 
 _PL = "task.pipeline."
@@ -37,9 +46,9 @@ def num_parts(config) -> int:
 
 def check_cuts(layer_cuts: Sequence[int]) -> tuple[int, ...]:
   """The cuts as a tuple; ConfigError unless they are strictly increasing ints (or
-  "auto", which must be resolved first: `auto_cuts.resolve`)."""
+  "auto", which must be resolved first: `plan`)."""
   if is_auto(layer_cuts):
-    raise ValueError(f"{_PL}layer_cuts={AUTO!r} must be resolved (auto_cuts.resolve) first.")
+    raise ValueError(f"{_PL}layer_cuts={AUTO!r} must be resolved (stages.plan) first.")
   cuts = tuple(layer_cuts)
   if any(not isinstance(c, int) for c in cuts) or list(cuts) != sorted(set(cuts)):
     raise ConfigError(f"{_PL}layer_cuts={cuts!r} must be strictly increasing layer indices "
@@ -133,3 +142,81 @@ def submeshes(config, axis_names: Sequence[str],
     out.append(mesh_lib.create_mesh(axis_names, shape, None, list(devices)[start:start + n]))
     start += n
   return tuple(out)
+
+
+def summary(config, schedule: Schedule) -> str:
+  """The strategy's console line (`MpmdConfig.summary`) for `config` run by `schedule`."""
+  sim = simulate.simulate(schedule)
+  return (f"strategy MPMD pipeline: {config.num_stages} stages, schedule {config.schedule!r} "
+          f"({config.num_microbatches} pipeline microbatches, {config.num_chunks} chunk(s) per "
+          f"stage), simulated bubble {float(sim.bubble_fraction):.1%} (equal F/B/W costs)")
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+  """Every decision of one MPMD program (`plan`); read-only after it."""
+  config: Any  # the MpmdConfig, its layer_cuts resolved ("auto" -> the chosen cuts)
+  layer_cuts: tuple[int, ...]  # config.layer_cuts
+  auto: bool  # the cuts were chosen by layer_cuts="auto"
+  num_layers: int
+  groups: tuple[tuple[int, int], ...]  # [start, end) of each part's layers
+  schedule: Schedule
+  num_stages: int
+  part_stage: tuple[int, ...]  # the stage that runs each part
+  batch_rows: int  # rows of the global batch
+  num_microbatches: int  # M: microbatches a step (the schedule's)
+  microbatch_size: int
+  micro: Any  # one microbatch: ShapeDtypeStructs of the batch's leaves
+  batch_split: Any  # the batch's split dims on the full mesh
+  meshes: tuple[Mesh, ...]  # one submesh per stage
+  mesh: Mesh  # every device: the canonical layouts' mesh
+  cut_costs: Any = None  # auto_cuts.LazyCosts: the stages' compiled costs (measured once)
+
+  def summary(self) -> str:
+    return summary(self.config, self.schedule)
+
+
+def plan(task, config, shapes, devices: Sequence[jax.Device]) -> StagePlan:
+  """The stage plan of `task` under the MpmdConfig `config` for a global batch of `shapes`
+  (module doc); ConfigError naming the field on a bad config."""
+  meshes = submeshes(config, task.mesh_axis_names, devices)
+  mesh = mesh_lib.create_mesh(task.mesh_axis_names, task.ici_mesh_shape, task.dcn_mesh_shape,
+                              devices)
+  _, model = layouts.strategy_models(task, config)  # the canonical model: the stack's facts
+  rows = jax.tree.leaves(shapes)[0].shape[0]
+  mb_size = check_batch(config, rows)
+  if task.train.num_microbatches != 1:
+    raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
+                      "pipeline: the pipeline splits the batch itself; set "
+                      "task.pipeline.num_microbatches and task.train.num_microbatches=1.")
+  for s, m in enumerate(meshes):
+    model.validate(m, mb_size)
+    data = sharding.shards(task.batch_axes() or None, mesh_lib.mesh_shape(m))
+    if mb_size % data:  # the stage's activation constraints split microbatch rows
+      raise ConfigError(
+          f"{_PL}num_microbatches={config.num_microbatches} makes microbatches of "
+          f"{mb_size} rows, which do not split over stage {s}'s data axes "
+          f"{task.batch_axes()} ({data} shards, {_PL}submesh_shapes[{s}]="
+          f"{tuple(config.submesh_shapes[s])}): use fewer microbatches, a larger batch, or "
+          "fewer data shards on that stage.")
+  auto = is_auto(config.layer_cuts)
+  if auto:  # the strategy's own checks (`MpmdConfig.validate`), once
+    auto_cuts.check(config, model.num_layers)
+  else:
+    groups = layer_groups(config.layer_cuts, model.num_layers)
+  schedule = make_schedule(config)
+  batch_split = sharding.input_split_dims(shapes, task.train.inputs_split_mapping,
+                                          task.batch_axes(), mesh_lib.mesh_shape(mesh))
+  micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
+  part_stage = tuple(schedule.owner(v)[0] for v in range(num_parts(config)))
+  cuts, costs = auto_cuts.resolve(task, model, config, meshes, micro, batch_split, part_stage,
+                                  auto)  # "auto": the balanced cuts, measured now
+  if auto:
+    config = dataclasses.replace(config, layer_cuts=cuts)
+    groups = layer_groups(cuts, model.num_layers)
+  return StagePlan(
+      config=config, layer_cuts=cuts, auto=auto, num_layers=model.num_layers,
+      groups=groups, schedule=schedule, num_stages=len(meshes),
+      part_stage=part_stage, batch_rows=rows, num_microbatches=schedule.num_microbatches,
+      microbatch_size=mb_size, micro=micro, batch_split=batch_split, meshes=meshes, mesh=mesh,
+      cut_costs=costs)
