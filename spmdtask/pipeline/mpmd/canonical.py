@@ -41,7 +41,7 @@ def _rebuild(tx, template, subs, others):
 def gather(program, step, stages) -> TrainState:
   """Per-stage states -> the live TrainState (layer groups) on `program.mesh`."""
   pl, cross = program.pipeline, program.pipeline.cross
-  if cross.multiprocess:  # every stage's state on every device (mpmd_program doc)
+  if cross.multiprocess:  # every stage's state on every device (mpmd.program doc)
     here = lambda t: jax.tree.map(lambda x: cross.localize(x, program.mesh), t)
     step = here(step)
     stages = tuple(here(cross.broadcast(st, s, program.shapes["stages"][s]))

@@ -12,7 +12,7 @@ first, so submeshes are disjoint and must use exactly the devices of the job.
   #           layers 1-3 (+ head, loss) on devices 4-7 as data 4.
 
 In the model each group is its own scan `block_<g>` `[L_g, ...]`, with a `stage_boundary`
-between groups at the top level (outside scan and remat), where `pipeline.split` cuts the
+between groups at the top level (outside scan and remat), where `mpmd.split` cuts the
 traced loss; `layout_maps` joins the groups into the canonical `block` `[L, ...]`.
 
 `layer_cuts="auto"` lets `build_program` choose the cuts (`stages.plan`, through
@@ -46,8 +46,8 @@ class MpmdConfig:
       differ); their device counts must add up to the job's devices.
     schedule: a schedule generator name (gpipe, 1f1b, interleaved_1f1b, zb_h1, or with
       num_chunks=2 the V schedules zb_v and dualpipe_v), or the path of a schedule file:
-      spmdtask's text form (pipeline.schedule), or a torch.distributed.pipelining
-      compute_only `.csv` (one row per rank, cells like `0F0`, `2I1`; pipeline.torch_csv).
+      spmdtask's text form (pipeline.schedules.schedule), or a torch.distributed.pipelining
+      compute_only `.csv` (one row per rank, cells like `0F0`, `2I1`; pipeline.schedules.torch_csv).
       A file's stages, chunks and microbatches must match this config; it is validated.
     num_microbatches: M, the pipeline's microbatches: the global batch splits into M
       equal microbatches that the schedule interleaves (not gradient accumulation, which

@@ -7,14 +7,14 @@ jits, for every part on the submesh of the stage that runs it (schedule.virtual_
   fwd(params, batch[M, ...], m, incoming) -> (outgoing, residuals)    jax.fwd_and_bwd
   bwd(residuals, d_outgoing, grad_acc) -> (grad_acc + d_params, d_incoming)   acc donated
 
-through `steps.partition` (mpmd_programs). With `rows_are_sums` (the loss and aux are sums
+through `steps.partition` (mpmd.programs). With `rows_are_sums` (the loss and aux are sums
 over the microbatch's rows, as the MPMD program's are), a stage whose submesh splits the rows
 over data-parallel axes runs its parts per device on them and keeps grad_acc as per-device
-partial sums `[D, ...]`, reduced once after the step's last backward (mpmd_local): one
+partial sums `[D, ...]`, reduced once after the step's last backward (mpmd.local): one
 data-parallel reduction per step instead of one per microbatch. `run` walks the schedule in one Python process, dispatching
 asynchronously (no host sync inside a step), in `order`: one execution order consistent
-with every stage's list and the split's value dependencies (mpmd_parts.execution_order,
-the validator's and simulator's engine); `mpmd_run.Runner` holds the dispatch table of
+with every stage's list and the split's value dependencies (mpmd.parts.execution_order,
+the validator's and simulator's engine); `mpmd.runner.Runner` holds the dispatch table of
 F / B / I / W and measures the residual bytes each stage holds.
 
 I and W (zero-bubble schedules such as zb_h1) are B cut in two by `backward_split`: I
@@ -24,7 +24,7 @@ recomputing anything, so FLOPs(I) + FLOPs(W) = FLOPs(B).
 
 Memory: F(m, c) makes one activation set (residuals) and B or I releases it; I to W holds
 the smaller weight-grad stash. `RunResult` reports per stage the peak count and the peak
-measured bytes of both (see mpmd_run).
+measured bytes of both (see mpmd.runner).
 
 Microbatch m holds rows m, m + M, ... of the batch (as gradient accumulation splits it).
 
@@ -42,7 +42,7 @@ part uses go to stage 0 (zero gradient; weight decay still applies).
 Several processes: each stage's submesh lies in one process, which alone runs its
 programs; every process walks the same `order`, and a value (or cotangent) whose producer
 and consumer stages sit in different processes crosses with a collective both call at
-that point (mpmd_cross.Cross.move). Results then exist only where their stage does: `run`
+that point (mpmd.transfers.Cross.move). Results then exist only where their stage does: `run`
 gives None for the loss, aux and grads of stages this process does not own.
 """
 from typing import Callable, Sequence
@@ -144,7 +144,7 @@ class Pipeline:
     """Part v traced under its stage's submesh, so the model's activation sharding
     constraints (split-dims mappings) apply inside the stage; the same cut as `staged`.
     With per-device accumulation (`dp`), traced on one device's rows inside the stage's
-    manual context (mpmd_local)."""
+    manual context (mpmd.local)."""
     s = self.part_stage[v]
     if s not in self._under_mesh:
       mesh, dp = self.stages[s].mesh, self.dp[s]
@@ -171,7 +171,7 @@ class Pipeline:
     return [len(sp) > 0 and sp[0] is not None for sp in self.batch_specs[s]]
 
   def _dp_axes(self, s: int, rows_are_sums: bool) -> tuple[str, ...]:
-    """Stage s's per-device accumulation axes (mpmd_local.dp_axes), () if none. The
+    """Stage s's per-device accumulation axes (mpmd.local.dp_axes), () if none. The
     candidates split the rows of every row-split batch leaf; they hold if, traced on one
     device's rows, every differentiable value between parts keeps its rows split (a
     replicated float would need its cotangent summed over the devices)."""
@@ -215,7 +215,7 @@ class Pipeline:
         first.setdefault(k, x)
     return jax.tree.unflatten(self.params_tree, [first[k] for k in self.paths])
 
-  # ---- running (mpmd_run.Runner) ---------------------------------------------------------
+  # ---- running (mpmd.runner.Runner) ---------------------------------------------------------
 
   def run(self, stage_params: Sequence[dict], batch, weights=None) -> RunResult:
     """Forward and backward of every microbatch, in schedule order (module doc)."""
@@ -227,9 +227,9 @@ class Pipeline:
 
   def compiled_backward(self, stage_params: Sequence[dict], batch) -> dict:
     """Every part's compiled backward programs and each stage's reduction
-    (mpmd_compiled.compiled_backward)."""
+    (mpmd.compiled.compiled_backward)."""
     return compiled_backward(self.runner, stage_params, batch)
 
   def backward_flops(self, stage_params: Sequence[dict], batch) -> dict[int, tuple]:
-    """Compiled FLOPs of B, I and W per part the schedule splits (mpmd_compiled.backward_flops)."""
+    """Compiled FLOPs of B, I and W per part the schedule splits (mpmd.compiled.backward_flops)."""
     return backward_flops(self.runner, stage_params, batch)

@@ -13,18 +13,18 @@ interface, so the loop, evaluation and checkpoints run it unchanged.
 cuts with "auto" resolved, the schedule) into the frozen `StagePlan` the program holds;
 the models and layouts, the pipelines and the step are built from it in that order.
 
-The model's loss is cut at its stage boundaries (`pipeline.split`) and run by
-`mpmd.Pipeline`; `mpmd_step.TrainStep` updates every stage with the optimizer without its
+The model's loss is cut at its stage boundaries (`mpmd.split`) and run by
+`mpmd.Pipeline`; `mpmd.step.TrainStep` updates every stage with the optimizer without its
 clipping (clipping uses the norm over all stages). The loss is the model's weighted mean:
 each microbatch contributes its loss sum `loss · weight` and the step divides by the
 summed weight (Model contract), so loss and update equal the unpipelined step's.
 
-Canonical conversion: `mpmd_canonical`.
+Canonical conversion: `mpmd.canonical`.
 
 Processes. One process drives every submesh; with several (`--num_processes`) each owns
 whole stages (their submeshes lie on its devices) and runs only their programs, and the
-arrays between stages cross with collectives (mpmd_cross). Each process reads only what
-its stages consume (`input_share`, `mpmd_feed`): every row of the global batch (a stage
+arrays between stages cross with collectives (mpmd.transfers). Each process reads only what
+its stages consume (`input_share`, `mpmd.feed`): every row of the global batch (a stage
 needs every microbatch) but only the leaves its stages' parts read (e.g. the first
 stage's 'inputs', the last stage's 'targets' and 'weights'); `global_batch` drops any
 other leaf before placement, and nothing is gathered between hosts. Every process gets
@@ -204,7 +204,7 @@ class MpmdProgram:
   def global_batch(self, local_batch) -> Any:
     """Host arrays of the global batch for the pipeline, which splits them on each stage's
     submesh; with several processes, of the leaves this process's stages read, the
-    others None (`mpmd_feed.select`)."""
+    others None (`mpmd.feed.select`)."""
     out = mpmd_feed.select(local_batch, self.feed, self.batch_rows)
     if self.feed.leaves is not None and not self._feed_logged:
       self._feed_logged = True

@@ -1,11 +1,11 @@
 """A part's jitted programs on its stage's submesh: fwd, bwd and the I / W split of bwd,
-over the whole submesh (GSPMD) or per device on its data-parallel axes (mpmd_local).
+over the whole submesh (GSPMD) or per device on its data-parallel axes (mpmd.local).
 
   fwd(params, batch[M, ...], m, incoming_float, incoming_int) -> (outgoing, res, other)
   bwd(res, d_outgoing, acc) -> (acc + d_params, d_incoming)                  acc donated
   input_grad(res, d_outgoing) -> (d_incoming, stash)
   weight_grad(kept, stash, acc) -> acc + d_params                            acc donated
-  fused: the last part's fwd then bwd (or input_grad) as one program (mpmd_parts.Part)
+  fused: the last part's fwd then bwd (or input_grad) as one program (mpmd.parts.Part)
 
 For the last part `outgoing` is `(loss,)` and `other` the loss function's aux. With dp
 axes, residuals, stashes and accumulators are stacked per device; the last part's loss

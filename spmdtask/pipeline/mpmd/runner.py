@@ -148,7 +148,7 @@ class Runner:
     p.meter.hold(part.stage, (part.index, m), r)
 
   def _fused(self, p: _Pass, part: Part, m: int) -> None:
-    """F(m) and its B or I as one program (mpmd_parts.fused_part). The set is counted as
+    """F(m) and its B or I as one program (mpmd.parts.fused_part). The set is counted as
     held until the backward's turn, with no bytes: its residuals live inside the program.
     d_in is sent (and a stash kept) at the backward's turn in the order, where every
     process expects it."""
@@ -289,11 +289,11 @@ class Sends:
     """xs[k] (value values[k] on stage src's submesh) -> the devices of stages[k],
     asynchronously; None where that stage is another process's.
 
-    Across processes: a collective both call (mpmd_cross.Cross.move), x's layout kept.
+    Across processes: a collective both call (mpmd.transfers.Cross.move), x's layout kept.
 
     Within the process, with equal device counts the copy keeps x's layout: the
     destination devices arranged as x's mesh, same PartitionSpec, so every shard is a
-    device-to-device copy, and the action's copies go as one batch (mpmd_cross.copy); the
+    device-to-device copy, and the action's copies go as one batch (mpmd.transfers.copy); the
     receiving program re-splits them with a sharding constraint. (A device_put straight
     to a layout whose shards x does not have goes through the host in jax 0.10 and blocks
     until x is ready.) Different device counts fall back to that device_put.
@@ -337,7 +337,7 @@ class Sends:
 
 def stage_batches(pl, batch) -> list[dict]:
   """The Pipeline `pl`'s batch per local stage: {batch leaf: [M, rows/M, ...] on its submesh} for the leaves it
-  reads; `batch` may hold None for leaves no local stage reads (mpmd_feed)."""
+  reads; `batch` may hold None for leaves no local stage reads (mpmd.feed)."""
   M = pl.schedule.num_microbatches
   try:
     leaves = pl.batch_tree.flatten_up_to(batch)

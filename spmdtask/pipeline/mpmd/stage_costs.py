@@ -27,7 +27,7 @@ from spmdtask.pipeline.schedules import simulate
 
 def on_target(program, task, devices) -> types.SimpleNamespace:
   """The MPMD `program`'s pipeline and per-stage optimizer programs rebuilt on the
-  submeshes of `devices` (e.g. a TPU topology's): what `mpmd_report.lowerings` reads."""
+  submeshes of `devices` (e.g. a TPU topology's): what `mpmd.report.lowerings` reads."""
   src = program.pipeline
   meshes = stages.submeshes(task.pipeline, task.mesh_axis_names, devices)
   specs = [dataclasses.replace(st, mesh=m) for st, m in zip(src.stages, meshes)]
