@@ -156,21 +156,34 @@ def summary(config, schedule: Schedule) -> str:
 class StagePlan:
   """Every decision of one MPMD program (`plan`); read-only after it."""
   config: Any  # the MpmdConfig, its layer_cuts resolved ("auto" -> the chosen cuts)
-  layer_cuts: tuple[int, ...]  # config.layer_cuts
   auto: bool  # the cuts were chosen by layer_cuts="auto"
-  num_layers: int
   groups: tuple[tuple[int, int], ...]  # [start, end) of each part's layers
   schedule: Schedule
-  num_stages: int
   part_stage: tuple[int, ...]  # the stage that runs each part
   batch_rows: int  # rows of the global batch
-  num_microbatches: int  # M: microbatches a step (the schedule's)
   microbatch_size: int
   micro: Any  # one microbatch: ShapeDtypeStructs of the batch's leaves
   batch_split: Any  # the batch's split dims on the full mesh
   meshes: tuple[Mesh, ...]  # one submesh per stage
   mesh: Mesh  # every device: the canonical layouts' mesh
   cut_costs: Any = None  # auto_cuts.LazyCosts: the stages' compiled costs (measured once)
+
+  # What follows from the fields above, never stored twice.
+  @property
+  def layer_cuts(self) -> tuple[int, ...]:
+    return tuple(self.config.layer_cuts)
+
+  @property
+  def num_layers(self) -> int:
+    return self.groups[-1][1]
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.meshes)
+
+  @property
+  def num_microbatches(self) -> int:  # M: microbatches a step (the schedule's)
+    return self.schedule.num_microbatches
 
   def summary(self) -> str:
     return summary(self.config, self.schedule)
@@ -215,8 +228,6 @@ def plan(task, config, shapes, devices: Sequence[jax.Device]) -> StagePlan:
     config = dataclasses.replace(config, layer_cuts=cuts)
     groups = layer_groups(cuts, model.num_layers)
   return StagePlan(
-      config=config, layer_cuts=cuts, auto=auto, num_layers=model.num_layers,
-      groups=groups, schedule=schedule, num_stages=len(meshes),
-      part_stage=part_stage, batch_rows=rows, num_microbatches=schedule.num_microbatches,
-      microbatch_size=mb_size, micro=micro, batch_split=batch_split, meshes=meshes, mesh=mesh,
-      cut_costs=costs)
+      config=config, auto=auto, groups=groups, schedule=schedule, part_stage=part_stage,
+      batch_rows=rows, microbatch_size=mb_size, micro=micro, batch_split=batch_split,
+      meshes=meshes, mesh=mesh, cut_costs=costs)
