@@ -18,14 +18,13 @@ import functools
 import io
 
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import packing, tokenizers
 from spmdtask.core.host_input import StepIndexedInput
-from spmdtask.inputs.tfdata import write_records
+from spmdtask.inputs.tfdata import tensorflow, write_records
 
 
 def shard_name(split: str, i: int, n: int) -> str:
@@ -91,6 +90,7 @@ class DocumentReader:
             for s in np.unique(self.shard[todo])
             for d0, n in _runs(todo[self.shard[todo] == s])]  # documents number shard by shard
     if runs:
+      tf = tensorflow()
       shards, firsts, counts, _ = (np.asarray(c, np.int64) for c in zip(*runs))
       files = tf.constant(self.files)
       spec = {"tokens": tf.io.RaggedFeature(tf.int64)}

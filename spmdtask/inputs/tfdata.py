@@ -21,21 +21,34 @@ What a process reads:
 it handed out (read-ahead not yet handed out excluded); a finite pass counts every record
 it streamed.
 """
+from __future__ import annotations
+
 import dataclasses
-from typing import Iterable, Sequence
+import functools
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 
+if TYPE_CHECKING:
+  import tensorflow as tf
+
+
+@functools.cache
+def tensorflow():
+  """TensorFlow, imported on first use: only a tf.data input needs it (seconds of start-up
+  and its own console output that a synthetic-data run should not pay for)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  return tf
+
 
 def write_records(path: str, sequences: Iterable[Sequence[int]]) -> int:
   """Writes token sequences as TFRecord Examples; returns how many."""
-  n = 0
+  tf, n = tensorflow(), 0
   with tf.io.TFRecordWriter(path) as writer:
     for seq in sequences:
       feature = {"tokens": tf.train.Feature(int64_list=tf.train.Int64List(value=list(seq)))}
@@ -47,6 +60,7 @@ def write_records(path: str, sequences: Iterable[Sequence[int]]) -> int:
 
 def _round_robin(files: list[str]) -> tf.data.Dataset:
   """The files' records, one of each file in turn (a single file is read as is)."""
+  tf = tensorflow()
   if len(files) == 1:
     return tf.data.TFRecordDataset(files[0])
   return tf.data.Dataset.from_tensor_slices(files).interleave(
@@ -100,6 +114,7 @@ class TfRecordLmInput:
 
   def _dataset(self, skip: int) -> tf.data.Dataset:
     """This process's local batches from global batch `skip` on, as (read counts, tokens)."""
+    tf = tensorflow()
     index, count, local = self._where()
     files = self._files()
     # `enumerate` numbers the records as they come off the reader (0-based), so a batch

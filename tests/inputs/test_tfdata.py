@@ -1,10 +1,14 @@
 """tf.data input: exact rows, each process reading only its share, restorable position, trains
 in the loop."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.tfdata import TfRecordLmInput, write_records
+from tests import subproc
 
 SEQ = 8
 
@@ -167,3 +171,15 @@ def test_two_processes_read_their_files_and_train_like_one(tmp_path):
         [got[s] for s in range(1, 7)])
   np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
                              rtol=1e-5)
+
+
+def test_tensorflow_is_imported_only_by_a_tf_data_input():
+  """The experiments and the binary import no TensorFlow until a tf.data input is built."""
+  code = ("import sys, configs.lm, configs.llama, configs.vit, spmdtask.main\n"
+          "assert 'tensorflow' not in sys.modules\n"
+          "from spmdtask.inputs import tfdata\n"
+          "tfdata.write_records(sys.argv[1], [[1, 2, 3]])\n"
+          "assert 'tensorflow' in sys.modules\n")
+  out = subprocess.run([sys.executable, "-c", code, "/dev/null"], env=subproc.env(1),
+                       cwd=subproc.REPO, capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
