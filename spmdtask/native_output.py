@@ -13,6 +13,7 @@ terminal's stderr, so a crash is never silent. The filter is a separate process 
 crash of this one would lose what a thread had not read yet; it ignores SIGINT (Ctrl-C
 reaches the whole process group) and ends when the pipe closes.
 """
+import atexit
 import os
 import subprocess
 import sys
@@ -83,6 +84,20 @@ def capture() -> None:
   sys.stderr = os.fdopen(terminal, "w", buffering=1, encoding=sys.stderr.encoding,
                          errors="backslashreplace")
   _active = True
+  atexit.register(_finish)  # registered first, so it runs after every later exit handler
+
+
+def _finish() -> None:
+  """At exit: closes the pipe and waits for the filter, so that when this process is gone
+  so is the filter's temp file, and what it forwards has reached the terminal."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.dup2(devnull, 2)
+  os.close(devnull)
+  try:
+    _filter.wait(timeout=10)  # a child process still holding the pipe keeps it open
+  except subprocess.TimeoutExpired:
+    pass
 
 
 def log_to(path: str) -> None:
