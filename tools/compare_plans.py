@@ -1,7 +1,7 @@
 """Plans one job for two targets and prints their collectives side by side.
 
-    python tools/compare_plans.py --exp=lm.TinyLm \\
-        --fdl_set="task.ici_mesh_shape=(1, 64, 1)" --a=cpu:64 --b=tpu:v5e:8x8
+    python tools/compare_plans.py --exp=lm.TinyLm --fdl_set="task.ici_mesh_shape=(1, 64, 1)" \\
+        --fdl_set="datasets['train'].batch_size=64" --a=cpu:64 --b=tpu:v5e:8x8
 
 A target is `cpu:N` (N emulated CPU devices, --plan_devices) or `tpu:TOPOLOGY`
 (--plan_topology, XLA:TPU). Each plan runs `python -m spmdtask.main --mode=plan` in its own
