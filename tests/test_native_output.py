@@ -12,7 +12,7 @@ from spmdtask import native_output
 native_output.capture()
 os.write(2, b"a C++ library's line\\n")
 print("spmdtask's own line", file=sys.stderr)
-if sys.argv[1] != "-":
+if sys.argv[1] != "none":
   native_output.log_to(sys.argv[1])
 os.write(1, b"after the switch\\n")
 print(native_output._filter.pid)  # pylint: disable=protected-access
@@ -46,6 +46,6 @@ def test_native_lines_go_to_the_log_and_the_temp_file_is_gone_at_exit(tmp_path):
 def test_an_exit_before_the_log_dir_is_known_leaves_nothing_behind(tmp_path):
   for i in range(3):  # the race it guards against: the filter outliving the process
     (tmp_path / str(i)).mkdir()
-    code, err, left = _run(tmp_path / str(i), "-")
+    code, err, left = _run(tmp_path / str(i), "none")
     assert code == 0 and left == [], left
     assert err.strip() == "spmdtask's own line"

@@ -24,7 +24,6 @@ it streamed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
@@ -38,7 +37,6 @@ if TYPE_CHECKING:
   import tensorflow as tf
 
 
-@functools.cache
 def tensorflow():
   """TensorFlow, imported on first use: only a tf.data input needs it (seconds of start-up
   and its own console output that a synthetic-data run should not pay for)."""

@@ -57,9 +57,9 @@ def _loss_and_grads(strategy: str, policy: str | None):
   return float(metrics["loss"]), jax.device_get(program.to_canonical(state).opt_state[0].trace)
 
 
-# The 1-device scan tries every preset; 8 devices and the pipelines (slow to compile) one
-# that recomputes all, one that saves on the device and one that offloads: what differs
-# between presets is only the set of names, and that does not depend on the layout.
+# The 1-device scan tries every preset. On 8 devices the scan tries one of each kind
+# (recompute all, save on the device, offload) and the pipelines (slow to compile) one that
+# saves and one that offloads: what differs between presets is only the set of names.
 @pytest.mark.parametrize("strategy,presets", [
     ("scan-1", remat.PRESETS), ("scan-8", ("full", "save_dot_except_mlp", "minimal_offloaded")),
     ("spmd-pipeline-8", ("minimal", "save_qkv_proj_offloaded")),
