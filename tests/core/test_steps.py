@@ -9,7 +9,7 @@ STEPS = 10
 ONE = 1  # device count of the reference run
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference():
   """TinyLm on 1 device: the model shared by TinyLm, TinyLmFsdpTp and TinyLmFsdp."""
   losses, params, _, _ = util.train_steps("lm.TinyLm", STEPS, devices=jax.devices()[:ONE])

@@ -28,7 +28,7 @@ def _write_corpus(root, num_docs=24, seed=0, max_words=120):
   return os.path.join(root, "*.txt")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def byte_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp("corpus")
   pattern = _write_corpus(str(root / "txt"))
@@ -37,7 +37,7 @@ def byte_dir(tmp_path_factory):
   return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def short_dir(tmp_path_factory):
   """Documents of at most 63 bytes: each is one piece of a 64-token row."""
   root = tmp_path_factory.mktemp("short")

@@ -5,6 +5,7 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
 from spmdtask.run import loop
 from tests import subproc, util
@@ -20,6 +21,7 @@ def test_tiny_vit_on_one_device_equals_tiny_vit_tp_on_eight():
   util.assert_trees_close(eight[1], one[1], rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_vit_trains_evaluates_accuracy_and_resumes(tmp_path):
   job = str(tmp_path)
   run = util.build_run("vit.TinyVitTp", ["task.train.num_train_steps=30",

@@ -70,7 +70,7 @@ def test_tiny_vit_mpmd_equals_tiny_vit_on_one_device():
   assert float(metrics["accuracy"].weight) == 32
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
   root = tmp_path_factory.mktemp("corpus")
   rng = np.random.default_rng(0)

@@ -16,7 +16,7 @@ from tests import subproc, util
 FSDP4 = ["task.ici_mesh_shape=(1, 4, 1)"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tinylm_v5e(tmp_path_factory):
   out = tmp_path_factory.mktemp("v5e")
   run = util.build_run("lm.TinyLm", FSDP4)

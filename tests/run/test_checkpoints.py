@@ -44,7 +44,7 @@ def _snapshot(job):
   return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference_job(tmp_path_factory):
   """TinyLm, 12 uninterrupted steps on 8-way data parallel, saving every 4."""
   job = str(tmp_path_factory.mktemp("ref"))
@@ -54,6 +54,7 @@ def reference_job(tmp_path_factory):
   return job
 
 
+@pytest.mark.slow
 def test_bitwise_resume_after_sigkill(reference_job, tmp_path):
   job = str(tmp_path / "killed")
   cmd = h.main_cmd("TinyLm", job, *BASE)

@@ -22,7 +22,7 @@ def _launch(job, *args, cluster="flags"):
   return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ref(tmp_path_factory):
   """A 1-process, 8-device run of 8 steps: the losses every layout must give."""
   job = str(tmp_path_factory.mktemp("ref") / "job")
@@ -70,6 +70,7 @@ def test_eval_and_decode_on_two_processes_match_one(tmp_path):
   assert two_tokens == one_tokens and len(one_tokens) > 0
 
 
+@pytest.mark.slow
 def test_srun_environment_joins_one_job(tmp_path, ref):
   """2 processes given only what `srun` sets (no spmdtask flags) join through JAX's SLURM
   detection (the default --multihost=auto) and train like 1 process."""

@@ -17,7 +17,7 @@ BASE = ("task.train.num_train_steps=6", "task.train.save_interval_steps=3",
         "task.train.summary_interval_steps=1", "task.train.log_interval_steps=3")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def emulator():
   with gcs_emulator.Emulator("bucket") as emu:
     yield emu

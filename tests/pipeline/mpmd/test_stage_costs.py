@@ -20,7 +20,7 @@ FLAGS = ["--topology=v5e:2x2", f"--stages={S}", f"--microbatches={M}", "--layers
          f"--batch={BATCH}"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def compiled():
   args = tool._flags(FLAGS)
   target = targets.tpu(args.topology)
