@@ -1,17 +1,19 @@
 """Multi-process MPMD: 2 processes x 4 CPU devices, each owning one stage of lm.TinyLmMpmd
 (stage 0 on process 0's devices, stage 1 on process 1's), train and evaluate with the
-numbers of one process driving both stages on 8 devices, each process reading and placing
-only its stages' leaves of the global batch (no host gather), and their checkpoint
-resumes in one process on the same loss curve. Stages of different device counts (2, 2 |
+numbers of one device (training) and of one process driving both stages (eval), each process
+reading and placing only its stages' leaves of the global batch (no host gather), and their
+checkpoint resumes in one process on the same loss curve. Stages of different device counts (2, 2 |
 4) cross processes too."""
 import json
 import os
 import re
 
+import jax
 import numpy as np
 import pytest
 
 from tests import subproc as h
+from tests import util
 from tools import launch_local
 
 STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=4",
@@ -32,10 +34,11 @@ def feeds(results) -> list[tuple]:
 
 
 @pytest.mark.slow
-def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
-  ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
-  r = h.run(h.main_cmd("lm.TinyLmMpmd", ref, *STEPS, "task.train.num_train_steps=6"))
-  assert r.returncode == 0, r.stderr[-3000:]
+def test_two_processes_one_stage_each_match_one_device_and_resume(tmp_path):
+  multi = str(tmp_path / "multi")
+  # The reference: lm.TinyLm on one device, in this process (the model lm.TinyLmMpmd splits).
+  ref_losses = dict(enumerate(util.train_steps("lm.TinyLm", 6, jax.devices()[:1], (
+      "task.ici_mesh_shape=(1, 1, 1)",))[0].tolist(), start=1))
   results = launch_local.launch(
       2, 4, h.main_cmd("lm.TinyLmMpmd", multi, *STEPS, "task.train.num_train_steps=4",
                        flags=["--verbosity=0"])[3:], timeout=400, env=h.env(4))
@@ -55,18 +58,18 @@ def test_two_processes_one_stage_each_match_one_process_and_resume(tmp_path):
     two, one = [json.loads(line) for line in f.read().splitlines()[-2:]]
   assert two["step"] == one["step"] == 4 and two["weight"] == one["weight"] > 0
   np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
-  ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
+  multi_losses = h.train_losses(multi)
   assert sorted(multi_losses) == [1, 2, 3, 4]
   print("2 processes, 1 stage each: losses", [multi_losses[s] for s in range(1, 5)],
-        "1 process", [ref_losses[s] for s in range(1, 5)])
+        "1 device", [ref_losses[s] for s in range(1, 5)])
   np.testing.assert_allclose([multi_losses[s] for s in range(1, 5)],
-                             [ref_losses[s] for s in range(1, 5)], rtol=1e-5)
+                             [ref_losses[s] for s in range(1, 5)], rtol=1e-4)
   assert ref_losses[4] < ref_losses[1]  # it trains
   # The 2-process checkpoint (step 4) resumes as the SPMD lm.TinyLm in one process.
   r = h.run(h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=6"))
   assert r.returncode == 0, r.stderr[-3000:]
   resumed = h.train_losses(multi)
-  np.testing.assert_allclose([resumed[5], resumed[6]], [ref_losses[5], ref_losses[6]], rtol=1e-5)
+  np.testing.assert_allclose([resumed[5], resumed[6]], [ref_losses[5], ref_losses[6]], rtol=1e-4)
 
 
 @pytest.mark.slow

@@ -70,13 +70,13 @@ def _train_program(overrides, steps=3):
 
 
 @pytest.mark.slow
-def test_zb_h1_and_interleaved_equal_1f1b():
+def test_zb_h1_and_interleaved_equal_one_device():
   """Through the product: ZB-H1 (I/W split backward) and interleaved 1F1B (2 chunks per
-  stage) train with 1F1B's losses and params; on the LM stages compiled FLOPs of I + W
-  stay within 1.05x of the fused backward B."""
-  want, want_params, _, _ = _train_program(())
+  stage) train with the 1-device losses and params (as 1F1B does, above); on the LM stages
+  compiled FLOPs of I + W stay within 1.05x of the fused backward B."""
+  want, want_params, _ = one_device(3)
   zb, params, program, state = _train_program(("task.pipeline.schedule='zb_h1'",))
-  np.testing.assert_allclose(zb, want, rtol=1e-5)
+  np.testing.assert_allclose(zb, want, rtol=1e-4)
   util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
   assert program.last_peak_residuals == (2, 1)  # released at I: 1F1B's S - s
   batch = program.global_batch(util.build_run("lm.TinyLmMpmd").datasets["train"].batch_at(0))
@@ -89,7 +89,7 @@ def test_zb_h1_and_interleaved_equal_1f1b():
       "task.pipeline.schedule='interleaved_1f1b'", "task.pipeline.num_chunks=2",
       "task.pipeline.layer_cuts=(1, 2, 3)"))
   assert program.pipeline.part_stage == [0, 1, 0, 1]
-  np.testing.assert_allclose(interleaved, want, rtol=1e-5)
+  np.testing.assert_allclose(interleaved, want, rtol=1e-4)
   util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
 
 
