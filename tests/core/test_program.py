@@ -19,28 +19,37 @@ def _train(exp, job_log_dir, num_steps, overrides=()):
   return loop.train(run, job_log_dir=str(job_log_dir))
 
 
+@pytest.fixture(scope="session")
+def pipelined_job(tmp_path_factory):
+  """(job dir, program, losses) of 20 uninterrupted TinyLmPipeline steps, saved at 10 and 20."""
+  job = tmp_path_factory.mktemp("pipelined")
+  _, program, losses = _train("lm.TinyLmPipeline", job, 20)
+  return job, program, losses
+
+
 @pytest.mark.slow
-def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(tmp_path):
-  """10 steps as TinyLmPipeline, then steps 11-20 as TinyLm and as TinyLmCircular."""
-  _, _, uninterrupted = _train("lm.TinyLmPipeline", tmp_path / "ref", 20)
-  _, program, first = _train("lm.TinyLmPipeline", tmp_path / "pipe", 10)
-  np.testing.assert_allclose(first, uninterrupted[:10], rtol=1e-5)
-  meta = checkpoints.read_meta(str(tmp_path / "pipe"), 10)
+def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(pipelined_job,
+                                                                           tmp_path):
+  """TinyLmPipeline's step-10 checkpoint resumed for steps 11-20 as TinyLm and as
+  TinyLmCircular gives the uninterrupted run's losses."""
+  job, _, uninterrupted = pipelined_job
+  meta = checkpoints.read_meta(str(job), 10)
   assert meta["pipeline"]["num_stages"] == 2 and meta["canonical"].startswith("logical")
   assert meta["pipeline"]["strategy"] == "spmd_pipeline"
   assert (meta["pipeline_microbatches"], meta["grad_accumulation_microbatches"]) == (4, 1)
   for exp in ("lm.TinyLm", "lm.TinyLmCircular"):
-    shutil.copytree(tmp_path / "pipe", tmp_path / exp)
+    shutil.copytree(job, tmp_path / exp)
+    shutil.rmtree(tmp_path / exp / "checkpoints" / "20")  # the job as it was after step 10
     _, _, resumed = _train(exp, tmp_path / exp, 20)
     np.testing.assert_allclose(resumed, uninterrupted[10:], rtol=1e-4, err_msg=exp)
 
 
-def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(tmp_path):
-  _, program, _ = _train("lm.TinyLmPipeline", tmp_path / "pipe", 10)
-  ckpt = checkpoints.restore_state(str(tmp_path / "pipe"), program)[0]
+def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(pipelined_job, tmp_path):
+  job, program, _ = pipelined_job
+  ckpt = checkpoints.restore_state(str(job), program)[0]
   want = jax.device_get(program.to_canonical(ckpt).params)
   state, scanned, _ = _train("lm.TinyLm", tmp_path / "warm", 0,
-                             [f"task.train.init_checkpoint_dir='{tmp_path / 'pipe'}'"])
+                             [f"task.train.init_checkpoint_dir='{job}'"])
   assert int(state.step) == 0
   util.assert_trees_close(jax.device_get(scanned.to_canonical(state).params), want, rtol=0)
 
