@@ -1,16 +1,23 @@
 """Prints, and with --run executes, the commands that run spmdtask on a cluster.
 
-Cloud TPU (one slice, or several over DCN through queued resources):
+Cloud TPU (one slice, or several over DCN), through queued resources:
   python tools/launch_pod.py tpu --name=my-pod --zone=us-west4-a \
       --accelerator_type=v5litepod-256 --job_log_dir=gs://my-bucket/jobs/run1 \
       [--num_slices=2 --dcn_mesh_shape=2,1,1] [--create] [--run] -- \
       --exp=lm.TextLm --fdl_set="datasets['train'].data_dir='gs://my-bucket/data'"
-  Steps: (create the TPU VMs,) pack this checkout (`git archive HEAD`) into the job dir's
-  bucket, install it with the `tpu` extra on every worker, then run the same
-  `python -m spmdtask.main ...` on every worker. Each worker's spmdtask joins the job through
-  JAX's own Cloud TPU detection (--multihost=auto); several slices find each other through
-  the MEGASCALE_* values that queued resources give every VM, and
-  `task.dcn_mesh_shape` lays the mesh over them.
+  Steps: (request the TPU VMs as a queued resource and poll it until ACTIVE,) pack this
+  checkout (`git archive HEAD`) into the job dir's bucket, install it with the `tpu` extra
+  on every worker into a uv venv of Python 3.11 (the runtime images' python3 is 3.10;
+  --python=PATH uses one of yours), then start the same `python -m spmdtask.main ...`
+  detached on every worker (nohup setsid; output in ~/spmdtask-logs/NAME.log there). Each
+  worker's spmdtask joins the job through JAX's own Cloud TPU detection
+  (--multihost=auto); several slices find each other through the MEGASCALE_* values that
+  queued resources give every VM, and `task.dcn_mesh_shape` lays the mesh over them.
+  Then, with the same --name/--zone (and --num_slices):
+    status   the queued resource's state; on every worker: running or not, the last lines
+    logs     a worker's output (--worker, --lines, --follow)
+    stop     SIGTERM to the job on every worker (it saves a checkpoint and exits);
+             --delete also deletes the queued resource and its VMs
 
 SLURM (GPU clusters): an sbatch script, one task per GPU (JAX's SLURM detection gives each
 task the GPU numbered by its SLURM_LOCALID):
