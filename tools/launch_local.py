@@ -142,7 +142,10 @@ def run_on_console(num_processes: int, devices_per_process, main_args: list[str]
   try:
     procs = _start(num_processes, devices_per_process, main_args, None, cluster,
                    [None] + [(f, f) for f in files])
-    _wait(procs, None)
+    try:
+      _wait(procs, None)
+    except KeyboardInterrupt:  # the processes got the Ctrl-C too: they save, then exit
+      _wait(procs, None)
   finally:
     for f in files:
       f.close()
