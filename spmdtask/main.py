@@ -241,7 +241,8 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
     task = decoding.decode_task(task)
     texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
     if texts:
-      run_cfg = decoding.with_own_prompts(run_cfg, texts)
+      from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
+      run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
   program = program_lib.setup(task, run_cfg.datasets["train"].batch_at(0))
 
   def restore(step):

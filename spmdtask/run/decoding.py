@@ -35,7 +35,6 @@ from spmdtask.core import sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.core import global_batch
 from spmdtask.core.model import Decodable
-from spmdtask.inputs.prompts import TokenizedPrompts
 from spmdtask.task import DecodeParams, Task
 
 
@@ -306,14 +305,16 @@ def experiment_tokenizer(run):
       "--fdl_set=\"decode_datasets['prompts'].tokenizer='hf:PATH/tokenizer.json'\".")
 
 
-def with_own_prompts(run, texts: list[str]):
+def with_own_prompts(run, texts: list[str], prompts_input):
   """`run` decoding `texts` (one row each, through the experiment's tokenizer) instead of
   its decode datasets, batched like its first decode dataset; ConfigError for a prompt that
-  leaves no room to continue within task.decode.max_decode_len."""
+  leaves no room to continue within task.decode.max_decode_len. `prompts_input` is
+  `spmdtask.inputs.prompts.TokenizedPrompts` (the binary passes it: run/ never imports an
+  input)."""
   tokenizer = experiment_tokenizer(run)
   first = run.decode_datasets[sorted(run.decode_datasets)[0]]
-  inputs = TokenizedPrompts(texts=tuple(texts), tokenizer=tokenizer,
-                            batch_size=int(first.batch_size))
+  inputs = prompts_input(texts=tuple(texts), tokenizer=tokenizer,
+                         batch_size=int(first.batch_size))
   limit, max_seq_len = run.task.decode.max_decode_len, run.task.model.max_seq_len
   for i, (text, ids) in enumerate(zip(texts, inputs.token_ids)):
     if not ids or len(ids) >= limit:

@@ -13,7 +13,7 @@ from spmdtask.run import checkpoints, decoding
 from spmdtask import experiment
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
-from spmdtask.inputs.prompts import SyntheticPromptInput
+from spmdtask.inputs.prompts import SyntheticPromptInput, TokenizedPrompts
 from spmdtask.task import DecodeParams
 from tests import oracles, util
 
@@ -183,7 +183,7 @@ def test_own_prompts_decode_through_the_experiment_tokenizer(tmp_path, capsys, m
   program, state = util.program_and_state("TinyLm", 1)
   run = util.build_run("TinyLm", ["decode_datasets['prompts'].tokenizer='bytes'"])
   texts = ["the cat", "a mat\tsat on"]
-  own = decoding.with_own_prompts(run, texts)
+  own = decoding.with_own_prompts(run, texts, TokenizedPrompts)
   monkeypatch.setattr(console, "_echo", True)
   files = decoding.run_decode(own, program, lambda step: (state, 5), str(tmp_path))
   assert files == {"own_prompts": str(tmp_path / "decoder_out" / "own_prompts_step5.jsonl")}
@@ -203,12 +203,13 @@ def test_own_prompts_decode_through_the_experiment_tokenizer(tmp_path, capsys, m
   tok_path = util.tiny_hf_tokenizer(str(tmp_path / "tok"), ["the cat sat on the mat"] * 4)
   hf = util.build_run("TinyLm", [f"decode_datasets['prompts'].tokenizer='hf:{tok_path}'"])
   tok = tokenizers.from_spec("hf:" + tok_path)
-  assert (decoding.with_own_prompts(hf, texts).decode_datasets["own_prompts"].token_ids
-          == [tok.encode(t) for t in texts])
+  own_hf = decoding.with_own_prompts(hf, texts, TokenizedPrompts)
+  assert own_hf.decode_datasets["own_prompts"].token_ids == [tok.encode(t) for t in texts]
   with pytest.raises(ConfigError, match=r"Prompt 1 .*is \d\d tokens.*max_decode_len=32"):
-    decoding.with_own_prompts(hf, ["the cat", "the cat sat on the mat " * 10])
+    decoding.with_own_prompts(hf, ["the cat", "the cat sat on the mat " * 10],
+                              TokenizedPrompts)
   with pytest.raises(ConfigError, match="SyntheticPromptInput.*synthetic data has no tokenizer"):
-    decoding.with_own_prompts(util.build_run("TinyLm"), texts)
+    decoding.with_own_prompts(util.build_run("TinyLm"), texts, TokenizedPrompts)
   path = tmp_path / "prompts.txt"
   path.write_text("first prompt\n\n second one \n")
   assert decoding.read_prompts(["given"], str(path)) == ["given", "first prompt", " second one "]
