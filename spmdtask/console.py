@@ -167,6 +167,22 @@ def human_count(n: float) -> str:
   return f"{n:.0f}"
 
 
+def count(n: float, noun: str) -> str:
+  """`n noun`, the noun in the plural unless n is 1: "1 batch", "7 batches", "2 devices"."""
+  if n == 1:
+    return f"{n:.0f} {noun}"
+  return f"{n:.0f} {noun}{'es' if noun.endswith(('s', 'x', 'ch', 'sh')) else 's'}"
+
+
+def human_seconds(seconds: float) -> str:
+  """A short time with 3 significant digits in a readable unit: "2.54 s", "12.3 ms"."""
+  for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "µs")):
+    if abs(seconds) >= scale or unit == "µs":
+      value = seconds / scale
+      return f"{value:.3g} {unit}" if abs(value) < 1000 else f"{value:.0f} {unit}"
+  return f"{seconds} s"
+
+
 def duration(seconds: float) -> str:
   """h:mm:ss (or m:ss under an hour)."""
   s = max(0, int(round(seconds)))

@@ -63,6 +63,13 @@ _CPU_DEVICES = flags.DEFINE_integer(
 _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "Sets `data_dir` of every dataset and decode dataset that reads one "
     "(e.g. lm.TextLm's train, eval and prompts), before the --fdl_set overrides.")
+_PROMPT = flags.DEFINE_multi_string(
+    "prompt", None, "--mode=decode: continue this text (repeatable) instead of the decode "
+    "datasets' prompts, through the experiment's tokenizer; written to "
+    "decoder_out/own_prompts_step<N>.jsonl and printed.")
+_PROMPTS_FILE = flags.DEFINE_string(
+    "prompts_file", None, "--mode=decode: a text file of prompts, one per line (with or "
+    "instead of --prompt).")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
@@ -185,6 +192,8 @@ def run(argv) -> None:
                       "give one (a TPU topology, or N emulated CPU devices).")
   if (_PLAN_TOPOLOGY.value or _PLAN_DEVICES.value) and _MODE.value != "plan":
     raise ConfigError("--plan_topology / --plan_devices only apply to --mode=plan.")
+  if (_PROMPT.value or _PROMPTS_FILE.value) and _MODE.value != "decode":
+    raise ConfigError("--prompt / --prompts_file only apply to --mode=decode.")
   if _MODE.value == "plan" and _PLAN_TOPOLOGY.value:
     # JAX itself stays on the CPU (no TPU client, even where libtpu finds no chip): the
     # topology's devices are compile-only, from libtpu loaded as a plugin.
@@ -230,6 +239,10 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   task = run_cfg.task
   if _MODE.value == "decode":
     task = decoding.decode_task(task)
+    texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
+    if texts:
+      from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
+      run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
   program = program_lib.setup(task, run_cfg.datasets["train"].batch_at(0))
 
   def restore(step):

@@ -102,6 +102,15 @@ def test_eval_line_is_readable():
                                           "num_batches": 7.0})
   assert line == ("eval dataset 'eval', step 20: loss 1.5773  accuracy 0.5000  (7 batches, "
                   "weight 6400)")
+  assert evaluation.readable("eval", 20, {"loss": 1.0, "weight": 8.0, "num_batches": 1.0}) == (
+      "eval dataset 'eval', step 20: loss 1.0000  (1 batch, weight 8)")
+  assert [console.count(n, w) for n, w in ((1, "cpu device"), (8, "cpu device"), (2, "pass"))
+          ] == ["1 cpu device", "8 cpu devices", "2 passes"]
+
+
+def test_times_read_in_their_unit():
+  assert [console.human_seconds(s) for s in (2541.7e-3, 0.0123, 4.56e-5, 12345.6, 0.0)] == [
+      "2.54 s", "12.3 ms", "45.6 µs", "12346 s", "0 µs"]
 
 
 def test_a_second_decode_never_overwrites_the_first(tmp_path):

@@ -13,7 +13,9 @@ collectives (gloo). How they find each other (`--cluster`):
     --exp=lm.TinyLm --job_log_dir=/tmp/mh`
 `--devices_per_process=2,6` gives each process its own device count (e.g. an MPMD job
 whose stages have 2 and 6 devices).
-Exits with the first non-zero exit status of any process.
+Process 0's console shows here, as a single run's would; the other processes' output goes
+to `process_<i>.log` in the job dir's logs/ (a temp dir for a gs:// job dir). Exits with the
+first non-zero exit status of any process.
 """
 import argparse
 import os
@@ -62,11 +64,10 @@ def device_counts(num_processes: int, devices_per_process) -> list[int]:
   return counts
 
 
-def launch(num_processes: int, devices_per_process: int | Sequence[int], main_args: list[str],
-           timeout: float | None = None, env: dict | None = None, cluster: str = "flags"
-           ) -> list[subprocess.CompletedProcess]:
-  """Starts the processes, waits for all, returns their results (stdout/stderr captured).
-  `devices_per_process`: every process's CPU device count, or one count per process."""
+def _start(num_processes: int, devices_per_process, main_args: list[str], env: dict | None,
+           cluster: str, outputs: list) -> list[subprocess.Popen]:
+  """Starts the processes; process i writes stdout and stderr to `outputs[i]` (a pair of
+  files; None: this terminal)."""
   env = dict(env or os.environ, JAX_PLATFORMS="cpu")
   devices = [{"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
              for n in device_counts(num_processes, devices_per_process)]
@@ -80,28 +81,81 @@ def launch(num_processes: int, devices_per_process: int | Sequence[int], main_ar
     per_process = [([], slurm_env(num_processes, i, job_id)) for i in range(num_processes)]
   else:
     raise ValueError(f"cluster={cluster!r}: flags or slurm")
-  # Output goes to files, not pipes: a pipe nobody drains yet (we wait for the processes
-  # one by one) fills at 64 KiB and blocks its writer, and a blocked process never reaches
-  # jax.distributed's shutdown barrier, so the others abort there.
-  outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in per_process]
-  procs = [subprocess.Popen(
+  return [subprocess.Popen(
       [sys.executable, "-m", "spmdtask.main", *main_args, *args], cwd=ROOT,
-      env={**env, **extra, **dev}, stdout=out, stderr=err, text=True)
-      for (args, extra), dev, (out, err) in zip(per_process, devices, outs)]
-  results = []
-  for p, (out, err) in zip(procs, outs):
+      env={**env, **extra, **dev}, stdout=out and out[0], stderr=out and out[1], text=True)
+      for (args, extra), dev, out in zip(per_process, devices, outputs)]
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float | None) -> None:
+  """Waits for every process; kills them all if one runs past `timeout`."""
+  for p in procs:
     try:
       p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
       for q in procs:
         q.kill()
       raise
+
+
+def launch(num_processes: int, devices_per_process: int | Sequence[int], main_args: list[str],
+           timeout: float | None = None, env: dict | None = None, cluster: str = "flags"
+           ) -> list[subprocess.CompletedProcess]:
+  """Starts the processes, waits for all, returns their results (stdout/stderr captured).
+  `devices_per_process`: every process's CPU device count, or one count per process."""
+  # Output goes to files, not pipes: a pipe nobody drains yet (we wait for the processes
+  # one by one) fills at 64 KiB and blocks its writer, and a blocked process never reaches
+  # jax.distributed's shutdown barrier, so the others abort there.
+  outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+          for _ in range(num_processes)]
+  procs = _start(num_processes, devices_per_process, main_args, env, cluster, outs)
+  _wait(procs, timeout)
+  results = []
+  for p, (out, err) in zip(procs, outs):
     out.seek(0)
     err.seek(0)
     results.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
     out.close()
     err.close()
   return results
+
+
+def log_dir_of(main_args: list[str]) -> str:
+  """Where processes 1.. log: the job dir's logs/ when it is local, else a temp dir."""
+  job = next((a.split("=", 1)[1] for a in main_args if a.startswith("--job_log_dir=")), None)
+  if job and "://" not in job:
+    return os.path.join(os.path.abspath(job), "logs")
+  return tempfile.mkdtemp(prefix="spmdtask-launch-")
+
+
+def run_on_console(num_processes: int, devices_per_process, main_args: list[str],
+                   cluster: str = "flags") -> int:
+  """Process 0 on this terminal (its console, as a single run shows it); every other
+  process's stdout and stderr in `<log dir>/process_<i>.log` (one line says where). Returns
+  the first non-zero exit status (after the tail of that process's log), else 0."""
+  log_dir = log_dir_of(main_args)
+  os.makedirs(log_dir, exist_ok=True)
+  logs = [os.path.join(log_dir, f"process_{i}.log") for i in range(1, num_processes)]
+  print(f"launch_local: {num_processes} processes; process 0 below, the others log to "
+        f"{os.path.join(log_dir, 'process_<i>.log')}", file=sys.stderr, flush=True)
+  files = [open(path, "w") for path in logs]  # pylint: disable=consider-using-with
+  try:
+    procs = _start(num_processes, devices_per_process, main_args, None, cluster,
+                   [None] + [(f, f) for f in files])
+    try:
+      _wait(procs, None)
+    except KeyboardInterrupt:  # the processes got the Ctrl-C too: they save, then exit
+      _wait(procs, None)
+  finally:
+    for f in files:
+      f.close()
+  for i, p in enumerate(procs[1:], 1):
+    if p.returncode:
+      with open(logs[i - 1]) as f:
+        tail = f.read().splitlines()[-20:]
+      print(f"launch_local: process {i} exited {p.returncode}; the end of {logs[i - 1]}:\n"
+            + "\n".join(tail), file=sys.stderr)
+  return next((p.returncode for p in procs if p.returncode), 0)
 
 
 def main():
@@ -113,11 +167,8 @@ def main():
   args, rest = parser.parse_known_args()
   rest = [a for a in rest if a != "--"]
   counts = [int(n) for n in args.devices_per_process.split(",")]
-  results = launch(args.num_processes, counts[0] if len(counts) == 1 else counts, rest,
-                   cluster=args.cluster)
-  for i, r in enumerate(results):
-    sys.stderr.write(f"==== process {i} (exit {r.returncode}) ====\n{r.stderr[-4000:]}")
-  sys.exit(next((r.returncode for r in results if r.returncode), 0))
+  sys.exit(run_on_console(args.num_processes, counts[0] if len(counts) == 1 else counts, rest,
+                          args.cluster))
 
 
 if __name__ == "__main__":

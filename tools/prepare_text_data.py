@@ -24,6 +24,10 @@ import sys
 
 import numpy as np
 
+# TensorFlow (imported to write the TFRecords) prints start-up notices from C++ (CPU
+# features, CUDA/TensorRT probes) that say nothing about the data: errors only, unless the
+# caller set its own level. Read when TensorFlow loads, so set before any import of it.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # pylint: disable=wrong-import-position

@@ -76,6 +76,17 @@ class Program(Protocol):
     """Per-stage plan rows from `(Lowering, compiled)` pairs; [] for one program."""
 
 
+def mesh_words(program: Program) -> str:
+  """The mesh a program runs on, for the start line: `mesh data=4 model=2`, or an MPMD
+  program's stage submeshes (`stage submeshes data=2 model=2 | data=4`), not the all-device
+  mesh its checkpoints are laid out on."""
+  shape = lambda mesh: " ".join(f"{a}={s}" for a, s in mesh.shape.items())
+  stage_meshes = getattr(getattr(program, "plan", None), "meshes", None)
+  if stage_meshes:
+    return "stage submeshes " + " | ".join(shape(m) for m in stage_meshes)
+  return f"mesh {shape(program.mesh)}"
+
+
 def strategy_of(task) -> Strategy:
   """The task's execution strategy (`task.pipeline`; None = `Scan()`)."""
   return Scan() if task.pipeline is None else task.pipeline

@@ -1,4 +1,5 @@
-"""A finite synthetic prompt input for --mode=decode, deterministic per (seed, example)."""
+"""Prompt inputs for --mode=decode: synthetic ones, deterministic per (seed, example), and
+the texts a person gives (`--prompt`, `--prompts_file`) through a tokenizer."""
 import dataclasses
 
 import numpy as np
@@ -50,4 +51,32 @@ class SyntheticPromptInput(StepIndexedInput):
       start, stride = g.integers(0, self.vocab_size), g.integers(1, 8)
       prompts[i, :n] = (start + stride * np.arange(n)) % self.vocab_size
       lens[i] = n
+    return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}
+
+
+@dataclasses.dataclass
+class TokenizedPrompts(StepIndexedInput):
+  """Given prompts, one row each in order (example id = the prompt's index), encoded by
+  `tokenizer` (`encode(text) -> ids`, `decode(ids) -> text`).
+
+  Batches are like `SyntheticPromptInput`'s, `prompt_len` the longest prompt's tokens.
+  """
+  texts: tuple[str, ...] = ()
+  tokenizer: object | None = None
+  batch_size: int = 8
+  process_index: int | None = None
+  process_count: int | None = None
+
+  def __post_init__(self):
+    self.token_ids = [list(self.tokenizer.encode(t)) for t in self.texts]
+    self.num_examples = len(self.texts)
+    self.prompt_len = max(map(len, self.token_ids), default=1)
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    ids = self.local_rows(step)
+    prompts = np.zeros((len(ids), self.prompt_len), np.int32)
+    lens = np.zeros((len(ids),), np.int32)
+    for i, example in enumerate(ids):
+      toks = self.token_ids[int(example)]
+      prompts[i, :len(toks)], lens[i] = toks, len(toks)
     return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}

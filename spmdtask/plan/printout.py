@@ -7,14 +7,14 @@ def format_estimate(plan: dict) -> list[str]:
   est, chip = plan.get("estimate"), plan["target"]["chip"]
   if est is None:
     return []
-  terms = ", ".join(f"{k} {1e3 * v:.3g} ms" for k, v in est["seconds"].items())
+  terms = ", ".join(f"{k} {console.human_seconds(v)}" for k, v in est["seconds"].items())
   return [
       f"chip {chip['name']}: peak {chip['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16, HBM "
       f"{chip['hbm_bytes'] / 1e9:.1f} GB at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
       f"{'NVLink' if plan['target']['platform'] == 'gpu' else 'ICI'} "
       f"{chip['ici_bidirectional_bytes_per_s'] / 1e9:.0f} GB/s both ways ({chip['source']})",
       f"roofline per step: {terms}; bound by {est['bound']}: step >= "
-      f"{1e3 * est['step_seconds_lower_bound']:.3g} ms, tokens/s <= "
+      f"{console.human_seconds(est['step_seconds_lower_bound'])}, tokens/s <= "
       f"{console.human_count(est['tokens_per_second_upper_bound'])}, MFU <= "
       f"{100 * est['mfu_upper_bound']:.1f}%"]
 
@@ -42,6 +42,9 @@ def format_plan(plan: dict) -> list[str]:
     return lines + [f"compiler: {plan['compiler_out_of_memory']}"]
   c, f = plan["compiled"], plan["flops_per_step"]
   hbm = f" of the chip's {mb(t['chip']['hbm_bytes'])} HBM" if t["chip"] else ""
+  if t["platform"] == "cpu":  # XLA:CPU keeps far more temporaries than an accelerator's
+    hbm += (" (XLA:CPU's figures, not a TPU's or GPU's: --plan_topology compiles for the "
+            "chip)")
   lines += [
       f"compiled step per device: arguments {mb(c['argument_size_in_bytes'])}, outputs "
       f"{mb(c['output_size_in_bytes'])} (aliased {mb(c['alias_size_in_bytes'])}), temporaries "

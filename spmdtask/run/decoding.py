@@ -262,12 +262,69 @@ def write_outputs(out_dir: str, name: str, step: int, results: list[dict], token
   console.say("decode dataset %r, step %d: %d rows, %d tokens generated (%.1f tokens/s); "
               "wrote %s%s", name, step, len(rows), new_tokens, new_tokens / max(seconds, 1e-9), path,
               " (earlier decodes of this step kept)" if earlier else "")
-  if rows:
-    r = rows[0]
-    console.say("  sample id %d: prompt %s -> %s", r["id"],
-                _short(r.get("prompt_text", r["prompt_ids"])),
-                _short(r.get("output_text", r["output_ids"])))
+  # Given prompts: every continuation, in full; a dataset's: one sample.
+  own = name == OWN_PROMPTS
+  for r in rows if own else rows[:1]:
+    limit = 100_000 if own else 80
+    console.say("  %s %d: %s -> %s", "prompt" if own else "sample id", r["id"],
+                _short(r.get("prompt_text", r["prompt_ids"]), limit),
+                _short(r.get("output_text", r["output_ids"]), limit))
   return path
+
+
+OWN_PROMPTS = "own_prompts"  # the decode dataset of --prompt / --prompts_file
+
+
+def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[str]:
+  """The texts of `--prompt` (each) then `--prompts_file` (one prompt per non-empty line)."""
+  texts = list(prompts or [])
+  if prompts_file:
+    if not fs.isfile(prompts_file):
+      raise ConfigError(f"--prompts_file={prompts_file!r} does not exist. Give a text file "
+                        "with one prompt per line.")
+    lines = [l.rstrip("\r") for l in fs.read_text(prompts_file).split("\n") if l.strip()]
+    if not lines:
+      raise ConfigError(f"--prompts_file={prompts_file!r} holds no prompt. Write one prompt "
+                        "per line.")
+    texts += lines
+  return texts
+
+
+def experiment_tokenizer(run):
+  """The tokenizer of the experiment's first decode dataset that has one (sorted by name)."""
+  for name, inputs in sorted(run.decode_datasets.items()):
+    tokenizer = getattr(inputs, "tokenizer", None)
+    if tokenizer is not None:
+      return tokenizer
+  names = ", ".join(f"{n!r} ({type(i).__name__})" for n, i in sorted(run.decode_datasets.items()))
+  raise ConfigError(
+      "--prompt / --prompts_file need the experiment's tokenizer to turn text into token ids, "
+      f"but none of its decode datasets has one ({names or 'none'}; synthetic data has no "
+      "tokenizer). Use an experiment on prepared text (e.g. --exp=lm.TextLm --data_dir=DIR), "
+      "or name the tokenizer of the model's vocabulary, e.g. "
+      "--fdl_set=\"decode_datasets['prompts'].tokenizer='hf:PATH/tokenizer.json'\".")
+
+
+def with_own_prompts(run, texts: list[str], prompts_input):
+  """`run` decoding `texts` (one row each, through the experiment's tokenizer) instead of
+  its decode datasets, batched like its first decode dataset; ConfigError for a prompt that
+  leaves no room to continue within task.decode.max_decode_len. `prompts_input` is
+  `spmdtask.inputs.prompts.TokenizedPrompts` (the binary passes it: run/ never imports an
+  input)."""
+  tokenizer = experiment_tokenizer(run)
+  first = run.decode_datasets[sorted(run.decode_datasets)[0]]
+  inputs = prompts_input(texts=tuple(texts), tokenizer=tokenizer,
+                         batch_size=int(first.batch_size))
+  limit, max_seq_len = run.task.decode.max_decode_len, run.task.model.max_seq_len
+  for i, (text, ids) in enumerate(zip(texts, inputs.token_ids)):
+    if not ids or len(ids) >= limit:
+      raise ConfigError(
+          f"Prompt {i} ({_short(text, 40)}) is {len(ids)} tokens with the experiment's "
+          f"tokenizer; a decode holds task.decode.max_decode_len={limit} tokens, prompt "
+          f"included (the model's max_seq_len is {max_seq_len}). Give a non-empty prompt "
+          f"shorter than {limit} tokens, or raise --fdl_set=task.decode.max_decode_len=N "
+          f"(N <= {max_seq_len}).")
+  return dataclasses.replace(run, decode_datasets={OWN_PROMPTS: inputs})
 
 
 def _prompt_shape(name: str, inputs) -> tuple[int, int, int]:

@@ -98,8 +98,9 @@ def readable(name: str, step: int, metrics: dict[str, float]) -> str:
   """One console line: the dataset, the step, the model's metrics, then the counts."""
   shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
                     if k not in ("weight", "num_batches"))
-  return (f"eval dataset {name!r}, step {step}: {shown}  ({metrics.get('num_batches', 0):.0f} "
-          f"batches, weight {metrics.get('weight', 0):.0f})")
+  return (f"eval dataset {name!r}, step {step}: {shown}  "
+          f"({console.count(metrics.get('num_batches', 0), 'batch')}, "
+          f"weight {metrics.get('weight', 0):.0f})")
 
 
 def evaluate_all(datasets: dict[str, Any], program, padded_state, step: int,

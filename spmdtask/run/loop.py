@@ -276,10 +276,9 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
                   job_log_dir: str | None) -> list[str]:
   """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
   t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
-  mesh = " ".join(f"{a}={s}" for a, s in program.mesh.shape.items())
   devices = program.mesh.devices
-  lines = [f"{name}: {console.human_count(t['num_params'])} params on mesh {mesh} "
-           f"({devices.size} {devices.flat[0].platform} device{'s' * (devices.size > 1)}); "
+  lines = [f"{name}: {console.human_count(t['num_params'])} params on {program_lib.mesh_words(program)} "
+           f"({console.count(devices.size, devices.flat[0].platform + ' device')}); "
            f"train state "
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "

@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 
-from spmdtask.plan import hlo, planner
+from spmdtask.plan import hlo, planner, printout
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -38,6 +38,9 @@ def test_plan_bytes_equal_a_real_runs_arrays(tmp_path):
   # FSDP over 8: gathers in the forward / backward, reductions of the gradients.
   assert got["collectives"]["all-gather"]["count"] > 0
   assert got["flops_per_step"]["model"] == program.work.train_flops * 16
+  compiled_line = next(l for l in printout.format_plan(got) if l.startswith("compiled step"))
+  assert compiled_line.endswith("(XLA:CPU's figures, not a TPU's or GPU's: --plan_topology "
+                                "compiles for the chip)")
 
 
 def test_64_device_plan_and_memory_budget(tmp_path):

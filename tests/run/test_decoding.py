@@ -13,7 +13,7 @@ from spmdtask.run import checkpoints, decoding
 from spmdtask import experiment
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
-from spmdtask.inputs.prompts import SyntheticPromptInput
+from spmdtask.inputs.prompts import SyntheticPromptInput, TokenizedPrompts
 from spmdtask.task import DecodeParams
 from tests import oracles, util
 
@@ -172,3 +172,49 @@ def test_pipelined_lm_decodes_unpipelined():
   ref_params = ref_program.from_canonical(jax.device_get(canonical)).params
   ref = decoding.decode_batch(decoder("TinyLm", 1, GREEDY), ref_params, PROMPTS, 8)
   assert out == ref and len(out) == 8
+
+
+def test_own_prompts_decode_through_the_experiment_tokenizer(tmp_path, capsys, monkeypatch):
+  """--prompt texts go through the decode dataset's tokenizer, one row each, and come back
+  as text on the console and in decoder_out/ (TinyLm's vocabulary of 256 is the byte
+  tokenizer's; a Hugging Face tokenizer.json encodes them as it says)."""
+  from spmdtask import console  # pylint: disable=g-import-not-at-top
+  from spmdtask.inputs import tokenizers  # pylint: disable=g-import-not-at-top
+  program, state = util.program_and_state("TinyLm", 1)
+  run = util.build_run("TinyLm", ["decode_datasets['prompts'].tokenizer='bytes'"])
+  texts = ["the cat", "a mat\tsat on"]
+  own = decoding.with_own_prompts(run, texts, TokenizedPrompts)
+  monkeypatch.setattr(console, "_echo", True)
+  files = decoding.run_decode(own, program, lambda step: (state, 5), str(tmp_path))
+  assert files == {"own_prompts": str(tmp_path / "decoder_out" / "own_prompts_step5.jsonl")}
+  rows = [json.loads(l) for l in open(files["own_prompts"])]
+  assert [r["id"] for r in rows] == [0, 1]
+  assert [r["prompt_text"] for r in rows] == texts
+  assert [r["prompt_ids"] for r in rows] == [list(t.encode()) for t in texts]
+  for r in rows:  # greedy, no eos: every row fills max_decode_len
+    assert len(r["prompt_ids"]) + len(r["output_ids"]) == 32
+    assert r["output_text"] == tokenizers.ByteTokenizer().decode(r["output_ids"])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("decode dataset 'own_prompts', step 5: 2 rows, "
+                           f"{sum(len(r['output_ids']) for r in rows)} tokens generated")
+  assert out[1:] == [f"  prompt {i}: {t!r} -> {r['output_text']!r}"
+                     for i, (t, r) in enumerate(zip(texts, rows))]
+
+  tok_path = util.tiny_hf_tokenizer(str(tmp_path / "tok"), ["the cat sat on the mat"] * 4)
+  hf = util.build_run("TinyLm", [f"decode_datasets['prompts'].tokenizer='hf:{tok_path}'"])
+  tok = tokenizers.from_spec("hf:" + tok_path)
+  own_hf = decoding.with_own_prompts(hf, texts, TokenizedPrompts)
+  assert own_hf.decode_datasets["own_prompts"].token_ids == [tok.encode(t) for t in texts]
+  with pytest.raises(ConfigError, match=r"Prompt 1 .*is \d\d tokens.*max_decode_len=32"):
+    decoding.with_own_prompts(hf, ["the cat", "the cat sat on the mat " * 10],
+                              TokenizedPrompts)
+  with pytest.raises(ConfigError, match="SyntheticPromptInput.*synthetic data has no tokenizer"):
+    decoding.with_own_prompts(util.build_run("TinyLm"), texts, TokenizedPrompts)
+  path = tmp_path / "prompts.txt"
+  path.write_text("first prompt\n\n second one \n")
+  assert decoding.read_prompts(["given"], str(path)) == ["given", "first prompt", " second one "]
+  path.write_text("\n \n")
+  with pytest.raises(ConfigError, match="holds no prompt"):
+    decoding.read_prompts(None, str(path))
+  with pytest.raises(ConfigError, match="does not exist"):
+    decoding.read_prompts(None, str(tmp_path / "none.txt"))

@@ -11,6 +11,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.pipeline.schedules import balance
 from spmdtask.pipeline.mpmd import report
 from spmdtask.pipeline.mpmd.config import MpmdConfig
+from spmdtask.core import program as program_lib
 from spmdtask.core.strategy import StackFacts
 from tests import util
 
@@ -38,6 +39,9 @@ def test_auto_cuts_balance_compiled_costs_and_train_like_one_device():
   assert f"layers 0-1 + embedding, cost {costs.ratios[0]:.2f} of the slowest" in lines[1]
   assert "layers 2-7 + head and loss, cost 1.00 of the slowest" in lines[2]
   assert "layer_cuts (2,) (chosen by layer_cuts='auto')" in lines[-1]
+  # The start line names the meshes the stages run on, not the all-device one.
+  assert program_lib.mesh_words(program) == (
+      "stage submeshes data=2 fsdp=1 model=1 | data=6 fsdp=1 model=1")
   want, want_params, _, _ = util.train_steps("lm.TinyLmMpmdAuto", STEPS, jax.devices()[:1],
                                              UNPIPELINED)
   np.testing.assert_allclose(losses, want, rtol=1e-5)

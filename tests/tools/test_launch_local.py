@@ -1,0 +1,18 @@
+"""tools/launch_local.py on the console: process 0's output on this terminal, every other
+process's in the job dir's logs/process_<i>.log."""
+from spmdtask import registry
+from tools import launch_local
+
+
+def test_process_0_on_the_console_the_others_in_their_logs(tmp_path, capfd):
+  job = tmp_path / "job"
+  status = launch_local.run_on_console(
+      2, 1, ["--list_experiments", f"--job_log_dir={job}"])
+  out, err = capfd.readouterr()
+  assert status == 0
+  names = registry.names()
+  assert out.splitlines() == names  # once: process 0's
+  assert err.splitlines() == [f"launch_local: 2 processes; process 0 below, the others log to "
+                              f"{job}/logs/process_<i>.log"]
+  for i in (1,):
+    assert (job / "logs" / f"process_{i}.log").read_text().splitlines() == names
