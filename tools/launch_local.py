@@ -69,7 +69,10 @@ def _start(num_processes: int, devices_per_process, main_args: list[str], env: d
   """Starts the processes; process i writes stdout and stderr to `outputs[i]` (a pair of
   files; None: this terminal)."""
   env = dict(env or os.environ, JAX_PLATFORMS="cpu")
-  devices = [{"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+  # The caller's other XLA flags stay; only each process's device count is its own.
+  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count"))
+  devices = [{"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
              for n in device_counts(num_processes, devices_per_process)]
   if cluster == "flags":
     port = free_port()
