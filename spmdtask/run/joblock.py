@@ -7,8 +7,8 @@ expiry), so a second job can name it. How the lock is held:
 - gs://: an object created with `ifGenerationMatch=0`, so of several creators exactly one
   wins. The holder rewrites it every LEASE_S / 4 seconds from a daemon thread, conditioned on
   its own generation, moving the lease on. A record whose lease has passed is a job that is
-  gone (SIGKILLed, its VM lost) and is replaced, conditioned on the generation read, so again
-  one of several starters wins.
+  gone (SIGKILLed, its VM lost), as is one of this host whose process has ended; either is
+  replaced, conditioned on the generation read, so again one of several starters wins.
 - Other URL schemes (memory://, s3://): not locked.
 Eval, decode and plan take no lock: evaluating a job's checkpoints while it trains is normal.
 Multi-process jobs: process 0 holds the lock; it tells the others the outcome through JAX's
@@ -65,6 +65,22 @@ def describe(holder: dict | None) -> str:
     return "another process (its record is not readable yet)"
   return (f"process {holder.get('pid')} on {holder.get('host')} (started "
           f"{_when(holder.get('started', 0))})")
+
+
+def _gone(holder: dict) -> bool:
+  """A leased holder known to be gone: its lease has passed, or it ran on this host and its
+  process has ended (a rerun after a kill need not wait for the lease)."""
+  if (holder.get("lease_until") or 0) <= time.time():
+    return True
+  if holder.get("host") != socket.gethostname():
+    return False
+  try:
+    os.kill(int(holder["pid"]), 0)
+  except ProcessLookupError:
+    return True
+  except (OSError, ValueError):  # another user's process, or a bad record
+    pass
+  return False
 
 
 class LocalLock:
@@ -149,7 +165,7 @@ class GcsLock:
       if found is None:
         continue
       holder = _parse(data)
-      if holder and (holder.get("lease_until") or 0) > time.time():
+      if holder and not _gone(holder):
         raise Held(holder)
       try:
         self._write(record, if_generation_match=found.generation)
