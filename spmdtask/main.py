@@ -194,6 +194,9 @@ def run(argv) -> None:
   use_cpu_devices(_CPU_DEVICES.value)
   joined = init_distributed()
   backend_log = console.init_backends()
+  if joined is not None:
+    from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
+    peers.watch(_JOB_LOG_DIR.value)  # a lost process stops the others, naming it
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
   from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
