@@ -3,15 +3,18 @@ others stop within about LOST_S seconds, each with one line naming it and the ne
 checkpoint, and exit EXIT_LOST_PEER.
 
 JAX's own detection (its coordination service's heartbeats, `heartbeat_timeout_seconds` of
-`jax.distributed.initialize`) ends a survivor with a C++ fatal error, an abort (exit 134) and
-no word of which process was lost; and a survivor waiting in a collective for the lost one
+`jax.distributed.initialize`) ends a survivor with a C++ fatal error, an abort (exit 134), a
+stack dump and no word of which process was lost. Its client takes a missed-heartbeat
+callback instead, but not one written in Python: jaxlib 0.10.2 fails to pass it the status
+(std::bad_cast, another abort). And a survivor waiting in a collective for the lost process
 cannot be reached from Python. So every process writes a beat to JAX's distributed key-value
 store every BEAT_S seconds and reads everyone's. A peer whose beat has not moved for LOST_S
 (or process 0, the store's host, not answering for as long) is lost: the watching thread
 prints the line and ends its process with `os._exit` (committed checkpoints stay as they are;
 an unfinished one is never used). JAX's heartbeat timeout is set above LOST_S
-(`cluster.JAX_HEARTBEAT_S`), a backstop. A process that ends marks itself done at exit, so the
-others never count it lost while they finish.
+(`cluster.JAX_HEARTBEAT_S`), as a backstop. A process that ends marks itself done at exit,
+so the others never count it lost while they finish. Not covered: when process 0 itself is
+lost, JAX's client on the others aborts at once (it polls the coordinator for errors).
 """
 import atexit
 import os
