@@ -213,6 +213,20 @@ class Staged:
       shutil.rmtree(self.local, ignore_errors=True)
 
 
+def gcs_client():
+  """google-cloud-storage's client (gcsfs's own dependency; it honours STORAGE_EMULATOR_HOST
+  too) with the default credentials, or anonymous where there are none, as gcsfs would ask.
+  For what gcsfs does not offer: a probe without retries, writes conditioned on an object's
+  generation (the job lock)."""
+  # pylint: disable=g-import-not-at-top
+  import google.auth.exceptions
+  from google.cloud import storage
+  try:
+    return storage.Client()
+  except google.auth.exceptions.DefaultCredentialsError:
+    return storage.Client.create_anonymous_client()
+
+
 def unreachable(path: str, timeout_s: float = 20.0) -> str | None:
   """None if the bucket of URL `path` can be listed; else why not, within ~timeout_s.
 
@@ -224,20 +238,14 @@ def unreachable(path: str, timeout_s: float = 20.0) -> str | None:
   if not str(path).startswith(("gs://", "gcs://")):
     return None
   # pylint: disable=g-import-not-at-top
-  import google.auth.exceptions
   from google.api_core import exceptions as api_exceptions
-  from google.cloud import storage
   import requests
   bucket = str(path).split("://", 1)[1].split("/")[0]
   result: list = []
 
   def probe():
     try:
-      try:
-        client = storage.Client()
-      except google.auth.exceptions.DefaultCredentialsError:
-        client = storage.Client.create_anonymous_client()
-      next(iter(client.list_blobs(bucket, max_results=1, timeout=timeout_s / 2, retry=None)),
+      next(iter(gcs_client().list_blobs(bucket, max_results=1, timeout=timeout_s / 2, retry=None)),
            None)
       result.append(None)
     except api_exceptions.NotFound:

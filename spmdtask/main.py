@@ -1,4 +1,5 @@
 """The spmdtask binary: `python -m spmdtask.main --exp=NAME --job_log_dir=DIR --mode=train`."""
+import contextlib
 import dataclasses
 import os
 import sys
@@ -202,19 +203,32 @@ def run(argv) -> None:
   use_cpu_devices(_CPU_DEVICES.value)
   joined = init_distributed()
   backend_log = console.init_backends()
+  if joined is not None:
+    from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
+    peers.watch(_JOB_LOG_DIR.value)  # a lost process stops the others, naming it
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
-  import jax  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import loop  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
-  console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
-  if joined is not None:
-    from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
-    console.say("%s", cluster.describe(joined))
-  if backend_log:
-    logging.info("While JAX initialized its backends: %s", backend_log)
+  # One training per job dir, held before anything (the log included) is written there.
+  with (joblock.held(_JOB_LOG_DIR.value) if _MODE.value == "train"
+        else contextlib.nullcontext()) as took_over:
+    console.setup(_JOB_LOG_DIR.value, console.verbose_flags_given())
+    if joined is not None:
+      from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
+      console.say("%s", cluster.describe(joined))
+    if took_over:
+      console.say("%s", took_over)
+    if backend_log:
+      logging.info("While JAX initialized its backends: %s", backend_log)
+    run_mode(run_cfg, config_text)
+
+
+def run_mode(run_cfg, config_text: str) -> None:
+  """--mode's work, once the console is set up (and, for train, the job dir locked)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import loop  # pylint: disable=g-import-not-at-top
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,

@@ -4,9 +4,12 @@
 it (gcsfs: STORAGE_EMULATOR_HOST; tensorstore, i.e. orbax's arrays:
 TENSORSTORE_GCS_HTTP_URL) and a gcsfs filesystem for the test itself to look in it.
 
-One gap of the emulator is filled as GCS behaves: an object download carries the
+Two gaps of the emulator are filled as GCS behaves: an object download carries the
 object's generation in `x-goog-generation` (tensorstore's OCDBT reads its manifest's
-generation there to commit the next write; without it: "Malformed StorageGeneration").
+generation there to commit the next write; without it: "Malformed StorageGeneration"); and a
+simple upload or a delete with `ifGenerationMatch` (0: the object must not exist; N: its live
+generation must be N) is refused with 412 when the condition fails (the job lock relies on it;
+the emulator ignores the parameter).
 """
 import socket
 import subprocess
@@ -34,6 +37,45 @@ def download(request, response, storage, *args, **kwargs):
     pass
   return _download(request, response, storage, *args, **kwargs)
 objects.download = download  # before the server module builds its routes
+
+import threading
+from http import HTTPStatus
+from gcp_storage_emulator import storage as storage_module
+_wanted = threading.local()
+class _NotMet(Exception):
+  pass
+def _generation(storage, bucket, name):
+  try:
+    return str(storage.get_file_obj(bucket, name)["generation"])
+  except Exception:  # NotFound
+    return "0"
+def _refuse(response):
+  response.status = HTTPStatus.PRECONDITION_FAILED
+  response.json({"error": {"code": 412, "message": "At least one of the pre-conditions you "
+                           "specified did not hold.", "errors": [{"reason": "conditionNotMet"}]}})
+_create_file = storage_module.Storage.create_file
+def create_file(self, bucket_name, file_name, *args, **kwargs):
+  want = getattr(_wanted, "generation", None)
+  if want is not None and _generation(self, bucket_name, file_name) != want:
+    raise _NotMet()
+  return _create_file(self, bucket_name, file_name, *args, **kwargs)
+storage_module.Storage.create_file = create_file
+_insert, _delete = objects.insert, objects.delete
+def insert(request, response, storage, *args, **kwargs):
+  _wanted.generation = request.query.get("ifGenerationMatch", [None])[0]
+  try:
+    return _insert(request, response, storage, *args, **kwargs)
+  except _NotMet:
+    _refuse(response)
+  finally:
+    _wanted.generation = None
+def delete(request, response, storage, *args, **kwargs):
+  want = request.query.get("ifGenerationMatch", [None])[0]
+  if want is not None and _generation(storage, request.params["bucket_name"],
+                                      request.params["object_id"]) != want:
+    return _refuse(response)
+  return _delete(request, response, storage, *args, **kwargs)
+objects.insert, objects.delete = insert, delete
 from gcp_storage_emulator.__main__ import main
 main(sys.argv[1:])
 """

@@ -8,6 +8,7 @@ Three ways, first match wins:
    with no arguments, so JAX reads the coordinator, process count and index from that
    environment exactly as it documents;
 3. none of them: one process, as on a laptop (`--multihost=true` then is a ConfigError).
+A joined process watches the others (`peers`): a lost one stops the job within a minute.
 
 The environment is told apart with JAX's own `is_env_present` (never re-parsed here), so a
 cluster JAX learns to detect is detected here too.
@@ -15,6 +16,9 @@ cluster JAX learns to detect is detected here too.
 from spmdtask.errors import ConfigError
 
 MODES = ("auto", "true", "false")
+# JAX's own lost-process detection (a fatal abort) stays behind spmdtask's (`peers.LOST_S`),
+# as a backstop well within a minute.
+JAX_HEARTBEAT_S = 50
 
 
 def describe(how: str) -> str:
@@ -49,7 +53,8 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
       raise ConfigError("--coordinator_address needs --num_processes and --process_id (this "
                         "process's index, 0-based), the same on every process but the index.")
     _cpu_collectives(jax)
-    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               heartbeat_timeout_seconds=JAX_HEARTBEAT_S)
     return "flags"
   if multihost == "false":
     return None
@@ -64,7 +69,8 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
     return None
   _cpu_collectives(jax)
   # Naming the detected method makes JAX use exactly that environment.
-  jax.distributed.initialize(cluster_detection_method=getattr(env, "name", "") or None)
+  jax.distributed.initialize(cluster_detection_method=getattr(env, "name", "") or None,
+                             heartbeat_timeout_seconds=JAX_HEARTBEAT_S)
   return getattr(env, "name", "") or env.__name__
 
 
