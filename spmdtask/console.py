@@ -47,7 +47,7 @@ class _ConsoleRecords(py_logging.Handler):
     self.show = False
 
   def emit(self, record):
-    if not (record.levelno >= py_logging.ERROR or _ours(record)
+    if not (record.levelno >= py_logging.ERROR and not _library_errors_muted or _ours(record)
             or record.name in _SHOWN_LOGGERS):
       return
     if self.pending is not None:
@@ -82,6 +82,20 @@ def _print_record(record: py_logging.LogRecord) -> None:
 
 
 _records: _ConsoleRecords | None = None
+_library_errors_muted = 0  # > 0 inside `library_errors_to_log`
+
+
+@contextlib.contextmanager
+def library_errors_to_log():
+  """Meanwhile other libraries' ERROR records (from any thread) go to the log only: for
+  calls whose failure spmdtask reports in its own words (e.g. orbax reading a damaged
+  checkpoint, which logs the file's bytes)."""
+  global _library_errors_muted
+  _library_errors_muted += 1
+  try:
+    yield
+  finally:
+    _library_errors_muted -= 1
 
 
 def start(verbose: bool) -> None:

@@ -70,7 +70,8 @@ def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | No
       max_to_keep=max_to_keep,
       create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
       enable_async_checkpointing=True)
-  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  with console.library_errors_to_log():  # orbax logs a damaged step's metadata bytes
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
 def _is_complete(step_dir: str) -> bool:
@@ -144,21 +145,27 @@ def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
   why = checkpoint_check.problem(fs.join(directory, str(step)))
   if why:
     raise unreadable(directory, step, why, own, resume, cheap_check_passed=False)
-  targets = program.canonical_targets()
   try:
-    metadata = mngr.item_metadata(step)
-    for item in ARRAY_ITEMS:
-      if item in items:
-        _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
-    args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
-    args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
-    return mngr.restore(step, args=ocp.args.Composite(**args))
+    with console.library_errors_to_log():
+      return _read(mngr, directory, program, step, items)
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
     logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
     raise unreadable(directory, step, _innermost_reason(e), own, resume,
                      cheap_check_passed=True) from None
+
+
+def _read(mngr, directory: str, program, step: int, items) -> dict[str, Any]:
+  """orbax's restore of `items` of `step`, after checking the arrays' shapes."""
+  targets = program.canonical_targets()
+  metadata = mngr.item_metadata(step)
+  for item in ARRAY_ITEMS:
+    if item in items:
+      _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
+  args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
+  args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
+  return mngr.restore(step, args=ocp.args.Composite(**args))
 
 
 def _innermost_reason(error: BaseException) -> str:
@@ -323,7 +330,8 @@ class Checkpointer:
                   "s" if len(steps) > 1 else "", ", ".join(map(str, steps)), aside)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("spmdtask_unreadable_moved")
-    self._mngr.reload()
+    with console.library_errors_to_log():
+      self._mngr.reload()
 
   def _drop_incomplete(self) -> None:
     """Removes uncommitted step dirs so a new save of that step can happen (process 0)."""
@@ -333,7 +341,8 @@ class Checkpointer:
       if not _is_complete(path):
         logging.warning("Removing incomplete checkpoint %s.", path)
         fs.rm(path, recursive=True)
-    self._mngr.reload()
+    with console.library_errors_to_log():
+      self._mngr.reload()
 
   def reached_preemption(self, step: int) -> bool:
     """JAX's multi-host preemption sync point: True at the same step on every process."""
