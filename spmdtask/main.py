@@ -298,6 +298,7 @@ def _fail(message: str, status: int, log: bool = False) -> None:
     logging.info("%s", message)  # into job_log_dir/logs too
   logging.flush()
   console.show_held_records()
+  console.libraries_to_log()  # what they print while the process ends
   print(message, file=sys.stderr, flush=True)
   sys.exit(status)
 

@@ -151,6 +151,7 @@ def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
+    console.libraries_to_log()  # the run ends here; orbax's reads still in flight report
     logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
     raise unreadable(directory, step, _innermost_reason(e), own, resume,
                      cheap_check_passed=True) from None
