@@ -17,6 +17,7 @@ gets every log line as absl prints it, and `say` only logs, so nothing is printe
 """
 import atexit
 import contextlib
+import gc
 import io
 import logging as py_logging
 import os
@@ -24,6 +25,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 
 from absl import flags, logging
 
@@ -47,7 +49,7 @@ class _ConsoleRecords(py_logging.Handler):
     self.show = False
 
   def emit(self, record):
-    if not (record.levelno >= py_logging.ERROR or _ours(record)
+    if not (record.levelno >= py_logging.ERROR and not _library_errors_muted or _ours(record)
             or record.name in _SHOWN_LOGGERS):
       return
     if self.pending is not None:
@@ -82,6 +84,56 @@ def _print_record(record: py_logging.LogRecord) -> None:
 
 
 _records: _ConsoleRecords | None = None
+_library_errors_muted = 0  # > 0 inside `library_errors_to_log`
+
+
+@contextlib.contextmanager
+def library_errors_to_log():
+  """Meanwhile other libraries' ERROR records (from any thread) and Python's "Exception
+  ignored" reports go to the log only: for calls whose failure spmdtask reports in its own
+  words (e.g. orbax reading a damaged checkpoint: its abandoned read tasks each print a
+  traceback with a TensorStore spec, its metadata reader logs the file's bytes)."""
+  global _library_errors_muted
+  _library_errors_muted += 1
+  hooks = sys.unraisablehook, sys.excepthook
+  sys.unraisablehook, sys.excepthook = _log_unraisable, _log_exception
+  try:
+    yield
+  except BaseException:
+    gc.collect()  # the failed call's abandoned tasks report now, into the log
+    raise
+  finally:
+    sys.unraisablehook, sys.excepthook = hooks
+    _library_errors_muted -= 1
+
+
+def libraries_to_log() -> None:
+  """In the binary (after `start`), from now on, as the run ends with spmdtask's own
+  message: other libraries' ERROR records, Python's "Exception ignored" reports and
+  tracebacks that their threads report go to the log only (e.g. orbax's reads still in
+  flight after one failed, which report into an event loop that is closed)."""
+  global _library_errors_muted
+  if _records is None:
+    return
+  _library_errors_muted += 1
+  sys.unraisablehook, sys.excepthook = _log_unraisable, _log_exception
+  py_logging.raiseExceptions = False  # nor a report that finds the log already closed
+
+
+def _log_exception(exc_type, value, tb) -> None:
+  _log_traceback("Exception reported by a library", exc_type, value, tb)
+
+
+def _log_unraisable(report) -> None:
+  _log_traceback(f"{report.err_msg or 'Exception ignored in'} {report.object!r}",
+                 report.exc_type, report.exc_value, report.exc_traceback)
+
+
+def _log_traceback(what: str, exc_type, value, tb) -> None:
+  if sys.is_finalizing():  # the log is closed by now
+    return
+  trace = "".join(traceback.format_exception(exc_type, value, tb))
+  logging.info("%s:\n%s", what, trace)
 
 
 def start(verbose: bool) -> None:

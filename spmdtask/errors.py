@@ -17,6 +17,15 @@ class BatchSplitError(ConfigError):
     self.dim, self.size, self.shards = dim, size, shards
 
 
+class CheckpointUnreadable(ConfigError):
+  """A checkpoint of --job_log_dir that cannot be read (`step`); `intact_step` is the newest
+  earlier one that can (None: none). `spmdtask.main` adds the command that restores it."""
+
+  def __init__(self, message: str, step: int, intact_step: int | None):
+    super().__init__(message)
+    self.step, self.intact_step = step, intact_step
+
+
 class TrainingError(RuntimeError):
   """Training cannot go on (e.g. the loss became NaN); the message says why and what to try.
 

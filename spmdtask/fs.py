@@ -107,6 +107,30 @@ def listdir(path: str) -> list[str]:
   return sorted(n for n in names if n)
 
 
+def file_sizes(directory: str) -> dict[str, int]:
+  """Bytes of every file under `directory`, by path relative to it ('/'-separated), from
+  one listing (one request per 1000 objects on GCS); {} if it does not exist."""
+  fs, p = filesystem(directory)
+  try:
+    found = fs.find(p, detail=True)
+  except FileNotFoundError:
+    return {}
+  root = p.rstrip("/") + "/"
+  return {name[len(root):]: int(info["size"]) for name, info in found.items()
+          if name.startswith(root) and info.get("type") != "directory"}
+
+
+def move(path: str, dest: str) -> None:
+  """Moves a file or directory tree to `dest` (its parent is created). On GCS, which has no
+  rename, each object is copied, then removed."""
+  if not is_remote(path):
+    makedirs(os.path.dirname(dest))
+    shutil.move(path, dest)
+    return
+  fs, p = filesystem(path)
+  fs.mv(p, filesystem(dest)[1], recursive=True)
+
+
 def glob(pattern: str) -> list[str]:
   """Sorted paths matching `pattern` (`*`, `**`, `?`), of the same kind as `pattern`."""
   if not is_remote(pattern):

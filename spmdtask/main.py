@@ -2,6 +2,8 @@
 import contextlib
 import dataclasses
 import os
+import re
+import shlex
 import sys
 import types
 import typing
@@ -15,8 +17,8 @@ from fiddle._src.absl_flags import utils as fdl_flag_utils
 
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
 from spmdtask.run import interrupts
-from spmdtask.errors import (BatchSplitError, ConfigError, Interrupted, PlanExceeded,
-                             TrainingError)
+from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
+                             PlanExceeded, TrainingError)
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
@@ -280,12 +282,50 @@ def reexec_for_plan() -> None:
     sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
 
 
+def restore_command(argv: list[str], step: int) -> str:
+  """This run's command line with --restore_step=`step` in place of any given."""
+  args, skip = [], False
+  for a in argv[1:]:
+    if skip or a.startswith("--restore_step="):
+      skip = False
+      continue
+    if a == "--restore_step":  # absl also takes `--flag value`
+      skip = True
+      continue
+    args.append(a)
+  return shlex.join(["python", "-m", "spmdtask.main", *args, f"--restore_step={step}"])
+
+
+def flag_error(error: Exception) -> str:
+  """The paragraph for a flag absl cannot parse (a value not among an enum's names, a
+  malformed number, an unknown flag)."""
+  enum = re.match(r"flag --(\w+)=(.*): value should be one of <(.*)>$", str(error))
+  if enum:
+    name, value, choices = enum.group(1), enum.group(2), enum.group(3).split("|")
+    return (f"--{name}={value!r} is not one of its values: {', '.join(choices)}. Pass one of "
+            f"them, e.g. --{name}={choices[0]} (--helpshort describes each).")
+  text = str(error).strip().replace(" ?", "?")
+  return (f"{text}{'' if text.endswith(('.', '?')) else '.'} Fix or remove that flag; python -m "
+          "spmdtask.main --helpshort lists every flag with its values.")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, where a bad flag is a config error (exit 2, one paragraph) rather
+  than absl's FATAL line (exit 1)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"spmdtask: config error: {flag_error(e)}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def _fail(message: str, status: int, log: bool = False) -> None:
   """Ends the run with one message on stderr (held library warnings first)."""
   if log:
     logging.info("%s", message)  # into job_log_dir/logs too
   logging.flush()
   console.show_held_records()
+  console.libraries_to_log()  # what they print while the process ends
   print(message, file=sys.stderr, flush=True)
   sys.exit(status)
 
@@ -298,6 +338,10 @@ def main(argv) -> None:
     run(argv)
   except BatchSplitError as e:
     _fail(f"spmdtask: config error: {overrides_lib.train_batch_error(e)}", 2)
+  except CheckpointUnreadable as e:
+    restore = ("" if e.intact_step is None else
+               f" Restore it with:\n  {restore_command(sys.argv, e.intact_step)}")
+    _fail(f"spmdtask: config error: {e}{restore}", 2)
   except ConfigError as e:
     _fail(f"spmdtask: config error: {e}", 2)
   except TrainingError as e:
@@ -311,4 +355,4 @@ def main(argv) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -1,6 +1,8 @@
 """The binary: config.txt, overrides, and a clear one-paragraph error for each user mistake."""
+from absl import flags
 import pytest
 
+from spmdtask import main
 from tests import subproc
 
 SPLIT = "task.model.weight_split_dims_mapping.mlp_in"
@@ -38,6 +40,9 @@ def test_train_writes_config_and_logs(tmp_path):
      ["--fdl_set='task.train.num_train_stepz=3'", "num_train_stepz"]),
     (["--fdl_set=task.train.num_train_steps=(3"], "lm.TinyLm",
      ["--fdl_set='task.train.num_train_steps=(3'", "Python literal"]),
+    (["--mode=decode", "--fdl_set=decode_datasets['prompts'].tokenizer="
+      "'sentencepiece:/nonexistent/tokenizer.model'"], "lm.TinyLm",
+     ["decode_datasets['prompts'].tokenizer=", "no file '/nonexistent/tokenizer.model'"]),
 ])
 def test_bad_input_is_one_clear_paragraph(tmp_path, args, exp, needles):
   out = run_main(tmp_path, *args, exp=exp)
@@ -48,3 +53,27 @@ def test_bad_input_is_one_clear_paragraph(tmp_path, args, exp, needles):
   for needle in needles:
     assert needle in error[0]
   assert not (tmp_path / "config.txt").exists()
+
+
+def test_restore_command_replaces_any_restore_step():
+  argv = ["main.py", "--exp=lm.TinyLm", "--restore_step", "3",
+          "--fdl_set=task.ici_mesh_shape=(2, 4)", "--restore_step=5"]
+  assert main.restore_command(argv, 8) == (
+      "python -m spmdtask.main --exp=lm.TinyLm '--fdl_set=task.ici_mesh_shape=(2, 4)' "
+      "--restore_step=8")
+
+
+def test_a_flag_absl_cannot_parse_is_one_paragraph():
+  """The paragraph `parse_flags` prints (exit 2) for absl's own parse errors."""
+  values = flags.FlagValues()
+  flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan"], "", flag_values=values)
+  flags.DEFINE_integer("restore_step", None, "", flag_values=values)
+  with pytest.raises(flags.Error) as e:
+    values(["main.py", "--mode=trian"])
+  assert main.flag_error(e.value) == (
+      "--mode='trian' is not one of its values: train, eval, decode, plan. Pass one of them, "
+      "e.g. --mode=train (--helpshort describes each).")
+  with pytest.raises(flags.Error) as e:
+    values(["main.py", "--restore_stp=3"])
+  assert main.flag_error(e.value).startswith(
+      "Unknown command line flag 'restore_stp'. Did you mean: restore_step? Fix or remove")

@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from spmdtask.core.host_input import Share
 from spmdtask.core.layouts import Lowering  # (re-exported: part of the contract)
-from spmdtask.core.model import Metrics, Model, Work
+from spmdtask.core.model import ChecksBatch, Metrics, Model, Work
 from spmdtask.core.scan import Scan
 from spmdtask.core.strategy import Strategy
 from spmdtask.core.train_state import StateLayout, TrainState
@@ -93,5 +93,8 @@ def strategy_of(task) -> Strategy:
 
 
 def setup(task, example_local_batch, devices=None) -> Program:
-  """The task's program on `devices` (default: all); raises ConfigError on a bad config."""
+  """The task's program on `devices` (default: all); raises ConfigError on a bad config
+  (the example batch too is checked, before anything is built or restored)."""
+  if isinstance(task.model, ChecksBatch):
+    task.model.check_batch(example_local_batch)
   return strategy_of(task).build_program(task, example_local_batch, devices)

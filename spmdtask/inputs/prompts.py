@@ -38,7 +38,8 @@ class SyntheticPromptInput(StepIndexedInput):
 
   def __post_init__(self):
     if isinstance(self.tokenizer, str):
-      self.tokenizer = tokenizers.from_spec(self.tokenizer)
+      self.tokenizer = tokenizers.from_spec(self.tokenizer,
+                                            field="decode_datasets[...].tokenizer")
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of batch `step` (fewer, or none, in a partial last batch)."""

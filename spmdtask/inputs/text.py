@@ -231,7 +231,7 @@ class TextPromptInput(StepIndexedInput):
 
   @functools.cached_property
   def tokenizer(self):
-    return tokenizers.load(self.data_dir, self._reader.meta)
+    return tokenizers.load(self.data_dir, self._reader.meta, "decode_datasets[...].data_dir")
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     ids = self.local_rows(step)

@@ -24,6 +24,7 @@ META_FILE = "meta.json"
 SP_MODEL_FILE = "tokenizer.model"
 HF_FILE = "tokenizer.json"
 HF_CONFIG_FILE = "tokenizer_config.json"  # beside tokenizer.json in a HF model dir: eos_token
+_FILES = {"sentencepiece": f"a SentencePiece {SP_MODEL_FILE}", "hf": f"a Hugging Face {HF_FILE}"}
 
 
 class ByteTokenizer:
@@ -97,11 +98,17 @@ def _eos_token(directory: str) -> str | None:
   return eos.get("content") if isinstance(eos, dict) else eos
 
 
-def from_spec(spec: str, eod_token: str | None = None):
-  """The tokenizer a spec names: 'bytes', 'sentencepiece:PATH' or 'hf:PATH'."""
+def from_spec(spec: str, eod_token: str | None = None, field: str = "tokenizer"):
+  """The tokenizer a spec names: 'bytes', 'sentencepiece:PATH' or 'hf:PATH'; ConfigError
+  naming `field` (where the spec was set) for a PATH that is not a file."""
   kind, _, path = spec.partition(":")
   if kind == "bytes" and not path:
     return ByteTokenizer()
+  if kind in _FILES and path and not fs.isfile(path):
+    raise ConfigError(
+        f"{field}={spec!r}: there is no file {path!r}. Give the path of {_FILES[kind]}, e.g. "
+        f"{kind}:/data/my_corpus/{_FILES[kind].split()[-1]} "
+        "(tools/prepare_text_data.py leaves the one it used in its --output_dir).")
   if kind == "hf" and path:
     return HfTokenizer(path, eod_token)
   if kind == "sentencepiece" and path:
@@ -141,10 +148,17 @@ def read_meta(data_dir: str, field: str) -> dict:
   return json.loads(fs.read_text(path))
 
 
-def load(data_dir: str, meta: dict):
-  """The tokenizer named by a data dir's meta.json."""
+def load(data_dir: str, meta: dict, field: str = "data_dir"):
+  """The tokenizer named by a data dir's meta.json; ConfigError naming `field` (the config
+  field holding `data_dir`) when its file is missing."""
   if meta["tokenizer"] == "bytes":
     return ByteTokenizer()
+  name = HF_FILE if meta["tokenizer"] == "hf" else SP_MODEL_FILE
+  if not fs.isfile(fs.join(data_dir, name)):
+    raise ConfigError(
+        f"{field}={data_dir!r}: its {META_FILE} names a {meta['tokenizer']} tokenizer, but "
+        f"there is no {name} beside it. Copy the {name} this data was prepared with into "
+        f"{data_dir}, or prepare the data again (tools/prepare_text_data.py writes both).")
   if meta["tokenizer"] == "hf":
     return HfTokenizer(fs.join(data_dir, HF_FILE), eod_id=int(meta["eod_id"]))
   return SentencePieceTokenizer(fs.join(data_dir, SP_MODEL_FILE))

@@ -114,7 +114,16 @@ class TransformerLm(nn.Module):
       self.execution.validate(StackFacts(self.num_layers, global_batch_size, mesh))
 
   def check_batch(self, batch) -> None:
-    """Token ids must be in [0, vocab_size): an error, never a silent clamp (ChecksBatch)."""
+    """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
+    clamp (ChecksBatch)."""
+    seq_len = np.shape(batch["inputs"])[-1]
+    if seq_len > self.max_seq_len:
+      raise ConfigError(
+          f"The data's rows hold {seq_len} tokens (the datasets' seq_len), more than "
+          f"task.model.max_seq_len={self.max_seq_len}, the longest sequence this model is "
+          f"made for. Set datasets[...].seq_len to at most {self.max_seq_len} (e.g. "
+          f"--fdl_set=\"datasets['train'].seq_len={self.max_seq_len}\"), or raise "
+          f"task.model.max_seq_len to {seq_len} if the model should take longer sequences.")
     for key in ("inputs", "targets"):
       x = np.asarray(batch[key])
       if x.size and (x.min() < 0 or x.max() >= self.vocab_size):

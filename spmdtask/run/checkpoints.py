@@ -14,20 +14,26 @@ coordinates); JSON items are written by the primary process.
 
 A step dir counts as complete when orbax committed it (`commit_success.txt`, every
 item dir present). Incomplete ones are never restored: the previous complete step is
-used, with a warning.
+used, with a warning. A committed one whose files are damaged (told from its metadata and
+file sizes before any restore: `checkpoint_check`) is not restored: CheckpointUnreadable
+names the file and the newest intact step; training from that step with --restore_step
+moves the damaged later steps into `checkpoints_unreadable/` (nothing is deleted).
 """
 import os
+import re
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import orbax.checkpoint as ocp
 from absl import logging
 
-from spmdtask import fs
+from spmdtask import console, fs
 from spmdtask.core import sharding
-from spmdtask.errors import ConfigError
+from spmdtask.errors import CheckpointUnreadable, ConfigError
+from spmdtask.run import checkpoint_check
 from spmdtask.core.train_state import TrainState
 
 ARRAY_ITEMS = ("params", "opt_state")
@@ -64,7 +70,8 @@ def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | No
       max_to_keep=max_to_keep,
       create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
       enable_async_checkpointing=True)
-  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+  with console.library_errors_to_log():  # orbax logs a damaged step's metadata bytes
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
 def _is_complete(step_dir: str) -> bool:
@@ -131,34 +138,82 @@ def _pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
 
 
 def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
-             items=ARRAY_ITEMS + JSON_ITEMS) -> dict[str, Any]:
-  targets = program.canonical_targets()
+             items=ARRAY_ITEMS + JSON_ITEMS, own: bool = True,
+             resume: bool = False) -> dict[str, Any]:
+  """The items of checkpoint `step`; CheckpointUnreadable (ConfigError if not `own`, i.e.
+  another job's) when its files are damaged, told from its metadata before any restore."""
+  why = checkpoint_check.problem(fs.join(directory, str(step)))
+  if why:
+    raise unreadable(directory, step, why, own, resume, cheap_check_passed=False)
   try:
-    metadata = mngr.item_metadata(step)
-    for item in ARRAY_ITEMS:
-      if item in items:
-        _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
-    args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
-    args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
-    return mngr.restore(step, args=ocp.args.Composite(**args))
+    with console.library_errors_to_log():
+      return _read(mngr, directory, program, step, items)
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
-    raise unreadable(directory, step, e) from None
+    console.libraries_to_log()  # the run ends here; orbax's reads still in flight report
+    logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
+    raise unreadable(directory, step, _innermost_reason(e), own, resume,
+                     cheap_check_passed=True) from None
 
 
-def unreadable(directory: str, step: int, error: Exception) -> ConfigError:
-  """The error for a checkpoint that exists but cannot be read: names it and the way out."""
-  earlier = [s for s in complete_steps(directory) if s < step]
-  way_out = (f"Earlier complete checkpoints: {earlier}. Evaluate or decode one with "
-             f"--restore_step={earlier[-1]}; to resume training from it, move "
-             f"{directory}/{step} (and any later step) out of {directory}."
-             if earlier else "There is no earlier complete checkpoint: train from scratch in a "
-             "new --job_log_dir.")
-  detail = str(error).splitlines()[0][:300] if str(error) else ""
-  return ConfigError(f"The checkpoint at step {step} in {directory} cannot be read "
-                     f"({type(error).__name__}: {detail}); it is corrupt or was written by "
-                     f"something else. {way_out}")
+def _read(mngr, directory: str, program, step: int, items) -> dict[str, Any]:
+  """orbax's restore of `items` of `step`, after checking the arrays' shapes."""
+  targets = program.canonical_targets()
+  metadata = mngr.item_metadata(step)
+  for item in ARRAY_ITEMS:
+    if item in items:
+      _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
+  args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
+  args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
+  return mngr.restore(step, args=ocp.args.Composite(**args))
+
+
+def _innermost_reason(error: BaseException) -> str:
+  """The root cause's first line, without object reprs (orbax wraps tensorstore's error,
+  which names the file and the key, in one that embeds a pybind repr)."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  text = re.sub(r"<[^<>]*(>|$)", "", re.sub(r"\s*\[source locations=.*$", "", text))
+  return f"{type(error).__name__}: {text[:300]}"
+
+
+def aside_dir(directory: str) -> str:
+  """Where a resume with --restore_step moves the unreadable later checkpoints."""
+  return fs.join(fs.dirname(directory), "checkpoints_unreadable")
+
+
+def unreadable(directory: str, step: int, why: str, own: bool = True, resume: bool = False,
+               cheap_check_passed: bool = False) -> ConfigError:
+  """The error for a committed checkpoint that cannot be read: which step, which file and
+  what is wrong (`why`), and the newest intact earlier step. For this job's checkpoints
+  (`own`), a CheckpointUnreadable whose `intact_step` main turns into a --restore_step
+  command; when `resume`ing, that command moves `step` and later ones aside (nothing is
+  deleted) — only possible when the metadata check sees the damage (else the move is
+  left to the user)."""
+  intact = checkpoint_check.newest_intact(
+      directory, [s for s in complete_steps(directory) if s < step])
+  head = (f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
+          "Nothing was changed.")
+  aside = aside_dir(directory)
+  if intact is None:
+    tail = ("There is no intact earlier checkpoint: train from scratch in a new "
+            "--job_log_dir (this one keeps the damaged checkpoint for inspection).")
+  elif not own:
+    tail = (f"Its newest intact checkpoint is step {intact}: move {directory}/{step} (and any "
+            f"later step) out of {directory} to start from it.")
+  elif resume and cheap_check_passed:
+    tail = (f"The newest intact checkpoint is step {intact}: move {directory}/{step} (and any "
+            f"later step) into {aside}/, then rerun this command to resume from it.")
+    intact = None  # --restore_step would refuse: the later step's metadata looks fine
+  else:
+    tail = (f"The newest intact checkpoint is step {intact}" + (
+        f"; resuming from it moves step {step} and any later step into {aside}/ (nothing is "
+        "deleted)" if resume else "") + ".")
+  if not own:
+    return ConfigError(f"{head} {tail}")
+  return CheckpointUnreadable(f"{head} {tail}", step, intact)
 
 
 def _live(program, step: int, params, opt_state) -> TrainState:
@@ -176,8 +231,9 @@ def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[T
       saving job's.
     step: a checkpoint step; None = the latest complete one.
   Raises:
-    ConfigError: no complete checkpoint; `step` not available (lists the steps); or the
-      checkpoint's variables do not match the model (names them).
+    ConfigError: no complete checkpoint; `step` not available (lists the steps); the
+      checkpoint's variables do not match the model (names them); or it cannot be read
+      (CheckpointUnreadable).
   """
   directory = checkpoint_dir(job_log_dir)
   step = _pick_step(directory, job_log_dir, step)
@@ -207,7 +263,7 @@ def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
   step = _pick_step(directory, init_dir, None)
   mngr = _manager(directory, read_only=True)
   try:
-    params = _restore(mngr, directory, init_dir, program, step, ("params",))["params"]
+    params = _restore(mngr, directory, init_dir, program, step, ("params",), own=False)["params"]
   finally:
     mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", directory, step)
@@ -245,16 +301,38 @@ class Checkpointer:
     """(padded state, step, input iterator state) of a checkpoint of this job."""
     step = _pick_step(self.directory, self.job_log_dir, step)
     later = [s for s in complete_steps(self.directory) if s > step]
-    if later:
+    intact = [s for s in later
+              if checkpoint_check.problem(fs.join(self.directory, str(s))) is None]
+    if intact:
       raise ConfigError(
-          f"--restore_step={step}, but {self.directory} has later checkpoints {later}; training "
+          f"--restore_step={step}, but {self.directory} has later checkpoints {intact}; training "
           "on would overwrite them. Omit --restore_step to resume from the latest, or train in a "
           "new --job_log_dir with task.train.init_checkpoint_dir set to this job.")
+    if later:
+      self._move_aside(later)
     self._drop_incomplete()
-    got = _restore(self._mngr, self.directory, self.job_log_dir, self.program, step)
+    got = _restore(self._mngr, self.directory, self.job_log_dir, self.program, step,
+                   resume=True)
     logging.info("Restored step %d from %s (saved on mesh %s).", step, self.directory,
                  dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])))
     return _live(self.program, step, got["params"], got["opt_state"]), step, got["inputs"]
+
+  def _move_aside(self, steps: list[int]) -> None:
+    """Moves the unreadable checkpoints `steps` into `aside_dir` (process 0), so training
+    from an earlier step can save those steps anew; nothing is deleted."""
+    aside = aside_dir(self.directory)
+    if jax.process_index() == 0:
+      for step in steps:
+        dest = fs.join(aside, str(step))
+        if fs.exists(dest):  # moved aside before: keep both
+          dest += time.strftime("-%Y%m%d-%H%M%S")
+        fs.move(fs.join(self.directory, str(step)), dest)
+      console.say("Moved the unreadable checkpoint%s at step %s into %s/ (nothing deleted).",
+                  "s" if len(steps) > 1 else "", ", ".join(map(str, steps)), aside)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("spmdtask_unreadable_moved")
+    with console.library_errors_to_log():
+      self._mngr.reload()
 
   def _drop_incomplete(self) -> None:
     """Removes uncommitted step dirs so a new save of that step can happen (process 0)."""
@@ -264,7 +342,8 @@ class Checkpointer:
       if not _is_complete(path):
         logging.warning("Removing incomplete checkpoint %s.", path)
         fs.rm(path, recursive=True)
-    self._mngr.reload()
+    with console.library_errors_to_log():
+      self._mngr.reload()
 
   def reached_preemption(self, step: int) -> bool:
     """JAX's multi-host preemption sync point: True at the same step on every process."""

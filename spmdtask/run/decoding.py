@@ -354,6 +354,7 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
   decoders = {}
   for name, inputs in sorted(run.decode_datasets.items()):
     batch, rows, prompt_len = _prompt_shape(name, inputs)
+    getattr(inputs, "tokenizer", None)  # a tokenizer file that is missing fails here, first
     decoders[name] = (build(program, run.task.decode, batch, prompt_len), rows)
   state, step = restore(restore_step)
   out_dir = fs.join(job_log_dir, "decoder_out")

@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -233,3 +234,18 @@ def test_hf_tokenizer_json_prepares_data_and_decodes_text(tmp_path):
     first_eval = f.read()
   prompt = prompts.tokenizer.decode(prompts.batch_at(0)["prompts"][0])
   assert len(prompt) > 8 and first_eval.startswith(prompt)
+
+
+def test_a_missing_tokenizer_file_is_a_config_error_naming_the_field(byte_dir, tmp_path):
+  with pytest.raises(ConfigError, match=r"^prompts.tokenizer='sentencepiece:/no/tokenizer.model'"
+                     r": there is no file '/no/tokenizer.model'"):
+    tokenizers.from_spec("sentencepiece:/no/tokenizer.model", field="prompts.tokenizer")
+  data = str(tmp_path / "data")
+  shutil.copytree(byte_dir, data)
+  meta = json.load(open(os.path.join(data, "meta.json")))
+  json.dump({**meta, "tokenizer": "sentencepiece"}, open(os.path.join(data, "meta.json"), "w"))
+  prompts = TextPromptInput(data_dir=data, batch_size=2, prompt_len=12, num_examples=3,
+                            process_index=0, process_count=1)
+  with pytest.raises(ConfigError, match=r"decode_datasets\[\.\.\.\]\.data_dir=.*names a "
+                     "sentencepiece tokenizer, but there is no tokenizer.model beside it"):
+    prompts.tokenizer  # pylint: disable=pointless-statement

@@ -6,6 +6,7 @@ import pytest
 
 from spmdtask.core import layouts, program as program_lib, sharding, steps
 from spmdtask.core.train_state import TrainState
+from spmdtask.errors import ConfigError
 from tests import util
 
 ONE_DEVICE = ["task.mesh_axis_names=('data', 'fsdp', 'model')", "task.ici_mesh_shape=(1, 1, 1)",
@@ -100,3 +101,10 @@ def test_pipeline_trains_like_one_device_and_holds_only_its_stage():
   assert losses[-1] < losses[0] - 1.0
   util.assert_trees_close(_to_unpipelined(program, jax.device_get(state.params)),
                           jax.device_get(ref_state.params), rtol=1e-5, atol=1e-6)
+
+
+def test_rows_longer_than_max_seq_len_are_a_config_error_at_setup():
+  with pytest.raises(ConfigError, match=r"rows hold 512 tokens .*task.model.max_seq_len=256.*"
+                     r"datasets\[\.\.\.\]\.seq_len to at most 256"):
+    _program("lm.TinyLm", ["datasets['train'].seq_len=512"])
+  _program("lm.TinyLm", ["datasets['train'].seq_len=256"])  # up to max_seq_len is fine

@@ -2,9 +2,12 @@
 warm start and bad input. Process-level tests run `spmdtask.main` in subprocesses."""
 import logging
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import fiddle as fdl
@@ -13,10 +16,10 @@ import numpy as np
 import pytest
 
 from tests import subproc as h
-from spmdtask.run import checkpoints, loop
+from spmdtask.run import checkpoint_check, checkpoints, loop
 from spmdtask import main
 from spmdtask.core import program as program_lib
-from spmdtask.errors import ConfigError
+from spmdtask.errors import CheckpointUnreadable, ConfigError
 
 BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
         "task.train.summary_interval_steps=1", "task.train.log_interval_steps=4")
@@ -199,3 +202,88 @@ def test_bad_input_is_a_config_error_and_overwrites_nothing(reference_job, tmp_p
   (tmp_path / "file").write_text("x")
   r = h.run(h.main_cmd("TinyLm", str(tmp_path / "file" / "job"), *BASE))
   assert r.returncode == 2 and "--job_log_dir" in r.stderr and "not a writable" in r.stderr
+
+
+def _largest_file(directory):
+  files = [os.path.join(r, f) for r, _, fs in os.walk(directory) for f in fs]
+  return max(files, key=os.path.getsize)
+
+
+def _flip_bytes(path):
+  data = bytearray(open(path, "rb").read())
+  data[::97] = bytes(b ^ 0x5A for b in data[::97])
+  open(path, "wb").write(data)
+
+
+def test_a_damaged_checkpoint_is_told_from_its_metadata_and_sizes(reference_job, tmp_path):
+  ck = str(tmp_path / "job" / "checkpoints")
+  shutil.copytree(os.path.join(reference_job, "checkpoints"), ck)
+  assert [checkpoint_check.problem(os.path.join(ck, s)) for s in ("4", "8", "12")] == [None] * 3
+  data = _largest_file(os.path.join(ck, "12", "params"))  # an OCDBT data file
+  size = os.path.getsize(data)
+  os.truncate(data, 1000)
+  why = checkpoint_check.problem(os.path.join(ck, "12"))
+  rel = os.path.relpath(data, os.path.join(ck, "12"))
+  assert why.startswith(f"{rel} is 1000 bytes long, but the checkpoint's index "
+                        "(params/manifest.ocdbt) records data up to byte "), why
+  assert 1000 < int(re.search(r"up to byte (\d+)", why).group(1)) <= size
+  (node,) = os.listdir(os.path.join(ck, "8", "opt_state", "d"))  # the B-tree root node
+  os.remove(os.path.join(ck, "8", "opt_state", "d", node))
+  assert checkpoint_check.problem(os.path.join(ck, "8")).startswith(
+      f"opt_state/d/{node} is missing")
+  assert checkpoint_check.newest_intact(ck, [4, 8, 12]) == 4
+  program = _program()
+  with pytest.raises(CheckpointUnreadable) as e:
+    checkpoints.restore_state(str(tmp_path / "job"), program)
+  assert (e.value.step, e.value.intact_step) == (12, 4) and rel in str(e.value)
+  assert "newest intact checkpoint is step 4." in str(e.value)
+  meta = os.path.join(ck, "4", "meta", "metadata")
+  os.truncate(meta, os.path.getsize(meta) // 2)
+  assert checkpoint_check.problem(os.path.join(ck, "4")).startswith("meta/metadata (")
+  with pytest.raises(CheckpointUnreadable, match="no intact earlier checkpoint") as e:
+    checkpoints.restore_state(str(tmp_path / "job"), program, 4)
+  assert e.value.intact_step is None
+  assert _steps(str(tmp_path / "job")) == [4, 8, 12]  # nothing moved or removed
+
+
+def test_bytes_changed_in_place_fail_the_restore_in_one_paragraph(reference_job, tmp_path):
+  """Sizes intact, contents not: the restore itself fails; the error names the array and
+  the step to restore, without orbax's wrapper (a pybind repr)."""
+  job = str(tmp_path / "job")
+  shutil.copytree(os.path.join(reference_job, "checkpoints"), os.path.join(job, "checkpoints"))
+  _flip_bytes(_largest_file(os.path.join(job, "checkpoints", "12", "params")))
+  assert checkpoint_check.problem(os.path.join(job, "checkpoints", "12")) is None
+  with pytest.raises(CheckpointUnreadable, match=r"in OCDBT database .*ZSTD_decompress") as e:
+    checkpoints.restore_state(job, _program())
+  assert e.value.intact_step == 8 and "<" not in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_exits_2_and_its_restore_command_resumes(reference_job, tmp_path):
+  job = str(tmp_path / "job")
+  shutil.copytree(reference_job, job)
+  nine = BASE + ("task.train.num_train_steps=9",)
+  # A sequence length above max_seq_len on this existing job: exit 2 before any restore.
+  r = h.run(h.main_cmd("TinyLm", job, *nine, "datasets['train'].seq_len=512"))
+  assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "task.model.max_seq_len=256" in r.stderr and "Resuming" not in r.stdout
+  os.truncate(_largest_file(os.path.join(job, "checkpoints", "12", "params")), 1000)
+  before = _snapshot(job)
+  r = h.run(h.main_cmd("TinyLm", job, *nine))
+  lines = (r.stdout + r.stderr).splitlines()
+  assert r.returncode == 2 and len(lines) <= 15, r.stdout + r.stderr
+  assert "Traceback" not in r.stderr and "pybind" not in r.stderr
+  assert "The checkpoint at step 12 in" in r.stderr and "cut short" in r.stderr
+  assert "The newest intact checkpoint is step 8" in r.stderr
+  assert {p: v for p, v in _snapshot(job).items() if "/logs/" not in p} == {
+      p: v for p, v in before.items() if "/logs/" not in p}
+  command = shlex.split(lines[-1])
+  assert command[:3] == ["python", "-m", "spmdtask.main"] and command[-1] == "--restore_step=8"
+  r = h.run([sys.executable] + command[1:])
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "Moved the unreadable checkpoint at step 12 into" in r.stdout
+  assert "Resuming from the checkpoint at step 8" in r.stdout
+  assert _steps(job) == [4, 8, 9]
+  assert os.listdir(os.path.join(job, "checkpoints_unreadable")) == ["12"]
+  want = h.train_losses(reference_job)[9]
+  assert h.train_losses(job)[9] == want  # the same step 9 as the uninterrupted run
