@@ -131,10 +131,11 @@ def gpu(name: str) -> Target:
   Collectives between hosts are counted at NVLink speed: the bound stays a lower bound.
   """
   m = _GPU_TOPOLOGY.match(name)
-  if not m or m.group(1) not in chips.GPUS:
+  models = [c.name for c in chips.GPUS.values() if c.gpu_target_config]  # XLA can compile for
+  if not m or m.group(1) not in models:
     raise ConfigError(f"--plan_topology={name!r}: a GPU topology is MODEL:GPUS_PER_HOST or "
-                      f"MODEL:HOSTSxGPUS_PER_HOST, e.g. h100:8 or h100:4x8 (models: "
-                      f"{', '.join(chips.GPUS)}).")
+                      f"MODEL:HOSTSxGPUS_PER_HOST, e.g. h100:8 or h100:4x8 (models spmdtask "
+                      f"has XLA's device description of: {', '.join(models)}).")
   chip = chips.GPUS[m.group(1)]
   hosts, per_host = int(m.group(2) or 1), int(m.group(3))
   try:

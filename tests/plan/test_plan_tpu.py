@@ -33,7 +33,7 @@ def test_tinylm_on_v5e_2x2(tinylm_v5e):
   assert (t["platform"], t["topology"], t["chips"], t["device_kind"]) == (
       "tpu", "v5e:2x2", 4, "TPU v5 lite")
   chip = chips.CHIPS["v5e"]
-  assert t["chip"] == chip.as_json() and chip.hbm_bytes == 16e9
+  assert t["chip"] == chip.as_json() and chip.hbm_bytes == 16 * 2**30
   assert got["mesh"] == {"data": 1, "fsdp": 4, "model": 1}
   assert 0 < got["compiled"]["peak_estimate_bytes"] < chip.hbm_bytes
   # FSDP: weights gathered for use, gradients reduced; scanned layers count per trip.
