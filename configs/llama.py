@@ -151,6 +151,16 @@ class Llama2_70B(_Llama2):
 
 
 @register
+class Llama2_70B_H100x64(Llama2_70B):
+  """Llama 2 70B on 64 H100s (8 hosts of 8; plan it with --plan_topology=h100:8x8): MaxText's
+  published GPU layout for it (its configs/gpu/models/llama2_70b.yml): FSDP over all 64
+  GPUs, 6 rows × 4096 tokens per GPU (global 384 rows = 1.5M tokens), no microbatching,
+  full remat, cuDNN fused attention (attention_impl 'auto' picks it on GPUs)."""
+  batch_size = 384
+  num_microbatches = 1
+
+
+@register
 class Llama3_8B(_Llama):
   """Llama 3 8B (8,030,261,248 params; 8k context, θ 500000) on v5e-256: FSDP over 256
   chips, batch 1 × 8192 tokens per chip (global 256 rows = 2M tokens), full remat."""

@@ -90,7 +90,8 @@ GPUS = {c.name: c for c in (
     # 1979 TFLOPS with sparsity (989 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s
     # (both ways); DGX H100: one 400 Gb/s ConnectX-7 InfiniBand port per GPU.
     Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 * GIB, 3350 * GB, 900 * GB, 400e9 / 8,
-         "NVIDIA H100 datasheet (SXM); DGX H100 networking", _H100_SXM_TARGET),
+         "NVIDIA H100 datasheet (SXM); DGX H100 networking",
+         gpu_target_config=_H100_SXM_TARGET),
     # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), SXM: the H100's 1979
     # TFLOPS sparse bf16 (989 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
     Chip("h200", "NVIDIA H200", 989e12, 141 * GIB, 4800 * GB, 900 * GB, 400e9 / 8,

@@ -42,3 +42,10 @@ def test_every_device_kind_names_one_chip():
   kinds = [k for c in (*chips.CHIPS.values(), *chips.GPUS.values())
            for k in (c.device_kind, *c.other_device_kinds)]
   assert len(kinds) == len(set(kinds))
+
+
+def test_only_the_h100_has_xla_s_device_description():
+  """What --plan_topology=h100:8 compiles from (a plan for another GPU model is refused)."""
+  described = {n: c.gpu_target_config for n, c in chips.GPUS.items() if c.gpu_target_config}
+  assert list(described) == ["h100"] and chips.GPUS["h100"].host_link_bytes_per_s is None
+  assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in described["h100"]
