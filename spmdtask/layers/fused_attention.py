@@ -32,6 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.errors import ConfigError
@@ -52,7 +53,20 @@ def platform() -> str:
 
 
 def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
-  """ConfigError unless `impl` is a known choice that can run on `backend`."""
+  """ConfigError unless `impl` is a known choice that can run on `backend` (at validation;
+  on GPUs this looks for the cuDNN library and the GPUs' compute capability)."""
+  _check_name(impl, backend)
+  refused = backend == "gpu" and impl in ("auto", "cudnn") and cudnn_problem(
+      2, head_dim, dtype, False, gpu_compute_capability())
+  if refused and impl == "cudnn":  # the sequence length is checked at trace time (`choose`)
+    raise ConfigError(f"{FIELD}='cudnn' cannot run here: {refused}. Change that, or use "
+                      "'auto' (falls back to xla) or 'xla'.")
+  if refused and gpu_compute_capability() is None:
+    logging.warning("attention runs as xla (scores materialized), not cuDNN's fused kernel: "
+                    "%s.", refused)
+
+
+def _check_name(impl: str, backend: str) -> None:
   if impl not in IMPLS:
     raise ConfigError(f"{FIELD}={impl!r} is not an attention implementation: use one of "
                       f"{', '.join(IMPLS)} ('auto' picks the best for the backend).")
@@ -60,10 +74,6 @@ def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
     raise ConfigError(
         f"{FIELD}='cudnn' needs a GPU backend (cuDNN's fused attention), but the mesh's "
         f"devices are {backend!r}: use 'auto' (splash on TPU, xla on CPU) or 'xla'.")
-  refused = impl == "cudnn" and cudnn_problem(2, head_dim, dtype, False, gpu_compute_capability())
-  if refused:  # the sequence length is checked at trace time (`choose`)
-    raise ConfigError(f"{FIELD}='cudnn' cannot run here: {refused}. Change that, or use "
-                      "'auto' (falls back to xla) or 'xla'.")
   if impl == "splash" and backend == "gpu":
     raise ConfigError(f"{FIELD}='splash' is the TPU Pallas kernel (interpret mode on CPU for "
                       "tests); on GPU use 'cudnn' or 'auto'.")
@@ -93,9 +103,17 @@ def _splash_problem(seq: int, num_heads: int, heads_split: SplitDims | None,
   return None
 
 
-def gpu_compute_capability() -> tuple[int, int]:
+@functools.cache
+def gpu_compute_capability() -> tuple[int, int] | None:
   """The GPUs' CUDA compute capability: the first GPU's; (9, 0) for a compile-only target
-  (a plan's --plan_topology: XLA's description of an H100)."""
+  (a plan's --plan_topology: XLA's description of an H100). None when the cuDNN library
+  cannot be loaded (JAX's CUDA plugin alone, the `gpu_plan` extra, brings none)."""
+  from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+  try:
+    if cuda_versions is None or not cuda_versions.cudnn_get_version():
+      return None
+  except RuntimeError:  # "cuDNN not found"
+    return None
   try:
     cc = jax.devices("gpu")[0].compute_capability
   except RuntimeError:  # no GPU backend in this process
@@ -104,8 +122,11 @@ def gpu_compute_capability() -> tuple[int, int]:
 
 
 def cudnn_problem(seq: int, head_dim: int, dtype, has_segments: bool,
-                  compute_capability: tuple[int, int]) -> str | None:
-  """Why cuDNN's fused attention (through JAX 0.10) refuses these shapes, or None."""
+                  compute_capability: tuple[int, int] | None) -> str | None:
+  """Why cuDNN's fused attention (through JAX 0.10) refuses these shapes, or None.
+  `compute_capability` None: the cuDNN library is not installed."""
+  if compute_capability is None:
+    return "the cuDNN library is not installed here (pip install 'spmdtask[gpu]' brings it)"
   if str(jnp.dtype(dtype)) not in CUDNN_DTYPES:
     return f"it computes in bfloat16 or float16 (task.model.fprop_dtype is {jnp.dtype(dtype)})"
   max_hd = 256 if compute_capability >= (9, 0) else 128
@@ -119,14 +140,15 @@ def cudnn_problem(seq: int, head_dim: int, dtype, has_segments: bool,
 
 def choose(impl: str, backend: str, seq: int, num_heads: int, head_dim: int, dtype,
            has_segments: bool, heads_split: SplitDims | None, mesh_shape=None,
-           compute_capability: tuple[int, int] = (9, 0)) -> str:
+           compute_capability: tuple[int, int] | None = (9, 0)) -> str:
   """The concrete implementation for this call: `auto` resolved, explicit ones checked.
   Pure: the same arguments give the same choice on any machine.
 
   `mesh_shape` ({axis: size}; None or empty outside a mesh) is what `heads_split` splits;
-  `compute_capability` is the GPUs' (`gpu_compute_capability()`; unused off GPU).
+  `compute_capability` is the GPUs' (`gpu_compute_capability()`; unused off GPU; None:
+  no cuDNN library).
   """
-  check(impl, backend, head_dim, str(jnp.dtype(dtype)))
+  _check_name(impl, backend)
   splash_problem = _splash_problem(seq, num_heads, heads_split, mesh_shape)
   cudnn_refuses = cudnn_problem(seq, head_dim, dtype, has_segments, compute_capability)
   if impl == "auto":

@@ -124,6 +124,7 @@ def test_auto_resolves_per_backend(impl, backend, seq, dtype, segments, want):
     (8192, 64, "float32", False, (9, 0), "bfloat16 or float16"),
     (8191, 64, "bfloat16", True, (9, 0), "even sequence length (8191)"),
     (8191, 64, "bfloat16", False, (8, 0), None),            # unpacked: any length
+    (8192, 64, "bfloat16", False, None, "cuDNN library is not installed"),
 ])
 def test_cudnn_refusals_fall_back_to_xla(seq, head_dim, dtype, packed, cc, want):
   """The shapes JAX's cuDNN wrapper refuses go to xla under auto, and are a ConfigError
