@@ -32,7 +32,7 @@ def test_train_writes_config_and_logs(tmp_path):
   assert "task.train.num_train_steps = 4" in config
   assert "task.model.d_model = 128" in config
   # The MFU is against a CPU's default peak, and the console says so.
-  assert "MFU against 130 GFLOP/s (cpu: no chip facts" in out.stderr
+  assert "MFU against 130 GFLOP/s per device (cpu: no chip facts" in out.stderr
   logged = [l for l in out.stderr.splitlines() if "loss" in l and "tokens/s" in l]
   assert [l.split("step ")[1].split()[0] for l in logged] == ["2/4", "4/4"]
   assert all(float(l.split("loss ")[1].split()[0]) > 0 for l in logged)

@@ -62,8 +62,13 @@ def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
     raise ConfigError(f"{FIELD}='cudnn' cannot run here: {refused}. Change that, or use "
                       "'auto' (falls back to xla) or 'xla'.")
   if refused and gpu_compute_capability() is None:
-    logging.warning("attention runs as xla (scores materialized), not cuDNN's fused kernel: "
-                    "%s.", refused)
+    _warn_once(f"attention runs as xla (scores materialized), not cuDNN's fused kernel: "
+               f"{refused}.")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:  # validation runs once per program
+  logging.warning("%s", message)
 
 
 def _check_name(impl: str, backend: str) -> None:

@@ -287,7 +287,7 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step); MFU against "
-           f"{mfu_peak(program).describe()} per device"]
+           f"{mfu_peak(program).figure()} per device ({mfu_peak(program).source})"]
   if job_log_dir is not None:
     lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
                  "summaries/, logs/)")
