@@ -23,8 +23,8 @@ from spmdtask.errors import ConfigError
 
 PIP_TPU = ("pip install 'spmdtask[tpu]'  (or: pip install 'jax[tpu]>=0.10.2,<0.11', which "
            "brings libtpu)")
-PIP_GPU = ("pip install 'spmdtask[gpu_plan]'  (or: pip install 'jax-cuda12-plugin>=0.10.2,<0.11'"
-           ": XLA:GPU without the CUDA libraries, enough to compile)")
+PIP_GPU = ("pip install 'spmdtask[gpu_plan]'  (or: pip install 'jax-cuda12-plugin>=0.10.2,<0.11' "
+           "'nvidia-cudnn-cu12>=9.8,<10': XLA:GPU and cuDNN, enough to compile)")
 _TOPOLOGY = re.compile(r"^(v[0-9][a-z]*):([0-9]+(?:x[0-9]+)*)$")
 _GPU_TOPOLOGY = re.compile(r"^([a-z][a-z0-9]*):(?:([0-9]+)x)?([0-9]+)$")
 

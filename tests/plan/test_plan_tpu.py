@@ -173,7 +173,7 @@ def test_without_libtpu_exit_2_with_the_pip_line(tmp_path):
 
 def test_gpu_plan_without_a_gpu(tmp_path):
   """XLA:GPU compiles for 8 H100s from XLA's description of the device (needs only JAX's
-  CUDA plugin, no GPU or CUDA library): `pip install 'spmdtask[gpu_plan]'`."""
+  CUDA plugin and cuDNN, no GPU or other CUDA library): `pip install 'spmdtask[gpu_plan]'`."""
   pytest.importorskip("jax_plugins.xla_cuda12")
   run = util.build_run("lm.TinyLm", ["task.ici_mesh_shape=(1, 8, 1)"])
   got = planner.run_plan(run, str(tmp_path), "lm.TinyLm", topology="h100:8")
