@@ -32,8 +32,11 @@ setuptools.setup(
         # XLA:TPU (libtpu): train on Cloud TPU, and --mode=plan --plan_topology=v5e:16x16
         # compiles for a TPU topology on any machine.
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
-        # XLA:GPU without the CUDA libraries: --plan_topology=h100:8 on any machine.
-        "gpu_plan": ["jax-cuda12-plugin>=0.10.2,<0.11"],
+        # Train on NVIDIA GPUs: jaxlib's CUDA 12 plugin with the CUDA libraries as wheels.
+        "gpu": ["jax[cuda12]>=0.10.2,<0.11"],
+        # XLA:GPU for --plan_topology=h100:8 on any machine: the CUDA plugin and cuDNN (what
+        # the fused attention compiles against), none of the other CUDA libraries.
+        "gpu_plan": ["jax-cuda12-plugin>=0.10.2,<0.11", "nvidia-cudnn-cu12>=9.8,<10"],
         # The tests plan TPU topologies too, and run a job in a local GCS emulator.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "jax[tpu]>=0.10.2,<0.11",
                  "gcp-storage-emulator>=2024.8"],

@@ -29,10 +29,6 @@ from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSp
 from spmdtask.registry import register
 from spmdtask.task import DecodeParams, Task, TrainParams
 
-# Peak dense bf16 FLOP/s per chip (Google Cloud TPU docs, "TPU v5e" / "TPU v5p" pages).
-V5E_PEAK_FLOPS = 1.97e14
-V5P_PEAK_FLOPS = 4.59e14
-
 LLAMA2_VOCAB, LLAMA3_VOCAB = 32000, 128256
 LLAMA2_EOS, LLAMA3_EOS = 2, 128001  # </s>, <|end_of_text|>
 # Llama 3.1 and 3.2 (HF rope_scaling, rope_type 'llama3'); 3.2 uses factor 32.
@@ -65,14 +61,12 @@ class _Llama(Experiment):
     seq_len: tokens per training row.
     num_microbatches: gradient accumulation steps per optimizer step.
     ici_mesh_shape: (data, fsdp, model); -1 fills the devices present.
-    peak_flops_per_device: the target chip's, for MFU.
     data_dir: None = synthetic tokens; else a prepared corpus (tools/prepare_text_data.py).
   """
   batch_size = 256
   seq_len = 8192
   num_microbatches = 1
   ici_mesh_shape = (1, -1, 1)
-  peak_flops_per_device = V5E_PEAK_FLOPS
   peak_learning_rate = 3e-4
   eos_id = LLAMA3_EOS
   max_decode_len = 256
@@ -89,7 +83,6 @@ class _Llama(Experiment):
     train = fdl.Config(TrainParams, num_train_steps=100_000, learning_rate=schedule,
                        optimizer=fdl.Partial(optax.adamw, b1=0.9, b2=0.95, weight_decay=0.1),
                        clip_grad_norm=1.0, num_microbatches=self.num_microbatches,
-                       peak_flops_per_device=self.peak_flops_per_device,
                        log_interval_steps=10, save_interval_steps=1000)
     decode = fdl.Config(DecodeParams, max_decode_len=self.max_decode_len, temperature=0.0, eos_id=self.eos_id)
     return fdl.Config(Task, model=self.model(), mesh_axis_names=("data", "fsdp", "model"),
@@ -150,12 +143,21 @@ class Llama2_70B(_Llama2):
   2 rows per chip, full remat."""
   batch_size = 1024
   num_microbatches = 4
-  peak_flops_per_device = V5P_PEAK_FLOPS
   peak_learning_rate = 1.5e-4
 
   def model(self):
     return llama_model(vocab_size=LLAMA2_VOCAB, d_model=8192, num_layers=80, num_heads=64,
                        num_kv_heads=8, d_ff=28672, max_seq_len=4096, rope_theta=10000.0)
+
+
+@register
+class Llama2_70B_H100x64(Llama2_70B):
+  """Llama 2 70B on 64 H100s (8 hosts of 8; plan it with --plan_topology=h100:8x8): MaxText's
+  published GPU layout for it (its configs/gpu/models/llama2_70b.yml): FSDP over all 64
+  GPUs, 6 rows × 4096 tokens per GPU (global 384 rows = 1.5M tokens), no microbatching,
+  full remat, cuDNN fused attention (attention_impl 'auto' picks it on GPUs)."""
+  batch_size = 384
+  num_microbatches = 1
 
 
 @register
@@ -176,7 +178,6 @@ class Llama31_70B(_Llama):
   of 1 row per chip, full remat."""
   batch_size = 512
   num_microbatches = 4
-  peak_flops_per_device = V5P_PEAK_FLOPS
   peak_learning_rate = 1.5e-4
 
   def model(self):
@@ -194,7 +195,6 @@ class Llama31_405B(_Llama):
   batch_size = 2048
   num_microbatches = 8
   ici_mesh_shape = (1, -1, 4)
-  peak_flops_per_device = V5P_PEAK_FLOPS
   peak_learning_rate = 8e-5
 
   def model(self):
@@ -241,7 +241,6 @@ class LlamaImport(Llama32_1B):
   batch_size = 8
   seq_len = 128
   max_decode_len = 64
-  peak_flops_per_device = TrainParams.peak_flops_per_device  # a CPU's, not a TPU's
 
   def model(self):
     cfg = super().model()

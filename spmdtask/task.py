@@ -35,9 +35,10 @@ class TrainParams:
     init_checkpoint_dir: warm start: a job_log_dir whose latest checkpoint gives the initial
       params (optimizer state starts fresh; step 0). Ignored when this job already has
       checkpoints (it then resumes from them).
-    peak_flops_per_device: the peak FLOP/s one device is assumed to have, for the MFU
-      summary. The default, 1.3e11, is the fp32 matmul rate of a 2-core CPU; set your
-      accelerator's (e.g. 9.89e14 for an H100 SXM bf16 dense, 1.97e14 for a TPU v5e).
+    peak_flops_per_device: overrides the peak FLOP/s per device the MFU is measured
+      against. None: the chip's dense bf16 peak, found from the devices' kind
+      (`plan.chips`: H100, H200, A100, TPU v4/v5e/v5p/v6e), else 1.3e11 (a 2-core CPU's
+      fp32 matmul rate); the start summary says which figure it uses.
     eval_interval_steps: during --mode=train, evaluate every eval dataset every this
       many steps; 0 = never.
     eval_steps: batches per eval dataset; None = the whole (finite) dataset.
@@ -59,7 +60,7 @@ class TrainParams:
   max_to_keep: int | None = 3
   summary_interval_steps: int = 10
   init_checkpoint_dir: str | None = None
-  peak_flops_per_device: float = 1.3e11
+  peak_flops_per_device: float | None = None
   eval_interval_steps: int = 0
   eval_steps: int | None = None
   num_microbatches: int = 1
@@ -87,8 +88,10 @@ class TrainParams:
                     "0 = never.")
     if self.eval_steps is not None:
       checks.positive(where, eval_steps=self.eval_steps)
-    checks.in_range("task.train.peak_flops_per_device", self.peak_flops_per_device, 1.0,
-                    float("inf"), "Give your accelerator's peak FLOP/s, e.g. 9.89e14.")
+    if self.peak_flops_per_device is not None:
+      checks.in_range("task.train.peak_flops_per_device", self.peak_flops_per_device, 1.0,
+                      float("inf"), "Give your accelerator's peak FLOP/s, e.g. 9.89e14, or "
+                      "None for the chip's own.")
     ps = self.profile_steps
     if ps is not None and (not isinstance(ps, (tuple, list)) or len(ps) != 2
                            or not all(isinstance(x, int) and x > 0 for x in ps)):

@@ -21,7 +21,7 @@ MAY_IMPORT = {
     "plan": {SHARED, "core", "task"},
     "pipeline": {SHARED, "core"},
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
-    "run": {SHARED, "core", "task"},
+    "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
     "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
               "pipeline.mpmd", "run"},
 }

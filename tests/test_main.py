@@ -12,16 +12,39 @@ def run_main(tmp_path, *args, exp="lm.TinyLm"):
   return subproc.run(subproc.main_cmd(exp, str(tmp_path), flags=args), timeout=300)
 
 
+# spmdtask.main, then whether TensorFlow was ever imported (a synthetic-data run needs none).
+MAIN_THEN_TF = """
+import atexit, sys
+from absl import app
+from spmdtask import main
+atexit.register(lambda: print("tensorflow imported:", "tensorflow" in sys.modules))
+sys.argv = ["spmdtask.main"] + sys.argv[1:]
+app.run(main.main)
+"""
+
+
 def test_train_writes_config_and_logs(tmp_path):
-  out = run_main(tmp_path, "--fdl_set=task.train.num_train_steps=4",
-                 "--fdl_set=task.train.log_interval_steps=2", "--alsologtostderr")
+  cmd = subproc.main_cmd("lm.TinyLm", str(tmp_path), flags=[
+      "--fdl_set=task.train.num_train_steps=4", "--fdl_set=task.train.log_interval_steps=2",
+      "--fdl_set=task.train.summary_interval_steps=2", "--alsologtostderr"])
+  out = subproc.run([cmd[0], "-c", MAIN_THEN_TF] + cmd[3:], timeout=300)
   assert out.returncode == 0, out.stderr
+  assert out.stdout.splitlines()[-1] == "tensorflow imported: False"
   config = (tmp_path / "config.txt").read_text()
   assert "task.train.num_train_steps = 4" in config
   assert "task.model.d_model = 128" in config
+  # The MFU is against a CPU's default peak, and the console says so.
+  assert "MFU against 130 GFLOP/s per device (cpu: no chip facts" in out.stderr
   logged = [l for l in out.stderr.splitlines() if "loss" in l and "tokens/s" in l]
   assert [l.split("step ")[1].split()[0] for l in logged] == ["2/4", "4/4"]
   assert all(float(l.split("loss ")[1].split()[0]) > 0 for l in logged)
+  assert all("% of 130 GFLOP/s" in l for l in logged)
+  # TensorBoard events (tensorboard's own writer) with the loss and the MFU.
+  written = subproc.scalars(str(tmp_path / "summaries" / "train"))
+  for tag in ("loss", "mfu"):
+    assert sorted(written[tag]) == [2, 4] and all(v > 0 for v in written[tag].values())
+  mfu_in_line = float(logged[-1].split("MFU ")[1].split("%")[0])
+  assert mfu_in_line == pytest.approx(100 * written["mfu"][4], abs=0.051)
 
 
 @pytest.mark.parametrize("args,exp,needles", [

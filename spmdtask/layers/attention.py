@@ -105,7 +105,8 @@ class Attention(nn.Module):
       impl = fused_attention.choose(
           self.impl, backend, q.shape[1], q.shape[2], q.shape[3], q.dtype,
           segment_ids is not None, self.heads_act_split,
-          dict(jax.sharding.get_abstract_mesh().shape))
+          dict(jax.sharding.get_abstract_mesh().shape),
+          fused_attention.gpu_compute_capability() if backend == "gpu" else (0, 0))
       if impl != "xla":
         return fused_attention.fused(impl, q, k, v, segment_ids, self.causal,
                                      self.heads_act_split, backend)

@@ -10,8 +10,12 @@ choice computes the same function:
           head i reads KV head i // group). Compiled on TPU, run in Pallas interpret mode
           on CPU (slow; for tests). Not on GPU.
   cudnn   `jax.nn.dot_product_attention(implementation="cudnn")`: cuDNN's fused kernel;
-          GPU only, bf16/fp16.
-  auto    the default: splash on TPU and cudnn on GPU where the shapes allow, else xla.
+          GPU only, bf16/fp16, head_dim a multiple of 8 up to 128 (256 from Hopper on:
+          the limits JAX's cuDNN wrapper checks). Packed rows pass their segment mask, which
+          cuDNN takes as a [b, 1, t, t] bias (and returns its gradient): an even t.
+  auto    the default: splash on TPU and cudnn on GPU where the shapes allow (packed rows
+          included), else xla: `cudnn_problem` says why cuDNN would refuse a shape, and
+          `choose` then falls back to xla.
 
 splash and cudnn take causality from the token index (key j visible to query i iff
 j <= i, within the segment when packed): positions must count up by one along each row
@@ -28,6 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.errors import ConfigError
@@ -48,20 +53,32 @@ def platform() -> str:
 
 
 def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
-  """ConfigError unless `impl` is a known choice that can run on `backend`."""
+  """ConfigError unless `impl` is a known choice that can run on `backend` (at validation;
+  on GPUs this looks for the cuDNN library and the GPUs' compute capability)."""
+  _check_name(impl, backend)
+  refused = backend == "gpu" and impl in ("auto", "cudnn") and cudnn_problem(
+      2, head_dim, dtype, False, gpu_compute_capability())
+  if refused and impl == "cudnn":  # the sequence length is checked at trace time (`choose`)
+    raise ConfigError(f"{FIELD}='cudnn' cannot run here: {refused}. Change that, or use "
+                      "'auto' (falls back to xla) or 'xla'.")
+  if refused and gpu_compute_capability() is None:
+    _warn_once(f"attention runs as xla (scores materialized), not cuDNN's fused kernel: "
+               f"{refused}.")
+
+
+@functools.cache
+def _warn_once(message: str) -> None:  # validation runs once per program
+  logging.warning("%s", message)
+
+
+def _check_name(impl: str, backend: str) -> None:
   if impl not in IMPLS:
     raise ConfigError(f"{FIELD}={impl!r} is not an attention implementation: use one of "
                       f"{', '.join(IMPLS)} ('auto' picks the best for the backend).")
-  if impl == "cudnn":
-    if backend != "gpu":
-      raise ConfigError(
-          f"{FIELD}='cudnn' needs a GPU backend (cuDNN's fused attention), but the mesh's "
-          f"devices are {backend!r}: use 'auto' (splash on TPU, xla on CPU) or 'xla'.")
-    if str(dtype) not in CUDNN_DTYPES or head_dim % 8 or head_dim > 128:
-      raise ConfigError(
-          f"{FIELD}='cudnn' needs a bfloat16/float16 task.model.fprop_dtype and a head_dim "
-          f"that is a multiple of 8, at most 128 (got {dtype}, head_dim={head_dim}): change "
-          "those or use 'auto' / 'xla'.")
+  if impl == "cudnn" and backend != "gpu":
+    raise ConfigError(
+        f"{FIELD}='cudnn' needs a GPU backend (cuDNN's fused attention), but the mesh's "
+        f"devices are {backend!r}: use 'auto' (splash on TPU, xla on CPU) or 'xla'.")
   if impl == "splash" and backend == "gpu":
     raise ConfigError(f"{FIELD}='splash' is the TPU Pallas kernel (interpret mode on CPU for "
                       "tests); on GPU use 'cudnn' or 'auto'.")
@@ -91,24 +108,66 @@ def _splash_problem(seq: int, num_heads: int, heads_split: SplitDims | None,
   return None
 
 
-def choose(impl: str, backend: str, seq: int, num_heads: int, head_dim: int, dtype,
-           has_segments: bool, heads_split: SplitDims | None, mesh_shape=None) -> str:
-  """The concrete implementation for this call: `auto` resolved, explicit ones checked.
+@functools.cache
+def gpu_compute_capability() -> tuple[int, int] | None:
+  """The GPUs' CUDA compute capability: the first GPU's; (9, 0) for a compile-only target
+  (a plan's --plan_topology: XLA's description of an H100). None when the cuDNN library
+  cannot be loaded (JAX's CUDA plugin alone, the `gpu_plan` extra, brings none)."""
+  from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+  try:
+    if cuda_versions is None or not cuda_versions.cudnn_get_version():
+      return None
+  except RuntimeError:  # "cuDNN not found"
+    return None
+  try:
+    cc = jax.devices("gpu")[0].compute_capability
+  except RuntimeError:  # no GPU backend in this process
+    return (9, 0)
+  return tuple(int(x) for x in cc.split(".")[:2])
 
-  `mesh_shape` ({axis: size}; None or empty outside a mesh) is what `heads_split` splits.
+
+def cudnn_problem(seq: int, head_dim: int, dtype, has_segments: bool,
+                  compute_capability: tuple[int, int] | None) -> str | None:
+  """Why cuDNN's fused attention (through JAX 0.10) refuses these shapes, or None.
+  `compute_capability` None: the cuDNN library is not installed."""
+  if compute_capability is None:
+    return "the cuDNN library is not installed here (pip install 'spmdtask[gpu]' brings it)"
+  if str(jnp.dtype(dtype)) not in CUDNN_DTYPES:
+    return f"it computes in bfloat16 or float16 (task.model.fprop_dtype is {jnp.dtype(dtype)})"
+  max_hd = 256 if compute_capability >= (9, 0) else 128
+  if head_dim % 8 or head_dim > max_hd:
+    return (f"head_dim={head_dim} must be a multiple of 8, at most {max_hd} on compute "
+            f"capability {compute_capability[0]}.{compute_capability[1]}")
+  if has_segments and seq % 2:
+    return f"packed rows train with a mask bias, which needs an even sequence length ({seq})"
+  return None
+
+
+def choose(impl: str, backend: str, seq: int, num_heads: int, head_dim: int, dtype,
+           has_segments: bool, heads_split: SplitDims | None, mesh_shape=None,
+           compute_capability: tuple[int, int] | None = (9, 0)) -> str:
+  """The concrete implementation for this call: `auto` resolved, explicit ones checked.
+  Pure: the same arguments give the same choice on any machine.
+
+  `mesh_shape` ({axis: size}; None or empty outside a mesh) is what `heads_split` splits;
+  `compute_capability` is the GPUs' (`gpu_compute_capability()`; unused off GPU; None:
+  no cuDNN library).
   """
-  check(impl, backend, head_dim, str(jnp.dtype(dtype)))
+  _check_name(impl, backend)
   splash_problem = _splash_problem(seq, num_heads, heads_split, mesh_shape)
+  cudnn_refuses = cudnn_problem(seq, head_dim, dtype, has_segments, compute_capability)
   if impl == "auto":
     if backend == "tpu" and splash_problem is None:
       return "splash"
-    if (backend == "gpu" and not has_segments and str(jnp.dtype(dtype)) in CUDNN_DTYPES
-        and head_dim % 8 == 0 and head_dim <= 128):
+    if backend == "gpu" and cudnn_refuses is None:
       return "cudnn"
     return "xla"
   if impl == "splash" and splash_problem is not None:
     raise ConfigError(f"{FIELD}='splash' cannot run here: {splash_problem}; or use 'auto' "
                       "(falls back to xla) or 'xla'.")
+  if impl == "cudnn" and cudnn_refuses is not None:
+    raise ConfigError(f"{FIELD}='cudnn' cannot run here: {cudnn_refuses}. Change that, or "
+                      "use 'auto' (falls back to xla) or 'xla'.")
   return impl
 
 

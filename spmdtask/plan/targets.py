@@ -23,8 +23,8 @@ from spmdtask.errors import ConfigError
 
 PIP_TPU = ("pip install 'spmdtask[tpu]'  (or: pip install 'jax[tpu]>=0.10.2,<0.11', which "
            "brings libtpu)")
-PIP_GPU = ("pip install 'spmdtask[gpu_plan]'  (or: pip install 'jax-cuda12-plugin>=0.10.2,<0.11'"
-           ": XLA:GPU without the CUDA libraries, enough to compile)")
+PIP_GPU = ("pip install 'spmdtask[gpu_plan]'  (or: pip install 'jax-cuda12-plugin>=0.10.2,<0.11' "
+           "'nvidia-cudnn-cu12>=9.8,<10': XLA:GPU and cuDNN, enough to compile)")
 _TOPOLOGY = re.compile(r"^(v[0-9][a-z]*):([0-9]+(?:x[0-9]+)*)$")
 _GPU_TOPOLOGY = re.compile(r"^([a-z][a-z0-9]*):(?:([0-9]+)x)?([0-9]+)$")
 
@@ -131,10 +131,11 @@ def gpu(name: str) -> Target:
   Collectives between hosts are counted at NVLink speed: the bound stays a lower bound.
   """
   m = _GPU_TOPOLOGY.match(name)
-  if not m or m.group(1) not in chips.GPUS:
+  models = [c.name for c in chips.GPUS.values() if c.gpu_target_config]  # XLA can compile for
+  if not m or m.group(1) not in models:
     raise ConfigError(f"--plan_topology={name!r}: a GPU topology is MODEL:GPUS_PER_HOST or "
-                      f"MODEL:HOSTSxGPUS_PER_HOST, e.g. h100:8 or h100:4x8 (models: "
-                      f"{', '.join(chips.GPUS)}).")
+                      f"MODEL:HOSTSxGPUS_PER_HOST, e.g. h100:8 or h100:4x8 (models spmdtask "
+                      f"has XLA's device description of: {', '.join(models)}).")
   chip = chips.GPUS[m.group(1)]
   hosts, per_host = int(m.group(2) or 1), int(m.group(3))
   try:

@@ -22,6 +22,7 @@ from spmdtask.core import program as program_lib
 from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.core import host_input as inputs_base
 from spmdtask.core import global_batch
+from spmdtask.plan import chips
 from spmdtask.task import RunConfig
 
 
@@ -57,11 +58,11 @@ class ProgressLog(Hook):
   """Process 0 prints step, loss, step time, tokens/s, MFU and ETA every `every` steps.
 
   Times are averaged over the steps since the last line; the first line's include
-  compiling the step, so its ETA is pessimistic.
+  compiling the step, so its ETA is pessimistic. MFU is against `peak` per device.
   """
 
-  def __init__(self, every: int, num_train_steps: int, peak_flops_per_device: float):
-    self.every, self.num_steps, self.peak = max(1, every), num_train_steps, peak_flops_per_device
+  def __init__(self, every: int, num_train_steps: int, peak: chips.Peak):
+    self.every, self.num_steps, self.peak = max(1, every), num_train_steps, peak
     self._first = True
 
   def wants_metrics(self, step, last):
@@ -70,10 +71,10 @@ class ProgressLog(Hook):
   def on_metrics(self, fetched, last):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
-    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% (peak %.3g "
-                "FLOP/s/device)  ETA %s", fetched.step, self.num_steps,
-                fetched.metrics[-1]["loss"], step_time, " (incl. compile)" if self._first else "",
-                console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak,
+    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
+                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], step_time,
+                " (incl. compile)" if self._first else "",
+                console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak.figure(),
                 console.duration((self.num_steps - fetched.step) * step_time))
     self._first = False
 
@@ -230,15 +231,17 @@ class PeriodicEval(Hook):
                               self.job_log_dir)
 
 
+def mfu_peak(program: program_lib.Program) -> chips.Peak:  # the mesh's chip, or the override
+  return chips.mfu_peak(program.mesh.devices.flat[0].device_kind,
+                        program.task.train.peak_flops_per_device)
+
 def rates(program: program_lib.Program, num_steps: int, seconds: float,
           batch_size: int) -> dict[str, float]:
-  """Throughput of `num_steps` steps in `seconds`; MFU against the configured peak."""
-  tp = program.task.train
-  examples = num_steps * batch_size / seconds
+  """Throughput of `num_steps` steps in `seconds`; MFU against `mfu_peak`."""
+  examples, peak = num_steps * batch_size / seconds, mfu_peak(program).flops_per_s
   return {"steps_per_sec": num_steps / seconds, "examples_per_sec": examples,
           "tokens_per_sec": examples * program.work.tokens,
-          "mfu": examples * program.work.train_flops / (tp.peak_flops_per_device
-                                                        * program.mesh.devices.size)}
+          "mfu": examples * program.work.train_flops / (peak * program.mesh.devices.size)}
 
 
 def run_steps(program: program_lib.Program, state, inputs, first: int, last_step: int,
@@ -282,7 +285,8 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
            f"train state "
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
-           f"({batch_size * program.work.tokens} tokens/step)"]
+           f"({batch_size * program.work.tokens} tokens/step); MFU against "
+           f"{mfu_peak(program).figure()} per device ({mfu_peak(program).source})"]
   if job_log_dir is not None:
     lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
                  "summaries/, logs/)")
@@ -296,7 +300,7 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -
       NonFiniteGuard(tp.log_interval_steps,
                      ckpt.should_save if ckpt is not None else (lambda step: False), run.task,
                      (lambda: (ckpt.wait(), ckpt.latest_step())[1]) if ckpt else (lambda: None)),
-      ProgressLog(tp.log_interval_steps, tp.num_train_steps, tp.peak_flops_per_device),
+      ProgressLog(tp.log_interval_steps, tp.num_train_steps, mfu_peak(program)),
       TrainSummaries(job_log_dir, tp.summary_interval_steps)]
   if tp.profile_steps is not None and job_log_dir is not None:
     hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))

@@ -2,6 +2,7 @@
 gradients, alone and through a sharded model; `auto` picks per backend; a choice that
 cannot run is a ConfigError naming task.model.attention_impl."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,7 @@ def test_decoding_with_a_cache_uses_xla_whatever_the_impl():
     ("auto", "tpu", 100, "bfloat16", False, "xla"),      # not a multiple of 128
     ("auto", "gpu", 256, "bfloat16", False, "cudnn"),
     ("auto", "gpu", 256, "float32", False, "xla"),       # cuDNN wants bf16 / fp16
-    ("auto", "gpu", 256, "bfloat16", True, "xla"),       # packed rows stay on xla
+    ("auto", "gpu", 256, "bfloat16", True, "cudnn"),     # packed rows: their mask as a bias
     ("splash", "cpu", 256, "float32", False, "splash"),  # interpret mode
     ("xla", "tpu", 256, "bfloat16", False, "xla"),
 ])
@@ -113,6 +114,28 @@ def test_auto_resolves_per_backend(impl, backend, seq, dtype, segments, want):
   heads = (("data", "fsdp"), None, "model", None)
   mesh = {"data": 2, "fsdp": 2, "model": 2}
   assert fa.choose(impl, backend, seq, 8, 128, jnp.dtype(dtype), segments, heads, mesh) == want
+
+
+@pytest.mark.parametrize("seq,head_dim,dtype,packed,cc,want", [
+    (8192, 128, "bfloat16", False, (9, 0), None),
+    (8192, 256, "bfloat16", False, (9, 0), None),           # Hopper: head_dim up to 256
+    (8192, 256, "bfloat16", False, (8, 0), "at most 128"),  # an A100: up to 128
+    (8192, 100, "float16", False, (9, 0), "multiple of 8"),
+    (8192, 64, "float32", False, (9, 0), "bfloat16 or float16"),
+    (8191, 64, "bfloat16", True, (9, 0), "even sequence length (8191)"),
+    (8191, 64, "bfloat16", False, (8, 0), None),            # unpacked: any length
+    (8192, 64, "bfloat16", False, None, "cuDNN library is not installed"),
+])
+def test_cudnn_refusals_fall_back_to_xla(seq, head_dim, dtype, packed, cc, want):
+  """The shapes JAX's cuDNN wrapper refuses go to xla under auto, and are a ConfigError
+  when cudnn is asked for by name; the choice is pure (no GPU needed)."""
+  problem = fa.cudnn_problem(seq, head_dim, jnp.dtype(dtype), packed, cc)
+  assert (problem is None) == (want is None) and (want is None or want in problem), problem
+  args = ("gpu", seq, 8, head_dim, jnp.dtype(dtype), packed, None, {}, cc)
+  assert fa.choose("auto", *args) == ("cudnn" if want is None else "xla")
+  if want is not None:
+    with pytest.raises(ConfigError, match=f"attention_impl=.cudnn. cannot run here: .*{re.escape(want)}"):
+      fa.choose("cudnn", *args)
 
 
 def test_auto_falls_back_to_xla_where_heads_do_not_divide_the_mesh():

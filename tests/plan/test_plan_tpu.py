@@ -33,7 +33,7 @@ def test_tinylm_on_v5e_2x2(tinylm_v5e):
   assert (t["platform"], t["topology"], t["chips"], t["device_kind"]) == (
       "tpu", "v5e:2x2", 4, "TPU v5 lite")
   chip = chips.CHIPS["v5e"]
-  assert t["chip"] == chip.as_json() and chip.hbm_bytes == 16e9
+  assert t["chip"] == chip.as_json() and chip.hbm_bytes == 16 * 2**30
   assert got["mesh"] == {"data": 1, "fsdp": 4, "model": 1}
   assert 0 < got["compiled"]["peak_estimate_bytes"] < chip.hbm_bytes
   # FSDP: weights gathered for use, gradients reduced; scanned layers count per trip.
@@ -173,7 +173,7 @@ def test_without_libtpu_exit_2_with_the_pip_line(tmp_path):
 
 def test_gpu_plan_without_a_gpu(tmp_path):
   """XLA:GPU compiles for 8 H100s from XLA's description of the device (needs only JAX's
-  CUDA plugin, no GPU or CUDA library): `pip install 'spmdtask[gpu_plan]'`."""
+  CUDA plugin and cuDNN, no GPU or other CUDA library): `pip install 'spmdtask[gpu_plan]'`."""
   pytest.importorskip("jax_plugins.xla_cuda12")
   run = util.build_run("lm.TinyLm", ["task.ici_mesh_shape=(1, 8, 1)"])
   got = planner.run_plan(run, str(tmp_path), "lm.TinyLm", topology="h100:8")
