@@ -79,6 +79,59 @@ def test_collectives_count_loop_bodies_per_trip():
                                   "all-gather": {"count": 3, "bytes": 3 * 128}}
 
 
+# XLA:TPU's forms: a loop body whose all-reduce (channel 5) also runs once in a layer peeled
+# out of the loop (same id, in ENTRY), an async all-gather cloned into its start and done
+# fusions (one op, channel 7), and channel 3 reused in ENTRY by two different all-reduces.
+TPU_HLO = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%ag_start (p0: bf16[1,128,512]) -> (bf16[1,128,512], bf16[1,512,512]) {
+  %all-gather.1 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)S(1)} all-gather(%p0), channel_id=7, """ \
+  """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
+  ROOT %t = (bf16[1,128,512], bf16[1,512,512]) tuple(%p0, %all-gather.1)
+}
+
+%ag_done (p1: bf16[1,128,512]) -> bf16[1,512,512] {
+  ROOT %all-gather.2 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)} all-gather(%p1), channel_id=7, """ \
+  """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
+}
+
+%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %g = f32[1024]{0} get-tuple-element(%p), index=1
+  %ar.5 = f32[1024]{0} all-reduce(%g), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
+  %async-collective-start = (bf16[1,128,512], bf16[1,512,512]) fusion(%w), kind=kCustom, """ \
+  """calls=%ag_start
+  %async-collective-done = bf16[1,512,512]{2,1,0} fusion(%w), kind=kCustom, calls=%ag_done
+}
+
+%cond (p: (s32[], f32[1024])) -> pred[] {
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %zero = s32[] constant(1)
+  %t = (s32[], f32[1024]) tuple(%zero, %a)
+  %w = (s32[], f32[1024]) while(%t), condition=%cond, body=%body
+  %peeled = f32[1024]{0} all-reduce(%a), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ar.3a = f32[16]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ar.3b = f32[256]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_are_told_apart_by_more_than_their_channel_id():
+  # 7 trips (i from 1 to 8) of the body's all-reduce and all-gather; the peeled layer's
+  # all-reduce once more; both channel-3 all-reduces once.
+  assert hlo.collectives(TPU_HLO) == {
+      "all-reduce": {"count": 7 + 1 + 2, "bytes": 8 * 4096 + 64 + 1024},
+      "all-gather": {"count": 7, "bytes": 7 * 2 * 512 * 512}}
+
+
 def test_remat_warning_names_the_param_of_that_shape():
   log = ("W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler "
          "cannot go from sharding {devices=[2,4]<=[8]} to {devices=[8,1]<=[8]} efficiently for "
