@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 
-from spmdtask.plan import hlo, planner
+from spmdtask.plan import hlo, oom, planner
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -140,3 +140,26 @@ def test_remat_warning_names_the_param_of_that_shape():
   rows = memory.state_rows(program.layout, dict(program.mesh.shape))
   (w,) = planner.warnings(rows, dict(program.mesh.shape), hlo.remat_warnings(log), (16, 64))
   assert "param params/embedding" in w and "%copy.3" in w
+
+
+def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply():
+  # XLA:TPU's line for a step whose temporaries do not fit; 8 rows per device at once.
+  line = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+          "temporaries (21.60G) exceeds available HBM (15.75G).")
+  plan = {"compiler_out_of_memory": line, "state_bytes_per_device": 3 * 2**30,
+          "params_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2 * 2**30,
+          "arrays": []}
+  task = util.build_run("lm.TinyLm", ["task.model.loss_vocab_tiles=1",
+                                      "task.model.remat_policy='minimal'"]).task
+  text = oom.paragraph(plan, task, 16e9, "HBM", 8, (64, 1024))
+  assert text.count(line.rstrip(".")) == 1  # the compiler's line once
+  assert "temporaries (activations" in text and "21.6 GiB and the train state 3.0 GiB" in text
+  assert "the temporaries first" in text and "Largest state arrays" not in text
+  # Logits 8 x 1024 x 256 x 4 B; 2 microbatches leave 10.8 GiB + 3 GiB < 15.75 GiB.
+  assert "task.model.loss_vocab_tiles=8: the loss without the whole float32 logits (about " \
+         "8.0 MiB" in text
+  assert "task.train.num_microbatches=2 (4 rows per device at once): temporaries about " \
+         "10.8 GiB" in text
+  assert "remat_policy='minimal_offloaded'" in text and "remat_policy='full'" in text
+  assert "more devices" not in text  # the state is not what fills it
+  assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB)" in text
