@@ -236,14 +236,19 @@ class TransformerLm(nn.Module):
     if self.loss_vocab_tiles > 1:
       x, w, scale = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
                          head=False)
-      ws = self.weight_split_dims_mapping
-      vocab_split = ws.embedding[0] if self.tie_embeddings else ws.unembed[1]
-      w_tiles = xent.head_tiles(w.astype(x.dtype), self.loss_vocab_tiles, vocab_split)
-      token_xent = xent.tiled_cross_entropy(x, w_tiles, targets, self.vocab_size, scale,
-                                            self.activation_split_dims_mapping.logits)
+      token_xent = _tiled_loss(self, x, w, scale, targets)
     else:
       logits = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"))
       token_xent = xent.cross_entropy(logits, targets)
     weights = batch["weights"].astype(jnp.float32)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss": Weighted(loss_sum, num_tokens)}
+
+
+def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
+  """Per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent)."""
+  ws = model.weight_split_dims_mapping
+  vocab_split = ws.embedding[0] if model.tie_embeddings else ws.unembed[1]
+  w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, vocab_split)
+  return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
+                                  model.activation_split_dims_mapping.logits)

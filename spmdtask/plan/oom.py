@@ -29,9 +29,10 @@ def _field(obj, name: str):
 
 
 def fixes(task, temp: float, state: float, budget: float, rows_per_device: float,
-          batch_shape) -> list[str]:
+          batch_shape, chip: dict | None = None) -> list[str]:
   """The fixes that apply to a step needing `temp` + `state` bytes per device over
-  `budget`, each with the bytes it would give."""
+  `budget` on `chip` (a plan's target chip; None: not a chip's plan), each with the bytes
+  it would give."""
   out = []
   model, need = task.model, temp + state
   if temp > state or temp > budget:  # fewer rows at once, less kept, logits in tiles
@@ -57,7 +58,8 @@ def fixes(task, temp: float, state: float, budget: float, rows_per_device: float
   if state >= temp or state > budget:
     out.append(f"more devices along the weights' axes (fsdp) or a larger split: the state, "
                f"{gib(state)} per device now, divides by the factor")
-  bigger = [c for c in chips.CHIPS.values() if c.hbm_bytes > need * 1.05]
+  bigger = [c for c in chips.CHIPS.values()
+            if chip and c.hbm_bytes > max(need * 1.05, chip["hbm_bytes"])]
   if bigger:
     out.append(f"a chip with more than {gib(need)} of HBM: " + ", ".join(
         f"{c.name} ({gib(c.hbm_bytes)})" for c in bigger))
@@ -88,6 +90,7 @@ def paragraph(plan: dict, task, budget: float, budget_name: str, rows_per_device
     top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
     fills += " Largest state arrays per device: " + "; ".join(
         f"{a['path']} {gib(a['bytes_per_device'])}" for a in top) + "."
-  options = fixes(task, temp, state, budget, rows_per_device, batch_shape)
+  options = fixes(task, temp, state, budget, rows_per_device, batch_shape,
+                  plan.get("target", {}).get("chip"))
   return (f"{head}. {fills} Fixes that apply: " + "; ".join(options) + "."
           if options else f"{head}. {fills}")

@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 
-from spmdtask.plan import hlo, oom, planner
+from spmdtask.plan import chips, hlo, oom, planner
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -53,7 +53,8 @@ def test_64_device_plan_and_memory_budget(tmp_path):
   assert any("params/layers/block/attn/q is padded" in w for w in plan_json["warnings"])
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
   assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
-  assert "params/layers/block/mlp/w" in err[0]  # the largest arrays are named
+  assert "What fills the chip: temporaries" in err[0] and "the temporaries first" in err[0]
+  assert "a chip with more" not in err[0]  # a CPU plan under a budget: no chip to swap
 
 
 HLO = """HloModule m
@@ -149,6 +150,7 @@ def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply(
   plan = {"compiler_out_of_memory": line, "state_bytes_per_device": 3 * 2**30,
           "params_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2 * 2**30,
           "arrays": []}
+  plan["target"] = {"chip": chips.CHIPS["v5e"].as_json()}
   task = util.build_run("lm.TinyLm", ["task.model.loss_vocab_tiles=1",
                                       "task.model.remat_policy='minimal'"]).task
   text = oom.paragraph(plan, task, 16e9, "HBM", 8, (64, 1024))
@@ -162,4 +164,4 @@ def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply(
          "10.8 GiB" in text
   assert "remat_policy='minimal_offloaded'" in text and "remat_policy='full'" in text
   assert "more devices" not in text  # the state is not what fills it
-  assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB)" in text
+  assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB), v6e" in text
