@@ -248,7 +248,7 @@ class TransformerLm(nn.Module):
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   """Per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent)."""
   ws = model.weight_split_dims_mapping
-  vocab_split = ws.embedding[0] if model.tie_embeddings else ws.unembed[1]
-  w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, vocab_split)
+  split = tuple(reversed(ws.embedding)) if model.tie_embeddings else ws.unembed  # [d, vocab]
+  w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
   return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
-                                  model.activation_split_dims_mapping.logits)
+                                  model.activation_split_dims_mapping.logits, split)

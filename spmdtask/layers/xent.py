@@ -10,9 +10,10 @@ and gradient, but XLA:TPU no longer keeps the float32 logits alive for the gathe
 (tile j holds vocab ids j, j + tiles, j + 2·tiles, ..., so a vocab dim split over a mesh axis
 splits every tile evenly); a scan computes each tile's log-sum-exp and label logit, and the
 backward scan recomputes each tile's logits (one more head matmul) to give its softmax
-gradient. The head weight arrives whole along d_model (gathered once, by the caller's
-sharding) and is used by both scans; each tile's weight gradient is its own slice of the
-result, so nothing is gathered or reduced per tile more than once overall.
+gradient. The head weight is gathered once along d_model, in the forward, and kept for the
+backward, which follows at once; each tile's weight gradient is reduced straight to the
+weight's own shards (no whole-size gradient of the head is kept), so the bytes moved are
+those of the untiled head's one gather and one reduction.
 """
 import functools
 
@@ -35,43 +36,51 @@ def _one_hot(labels, n: int, offset, stride) -> jax.Array:
                                                      labels.ndim)) == labels[..., None]
 
 
-def head_tiles(w: jax.Array, tiles: int, vocab_split) -> jax.Array:
+def head_tiles(w: jax.Array, tiles: int, split: SplitDims | None = None) -> jax.Array:
   """The head weight w [d, vocab] as [tiles, d, ceil(vocab / tiles)] strided tiles (zero
-  columns pad the last ids), d_model whole and the columns split as `vocab_split` (the
-  vocab dim's mesh axes): the one gather of the head, used by both scans of
-  `tiled_cross_entropy`."""
+  columns pad the last ids), each split as w is (`split`, w's mapping): still sharded;
+  `tiled_cross_entropy` gathers it once."""
   d, v = w.shape
   cols = -(-v // tiles)
   w = jnp.pad(w, ((0, 0), (0, cols * tiles - v))) if cols * tiles != v else w
-  return constrain(w.reshape(d, cols, tiles).transpose(2, 0, 1), (None, None, vocab_split))
+  w = w.reshape(d, cols, tiles).transpose(2, 0, 1)
+  return w if split is None else constrain(w, (None, *split))
 
 
 def tiled_cross_entropy(x: jax.Array, w_tiles: jax.Array, labels: jax.Array, vocab: int,
-                        scale: float = 1.0, logits_split: SplitDims | None = None) -> jax.Array:
+                        scale: float = 1.0, logits_split: SplitDims | None = None,
+                        weight_split: SplitDims | None = None) -> jax.Array:
   """Per-token cross entropy [b, t] float32 of the logits `scale · x @ w` without the whole
   logits: x [b, t, d], `w_tiles` = `head_tiles(w, ...)`, labels [b, t] int in [0, vocab).
-  Each tile's logits [b, t, cols] are float32 and constrained to `logits_split`."""
-  return _tiled(vocab, scale, logits_split, x, w_tiles, labels)
+
+  Each tile's logits [b, t, cols] are float32 and constrained to `logits_split`. With
+  `weight_split` (w's mapping [d, vocab]), the forward gathers the tiles once along d
+  (kept for the backward, which follows at once), and each tile's weight gradient is
+  constrained to that mapping: reduced straight to each device's shard, never kept whole.
+  """
+  return _tiled(vocab, scale, (logits_split, weight_split), x, w_tiles, labels)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tiled(vocab, scale, split, x, w_tiles, labels):
-  return _forward(vocab, scale, split, x, w_tiles, labels)[0]
+def _tiled(vocab, scale, splits, x, w_tiles, labels):
+  return _forward(vocab, scale, splits, x, w_tiles, labels)[0]
 
 
-def _masked_logits(x, w, j, tiles, vocab, scale, split):
+def _masked_logits(x, w, j, tiles, vocab, scale, splits):
   """Tile j's float32 logits [b, t, cols]; padding ids (>= vocab) at -inf."""
   logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32) * scale
   ids = j + tiles * jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-  return constrain(jnp.where(ids < vocab, logits, -jnp.inf), split)
+  return constrain(jnp.where(ids < vocab, logits, -jnp.inf), splits[0])
 
 
-def _forward(vocab, scale, split, x, w_tiles, labels):
+def _forward(vocab, scale, splits, x, w_tiles, labels):
   tiles = w_tiles.shape[0]
+  if splits[1] is not None:  # the one gather: d whole, the vocab columns as w's
+    w_tiles = constrain(w_tiles, (None, None, splits[1][1]))
 
   def tile(_, jw):
     j, w = jw
-    logits = _masked_logits(x, w, j, tiles, vocab, scale, split)
+    logits = _masked_logits(x, w, j, tiles, vocab, scale, splits)
     picked = jnp.sum(jnp.where(_one_hot(labels, w.shape[-1], j, tiles), logits, 0.0), -1)
     return None, (jax.nn.logsumexp(logits, axis=-1), picked)
 
@@ -80,18 +89,18 @@ def _forward(vocab, scale, split, x, w_tiles, labels):
   return lse - jnp.sum(picked, axis=0), (x, w_tiles, labels, lse)
 
 
-def _backward(vocab, scale, split, res, g):
+def _backward(vocab, scale, splits, res, g):
   x, w_tiles, labels, lse = res
   tiles = w_tiles.shape[0]
 
   def tile(dx, jw):
     j, w = jw
-    p = jnp.exp(_masked_logits(x, w, j, tiles, vocab, scale, split) - lse[..., None])
+    p = jnp.exp(_masked_logits(x, w, j, tiles, vocab, scale, splits) - lse[..., None])
     dlogits = (p - _one_hot(labels, w.shape[-1], j, tiles)) * (g * scale)[..., None]
     dlogits = dlogits.astype(x.dtype)
     dx = dx + jnp.einsum("btv,dv->btd", dlogits, w, preferred_element_type=jnp.float32)
     dw = jnp.einsum("btd,btv->dv", x, dlogits, preferred_element_type=jnp.float32)
-    return dx, dw.astype(w.dtype)
+    return dx, constrain(dw.astype(w.dtype), splits[1])
 
   dx, dw = jax.lax.scan(tile, jnp.zeros(x.shape, jnp.float32), (jnp.arange(tiles), w_tiles))
   return dx.astype(x.dtype), dw, None

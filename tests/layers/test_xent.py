@@ -27,10 +27,11 @@ def _optax_loss(x, w, labels, g, scale):
   return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, labels) * g)
 
 
-def _tiled_loss(tiles, split, vocab_split):
+def _tiled_loss(tiles, split, weight_split):
   def loss(x, w, labels, g, scale):
-    w_tiles = xent.head_tiles(w, tiles, vocab_split)
-    return jnp.sum(xent.tiled_cross_entropy(x, w_tiles, labels, V, scale, split) * g)
+    w_tiles = xent.head_tiles(w, tiles, weight_split)
+    return jnp.sum(xent.tiled_cross_entropy(x, w_tiles, labels, V, scale, split,
+                                            weight_split) * g)
   return loss
 
 
@@ -67,7 +68,7 @@ def test_tiled_cross_entropy_equals_optax_on_a_data_fsdp_tp_mesh():
   batch = ("data", "fsdp")
   args = (put(x, batch, None, None), put(jnp.pad(w, ((0, 0), (0, 3))), "fsdp", "model"),
           put(labels, batch, None), put(g, batch, None))
-  tiled = _tiled_loss(4, LOGITS_SPLIT, "model")
+  tiled = _tiled_loss(4, LOGITS_SPLIT, ("fsdp", "model"))
 
   def padded(x, w, labels, g, scale):  # vocab 40 splits over model; ids >= 37 never labels
     return tiled(x, w[:, :V], labels, g, scale)
