@@ -28,6 +28,21 @@ def _field(obj, name: str):
   return getattr(obj, name) if any(f.name == name for f in dataclasses.fields(obj)) else None
 
 
+def saved_inputs(task, rows_per_device: float, batch_shape) -> str | None:
+  """What a scanned stack's backward keeps at the least: every layer's input
+  [layers, rows, seq, d_model] in the compute dtype (the whole of it under full remat), as
+  a phrase with its bytes; None for a model without those fields."""
+  model = task.model
+  layers, d, dtype = (_field(model, k) for k in ("num_layers", "d_model", "fprop_dtype"))
+  if not (layers and d and dtype) or len(batch_shape) < 2:
+    return None
+  size = {"bfloat16": 2, "float16": 2}.get(dtype, 4)
+  shape = [layers, rows_per_device, batch_shape[1], d]
+  return (f"of them the layers' saved inputs {dtype}[{', '.join(f'{x:g}' for x in shape)}] "
+          f"{gib(size * layers * rows_per_device * batch_shape[1] * d)} (what the backward of "
+          "a scanned stack keeps at the least: all of it under full remat)")
+
+
 def fixes(task, temp: float, state: float, budget: float, rows_per_device: float,
           batch_shape, chip: dict | None = None) -> list[str]:
   """The fixes that apply to a step needing `temp` + `state` bytes per device over
@@ -86,6 +101,9 @@ def paragraph(plan: dict, task, budget: float, budget_name: str, rows_per_device
            f"gathered weights, scratch) {gib(temp)} and the train state {gib(state)} per device "
            f"(params {gib(plan['params_bytes_per_device'])}, optimizer "
            f"{gib(plan['opt_state_bytes_per_device'])}): {cause} first.")
+  kept = saved_inputs(task, rows_per_device, batch_shape) if temp > state else None
+  if kept:
+    fills = fills[:-1] + f"; {kept}."
   if temp <= state or state > budget:
     top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
     fills += " Largest state arrays per device: " + "; ".join(

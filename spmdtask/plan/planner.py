@@ -178,6 +178,10 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                    "term's half above a causal kernel's work).")
     elif kernels:
       step["flops"] += kernel_flops
+      notes.append(f"{kernels} Pallas kernel call(s): their FLOPs ({kernel_flops:.3g} per device "
+                   "per step: forward, backward, recompute) are traced per grid point; a kernel "
+                   "that skips blocks does less (splash under a causal mask: about half), so "
+                   f"the compute bound may be up to {kernel_flops / 2 / step['flops']:.0%} high.")
   else:
     step = {"flops": float(once.get("flops", 0.0)),
             "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}

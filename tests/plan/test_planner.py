@@ -157,6 +157,8 @@ def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply(
   assert text.count(line.rstrip(".")) == 1  # the compiler's line once
   assert "temporaries (activations" in text and "21.6 GiB and the train state 3.0 GiB" in text
   assert "the temporaries first" in text and "Largest state arrays" not in text
+  # TinyLm: 4 layers of float32 [8 rows, 1024, 128] inputs.
+  assert "of them the layers' saved inputs float32[4, 8, 1024, 128] 16.0 MiB" in text
   # Logits 8 x 1024 x 256 x 4 B; 2 microbatches leave 10.8 GiB + 3 GiB < 15.75 GiB.
   assert "task.model.loss_vocab_tiles=8: the loss without the whole float32 logits (about " \
          "8.0 MiB" in text
