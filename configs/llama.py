@@ -40,8 +40,11 @@ def llama_model(*, vocab_size: int, d_model: int, num_layers: int, num_heads: in
                 num_kv_heads: int, d_ff: int, max_seq_len: int, rope_theta: float,
                 norm_eps: float = 1e-5, rope_scaling: dict | None = None,
                 tie_embeddings: bool = False, head_dim: int | None = None,
-                fprop_dtype: str = "bfloat16") -> fdl.Config[TransformerLm]:
-  """A Llama TransformerLm: SwiGLU, RMSNorm, RoPE, an unscaled (HF) tied head, full remat."""
+                fprop_dtype: str = "bfloat16",
+                loss_vocab_tiles: int = 8) -> fdl.Config[TransformerLm]:
+  """A Llama TransformerLm: SwiGLU, RMSNorm, RoPE, an unscaled (HF) tied head, full remat,
+  the loss over vocab tiles (Llama-3-8B at 8192 tokens per chip: the float32 logits would
+  be 3.9 GiB)."""
   return fdl.Config(
       TransformerLm, vocab_size=vocab_size, d_model=d_model, num_layers=num_layers,
       num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim or d_model // num_heads,
@@ -49,6 +52,7 @@ def llama_model(*, vocab_size: int, d_model: int, num_layers: int, num_heads: in
       tie_embeddings=tie_embeddings, scale_tied_logits=False, rope_theta=rope_theta,
       rope_scaling=fdl.Config(Llama3Scaling, **rope_scaling) if rope_scaling else None,
       norm_eps=norm_eps, fprop_dtype=fprop_dtype, remat_policy="nothing_saveable",
+      loss_vocab_tiles=loss_vocab_tiles,
       weight_split_dims_mapping=fdl.Config(WeightSplit),
       activation_split_dims_mapping=fdl.Config(ActivationSplit))
 

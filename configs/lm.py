@@ -16,9 +16,11 @@ from spmdtask.task import DecodeParams, Task, TrainParams
 
 
 def tiny_model(vocab_size: int = 256) -> fdl.Config[TransformerLm]:
-  """About 1.05M params: d 128, 4 layers, 4 heads (2 KV heads), SwiGLU 512."""
+  """About 1.05M params: d 128, 4 layers, 4 heads (2 KV heads), SwiGLU 512; the loss over 4
+  vocab tiles (as the real-size LMs': layers.xent), so every strategy's tests run it."""
   return fdl.Config(TransformerLm, vocab_size=vocab_size, d_model=128, num_layers=4,
                     num_heads=4, num_kv_heads=2, head_dim=32, d_ff=512, max_seq_len=256,
+                    loss_vocab_tiles=4,
                     weight_split_dims_mapping=fdl.Config(WeightSplit),
                     activation_split_dims_mapping=fdl.Config(ActivationSplit))
 

@@ -15,11 +15,12 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
   [batch_size, seq_len]: the embedding lookup's vjp; one `Block`'s vjp (grads of its weights
   and of its input); the head (final norm, unembedding, cross entropy) as the one-block
   model's loss-and-grad minus those two, so that it follows the model's own head code.
-  Remat and pipelining are turned off: they do not change what a layer costs to train.
+  Remat, vocab tiling (a loop that cost analysis counts once) and pipelining are turned
+  off: they do not change what a layer costs to train.
   """
   num_layers = model.num_layers
   model = dataclasses.replace(model, num_layers=1, remat_policy=None, execution=None,
-                              dropout_rate=0.0)
+                              dropout_rate=0.0, loss_vocab_tiles=1)
   dt = jnp.dtype(model.fprop_dtype)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
   x = jax.ShapeDtypeStruct((batch_size, seq_len, model.d_model), dt)

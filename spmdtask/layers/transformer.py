@@ -5,13 +5,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
+from spmdtask.layers import xent
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
@@ -52,7 +52,9 @@ class TransformerLm(nn.Module):
   `remat_policy`: a preset of spmdtask.core.remat such as 'minimal' or
   'minimal_offloaded', a `jax.checkpoint_policies` policy name, or None); the framework sets
   `execution` from `task.pipeline` to pipeline them. Params stay float32; compute runs
-  in `fprop_dtype`.
+  in `fprop_dtype`. With `loss_vocab_tiles` > 1 the loss never holds the whole
+  [tokens, vocab] logits: the head and the cross entropy run over that many vocabulary
+  tiles (`layers.xent`; one more head matmul in the backward), the head weight gathered once.
   """
   vocab_size: int
   d_model: int
@@ -73,6 +75,7 @@ class TransformerLm(nn.Module):
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
+  loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -85,7 +88,7 @@ class TransformerLm(nn.Module):
     checks.positive("task.model", vocab_size=self.vocab_size, d_model=self.d_model,
                     num_layers=self.num_layers, num_heads=self.num_heads,
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                    max_seq_len=self.max_seq_len)
+                    max_seq_len=self.max_seq_len, loss_vocab_tiles=self.loss_vocab_tiles)
     if self.num_heads % self.num_kv_heads:
       raise ConfigError(
           f"task.model.num_heads={self.num_heads} is not a multiple of task.model.num_kv_heads="
@@ -198,13 +201,16 @@ class TransformerLm(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               cache: KvCache | None = None, segment_ids: jax.Array | None = None):
+               cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
+               head: bool = True):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
     tokens' keys/values are written at `positions` and attention reads the cache.
     With `segment_ids` [b, t] (packed rows; `positions` then restart per segment),
-    a token attends only to earlier tokens of its own segment.
+    a token attends only to earlier tokens of its own segment. With `head=False`, returns
+    `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
+    head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -216,13 +222,15 @@ class TransformerLm(nn.Module):
     x, cache = self._stack()(x, positions, segment_ids, cache=cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
-      logits = jnp.einsum("btd,vd->btv", x, emb.astype(dt))
-      if self.scale_tied_logits:
-        logits = logits * (self.d_model ** -0.5)
+      unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
     else:
       unembed = weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
                        dense_init(0, 1))
-      logits = x @ unembed.astype(dt)
+      scale = 1.0
+    if not head:
+      return x, unembed, scale
+    logits = x @ unembed.astype(dt)
+    logits = logits * scale if scale != 1.0 else logits
     logits = constrain(logits.astype(jnp.float32), a.logits)
     return logits if cache is None else (logits, cache)
 
@@ -233,9 +241,23 @@ class TransformerLm(nn.Module):
     packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
     Returns (loss, {'loss': Weighted(sum of token losses, tokens)}).
     """
-    logits = self(batch["inputs"], batch.get("positions"),
-                  segment_ids=batch.get("segment_ids"))
-    xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    inputs, targets = batch["inputs"], batch["targets"]
+    if self.loss_vocab_tiles > 1:
+      x, w, scale = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                         head=False)
+      token_xent = _tiled_loss(self, x, w, scale, targets)
+    else:
+      logits = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"))
+      token_xent = xent.cross_entropy(logits, targets)
     weights = batch["weights"].astype(jnp.float32)
-    loss_sum, num_tokens = jnp.sum(xent * weights), jnp.sum(weights)
+    loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss": Weighted(loss_sum, num_tokens)}
+
+
+def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
+  """Per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent)."""
+  ws = model.weight_split_dims_mapping
+  split = tuple(reversed(ws.embedding)) if model.tie_embeddings else ws.unembed  # [d, vocab]
+  w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
+  return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
+                                  model.activation_split_dims_mapping.logits, split)

@@ -10,12 +10,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
+from spmdtask.layers import xent as xent_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
 from spmdtask.layers.block import Block, num_params, train_flops
 from spmdtask.core.model import Metrics, Weighted, Work
@@ -146,7 +146,7 @@ class VisionTransformer(nn.Module):
   def loss(self, batch) -> tuple[jax.Array, Metrics]:
     """Weighted mean cross entropy; metrics loss and accuracy, both weighted by example."""
     logits = self(batch["images"])
-    xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    xent = xent_lib.cross_entropy(logits, batch["labels"])
     weights = batch["weights"].astype(jnp.float32)
     correct = (jnp.argmax(logits, -1) == batch["labels"]).astype(jnp.float32)
     n = jnp.sum(weights)

@@ -51,6 +51,7 @@ CHIPS = {c.name: c for c in (
          "cloud.google.com/tpu/docs/v4; ICI: the TPU v4 paper (ISCA 2023)"),
     # https://cloud.google.com/tpu/docs/v5e (197 TFLOPs bf16, HBM2 16 GiB at 819 GBps,
     # bidirectional ICI 400 GBps per chip; 2 x 100 Gbps NICs per 8-chip host = 25 Gbps/chip).
+    # HBM: 16 GiB, as libtpu's compiler counts it (15.75 GiB of it usable by a program).
     # Host link: Google's pages give none; 1.5e10 B/s per chip is the PCIe figure of "How to
     # Scale Your Model" (jax-ml.github.io/scaling-book/tpus), third-party, used for offload.
     Chip("v5e", "TPU v5 lite", 197e12, 16 * GIB, 819 * GB, 400 * GB, 25e9 / 8,

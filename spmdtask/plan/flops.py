@@ -58,19 +58,21 @@ def _repeats(eqn) -> int:
   return 1
 
 
-def jaxpr_flops(jaxpr: core.Jaxpr) -> float:
-  """Matmul FLOPs of one run of `jaxpr` (all devices together)."""
+def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
+  """Matmul FLOPs of one run of `jaxpr` (all devices together); with `kernels_only`, only
+  those inside Pallas kernels (what XLA's cost analysis cannot see in a custom call)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     count = _COUNTERS.get(eqn.primitive.name)
     if count is not None:
-      total += count(eqn)
+      total += 0.0 if kernels_only else count(eqn)
       continue
-    estimate = eqn.params.get("cost_estimate") if eqn.primitive.name == "pallas_call" else None
+    kernel = eqn.primitive.name == "pallas_call"
+    estimate = eqn.params.get("cost_estimate") if kernel else None
     if estimate is not None and estimate.flops:
       total += float(estimate.flops)  # the kernel's own count (e.g. a causal mask's skips)
       continue
-    subs = [jaxpr_flops(j) for j in _sub_jaxprs(eqn.params)]
+    subs = [jaxpr_flops(j, kernels_only and not kernel) for j in _sub_jaxprs(eqn.params)]
     if eqn.primitive.name == "cond":
       total += max(subs, default=0.0)  # one branch runs
     else:
@@ -78,6 +80,7 @@ def jaxpr_flops(jaxpr: core.Jaxpr) -> float:
   return total
 
 
-def traced_flops(fn: Callable, *args) -> float:
-  """Matmul FLOPs of one call `fn(*args)` (args may be ShapeDtypeStructs), all devices."""
-  return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+def traced_flops(fn: Callable, *args, kernels_only: bool = False) -> float:
+  """Matmul FLOPs of one call `fn(*args)` (args may be ShapeDtypeStructs), all devices;
+  with `kernels_only`, those inside Pallas kernels."""
+  return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr, kernels_only)

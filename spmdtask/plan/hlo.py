@@ -6,8 +6,12 @@ all-reduce's reduced one, reduce-scatter's shard). Collectives inside a `while` 
 (a scanned layer stack, gradient accumulation) are counted once per trip, so the totals
 are per train step. A loop's trips come from its `known_trip_count` (XLA:CPU annotates
 it) or, where the backend leaves none (XLA:TPU), from its condition `i < N` and the
-constant start of `i`. XLA:TPU clones an async collective into its start / done
-fusions; a collective is one `channel_id`, counted once.
+constant start of `i`. XLA:TPU clones an async collective into its start / update / done
+fusions: clones of one collective share a `channel_id`, kind, shape and replica groups and
+run in one scheduled computation (the ENTRY, a loop body or a branch: the fusions'
+caller), and count once. The `channel_id` alone does not tell collectives apart: XLA:TPU
+reuses one for different ops, and a layer peeled out of a scanned loop keeps its loop
+copy's id (it runs in another computation, so it counts on its own).
 """
 import collections
 import dataclasses
@@ -24,6 +28,8 @@ _OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.\-]+)")
 _TRIPS = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
+_SCHEDULED = re.compile(r"\b(?:body|condition|branch_computations|true_computation|"
+                        r"false_computation)=\{?((?:%[\w.\-]+(?:, )?)+)")
 _WHILE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .* while\(%([\w.\-]+)\), condition=%([\w.\-]+), "
                     r"body=%([\w.\-]+)")
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
@@ -150,6 +156,12 @@ class Collective:
   dcn: bool = False
 
 
+def _replica_groups(line: str) -> str:
+  m = re.search(r"replica_groups=(\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\]\S*|"
+                r"mesh\[[^\]]*\] \{[^}]*\})", line)
+  return m.group(1) if m else ""
+
+
 def _group_size(line: str) -> int:
   """Devices per replica group: explicit {{0,1},..}, iota [G,S]<=[N], or mesh[..] {axes}."""
   m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
@@ -171,12 +183,32 @@ _DCN_SEND = re.compile(r"=\s*\((\S+?), .*\bsend\(.*xla_megascale_runtime.*"
                        r'_xla_host_transfer_rendezvous="([a-z\-]+?)(?:-start)?[.\d_"]')
 
 
+def _homes(comps: dict[str, list[str]], entry: str) -> dict[str, str]:
+  """Computation -> the scheduled computation it runs in: itself for the ENTRY, a loop's
+  body or condition and a conditional's branches; its caller's home for a fusion's, an
+  async op's or a reduction's computation."""
+  home = {entry: entry}
+  order = [entry]
+  for name in order:
+    for line in comps.get(name, ()):
+      scheduled = {c.lstrip("%") for group in _SCHEDULED.findall(line)
+                   for c in group.split(", ")}
+      for called in _CALLED.findall(line) + sorted(scheduled):
+        if called not in home:
+          home[called] = called if called in scheduled else home[name]
+          order.append(called)
+  return home
+
+
+_LAYOUT = re.compile(r"\{[^{}]*\}")  # a layout, e.g. {2,1,0:T(8,128)(2,1)S(1)}
+
+
 def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
   """Every collective of the per-device program, counted per step (see module doc)."""
   comps, entry = computations(text)
   if entry is None:
     return []
-  mult = multipliers(text)
+  mult, home = multipliers(text), _homes(comps, entry)
   ops: dict[tuple, Collective] = {}
   for name, lines in comps.items():
     if not mult.get(name, 0):
@@ -186,7 +218,9 @@ def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
       if not (m or dcn):
         continue
       channel = _CHANNEL.search(line)
-      key = ("channel", channel.group(1), bool(dcn)) if channel else (name, line)
+      what = (dcn.group(2), dcn.group(1)) if dcn else (m.group(2), m.group(1))
+      key = ((home.get(name, name), channel.group(1), bool(dcn), what[0],
+              _LAYOUT.sub("", what[1]), _replica_groups(line)) if channel else (name, line))
       runs = max(mult[name], ops[key].runs if key in ops else 0)
       ops[key] = (Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
                   if dcn else

@@ -34,7 +34,7 @@ import sys
 import jax
 
 from spmdtask import console, fs
-from spmdtask.plan import hlo, printout, remat_cost, roofline, targets, xla_cost
+from spmdtask.plan import hlo, oom, printout, remat_cost, roofline, targets, xla_cost
 from spmdtask.core import memory, sharding
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
@@ -143,13 +143,15 @@ def collective_traffic(ops: list[hlo.Collective]) -> dict[str, float]:
 
 
 def compiled_report(compiled, target: targets.Target, num_devices: int, model_flops: float,
-                    tokens: float) -> dict:
+                    tokens: float, kernel_flops: float | None = None) -> dict:
   """What one compiled program costs per device per step on `target`'s chips: memory,
   FLOPs and HBM bytes, collectives, and (with the chip's facts) the roofline estimate.
 
   `num_devices` run the program (a stage's submesh may hold part of the target);
-  `model_flops` and `tokens` are the program's per step over all of them. 'warnings'
-  says what could not be read from the compiled program.
+  `model_flops` and `tokens` are the program's per step over all of them;
+  `kernel_flops` the FLOPs per device per step inside its Pallas kernels (traced:
+  `remat_cost.step_flops`), which XLA's cost analysis does not count, or None where unknown.
+  'warnings' says what could not be read from the compiled program.
   """
   n = num_devices
   once = compiled.cost_analysis()
@@ -169,11 +171,17 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
     step = xla_cost.per_step(text)
     ops = hlo.collective_ops(text, target.num_slices)
     kernels = text.count('custom_call_target="tpu_custom_call"')
-    if kernels:
+    if kernels and kernel_flops is None:
       notes.append(f"{kernels} Pallas kernel call(s) (e.g. splash attention): XLA's cost "
                    "analysis counts none of their FLOPs, so the compute bound uses the model "
                    "formula's FLOPs where larger (its attention term is unmasked: up to that "
                    "term's half above a causal kernel's work).")
+    elif kernels:
+      step["flops"] += kernel_flops
+      notes.append(f"{kernels} Pallas kernel call(s): their FLOPs ({kernel_flops:.3g} per device "
+                   "per step: forward, backward, recompute) are traced per grid point; a kernel "
+                   "that skips blocks does less (splash under a causal mask: about half), so "
+                   f"the compute bound may be up to {kernel_flops / 2 / step['flops']:.0%} high.")
   else:
     step = {"flops": float(once.get("flops", 0.0)),
             "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}
@@ -186,8 +194,10 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
           "xla_per_device": step["flops"],
           "xla_loop_bodies_once": float(once.get("flops", 0.0)) * n,
           "model": model_flops,
+          "kernels_per_device": kernel_flops or 0.0,
           "note": "XLA's cost analysis of the optimized program per device x devices, each "
-                  "loop body (scanned layers, microbatches) weighted by its trips; the "
+                  "loop body (scanned layers, microbatches) weighted by its trips, plus the "
+                  "traced FLOPs of its Pallas kernels (forward, backward, recompute); the "
                   "model's is 6·N·T + attention."},
       "hbm_bytes_per_step_per_device": step["bytes accessed"],
       "loops": step["loops"],
@@ -230,13 +240,21 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
                    "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c)}
                   for lw, c in pairs]
       compiled = max(pairs, key=lambda p: compiled_memory(p[1])["peak_estimate_bytes"])[1]
-    report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
-                             float(program.work.tokens) * batch_shape[0])
   except CompilerOutOfMemory as e:
     compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
+  remat = None
   if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
-    report["remat"] = remat_cost.plan_section(program, example, lowerings[0], compiled)
+    remat = remat_cost.plan_section(program, example, lowerings[0], compiled)
+  if compiled is not None:
+    report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
+                             float(program.work.tokens) * batch_shape[0],
+                             remat and remat["kernel_flops_per_device"])
+  if remat is not None:
+    report["remat"] = remat
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
+          "batch_shape": list(batch_shape),
+          "batch_shards": sharding.shards(task.batch_axes() or None, mesh_shape),
+          "num_microbatches": task.train.num_microbatches,
           **memory.totals(rows),
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
@@ -272,36 +290,31 @@ def stage_report(rows, mesh_shape, axis: str) -> list[dict]:
           for i in range(s)]
 
 
-def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None) -> None:
-  """PlanExceeded naming the largest consumers when the peak estimate exceeds the budget
-  (for an MPMD plan: the first pipeline stage that does not fit)."""
+def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None,
+               task=None) -> None:
+  """PlanExceeded saying what fills a device and the fixes that apply (`plan.oom`) when the
+  peak estimate exceeds the budget or XLA refused the step (for an MPMD plan: the first
+  pipeline stage that does not fit)."""
   for st in plan.get("stage_plans", []):
     if st["peak_estimate_bytes"] > device_memory_gb * 1e9:
       raise PlanExceeded(
           f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
-          f"{st['peak_estimate_bytes'] / 1e9:.3g} GB (state {st['state_bytes_per_device'] / 1e9:.3g}"
-          f" GB, live activations {st['peak_activation_bytes'] / 1e9:.3g} GB at "
-          f"{st['peak_activation_sets']:g} sets, temporaries {st['compiled_temp_bytes'] / 1e9:.3g}"
-          f" GB), exceeds --device_memory_gb={device_memory_gb:g}. Move layers off it "
+          f"{console.human_bytes(st['peak_estimate_bytes'])} (state "
+          f"{console.human_bytes(st['state_bytes_per_device'])}, live activations "
+          f"{console.human_bytes(st['peak_activation_bytes'])} at "
+          f"{st['peak_activation_sets']:g} sets, temporaries "
+          f"{console.human_bytes(st['compiled_temp_bytes'])}), exceeds "
+          f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}. Move layers off it "
           "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
           "or use a schedule that holds fewer sets (task.pipeline.schedule).")
-  top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
-  if "compiler_out_of_memory" in plan:
-    over, temps = f"XLA refused to compile it: {plan['compiler_out_of_memory']}", ""
-  else:
-    peak = plan["compiled"]["peak_estimate_bytes"]
-    if peak <= device_memory_gb * 1e9:
-      return
-    over = (f"the estimated peak of one device, {peak / 1e9:.3g} GB, exceeds "
-            f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}")
-    temps = ("temporaries (activations, gradients) "
-             f"{console.human_bytes(plan['compiled']['temp_size_in_bytes'])}; ")
-  raise PlanExceeded(
-      f"{over}. Largest consumers per device: {temps}"
-      + "; ".join(f"{a['path']} {console.human_bytes(a['bytes_per_device'])}" for a in top)
-      + ". Split them over more devices (fsdp / model axes in their split-dims mappings), "
-      "remat more (task.model.remat_policy), add microbatches (task.train.num_microbatches) "
-      "or a smaller batch.")
+  if ("compiler_out_of_memory" not in plan
+      and plan["compiled"]["peak_estimate_bytes"] <= device_memory_gb * 1e9):
+    return
+  batch_shape = plan["batch_shape"]
+  rows = batch_shape[0] / max(1, plan["batch_shards"] * plan["num_microbatches"])
+  raise PlanExceeded(oom.paragraph(
+      plan, task, device_memory_gb * 1e9,
+      budget_name or f"--device_memory_gb={device_memory_gb:g}", rows, batch_shape))
 
 
 def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = None,
@@ -323,9 +336,9 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
     fs.write_text(fs.join(job_log_dir, "logs", "plan_xla.log"), xla_log)
   console.say("Wrote %s", path)
   if device_memory_gb is not None or "compiler_out_of_memory" in plan:
-    check_fits(plan, device_memory_gb or 0.0)
+    check_fits(plan, device_memory_gb or 0.0, task=run_cfg.task)
   elif topology and target.chip is not None:
     check_fits(plan, target.chip.hbm_bytes / 1e9,
-               f"the {target.chip.name} chip's HBM, {target.chip.hbm_bytes / 1e9:.3g} GB "
-               "(--device_memory_gb sets another budget)")
+               f"the {target.chip.name} chip's HBM, {console.human_bytes(target.chip.hbm_bytes)} "
+               "(--device_memory_gb sets another budget)", task=run_cfg.task)
   return plan

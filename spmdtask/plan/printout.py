@@ -10,7 +10,7 @@ def format_estimate(plan: dict) -> list[str]:
   terms = ", ".join(f"{k} {console.human_seconds(v)}" for k, v in est["seconds"].items())
   return [
       f"chip {chip['name']}: peak {chip['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16, HBM "
-      f"{chip['hbm_bytes'] / 1e9:.1f} GB at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
+      f"{console.human_bytes(chip['hbm_bytes'])} at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
       f"{'NVLink' if plan['target']['platform'] == 'gpu' else 'ICI'} "
       f"{chip['ici_bidirectional_bytes_per_s'] / 1e9:.0f} GB/s both ways ({chip['source']})",
       f"roofline per step: {terms}; bound by {est['bound']}: step >= "
@@ -39,7 +39,7 @@ def format_plan(plan: dict) -> list[str]:
       f"{mb(plan['params_bytes_per_device'])}, optimizer {mb(plan['opt_state_bytes_per_device'])})"
       f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}")
   if "compiler_out_of_memory" in plan:
-    return lines + [f"compiler: {plan['compiler_out_of_memory']}"]
+    return lines + ["compiled step: XLA refused it, out of memory (its line is below)"]
   c, f = plan["compiled"], plan["flops_per_step"]
   hbm = f" of the chip's {mb(t['chip']['hbm_bytes'])} HBM" if t["chip"] else ""
   if t["platform"] == "cpu":  # XLA:CPU keeps far more temporaries than an accelerator's

@@ -9,7 +9,9 @@
                        the forward and comes back once in the backward;
   recompute FLOPs      the step's matmul FLOPs (spmdtask.plan.flops, loops multiplied out) over
                        those of the same step without remat (traced: the no-remat variant
-                       is never compiled).
+                       is never compiled); of which inside Pallas kernels (splash
+                       attention's forward, backward and recompute), which XLA's cost
+                       analysis of the compiled step does not see.
 The host transfers are a term of the plan's roofline (spmdtask.plan.roofline: host_link).
 """
 import dataclasses
@@ -32,11 +34,12 @@ def without_remat(task: Task) -> Task:
   return dataclasses.replace(task, model=model, pipeline=pipeline)
 
 
-def step_flops(lowering) -> float:
+def step_flops(lowering) -> tuple[float, float]:
   """Matmul FLOPs of one train step (a `layouts.Lowering` with its fn and abstract args),
-  all devices."""
+  all devices, and those of them inside Pallas kernels."""
   with jax.set_mesh(lowering.mesh):
-    return flops.traced_flops(lowering.fn, *lowering.args)
+    jaxpr = jax.make_jaxpr(lowering.fn)(*lowering.args).jaxpr
+  return flops.jaxpr_flops(jaxpr), flops.jaxpr_flops(jaxpr, kernels_only=True)
 
 
 def host_transfer_bytes(memory_analysis) -> int:
@@ -45,16 +48,18 @@ def host_transfer_bytes(memory_analysis) -> int:
   return 2 * int(getattr(memory_analysis, "host_temp_size_in_bytes", 0))
 
 
-def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: float) -> dict:
+def report(memory_analysis, flops_per_device: float, no_remat_flops_per_device: float,
+           kernel_flops_per_device: float = 0.0) -> dict:
   """The remat section of a plan (see the module doc); JSON-able.
 
   Args:
     memory_analysis: the compiled step's `memory_analysis()`, or None where XLA refused
       to compile it (out of memory): then FLOPs only.
     flops_per_device: matmul FLOPs of the step per device; no_remat_flops_per_device: the
-      same step's without remat.
+      same step's without remat; kernel_flops_per_device: those of the step inside Pallas
+      kernels.
   """
-  out = {"flops_per_device": flops_per_device,
+  out = {"flops_per_device": flops_per_device, "kernel_flops_per_device": kernel_flops_per_device,
           "no_remat_flops_per_device": no_remat_flops_per_device,
           "flops_ratio": flops_per_device / max(no_remat_flops_per_device, 1.0)}
   if memory_analysis is not None:
@@ -70,5 +75,6 @@ def plan_section(program, example_local_batch, lowering, compiled) -> dict:
   base = program_lib.setup(without_remat(program.task), example_local_batch,
                            devices=list(program.mesh.devices.flat))
   n = program.mesh.devices.size
-  return report(compiled and compiled.memory_analysis(), step_flops(lowering) / n,
-                step_flops(base.lowerings(example_local_batch)[0]) / n)
+  total, kernels = step_flops(lowering)
+  return report(compiled and compiled.memory_analysis(), total / n,
+                step_flops(base.lowerings(example_local_batch)[0])[0] / n, kernels / n)

@@ -50,4 +50,9 @@ def test_a_pallas_kernel_counts_its_block_matmul_once_per_grid_point():
         out_specs=pl.BlockSpec((32, 32), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((64, 64), jnp.float32))(x, y)
 
-  assert flops.traced_flops(matmul, jnp.ones((64, 32)), jnp.ones((32, 64))) == 2 * 64 * 32 * 64
+  x, y = jnp.ones((64, 32)), jnp.ones((32, 64))
+  assert flops.traced_flops(matmul, x, y) == 2 * 64 * 32 * 64
+  # Beside a plain matmul (in a scan), kernels_only counts the kernel's alone.
+  step = lambda x, y: jax.lax.scan(lambda c, _: (c, matmul(x, y) @ y.T), 0.0, None, length=3)
+  kernel = flops.traced_flops(step, x, y, kernels_only=True)
+  assert kernel == 3 * 2 * 64 * 32 * 64 and flops.traced_flops(step, x, y) > kernel

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdtask.plan import chips, hlo, planner, targets, xla_cost
+from spmdtask.plan import chips, flops, hlo, planner, targets, xla_cost
 from spmdtask.errors import ConfigError, PlanExceeded
 from tests import subproc, util
 
@@ -114,11 +114,49 @@ def test_mpmd_plan_on_v5e_compiles_every_stage_program(tmp_path):
   assert all(st["flops_per_step"] > 0 for st in got["stage_plans"])
 
 
+def test_compute_bound_counts_pallas_kernels():
+  """XLA's cost analysis sees none of a Pallas kernel's FLOPs: the plan adds the traced ones,
+  and the MFU ceiling is the model's FLOPs over that bound."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+
+  def kernel(x_ref, y_ref, o_ref):
+    o_ref[...] = x_ref[...] @ y_ref[...]
+
+  def step(x, y):  # a [256, 256] @ [256, 256] kernel in 4 blocks, then a plain matmul
+    z = pl.pallas_call(kernel, grid=(2, 2),
+                       in_specs=[pl.BlockSpec((128, 256), lambda i, j: (i, 0)),
+                                 pl.BlockSpec((256, 128), lambda i, j: (0, j))],
+                       out_specs=pl.BlockSpec((128, 128), lambda i, j: (i, j)),
+                       out_shape=jax.ShapeDtypeStruct((256, 256), jnp.float32))(x, y)
+    return z @ y
+
+  target = targets.tpu("v5e:2x2")
+  one = NamedSharding(Mesh(np.array(target.devices[:1]), ("x",)), P())
+  arg = jax.ShapeDtypeStruct((256, 256), jnp.float32, sharding=one)
+  compiled = jax.jit(step).lower(arg, arg).compile()
+  kernel_flops = flops.traced_flops(step, arg, arg, kernels_only=True)
+  assert kernel_flops == 2 * 256**3
+  blind = planner.compiled_report(compiled, target, 1, 4 * 256**3, 256)
+  assert any("Pallas kernel" in w for w in blind["warnings"])
+  got = planner.compiled_report(compiled, target, 1, 4 * 256**3, 256, kernel_flops)
+  xla_alone = blind["flops_per_step"]["xla_per_device"]
+  assert xla_alone == pytest.approx(2 * 256**3, rel=0.01)  # the plain matmul only
+  assert got["flops_per_step"]["xla_per_device"] == xla_alone + kernel_flops
+  assert not any("model formula" in w for w in got["warnings"])
+  assert any("traced per grid point" in w and "up to 25% high" in w for w in got["warnings"])
+  chip, est = target.chip, got["estimate"]
+  assert est["seconds"]["compute"] == pytest.approx(4 * 256**3 / chip.peak_bf16_flops_per_s,
+                                                    rel=0.01)
+  assert est["mfu_upper_bound"] == pytest.approx(
+      4 * 256**3 / (est["step_seconds_lower_bound"] * chip.peak_bf16_flops_per_s))
+
+
 def test_out_of_hbm_names_the_largest_arrays(tmp_path):
   # d_ff 2^21: 4 layers x 2 x 128 x 2^21 fp32 weights (8 GiB), replicated, plus Adam:
   # XLA:TPU itself refuses to compile more than the chip's HBM.
   run = util.build_run("lm.TinyLm", ["task.model.d_ff=2097152"])
-  with pytest.raises(PlanExceeded, match="XLA refused.*exceeds available HBM.*mlp/w"):
+  with pytest.raises(PlanExceeded, match="XLA refused.*exceeds available HBM \\(15.75G\\)\\. What fills the chip: "
+                     "temporaries.*GiB.*state 36.0 GiB.*each alone.*mlp/w.*more devices"):
     planner.run_plan(run, str(tmp_path), "lm.TinyLm", topology="v5e:2x2")
   on_disk = json.loads((tmp_path / "plan.json").read_text())
   assert "exceeds available HBM" in on_disk["compiler_out_of_memory"]

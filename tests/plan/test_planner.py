@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 
-from spmdtask.plan import hlo, planner, printout
+from spmdtask.plan import chips, hlo, oom, planner, printout
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -56,7 +56,8 @@ def test_64_device_plan_and_memory_budget(tmp_path):
   assert any("params/layers/block/attn/q is padded" in w for w in plan_json["warnings"])
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
   assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
-  assert "params/layers/block/mlp/w" in err[0]  # the largest arrays are named
+  assert "What fills the chip: temporaries" in err[0] and "the temporaries first" in err[0]
+  assert "a chip with more" not in err[0]  # a CPU plan under a budget: no chip to swap
 
 
 HLO = """HloModule m
@@ -82,6 +83,59 @@ def test_collectives_count_loop_bodies_per_trip():
                                   "all-gather": {"count": 3, "bytes": 3 * 128}}
 
 
+# XLA:TPU's forms: a loop body whose all-reduce (channel 5) also runs once in a layer peeled
+# out of the loop (same id, in ENTRY), an async all-gather cloned into its start and done
+# fusions (one op, channel 7), and channel 3 reused in ENTRY by two different all-reduces.
+TPU_HLO = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  ROOT %s = f32[] add(f32[] %x, f32[] %y)
+}
+
+%ag_start (p0: bf16[1,128,512]) -> (bf16[1,128,512], bf16[1,512,512]) {
+  %all-gather.1 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)S(1)} all-gather(%p0), channel_id=7, """ \
+  """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
+  ROOT %t = (bf16[1,128,512], bf16[1,512,512]) tuple(%p0, %all-gather.1)
+}
+
+%ag_done (p1: bf16[1,128,512]) -> bf16[1,512,512] {
+  ROOT %all-gather.2 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)} all-gather(%p1), channel_id=7, """ \
+  """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
+}
+
+%body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
+  %g = f32[1024]{0} get-tuple-element(%p), index=1
+  %ar.5 = f32[1024]{0} all-reduce(%g), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
+  %async-collective-start = (bf16[1,128,512], bf16[1,512,512]) fusion(%w), kind=kCustom, """ \
+  """calls=%ag_start
+  %async-collective-done = bf16[1,512,512]{2,1,0} fusion(%w), kind=kCustom, calls=%ag_done
+}
+
+%cond (p: (s32[], f32[1024])) -> pred[] {
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(8)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[1024]) -> f32[1024] {
+  %zero = s32[] constant(1)
+  %t = (s32[], f32[1024]) tuple(%zero, %a)
+  %w = (s32[], f32[1024]) while(%t), condition=%cond, body=%body
+  %peeled = f32[1024]{0} all-reduce(%a), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ar.3a = f32[16]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+  %ar.3b = f32[256]{0} all-reduce(%a), channel_id=3, replica_groups={{0,1,2,3}}, to_apply=%add
+}
+"""
+
+
+def test_collectives_are_told_apart_by_more_than_their_channel_id():
+  # 7 trips (i from 1 to 8) of the body's all-reduce and all-gather; the peeled layer's
+  # all-reduce once more; both channel-3 all-reduces once.
+  assert hlo.collectives(TPU_HLO) == {
+      "all-reduce": {"count": 7 + 1 + 2, "bytes": 8 * 4096 + 64 + 1024},
+      "all-gather": {"count": 7, "bytes": 7 * 2 * 512 * 512}}
+
+
 def test_remat_warning_names_the_param_of_that_shape():
   log = ("W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler "
          "cannot go from sharding {devices=[2,4]<=[8]} to {devices=[8,1]<=[8]} efficiently for "
@@ -90,3 +144,29 @@ def test_remat_warning_names_the_param_of_that_shape():
   rows = memory.state_rows(program.layout, dict(program.mesh.shape))
   (w,) = planner.warnings(rows, dict(program.mesh.shape), hlo.remat_warnings(log), (16, 64))
   assert "param params/embedding" in w and "%copy.3" in w
+
+
+def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply():
+  # XLA:TPU's line for a step whose temporaries do not fit; 8 rows per device at once.
+  line = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+          "temporaries (21.60G) exceeds available HBM (15.75G).")
+  plan = {"compiler_out_of_memory": line, "state_bytes_per_device": 3 * 2**30,
+          "params_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2 * 2**30,
+          "arrays": []}
+  plan["target"] = {"chip": chips.CHIPS["v5e"].as_json()}
+  task = util.build_run("lm.TinyLm", ["task.model.loss_vocab_tiles=1",
+                                      "task.model.remat_policy='minimal'"]).task
+  text = oom.paragraph(plan, task, 16e9, "HBM", 8, (64, 1024))
+  assert text.count(line.rstrip(".")) == 1  # the compiler's line once
+  assert "temporaries (activations" in text and "21.6 GiB and the train state 3.0 GiB" in text
+  assert "the temporaries first" in text and "Largest state arrays" not in text
+  # TinyLm: 4 layers of float32 [8 rows, 1024, 128] inputs.
+  assert "of them the layers' saved inputs float32[4, 8, 1024, 128] 16.0 MiB" in text
+  # Logits 8 x 1024 x 256 x 4 B; 2 microbatches leave 10.8 GiB + 3 GiB < 15.75 GiB.
+  assert "task.model.loss_vocab_tiles=8: the loss without the whole float32 logits (about " \
+         "8.0 MiB" in text
+  assert "task.train.num_microbatches=2 (4 rows per device at once): temporaries about " \
+         "10.8 GiB" in text
+  assert "remat_policy='minimal_offloaded'" in text and "remat_policy='full'" in text
+  assert "more devices" not in text  # the state is not what fills it
+  assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB), v6e" in text

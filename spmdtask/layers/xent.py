@@ -1,0 +1,109 @@
+"""Cross entropy without a gather, and over vocabulary tiles.
+
+`cross_entropy(logits, labels)` is optax's `softmax_cross_entropy_with_integer_labels`
+written with a one-hot select (`iota == label`) instead of `take_along_axis`: the same value
+and gradient, but XLA:TPU no longer keeps the float32 logits alive for the gather's backward
+(Llama-3-8B at 8192 tokens per chip: 3.9 GiB).
+
+`tiled_cross_entropy(x, w, labels, tiles)` fuses the LM head with the loss: the logits
+`x @ w` [tokens, vocab] are never whole. The vocabulary is cut into `tiles` strided tiles
+(tile j holds vocab ids j, j + tiles, j + 2·tiles, ..., so a vocab dim split over a mesh axis
+splits every tile evenly); a scan computes each tile's log-sum-exp and label logit, and the
+backward scan recomputes each tile's logits (one more head matmul) to give its softmax
+gradient. The head weight is gathered once along d_model, in the forward, and kept for the
+backward, which follows at once; each tile's weight gradient is reduced straight to the
+weight's own shards (no whole-size gradient of the head is kept), so the bytes moved are
+those of the untiled head's one gather and one reduction.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from spmdtask.layers.base import SplitDims, constrain
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  """Per-example cross entropy [...] of float `logits` [..., n] and int `labels` [...]."""
+  logits = logits.astype(jnp.float32)
+  picked = jnp.sum(jnp.where(_one_hot(labels, logits.shape[-1], 0, 1), logits, 0.0), -1)
+  return jax.nn.logsumexp(logits, axis=-1) - picked
+
+
+def _one_hot(labels, n: int, offset, stride) -> jax.Array:
+  """[..., n] bool: column c holds vocab id offset + c·stride; True where it is the label."""
+  return (offset + stride * jax.lax.broadcasted_iota(jnp.int32, (*labels.shape, n),
+                                                     labels.ndim)) == labels[..., None]
+
+
+def head_tiles(w: jax.Array, tiles: int, split: SplitDims | None = None) -> jax.Array:
+  """The head weight w [d, vocab] as [tiles, d, ceil(vocab / tiles)] strided tiles (zero
+  columns pad the last ids), each split as w is (`split`, w's mapping): still sharded;
+  `tiled_cross_entropy` gathers it once."""
+  d, v = w.shape
+  cols = -(-v // tiles)
+  w = jnp.pad(w, ((0, 0), (0, cols * tiles - v))) if cols * tiles != v else w
+  w = w.reshape(d, cols, tiles).transpose(2, 0, 1)
+  return w if split is None else constrain(w, (None, *split))
+
+
+def tiled_cross_entropy(x: jax.Array, w_tiles: jax.Array, labels: jax.Array, vocab: int,
+                        scale: float = 1.0, logits_split: SplitDims | None = None,
+                        weight_split: SplitDims | None = None) -> jax.Array:
+  """Per-token cross entropy [b, t] float32 of the logits `scale · x @ w` without the whole
+  logits: x [b, t, d], `w_tiles` = `head_tiles(w, ...)`, labels [b, t] int in [0, vocab).
+
+  Each tile's logits [b, t, cols] are float32 and constrained to `logits_split`. With
+  `weight_split` (w's mapping [d, vocab]), the forward gathers the tiles once along d
+  (kept for the backward, which follows at once), and each tile's weight gradient is
+  constrained to that mapping: reduced straight to each device's shard, never kept whole.
+  """
+  return _tiled(vocab, scale, (logits_split, weight_split), x, w_tiles, labels)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _tiled(vocab, scale, splits, x, w_tiles, labels):
+  return _forward(vocab, scale, splits, x, w_tiles, labels)[0]
+
+
+def _masked_logits(x, w, j, tiles, vocab, scale, splits):
+  """Tile j's float32 logits [b, t, cols]; padding ids (>= vocab) at -inf."""
+  logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32) * scale
+  ids = j + tiles * jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
+  return constrain(jnp.where(ids < vocab, logits, -jnp.inf), splits[0])
+
+
+def _forward(vocab, scale, splits, x, w_tiles, labels):
+  tiles = w_tiles.shape[0]
+  if splits[1] is not None:  # the one gather: d whole, the vocab columns as w's
+    w_tiles = constrain(w_tiles, (None, None, splits[1][1]))
+
+  def tile(_, jw):
+    j, w = jw
+    logits = _masked_logits(x, w, j, tiles, vocab, scale, splits)
+    picked = jnp.sum(jnp.where(_one_hot(labels, w.shape[-1], j, tiles), logits, 0.0), -1)
+    return None, (jax.nn.logsumexp(logits, axis=-1), picked)
+
+  _, (lse, picked) = jax.lax.scan(tile, None, (jnp.arange(tiles), w_tiles))
+  lse = jax.nn.logsumexp(lse, axis=0)
+  return lse - jnp.sum(picked, axis=0), (x, w_tiles, labels, lse)
+
+
+def _backward(vocab, scale, splits, res, g):
+  x, w_tiles, labels, lse = res
+  tiles = w_tiles.shape[0]
+
+  def tile(dx, jw):
+    j, w = jw
+    p = jnp.exp(_masked_logits(x, w, j, tiles, vocab, scale, splits) - lse[..., None])
+    dlogits = (p - _one_hot(labels, w.shape[-1], j, tiles)) * (g * scale)[..., None]
+    dlogits = dlogits.astype(x.dtype)
+    dx = dx + jnp.einsum("btv,dv->btd", dlogits, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btd,btv->dv", x, dlogits, preferred_element_type=jnp.float32)
+    return dx, constrain(dw.astype(w.dtype), splits[1])
+
+  dx, dw = jax.lax.scan(tile, jnp.zeros(x.shape, jnp.float32), (jnp.arange(tiles), w_tiles))
+  return dx.astype(x.dtype), dw, None
+
+
+_tiled.defvjp(_forward, _backward)
