@@ -13,7 +13,7 @@ import fiddle as fdl
 from spmdtask.run import checkpoints, loop
 from spmdtask import main, overrides
 from spmdtask.core import program as program_lib
-from spmdtask.errors import BatchSplitError, ConfigError
+from spmdtask.errors import BatchSplitError, CheckpointUnreadable, ConfigError
 from tests import subproc, util
 from tools import prepare_text_data
 
@@ -84,10 +84,11 @@ def test_corrupt_checkpoint_names_its_step_and_an_earlier_one(tmp_path):
     if os.path.isfile(f):
       with open(f, "wb") as out:
         out.write(b"garbage")
-  with pytest.raises(ConfigError) as err:
+  with pytest.raises(CheckpointUnreadable) as err:
     checkpoints.restore_state(str(tmp_path), program)
   message = str(err.value)
-  assert "step 2" in message and "--restore_step=1" in message, message
+  assert (err.value.step, err.value.intact_step) == (2, 1)
+  assert "step 2" in message and "newest intact checkpoint is step 1" in message, message
   assert "Traceback" not in message
 
 

@@ -17,8 +17,9 @@ def test_tiny_vit_on_one_device_equals_tiny_vit_tp_on_eight():
   assert dict(eight[2].mesh.shape) == {"data": 4, "fsdp": 1, "model": 2}
   np.testing.assert_allclose(eight[0], one[0], rtol=1e-5)
   # Adam divides by sqrt(v): an element with a tiny second moment amplifies reduction-order
-  # differences, so params get an absolute tolerance of 2e-5 (1 element in 16384 needs it).
-  util.assert_trees_close(eight[1], one[1], rtol=1e-5, atol=2e-5)
+  # differences, so params get an absolute tolerance of 5e-5 (1 element in 65536 needs more
+  # than 2e-5: 2.3e-5 at LLVM -O0).
+  util.assert_trees_close(eight[1], one[1], rtol=1e-5, atol=5e-5)
 
 
 @pytest.mark.slow
