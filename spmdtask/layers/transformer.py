@@ -119,21 +119,7 @@ class TransformerLm(nn.Module):
   def check_batch(self, batch) -> None:
     """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
     clamp (ChecksBatch)."""
-    seq_len = np.shape(batch["inputs"])[-1]
-    if seq_len > self.max_seq_len:
-      raise ConfigError(
-          f"The data's rows hold {seq_len} tokens (the datasets' seq_len), more than "
-          f"task.model.max_seq_len={self.max_seq_len}, the longest sequence this model is "
-          f"made for. Set datasets[...].seq_len to at most {self.max_seq_len} (e.g. "
-          f"--fdl_set=\"datasets['train'].seq_len={self.max_seq_len}\"), or raise "
-          f"task.model.max_seq_len to {seq_len} if the model should take longer sequences.")
-    for key in ("inputs", "targets"):
-      x = np.asarray(batch[key])
-      if x.size and (x.min() < 0 or x.max() >= self.vocab_size):
-        raise ConfigError(
-            f"The data's {key!r} hold token ids in [{x.min()}, {x.max()}], outside "
-            f"task.model.vocab_size={self.vocab_size}. Set vocab_size to the tokenizer's "
-            "vocabulary size (or more), or fix the dataset's vocab_size / tokenizer.")
+    _check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
     """6·N·T + 12·L·d·T² train FLOPs (causal attention not halved) for T tokens."""
@@ -261,3 +247,22 @@ def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
   return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
                                   model.activation_split_dims_mapping.logits, split)
+
+
+def _check_batch(model: TransformerLm, batch) -> None:
+  """TransformerLm.check_batch: row length against max_seq_len, ids against vocab_size."""
+  seq_len = np.shape(batch["inputs"])[-1]
+  if seq_len > model.max_seq_len:
+    raise ConfigError(
+        f"The data's rows hold {seq_len} tokens (the datasets' seq_len), more than "
+        f"task.model.max_seq_len={model.max_seq_len}, the longest sequence this model is "
+        f"made for. Set datasets[...].seq_len to at most {model.max_seq_len} (e.g. "
+        f"--fdl_set=\"datasets['train'].seq_len={model.max_seq_len}\"), or raise "
+        f"task.model.max_seq_len to {seq_len} if the model should take longer sequences.")
+  for key in ("inputs", "targets"):
+    x = np.asarray(batch[key])
+    if x.size and (x.min() < 0 or x.max() >= model.vocab_size):
+      raise ConfigError(
+          f"The data's {key!r} hold token ids in [{x.min()}, {x.max()}], outside "
+          f"task.model.vocab_size={model.vocab_size}. Set vocab_size to the tokenizer's "
+          "vocabulary size (or more), or fix the dataset's vocab_size / tokenizer.")
