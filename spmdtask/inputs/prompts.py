@@ -44,15 +44,13 @@ class SyntheticPromptInput(StepIndexedInput):
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of batch `step` (fewer, or none, in a partial last batch)."""
     ids = self.local_rows(step)
-    prompts = np.zeros((len(ids), self.prompt_len), np.int32)
-    lens = np.zeros((len(ids),), np.int32)
-    for i, example in enumerate(ids):
-      g = np.random.default_rng((self.seed, int(example)))
-      n = int(g.integers(self.min_prompt_len, self.prompt_len + 1))
-      start, stride = g.integers(0, self.vocab_size), g.integers(1, 8)
-      prompts[i, :n] = (start + stride * np.arange(n)) % self.vocab_size
-      lens[i] = n
-    return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}
+    return prompt_batch(ids, [self._prompt(int(example)) for example in ids], self.prompt_len)
+
+  def _prompt(self, example: int) -> np.ndarray:
+    g = np.random.default_rng((self.seed, example))
+    n = int(g.integers(self.min_prompt_len, self.prompt_len + 1))
+    start, stride = g.integers(0, self.vocab_size), g.integers(1, 8)
+    return (start + stride * np.arange(n)) % self.vocab_size
 
 
 @dataclasses.dataclass
@@ -75,9 +73,14 @@ class TokenizedPrompts(StepIndexedInput):
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     ids = self.local_rows(step)
-    prompts = np.zeros((len(ids), self.prompt_len), np.int32)
-    lens = np.zeros((len(ids),), np.int32)
-    for i, example in enumerate(ids):
-      toks = self.token_ids[int(example)]
-      prompts[i, :len(toks)], lens[i] = toks, len(toks)
-    return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}
+    return prompt_batch(ids, [self.token_ids[int(example)] for example in ids], self.prompt_len)
+
+
+def prompt_batch(ids: np.ndarray, rows, prompt_len: int) -> dict[str, np.ndarray]:
+  """The decode batch of examples `ids` whose prompts are `rows` (token ids, each at most
+  `prompt_len`): prompts left-aligned and 0-padded, their lengths, the ids."""
+  prompts = np.zeros((len(ids), prompt_len), np.int32)
+  lens = np.zeros((len(ids),), np.int32)
+  for i, toks in enumerate(rows):
+    prompts[i, :len(toks)], lens[i] = toks, len(toks)
+  return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}

@@ -22,7 +22,7 @@ from absl import logging
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import packing, tokenizers
+from spmdtask.inputs import packing, prompts, tokenizers
 from spmdtask.core.host_input import StepIndexedInput
 from spmdtask.inputs.tfdata import tensorflow, write_records
 
@@ -236,9 +236,6 @@ class TextPromptInput(StepIndexedInput):
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     ids = self.local_rows(step)
     docs = self._reader.read(self._docs[ids])
-    prompts = np.zeros((len(ids), self.prompt_len), np.int32)
-    lens = np.zeros((len(ids),), np.int32)
-    for i, example in enumerate(ids):
-      toks = docs[int(self._docs[example])][:-1][:self.prompt_len]
-      prompts[i, :len(toks)], lens[i] = toks, len(toks)
-    return {"prompts": prompts, "prompt_lens": lens, "ids": ids.astype(np.int32)}
+    return prompts.prompt_batch(
+        ids, [docs[int(self._docs[example])][:-1][:self.prompt_len] for example in ids],
+        self.prompt_len)
