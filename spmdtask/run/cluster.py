@@ -78,3 +78,10 @@ def _cpu_collectives(jax) -> None:
   # CPU processes talk over gloo; accelerators keep their own collectives (this flag only
   # affects the CPU backend).
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
+def kv_store():
+  """JAX's distributed key-value store client of this process (None until joined): the
+  job lock's outcome and the peers' beats go through it."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state.client

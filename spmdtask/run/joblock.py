@@ -26,6 +26,7 @@ from absl import logging
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
+from spmdtask.run import cluster
 
 LOCK_FILE = "job.lock"
 LEASE_S = 60.0        # gs://: a holder not heard of for this long is gone
@@ -86,8 +87,13 @@ def _gone(holder: dict) -> bool:
 class LocalLock:
   """An flock on a local file; `acquire` returns the record of a dead holder it replaced."""
 
+  lease_s = None  # the kernel holds an flock for as long as its holder lives
+
   def __init__(self, path: str):
     self.path, self.fd = path, None
+
+  def start_refreshing(self) -> None:
+    """Nothing to refresh (see `lease_s`)."""
 
   def acquire(self, record: dict) -> dict | None:
     while True:
@@ -234,11 +240,10 @@ def _take(job_log_dir: str):
     return None, None
   fs.makedirs(job_log_dir)
   try:
-    previous = lock.acquire(_record(lock.lease_s if isinstance(lock, GcsLock) else None))
+    previous = lock.acquire(_record(lock.lease_s))
   except Held as e:
     raise ConfigError(refusal(job_log_dir, e.holder)) from None
-  if isinstance(lock, GcsLock):
-    lock.start_refreshing()
+  lock.start_refreshing()
   line = None
   if previous is not None:
     line = (f"Took over the job lock of {describe(previous)}: that job ended without "
@@ -267,9 +272,9 @@ def held(job_log_dir: str):
       raise
     finally:
       if jax.process_count() > 1:
-        _client().key_value_set(_OUTCOME_KEY, outcome)
+        cluster.kv_store().key_value_set(_OUTCOME_KEY, outcome)
   else:
-    outcome = _client().blocking_key_value_get(_OUTCOME_KEY, _OUTCOME_TIMEOUT_MS)
+    outcome = cluster.kv_store().blocking_key_value_get(_OUTCOME_KEY, _OUTCOME_TIMEOUT_MS)
     if outcome:
       raise ConfigError(outcome)
   try:
@@ -277,8 +282,3 @@ def held(job_log_dir: str):
   finally:
     if lock is not None:
       lock.release()
-
-
-def _client():
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  return distributed.global_state.client

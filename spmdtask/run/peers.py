@@ -109,9 +109,8 @@ class Watch:
 def watch(job_log_dir: str) -> Watch | None:
   """Starts this process's watch in a joined multi-process job (None for one process)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
-  client = distributed.global_state.client
+  from spmdtask.run import checkpoints, cluster  # pylint: disable=g-import-not-at-top
+  client = cluster.kv_store()
   if client is None or jax.process_count() < 2:
     return None
   directory = checkpoints.checkpoint_dir(job_log_dir)
