@@ -36,6 +36,19 @@ LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=8192)
 
 
+# FSDP over two mesh axes (`fsdp` x `fsdp_b`): each weight is gathered, and its gradient
+# reduce-scattered, one axis at a time (layers.base.project). XLA:TPU compiles a reduce-scatter
+# over a whole 256-chip slice as a full-size all-reduce; over 16 chips it stays one.
+FSDP = ("fsdp", "fsdp_b")
+BATCH = ("data", "fsdp", "fsdp_b")
+MESH_AXES = ("data", "fsdp", "fsdp_b", "model")
+WEIGHTS = dict(embedding=("model", FSDP), unembed=(FSDP, "model"), q=(FSDP, "model", None),
+               kv=(FSDP, "model", None), o=("model", None, FSDP), mlp_in=(FSDP, "model"),
+               mlp_out=("model", FSDP))
+ACTIVATIONS = dict(embed=(BATCH, None, None), heads=(BATCH, None, "model", None),
+                   ff=(BATCH, None, "model"), logits=(BATCH, None, "model"))
+
+
 def llama_model(*, vocab_size: int, d_model: int, num_layers: int, num_heads: int,
                 num_kv_heads: int, d_ff: int, max_seq_len: int, rope_theta: float,
                 norm_eps: float = 1e-5, rope_scaling: dict | None = None,
@@ -53,8 +66,8 @@ def llama_model(*, vocab_size: int, d_model: int, num_layers: int, num_heads: in
       rope_scaling=fdl.Config(Llama3Scaling, **rope_scaling) if rope_scaling else None,
       norm_eps=norm_eps, fprop_dtype=fprop_dtype, remat_policy="nothing_saveable",
       loss_vocab_tiles=loss_vocab_tiles,
-      weight_split_dims_mapping=fdl.Config(WeightSplit),
-      activation_split_dims_mapping=fdl.Config(ActivationSplit))
+      weight_split_dims_mapping=fdl.Config(WeightSplit, **WEIGHTS),
+      activation_split_dims_mapping=fdl.Config(ActivationSplit, **ACTIVATIONS))
 
 
 class _Llama(Experiment):
@@ -64,13 +77,15 @@ class _Llama(Experiment):
     batch_size: the GLOBAL batch (rows of seq_len tokens) per optimizer step.
     seq_len: tokens per training row.
     num_microbatches: gradient accumulation steps per optimizer step.
-    ici_mesh_shape: (data, fsdp, model); -1 fills the devices present.
+    ici_mesh_shape: (data, fsdp, fsdp_b, model); -1 fills the devices present. FSDP runs
+      over fsdp x fsdp_b: on slices of 256 chips and more, fsdp_b = 16 keeps each gradient
+      reduce-scatter within 16 chips (see FSDP above).
     data_dir: None = synthetic tokens; else a prepared corpus (tools/prepare_text_data.py).
   """
   batch_size = 256
   seq_len = 8192
   num_microbatches = 1
-  ici_mesh_shape = (1, -1, 1)
+  ici_mesh_shape = (1, -1, 1, 1)
   peak_learning_rate = 3e-4
   eos_id = LLAMA3_EOS
   max_decode_len = 256
@@ -89,7 +104,7 @@ class _Llama(Experiment):
                        clip_grad_norm=1.0, num_microbatches=self.num_microbatches,
                        log_interval_steps=10, save_interval_steps=1000)
     decode = fdl.Config(DecodeParams, max_decode_len=self.max_decode_len, temperature=0.0, eos_id=self.eos_id)
-    return fdl.Config(Task, model=self.model(), mesh_axis_names=("data", "fsdp", "model"),
+    return fdl.Config(Task, model=self.model(), mesh_axis_names=MESH_AXES,
                       ici_mesh_shape=self.ici_mesh_shape, train=train, decode=decode)
 
   def datasets(self) -> dict[str, fdl.Config]:
@@ -124,6 +139,7 @@ class _Llama2(_Llama):
 class Llama2_7B(_Llama2):
   """Llama 2 7B (6,738,415,616 params; 4k context) on v5e-256: FSDP over 256 chips,
   batch 1 × 4096 tokens per chip (global 256 rows = 1M tokens), full remat."""
+  ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
 
   def model(self):
     return llama_model(vocab_size=LLAMA2_VOCAB, d_model=4096, num_layers=32, num_heads=32,
@@ -134,6 +150,7 @@ class Llama2_7B(_Llama2):
 class Llama2_13B(_Llama2):
   """Llama 2 13B (13,015,864,320 params; 4k context) on v5e-256: FSDP over 256 chips,
   batch 1 × 4096 tokens per chip (global 256 rows = 1M tokens), full remat."""
+  ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
 
   def model(self):
     return llama_model(vocab_size=LLAMA2_VOCAB, d_model=5120, num_layers=40, num_heads=40,
@@ -168,6 +185,7 @@ class Llama2_70B_H100x64(Llama2_70B):
 class Llama3_8B(_Llama):
   """Llama 3 8B (8,030,261,248 params; 8k context, θ 500000) on v5e-256: FSDP over 256
   chips, batch 1 × 8192 tokens per chip (global 256 rows = 2M tokens), full remat."""
+  ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
 
   def model(self):
     return llama_model(vocab_size=LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
@@ -198,7 +216,7 @@ class Llama31_405B(_Llama):
   (1 row per FSDP shard each), full remat. State: 16 bytes/param / 1024 chips ≈ 6.3 GB."""
   batch_size = 2048
   num_microbatches = 8
-  ici_mesh_shape = (1, -1, 4)
+  ici_mesh_shape = (1, -1, 16, 4)
   peak_learning_rate = 8e-5
 
   def model(self):

@@ -4,6 +4,7 @@ import functools
 import fiddle as fdl
 import optax
 
+from configs import llama
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
@@ -71,6 +72,20 @@ class TinyLmFsdp(TinyLm):
   def task(self) -> fdl.Config[Task]:
     cfg = super().task()
     cfg.ici_mesh_shape = (1, 8, 1)
+    return cfg
+
+
+@register
+class TinyLmFsdp2(TinyLm):
+  """TinyLm with FSDP over two mesh axes, as the big Llamas have it: fsdp 2 x fsdp_b 2 x
+  model 2 (weights gathered and gradients reduce-scattered one axis at a time)."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.mesh_axis_names = llama.MESH_AXES
+    cfg.ici_mesh_shape = (1, 2, 2, 2)
+    cfg.model.weight_split_dims_mapping = fdl.Config(WeightSplit, **llama.WEIGHTS)
+    cfg.model.activation_split_dims_mapping = fdl.Config(ActivationSplit, **llama.ACTIVATIONS)
     return cfg
 
 

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.layers import fused_attention, rope
-from spmdtask.layers.base import SplitDims, constrain, dense_init, weight
+from spmdtask.layers.base import SplitDims, constrain, dense_init, project, weight
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -120,14 +120,14 @@ class Attention(nn.Module):
     wk = weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
     wv = weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
     wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
-    dt = self.dtype
+    dt, heads = self.dtype, self.heads_act_split
+
+    def proj(w, split):
+      return constrain(project("btd,dhk->bthk", x, w, split, heads, dt), heads)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
-    q = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wq.astype(dt)),
-                                  self.heads_act_split), remat.Q_PROJ)
-    k = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wk.astype(dt)),
-                                  self.heads_act_split), remat.K_PROJ)
-    v = checkpoint_name(constrain(jnp.einsum("btd,dhk->bthk", x, wv.astype(dt)),
-                                  self.heads_act_split), remat.V_PROJ)
+    q = checkpoint_name(proj(wq, self.q_split), remat.Q_PROJ)
+    k = checkpoint_name(proj(wk, self.kv_split), remat.K_PROJ)
+    v = checkpoint_name(proj(wv, self.kv_split), remat.V_PROJ)
     if self.rope_theta is not None:
       q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
       k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)
@@ -143,4 +143,5 @@ class Attention(nn.Module):
     out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
                     self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
-    return checkpoint_name(jnp.einsum("bthk,hkd->btd", out, wo.astype(dt)), remat.ATTN_OUT), cache
+    out = project("bthk,hkd->btd", out, wo, self.o_split, heads, dt)
+    return checkpoint_name(out, remat.ATTN_OUT), cache

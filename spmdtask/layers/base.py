@@ -1,4 +1,5 @@
 """What every spmdtask layer shares: weights with split-dims metadata, activation constraints."""
+import math
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -28,6 +29,58 @@ def constrain(x: jax.Array, split: SplitDims | None) -> jax.Array:
     split = [tuple(a for a in e if a not in manual) or None if isinstance(e, tuple) else
              None if e in manual else e for e in split]
   return jax.lax.with_sharding_constraint(x, P(*split))
+
+
+def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
+            dtype) -> jax.Array:
+  """`jnp.einsum(eqn, x, w)` in `dtype`, x's dim 0 its batch (split over the axes of the
+  entry `batch`), the result's dim 0 the same batch.
+
+  Under FSDP (w split over axes that also split the batch) the product runs under a
+  `jax.shard_map` manual over the batch's axes: each device casts its shard of w to
+  `dtype`, all-gathers it one mesh axis at a time (the last axis of a dim's entry first),
+  and multiplies its own rows. The gradient then needs no rule of its own: the transpose of
+  each all-gather is a reduce-scatter over that one axis, so w's gradient leaves the layer
+  already reduced to each device's shard, in `dtype`. XLA:TPU compiles a reduce-scatter
+  over a whole 256-chip slice as a full-size all-reduce; over one axis of a 16x16 mesh it
+  stays a reduce-scatter, hence FSDP over two axes (`("fsdp", "fsdp_b")`) on big slices.
+  Elsewhere (no mesh, no FSDP axis, a batch or weight dim that does not divide its axes)
+  GSPMD partitions the plain einsum.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = _batch_axes(mesh, batch, x.shape[0])
+  w_axes = [tuple(a for a in _axes(e) if a in manual) for e in w_split]
+  sizes = dict(mesh.shape) if manual else {}
+  if not any(w_axes) or any(d % math.prod(sizes[a] for a in axes)
+                            for d, axes in zip(w.shape, w_axes)):
+    return jnp.einsum(eqn, x, w.astype(dtype))
+
+  def local(x, w):
+    w = w.astype(dtype)
+    for dim, axes in enumerate(w_axes):
+      for axis in reversed(axes):
+        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+    return jnp.einsum(eqn, x, w)
+
+  rows = P(manual, *[None] * (x.ndim - 1))
+  out_ndim = len(eqn.split("->")[1])
+  return jax.shard_map(local, in_specs=(rows, P(*[a or None for a in w_axes])),
+                       out_specs=P(manual, *[None] * (out_ndim - 1)),
+                       axis_names=set(manual))(x, w)
+
+
+def _axes(entry) -> tuple[str, ...]:
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _batch_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
+  """The axes (of size > 1, not manual already) that split a batch of `rows` rows, or ()
+  where there are none or they do not divide the rows."""
+  if mesh.empty or batch is None:
+    return ()
+  sizes = dict(mesh.shape)
+  axes = tuple(a for a in _axes(batch[0]) if sizes[a] > 1 and a not in mesh.manual_axes)
+  return axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else ()
 
 
 def manual_row_offset(rows: int) -> jax.Array | int:

@@ -12,7 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from spmdtask.core import remat
 from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, project, weight
 
 
 class Mlp(nn.Module):
@@ -27,19 +27,21 @@ class Mlp(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    dt = self.dtype
+    dt, batch = self.dtype, self.ff_act_split
     w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
+    up = lambda w: constrain(project("btd,df->btf", x, w, self.in_split, batch, dt), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
-    h = checkpoint_name(constrain(x @ w_in.astype(dt), self.ff_act_split), remat.MLP_UP)
+    h = checkpoint_name(up(w_in), remat.MLP_UP)
     if self.activation == "swiglu":
       w_gate = weight(self, "wg", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-      gate = checkpoint_name(constrain(x @ w_gate.astype(dt), self.ff_act_split), remat.MLP_GATE)
+      gate = checkpoint_name(up(w_gate), remat.MLP_GATE)
       h = jax.nn.silu(gate) * h
     else:
       h = jax.nn.gelu(h)
     h = checkpoint_name(h, remat.MLP_HIDDEN)
     w_out = weight(self, "wo", (self.d_ff, self.d_model), self.out_split, dense_init(0, 1))
-    return checkpoint_name(h @ w_out.astype(dt), remat.MLP_OUT)
+    return checkpoint_name(project("btf,fd->btd", h, w_out, self.out_split, batch, dt),
+                           remat.MLP_OUT)
 
 
 class Block(nn.Module):

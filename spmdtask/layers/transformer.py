@@ -204,7 +204,8 @@ class TransformerLm(nn.Module):
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
-    x = constrain(jnp.take(emb, tokens, axis=0).astype(dt), a.embed)
+    # Cast before the lookup: the rows cross the mesh in the compute dtype.
+    x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
     x, cache = self._stack()(x, positions, segment_ids, cache=cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
