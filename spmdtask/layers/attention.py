@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.layers import fused_attention, rope
-from spmdtask.layers.base import SplitDims, constrain, dense_init, project, weight
+from spmdtask.layers.base import SplitDims, constrain, dense_init, platform, project, weight
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -101,7 +101,7 @@ class Attention(nn.Module):
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to; decoding (a KV cache): `attend`."""
     if not decoding:
-      backend = fused_attention.platform()
+      backend = platform()
       impl = fused_attention.choose(
           self.impl, backend, q.shape[1], q.shape[2], q.shape[3], q.dtype,
           segment_ids is not None, self.heads_act_split,

@@ -31,6 +31,13 @@ def constrain(x: jax.Array, split: SplitDims | None) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, P(*split))
 
 
+def platform() -> str:
+  """The platform the traced program is for: the context mesh's devices (a TPU topology
+  compiled ahead of time on a CPU host says 'tpu'), else JAX's default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
 def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
             dtype) -> jax.Array:
   """`jnp.einsum(eqn, x, w)` in `dtype`, x's dim 0 its batch (split over the axes of the
@@ -55,12 +62,16 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
                             for d, axes in zip(w.shape, w_axes)):
     return jnp.einsum(eqn, x, w.astype(dtype))
 
+  # XLA:CPU aborts on a bfloat16 reduce-scatter (AllReducePromotion): there the shards
+  # cross the mesh, and the gradient is reduced, in float32.
+  moved = jnp.float32 if platform() == "cpu" else dtype
+
   def local(x, w):
-    w = w.astype(dtype)
+    w = w.astype(moved)
     for dim, axes in enumerate(w_axes):
       for axis in reversed(axes):
         w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
-    return jnp.einsum(eqn, x, w)
+    return jnp.einsum(eqn, x, w.astype(dtype))
 
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])

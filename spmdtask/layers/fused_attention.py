@@ -45,13 +45,6 @@ SPLASH_BLOCKS = (512, 256, 128)  # tried in order: the largest that divides the 
 CUDNN_DTYPES = ("bfloat16", "float16")
 
 
-def platform() -> str:
-  """The platform the traced program is for: the context mesh's devices (a TPU topology
-  compiled ahead of time on a CPU host says 'tpu'), else JAX's default backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
-
-
 def check(impl: str, backend: str, head_dim: int, dtype: str) -> None:
   """ConfigError unless `impl` is a known choice that can run on `backend` (at validation;
   on GPUs this looks for the cuDNN library and the GPUs' compute capability)."""

@@ -23,8 +23,8 @@ def test_parameter_count_is_the_published_one(name):
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_each_sets_up_on_8_devices_from_shapes_alone(name):
-  """program.setup (layouts by eval_shape, every split-dims mapping validated; 405B keeps its
-  4-way model axis): the state is float32 params + Adam moments split 8 ways, and nothing is
+  """program.setup (layouts by eval_shape, every split-dims mapping validated; those sized
+  for 256+ chips keep their two FSDP axes, 405B its 4-way model axis): the state is float32 params + Adam moments split 8 ways, and nothing is
   allocated (405B's state alone is 4.9 TB)."""
   import resource  # pylint: disable=g-import-not-at-top
   from spmdtask.core import memory, program as program_lib  # pylint: disable=g-import-not-at-top
@@ -32,8 +32,9 @@ def test_each_sets_up_on_8_devices_from_shapes_alone(name):
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   micro = util.build_run(f"llama.{name}").task.train.num_microbatches
   overrides = [f"datasets['train'].batch_size={8 * micro}", "datasets['train'].seq_len=128"]
-  if name == "Llama31_405B":
-    overrides.append("task.ici_mesh_shape=(1, 2, 4)")
+  fsdp_b, model = util.build_run(f"llama.{name}").task.ici_mesh_shape[2:]
+  if fsdp_b > 1:  # sized for 256+ chips: FSDP 16 x 16 (405B: x 4 model) shrunk to 8 devices
+    overrides.append(f"task.ici_mesh_shape=(1, {8 // (2 * model)}, 2, {model})")
   run = util.build_run(f"llama.{name}", overrides)
   program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
@@ -65,7 +66,7 @@ def test_llama32_1b_plans_from_shapes_alone(tmp_path):
   got = planner.make_plan(run, "llama.Llama32_1B")
   grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
   n = PUBLISHED["Llama32_1B"]
-  assert got["num_params"] == n and got["mesh"] == {"data": 1, "fsdp": 8, "model": 1}
+  assert got["num_params"] == n and got["mesh"] == {"data": 1, "fsdp": 8, "fsdp_b": 1, "model": 1}
   assert "(1,235,814,400 params)" in printout.format_plan(got)[0]
   # float32 params + Adam's two moments, split 8 ways (a few replicated norms aside).
   assert abs(got["state_bytes_per_device"] - 12 * n / 8) / (12 * n / 8) < 0.01
