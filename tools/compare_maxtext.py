@@ -93,11 +93,24 @@ def stored_compiled(out: str):
                                cost_analysis=lambda: cost)
 
 
+def spmdtask_plan(cfg: Config, out: str) -> dict:
+  """spmdtask's plan.json for `cfg` (tools/compare_plans.py), also where XLA refused it."""
+  try:
+    return compare_plans.plan(cfg.exp, [], f"tpu:{cfg.topology}", out)
+  except SystemExit:  # exit 4 on XLA's out-of-memory: the plan says so
+    path = os.path.join(out, f"tpu_{cfg.topology.replace(':', '_')}", "plan.json")
+    if not os.path.exists(path):
+      raise
+    with open(path) as f:
+      return json.load(f)
+
+
 def maxtext_report(out: str, topology: str, plan: dict) -> dict:
   """MaxText's compiled step read by spmdtask's planner, with spmdtask's `plan` (same model,
-  same tokens) giving the model FLOPs and the Pallas kernels' FLOPs."""
+  same tokens) giving the model FLOPs and the Pallas kernels' FLOPs (none where XLA refused
+  spmdtask's step: then no MFU bound)."""
   target = targets.Target("tpu", (), topology, chip=chips.CHIPS[topology.split(":")[0]])
-  flops = plan["flops_per_step"]
+  flops = plan.get("flops_per_step", {"model": 0.0, "kernels_per_device": None})
   tokens = plan["batch_shape"][0] * plan["batch_shape"][1]
   return planner.compiled_report(stored_compiled(out), target, plan["num_devices"],
                                  flops["model"], tokens, flops["kernels_per_device"] or None)
@@ -105,6 +118,8 @@ def maxtext_report(out: str, topology: str, plan: dict) -> dict:
 
 def quantities(report: dict) -> dict:
   """The compared numbers of one side (a plan.json or a compiled_report): per chip per step."""
+  if "compiled" not in report:
+    return {"XLA refused (out of memory)": report["compiler_out_of_memory"][:80]}
   out = {"temporaries GiB": report["compiled"]["temp_size_in_bytes"] / GIB,
          "peak GiB": report["compiled"]["peak_estimate_bytes"] / GIB}
   for kind in sorted(report["collectives"]):
@@ -118,7 +133,7 @@ def quantities(report: dict) -> dict:
   if est:
     out["step bound s"] = est["step_seconds_lower_bound"]
     out["bound by"] = est["bound"]
-    out["MFU bound"] = est["mfu_upper_bound"]
+    out["MFU bound"] = est["mfu_upper_bound"] or None  # no model FLOPs: none
   return out
 
 
@@ -174,15 +189,13 @@ def main() -> None:
         mt_cfg = json.load(f)
     else:
       mt_cfg = maxtext_compile(cfg, args.maxtext_dir, args.maxtext_python, mt_out)
-    # The same XLA flags for spmdtask's compile (MaxText adds one of its own: dropped).
-    flags = mt_cfg["libtpu_init_args"].replace("--xla_tpu_spmd_rng_bit_generator_unsafe=true", "")
-    os.environ["LIBTPU_INIT_ARGS"] = flags.strip()
+    os.environ["LIBTPU_INIT_ARGS"] = mt_cfg["libtpu_init_args"]  # the same XLA flags
     plan_json = os.path.join(out, "spmdtask", f"tpu_{cfg.topology.replace(':', '_')}", "plan.json")
     if args.reuse and os.path.exists(plan_json):
       with open(plan_json) as f:
         plan = json.load(f)
     else:
-      plan = compare_plans.plan(cfg.exp, [], f"tpu:{cfg.topology}", os.path.join(out, "spmdtask"))
+      plan = spmdtask_plan(cfg, os.path.join(out, "spmdtask"))
     mt = maxtext_report(mt_out, cfg.topology, plan)
     results[name] = {"spmdtask": quantities(plan), "maxtext": quantities(mt)}
     record[name] = {**results[name], "maxtext_config": mt_cfg, "spmdtask_exp": cfg.exp,
