@@ -1,0 +1,211 @@
+"""Compiles a Llama train step both ways, spmdtask's and MaxText's, for the same TPU slice
+(XLA:TPU ahead of time, libtpu, on this machine) and prints them side by side.
+
+    python tools/compare_maxtext.py --maxtext_dir=/work/maxtext \\
+        --maxtext_python=/work/mtvenv/bin/python --config=all --out=/tmp/compare_maxtext
+
+Configs (`--config`, or `all`):
+  llama3_8b_v5e256    Llama-3-8B on v5e-256: `llama.Llama3_8B` against MaxText's
+                      `train_compile ... model_name=llama3-8b per_device_batch_size=1
+                      max_target_length=8192 ici_fsdp_parallelism=-1` (its defaults else);
+  llama31_8b_v6e256   Llama-3.1-8B on v6e-256: `llama.Llama31_8B_V6e256` against MaxText's
+                      published tuning config `llama3_1_8b_8192` (benchmarks/);
+  llama2_70b_v5p512   Llama-2-70B on v5p-512: `llama.Llama2_70B_V5p512` against MaxText's
+                      `llama2_70b_v5p_128` at 4 rows per chip (see that experiment's doc).
+MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
+`train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
+its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
+--mode=plan` in a subprocess (tools/compare_plans.py) under the same LIBTPU_INIT_ARGS, so
+both are compiled with the same XLA flags. Both compiled programs are then read the same
+way, by spmdtask's planner (`planner.compiled_report`): memory_analysis, collectives per
+step (spmdtask.plan.hlo), XLA's FLOPs with loops counted per trip (spmdtask.plan.xla_cost),
+the roofline (spmdtask.plan.roofline, chips.py's facts). MaxText's program hides its Pallas
+kernels' FLOPs from XLA as spmdtask's does; its roofline is charged spmdtask's traced kernel
+FLOPs for the same attention shapes, and the MFU bound of both divides the same model FLOPs
+(spmdtask's formula, 6·N·T + attention). `--out`/results.json holds every number.
+"""
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import types
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from spmdtask.plan import chips, planner, targets  # pylint: disable=wrong-import-position
+from tools import compare_plans  # pylint: disable=wrong-import-position
+
+GIB = 2.0**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One comparison: spmdtask's experiment and TPU topology, MaxText's arguments."""
+  exp: str
+  topology: str               # spmdtask's --plan_topology, e.g. 'v5e:16x16'
+  maxtext_args: tuple[str, ...]  # train_compile's key=value arguments after base.yml
+  benchmark: str | None = None   # MaxText benchmarks/ config 'module:name' (tools/maxtext_step.py)
+
+
+CONFIGS = {
+    "llama3_8b_v5e256": Config(
+        "llama.Llama3_8B", "v5e:16x16",
+        ("compile_topology=v5e-256", "compile_topology_num_slices=1", "model_name=llama3-8b",
+         "per_device_batch_size=1", "max_target_length=8192", "ici_fsdp_parallelism=-1",
+         "dataset_type=synthetic")),
+    "llama31_8b_v6e256": Config(
+        "llama.Llama31_8B_V6e256", "v6e:16x16",
+        ("compile_topology=v6e-256", "compile_topology_num_slices=1"),
+        "maxtext_trillium_model_configs:llama3_1_8b_8192"),
+    "llama2_70b_v5p512": Config(
+        "llama.Llama2_70B_V5p512", "v5p:4x8x8",
+        ("compile_topology=v5p-512", "compile_topology_num_slices=1", "per_device_batch_size=4"),
+        "maxtext_v5p_model_configs:llama2_70b_v5p_128"),
+}
+
+
+def maxtext_compile(cfg: Config, maxtext_dir: str, python: str, out: str) -> dict:
+  """Runs MaxText's train_compile for `cfg` (tools/maxtext_step.py); the config it ran."""
+  cmd = [python, os.path.join(REPO, "tools", "maxtext_step.py"), out]
+  cmd += [f"--benchmark={cfg.benchmark}"] if cfg.benchmark else []
+  cmd += ["src/maxtext/configs/base.yml", *cfg.maxtext_args]
+  env = dict(os.environ, DECOUPLE_GCLOUD="TRUE", PYTHONPATH=".:src")
+  done = subprocess.run(cmd, cwd=maxtext_dir, env=env, capture_output=True, text=True,
+                        check=False)
+  if done.returncode:
+    sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+  with open(os.path.join(out, "config.json")) as f:
+    return json.load(f)
+
+
+def stored_compiled(out: str):
+  """What tools/maxtext_step.py wrote, as the parts of a compiled object the planner reads."""
+  with open(os.path.join(out, "hlo.txt")) as f:
+    text = f.read()
+  with open(os.path.join(out, "memory.json")) as f:
+    memory = types.SimpleNamespace(**json.load(f))
+  with open(os.path.join(out, "cost.json")) as f:
+    cost = json.load(f)
+  return types.SimpleNamespace(as_text=lambda: text, memory_analysis=lambda: memory,
+                               cost_analysis=lambda: cost)
+
+
+def spmdtask_plan(cfg: Config, out: str) -> dict:
+  """spmdtask's plan.json for `cfg` (tools/compare_plans.py), also where XLA refused it."""
+  try:
+    return compare_plans.plan(cfg.exp, [], f"tpu:{cfg.topology}", out)
+  except SystemExit:  # exit 4 on XLA's out-of-memory: the plan says so
+    path = os.path.join(out, f"tpu_{cfg.topology.replace(':', '_')}", "plan.json")
+    if not os.path.exists(path):
+      raise
+    with open(path) as f:
+      return json.load(f)
+
+
+def maxtext_report(out: str, topology: str, plan: dict) -> dict:
+  """MaxText's compiled step read by spmdtask's planner, with spmdtask's `plan` (same model,
+  same tokens) giving the model FLOPs and the Pallas kernels' FLOPs (none where XLA refused
+  spmdtask's step: then no MFU bound)."""
+  target = targets.Target("tpu", (), topology, chip=chips.CHIPS[topology.split(":")[0]])
+  flops = plan.get("flops_per_step", {"model": 0.0, "kernels_per_device": None})
+  tokens = plan["batch_shape"][0] * plan["batch_shape"][1]
+  return planner.compiled_report(stored_compiled(out), target, plan["num_devices"],
+                                 flops["model"], tokens, flops["kernels_per_device"] or None)
+
+
+def quantities(report: dict) -> dict:
+  """The compared numbers of one side (a plan.json or a compiled_report): per chip per step."""
+  if "compiled" not in report:
+    return {"XLA refused (out of memory)": report["compiler_out_of_memory"][:80]}
+  out = {"temporaries GiB": report["compiled"]["temp_size_in_bytes"] / GIB,
+         "peak GiB": report["compiled"]["peak_estimate_bytes"] / GIB}
+  for kind in sorted(report["collectives"]):
+    c = report["collectives"][kind]
+    out[f"{kind} ops"] = c["count"]
+    out[f"{kind} GiB"] = c["bytes"] / GIB
+  f = report["flops_per_step"]
+  out["XLA TFLOP (kernels excl.)"] = (f["xla_per_device"] - f["kernels_per_device"]) / 1e12
+  out["kernel TFLOP (traced)"] = f["kernels_per_device"] / 1e12
+  est = report.get("estimate")
+  if est:
+    out["step bound s"] = est["step_seconds_lower_bound"]
+    out["bound by"] = est["bound"]
+    out["MFU bound"] = est["mfu_upper_bound"] or None  # no model FLOPs: none
+  return out
+
+
+def _cell(v) -> str:
+  if v is None:
+    return "-"
+  if isinstance(v, str):
+    return v
+  if isinstance(v, int):
+    return str(v)
+  return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.4e}"
+
+
+def table(results: dict[str, dict[str, dict]]) -> str:
+  """A markdown table: rows are the quantities, columns spmdtask | MaxText | ratio (spmdtask
+  / MaxText) per config. `results`: config -> {'spmdtask': quantities, 'maxtext': ...}."""
+  rows = []
+  for sides in results.values():
+    for q in (*sides["spmdtask"], *sides["maxtext"]):
+      if q not in rows:
+        rows.append(q)
+  head = ["per chip per step"] + [f"{c} {s}" for c in results
+                                  for s in ("spmdtask", "MaxText", "ratio")]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for q in rows:
+    cells = [q]
+    for sides in results.values():
+      a, b = sides["spmdtask"].get(q), sides["maxtext"].get(q)
+      ratio = (a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b
+               else None)
+      cells += [_cell(a), _cell(b), "-" if ratio is None else f"{ratio:.2f}"]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--maxtext_dir", required=True, help="a MaxText checkout (its src/ and "
+                 "benchmarks/)")
+  p.add_argument("--maxtext_python", required=True, help="a Python with MaxText's "
+                 "requirements and jax[tpu] (libtpu)")
+  p.add_argument("--config", default="all", choices=[*CONFIGS, "all"])
+  p.add_argument("--out", default="/tmp/spmdtask_compare_maxtext")
+  p.add_argument("--reuse", action="store_true", help="keep compiles already under --out")
+  args = p.parse_args()
+  names = list(CONFIGS) if args.config == "all" else [args.config]
+  results, record = {}, {}
+  for name in names:
+    cfg, out = CONFIGS[name], os.path.join(args.out, name)
+    mt_out = os.path.join(out, "maxtext")
+    if args.reuse and os.path.exists(os.path.join(mt_out, "hlo.txt")):
+      with open(os.path.join(mt_out, "config.json")) as f:
+        mt_cfg = json.load(f)
+    else:
+      mt_cfg = maxtext_compile(cfg, args.maxtext_dir, args.maxtext_python, mt_out)
+    os.environ["LIBTPU_INIT_ARGS"] = mt_cfg["libtpu_init_args"]  # the same XLA flags
+    plan_json = os.path.join(out, "spmdtask", f"tpu_{cfg.topology.replace(':', '_')}", "plan.json")
+    if args.reuse and os.path.exists(plan_json):
+      with open(plan_json) as f:
+        plan = json.load(f)
+    else:
+      plan = spmdtask_plan(cfg, os.path.join(out, "spmdtask"))
+    mt = maxtext_report(mt_out, cfg.topology, plan)
+    results[name] = {"spmdtask": quantities(plan), "maxtext": quantities(mt)}
+    record[name] = {**results[name], "maxtext_config": mt_cfg, "spmdtask_exp": cfg.exp,
+                    "topology": cfg.topology, "maxtext_warnings": mt["warnings"]}
+    print(f"{name}: compiled both", flush=True)
+  print(table(results))
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(record, f, indent=1)
+  print(f"numbers: {os.path.join(args.out, 'results.json')}")
+
+
+if __name__ == "__main__":
+  main()
