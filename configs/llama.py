@@ -182,6 +182,7 @@ class Llama2_70B_V5p512(Llama2_70B):
   projection; spmdtask has no preset for that set, and its `save_dot_except_mlp` keeps all
   but the MLP out projection (recomputed in the backward: more FLOPs, 80 × 256 MiB less
   HBM; `minimal` would also keep the attention context, 20 GiB more than a v5p holds)."""
+  ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
   num_microbatches = 1
 
   def model(self):
@@ -224,6 +225,7 @@ class Llama31_8B_V6e256(_Llama):
   four projections and keeps each layer's input on the device (the scan's carry). MaxText
   sets splash blocks of 2048 with its fused backward kernel; spmdtask's splash picks its
   own block size."""
+  ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
   batch_size = 1024
 
   def model(self):
