@@ -178,10 +178,11 @@ class Llama3_8B(_Llama):
 class Llama31_70B(_Llama):
   """Llama 3.1 70B (70,553,706,496 params; 128k context by llama3 RoPE scaling ×8) on
   v5p-256 (128 chips): FSDP over 128, rows of 8192 tokens (the pre-training length; longer
-  rows need context parallelism), global batch 512 × 8192 (4M tokens) in 4 microbatches
-  of 1 row per chip, full remat."""
+  rows need context parallelism), global batch 512 × 8192 (4M tokens) in 2 microbatches
+  of 2 rows per chip, full remat. The same batch splits over 256 chips (1 row per chip),
+  so `--plan_topology=v5e:16x16` plans it for v5e-256, where it does not fit."""
   batch_size = 512
-  num_microbatches = 4
+  num_microbatches = 2
   peak_learning_rate = 1.5e-4
 
   def model(self):

@@ -75,7 +75,7 @@ def compile_lowering(lowering: program_lib.Lowering):
       compiled = lowering.lower().compile()
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" in str(e):
-      raise CompilerOutOfMemory(str(e).splitlines()[0]) from None
+      raise CompilerOutOfMemory(str(e)) from None
     raise
   return compiled, "".join(logs)
 
@@ -240,8 +240,9 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
                    "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c)}
                   for lw, c in pairs]
       compiled = max(pairs, key=lambda p: compiled_memory(p[1])["peak_estimate_bytes"])[1]
-  except CompilerOutOfMemory as e:
-    compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
+  except CompilerOutOfMemory as e:  # the whole message to logs/, its first line in the plan
+    compiled, log_text = None, f"{e}\n"
+    report = {"compiler_out_of_memory": str(e).splitlines()[0]}
   remat = None
   if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
     remat = remat_cost.plan_section(program, example, lowerings[0], compiled)
