@@ -26,6 +26,7 @@ from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
+from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.registry import register
 from spmdtask.task import DecodeParams, Task, TrainParams
 
@@ -220,6 +221,22 @@ class Llama32_1B(_Llama):
                        num_kv_heads=8, head_dim=64, d_ff=8192, max_seq_len=131072,
                        rope_theta=500000.0, rope_scaling={**LLAMA31_SCALING, "factor": 32.0},
                        tie_embeddings=True)
+
+
+@register
+class Llama32_1B_Mpmd(Llama32_1B):
+  """Llama 3.2 1B as an MPMD pipeline on v5e-8 (`--plan_topology=v5e:2x4`): two stages of
+  4 chips, FSDP over each: embedding + layers 0-7 | layers 8-15 + head + the loss over 8
+  vocab tiles (the tied embedding on both); 1F1B over 4 microbatches of 1 row × 8192
+  tokens per chip (global 16 rows)."""
+  batch_size = 16
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(8,), submesh_shapes=((1, 4, 1),) * 2,
+                              schedule="1f1b", num_microbatches=4)
+    return cfg
 
 
 @register

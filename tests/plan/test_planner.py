@@ -46,7 +46,7 @@ def test_plan_bytes_equal_a_real_runs_arrays(tmp_path):
 def test_64_device_plan_and_memory_budget(tmp_path):
   out = subproc.run(subproc.main_cmd(
       "lm.TinyLmFsdpTp", str(tmp_path), "task.ici_mesh_shape=(1, 8, 8)",
-      flags=["--mode=plan", "--plan_devices=64", "--device_memory_gb=0.001"]),
+      flags=["--mode=plan", "--plan_devices=64", "--device_memory_gib=0.001"]),
       num_devices=1, timeout=120)
   assert out.returncode == 4, out.stderr[-3000:]
   assert "Traceback" not in out.stderr
@@ -55,7 +55,7 @@ def test_64_device_plan_and_memory_budget(tmp_path):
   # q [L, d, heads 4, hd] has its heads padded to the 8-way model axis: named.
   assert any("params/layers/block/attn/q is padded" in w for w in plan_json["warnings"])
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
-  assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
+  assert len(err) == 1 and "--device_memory_gib=0.001" in err[0]
   assert "What fills the chip: temporaries" in err[0] and "the temporaries first" in err[0]
   assert "a chip with more" not in err[0]  # a CPU plan under a budget: no chip to swap
 

@@ -14,6 +14,7 @@ import optax
 import pytest
 
 from spmdtask.run import evaluation, loop
+from spmdtask.plan import buffers
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
 from tests import util
@@ -151,10 +152,18 @@ def test_bad_configs_raise(overrides, match):
 def test_last_stage_vocab_tiled_loss_and_grads_equal_optax():
   """lm.TinyLmMpmd's last stage (head and loss over 4 vocab tiles, on a data-4 submesh):
   the pipeline's loss and every stage's gradients equal optax's untiled cross entropy of
-  the same model's whole float32 logits, on one device."""
+  the same model's whole float32 logits, on one device; and no program of that stage
+  makes a whole float32 logits array [1 row x 64 tokens, 256] per device."""
   run = util.build_run("lm.TinyLmMpmd")
-  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(run.task, example)
   assert program.model.loss_vocab_tiles == 4
+  for lw in program.lowerings(example):
+    if lw.stage == 1 and "part" in lw.name:
+      made = buffers.hlo_arrays(lw.lower().compile().as_text(), top=None)
+      assert [b.shape for b in made if b.dims[-2:] == (64, 64) and b.dtype == "f32"]  # a tile
+      assert not [b for b in made if b.dims[-1:] == (256,) and b.dtype == "f32"
+                  and np.prod(b.dims[:-1]) == 64], lw.name
   state = program.init()
   pl, stage_params = program.pipeline, [st.params for st in state.stages]
   batch = program.train_batch(state, program.global_batch(run.datasets["train"].batch_at(0)))
