@@ -93,6 +93,6 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                            "(one more forward per layer)", saved.bytes if saved else None))
   if t % 2 == 0:
     fixes.append(MemoryFix(f"datasets['train'].seq_len={t // 2}", "rows of half the tokens "
-                           "(a step of half the tokens): the activations above halve",
+                           "(a step of half the tokens): each layer's input and the logits halve",
                            sum(a.bytes for a in arrays) / 2))
   return ActivationMemory(tuple(sorted(arrays, key=lambda a: -a.bytes)), tuple(fixes))

@@ -38,8 +38,8 @@ def what_it_is(array: dict, memory: ActivationMemory | None, params: list[dict])
     if dims == shape:
       return f"the param {p['path']}, whole"
     if len(shape) > 2 and dims == shape[1:]:
-      return f"one layer's {p['path']}, gathered"
-  return f"made by {array['what']}" + (f" ({array['kind']})" if array["kind"] else "")
+      return f"one layer's {p['path']} whole (gathered, or its gradient)"
+  return f"made by {array['what']}"
 
 
 def largest(plan: dict, memory: ActivationMemory | None) -> str:
@@ -65,7 +65,8 @@ def fixes(task, temp: float, state: float, budget: float, rows_per_device: float
       k *= 2
     if rows_per_device >= 2 and rows_per_device % k == 0:
       out.append(f"task.train.num_microbatches={task.train.num_microbatches * k} "
-                 f"({rows_per_device / k:g} rows per device at once): temporaries about "
+                 f"({rows_per_device / k:g} row{'s' * (rows_per_device != k)} per device at "
+                 f"once): temporaries about "
                  f"{gib(temp / k)}, if they scale with the rows")
     for f in (memory.fixes if memory else ()):
       out.append(f"{f.override}: {f.effect}" + (f", {gib(f.saves)} less" if f.saves else ""))

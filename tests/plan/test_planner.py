@@ -56,7 +56,7 @@ def test_64_device_plan_and_memory_budget(tmp_path):
   assert any("params/layers/block/attn/q is padded" in w for w in plan_json["warnings"])
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
   assert len(err) == 1 and "--device_memory_gib=0.001" in err[0]
-  assert "What fills the chip: temporaries" in err[0] and "the temporaries first" in err[0]
+  assert "What fills the chip: temporaries" in err[0] and "the temporaries alone over" in err[0]
   assert "a chip with more" not in err[0]  # a CPU plan under a budget: no chip to swap
 
 
