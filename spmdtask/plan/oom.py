@@ -52,6 +52,17 @@ def largest(plan: dict, memory: ActivationMemory | None) -> str:
       f"{a['shape']} {gib(a['bytes'])}, {what_it_is(a, memory, params)}" for a in arrays) + "."
 
 
+def own_account(memory: ActivationMemory | None, temp: float) -> str:
+  """The temporaries as the model accounts for them, where XLA names none of its arrays."""
+  if memory is None:
+    return ""
+  rest = temp - sum(a.bytes for a in memory.arrays)
+  return ("Of the temporaries, by the model's own account (XLA names none of its arrays): "
+          + "; ".join(f"{a.what}, {a.describe()} {gib(a.bytes)}" for a in memory.arrays)
+          + (f"; the other {gib(rest)}: gradients, gathered weights, each layer's activations "
+             "while it runs, scratch" if rest > 0 else "") + ".")
+
+
 def fixes(task, temp: float, state: float, budget: float, rows_per_device: float,
           memory: ActivationMemory | None, chip: dict | None = None) -> list[str]:
   """The fixes that apply to a step needing `temp` + `state` bytes per device over
@@ -69,7 +80,8 @@ def fixes(task, temp: float, state: float, budget: float, rows_per_device: float
                  f"once): temporaries about "
                  f"{gib(temp / k)}, if they scale with the rows")
     for f in (memory.fixes if memory else ()):
-      out.append(f"{f.override}: {f.effect}" + (f", {gib(f.saves)} less" if f.saves else ""))
+      out.append(f"{f.override}: {f.effect}"
+                 + (f", at least {gib(f.saves)} less" if f.saves else ""))
   if state >= temp or state > budget:
     out.append(f"more devices along the weights' axes (fsdp) or a larger split: the state, "
                f"{gib(state)} per device now, divides by the factor")
@@ -90,7 +102,9 @@ def paragraph(plan: dict, task, budget: float, budget_name: str, rows_per_device
     temp = plan.get("compiler_need_bytes", 0.0)
     budget = plan.get("compiler_usable_bytes", budget)
     head = f"XLA refused to compile the step: {refused.rstrip('.')}"
-    budget_name = f"the {gib(budget)} XLA lets a program use"
+    chip = plan.get("target", {}).get("chip")
+    budget_name = (f"the {budget / 2**30:.2f} GiB XLA lets a program use"
+                   + (f" of the {chip['name']}'s {gib(chip['hbm_bytes'])}" if chip else ""))
   else:
     temp = plan["compiled"]["temp_size_in_bytes"]
     head = (f"the estimated peak of one device, {gib(plan['compiled']['peak_estimate_bytes'])}, "
@@ -107,7 +121,8 @@ def paragraph(plan: dict, task, budget: float, budget_name: str, rows_per_device
            f"{gib(plan['opt_state_bytes_per_device'])}): {cause}.")
   memory = model_memory(task, rows_per_device, batch_shape) if task is not None else None
   if temp > state:
-    fills += " " + largest(plan, memory) if plan.get("largest_arrays") else ""
+    fills += " " + (largest(plan, memory) if plan.get("largest_arrays") else
+                    own_account(memory, temp))
   else:
     top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
     fills += " Largest state arrays per device: " + "; ".join(
