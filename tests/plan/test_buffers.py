@@ -2,12 +2,17 @@
 whole float32 logits of optax's loss, none with the vocab-tiled loss), and XLA:TPU's
 out-of-memory message for Llama31_70B on v5e-256 (a real one, trimmed) read into the
 exit-4 paragraph. Pure: nothing is compiled for a TPU here."""
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
+from spmdtask.errors import PlanExceeded
 from spmdtask.layers import xent
-from spmdtask.plan import buffers
+from spmdtask.plan import buffers, chips, planner
+from tests import util
 
 T, D, V = 256, 64, 1000
 
@@ -30,3 +35,46 @@ def test_hlo_arrays_name_the_whole_logits_only_where_the_loss_makes_them():
       x[None], xent.head_tiles(w, 4), l[None], V)))
   assert not [b for b in tiled if b.dims[-1:] == (V,) and b.bytes >= T * V * 4]
   assert [b for b in tiled if b.dims[-2:] == (T, V // 4)]  # one tile's logits, and no more
+
+
+# XLA:TPU's refusal of Llama31_70B's step on v5e:16x16 (libtpu 0.0.x with jax 0.10.2): the
+# whole message, as `plan` keeps it in logs/plan_xla.log. This check lists no allocations.
+LLAMA31_70B_V5E_256 = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                       "required for HLO temporaries (19.71G) exceeds available HBM (15.75G).")
+
+
+def _refused_70b_plan(message):
+  """Llama31_70B's plan on v5e:16x16 as the planner leaves it when XLA refuses the step."""
+  n = 70_553_706_496
+  plan = {"state_bytes_per_device": 12 * n / 256, "params_bytes_per_device": 4 * n / 256,
+          "opt_state_bytes_per_device": 8 * n / 256, "batch_shape": [512, 8192],
+          "batch_shards": 256, "num_microbatches": 2,
+          "arrays": [{"path": "params/layers/block/mlp/wi", "logical_shape": [80, 8192, 28672],
+                      "bytes_per_device": 4 * 80 * 8192 * 28672 / 256}],
+          "target": {"chip": chips.CHIPS["v5e"].as_json()}}
+  return {**plan, **planner.out_of_memory_report(message)}
+
+
+def test_the_70b_refusal_names_the_temporaries_once_in_gib():
+  assert buffers.compiler_need(LLAMA31_70B_V5E_256) == (19.71 * 2**30, 15.75 * 2**30)
+  task = util.build_run("llama.Llama31_70B").task
+  with pytest.raises(PlanExceeded) as e:
+    planner.check_fits(_refused_70b_plan(LLAMA31_70B_V5E_256), 0.0, task=task)
+  text = str(e.value)
+  assert text.count("exceeds available HBM (15.75G)") == 1  # the compiler's line once
+  parts = re.split(r"[.;:] ", text)
+  assert len(parts) == len(set(parts))  # no phrase twice
+  assert "temporaries (activations kept for the backward, gradients, gathered weights, " \
+         "scratch) 19.7 GiB and the train state 3.1 GiB per device" in text
+  assert "the temporaries alone over the 15.75 GiB XLA lets a program use of the v5e's " \
+         "16.0 GiB" in text
+  # 80 layers x 1 row x 8192 tokens x d_model 8192 in bfloat16; one of 8 vocab tiles.
+  assert "the layers' inputs, kept for the backward, bfloat16[80, 1, 8192, 8192] 10.0 GiB" \
+      in text and "float32[1, 8192, 16032] 501.0 MiB; the other 9.2 GiB" in text
+  # One row per chip already, full remat, vocab tiles: fewer rows, more tokens or more HBM.
+  assert "num_microbatches" not in text and "remat_policy" not in text
+  assert "loss_vocab_tiles" not in text and "more devices" not in text
+  assert "datasets['train'].seq_len=4096" in text
+  assert "a chip with more than 22.8 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB), v6e (32.0 " \
+         "GiB)" in text
+  assert not [w for w in re.findall(r"\d+(?:\.\d+)? ?([KMGT]?i?B)\b", text) if w in ("GB", "MB")]
