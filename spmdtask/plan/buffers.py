@@ -1,5 +1,6 @@
-"""The largest arrays of a compiled program: read from its optimized HLO text, or from
-XLA:TPU's out-of-memory message. Pure.
+"""The largest arrays of a compiled program, read from its optimized HLO text (also the one
+XLA writes out before XLA:TPU refuses a program for lack of HBM), and the need XLA:TPU's
+out-of-memory message states. Pure.
 
 `hlo_arrays(text)` lists the arrays a per-device program writes to memory: the result of
 every instruction in a computation that runs as such (the ENTRY, loop bodies and
@@ -9,8 +10,8 @@ bytes, and what it is (the JAX op it came from, from XLA's metadata). It says wh
 a program makes, not how long they live: an array listed is one the program holds at
 some point, and one not listed (e.g. a whole float32 logits array) is never made.
 
-`compiler_allocations(message)` reads XLA:TPU's RESOURCE_EXHAUSTED message: its need, the
-chip's usable HBM, and the "Largest program allocations" it lists.
+`compiler_need(message)` reads XLA:TPU's RESOURCE_EXHAUSTED message: the bytes the program
+needs and the HBM it may use (the message lists no arrays in libtpu's AOT compile).
 """
 import dataclasses
 import re
@@ -82,7 +83,6 @@ _SIZE = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _NUM = r"([\d.]+)([KMGT]?)B?"
 _NEEDS = (re.compile(rf"Used {_NUM} of {_NUM} hbm"),  # XLA:TPU's two wordings
           re.compile(rf"HLO temporaries \({_NUM}\) exceeds available HBM \({_NUM}\)"))
-_BLOCK = re.compile(r"^\s*\d+\. Size: " + _NUM, re.M)
 
 
 def _bytes(number: str, unit: str) -> float:
@@ -97,24 +97,3 @@ def compiler_need(message: str) -> tuple[float, float] | None:
     if m:
       return _bytes(*m.group(1, 2)), _bytes(*m.group(3, 4))
   return None
-
-
-def compiler_allocations(message: str) -> list[Buffer]:
-  """The "Largest program allocations in hbm" XLA:TPU's out-of-memory message lists, in its
-  order (largest first): shape (layout dropped), size, the JAX op that made it (short), and
-  the allocation type ('HLO temp')."""
-  out = []
-  starts = [m.start() for m in _BLOCK.finditer(message)] + [len(message)]
-  for a, b in zip(starts, starts[1:]):
-    block = message[a:b]
-    size = _BLOCK.search(block)
-    shape = re.search(r"Shape: ([a-z][a-z0-9]*\[[0-9,]*\])", block)
-    if not shape:
-      continue
-    op = _OP_NAME.search(block)
-    label = re.search(r"XLA label: %?([\w.\-]+)", block)
-    kind = re.search(r"Allocation type: (.+)", block)
-    out.append(Buffer(shape.group(1), int(_bytes(*size.group(1, 2))),
-                      op_name(op.group(1)) if op else (label.group(1) if label else "?"),
-                      kind.group(1).strip() if kind else ""))
-  return out

@@ -30,6 +30,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import jax
 
@@ -60,7 +61,13 @@ def reexec_emulated(num_devices: int, argv: list[str]) -> int:
 
 class CompilerOutOfMemory(Exception):
   """The compiler itself refused the program: it needs more memory than the device has
-  (XLA:TPU checks this while compiling). The message is the compiler's."""
+  (XLA:TPU checks this while compiling). The message is the compiler's; `arrays` the
+  largest arrays of the optimized program it refused (`plan.buffers.Buffer`s), where the
+  compile was asked to keep it (`compile_lowering(..., keep_program=True)`)."""
+
+  def __init__(self, message: str, arrays: list | None = None):
+    super().__init__(message)
+    self.arrays = arrays or []
 
 
 def compile_train(program: program_lib.Program, example_local_batch):
@@ -68,25 +75,42 @@ def compile_train(program: program_lib.Program, example_local_batch):
   return compile_lowering(program.lowerings(example_local_batch)[0])
 
 
-def compile_lowering(lowering: program_lib.Lowering):
-  """(compiled program, what XLA printed while compiling it); CompilerOutOfMemory."""
+def compile_lowering(lowering: program_lib.Lowering, keep_program: bool = False):
+  """(compiled program, what XLA printed while compiling it); CompilerOutOfMemory. With
+  `keep_program`, XLA writes its optimized program to a scratch folder while it compiles
+  (XLA:TPU does so before its memory check), so that a refusal can name its largest
+  arrays; the folder is removed."""
   logs: list[str] = []
-  try:
-    with console.captured_fd2(logs):
-      compiled = lowering.lower().compile()
-  except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" in str(e):
-      raise CompilerOutOfMemory(str(e)) from None
-    raise
+  with tempfile.TemporaryDirectory() as scratch:
+    options = ({"xla_dump_to": scratch, "xla_dump_hlo_as_text": True} if keep_program
+               else None)
+    try:
+      with console.captured_fd2(logs):
+        compiled = lowering.lower().compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" in str(e):
+        raise CompilerOutOfMemory(str(e), _largest_dumped(scratch)) from None
+      raise
   return compiled, "".join(logs)
 
 
-def out_of_memory_report(message: str) -> dict:
+def _largest_dumped(folder: str) -> list[buffers.Buffer]:
+  """The largest arrays of the optimized programs XLA wrote to `folder` (none if none)."""
+  out = []
+  for name in sorted(os.listdir(folder)):
+    if name.endswith("after_optimizations.txt"):
+      with open(os.path.join(folder, name)) as f:
+        out += buffers.hlo_arrays(f.read(), LARGEST)
+  return sorted(out, key=lambda b: -b.bytes)[:LARGEST]
+
+
+def out_of_memory_report(message: str, arrays=()) -> dict:
   """The plan's part for a step XLA refused: the message's first line, the need and the
-  usable HBM it states, and the largest allocations it lists (`plan.buffers`)."""
+  usable HBM it states, and the largest arrays of the program it refused (`arrays`:
+  `plan.buffers.Buffer`s)."""
   need, usable = buffers.compiler_need(message) or (None, None)
   out = {"compiler_out_of_memory": message.splitlines()[0],
-         "largest_arrays": [b.as_json() for b in buffers.compiler_allocations(message)]}
+         "largest_arrays": [b.as_json() for b in arrays]}
   if need is not None:
     out.update(compiler_need_bytes=need, compiler_usable_bytes=usable)
   return out
@@ -252,10 +276,11 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   lowerings = program.lowerings(example)
   pairs, programs = [], []
   try:
-    compiled, log_text = compile_lowering(lowerings[0])
+    keep = target.topology is not None  # a chip's compiler may refuse: name what it held
+    compiled, log_text = compile_lowering(lowerings[0], keep)
     pairs.append((lowerings[0], compiled))
     for lw in lowerings[1:]:  # MPMD: every part's and stage's program
-      c, text = compile_lowering(lw)
+      c, text = compile_lowering(lw, keep)
       pairs.append((lw, c))
       log_text += text
     if len(pairs) > 1:  # the largest per-device peak stands for the step
@@ -265,7 +290,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
       compiled = max(pairs, key=lambda p: compiled_memory(p[1])["peak_estimate_bytes"])[1]
   except CompilerOutOfMemory as e:  # the whole message to logs/, its first line in the plan
     compiled, log_text = None, f"{e}\n"
-    report = out_of_memory_report(str(e))
+    report = out_of_memory_report(str(e), e.arrays)
   remat = None
   if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
     remat = remat_cost.plan_section(program, example, lowerings[0], compiled)
