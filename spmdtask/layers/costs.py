@@ -77,14 +77,23 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                  (L, r, t, sum(width[n] for n in names)), dt)
     arrays.append(saved)
   tiles, vocab = model.loss_vocab_tiles, model.vocab_size
-  arrays.append(Held("the loss's float32 logits" if tiles == 1 else
-                     f"one of the loss's {tiles} float32 logits tiles",
-                     (r, t, -(-vocab // tiles)), "float32"))
+  logits = Held("the loss's float32 logits" if tiles == 1 else
+                f"one of the loss's {tiles} float32 logits tiles",
+                (r, t, -(-vocab // tiles)), "float32")
+  arrays.append(logits)
+  arrays.append(Held("one layer's MLP activation while it runs", (r, t, ff), dt))
+  per_token = sum(a.bytes for a in arrays)  # what scales with the tokens at once
+  if tiles > 1:  # layers.xent gathers the head once, for the loss's forward and backward
+    cols = -(-vocab // tiles)
+    arrays.append(Held(f"the head weight in its {tiles} vocab tiles, gathered for the loss",
+                       (tiles, d, cols), dt))
+    arrays.append(Held("one vocab tile's head weight gradient before its reduction",
+                       (d, cols), "float32"))
   fixes = []
   if tiles == 1:
     fixes.append(MemoryFix(f"task.model.loss_vocab_tiles={VOCAB_TILES}", "the loss over vocab "
                            "tiles, never the whole float32 logits",
-                           arrays[-1].bytes * (1 - 1 / VOCAB_TILES)))
+                           logits.bytes * (1 - 1 / VOCAB_TILES)))
   if policy in remat.OFFLOADABLE:
     fixes.append(MemoryFix(f"task.model.remat_policy='{policy}{remat.OFFLOADED}'",
                            "what it keeps besides the inputs moves to host memory", saved.bytes))
@@ -93,6 +102,7 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                            "(one more forward per layer)", saved.bytes if saved else None))
   if t % 2 == 0:
     fixes.append(MemoryFix(f"datasets['train'].seq_len={t // 2}", "rows of half the tokens "
-                           "(a step of half the tokens): each layer's input and the logits halve",
-                           sum(a.bytes for a in arrays) / 2))
+                           "(a step of half the tokens): the layers' inputs, the logits and "
+                           "the MLP activations halve",
+                           per_token / 2))
   return ActivationMemory(tuple(sorted(arrays, key=lambda a: -a.bytes)), tuple(fixes))

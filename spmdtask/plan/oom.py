@@ -44,7 +44,10 @@ def what_it_is(array: dict, memory: ActivationMemory | None, params: list[dict])
 
 def largest(plan: dict, memory: ActivationMemory | None) -> str:
   """'XLA's largest arrays per device: ...' naming each; '' where the plan has none."""
-  arrays = plan.get("largest_arrays", [])[:TOP]
+  shapes = {}  # one per shape: an array updated in place shows as each op that writes it
+  for a in plan.get("largest_arrays", []):
+    shapes.setdefault(a["shape"], a)
+  arrays = list(shapes.values())[:TOP]
   if not arrays:
     return ""
   params = [a for a in plan["arrays"] if a["path"].startswith("params")]
@@ -59,8 +62,8 @@ def own_account(memory: ActivationMemory | None, temp: float) -> str:
   rest = temp - sum(a.bytes for a in memory.arrays)
   return ("Of the temporaries, by the model's own account (XLA names none of its arrays): "
           + "; ".join(f"{a.what}, {a.describe()} {gib(a.bytes)}" for a in memory.arrays)
-          + (f"; the other {gib(rest)}: gradients, gathered weights, each layer's activations "
-             "while it runs, scratch" if rest > 0 else "") + ".")
+          + (f"; the other {gib(rest)}: gradients, gathered weights, scratch" if rest > 0
+             else "") + ".")
 
 
 def fixes(task, temp: float, state: float, budget: float, rows_per_device: float,
@@ -80,8 +83,10 @@ def fixes(task, temp: float, state: float, budget: float, rows_per_device: float
                  f"once): temporaries about "
                  f"{gib(temp / k)}, if they scale with the rows")
     for f in (memory.fixes if memory else ()):
+      short = f.saves and temp - f.saves + state > budget
       out.append(f"{f.override}: {f.effect}"
-                 + (f", at least {gib(f.saves)} less" if f.saves else ""))
+                 + (f", at least {gib(f.saves)} less" if f.saves else "")
+                 + (" (alone, perhaps not enough)" if short else ""))
   if state >= temp or state > budget:
     out.append(f"more devices along the weights' axes (fsdp) or a larger split: the state, "
                f"{gib(state)} per device now, divides by the factor")
