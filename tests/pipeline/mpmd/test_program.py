@@ -149,6 +149,7 @@ def test_bad_configs_raise(overrides, match):
     program_lib.setup(run.task, run.datasets["train"].batch_at(0))
 
 
+@pytest.mark.slow
 def test_last_stage_vocab_tiled_loss_and_grads_equal_optax():
   """lm.TinyLmMpmd's last stage (head and loss over 4 vocab tiles, on a data-4 submesh):
   the pipeline's loss and every stage's gradients equal optax's untiled cross entropy of
