@@ -26,6 +26,7 @@ from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
+from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.registry import register
 from spmdtask.task import DecodeParams, Task, TrainParams
 
@@ -240,10 +241,11 @@ class Llama31_8B_V6e256(_Llama):
 class Llama31_70B(_Llama):
   """Llama 3.1 70B (70,553,706,496 params; 128k context by llama3 RoPE scaling ×8) on
   v5p-256 (128 chips): FSDP over 128, rows of 8192 tokens (the pre-training length; longer
-  rows need context parallelism), global batch 512 × 8192 (4M tokens) in 4 microbatches
-  of 1 row per chip, full remat."""
+  rows need context parallelism), global batch 512 × 8192 (4M tokens) in 2 microbatches
+  of 2 rows per chip, full remat. The same batch splits over 256 chips (1 row per chip),
+  so `--plan_topology=v5e:16x16` plans it for v5e-256, where it does not fit."""
   batch_size = 512
-  num_microbatches = 4
+  num_microbatches = 2
   peak_learning_rate = 1.5e-4
 
   def model(self):
@@ -281,6 +283,22 @@ class Llama32_1B(_Llama):
                        num_kv_heads=8, head_dim=64, d_ff=8192, max_seq_len=131072,
                        rope_theta=500000.0, rope_scaling={**LLAMA31_SCALING, "factor": 32.0},
                        tie_embeddings=True)
+
+
+@register
+class Llama32_1B_Mpmd(Llama32_1B):
+  """Llama 3.2 1B as an MPMD pipeline on v5e-8 (`--plan_topology=v5e:2x4`): two stages of
+  4 chips, FSDP over each: embedding + layers 0-7 | layers 8-15 + head + the loss over 8
+  vocab tiles (the tied embedding on both); 1F1B over 4 microbatches of 1 row × 8192
+  tokens per chip (global 16 rows)."""
+  batch_size = 16
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(8,), submesh_shapes=((1, 4, 1),) * 2,
+                              schedule="1f1b", num_microbatches=4)
+    return cfg
 
 
 @register

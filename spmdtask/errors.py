@@ -34,7 +34,7 @@ class TrainingError(RuntimeError):
 
 
 class PlanExceeded(RuntimeError):
-  """`--mode=plan --device_memory_gb=X`: the estimate exceeds X; names the largest consumers.
+  """`--mode=plan --device_memory_gib=X`: the estimate exceeds X; names the largest consumers.
 
   `spmdtask.main` prints it without a traceback and exits with status 4.
   """

@@ -56,10 +56,11 @@ _PLAN_TOPOLOGY = flags.DEFINE_string(
 _PLAN_SLICES = flags.DEFINE_integer(
     "plan_slices", 1, "--mode=plan with --plan_topology: this many slices of that topology "
     "joined by DCN (task.dcn_mesh_shape must span them).")
-_DEVICE_MEMORY_GB = flags.DEFINE_float(
-    "device_memory_gb", None, "--mode=plan: fail (exit 4), naming the largest arrays, when the "
-    "estimated peak memory of one device exceeds this many GB (1e9 bytes); with "
-    "--plan_topology the default is the chip's HBM.")
+_DEVICE_MEMORY_GIB = flags.DEFINE_float(
+    "device_memory_gib", None, "--mode=plan: fail (exit 4), saying what fills a device and the "
+    "fixes that apply, when the estimated peak memory of one device exceeds this many GiB "
+    "(2**30 bytes: the unit plans print, and in which chips' HBM is given, e.g. 16 for a "
+    "v5e); with --plan_topology the default is the chip's HBM.")
 _CPU_DEVICES = flags.DEFINE_integer(
     "cpu_devices", None, "Run on this many devices emulated on the host CPU (JAX's cpu "
     "platform, set before JAX starts), e.g. 8 to try an 8-device mesh on a laptop.")
@@ -239,7 +240,7 @@ def run_mode(run_cfg, config_text: str) -> None:
   if _MODE.value == "plan":
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
     plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
-                  _DEVICE_MEMORY_GB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
+                  _DEVICE_MEMORY_GIB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)

@@ -26,7 +26,7 @@ def plan(exp: str, overrides: list[str], target: str, out: str) -> dict:
   flag = {"cpu": f"--plan_devices={where}", "tpu": f"--plan_topology={where}"}[kind]
   job = os.path.join(out, target.replace(":", "_"))
   cmd = [sys.executable, "-m", "spmdtask.main", f"--exp={exp}", f"--job_log_dir={job}",
-         "--mode=plan", flag, "--device_memory_gb=1e9"] + [f"--fdl_set={o}" for o in overrides]
+         "--mode=plan", flag, "--device_memory_gib=1e9"] + [f"--fdl_set={o}" for o in overrides]
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
   if done.returncode:

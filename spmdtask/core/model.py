@@ -20,13 +20,17 @@ Optional protocols:
   - `Decodable`: a KV-cache forward for `--mode=decode`.
   - `ChecksBatch`: a host-side check of each input batch (token ids in the vocabulary).
   - `LayerCosts`: per-layer train costs, for balancing pipeline stages.
+  - `SizesActivations`: the train step's largest activations and the config changes that
+    shrink them, for the plan's out-of-memory paragraph.
   - `Stacked`: a model with a stack of identical layers that can run under an execution
     strategy chosen on the Task (`task.pipeline`), and that maps its on-device parameter
     layout to the canonical one checkpoints hold (stacked layers `[L, ...]`).
 """
+import math
 from typing import Any, Callable, NamedTuple, Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 
 
 class Weighted(NamedTuple):
@@ -116,3 +120,44 @@ class LayerCosts(Protocol):
 
   def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
     """Train FLOPs of [embedding, layer 0, ..., layer L-1, head with the loss]."""
+
+
+class Held(NamedTuple):
+  """An activation of the train step that the model can size: `what` it is, its `shape` on
+  one device, its dtype name ('bfloat16')."""
+  what: str
+  shape: tuple[float, ...]
+  dtype: str
+
+  @property
+  def bytes(self) -> float:
+    return math.prod(self.shape) * jnp.dtype(self.dtype).itemsize
+
+  def describe(self) -> str:
+    """'bfloat16[80, 1, 8192, 8192]'."""
+    return f"{self.dtype}[{', '.join(f'{x:g}' for x in self.shape)}]"
+
+
+class MemoryFix(NamedTuple):
+  """A config change that lowers the device memory of a train step: its `--fdl_set`
+  override, what it changes, and the bytes per device it saves at the least (None:
+  unknown)."""
+  override: str
+  effect: str
+  saves: float | None
+
+
+class ActivationMemory(NamedTuple):
+  """What `SizesActivations.activation_memory` gives: the largest activations, largest
+  first, and the fixes of this model's own config."""
+  arrays: tuple[Held, ...]
+  fixes: tuple[MemoryFix, ...]
+
+
+@runtime_checkable
+class SizesActivations(Protocol):
+  """A model that knows its train step's largest activations (e.g. the layers' inputs a
+  rematerialized stack keeps for the backward, the loss's float32 logits)."""
+
+  def activation_memory(self, rows: float, seq_len: int) -> ActivationMemory:
+    """For one device running `rows` rows of `seq_len` tokens at once (a microbatch)."""

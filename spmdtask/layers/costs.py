@@ -1,11 +1,17 @@
-"""Per-layer train costs of a decoder LM, measured from its own compiled code (what
-`TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol, returns)."""
+"""What a decoder LM costs to train: per-layer train costs, measured from its own compiled
+code (what `TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol,
+returns), and its largest activations with the config changes that shrink them
+(`TransformerLm.activation_memory`, `SizesActivations`)."""
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from spmdtask.core import remat
+from spmdtask.core.model import ActivationMemory, Held, MemoryFix
 from spmdtask.layers.block import Block
+
+VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole logits
 
 
 def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
@@ -48,3 +54,55 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
   whole = flops(jax.value_and_grad(
       lambda p, b: model.apply({"params": p}, b, method=model.loss)[0]), params, batch)
   return [embed] + [layer] * num_layers + [whole - embed - layer]
+
+
+def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
+  """What `TransformerLm.activation_memory` gives (`core.model.SizesActivations`), per
+  device at `rows` rows of `seq_len` tokens at once: every layer's input, which the
+  rematerialized scan keeps for the backward (all it keeps under remat 'full'); what a
+  remat preset keeps on the device besides; the loss's float32 logits (one vocab tile of
+  them with loss_vocab_tiles > 1). The fixes of its own config that lower those: vocab
+  tiles, a remat preset that keeps less or offloads it, shorter rows."""
+  r, t, L, dt = rows, seq_len, model.num_layers, model.fprop_dtype
+  q, kv, d, ff = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
+      model.d_model, model.d_ff
+  width = {remat.Q_PROJ: q, remat.K_PROJ: kv, remat.V_PROJ: kv, remat.ATTN_CONTEXT: q,
+           remat.ATTN_OUT: d, remat.MLP_UP: ff, remat.MLP_GATE: ff, remat.MLP_HIDDEN: ff,
+           remat.MLP_OUT: d}
+  arrays = [Held("the layers' inputs, kept for the backward", (L, r, t, d), dt)]
+  policy, saved = model.remat_policy, None
+  if remat.SAVED.get(policy):  # an offloaded preset keeps its names on the host
+    names = remat.SAVED[policy]
+    saved = Held(f"what remat_policy={policy!r} keeps besides ({', '.join(names)})",
+                 (L, r, t, sum(width[n] for n in names)), dt)
+    arrays.append(saved)
+  tiles, vocab = model.loss_vocab_tiles, model.vocab_size
+  logits = Held("the loss's float32 logits" if tiles == 1 else
+                f"one of the loss's {tiles} float32 logits tiles",
+                (r, t, -(-vocab // tiles)), "float32")
+  arrays.append(logits)
+  arrays.append(Held("one layer's MLP activation while it runs", (r, t, ff), dt))
+  per_token = sum(a.bytes for a in arrays)  # what scales with the tokens at once
+  if tiles > 1:  # layers.xent gathers the head once, for the loss's forward and backward
+    cols = -(-vocab // tiles)
+    arrays.append(Held(f"the head weight in its {tiles} vocab tiles, gathered for the loss",
+                       (tiles, d, cols), dt))
+    arrays.append(Held("one vocab tile's head weight gradient before its reduction",
+                       (d, cols), "float32"))
+  fixes = []
+  if tiles == 1:
+    fixes.append(MemoryFix(f"task.model.loss_vocab_tiles={VOCAB_TILES}", "the loss over vocab "
+                           "tiles, never the whole float32 logits",
+                           logits.bytes * (1 - 1 / VOCAB_TILES)))
+  if policy in remat.OFFLOADABLE:
+    fixes.append(MemoryFix(f"task.model.remat_policy='{policy}{remat.OFFLOADED}'",
+                           "what it keeps besides the inputs moves to host memory", saved.bytes))
+  if policy not in ("full", "nothing_saveable"):
+    fixes.append(MemoryFix("task.model.remat_policy='full'", "each layer keeps only its input "
+                           "(one more forward per layer)", saved.bytes if saved else None))
+  if t % 2 == 0:
+    fixes.append(MemoryFix(f"datasets['train'].seq_len={t // 2}", "rows of half the tokens "
+                           "(a step of half the tokens): the layers' inputs, the logits and "
+                           "the MLP activations halve",
+                           per_token / 2))
+  return ActivationMemory(tuple(sorted(arrays, key=lambda a: -a.bytes)), tuple(fixes))

@@ -132,6 +132,10 @@ class TransformerLm(nn.Module):
     """Train FLOPs of [embedding, each layer, head with the loss] (LayerCosts)."""
     return costs_lib.lm_layer_costs(self, batch_size, seq_len)
 
+  def activation_memory(self, rows: float, seq_len: int):
+    """The largest activations and this config's fixes (SizesActivations; layers.costs)."""
+    return costs_lib.lm_activation_memory(self, rows, seq_len)
+
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)
 

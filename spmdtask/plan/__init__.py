@@ -3,7 +3,9 @@ libtpu, a GPU through XLA:GPU) and never run: memory per device, FLOPs and HBM b
 collectives, a roofline bound, what remat costs.
 
 - `planner` builds the plan, `printout` formats it, `targets` and `chips` say what it is for;
-- `xla_cost`, `hlo`, `flops`, `roofline`, `remat_cost` read compiled programs. Pure where they can be.
+- `xla_cost`, `hlo`, `buffers`, `flops`, `roofline`, `remat_cost` read compiled programs (and
+  `buffers` XLA:TPU's out-of-memory message); `oom` says what fills a chip that a plan
+  overflows. Pure where they can be.
 
 Imports: core, `task` and the top-level shared modules.
 """

@@ -3,73 +3,90 @@ that apply, each with what it would give. Pure (reads a plan and the task's conf
 
 What fills a device is its train state (params and optimizer state, per device) and the
 compiled step's temporaries (activations kept for the backward, gradients, gathered
-weights, scratch). XLA:TPU refuses a step whose temporaries exceed the chip's usable HBM
-and says how much they need ('HLO temporaries (21.6G)', in GiB); a step that compiles
-reports them in `memory_analysis()`.
+weights, scratch). XLA:TPU refuses a step that needs more than the chip's usable HBM; its
+message gives the need and lists its largest allocations (`plan.buffers`), which the
+planner keeps as the plan's `largest_arrays` (a step that compiles has them read from
+its optimized program instead). Each is named by what it is where that is known: an
+activation the model sizes itself (`core.model.SizesActivations`), a param's shape (a
+gathered weight), else the JAX op that made it. Sizes are GiB (2**30 bytes) throughout.
 """
-import dataclasses
-import re
-
 from spmdtask.console import human_bytes as gib
-from spmdtask.plan import chips
+from spmdtask.core.model import ActivationMemory, SizesActivations
+from spmdtask.plan import buffers, chips
 
-_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)")
-TILES = 8  # the vocab tiles suggested where the loss holds the whole float32 logits
-
-
-def compiler_numbers(message: str) -> tuple[float, float] | None:
-  """(temporaries, usable HBM) in bytes from XLA:TPU's out-of-memory line, or None."""
-  m = _TEMPS.search(message)
-  return (float(m.group(1)) * 2**30, float(m.group(2)) * 2**30) if m else None
+TOP = 4  # the largest arrays named
 
 
-def _field(obj, name: str):
-  """A config dataclass's field, or None where it has none (models differ)."""
-  return getattr(obj, name) if any(f.name == name for f in dataclasses.fields(obj)) else None
-
-
-def saved_inputs(task, rows_per_device: float, batch_shape) -> str | None:
-  """What a scanned stack's backward keeps at the least: every layer's input
-  [layers, rows, seq, d_model] in the compute dtype (the whole of it under full remat), as
-  a phrase with its bytes; None for a model without those fields."""
-  model = task.model
-  layers, d, dtype = (_field(model, k) for k in ("num_layers", "d_model", "fprop_dtype"))
-  if not (layers and d and dtype) or len(batch_shape) < 2:
+def model_memory(task, rows_per_device: float, batch_shape) -> ActivationMemory | None:
+  """The model's own account of its largest activations at `rows_per_device` rows at once,
+  or None for a model that gives none."""
+  if not isinstance(task.model, SizesActivations) or len(batch_shape) < 2:
     return None
-  size = {"bfloat16": 2, "float16": 2}.get(dtype, 4)
-  shape = [layers, rows_per_device, batch_shape[1], d]
-  return (f"of them the layers' saved inputs {dtype}[{', '.join(f'{x:g}' for x in shape)}] "
-          f"{gib(size * layers * rows_per_device * batch_shape[1] * d)} (what the backward of "
-          "a scanned stack keeps at the least: all of it under full remat)")
+  return task.model.activation_memory(rows_per_device, int(batch_shape[1]))
+
+
+def what_it_is(array: dict, memory: ActivationMemory | None, params: list[dict]) -> str:
+  """What `array` (a `buffers.Buffer` as json) is: the model's activation of that shape,
+  a param of that shape (or one layer's slice of a stacked param: a gathered weight),
+  else the op XLA says made it."""
+  dims = tuple(buffers.Buffer(**array).dims)
+  for held in (memory.arrays if memory else ()):
+    if dims == tuple(int(x) for x in held.shape):
+      return held.what
+  for p in params:
+    shape = tuple(p["logical_shape"])
+    if dims == shape:
+      return f"the param {p['path']}, whole"
+    if len(shape) > 2 and dims == shape[1:]:
+      return f"one layer's {p['path']} whole (gathered, or its gradient)"
+  return f"made by {array['what']}"
+
+
+def largest(plan: dict, memory: ActivationMemory | None) -> str:
+  """'XLA's largest arrays per device: ...' naming each; '' where the plan has none."""
+  shapes = {}  # one per shape: an array updated in place shows as each op that writes it
+  for a in plan.get("largest_arrays", []):
+    shapes.setdefault(a["shape"], a)
+  arrays = list(shapes.values())[:TOP]
+  if not arrays:
+    return ""
+  params = [a for a in plan["arrays"] if a["path"].startswith("params")]
+  return "XLA's largest arrays per device: " + "; ".join(
+      f"{a['shape']} {gib(a['bytes'])}, {what_it_is(a, memory, params)}" for a in arrays) + "."
+
+
+def own_account(memory: ActivationMemory | None, temp: float) -> str:
+  """The temporaries as the model accounts for them, where XLA names none of its arrays."""
+  if memory is None:
+    return ""
+  rest = temp - sum(a.bytes for a in memory.arrays)
+  return ("Of the temporaries, by the model's own account (XLA names none of its arrays): "
+          + "; ".join(f"{a.what}, {a.describe()} {gib(a.bytes)}" for a in memory.arrays)
+          + (f"; the other {gib(rest)}: gradients, gathered weights, scratch" if rest > 0
+             else "") + ".")
 
 
 def fixes(task, temp: float, state: float, budget: float, rows_per_device: float,
-          batch_shape, chip: dict | None = None) -> list[str]:
+          memory: ActivationMemory | None, chip: dict | None = None) -> list[str]:
   """The fixes that apply to a step needing `temp` + `state` bytes per device over
   `budget` on `chip` (a plan's target chip; None: not a chip's plan), each with the bytes
   it would give."""
   out = []
-  model, need = task.model, temp + state
-  if temp > state or temp > budget:  # fewer rows at once, less kept, logits in tiles
-    vocab, tiles = _field(model, "vocab_size"), _field(model, "loss_vocab_tiles")
-    if tiles == 1 and vocab and len(batch_shape) >= 2:
-      logits = rows_per_device * batch_shape[1] * vocab * 4
-      out.append(f"task.model.loss_vocab_tiles={TILES}: the loss without the whole float32 "
-                 f"logits (about {gib(logits)} of the temporaries)")
+  need = temp + state
+  if temp > state or temp > budget:  # fewer rows at once, less kept
     k = 2  # the fewest microbatches that fit, else one row per device at once
     while rows_per_device % (2 * k) == 0 and temp / k + state > budget:
       k *= 2
     if rows_per_device >= 2 and rows_per_device % k == 0:
       out.append(f"task.train.num_microbatches={task.train.num_microbatches * k} "
-                 f"({rows_per_device / k:g} rows per device at once): temporaries about "
+                 f"({rows_per_device / k:g} row{'s' * (rows_per_device != k)} per device at "
+                 f"once): temporaries about "
                  f"{gib(temp / k)}, if they scale with the rows")
-    policy = _field(model, "remat_policy")
-    if policy in ("minimal", "save_dot_except_mlp", "save_qkv_proj"):
-      out.append(f"task.model.remat_policy='{policy}_offloaded': its saved activations in "
-                 "host memory")
-    if policy not in ("full", "nothing_saveable"):
-      out.append(f"task.model.remat_policy='full' (now {policy!r}): each layer keeps only its "
-                 "input for the backward")
+    for f in (memory.fixes if memory else ()):
+      short = f.saves and temp - f.saves + state > budget
+      out.append(f"{f.override}: {f.effect}"
+                 + (f", at least {gib(f.saves)} less" if f.saves else "")
+                 + (" (alone, perhaps not enough)" if short else ""))
   if state >= temp or state > budget:
     out.append(f"more devices along the weights' axes (fsdp) or a larger split: the state, "
                f"{gib(state)} per device now, divides by the factor")
@@ -87,28 +104,35 @@ def paragraph(plan: dict, task, budget: float, budget_name: str, rows_per_device
   state = plan["state_bytes_per_device"]
   refused = plan.get("compiler_out_of_memory")
   if refused:
-    temp, usable = compiler_numbers(refused) or (0.0, budget)
+    temp = plan.get("compiler_need_bytes", 0.0)
+    budget = plan.get("compiler_usable_bytes", budget)
     head = f"XLA refused to compile the step: {refused.rstrip('.')}"
-    budget = usable
+    chip = plan.get("target", {}).get("chip")
+    budget_name = (f"the {budget / 2**30:.2f} GiB XLA lets a program use"
+                   + (f" of the {chip['name']}'s {gib(chip['hbm_bytes'])}" if chip else ""))
   else:
     temp = plan["compiled"]["temp_size_in_bytes"]
     head = (f"the estimated peak of one device, {gib(plan['compiled']['peak_estimate_bytes'])}, "
             f"exceeds {budget_name}")
-  cause = "the temporaries" if temp > state else "the train state"
   if min(temp, state) > budget:
-    cause = "each alone over the chip's " + gib(budget)
+    cause = f"each alone over {budget_name}"
+  elif temp > budget:
+    cause = f"the temporaries alone over {budget_name}"
+  else:
+    cause = ("the temporaries" if temp > state else "the train state") + " first"
   fills = (f"What fills the chip: temporaries (activations kept for the backward, gradients, "
            f"gathered weights, scratch) {gib(temp)} and the train state {gib(state)} per device "
            f"(params {gib(plan['params_bytes_per_device'])}, optimizer "
-           f"{gib(plan['opt_state_bytes_per_device'])}): {cause} first.")
-  kept = saved_inputs(task, rows_per_device, batch_shape) if temp > state else None
-  if kept:
-    fills = fills[:-1] + f"; {kept}."
-  if temp <= state or state > budget:
+           f"{gib(plan['opt_state_bytes_per_device'])}): {cause}.")
+  memory = model_memory(task, rows_per_device, batch_shape) if task is not None else None
+  if temp > state:
+    fills += " " + (largest(plan, memory) if plan.get("largest_arrays") else
+                    own_account(memory, temp))
+  else:
     top = sorted(plan["arrays"], key=lambda a: -a["bytes_per_device"])[:5]
     fills += " Largest state arrays per device: " + "; ".join(
         f"{a['path']} {gib(a['bytes_per_device'])}" for a in top) + "."
-  options = fixes(task, temp, state, budget, rows_per_device, batch_shape,
+  options = fixes(task, temp, state, budget, rows_per_device, memory,
                   plan.get("target", {}).get("chip"))
   return (f"{head}. {fills} Fixes that apply: " + "; ".join(options) + "."
           if options else f"{head}. {fills}")

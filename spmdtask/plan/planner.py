@@ -21,7 +21,7 @@ runs), and reports:
                'involuntary full rematerialization' XLA printed while compiling, mapped
                to the param or activation of that shape.
 It prints a summary and writes `job_log_dir/plan.json`. The memory budget is
-`device_memory_gb`, else the chip's HBM; a peak estimate above it raises `PlanExceeded`
+`device_memory_gib`, else the chip's HBM; a peak estimate above it raises `PlanExceeded`
 naming the largest consumers. `compiled_report` plans one compiled program and is what
 a plan of several programs (one per pipeline stage) repeats.
 """
@@ -30,16 +30,18 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 
 import jax
 
 from spmdtask import console, fs
-from spmdtask.plan import hlo, oom, printout, remat_cost, roofline, targets, xla_cost
+from spmdtask.plan import buffers, hlo, oom, printout, remat_cost, roofline, targets, xla_cost
 from spmdtask.core import memory, sharding
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.core import global_batch
 
+LARGEST = 8  # the largest arrays of each compiled program the plan lists
 REPLICATED_WARN_BYTES = 1 << 20  # a replicated array above this that could be split is named
 PADDING_WARN_FRACTION = 0.05     # padding above this fraction of an array is named
 
@@ -59,7 +61,13 @@ def reexec_emulated(num_devices: int, argv: list[str]) -> int:
 
 class CompilerOutOfMemory(Exception):
   """The compiler itself refused the program: it needs more memory than the device has
-  (XLA:TPU checks this while compiling). The message is the compiler's."""
+  (XLA:TPU checks this while compiling). The message is the compiler's; `arrays` the
+  largest arrays of the optimized program it refused (`plan.buffers.Buffer`s), where the
+  compile was asked to keep it (`compile_lowering(..., keep_program=True)`)."""
+
+  def __init__(self, message: str, arrays: list | None = None):
+    super().__init__(message)
+    self.arrays = arrays or []
 
 
 def compile_train(program: program_lib.Program, example_local_batch):
@@ -67,17 +75,54 @@ def compile_train(program: program_lib.Program, example_local_batch):
   return compile_lowering(program.lowerings(example_local_batch)[0])
 
 
-def compile_lowering(lowering: program_lib.Lowering):
-  """(compiled program, what XLA printed while compiling it); CompilerOutOfMemory."""
+def compile_lowering(lowering: program_lib.Lowering, keep_program: bool = False):
+  """(compiled program, what XLA printed while compiling it); CompilerOutOfMemory. With
+  `keep_program`, XLA writes its optimized program to a scratch folder while it compiles
+  (XLA:TPU does so before its memory check), so that a refusal can name its largest
+  arrays; the folder is removed."""
   logs: list[str] = []
-  try:
-    with console.captured_fd2(logs):
-      compiled = lowering.lower().compile()
-  except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" in str(e):
-      raise CompilerOutOfMemory(str(e).splitlines()[0]) from None
-    raise
+  with tempfile.TemporaryDirectory() as scratch:
+    options = ({"xla_dump_to": scratch, "xla_dump_hlo_as_text": True} if keep_program
+               else None)
+    try:
+      with console.captured_fd2(logs):
+        compiled = lowering.lower().compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" in str(e):
+        raise CompilerOutOfMemory(str(e), _largest_dumped(scratch)) from None
+      raise
   return compiled, "".join(logs)
+
+
+def _largest_dumped(folder: str) -> list[buffers.Buffer]:
+  """The largest arrays of the optimized programs XLA wrote to `folder` (none if none)."""
+  out = []
+  for name in sorted(os.listdir(folder)):
+    if name.endswith("after_optimizations.txt"):
+      with open(os.path.join(folder, name)) as f:
+        out += buffers.hlo_arrays(f.read(), LARGEST)
+  return sorted(out, key=lambda b: -b.bytes)[:LARGEST]
+
+
+def out_of_memory_report(message: str, arrays=()) -> dict:
+  """The plan's part for a step XLA refused: the message's first line, the need and the
+  usable HBM it states, and the largest arrays of the program it refused (`arrays`:
+  `plan.buffers.Buffer`s)."""
+  need, usable = buffers.compiler_need(message) or (None, None)
+  out = {"compiler_out_of_memory": message.splitlines()[0],
+         "largest_arrays": [b.as_json() for b in arrays]}
+  if need is not None:
+    out.update(compiler_need_bytes=need, compiler_usable_bytes=usable)
+  return out
+
+
+def largest_arrays(compiled, top: int) -> list[dict]:
+  """The `top` largest arrays of a compiled program (`plan.buffers.hlo_arrays`); none where
+  its optimized program cannot be read back."""
+  try:
+    return [b.as_json() for b in buffers.hlo_arrays(compiled.as_text(), top)]
+  except jax.errors.JaxRuntimeError:
+    return []
 
 
 def compiled_memory(compiled) -> dict[str, int]:
@@ -203,6 +248,8 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       "loops": step["loops"],
       "collectives": hlo.collectives(text, target.num_slices) if text is not None else {},
       "collective_bytes_received_per_device": traffic,
+      "largest_arrays": ([b.as_json() for b in buffers.hlo_arrays(text, LARGEST)]
+                         if text is not None else []),
       "warnings": notes}
   if target.chip is not None:
     flops = step["flops"]
@@ -229,19 +276,21 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   lowerings = program.lowerings(example)
   pairs, programs = [], []
   try:
-    compiled, log_text = compile_lowering(lowerings[0])
+    keep = target.topology is not None  # a chip's compiler may refuse: name what it held
+    compiled, log_text = compile_lowering(lowerings[0], keep)
     pairs.append((lowerings[0], compiled))
     for lw in lowerings[1:]:  # MPMD: every part's and stage's program
-      c, text = compile_lowering(lw)
+      c, text = compile_lowering(lw, keep)
       pairs.append((lw, c))
       log_text += text
     if len(pairs) > 1:  # the largest per-device peak stands for the step
       programs = [{"name": lw.name, "stage": lw.stage, "devices": lw.mesh.devices.size,
-                   "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c)}
-                  for lw, c in pairs]
+                   "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c),
+                   "largest_arrays": largest_arrays(c, LARGEST)} for lw, c in pairs]
       compiled = max(pairs, key=lambda p: compiled_memory(p[1])["peak_estimate_bytes"])[1]
-  except CompilerOutOfMemory as e:
-    compiled, log_text, report = None, "", {"compiler_out_of_memory": str(e)}
+  except CompilerOutOfMemory as e:  # the whole message to logs/, its first line in the plan
+    compiled, log_text = None, f"{e}\n"
+    report = out_of_memory_report(str(e), e.arrays)
   remat = None
   if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
     remat = remat_cost.plan_section(program, example, lowerings[0], compiled)
@@ -290,13 +339,15 @@ def stage_report(rows, mesh_shape, axis: str) -> list[dict]:
           for i in range(s)]
 
 
-def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = None,
+def check_fits(plan: dict, budget: float, budget_name: str | None = None,
                task=None) -> None:
   """PlanExceeded saying what fills a device and the fixes that apply (`plan.oom`) when the
-  peak estimate exceeds the budget or XLA refused the step (for an MPMD plan: the first
-  pipeline stage that does not fit)."""
+  peak estimate exceeds `budget` bytes or XLA refused the step (for an MPMD plan: the first
+  pipeline stage that does not fit). `budget_name` says where the budget comes from
+  (default: --device_memory_gib)."""
+  budget_name = budget_name or f"--device_memory_gib={budget / 2**30:g}"
   for st in plan.get("stage_plans", []):
-    if st["peak_estimate_bytes"] > device_memory_gb * 1e9:
+    if st["peak_estimate_bytes"] > budget:
       raise PlanExceeded(
           f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
           f"{console.human_bytes(st['peak_estimate_bytes'])} (state "
@@ -304,25 +355,24 @@ def check_fits(plan: dict, device_memory_gb: float, budget_name: str | None = No
           f"{console.human_bytes(st['peak_activation_bytes'])} at "
           f"{st['peak_activation_sets']:g} sets, temporaries "
           f"{console.human_bytes(st['compiled_temp_bytes'])}), exceeds "
-          f"{budget_name or f'--device_memory_gb={device_memory_gb:g}'}. Move layers off it "
+          f"{budget_name}. Move layers off it "
           "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
           "or use a schedule that holds fewer sets (task.pipeline.schedule).")
   if ("compiler_out_of_memory" not in plan
-      and plan["compiled"]["peak_estimate_bytes"] <= device_memory_gb * 1e9):
+      and plan["compiled"]["peak_estimate_bytes"] <= budget):
     return
   batch_shape = plan["batch_shape"]
   rows = batch_shape[0] / max(1, plan["batch_shards"] * plan["num_microbatches"])
-  raise PlanExceeded(oom.paragraph(
-      plan, task, device_memory_gb * 1e9,
-      budget_name or f"--device_memory_gb={device_memory_gb:g}", rows, batch_shape))
+  raise PlanExceeded(oom.paragraph(plan, task, budget, budget_name, rows, batch_shape))
 
 
 def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = None,
-             device_memory_gb: float | None = None, topology: str | None = None,
+             device_memory_gib: float | None = None, topology: str | None = None,
              num_slices: int = 1) -> dict:
   """--mode=plan: prints the plan, writes job_log_dir/plan.json (and what XLA / libtpu
-  printed to job_log_dir/logs/plan_xla.log), checks the memory budget: `device_memory_gb`,
-  else with a topology the chip's HBM."""
+  printed, a refusal's whole message included, to job_log_dir/logs/plan_xla.log), checks
+  the memory budget: `device_memory_gib` (GiB, 2**30 bytes), else with a topology the
+  chip's HBM."""
   if plan_devices is not None and jax.device_count() != plan_devices:
     raise RuntimeError(f"expected {plan_devices} emulated devices, have {jax.device_count()}")
   target = targets.topology(topology, num_slices) if topology else targets.present()
@@ -335,10 +385,10 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
     fs.write_text(path, json.dumps(plan, indent=1))
     fs.write_text(fs.join(job_log_dir, "logs", "plan_xla.log"), xla_log)
   console.say("Wrote %s", path)
-  if device_memory_gb is not None or "compiler_out_of_memory" in plan:
-    check_fits(plan, device_memory_gb or 0.0, task=run_cfg.task)
+  if device_memory_gib is not None or "compiler_out_of_memory" in plan:
+    check_fits(plan, (device_memory_gib or 0.0) * 2**30, task=run_cfg.task)
   elif topology and target.chip is not None:
-    check_fits(plan, target.chip.hbm_bytes / 1e9,
+    check_fits(plan, target.chip.hbm_bytes,
                f"the {target.chip.name} chip's HBM, {console.human_bytes(target.chip.hbm_bytes)} "
-               "(--device_memory_gb sets another budget)", task=run_cfg.task)
+               "(--device_memory_gib sets another budget)", task=run_cfg.task)
   return plan

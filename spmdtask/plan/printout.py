@@ -52,6 +52,7 @@ def format_plan(plan: dict) -> list[str]:
       f"FLOPs per step: XLA {f['xla']:.4g} (loops counted per trip; {f['xla_loop_bodies_once']:.3g}"
       f" with loop bodies once), model formula {f['model']:.4g}; HBM bytes per step per device "
       f"{mb(plan['hbm_bytes_per_step_per_device'])}",
+      "largest arrays per device: " + (arrays(plan.get("largest_arrays", []), 5) or "unknown"),
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
@@ -64,7 +65,10 @@ def format_plan(plan: dict) -> list[str]:
                  f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
   for p in plan.get("programs", []):
     lines.append(f"program {p['name']} on {p['devices']} devices (x{p['calls_per_step']} a step): "
-                 f"peak estimate {mb(p['compiled']['peak_estimate_bytes'])} per device")
+                 f"temporaries {mb(p['compiled']['temp_size_in_bytes'])}, peak estimate "
+                 f"{mb(p['compiled']['peak_estimate_bytes'])} per device"
+                 + (f"; largest {arrays(p['largest_arrays'])}" if p.get("largest_arrays")
+                    else ""))
   for st in plan.get("stage_plans", []):
     lines.append(
         f"stage {st['stage']} ({st['devices']} devices, layers {st['layers']}): state "
@@ -85,3 +89,9 @@ def remat_line(r: dict) -> str:
           f"to host {console.human_bytes(r['host_temp_bytes'])} ({console.human_bytes(r['host_transfer_bytes'])} "
           f"over the host link per step); matmul FLOPs per device {r['flops_per_device']:.4g} = "
           f"{r['flops_ratio']:.3f}x no remat's")
+
+
+def arrays(largest: list[dict], top: int = 3) -> str:
+  """'f32[8192,16032] 501.0 MiB (while/body/dot_general), ...': a plan's `largest_arrays`."""
+  return ", ".join(f"{a['shape']} {console.human_bytes(a['bytes'])} ({a['what']})"
+                   for a in largest[:top])

@@ -173,7 +173,7 @@ def test_bad_topology_names_the_flag():
 def test_exit_4_and_a_clean_console(tmp_path):
   out = subproc.run(subproc.main_cmd(
       "lm.TinyLm", str(tmp_path), *FSDP4,
-      flags=["--mode=plan", "--plan_topology=v5e:2x2", "--device_memory_gb=0.001"]),
+      flags=["--mode=plan", "--plan_topology=v5e:2x2", "--device_memory_gib=0.001"]),
       num_devices=1, timeout=180)
   assert out.returncode == 4, out.stderr[-3000:]
   assert "Traceback" not in out.stderr
@@ -182,7 +182,7 @@ def test_exit_4_and_a_clean_console(tmp_path):
   assert "TPU_WORKER_HOSTNAMES" in (tmp_path / "logs" / "plan_xla.log").read_text()
   assert "bound by" in out.stdout and "v5e:2x2 (4 TPU v5 lite chips)" in out.stdout
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
-  assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
+  assert len(err) == 1 and "--device_memory_gib=0.001" in err[0]
 
 
 # Runs spmdtask.main in a process where `import libtpu` fails, as it does without it.

@@ -46,7 +46,7 @@ def test_plan_bytes_equal_a_real_runs_arrays(tmp_path):
 def test_64_device_plan_and_memory_budget(tmp_path):
   out = subproc.run(subproc.main_cmd(
       "lm.TinyLmFsdpTp", str(tmp_path), "task.ici_mesh_shape=(1, 8, 8)",
-      flags=["--mode=plan", "--plan_devices=64", "--device_memory_gb=0.001"]),
+      flags=["--mode=plan", "--plan_devices=64", "--device_memory_gib=0.001"]),
       num_devices=1, timeout=120)
   assert out.returncode == 4, out.stderr[-3000:]
   assert "Traceback" not in out.stderr
@@ -55,8 +55,8 @@ def test_64_device_plan_and_memory_budget(tmp_path):
   # q [L, d, heads 4, hd] has its heads padded to the 8-way model axis: named.
   assert any("params/layers/block/attn/q is padded" in w for w in plan_json["warnings"])
   err = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: plan:")]
-  assert len(err) == 1 and "--device_memory_gb=0.001" in err[0]
-  assert "What fills the chip: temporaries" in err[0] and "the temporaries first" in err[0]
+  assert len(err) == 1 and "--device_memory_gib=0.001" in err[0]
+  assert "What fills the chip: temporaries" in err[0] and "the temporaries alone over" in err[0]
   assert "a chip with more" not in err[0]  # a CPU plan under a budget: no chip to swap
 
 
@@ -150,23 +150,30 @@ def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply(
   # XLA:TPU's line for a step whose temporaries do not fit; 8 rows per device at once.
   line = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
           "temporaries (21.60G) exceeds available HBM (15.75G).")
-  plan = {"compiler_out_of_memory": line, "state_bytes_per_device": 3 * 2**30,
-          "params_bytes_per_device": 2**30, "opt_state_bytes_per_device": 2 * 2**30,
-          "arrays": []}
+  plan = {"state_bytes_per_device": 3 * 2**30, "params_bytes_per_device": 2**30,
+          "opt_state_bytes_per_device": 2 * 2**30, "arrays": [],
+          **planner.out_of_memory_report(line)}
   plan["target"] = {"chip": chips.CHIPS["v5e"].as_json()}
   task = util.build_run("lm.TinyLm", ["task.model.loss_vocab_tiles=1",
                                       "task.model.remat_policy='minimal'"]).task
   text = oom.paragraph(plan, task, 16e9, "HBM", 8, (64, 1024))
   assert text.count(line.rstrip(".")) == 1  # the compiler's line once
   assert "temporaries (activations" in text and "21.6 GiB and the train state 3.0 GiB" in text
-  assert "the temporaries first" in text and "Largest state arrays" not in text
-  # TinyLm: 4 layers of float32 [8 rows, 1024, 128] inputs.
-  assert "of them the layers' saved inputs float32[4, 8, 1024, 128] 16.0 MiB" in text
-  # Logits 8 x 1024 x 256 x 4 B; 2 microbatches leave 10.8 GiB + 3 GiB < 15.75 GiB.
-  assert "task.model.loss_vocab_tiles=8: the loss without the whole float32 logits (about " \
-         "8.0 MiB" in text
+  assert "the temporaries alone over the 15.75 GiB" in text and "Largest state arrays" not in text
+  # TinyLm (the model's own account, core.model.SizesActivations): 4 layers of float32
+  # [8 rows, 1024, 128] inputs; 'minimal' keeps q, k, v, context (128 + 64 + 64 + 128 wide),
+  # attn_out and mlp_out (128 each) besides.
+  assert "the layers' inputs, kept for the backward, float32[4, 8, 1024, 128] 16.0 MiB" in text
+  assert "(q_proj, k_proj, v_proj, attn_context, attn_out, mlp_out), float32[4, 8, 1024, 640] " \
+         "80.0 MiB" in text
+  # Logits 8 x 1024 x 256 x 4 B, 7/8 of them saved by 8 tiles; 2 microbatches leave 10.8 GiB
+  # + 3 GiB < 15.75 GiB.
+  assert "the loss's float32 logits, float32[8, 1024, 256] 8.0 MiB" in text
+  assert "task.model.loss_vocab_tiles=8: the loss over vocab tiles, never the whole float32 " \
+         "logits, at least 7.0 MiB less (alone, perhaps not enough)" in text
   assert "task.train.num_microbatches=2 (4 rows per device at once): temporaries about " \
          "10.8 GiB" in text
-  assert "remat_policy='minimal_offloaded'" in text and "remat_policy='full'" in text
+  assert "remat_policy='minimal_offloaded': what it keeps besides the inputs moves to host " \
+         "memory, at least 80.0 MiB less (alone" in text and "remat_policy='full'" in text
   assert "more devices" not in text  # the state is not what fills it
   assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB), v6e" in text

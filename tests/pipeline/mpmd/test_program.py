@@ -8,10 +8,13 @@ raise ConfigError naming the field."""
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from spmdtask.run import evaluation, loop
+from spmdtask.plan import buffers
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
 from tests import util
@@ -144,3 +147,45 @@ def test_bad_configs_raise(overrides, match):
   run = util.build_run("lm.TinyLmMpmd", overrides)
   with pytest.raises(ConfigError, match=match):
     program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+
+
+@pytest.mark.slow
+def test_last_stage_vocab_tiled_loss_and_grads_equal_optax():
+  """lm.TinyLmMpmd's last stage (head and loss over 4 vocab tiles, on a data-4 submesh):
+  the pipeline's loss and every stage's gradients equal optax's untiled cross entropy of
+  the same model's whole float32 logits, on one device; and no program of that stage
+  makes a whole float32 logits array [1 row x 64 tokens, 256] per device."""
+  run = util.build_run("lm.TinyLmMpmd")
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(run.task, example)
+  assert program.model.loss_vocab_tiles == 4
+  for lw in program.lowerings(example):
+    if lw.stage == 1 and "part" in lw.name:
+      made = buffers.hlo_arrays(lw.lower().compile().as_text(), top=None)
+      assert [b.shape for b in made if b.dims[-2:] == (64, 64) and b.dtype == "f32"]  # a tile
+      assert not [b for b in made if b.dims[-1:] == (256,) and b.dtype == "f32"
+                  and np.prod(b.dims[:-1]) == 64], lw.name
+  state = program.init()
+  pl, stage_params = program.pipeline, [st.params for st in state.stages]
+  batch = program.train_batch(state, program.global_batch(run.datasets["train"].batch_at(0)))
+  M = pl.schedule.num_microbatches
+  last_mesh = pl.stages[pl.part_stage[-1]].mesh
+  ones = jax.device_put(np.ones((M,), np.float32),
+                        jax.sharding.NamedSharding(last_mesh, jax.sharding.PartitionSpec()))
+  got = pl.run(stage_params, batch, ones)  # the sum of every token's cross entropy
+  params = jax.device_get(pl.gather(stage_params))
+  host = {k: np.asarray(v) for k, v in run.datasets["train"].batch_at(0).items()}
+
+  def optax_loss(params):
+    logits = program.model.apply({"params": params}, host["inputs"])
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, host["targets"]))
+
+  with jax.default_device(jax.devices()[0]):
+    want, want_grads = jax.jit(jax.value_and_grad(optax_loss))(params)
+  tokens = host["targets"].size  # compared as the mean over tokens, as training uses them
+  np.testing.assert_allclose(float(got.loss) / tokens, float(want) / tokens, rtol=1e-6)
+  flat = dict(zip(pl.paths, jax.tree.leaves(want_grads)))
+  for s, grads in enumerate(got.grads):
+    for k, g in grads.items():
+      np.testing.assert_allclose(np.asarray(g) / tokens, np.asarray(flat[k]) / tokens,
+                                 rtol=1e-6, atol=1e-6, err_msg=f"stage {s} {k}")
