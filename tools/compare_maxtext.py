@@ -22,7 +22,8 @@ step (spmdtask.plan.hlo), XLA's FLOPs with loops counted per trip (spmdtask.plan
 the roofline (spmdtask.plan.roofline, chips.py's facts). MaxText's program hides its Pallas
 kernels' FLOPs from XLA as spmdtask's does; its roofline is charged spmdtask's traced kernel
 FLOPs for the same attention shapes, and the MFU bound of both divides the same model FLOPs
-(spmdtask's formula, 6·N·T + attention). `--out`/results.json holds every number.
+(spmdtask's formula, 6·N·T + attention). `--out`/results.json holds every number (and
+`--out`/CONFIG/results.json each config's).
 """
 import argparse
 import dataclasses
@@ -200,6 +201,8 @@ def main() -> None:
     results[name] = {"spmdtask": quantities(plan), "maxtext": quantities(mt)}
     record[name] = {**results[name], "maxtext_config": mt_cfg, "spmdtask_exp": cfg.exp,
                     "topology": cfg.topology, "maxtext_warnings": mt["warnings"]}
+    with open(os.path.join(out, "results.json"), "w") as f:
+      json.dump(record[name], f, indent=1)
     print(f"{name}: compiled both", flush=True)
   print(table(results))
   with open(os.path.join(args.out, "results.json"), "w") as f:
