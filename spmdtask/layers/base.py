@@ -1,11 +1,12 @@
 """What every spmdtask layer shares: weights with split-dims metadata, activation constraints."""
-import math
 from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from spmdtask.core.sharding import entry_axes, shards
 
 SplitDims = tuple
 
@@ -56,10 +57,8 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   """
   mesh = jax.sharding.get_abstract_mesh()
   manual = _batch_axes(mesh, batch, x.shape[0])
-  w_axes = [tuple(a for a in _axes(e) if a in manual) for e in w_split]
-  sizes = dict(mesh.shape) if manual else {}
-  if not any(w_axes) or any(d % math.prod(sizes[a] for a in axes)
-                            for d, axes in zip(w.shape, w_axes)):
+  w_axes = [tuple(a for a in entry_axes(e) if a in manual) for e in w_split]
+  if not any(w_axes) or any(d % shards(axes, mesh.shape) for d, axes in zip(w.shape, w_axes)):
     return jnp.einsum(eqn, x, w.astype(dtype))
 
   # XLA:CPU aborts on a bfloat16 reduce-scatter (AllReducePromotion): there the shards
@@ -80,18 +79,14 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
                        axis_names=set(manual))(x, w)
 
 
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _batch_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
   """The axes (of size > 1, not manual already) that split a batch of `rows` rows, or ()
   where there are none or they do not divide the rows."""
   if mesh.empty or batch is None:
     return ()
-  sizes = dict(mesh.shape)
-  axes = tuple(a for a in _axes(batch[0]) if sizes[a] > 1 and a not in mesh.manual_axes)
-  return axes if axes and rows % math.prod(sizes[a] for a in axes) == 0 else ()
+  axes = tuple(a for a in entry_axes(batch[0])
+               if mesh.shape[a] > 1 and a not in mesh.manual_axes)
+  return axes if axes and rows % shards(axes, mesh.shape) == 0 else ()
 
 
 def manual_row_offset(rows: int) -> jax.Array | int:

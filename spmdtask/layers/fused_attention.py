@@ -31,10 +31,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
+from spmdtask.core.sharding import shards
 from spmdtask.errors import ConfigError
 from spmdtask.layers.base import SplitDims
 
@@ -77,10 +77,6 @@ def _check_name(impl: str, backend: str) -> None:
                       "tests); on GPU use 'cudnn' or 'auto'.")
 
 
-def _shards(entry, mesh_shape) -> int:
-  return int(np.prod([mesh_shape[a] for a in _axes(entry)]))
-
-
 def _splash_problem(seq: int, num_heads: int, heads_split: SplitDims | None,
                     mesh_shape) -> str | None:
   """Why splash cannot run on these shapes, or None."""
@@ -93,9 +89,9 @@ def _splash_problem(seq: int, num_heads: int, heads_split: SplitDims | None,
     return ("task.model.activation_split_dims_mapping.heads splits the sequence or head_dim "
             f"({heads_split}), but each device needs whole sequences and heads: split only "
             "batch and heads")
-  if num_heads % _shards(heads_split[2], mesh_shape):
+  if num_heads % shards(heads_split[2], mesh_shape):
     return (f"num_heads={num_heads} does not divide over the "
-            f"{_shards(heads_split[2], mesh_shape)} shards task.model."
+            f"{shards(heads_split[2], mesh_shape)} shards task.model."
             "activation_split_dims_mapping.heads puts on heads, and each device needs whole "
             "heads: make it divide")
   return None
@@ -190,10 +186,6 @@ def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool, block: in
   return jnp.swapaxes(out, 1, 2)
 
 
-def _axes(entry) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
            interpret: bool, block: int | None = None):
   """Splash attention on [b, t, heads, hd] arrays, per device inside a mesh context.
@@ -210,11 +202,11 @@ def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or heads_split is None:
     return local(q, k, v, segment_ids)
-  if k.shape[2] % _shards(heads_split[2], mesh.shape):
+  if k.shape[2] % shards(heads_split[2], mesh.shape):
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   # A batch that does not divide over its axes (init traces one row) is not split.
-  batch = heads_split[0] if q.shape[0] % _shards(heads_split[0], mesh.shape) == 0 else None
+  batch = heads_split[0] if q.shape[0] % shards(heads_split[0], mesh.shape) == 0 else None
   spec, seg_spec = P(batch, None, heads_split[2], None), P(batch, None)
   # Manual over every axis not already manual (e.g. 'stage' inside the SPMD pipeline):
   # the call is replicated over the axes it does not split.

@@ -28,15 +28,17 @@ def test_parameter_count_is_the_published_one(name):
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_each_sets_up_on_8_devices_from_shapes_alone(name):
   """program.setup (layouts by eval_shape, every split-dims mapping validated; those sized
-  for 256+ chips keep their two FSDP axes, 405B its 4-way model axis): the state is float32 params + Adam moments split 8 ways, and nothing is
-  allocated (405B's state alone is 4.9 TB)."""
+  for 256+ chips keep their two FSDP axes, 405B its 4-way model axis): the state is float32
+  params + Adam moments split 8 ways, and nothing is allocated (405B's state alone is
+  4.9 TB)."""
   import resource  # pylint: disable=g-import-not-at-top
   from spmdtask.core import memory, program as program_lib  # pylint: disable=g-import-not-at-top
   from tests import util  # pylint: disable=g-import-not-at-top
   rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  micro = util.build_run(f"llama.{name}").task.train.num_microbatches
+  registered = util.build_run(f"llama.{name}").task
+  micro = registered.train.num_microbatches
   overrides = [f"datasets['train'].batch_size={8 * micro}", "datasets['train'].seq_len=128"]
-  fsdp_b, model = util.build_run(f"llama.{name}").task.ici_mesh_shape[2:]
+  fsdp_b, model = registered.ici_mesh_shape[2:]
   if fsdp_b > 1:  # sized for 256+ chips: FSDP 16 x 16 (405B: x 4 model) shrunk to 8 devices
     overrides.append(f"task.ici_mesh_shape=(1, {8 // (2 * model)}, 2, {model})")
   run = util.build_run(f"llama.{name}", overrides)

@@ -30,12 +30,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.core import steps
+from spmdtask.core.sharding import entry_axes
 
 STACKED = "stacked"
-
-
-def _entry_axes(entry) -> tuple:
-  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
 
 
 def dp_axes(mesh: Mesh, row_specs: Sequence[P], param_specs: Sequence[P]) -> tuple[str, ...]:
@@ -43,12 +40,12 @@ def dp_axes(mesh: Mesh, row_specs: Sequence[P], param_specs: Sequence[P]) -> tup
   entry) of every value in `row_specs`, in order, and split no parameter. () when there
   are none, or a value's rows are not split that way (then the stage reduces per
   backward, as any GSPMD program would)."""
-  used = {a for spec in param_specs for e in spec for a in _entry_axes(e)}
+  used = {a for spec in param_specs for e in spec for a in entry_axes(e)}
   sizes = dict(mesh.shape)
   lead = None
   for spec in row_specs:
     prefix = []
-    for a in _entry_axes(spec[0]) if len(spec) else ():
+    for a in entry_axes(spec[0]) if len(spec) else ():
       if a in used or sizes[a] == 1:
         break
       prefix.append(a)
