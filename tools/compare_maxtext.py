@@ -99,7 +99,7 @@ def spmdtask_plan(cfg: Config, out: str) -> dict:
   try:
     return compare_plans.plan(cfg.exp, [], f"tpu:{cfg.topology}", out)
   except SystemExit:  # exit 4 on XLA's out-of-memory: the plan says so
-    path = os.path.join(out, f"tpu_{cfg.topology.replace(':', '_')}", "plan.json")
+    path = compare_plans.plan_json(out, f"tpu:{cfg.topology}")
     if not os.path.exists(path):
       raise
     with open(path) as f:
@@ -191,7 +191,7 @@ def main() -> None:
     else:
       mt_cfg = maxtext_compile(cfg, args.maxtext_dir, args.maxtext_python, mt_out)
     os.environ["LIBTPU_INIT_ARGS"] = mt_cfg["libtpu_init_args"]  # the same XLA flags
-    plan_json = os.path.join(out, "spmdtask", f"tpu_{cfg.topology.replace(':', '_')}", "plan.json")
+    plan_json = compare_plans.plan_json(os.path.join(out, "spmdtask"), f"tpu:{cfg.topology}")
     if args.reuse and os.path.exists(plan_json):
       with open(plan_json) as f:
         plan = json.load(f)

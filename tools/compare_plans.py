@@ -20,18 +20,23 @@ sys.path.insert(0, REPO)
 from spmdtask import console  # pylint: disable=wrong-import-position
 
 
+def plan_json(out: str, target: str) -> str:
+  """Where `plan(..., target, out)` leaves the plan of `target`."""
+  return os.path.join(out, target.replace(":", "_"), "plan.json")
+
+
 def plan(exp: str, overrides: list[str], target: str, out: str) -> dict:
   """Runs the plan for `target`; its plan.json."""
   kind, _, where = target.partition(":")
   flag = {"cpu": f"--plan_devices={where}", "tpu": f"--plan_topology={where}"}[kind]
-  job = os.path.join(out, target.replace(":", "_"))
+  job = os.path.dirname(plan_json(out, target))
   cmd = [sys.executable, "-m", "spmdtask.main", f"--exp={exp}", f"--job_log_dir={job}",
          "--mode=plan", flag, "--device_memory_gib=1e9"] + [f"--fdl_set={o}" for o in overrides]
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
   if done.returncode:
     sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-  with open(os.path.join(job, "plan.json")) as f:
+  with open(plan_json(out, target)) as f:
     return json.load(f)
 
 
