@@ -221,11 +221,10 @@ class Llama31_8B_V6e256(_Llama):
   FSDP over 256 chips, 4 × 8192 tokens per chip (global 1024 rows = 8M tokens), no
   microbatching, splash attention. Compare it with `tools/compare_maxtext.py`, which
   compiles both under that config's XLA flags (a 98304 KiB scoped VMEM limit among them).
-  What differs: MaxText's `custom` remat offloads each layer's input and its q/k/v and
-  out projections to the host; spmdtask's `save_dot_except_mlp_offloaded` offloads the same
-  four projections and keeps each layer's input on the device (the scan's carry). MaxText
-  sets splash blocks of 2048 with its fused backward kernel; spmdtask's splash picks its
-  own block size."""
+  Remat as MaxText's `custom` policy there: each layer's input and its q/k/v and out
+  projections go to the host (`save_dot_except_mlp_offloaded`), the MLP is recomputed.
+  What differs: MaxText sets splash blocks of 2048 with its fused backward kernel;
+  spmdtask's splash picks its own block size."""
   ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
   batch_size = 1024
 

@@ -6,7 +6,8 @@ The layers tag their matmul outputs with `jax.ad_checkpoint.checkpoint_name` (th
 below); the presets pick among those names, so what they save does not depend on how
 XLA happens to print a dot.
 
-Names (per layer; shapes for batch b, sequence t, heads h, KV heads k, head dim e):
+Names (per layer; shapes for batch b, sequence t, heads h, KV heads k, head dim e, model d):
+  layer_input              the layer's input (the scan's carry)                [b,t,d]
   q_proj, k_proj, v_proj   the q / k / v projections before RoPE   [b,t,h,e] / [b,t,k,e]
   attn_context             attention's output before its out projection   [b,t,h,e]
   attn_out                 the attention out projection                    [b,t,d]
@@ -14,17 +15,21 @@ Names (per layer; shapes for batch b, sequence t, heads h, KV heads k, head dim 
   mlp_hidden               the activation, the out projection's input      [b,t,ff]
   mlp_out                  the MLP out projection                          [b,t,d]
 
-Presets (what the backward keeps besides each layer's input; everything else recomputed):
+Presets (what the backward keeps besides each layer's input, which it always keeps;
+everything else recomputed):
   full                    nothing (jax's `nothing_saveable`): one forward recompute per layer.
   minimal                 every matmul output no wider than the model: q/k/v_proj,
                           attn_context, attn_out, mlp_out. Recomputes the ff-wide MLP up /
                           gate projections and the attention scores.
   save_dot_except_mlp     q/k/v_proj and attn_out: the attention's weight matmuls.
   save_qkv_proj           q/k/v_proj.
-  <preset>_offloaded      (minimal, save_dot_except_mlp, save_qkv_proj) the same names, moved
-                          to the host's pinned memory after the forward and back for the
-                          backward (`save_and_offload_only_these_names`): device memory of
-                          `full`, recompute of <preset>, the transfers over the host link.
+  <preset>_offloaded      (full, minimal, save_dot_except_mlp, save_qkv_proj) everything the
+                          preset keeps, each layer's input included, moved to the host's
+                          pinned memory after the forward and back for the backward
+                          (`save_and_offload_only_these_names`): no per-layer activation
+                          stays on the device between the forward and the backward;
+                          recompute of <preset>; the transfers over the host link.
+                          (`full_offloaded` moves only the layers' inputs.)
                           XLA:TPU and XLA:GPU place them on the host; jax 0.10.2 lowers a
                           memory-kind move inside jit to nothing on CPU (it registers that
                           lowering for tpu and gpu only), so on CPU the names stay where they
@@ -41,10 +46,11 @@ import jax
 
 from spmdtask.errors import ConfigError
 
+LAYER_INPUT = "layer_input"
 Q_PROJ, K_PROJ, V_PROJ = "q_proj", "k_proj", "v_proj"
 ATTN_CONTEXT, ATTN_OUT = "attn_context", "attn_out"
 MLP_UP, MLP_GATE, MLP_HIDDEN, MLP_OUT = "mlp_up", "mlp_gate", "mlp_hidden", "mlp_out"
-NAMES = (Q_PROJ, K_PROJ, V_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_UP, MLP_GATE, MLP_HIDDEN, MLP_OUT)
+NAMES = (LAYER_INPUT, Q_PROJ, K_PROJ, V_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_UP, MLP_GATE, MLP_HIDDEN, MLP_OUT)
 
 OFFLOADED = "_offloaded"
 _QKV = (Q_PROJ, K_PROJ, V_PROJ)
@@ -55,7 +61,7 @@ SAVED = {
     "save_dot_except_mlp": _QKV + (ATTN_OUT,),
     "save_qkv_proj": _QKV,
 }
-OFFLOADABLE = ("minimal", "save_dot_except_mlp", "save_qkv_proj")
+OFFLOADABLE = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj")
 PRESETS = tuple(SAVED) + tuple(p + OFFLOADED for p in OFFLOADABLE)
 
 
@@ -105,6 +111,9 @@ def policy(name: str | None) -> Callable | None:
             else jax.checkpoint_policies.save_only_these_names(*SAVED[name]))
   if offloads(name):
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(SAVED[name[:-len(OFFLOADED)]]),
+        # The layer's input among them: its only use is through the name (Block), so the
+        # scan's carry is not kept on the device either.
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=[LAYER_INPUT, *SAVED[name[:-len(OFFLOADED)]]],
         offload_src="device", offload_dst="pinned_host")
   return getattr(jax.checkpoint_policies, name)

@@ -85,6 +85,9 @@ class Block(nn.Module):
                row_ids: jax.Array | None = None, cache: KvCache | None = None,
                dropout_key: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
+    # Every use of the input goes through its name, so an offloading remat preset can move
+    # it to the host instead of keeping the raw input (the scan's carry) for the backward.
+    x = checkpoint_name(x, remat.LAYER_INPUT)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,

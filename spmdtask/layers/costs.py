@@ -59,7 +59,8 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
 def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   """What `TransformerLm.activation_memory` gives (`core.model.SizesActivations`), per
   device at `rows` rows of `seq_len` tokens at once: every layer's input, which the
-  rematerialized scan keeps for the backward (all it keeps under remat 'full'); what a
+  rematerialized scan keeps for the backward (all it keeps under remat 'full'; on the host
+  under an offloaded preset); what a
   remat preset keeps on the device besides; the loss's float32 logits (one vocab tile of
   them with loss_vocab_tiles > 1). The fixes of its own config that lower those: vocab
   tiles, a remat preset that keeps less or offloads it, shorter rows."""
@@ -69,8 +70,9 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   width = {remat.Q_PROJ: q, remat.K_PROJ: kv, remat.V_PROJ: kv, remat.ATTN_CONTEXT: q,
            remat.ATTN_OUT: d, remat.MLP_UP: ff, remat.MLP_GATE: ff, remat.MLP_HIDDEN: ff,
            remat.MLP_OUT: d}
-  arrays = [Held("the layers' inputs, kept for the backward", (L, r, t, d), dt)]
   policy, saved = model.remat_policy, None
+  inputs = Held("the layers' inputs, kept for the backward", (L, r, t, d), dt)
+  arrays = [] if remat.offloads(policy) else [inputs]  # an offloaded preset keeps them on the host
   if remat.SAVED.get(policy):  # an offloaded preset keeps its names on the host
     names = remat.SAVED[policy]
     saved = Held(f"what remat_policy={policy!r} keeps besides ({', '.join(names)})",
@@ -96,7 +98,8 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                            logits.bytes * (1 - 1 / VOCAB_TILES)))
   if policy in remat.OFFLOADABLE:
     fixes.append(MemoryFix(f"task.model.remat_policy='{policy}{remat.OFFLOADED}'",
-                           "what it keeps besides the inputs moves to host memory", saved.bytes))
+                           "what it keeps, the layers' inputs included, moves to host memory",
+                           inputs.bytes + (saved.bytes if saved else 0)))
   if policy not in ("full", "nothing_saveable"):
     fixes.append(MemoryFix("task.model.remat_policy='full'", "each layer keeps only its input "
                            "(one more forward per layer)", saved.bytes if saved else None))

@@ -93,8 +93,31 @@ def test_presets_save_their_names_and_offload_only_when_asked(capsys):
   assert saved("minimal") == (set(remat.SAVED["minimal"]), 0)
   assert saved("save_qkv_proj") == ({"q_proj", "k_proj", "v_proj"}, 0)
   assert saved("save_dot_except_mlp") == ({"q_proj", "k_proj", "v_proj", "attn_out"}, 0)
-  assert saved("minimal_offloaded") == (set(), len(remat.SAVED["minimal"]))  # all on the host
+  assert saved("minimal_offloaded") == (set(), len(remat.SAVED["minimal"]) + 1)  # all on the host
   assert remat.offloads("minimal_offloaded") and not remat.offloads("minimal")
+
+
+def test_offloaded_presets_keep_the_layer_input_on_the_host(capsys):
+  """A layer whose input is used only through its name (as `layers.block.Block`'s): a preset
+  keeps the raw input for the backward; its offloaded form keeps only the host copy, inside a
+  scan too (the carry is not stacked on the device)."""
+  def layer(x):
+    x = checkpoint_name(x, remat.LAYER_INPUT)
+    return x + jnp.sin(checkpoint_name(jnp.sin(x), remat.Q_PROJ))
+
+  def residuals(name, scanned=False):
+    fn = jax.checkpoint(layer, policy=remat.policy(name))
+    if scanned:
+      fn = lambda x, f=fn: jax.lax.scan(lambda c, _: (f(c), None), x, None, length=4)[0]
+    jax.ad_checkpoint.print_saved_residuals(fn, jnp.ones(3))
+    return capsys.readouterr().out.splitlines()
+
+  assert residuals("full") == ["f32[3] from the argument x"]
+  assert [ln.split(" ")[0] for ln in residuals("full_offloaded")] == ["f32<host>[3]"]
+  assert sorted(ln.split(" ")[0] for ln in residuals("save_qkv_proj_offloaded")) == [
+      "f32<host>[3]", "f32<host>[3]"]
+  assert [ln.split(" ")[0] for ln in residuals("full_offloaded", scanned=True)] == [
+      "f32<host>[4,3]"]
 
 
 @pytest.mark.parametrize("name,why", [
