@@ -40,9 +40,10 @@ def platform() -> str:
 
 
 def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
-            dtype) -> jax.Array:
-  """`jnp.einsum(eqn, x, w)` in `dtype`, x's dim 0 its batch (split over the axes of the
-  entry `batch`), the result's dim 0 the same batch.
+            dtype, out_dtype=None) -> jax.Array:
+  """`jnp.einsum(eqn, x, w)` in `dtype` (the result in `out_dtype`, default `dtype`), x's
+  dim 0 its batch (split over the axes of the entry `batch`), the result's dim 0 the same
+  batch.
 
   Under FSDP (w split over axes that also split the batch) the product runs under a
   `jax.shard_map` manual over the batch's axes: each device casts its shard of w to
@@ -58,8 +59,9 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   mesh = jax.sharding.get_abstract_mesh()
   manual = _batch_axes(mesh, batch, x.shape[0])
   w_axes = [tuple(a for a in entry_axes(e) if a in manual) for e in w_split]
+  product = lambda x, w: jnp.einsum(eqn, x, w.astype(dtype), preferred_element_type=out_dtype)
   if not any(w_axes) or any(d % shards(axes, mesh.shape) for d, axes in zip(w.shape, w_axes)):
-    return jnp.einsum(eqn, x, w.astype(dtype))
+    return product(x, w)
 
   # XLA:CPU aborts on a bfloat16 reduce-scatter (AllReducePromotion): there the shards
   # cross the mesh, and the gradient is reduced, in float32.
@@ -70,7 +72,7 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
     for dim, axes in enumerate(w_axes):
       for axis in reversed(axes):
         w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
-    return jnp.einsum(eqn, x, w.astype(dtype))
+    return product(x, w)
 
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])

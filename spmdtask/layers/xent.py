@@ -10,17 +10,17 @@ and gradient, but XLA:TPU no longer keeps the float32 logits alive for the gathe
 (tile j holds vocab ids j, j + tiles, j + 2·tiles, ..., so a vocab dim split over a mesh axis
 splits every tile evenly); a scan computes each tile's log-sum-exp and label logit, and the
 backward scan recomputes each tile's logits (one more head matmul) to give its softmax
-gradient. The head weight is gathered once along d_model, in the forward, and kept for the
-backward, which follows at once; each tile's weight gradient is reduced straight to the
-weight's own shards (no whole-size gradient of the head is kept), so the bytes moved are
-those of the untiled head's one gather and one reduction.
+gradient. Each tile's product is `layers.base.project`'s, as every layer's weight matmul:
+under FSDP the tile is gathered by hand where it is used (in the forward, and again in the
+backward's recompute; the gathered head is never kept) and its gradient leaves as a
+reduce-scatter to the weight's own shards, never whole and never all-reduced.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from spmdtask.layers.base import SplitDims, constrain
+from spmdtask.layers.base import SplitDims, constrain, project
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -53,10 +53,9 @@ def tiled_cross_entropy(x: jax.Array, w_tiles: jax.Array, labels: jax.Array, voc
   """Per-token cross entropy [b, t] float32 of the logits `scale · x @ w` without the whole
   logits: x [b, t, d], `w_tiles` = `head_tiles(w, ...)`, labels [b, t] int in [0, vocab).
 
-  Each tile's logits [b, t, cols] are float32 and constrained to `logits_split`. With
-  `weight_split` (w's mapping [d, vocab]), the forward gathers the tiles once along d
-  (kept for the backward, which follows at once), and each tile's weight gradient is
-  constrained to that mapping: reduced straight to each device's shard, never kept whole.
+  Each tile's logits [b, t, cols] are float32 and constrained to `logits_split` (whose dim
+  0 entry is x's batch split); with `weight_split` (w's mapping [d, vocab]) each tile's
+  product is `project`'s: gathered where used, its gradient reduce-scattered (module doc).
   """
   return _tiled(vocab, scale, (logits_split, weight_split), x, w_tiles, labels)
 
@@ -68,15 +67,17 @@ def _tiled(vocab, scale, splits, x, w_tiles, labels):
 
 def _masked_logits(x, w, j, tiles, vocab, scale, splits):
   """Tile j's float32 logits [b, t, cols]; padding ids (>= vocab) at -inf."""
-  logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32) * scale
+  logits_split, weight_split = splits
+  if weight_split is None:
+    logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
+  else:
+    logits = project("btd,dv->btv", x, w, weight_split, logits_split, x.dtype, jnp.float32)
   ids = j + tiles * jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
-  return constrain(jnp.where(ids < vocab, logits, -jnp.inf), splits[0])
+  return constrain(jnp.where(ids < vocab, logits * scale, -jnp.inf), logits_split)
 
 
 def _forward(vocab, scale, splits, x, w_tiles, labels):
   tiles = w_tiles.shape[0]
-  if splits[1] is not None:  # the one gather: d whole, the vocab columns as w's
-    w_tiles = constrain(w_tiles, (None, None, splits[1][1]))
 
   def tile(_, jw):
     j, w = jw
@@ -95,12 +96,13 @@ def _backward(vocab, scale, splits, res, g):
 
   def tile(dx, jw):
     j, w = jw
-    p = jnp.exp(_masked_logits(x, w, j, tiles, vocab, scale, splits) - lse[..., None])
-    dlogits = (p - _one_hot(labels, w.shape[-1], j, tiles)) * (g * scale)[..., None]
-    dlogits = dlogits.astype(x.dtype)
-    dx = dx + jnp.einsum("btv,dv->btd", dlogits, w, preferred_element_type=jnp.float32)
-    dw = jnp.einsum("btd,btv->dv", x, dlogits, preferred_element_type=jnp.float32)
-    return dx, constrain(dw.astype(w.dtype), splits[1])
+    logits, pull = jax.vjp(lambda x, w: _masked_logits(x, w, j, tiles, vocab, scale, splits),
+                           x, w)
+    # d loss / d logits = softmax - one-hot; padding ids have p = 0 and no label.
+    dlogits = (jnp.exp(logits - lse[..., None])
+               - _one_hot(labels, w.shape[-1], j, tiles)) * g[..., None]
+    dx_j, dw = pull(dlogits)
+    return dx + dx_j.astype(jnp.float32), dw
 
   dx, dw = jax.lax.scan(tile, jnp.zeros(x.shape, jnp.float32), (jnp.arange(tiles), w_tiles))
   return dx.astype(x.dtype), dw, None
