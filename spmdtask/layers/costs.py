@@ -85,12 +85,9 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   arrays.append(logits)
   arrays.append(Held("one layer's MLP activation while it runs", (r, t, ff), dt))
   per_token = sum(a.bytes for a in arrays)  # what scales with the tokens at once
-  if tiles > 1:  # layers.xent gathers the head once, for the loss's forward and backward
-    cols = -(-vocab // tiles)
-    arrays.append(Held(f"the head weight in its {tiles} vocab tiles, gathered for the loss",
-                       (tiles, d, cols), dt))
-    arrays.append(Held("one vocab tile's head weight gradient before its reduction",
-                       (d, cols), "float32"))
+  if tiles > 1:  # layers.xent gathers one tile where it is used, reduce-scatters its gradient
+    arrays.append(Held("one vocab tile of the head weight gathered while it runs, or its "
+                       "gradient before its reduce-scatter", (d, -(-vocab // tiles)), dt))
   fixes = []
   if tiles == 1:
     fixes.append(MemoryFix(f"task.model.loss_vocab_tiles={VOCAB_TILES}", "the loss over vocab "
