@@ -7,6 +7,8 @@ import math
 import os
 import re
 import subprocess
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -147,12 +149,11 @@ def test_library_records_that_matter_become_spmdtask_lines(capsys):
 def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monkeypatch):
   """One way to send other libraries' errors to the log: a `with` block puts the hooks back;
   in the binary an exception leaving the block, or a lone call, keeps them."""
-  import sys
-  import threading
   for name in ("unraisablehook", "excepthook"):
     monkeypatch.setattr(sys, name, getattr(sys, name))
   monkeypatch.setattr(threading, "excepthook", threading.excepthook)
   monkeypatch.setattr(py_logging, "raiseExceptions", True)
+  monkeypatch.setattr(console, "_library_errors_muted", 0)  # what a kept call leaves is undone
   records = console._ConsoleRecords()  # pylint: disable=protected-access
   records.let_through(show=True)
   def library_error(msg):
@@ -168,14 +169,15 @@ def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monke
     thread.join()
   assert capsys.readouterr().err == ""
   assert "Exception in thread" in caplog.text and "ZeroDivisionError" in caplog.text
-  assert (sys.unraisablehook, sys.excepthook, threading.excepthook) == before  # library use: put back
+  hooks = lambda: (sys.unraisablehook, sys.excepthook, threading.excepthook)
+  assert hooks() == before  # library use: put back
   library_error("shown again")
   assert capsys.readouterr().err == "spmdtask: tensorstore error: shown again\n"
 
   with pytest.raises(ValueError):  # library use: put back after a failure too
     with console.libraries_to_log():
       raise ValueError("x")
-  assert (sys.unraisablehook, sys.excepthook, threading.excepthook) == before
+  assert hooks() == before
 
   monkeypatch.setattr(console, "_records", records)  # the binary, after `start`
   with pytest.raises(ValueError):
@@ -184,8 +186,9 @@ def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monke
   library_error("after the failed call")
   assert capsys.readouterr().err == ""  # kept: the run is ending
   assert threading.excepthook is not before[2] and py_logging.raiseExceptions is False
-  monkeypatch.setattr(console, "_library_errors_muted", 0)
-  monkeypatch.setattr(threading, "excepthook", before[2])
+  console._library_errors_muted = 0  # pylint: disable=protected-access
+  threading.excepthook = before[2]
   console.libraries_to_log()  # alone, as the run ends
   library_error("while the process ends")
   assert capsys.readouterr().err == "" and threading.excepthook is not before[2]
+  assert console._library_errors_muted == 1  # pylint: disable=protected-access
