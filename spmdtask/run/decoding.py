@@ -356,9 +356,10 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
 
   Writes `job_log_dir/decoder_out/<dataset>_step<N>.jsonl` (process 0; `..._<k>.jsonl`
   when an earlier decode wrote that name), one line per prompt: id, prompt_ids,
-  output_ids, and prompt/output text when the dataset's `tokenizer` is not None
-  (every decode dataset is a `host_input.PromptInput`); says what it wrote, with one sample. Everything is validated before the
-  checkpoint is read. Returns the files written by process 0, by dataset.
+  output_ids, and prompt/output text when the dataset's `tokenizer` is not None (every
+  decode dataset is a `host_input.PromptInput`); says what it wrote, with one sample.
+  Everything is validated before the checkpoint is read. Returns the files written by
+  process 0, by dataset.
   """
   if not run.decode_datasets:
     raise ConfigError("--mode=decode needs a decode dataset, but Experiment.decode_datasets() "
