@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -84,44 +85,52 @@ def _print_record(record: py_logging.LogRecord) -> None:
 
 
 _records: _ConsoleRecords | None = None
-_library_errors_muted = 0  # > 0 inside `library_errors_to_log`
+_library_errors_muted = 0  # > 0 while a `libraries_to_log` is in force
 
 
-@contextlib.contextmanager
-def library_errors_to_log():
-  """Meanwhile other libraries' ERROR records (from any thread) and Python's "Exception
-  ignored" reports go to the log only: for calls whose failure spmdtask reports in its own
-  words (e.g. orbax reading a damaged checkpoint: its abandoned read tasks each print a
-  traceback with a TensorStore spec, its metadata reader logs the file's bytes)."""
-  global _library_errors_muted
-  _library_errors_muted += 1
-  hooks = sys.unraisablehook, sys.excepthook
-  sys.unraisablehook, sys.excepthook = _log_unraisable, _log_exception
-  try:
-    yield
-  except BaseException:
-    gc.collect()  # the failed call's abandoned tasks report now, into the log
-    raise
-  finally:
-    sys.unraisablehook, sys.excepthook = hooks
+class libraries_to_log:  # pylint: disable=invalid-name  # called like a function
+  """From this call on, other libraries' ERROR records (from any thread), Python's
+  "Exception ignored" reports and the tracebacks their threads report go to the log only:
+  for calls whose failure spmdtask reports in its own words (orbax reading a damaged
+  checkpoint: its abandoned read tasks each print a traceback with a TensorStore spec, its
+  metadata reader logs the file's bytes; its reads still in flight after one failed report
+  into an event loop that is closed).
+
+  `with libraries_to_log(): ...` puts the previous hooks back after the block. Leaving the
+  block by an exception in the binary (after `start`) keeps them instead: that exception
+  ends the run with spmdtask's message, and the failed call's abandoned work reports later.
+  Called alone, as the binary's run ends, they stay for the rest of the process.
+  """
+
+  def __init__(self):
+    global _library_errors_muted
+    _library_errors_muted += 1
+    self._hooks = sys.unraisablehook, sys.excepthook, threading.excepthook
+    sys.unraisablehook, sys.excepthook = _log_unraisable, _log_exception
+    threading.excepthook = _log_thread_exception
+    if _records is not None:
+      py_logging.raiseExceptions = False  # nor a report that finds the log already closed
+
+  def __enter__(self) -> "libraries_to_log":
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    global _library_errors_muted
+    if exc_type is not None:
+      gc.collect()  # the failed call's abandoned tasks report now, into the log
+      if _records is not None:
+        return
+    sys.unraisablehook, sys.excepthook, threading.excepthook = self._hooks
     _library_errors_muted -= 1
-
-
-def libraries_to_log() -> None:
-  """In the binary (after `start`), from now on, as the run ends with spmdtask's own
-  message: other libraries' ERROR records, Python's "Exception ignored" reports and
-  tracebacks that their threads report go to the log only (e.g. orbax's reads still in
-  flight after one failed, which report into an event loop that is closed)."""
-  global _library_errors_muted
-  if _records is None:
-    return
-  _library_errors_muted += 1
-  sys.unraisablehook, sys.excepthook = _log_unraisable, _log_exception
-  py_logging.raiseExceptions = False  # nor a report that finds the log already closed
 
 
 def _log_exception(exc_type, value, tb) -> None:
   _log_traceback("Exception reported by a library", exc_type, value, tb)
+
+
+def _log_thread_exception(args) -> None:
+  _log_traceback(f"Exception in thread {args.thread.name if args.thread else '?'}",
+                 args.exc_type, args.exc_value, args.exc_traceback)
 
 
 def _log_unraisable(report) -> None:

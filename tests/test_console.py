@@ -7,6 +7,8 @@ import math
 import os
 import re
 import subprocess
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -142,3 +144,51 @@ def test_library_records_that_matter_become_spmdtask_lines(capsys):
       "spmdtask: jax warning: A Google TPU may be present on this machine, but ...",
       "spmdtask: warning: Removing incomplete checkpoint",
       "spmdtask: tensorstore error: write failed"]
+
+
+def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monkeypatch):
+  """One way to send other libraries' errors to the log: a `with` block puts the hooks back;
+  in the binary an exception leaving the block, or a lone call, keeps them."""
+  for name in ("unraisablehook", "excepthook"):
+    monkeypatch.setattr(sys, name, getattr(sys, name))
+  monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+  monkeypatch.setattr(py_logging, "raiseExceptions", True)
+  monkeypatch.setattr(console, "_library_errors_muted", 0)  # what a kept call leaves is undone
+  records = console._ConsoleRecords()  # pylint: disable=protected-access
+  records.let_through(show=True)
+  def library_error(msg):
+    records.handle(py_logging.LogRecord("tensorstore", py_logging.ERROR, "/x/t.py", 1, msg,
+                                        None, None))
+  before = sys.unraisablehook, sys.excepthook, threading.excepthook
+
+  caplog.set_level(py_logging.INFO)
+  with console.libraries_to_log():
+    library_error("muted read failed")
+    thread = threading.Thread(target=lambda: 1 / 0)  # a library's thread failing
+    thread.start()
+    thread.join()
+  assert capsys.readouterr().err == ""
+  assert "Exception in thread" in caplog.text and "ZeroDivisionError" in caplog.text
+  hooks = lambda: (sys.unraisablehook, sys.excepthook, threading.excepthook)
+  assert hooks() == before  # library use: put back
+  library_error("shown again")
+  assert capsys.readouterr().err == "spmdtask: tensorstore error: shown again\n"
+
+  with pytest.raises(ValueError):  # library use: put back after a failure too
+    with console.libraries_to_log():
+      raise ValueError("x")
+  assert hooks() == before
+
+  monkeypatch.setattr(console, "_records", records)  # the binary, after `start`
+  with pytest.raises(ValueError):
+    with console.libraries_to_log():
+      raise ValueError("the run ends with spmdtask's message")
+  library_error("after the failed call")
+  assert capsys.readouterr().err == ""  # kept: the run is ending
+  assert threading.excepthook is not before[2] and py_logging.raiseExceptions is False
+  console._library_errors_muted = 0  # pylint: disable=protected-access
+  threading.excepthook = before[2]
+  console.libraries_to_log()  # alone, as the run ends
+  library_error("while the process ends")
+  assert capsys.readouterr().err == "" and threading.excepthook is not before[2]
+  assert console._library_errors_muted == 1  # pylint: disable=protected-access

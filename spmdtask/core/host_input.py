@@ -7,6 +7,7 @@ gives the input that reads a share: every input is a dataclass with `process_ind
 `process_count` fields (None = jax's), and a share only sets those.
 """
 import dataclasses
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -27,6 +28,28 @@ class Share:
   process_index: int | None = None
   process_count: int | None = None
   leaves: tuple[str, ...] | None = None
+
+
+@runtime_checkable
+class PromptInput(Protocol):
+  """A decode dataset (`--mode=decode`): prompts, and how their token ids read as text.
+
+  batch_size: the GLOBAL batch size; local_batch_size: this process's rows of it.
+  tokenizer: an object with `decode(ids) -> str`, and `encode(text) -> ids` for --prompt
+    texts; None when the data has none (decode output then holds token ids only).
+  batch_at(i): this process's rows of batch i, `{'prompts': [b, prompt_len] int32
+    (left-aligned, 0-padded), 'prompt_lens': [b] int32, 'ids': [b] int32 (example ids)}`;
+    iterating gives the batches in order and ends (`StepIndexedInput` gives both).
+  """
+  batch_size: int
+  tokenizer: Any
+
+  @property
+  def local_batch_size(self) -> int: ...
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]: ...
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]: ...
 
 
 def reading(inputs, share: Share):

@@ -1,6 +1,7 @@
 """What every program builder shares: the models of a strategy, layout maps applied to a
 whole train state, restore targets, and the facts checkpoint metadata records."""
-from typing import Any, Callable, NamedTuple
+import math
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -98,14 +99,42 @@ def strategy_models(task, execution: Any) -> tuple[Model, Model]:
 
 
 def check_microbatches(task, global_size: int, mesh_shape) -> int:
-  """task.train.num_microbatches (gradient accumulation); ConfigError if it does not split
-  the global batch into equal microbatches over the data axes."""
-  m = task.train.num_microbatches
-  data = sharding.shards(task.batch_axes() or None, mesh_shape)
-  if not isinstance(m, int) or m < 1 or global_size % m or (global_size // m) % data:
+  """task.train.num_microbatches (gradient accumulation), checked by `check_batch_split`
+  against the program's mesh."""
+  check_batch_split(global_size, task.train.num_microbatches, "task.train.num_microbatches",
+                    task.batch_axes(), [("task.ici_mesh_shape", mesh_shape)])
+  return task.train.num_microbatches
+
+
+TRAIN_BATCH = "datasets['train'].batch_size"  # every mode sets its program up on these rows
+
+
+def check_batch_split(global_size: int, num_microbatches, microbatches_field: str,
+                      batch_axes, meshes: Sequence[tuple[str, Any]]) -> int:
+  """The microbatch size: the global train batch of `global_size` rows in `num_microbatches`
+  (config field `microbatches_field`) equal microbatches whose rows divide over the data
+  axes `batch_axes` of every mesh in `meshes` ((config field that shapes it, mesh shape)).
+  The one check of a batch split (SPMD gradient accumulation, MPMD stages); ConfigError
+  naming datasets['train'].batch_size, the microbatches field and the mesh field, with a
+  batch size that works."""
+  m = num_microbatches
+  if not isinstance(m, int) or isinstance(m, bool) or m < 1:
     raise ConfigError(
-        f"task.train.num_microbatches={m!r} does not split the global batch of {global_size} "
-        f"into equal microbatches that divide over the data axes {task.batch_axes()} "
-        f"({data} shards): use a divisor M of {global_size} with {global_size}/M a multiple "
-        f"of {data} (1 = no gradient accumulation).")
-  return m
+        f"{microbatches_field}={m!r} must be a positive integer: the equal microbatches "
+        f"{TRAIN_BATCH}={global_size} is split into (1 = no split).")
+  shards = [(field, sharding.shards(tuple(batch_axes) or None, shape)) for field, shape in meshes]
+  unit = m * math.lcm(*(d for _, d in shards))
+  if global_size % unit == 0:
+    return global_size // m
+  if global_size % m:
+    why = f"does not split into {microbatches_field}={m} equal microbatches"
+  else:
+    field, d = next((f, d) for f, d in shards if (global_size // m) % d)
+    why = (f"split into {microbatches_field}={m} microbatches gives {global_size // m} rows each, "
+           f"which do not divide over the data axes {tuple(batch_axes)} of {field} "
+           f"({d} shards)")
+  fields = " or ".join(dict.fromkeys(f.split("=")[0] for f, _ in shards))
+  raise ConfigError(
+      f"{TRAIN_BATCH}={global_size} {why}. Make the batch size a multiple of {unit} (e.g. "
+      f"--fdl_set=\"{TRAIN_BATCH}={-(-global_size // unit) * unit}\"), or change "
+      f"{microbatches_field} or the data axes' sizes in {fields}.")

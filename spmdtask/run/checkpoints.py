@@ -70,7 +70,7 @@ def _manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | No
       max_to_keep=max_to_keep,
       create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
       enable_async_checkpointing=True)
-  with console.library_errors_to_log():  # orbax logs a damaged step's metadata bytes
+  with console.libraries_to_log():  # orbax logs a damaged step's metadata bytes
     return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
@@ -145,16 +145,16 @@ def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
   why = checkpoint_check.problem(fs.join(directory, str(step)))
   if why:
     raise unreadable(directory, step, why, own, resume, cheap_check_passed=False)
-  try:
-    with console.library_errors_to_log():
+  # A failure ends the run (in the binary the hooks stay: orbax's reads still in flight report).
+  with console.libraries_to_log():
+    try:
       return _read(mngr, directory, program, step, items)
-  except ConfigError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
-    console.libraries_to_log()  # the run ends here; orbax's reads still in flight report
-    logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
-    raise unreadable(directory, step, _innermost_reason(e), own, resume,
-                     cheap_check_passed=True) from None
+    except ConfigError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
+      logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
+      raise unreadable(directory, step, _innermost_reason(e), own, resume,
+                       cheap_check_passed=True) from None
 
 
 def _read(mngr, directory: str, program, step: int, items) -> dict[str, Any]:
@@ -331,7 +331,7 @@ class Checkpointer:
                   "s" if len(steps) > 1 else "", ", ".join(map(str, steps)), aside)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("spmdtask_unreadable_moved")
-    with console.library_errors_to_log():
+    with console.libraries_to_log():
       self._mngr.reload()
 
   def _drop_incomplete(self) -> None:
@@ -342,7 +342,7 @@ class Checkpointer:
       if not _is_complete(path):
         logging.warning("Removing incomplete checkpoint %s.", path)
         fs.rm(path, recursive=True)
-    with console.library_errors_to_log():
+    with console.libraries_to_log():
       self._mngr.reload()
 
   def reached_preemption(self, step: int) -> bool:

@@ -34,6 +34,7 @@ from spmdtask import console, fs
 from spmdtask.core import sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.core import global_batch
+from spmdtask.core.host_input import PromptInput
 from spmdtask.core.model import Decodable
 from spmdtask.task import DecodeParams, Task
 
@@ -293,9 +294,8 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[st
 def experiment_tokenizer(run):
   """The tokenizer of the experiment's first decode dataset that has one (sorted by name)."""
   for name, inputs in sorted(run.decode_datasets.items()):
-    tokenizer = getattr(inputs, "tokenizer", None)
-    if tokenizer is not None:
-      return tokenizer
+    if _prompt_input(name, inputs).tokenizer is not None:
+      return inputs.tokenizer
   names = ", ".join(f"{n!r} ({type(i).__name__})" for n, i in sorted(run.decode_datasets.items()))
   raise ConfigError(
       "--prompt / --prompts_file need the experiment's tokenizer to turn text into token ids, "
@@ -327,13 +327,26 @@ def with_own_prompts(run, texts: list[str], prompts_input):
   return dataclasses.replace(run, decode_datasets={OWN_PROMPTS: inputs})
 
 
-def _prompt_shape(name: str, inputs) -> tuple[int, int, int]:
+def _prompt_input(name: str, inputs) -> PromptInput:
+  """`inputs`, checked to be a decode dataset (`PromptInput`: reading its `tokenizer` here
+  also loads it, so a tokenizer file that is missing fails before any checkpoint is read)."""
+  if not isinstance(inputs, PromptInput):
+    raise ConfigError(
+        f"decode_datasets[{name!r}] is a {type(inputs).__name__}, which is not a decode "
+        "dataset: it needs batch_size, local_batch_size, tokenizer (None for token ids only) "
+        "and batch_at(i) giving {'prompts', 'prompt_lens', 'ids'} "
+        "(spmdtask.core.host_input.PromptInput). Use one like "
+        "spmdtask.inputs.prompts.SyntheticPromptInput.")
+  return inputs
+
+
+def _prompt_shape(name: str, inputs: PromptInput) -> tuple[int, int, int]:
   """(global batch size, local rows, prompt_len) of a decode dataset."""
-  first = inputs.batch_at(0) if hasattr(inputs, "batch_at") else None
-  if first is None or "prompts" not in first:
-    raise ConfigError(f"Decode dataset {name!r} ({type(inputs).__name__}) must give batches "
-                      "{'prompts', 'prompt_lens', 'ids'} via batch_at(i), like "
-                      "spmdtask.inputs.prompts.SyntheticPromptInput.")
+  first = inputs.batch_at(0)
+  if "prompts" not in first:
+    raise ConfigError(f"decode_datasets[{name!r}] ({type(inputs).__name__}) gives batches "
+                      f"{sorted(first)}, not {{'prompts', 'prompt_lens', 'ids'}}; give those "
+                      "from batch_at(i), like spmdtask.inputs.prompts.SyntheticPromptInput.")
   return int(inputs.batch_size), int(inputs.local_batch_size), int(first["prompts"].shape[1])
 
 
@@ -343,9 +356,10 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
 
   Writes `job_log_dir/decoder_out/<dataset>_step<N>.jsonl` (process 0; `..._<k>.jsonl`
   when an earlier decode wrote that name), one line per prompt: id, prompt_ids,
-  output_ids, and prompt/output text when the dataset has a `tokenizer` with
-  `decode(ids)`; says what it wrote, with one sample. Everything is validated before the
-  checkpoint is read. Returns the files written by process 0, by dataset.
+  output_ids, and prompt/output text when the dataset's `tokenizer` is not None (every
+  decode dataset is a `host_input.PromptInput`); says what it wrote, with one sample.
+  Everything is validated before the checkpoint is read. Returns the files written by
+  process 0, by dataset.
   """
   if not run.decode_datasets:
     raise ConfigError("--mode=decode needs a decode dataset, but Experiment.decode_datasets() "
@@ -353,15 +367,14 @@ def run_decode(run, program, restore: Callable[[int | None], tuple[Any, int]], j
                       "{'prompts': fdl.Config(SyntheticPromptInput, ...)}.")
   decoders = {}
   for name, inputs in sorted(run.decode_datasets.items()):
-    batch, rows, prompt_len = _prompt_shape(name, inputs)
-    getattr(inputs, "tokenizer", None)  # a tokenizer file that is missing fails here, first
+    batch, rows, prompt_len = _prompt_shape(name, _prompt_input(name, inputs))
     decoders[name] = (build(program, run.task.decode, batch, prompt_len), rows)
   state, step = restore(restore_step)
   out_dir = fs.join(job_log_dir, "decoder_out")
   files = {}
   for name, (decoder, rows) in decoders.items():
     inputs = run.decode_datasets[name]
-    tokenizer = getattr(inputs, "tokenizer", None)
+    tokenizer = inputs.tokenizer
     t0, results = time.perf_counter(), []
     for local in inputs:
       results.extend(decode_batch(decoder, state.params, local, rows))

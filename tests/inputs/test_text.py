@@ -11,6 +11,7 @@ import pytest
 
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
+from spmdtask.core.host_input import PromptInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from tests import subproc as h
 from tools import launch_local, prepare_text_data
@@ -145,6 +146,7 @@ def test_prompts_are_document_starts_with_text(byte_dir):
   first = next(inp)
   assert first["prompts"].shape == (2, 12) and first["ids"].tolist() == [0, 1]
   assert inp.tokenizer.decode(first["prompts"][0]).startswith("document ")
+  assert isinstance(inp, PromptInput)  # the decode runner reads its tokenizer
   assert len(next(inp)["ids"]) == 1  # 3 examples: a partial last batch
 
 

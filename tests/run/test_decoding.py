@@ -12,6 +12,7 @@ from configs import lm
 from spmdtask.run import checkpoints, decoding
 from spmdtask import experiment
 from spmdtask.core import program as program_lib
+from spmdtask.core.host_input import PromptInput
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.prompts import SyntheticPromptInput, TokenizedPrompts
 from spmdtask.task import DecodeParams
@@ -144,12 +145,18 @@ def test_decode_mode_writes_jsonl_and_reports_bad_input(tmp_path):
   assert files["prompts"] == str(tmp_path / "decoder_out" / "prompts_step0.jsonl")
   assert [l["id"] for l in lines] == list(range(16))
   assert all(len(l["prompt_ids"]) + len(l["output_ids"]) == 32 for l in lines)  # max_decode_len
+  assert all(set(l) == {"id", "prompt_ids", "output_ids"} for l in lines)  # no tokenizer: ids
   del params
 
   def never(step):
     raise AssertionError("validation must come before the checkpoint is read")
   with pytest.raises(ConfigError, match="decode_datasets"):
     decoding.run_decode(dataclasses.replace(_run(), decode_datasets={}), program, never, "x")
+  not_prompts = dataclasses.replace(_run(), decode_datasets={"eval": _run().datasets["eval"]})
+  with pytest.raises(ConfigError, match=r"decode_datasets\['eval'\] is a SyntheticLmInput, "
+                     "which is not a decode dataset: .*tokenizer") as e:
+    decoding.run_decode(not_prompts, program, never, "x")
+  assert "\n" not in str(e.value)
   with pytest.raises(ConfigError, match="max_decode_len=512 .*max_seq_len=256"):
     decoding.run_decode(_run(max_decode_len=512), program, never, "x")
   with pytest.raises(ConfigError, match="no complete checkpoint"):
@@ -183,6 +190,7 @@ def test_own_prompts_decode_through_the_experiment_tokenizer(tmp_path, capsys, m
   program, state = util.program_and_state("TinyLm", 1)
   run = util.build_run("TinyLm", ["decode_datasets['prompts'].tokenizer='bytes'"])
   texts = ["the cat", "a mat\tsat on"]
+  assert all(isinstance(i, PromptInput) for i in run.decode_datasets.values())
   own = decoding.with_own_prompts(run, texts, TokenizedPrompts)
   monkeypatch.setattr(console, "_echo", True)
   files = decoding.run_decode(own, program, lambda step: (state, 5), str(tmp_path))

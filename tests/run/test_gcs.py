@@ -1,6 +1,7 @@
 """A whole job in a GCS bucket (a local emulator): train, SIGKILL, resume on the
 uninterrupted losses, eval, decode, TensorBoard summaries, nothing on the local disk; and
-an unreachable gs:// job dir fails fast with exit 2, creating nothing."""
+an unreachable gs:// job dir fails fast with exit 2, creating nothing; a damaged checkpoint in
+a bucket is refused as on a local disk, nothing in the bucket changed."""
 import json
 import os
 import signal
@@ -141,3 +142,54 @@ def test_unreachable_bucket_exits_2_fast_and_writes_nothing(emulator, tmp_path, 
   assert "Traceback" not in r.stderr
   assert [_files(d) for d in local.values()] == [[], [], []]
   print(f"{where}: exit 2 after {seconds:.1f} s: {err}")
+
+
+def test_a_damaged_checkpoint_in_a_bucket_is_refused_and_kept(emulator, monkeypatch):
+  """In-process, through gcsfs and tensorstore on the emulator: a checkpoint saved to gs://
+  and a copy of it as the next step, whose array data is then cut short (an interrupted
+  upload). The metadata check
+  names the file; a resume and a restore refuse it in the local disk's paragraph, naming
+  the intact step; no object in the bucket is deleted, added or rewritten."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  from spmdtask.errors import CheckpointUnreadable  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoint_check, checkpoints  # pylint: disable=g-import-not-at-top
+  from tests import util  # pylint: disable=g-import-not-at-top
+  for k, v in emulator.env().items():
+    monkeypatch.setenv(k, v)
+  gcsfs.GCSFileSystem.clear_instance_cache()  # none made for another endpoint
+  program, state = util.program_and_state("TinyLm", 8)
+  job, ck = "gs://bucket/damaged", "gs://bucket/damaged/checkpoints"
+  saver = checkpoints.Checkpointer(job, program, 1, None)
+  try:
+    saver.save(1, state, {"step": 1})
+  finally:
+    saver.close()
+  gcs = emulator.filesystem()
+  # Step 2: a server-side copy of step 1 (orbax's save to the emulator takes ~6 s).
+  gcs.copy("bucket/damaged/checkpoints/1", "bucket/damaged/checkpoints/2", recursive=True)
+  data = max((n for n in gcs.find("bucket/damaged/checkpoints/2/params") if "/d/" in n),
+             key=gcs.size)
+  gcs.pipe(data, gcs.cat(data)[:1000])
+  rel = data.split("/checkpoints/2/", 1)[1]
+  why = checkpoint_check.problem(f"{ck}/2")
+  assert why.startswith(f"{rel} is 1000 bytes long, but the checkpoint's index "
+                        "(params/manifest.ocdbt) records data up to byte "), why
+  assert checkpoint_check.problem(f"{ck}/1") is None
+  before = {n: (i["size"], i["generation"]) for n, i in gcs.find("bucket", detail=True).items()}
+
+  resume = checkpoints.Checkpointer(job, program, 1, None)
+  try:
+    with pytest.raises(CheckpointUnreadable) as e:
+      resume.restore()
+  finally:
+    resume.close()
+  assert (e.value.step, e.value.intact_step) == (2, 1)
+  assert str(e.value) == (
+      f"The checkpoint at step 2 in {ck} cannot be read: {why}. Nothing was changed. The "
+      f"newest intact checkpoint is step 1; resuming from it moves step 2 and any later step "
+      f"into gs://bucket/damaged/checkpoints_unreadable/ (nothing is deleted).")
+  with pytest.raises(CheckpointUnreadable, match=r"newest intact checkpoint is step 1\.$"):
+    checkpoints.restore_state(job, program)
+  after = {n: (i["size"], i["generation"]) for n, i in gcs.find("bucket", detail=True).items()}
+  assert after == before
+  gcsfs.GCSFileSystem.clear_instance_cache()

@@ -101,7 +101,8 @@ class MpmdProgram:
   live: StateLayout  # the live tree (layer groups) of base_tx, split evenly on `mesh`
   live_split: TrainState
   work: Work
-  batch_specs: Any  # the global batch on `mesh` (the loop's view; stages split it)
+  batch_specs: Any  # the global batch on `mesh` (the loop's view: stages split it, so a dim that
+  # does not divide over `mesh` is replicated here)
   pipeline: mpmd.Pipeline
   step_fn: mpmd_step.TrainStep
   _init: steps.Partitioned
@@ -371,8 +372,8 @@ def _program(task, plan: mpmd_stages.StagePlan, st: _States, micro_train, pl: mp
   return MpmdProgram(
       task=task, plan=plan, model=st.model, mesh=mesh, tx=st.tx, base_tx=base_tx,
       canonical=canonical, canonical_split=csplit, live=live, live_split=lsplit, work=st.work,
-      batch_specs=global_batch.specs(example_local_batch, tp.inputs_split_mapping,
-                                     task.batch_axes(), mesh),
+      batch_specs=sharding.even_splits(global_batch.global_shapes(example_local_batch),
+                                       plan.batch_split, mesh_lib.mesh_shape(mesh)),
       pipeline=pl, make_eval_pipeline=make_eval, step_fn=step_fn, shapes=cross_shapes,
       feed=mpmd_feed.share(pl, micro_train, skip=(DROPOUT_KEY,)),
       reads_dropout_key=any(key_leaf in part.batch_leaves for part in pl.parts),

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from spmdtask.core import layouts, mesh as mesh_lib, sharding
-from spmdtask.errors import ConfigError
+from spmdtask.errors import BatchSplitError, ConfigError
 from spmdtask.pipeline.mpmd import auto_cuts
 from spmdtask.pipeline.schedules import generators, files, simulate
 from spmdtask.pipeline.schedules.schedule import Schedule, validate
@@ -112,15 +112,6 @@ def _schedule_file(config) -> Schedule:
   return sched
 
 
-def check_batch(config, global_batch_size: int) -> int:
-  """The microbatch size; ConfigError naming num_microbatches when M does not divide."""
-  m = config.num_microbatches
-  if not isinstance(m, int) or m < 1 or global_batch_size % m:
-    raise ConfigError(f"{_PL}num_microbatches={m!r} does not divide the global batch of "
-                      f"{global_batch_size}: use a divisor of {global_batch_size}.")
-  return global_batch_size // m
-
-
 def submeshes(config, axis_names: Sequence[str],
               devices: Sequence[jax.Device]) -> tuple[Mesh, ...]:
   """One Auto-axes mesh per stage over consecutive, disjoint runs of `devices`."""
@@ -189,6 +180,20 @@ class StagePlan:
     return summary(self.config, self.schedule)
 
 
+def _batch_split(task, config, micro, meshes: Sequence[Mesh]):
+  """The batch's split dims (task.train.inputs_split_mapping), checked for one microbatch on
+  every stage's submesh, where the batch is split."""
+  for s, m in enumerate(meshes):
+    try:
+      split = sharding.input_split_dims(micro, task.train.inputs_split_mapping,
+                                        task.batch_axes(), mesh_lib.mesh_shape(m))
+    except BatchSplitError as e:  # a mapping's own axes: not the train batch's size as such
+      raise ConfigError(f"On stage {s} ({_PL}submesh_shapes[{s}]="
+                        f"{tuple(config.submesh_shapes[s])}), a microbatch of "
+                        f"{_PL}num_microbatches={config.num_microbatches}: {e}") from None
+  return split
+
+
 def plan(task, config, shapes, devices: Sequence[jax.Device]) -> StagePlan:
   """The stage plan of `task` under the MpmdConfig `config` for a global batch of `shapes`
   (module doc); ConfigError naming the field on a bad config."""
@@ -197,30 +202,26 @@ def plan(task, config, shapes, devices: Sequence[jax.Device]) -> StagePlan:
                               devices)
   _, model = layouts.strategy_models(task, config)  # the canonical model: the stack's facts
   rows = jax.tree.leaves(shapes)[0].shape[0]
-  mb_size = check_batch(config, rows)
   if task.train.num_microbatches != 1:
     raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
                       "pipeline: the pipeline splits the batch itself; set "
                       "task.pipeline.num_microbatches and task.train.num_microbatches=1.")
-  for s, m in enumerate(meshes):
+  # Each stage splits a microbatch's rows over its own data axes (the all-device mesh only
+  # holds checkpoints), so the batch must split there.
+  mb_size = layouts.check_batch_split(
+      rows, config.num_microbatches, f"{_PL}num_microbatches", task.batch_axes(),
+      [(f"{_PL}submesh_shapes[{s}]={tuple(config.submesh_shapes[s])}", mesh_lib.mesh_shape(m))
+       for s, m in enumerate(meshes)])
+  for m in meshes:
     model.validate(m, mb_size)
-    data = sharding.shards(task.batch_axes() or None, mesh_lib.mesh_shape(m))
-    if mb_size % data:  # the stage's activation constraints split microbatch rows
-      raise ConfigError(
-          f"{_PL}num_microbatches={config.num_microbatches} makes microbatches of "
-          f"{mb_size} rows, which do not split over stage {s}'s data axes "
-          f"{task.batch_axes()} ({data} shards, {_PL}submesh_shapes[{s}]="
-          f"{tuple(config.submesh_shapes[s])}): use fewer microbatches, a larger batch, or "
-          "fewer data shards on that stage.")
   auto = is_auto(config.layer_cuts)
   if auto:  # the strategy's own checks (`MpmdConfig.validate`), once
     auto_cuts.check(config, model.num_layers)
   else:
     groups = layer_groups(config.layer_cuts, model.num_layers)
   schedule = make_schedule(config)
-  batch_split = sharding.input_split_dims(shapes, task.train.inputs_split_mapping,
-                                          task.batch_axes(), mesh_lib.mesh_shape(mesh))
   micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct((mb_size,) + x.shape[1:], x.dtype), shapes)
+  batch_split = _batch_split(task, config, micro, meshes)
   part_stage = tuple(schedule.owner(v)[0] for v in range(num_parts(config)))
   cuts, costs = auto_cuts.resolve(task, model, config, meshes, micro, batch_split, part_stage,
                                   auto)  # "auto": the balanced cuts, measured now

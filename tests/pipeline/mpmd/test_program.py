@@ -140,7 +140,15 @@ def test_checkpoints_cross_between_mpmd_and_spmd(tmp_path):
      r"2 parts.*2 stages.*x 2 chunks"),
     (["task.pipeline.schedule='1f1b'", "task.pipeline.num_chunks=2",
       "task.pipeline.layer_cuts=(1, 2, 3)"], r"task.pipeline.schedule='1f1b'.*one chunk"),
-    (["task.pipeline.num_microbatches=3"], r"task.pipeline.num_microbatches=3.*divide"),
+    (["task.pipeline.num_microbatches=3"],
+     r"batch_size=16 does not split into task.pipeline.num_microbatches=3 equal microbatches"),
+    (["datasets['train'].batch_size=12"],
+     r"^datasets\['train'\].batch_size=12 split into task.pipeline.num_microbatches=4 "
+     r"microbatches gives 3 rows each, which do not divide over the data axes \('data', 'fsdp'\) "
+     r"of task.pipeline.submesh_shapes\[0\]=\(2, 1, 2\) \(2 shards\). Make the batch size a "
+     r"multiple of 16 \(e.g. --fdl_set=\"datasets\['train'\].batch_size=16\"\), or change "
+     r"task.pipeline.num_microbatches or the data axes' sizes in task.pipeline.submesh_shapes\[0\] "
+     r"or task.pipeline.submesh_shapes\[1\].$"),
     (["task.train.num_microbatches=2"], r"task.train.num_microbatches=2.*MPMD"),
 ])
 def test_bad_configs_raise(overrides, match):

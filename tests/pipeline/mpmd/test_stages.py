@@ -55,7 +55,10 @@ def test_setup_plans_once_and_the_program_reads_the_plan(monkeypatch):
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (["task.pipeline.num_microbatches=3"], r"task.pipeline.num_microbatches=3.*divide"),
+    (["task.pipeline.num_microbatches=3"],
+     r"datasets\['train'\].batch_size=16 does not split into task.pipeline.num_microbatches=3 "
+     r"equal microbatches. Make the batch size a multiple of 12 \(e.g. --fdl_set=\"datasets"
+     r"\['train'\].batch_size=24\"\)"),
     (["task.pipeline.layer_cuts=(4,)"], r"task.pipeline.layer_cuts=\(4,\).*beyond the last"),
     (["task.pipeline.layer_cuts='balanced'"], r"task.pipeline.layer_cuts='balanced'"),
     (["task.pipeline.layer_cuts='auto'", "task.pipeline.num_chunks=2"],
@@ -64,8 +67,19 @@ def test_setup_plans_once_and_the_program_reads_the_plan(monkeypatch):
      r"task.pipeline.submesh_shapes=.*the job has 8"),
     (["task.pipeline.schedule='zigzag'"], r"task.pipeline.schedule='zigzag'"),
     (["task.train.num_microbatches=2"], r"task.train.num_microbatches=2.*MPMD"),
-    (["task.pipeline.num_microbatches=8"], r"microbatches of 2 rows.*stage 1's data axes"),
+    (["task.pipeline.num_microbatches=8"],
+     r"batch_size=16 split into task.pipeline.num_microbatches=8 microbatches gives 2 rows each, "
+     r"which do not divide over the data axes \('data', 'fsdp'\) of "
+     r"task.pipeline.submesh_shapes\[1\]=\(4, 1, 1\) \(4 shards\)"),
 ])
 def test_bad_plans_raise_naming_the_field(overrides, match):
   with pytest.raises(ConfigError, match=match):
     _plan(overrides)
+
+
+def test_the_batch_need_only_split_over_the_stage_submeshes():
+  """12 rows in 3 microbatches of 4 split over stage 0's 2 and stage 1's 4 data shards: a
+  plan, although 12 does not divide over the all-device mesh's 8 (it only holds
+  checkpoints)."""
+  plan, _ = _plan(["datasets['train'].batch_size=12", "task.pipeline.num_microbatches=3"])
+  assert (plan.batch_rows, plan.microbatch_size, dict(plan.mesh.shape)["data"]) == (12, 4, 8)
