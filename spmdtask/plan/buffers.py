@@ -5,7 +5,10 @@ out-of-memory message states. Pure.
 `hlo_arrays(text)` lists the arrays a per-device program writes to memory: the result of
 every instruction in a computation that runs as such (the ENTRY, loop bodies and
 conditions, branches), not those inside a fusion (a fusion's inner values never reach
-HBM whole), and not views (parameters, tuple elements, bitcasts). Each with its shape,
+HBM whole), and not views (parameters, tuple elements, bitcasts); those in the device's
+main memory (HBM), or with `on_host` those XLA placed in the host's memory (a layout's
+memory space S(5): offloaded activations); never on-chip scratch (VMEM and the other
+memory spaces of a layout's `S(n)`). Each with its shape,
 bytes, and what it is (the JAX op it came from, from XLA's metadata). It says which arrays
 a program makes, not how long they live: an array listed is one the program holds at
 some point, and one not listed (e.g. a whole float32 logits array) is never made.
@@ -41,8 +44,10 @@ class Buffer:
     return dataclasses.asdict(self)
 
 
-_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ([a-z][a-z0-9]*\[[0-9,]*\])(?:\{[^ ]*\})? "
+_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ([a-z][a-z0-9]*\[[0-9,]*\])(\{[^ ]*\})? "
                    r"([\w\-]+)\(")
+_SPACE = re.compile(r"S\((\d+)\)\}$")  # a layout's memory space; none: the device's HBM
+HOST_SPACE = 5  # XLA's memory space of the host's (pinned) memory
 _FUSED = re.compile(r"\b(?:calls|to_apply)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _VIEWS = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "iota",
@@ -57,9 +62,11 @@ def op_name(name: str) -> str:
   return "/".join(parts[-3:])
 
 
-def hlo_arrays(text: str, top: int | None = 10) -> list[Buffer]:
-  """The `top` (None: all) largest arrays the per-device program `text` writes (module
-  doc), largest first; one per shape and op."""
+def hlo_arrays(text: str, top: int | None = 10, on_host: bool = False) -> list[Buffer]:
+  """The `top` (None: all) largest arrays the per-device program `text` writes in the
+  device's HBM (with `on_host`: in the host's memory), largest first; one per shape and op
+  (module doc)."""
+  want = HOST_SPACE if on_host else 0
   comps, _ = hlo.computations(text)
   inner = {m for lines in comps.values() for line in lines for m in _FUSED.findall(line)}
   seen, out = set(), []
@@ -68,15 +75,29 @@ def hlo_arrays(text: str, top: int | None = 10) -> list[Buffer]:
       continue
     for line in lines:
       m = _LINE.match(line)
-      if not m or m.group(3) in _VIEWS:
+      if not m or m.group(4) in _VIEWS:
+        continue
+      space = _SPACE.search(m.group(3) or "")
+      if (int(space.group(1)) if space else 0) != want:
         continue
       what = _OP_NAME.search(line)
       what = op_name(what.group(1)) if what else m.group(1)
       key = (m.group(2), what)
       if key not in seen:
         seen.add(key)
-        out.append(Buffer(m.group(2), hlo.shape_bytes(m.group(2)), what, m.group(3)))
+        out.append(Buffer(m.group(2), hlo.shape_bytes(m.group(2)), what, m.group(4)))
   return sorted(out, key=lambda b: -b.bytes)[:top]
+
+
+def plan_section(text: str | None, top: int) -> dict:
+  """A compiled program's `top` largest arrays in the device's HBM (`largest_arrays`) and,
+  where XLA placed some in the host's memory (offloaded activations), there
+  (`largest_host_arrays`), as JSON; none where its optimized program `text` is unknown."""
+  if text is None:
+    return {"largest_arrays": []}
+  out = {"largest_arrays": [b.as_json() for b in hlo_arrays(text, top)]}
+  host = [b.as_json() for b in hlo_arrays(text, top, on_host=True)]
+  return {**out, "largest_host_arrays": host} if host else out
 
 
 _SIZE = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

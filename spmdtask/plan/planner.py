@@ -248,8 +248,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       "loops": step["loops"],
       "collectives": hlo.collectives(text, target.num_slices) if text is not None else {},
       "collective_bytes_received_per_device": traffic,
-      "largest_arrays": ([b.as_json() for b in buffers.hlo_arrays(text, LARGEST)]
-                         if text is not None else []),
+      **buffers.plan_section(text, LARGEST),
       "warnings": notes}
   if target.chip is not None:
     flops = step["flops"]

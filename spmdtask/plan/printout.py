@@ -52,7 +52,9 @@ def format_plan(plan: dict) -> list[str]:
       f"FLOPs per step: XLA {f['xla']:.4g} (loops counted per trip; {f['xla_loop_bodies_once']:.3g}"
       f" with loop bodies once), model formula {f['model']:.4g}; HBM bytes per step per device "
       f"{mb(plan['hbm_bytes_per_step_per_device'])}",
-      "largest arrays per device: " + (arrays(plan.get("largest_arrays", []), 5) or "unknown"),
+      "largest arrays per device: " + (arrays(plan.get("largest_arrays", []), 5) or "unknown")
+      + (f"; offloaded to the host: {arrays(plan['largest_host_arrays'], 3)}"
+         if plan.get("largest_host_arrays") else ""),
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]

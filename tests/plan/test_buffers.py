@@ -107,3 +107,22 @@ def test_without_xlas_arrays_the_model_accounts_for_the_temporaries():
   assert "Of the temporaries, by the model's own account (XLA names none of its arrays): the " \
          "layers' inputs, kept for the backward, bfloat16[80, 1, 8192, 8192] 10.0 GiB; " in text
   assert "the other 6.3 GiB: gradients, gathered weights" in text
+
+
+def test_hlo_arrays_tell_the_host_memory_from_the_device_and_skip_on_chip_scratch():
+  """A layout's memory space: S(5) is the host's (offloaded activations), S(1) VMEM."""
+  text = """HloModule m
+
+ENTRY %main (p: bf16[4,8]) -> bf16[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  %off = bf16[32,4,8]{2,1,0:T(8,128)(2,1)S(5)} custom-call(%p), custom_call_target="x"
+  %vmem = bf16[16,4,8]{2,1,0:T(8,128)(2,1)S(1)} copy(%p)
+  ROOT %sum = bf16[4,8]{1,0:T(8,128)(2,1)} add(%p, %p)
+}
+"""
+  assert [b.shape for b in buffers.hlo_arrays(text, None)] == ["bf16[4,8]"]
+  assert [(b.shape, b.bytes) for b in buffers.hlo_arrays(text, None, on_host=True)] == [
+      ("bf16[32,4,8]", 32 * 4 * 8 * 2)]
+  section = buffers.plan_section(text, 8)
+  assert [a["shape"] for a in section["largest_host_arrays"]] == ["bf16[32,4,8]"]
+  assert "largest_host_arrays" not in buffers.plan_section(text.replace("S(5)", "S(1)"), 8)
