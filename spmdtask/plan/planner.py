@@ -22,8 +22,9 @@ runs), and reports:
                to the param or activation of that shape.
 It prints a summary and writes `job_log_dir/plan.json`. The memory budget is
 `device_memory_gib`, else the chip's HBM; a peak estimate above it raises `PlanExceeded`
-naming the largest consumers. `compiled_report` plans one compiled program and is what
-a plan of several programs (one per pipeline stage) repeats.
+naming the largest consumers. `compiled_report` plans one compiled program; a plan of
+several programs (an MPMD pipeline's stage programs) lists each one's memory and takes its
+FLOPs, bytes and roofline from all of them, per stage (spmdtask.plan.stage_roofline).
 """
 import json
 import math
