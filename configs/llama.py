@@ -295,7 +295,7 @@ class Llama32_1B_Mpmd(Llama32_1B):
   @functools.cache
   def task(self) -> fdl.Config[Task]:
     cfg = super().task()
-    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(8,), submesh_shapes=((1, 4, 1),) * 2,
+    cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(8,), submesh_shapes=((1, 4, 1, 1),) * 2,
                               schedule="1f1b", num_microbatches=4)
     return cfg
 

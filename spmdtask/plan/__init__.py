@@ -5,7 +5,8 @@ collectives, a roofline bound, what remat costs.
 - `planner` builds the plan, `printout` formats it, `targets` and `chips` say what it is for;
 - `xla_cost`, `hlo`, `buffers`, `flops`, `roofline`, `remat_cost` read compiled programs (and
   `buffers` XLA:TPU's out-of-memory message); `oom` says what fills a chip that a plan
-  overflows. Pure where they can be.
+  overflows; `stage_roofline` bounds a step of several programs on disjoint submeshes (an
+  MPMD pipeline's stages) by its busiest stage. Pure where they can be.
 
 Imports: core, `task` and the top-level shared modules.
 """

@@ -228,6 +228,12 @@ def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
   return list(ops.values())
 
 
+def pallas_calls(text: str) -> int:
+  """How many Pallas kernel calls XLA:TPU's optimized program holds (custom calls whose
+  FLOPs its cost analysis cannot see)."""
+  return text.count('custom_call_target="tpu_custom_call"')
+
+
 def collectives(text: str, num_slices: int = 1) -> dict[str, dict[str, int]]:
   """kind -> {'count': ops executed per step, 'bytes': result bytes per device per step};
   collectives across slices are kinds of their own, e.g. 'all-reduce (dcn)'."""

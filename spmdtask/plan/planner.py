@@ -22,8 +22,9 @@ runs), and reports:
                to the param or activation of that shape.
 It prints a summary and writes `job_log_dir/plan.json`. The memory budget is
 `device_memory_gib`, else the chip's HBM; a peak estimate above it raises `PlanExceeded`
-naming the largest consumers. `compiled_report` plans one compiled program and is what
-a plan of several programs (one per pipeline stage) repeats.
+naming the largest consumers. `compiled_report` plans one compiled program; a plan of
+several programs (an MPMD pipeline's stage programs) lists each one's memory and takes its
+FLOPs, bytes and roofline from all of them, per stage (spmdtask.plan.stage_roofline).
 """
 import json
 import math
@@ -35,7 +36,8 @@ import tempfile
 import jax
 
 from spmdtask import console, fs
-from spmdtask.plan import buffers, hlo, oom, printout, remat_cost, roofline, targets, xla_cost
+from spmdtask.plan import (buffers, hlo, oom, printout, remat_cost, roofline, stage_roofline,
+                           targets, xla_cost)
 from spmdtask.core import memory, sharding
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
@@ -177,16 +179,6 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
   return out
 
 
-def collective_traffic(ops: list[hlo.Collective]) -> dict[str, float]:
-  """Bytes one device receives per step in its collectives: within its slice (ICI) and
-  across slices (DCN)."""
-  out = {"ici": 0.0, "dcn": 0.0}
-  for op in ops:
-    out["dcn" if op.dcn else "ici"] += op.runs * roofline.received_bytes(
-        op.kind, op.bytes, op.group_size)
-  return out
-
-
 def compiled_report(compiled, target: targets.Target, num_devices: int, model_flops: float,
                     tokens: float, kernel_flops: float | None = None) -> dict:
   """What one compiled program costs per device per step on `target`'s chips: memory,
@@ -215,7 +207,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   if text is not None:
     step = xla_cost.per_step(text)
     ops = hlo.collective_ops(text, target.num_slices)
-    kernels = text.count('custom_call_target="tpu_custom_call"')
+    kernels = hlo.pallas_calls(text)
     if kernels and kernel_flops is None:
       notes.append(f"{kernels} Pallas kernel call(s) (e.g. splash attention): XLA's cost "
                    "analysis counts none of their FLOPs, so the compute bound uses the model "
@@ -231,7 +223,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
     step = {"flops": float(once.get("flops", 0.0)),
             "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}
     ops = []
-  traffic = collective_traffic(ops)
+  traffic = roofline.collective_traffic(ops)
   report = {
       "compiled": compiled_memory(compiled),
       "flops_per_step": {
@@ -282,7 +274,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
       c, text = compile_lowering(lw, keep)
       pairs.append((lw, c))
       log_text += text
-    if len(pairs) > 1:  # the largest per-device peak stands for the step
+    if len(pairs) > 1:  # the largest per-device peak stands for the step's memory
       programs = [{"name": lw.name, "stage": lw.stage, "devices": lw.mesh.devices.size,
                    "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c),
                    "largest_arrays": largest_arrays(c, LARGEST)} for lw, c in pairs]
@@ -293,10 +285,16 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   remat = None
   if len(lowerings) == 1 and lowerings[0].fn is not None:  # MPMD: per stage instead
     remat = remat_cost.plan_section(program, example, lowerings[0], compiled)
+  model_flops = float(program.work.train_flops) * batch_shape[0]
+  tokens = float(program.work.tokens) * batch_shape[0]
   if compiled is not None:
-    report = compiled_report(compiled, target, n, float(program.work.train_flops) * batch_shape[0],
-                             float(program.work.tokens) * batch_shape[0],
+    report = compiled_report(compiled, target, n, model_flops, tokens,
                              remat and remat["kernel_flops_per_device"])
+  if programs:  # MPMD: the step costs what every stage's programs do (plan.stage_roofline)
+    costs = [stage_roofline.measure(lw, c, target.num_slices) for lw, c in pairs]
+    step, stage_plans = stage_roofline.step_report(costs, program.stage_report(pairs),
+                                                   target.chip, model_flops, tokens, n)
+    report.update(step)
   if remat is not None:
     report["remat"] = remat
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
@@ -316,7 +314,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     plan["stages"] = stage_report(rows, mesh_shape, axis)
   if programs:
     plan["programs"] = programs
-    plan["stage_plans"] = program.stage_report(pairs)
+    plan["stage_plans"] = stage_plans
   plan["describe"] = program.describe()  # after stage_report: MPMD stage costs measured
   return plan
 

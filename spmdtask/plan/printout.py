@@ -19,6 +19,25 @@ def format_estimate(plan: dict) -> list[str]:
       f"{100 * est['mfu_upper_bound']:.1f}%"]
 
 
+def format_stage_estimates(plan: dict) -> list[str]:
+  """An MPMD step's roofline per stage (`plan.stage_roofline`): what the bound rests on,
+  each stage's busy time per resource, and the bubble's estimate beside the bound."""
+  est = plan.get("estimate")
+  if est is None or "stage" not in est:
+    return []
+  secs = console.human_seconds
+  lines = [f"step bound: {est['basis']}"]
+  for st in plan["stage_plans"]:
+    terms = ", ".join(f"{k} {secs(v)}" for k, v in st["seconds"].items())
+    lines.append(f"stage {st['stage']} busy per step: {terms}; busy {secs(st['busy_seconds'])}"
+                 f" (bound by {st['bound']}); bubble {st['bubble']:.1%}")
+  with_bubble = est["step_seconds_with_bubble_estimate"]
+  lines.append(f"with the schedule's bubble (the simulator's estimate with equal F/B/W costs, "
+               f"not a bound): step ~ {secs(with_bubble)}, MFU ~ "
+               f"{100 * (est['mfu_with_bubble_estimate'] or 0):.1f}%")
+  return lines
+
+
 def format_plan(plan: dict) -> list[str]:
   """The console lines of a plan."""
   mb = console.human_bytes
@@ -60,7 +79,7 @@ def format_plan(plan: dict) -> list[str]:
           or "none")]
   if "remat" in plan:
     lines.append(remat_line(plan["remat"]))
-  lines += format_estimate(plan)
+  lines += format_estimate(plan) + format_stage_estimates(plan)
   for st in plan.get("stages", []):
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "

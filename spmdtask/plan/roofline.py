@@ -7,7 +7,9 @@ Each per-chip resource gives a time the step cannot beat:
            bandwidth (half the documented bidirectional figure);
   dcn      the same for collectives that cross slices / its share of the DCN;
   host_link  bytes of offloaded activations (remat `*_offloaded` presets) moved between
-           HBM and host memory / the chip's host link (PCIe) bandwidth.
+           HBM and host memory / the chip's host link (PCIe) bandwidth;
+  transfers  (MPMD stages) bytes a chip sends to another stage's chips / its one-way ICI
+           bandwidth (the same half of the bidirectional figure).
 The step takes at least the largest (they may overlap perfectly, never better), which
 bounds tokens/s from above and the MFU (model FLOPs / (step time x peak)) too.
 """
@@ -31,13 +33,25 @@ def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
   return result_bytes * (n - 1) / n  # all-gather, all-to-all
 
 
+def collective_traffic(ops) -> dict[str, float]:
+  """Bytes one device receives per run of a program in its collectives (`hlo.Collective`s,
+  each run `runs` times): within its slice (ICI) and across slices (DCN)."""
+  out = {"ici": 0.0, "dcn": 0.0}
+  for op in ops:
+    out["dcn" if op.dcn else "ici"] += op.runs * received_bytes(op.kind, op.bytes, op.group_size)
+  return out
+
+
 def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_bytes: float,
-             model_flops: float, tokens: float, host_bytes: float = 0.0) -> dict:
+             model_flops: float, tokens: float, host_bytes: float = 0.0,
+             transfer_bytes: float = 0.0) -> dict:
   """The roofline of one step; every argument is per chip per step but `tokens` (the
   step's tokens over all chips) and `model_flops` (the model formula's, per chip)."""
   terms = {"compute": flops / chip.peak_bf16_flops_per_s,
            "hbm": hbm_bytes / chip.hbm_bytes_per_s,
            "ici": ici_bytes / chip.ici_ingress_bytes_per_s}
+  if transfer_bytes:
+    terms["transfers"] = transfer_bytes / chip.ici_ingress_bytes_per_s
   notes = []
   if dcn_bytes:
     if chip.dcn_bytes_per_s:

@@ -1,6 +1,7 @@
 """Every strategy for every stacked model: cold starts from the 1-device initial weights,
 packed text (segment ids, positions) and dropout under the SPMD pipeline and MPMD, ViT under
 MPMD, each equal to one device; config errors; the plan of an MPMD job."""
+import dataclasses
 import functools
 import re
 
@@ -9,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from spmdtask.plan import planner
+from spmdtask.plan import chips, planner, printout, targets
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
 from spmdtask.pipeline.schedules import generators, simulate
@@ -120,7 +121,10 @@ def test_interleaved_with_one_chunk_is_a_config_error():
 
 
 def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
-  got = planner.make_plan(util.build_run("lm.TinyLmMpmd"), "lm.TinyLmMpmd")
+  # XLA:CPU's programs, with a v5e's facts for the roofline.
+  chip = chips.CHIPS["v5e"]
+  target = dataclasses.replace(targets.present(), chip=chip)
+  got = planner.make_plan(util.build_run("lm.TinyLmMpmd"), "lm.TinyLmMpmd", target)
   names = [p["name"] for p in got["programs"]]
   assert names == ["stage 0 part 0 forward", "stage 0 part 0 backward",
                    "stage 1 part 1 forward", "stage 1 part 1 backward",
@@ -154,6 +158,23 @@ def test_plan_of_an_mpmd_job_compiles_every_stage_program(tmp_path):
     assert st["flops_per_step"] / 4 / 4 == pytest.approx(st["cost_flops_per_microbatch"],
                                                          rel=0.02)
   assert "(set by hand)" in got["describe"][-1]
+  # The step's roofline (plan.stage_roofline): FLOPs summed over every stage program, the
+  # bound the busiest stage's busy time, the MFU ceiling over all 8 chips.
+  f, est = got["flops_per_step"], got["estimate"]
+  assert sum(st["flops_per_step"] for st in stages) == pytest.approx(f["xla"], rel=1e-12)
+  assert f["xla"] > f["model"] > 0
+  busy = [st["busy_seconds"] for st in stages]
+  assert busy == [max(st["seconds"].values()) for st in stages]
+  assert est["step_seconds_lower_bound"] == max(busy) == busy[est["stage"]]
+  assert stages[est["stage"]]["seconds"] == est["seconds"]
+  assert 0 < est["mfu_upper_bound"] < 1
+  assert abs(est["mfu_upper_bound"] - f["model"] / (
+      est["step_seconds_lower_bound"] * chip.peak_bf16_flops_per_s * 8)) < 1e-9
+  assert est["step_seconds_with_bubble_estimate"] == pytest.approx(
+      max(b / (1 - st["bubble"]) for b, st in zip(busy, stages)), rel=1e-12)
+  lines = printout.format_plan(got)
+  assert sum(l.startswith(f"stage {s} busy per step: ") for s in (0, 1) for l in lines) == 2
+  assert any(l.startswith("with the schedule's bubble (the simulator's estimate") for l in lines)
 
 
 def test_stage_programs_hold_activations_split_as_the_mapping_says():

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdtask.plan import chips, flops, hlo, planner, targets, xla_cost
+from spmdtask.core import program as program_lib
+from spmdtask.plan import chips, flops, hlo, planner, stage_roofline, targets, xla_cost
 from spmdtask.errors import ConfigError, PlanExceeded
 from tests import subproc, util
 
@@ -110,8 +111,43 @@ def test_mpmd_plan_on_v5e_compiles_every_stage_program(tmp_path):
   programs = {p["name"]: p for p in got["programs"]}
   assert {p["devices"] for p in programs.values()} == {4}
   assert programs["stage 1 gradient reduction"]["compiled"]["peak_estimate_bytes"] > 0
-  assert [st["stage"] for st in got["stage_plans"]] == [0, 1]
-  assert all(st["flops_per_step"] > 0 for st in got["stage_plans"])
+  stages, f, est = got["stage_plans"], got["flops_per_step"], got["estimate"]
+  assert [st["stage"] for st in stages] == [0, 1]
+  assert all(st["flops_per_step"] > 0 for st in stages)
+  # The step's bound: the busiest stage's busy time; the MFU ceiling over all 8 chips.
+  assert sum(st["flops_per_step"] for st in stages) == pytest.approx(f["xla"], rel=1e-12)
+  assert est["step_seconds_lower_bound"] == max(st["busy_seconds"] for st in stages)
+  assert 0 < est["mfu_upper_bound"] < 1
+  assert abs(est["mfu_upper_bound"] - f["model"] / (
+      est["step_seconds_lower_bound"] * chips.CHIPS["v5e"].peak_bf16_flops_per_s * 8)) < 1e-9
+
+
+def test_mpmd_part_programs_count_their_pallas_kernels():
+  """A part's forward and backward with splash attention, compiled by XLA:TPU: its cost
+  analysis counts none of the kernels' FLOPs; `stage_roofline.measure` adds those traced
+  from the part's jitted function and abstract args (the plan's per-stage FLOPs)."""
+  run = util.build_run("lm.TinyLmMpmd", ["datasets['train'].seq_len=128",
+                                         "task.model.attention_impl='splash'",
+                                         "task.pipeline.submesh_shapes=((1, 4, 1), (1, 4, 1))"])
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(run.task, example, devices=list(targets.tpu("v5e:2x4").devices))
+  parts = [lw for lw in program.lowerings(example) if lw.stage == 0 and lw.fn is not None]
+  assert [lw.name for lw in parts] == ["stage 0 part 0 forward", "stage 0 part 0 backward"]
+  traced = []
+  for lw in parts:
+    compiled = lw.lower().compile()
+    text = compiled.as_text()
+    with jax.set_mesh(lw.mesh):
+      traced.append(flops.traced_flops(lw.fn, *lw.args, kernels_only=True))
+    got = stage_roofline.measure(lw, compiled)
+    assert hlo.pallas_calls(text) > 0 and got.calls_per_step == 4
+    assert got.kernel_flops == traced[-1] / 4
+    assert got.flops == xla_cost.per_step(text)["flops"] + traced[-1] / 4
+  # Layer 0's attention over a microbatch of 4 rows x 128 tokens, 4 heads of 32: the forward
+  # kernel's 2 matmuls over every block (causal blocks are not skipped in the count); the
+  # backward recomputes the forward (full remat) and runs 7 more in its dq and dkv kernels.
+  forward = 2 * 2 * 4 * 128 * 128 * 4 * 32
+  assert traced == [forward, forward + 3.5 * forward]
 
 
 def test_compute_bound_counts_pallas_kernels():

@@ -14,7 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask import console
 from spmdtask.core import layouts, memory
-from spmdtask.plan import xla_cost
 from spmdtask.pipeline.schedules import simulate
 from spmdtask.core.train_state import StateLayout
 
@@ -77,8 +76,9 @@ def part_args(pl, part) -> tuple[tuple, tuple]:
 
 
 def lowerings(program) -> list[layouts.Lowering]:
-  """Each part's forward and backward (run M times a step), each stage's gradient
-  reduction (once a step, with per-device accumulation) and its update."""
+  """Each part's forward and backward (run M times a step; with their jitted functions and
+  abstract args, for tracing), each stage's gradient reduction (once a step, with
+  per-device accumulation) and its update."""
   pl = program.pipeline
   M = pl.schedule.num_microbatches
   out = []
@@ -86,14 +86,13 @@ def lowerings(program) -> list[layouts.Lowering]:
     s, mesh = part.stage, pl.stages[part.stage].mesh
     args, cot = part_args(pl, part)
     out.append(layouts.Lowering(f"stage {s} part {part.index} forward", s, mesh,
-                                lambda p=part, a=args: p.fwd.lower(*a), M))
-
-    accs = pl.acc[s].structs
-
-    def lower_bwd(p=part, a=args, c=cot, acc=tuple(accs[k] for k in part.param_keys)):
-      res = p.fwd.jitted.eval_shape(*a)[1]
-      return p.bwd.lower(res, c, acc)
-    out.append(layouts.Lowering(f"stage {s} part {part.index} backward", s, mesh, lower_bwd, M))
+                                lambda p=part, a=args: p.fwd.lower(*a), M, part.fwd.jitted,
+                                args))
+    res = part.fwd.jitted.eval_shape(*args)[1]
+    bwd_args = (res, cot, tuple(pl.acc[s].structs[k] for k in part.param_keys))
+    out.append(layouts.Lowering(f"stage {s} part {part.index} backward", s, mesh,
+                                lambda p=part, a=bwd_args: p.bwd.lower(*a), M, part.bwd.jitted,
+                                bwd_args))
   for s, acc in enumerate(pl.acc):
     if acc.reduction is not None:  # per-device partial sums -> the step's gradients
       out.append(layouts.Lowering(
@@ -119,10 +118,11 @@ def stage_report(program, compiled: list) -> list[dict]:
   temporaries among its programs; one activation set's bytes per device (a part's forward
   outputs: residuals and what it sends); the live sets at the schedule's peak (the
   simulator's count) and their bytes (`simulate.peak_bytes` with those set sizes); bytes
-  it sends per step (activations forward, gradients back); FLOPs per step; the simulated
-  bubble (equal F/B/W costs); the estimated peak = state + live sets + temporaries; and
+  it sends per step (activations forward, gradients back); the simulated bubble (equal
+  F/B/W costs); the estimated peak = state + live sets + temporaries; and
   its cost per microbatch (compiled train FLOPs per device of its layers, `CutCosts`) and
-  that relative to the slowest stage.
+  that relative to the slowest stage. The plan adds each stage's FLOPs and roofline
+  (`plan.stage_roofline.step_report`).
   """
   pl, sched = program.pipeline, program.pipeline.schedule
   M = sched.num_microbatches
@@ -137,7 +137,6 @@ def stage_report(program, compiled: list) -> list[dict]:
   for s, (spec, layers) in enumerate(zip(pl.stages, stage_layers(program))):
     mine = [(lw, c) for lw, c in compiled if lw.stage == s]
     temp = max(c.memory_analysis().temp_size_in_bytes for _, c in mine)
-    flops = sum(_flops(c) * lw.mesh.devices.size * lw.calls_per_step for lw, c in mine)
     parts = [p for p in pl.parts if p.stage == s]
     sent = M * sum(nbytes(p.float_out + p.int_out) for p in parts)
     sent += M * sum(pl.values[i].aval.size * pl.values[i].aval.dtype.itemsize
@@ -151,13 +150,8 @@ def stage_report(program, compiled: list) -> list[dict]:
         "activation_set_bytes": [set_bytes[p.index] for p in parts],
         "peak_activation_sets": float(sim.peak_activations[s]),
         "peak_activation_bytes": int(live[s]), "transfer_bytes_per_step": int(sent),
-        "flops_per_step": flops, "bubble": float(sim.bubble_fractions[s]),
+        "bubble": float(sim.bubble_fractions[s]),
         "peak_estimate_bytes": int(state + live[s] + temp),
         "cost_flops_per_microbatch": costs.loads[s], "cost_vs_slowest": costs.ratios[s],
         "layer_cuts_auto": costs.auto})
   return rows
-
-
-def _flops(compiled) -> float:
-  """Per-device FLOPs of one call, loop bodies counted per trip (a part's scanned layers)."""
-  return float(xla_cost.per_step(compiled.as_text())["flops"])

@@ -3,8 +3,9 @@
 An MPMD program built on CPU devices is rebuilt on a TPU topology's compile-only devices
 (`on_target`); each part's programs are lowered from ShapeDtypeStructs and compiled by
 XLA:TPU ahead of time (nothing runs). Each program's time is its roofline lower bound on
-the chip (`plan.compiled_report`: max of compute, HBM and ICI time from XLA's FLOPs and
-bytes with loops counted per trip, and its collectives), and becomes one action's cost:
+the chip (`plan.stage_roofline.measure`: max of compute, HBM and ICI time from XLA's FLOPs
+and bytes with loops counted per trip, its Pallas kernels' traced FLOPs, and its
+collectives), and becomes one action's cost:
 
   F = forward    B = backward (unsplit)    I = input_grad    W = weight_grad
 
@@ -20,7 +21,7 @@ import types
 from jax.sharding import NamedSharding
 
 from spmdtask.core import layouts
-from spmdtask.plan import planner
+from spmdtask.plan import planner, roofline as plan_roofline, stage_roofline
 from spmdtask.pipeline.mpmd import pipeline, parts, report, stages, step as mpmd_step
 from spmdtask.pipeline.schedules import simulate
 
@@ -50,26 +51,30 @@ def split_lowerings(pl) -> list[layouts.Lowering]:
     res = part.fwd.jitted.eval_shape(*args)[1]
     stash = part.input_grad.jitted.eval_shape(res, cot)[1]
     kept = parts.kept_inputs(res, cot, part.kept)
+    acc = tuple(pl.acc[s].structs[key] for key in part.param_keys)
     out.append(layouts.Lowering(f"stage {s} part {part.index} input_grad", s, mesh,
-                                lambda p=part, r=res, c=cot: p.input_grad.lower(r, c), M))
+                                lambda p=part, r=res, c=cot: p.input_grad.lower(r, c), M,
+                                part.input_grad.jitted, (res, cot)))
     out.append(layouts.Lowering(f"stage {s} part {part.index} weight_grad", s, mesh,
-                                lambda p=part, k=kept, st=stash, a=tuple(
-                                    pl.acc[s].structs[key] for key in part.param_keys):
-                                p.weight_grad.lower(k, st, a), M))
+                                lambda p=part, k=kept, st=stash, a=acc:
+                                p.weight_grad.lower(k, st, a), M, part.weight_grad.jitted,
+                                (kept, stash, acc)))
   return out
 
 
 def roofline(lowerings, target, progress=lambda name: None) -> dict[str, dict]:
   """Lowering name -> its compiled roofline on `target`'s chip: {'seconds' (the bound),
-  'bound' (which term), 'terms', 'flops_per_device'}; `progress(name)` before each."""
+  'bound' (which term), 'terms', 'flops_per_device'} per call, its Pallas kernels' traced
+  FLOPs included (`plan.stage_roofline.measure`); `progress(name)` before each."""
   out = {}
   for lw in lowerings:
     progress(lw.name)
     compiled, _ = planner.compile_lowering(lw)
-    est = planner.compiled_report(compiled, target, lw.mesh.devices.size, 0.0, 1.0)
-    out[lw.name] = {"seconds": est["estimate"]["step_seconds_lower_bound"],
-                    "bound": est["estimate"]["bound"], "terms": est["estimate"]["seconds"],
-                    "flops_per_device": est["flops_per_step"]["xla_per_device"]}
+    cost = stage_roofline.measure(lw, compiled, target.num_slices)
+    est = plan_roofline.estimate(target.chip, cost.flops, cost.hbm_bytes, cost.ici_bytes,
+                                 cost.dcn_bytes, 0.0, 1.0, cost.host_bytes)
+    out[lw.name] = {"seconds": est["step_seconds_lower_bound"], "bound": est["bound"],
+                    "terms": est["seconds"], "flops_per_device": cost.flops}
   return out
 
 
