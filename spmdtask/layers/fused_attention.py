@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from spmdtask.core.sharding import shards
+from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
 from spmdtask.layers.base import SplitDims
 
@@ -202,15 +202,18 @@ def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or heads_split is None:
     return local(q, k, v, segment_ids)
-  if k.shape[2] % shards(heads_split[2], mesh.shape):
+  # Axes already manual (the SPMD pipeline's 'stage', MPMD's per-device data axes) split
+  # the arrays by hand already: the call is manual over every other axis, and replicated
+  # over those it does not split.
+  axis_names = set(mesh.axis_names) - set(mesh.manual_axes)
+  free = lambda entry: tuple(a for a in entry_axes(entry) if a in axis_names) or None
+  batch_axes, head_axes = free(heads_split[0]), free(heads_split[2])
+  if k.shape[2] % shards(head_axes, mesh.shape):
     group = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   # A batch that does not divide over its axes (init traces one row) is not split.
-  batch = heads_split[0] if q.shape[0] % shards(heads_split[0], mesh.shape) == 0 else None
-  spec, seg_spec = P(batch, None, heads_split[2], None), P(batch, None)
-  # Manual over every axis not already manual (e.g. 'stage' inside the SPMD pipeline):
-  # the call is replicated over the axes it does not split.
-  axis_names = set(mesh.axis_names) - set(mesh.manual_axes)
+  batch = batch_axes if q.shape[0] % shards(batch_axes, mesh.shape) == 0 else None
+  spec, seg_spec = P(batch, None, head_axes, None), P(batch, None)
   if segment_ids is None:
     fn = jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(spec,) * 3,
                        out_specs=spec, axis_names=axis_names, check_vma=False)

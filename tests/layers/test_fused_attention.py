@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import program as program_lib, sharding
 from spmdtask.errors import ConfigError
@@ -160,3 +161,22 @@ def test_a_choice_that_cannot_run_is_a_config_error(impl, backend, seq, heads, n
   for needle in needles:
     assert needle in str(err.value), str(err.value)
   assert "task.model.attention_impl" in str(err.value)
+
+
+def test_splash_inside_a_region_already_manual_over_the_batch_axis():
+  """MPMD runs a stage's part under a shard_map manual over its data axes: splash then
+  splits only over the axes left (here heads over 'model'), and equals xla."""
+  mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  b, t, h, hd = 4, 256, 4, 64
+  q, k, v = (jax.random.normal(key, (b, t, h, hd)) for key in jax.random.split(jax.random.key(1), 3))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  want = attend(q, k, v, pos, pos, True, None, None)
+  split = ("data", None, "model", None)
+
+  def per_data_shard(q, k, v):
+    return fa.splash(q, k, v, None, True, split, interpret=True, block=128)
+
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.shard_map(per_data_shard, in_specs=(P("data"),) * 3, out_specs=P("data"),
+                                axis_names={"data"}))(q, k, v)
+  np.testing.assert_allclose(got, want, **TOL)
