@@ -27,18 +27,33 @@ def model_memory(task, rows_per_device: float, batch_shape) -> ActivationMemory 
 
 def what_it_is(array: dict, memory: ActivationMemory | None, params: list[dict]) -> str:
   """What `array` (a `buffers.Buffer` as json) is: the model's activation of that shape,
-  a param of that shape (or one layer's slice of a stacked param: a gathered weight),
-  else the op XLA says made it."""
-  dims = tuple(buffers.Buffer(**array).dims)
-  for held in (memory.arrays if memory else ()):
-    if dims == tuple(int(x) for x in held.shape):
-      return held.what
-  for p in params:
-    shape = tuple(p["logical_shape"])
-    if dims == shape:
-      return f"the param {p['path']}, whole"
-    if len(shape) > 2 and dims == shape[1:]:
-      return f"one layer's {p['path']} whole (gathered, or its gradient)"
+  a param of that shape (or one layer's slice of a stacked param: a gathered weight; what
+  a collective made, a gathered weight or a reduced gradient, is matched to the params
+  first), else the op XLA says made it. Dims
+  of 1 are ignored (one row, one layer)."""
+  squeeze = lambda shape: tuple(int(x) for x in shape if int(x) != 1)
+  dims = squeeze(buffers.Buffer(**array).dims)
+
+  def as_activation():
+    for held in (memory.arrays if memory else ()):
+      if dims == squeeze(held.shape):
+        return held.what
+    return None
+
+  def as_param():
+    for p in params:
+      shape = tuple(p["logical_shape"])
+      if dims == squeeze(shape):
+        return f"the param {p['path']}, whole"
+      if len(shape) > 2 and dims == squeeze(shape[1:]):
+        return f"one layer's {p['path']} whole (gathered, or its gradient)"
+    return None
+
+  collective = array["kind"] in ("all-gather", "all-reduce", "reduce-scatter")
+  ways = (as_param, as_activation) if collective else (as_activation, as_param)
+  for way in ways:
+    if (what := way()) is not None:
+      return what
   return f"made by {array['what']}"
 
 
