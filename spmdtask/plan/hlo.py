@@ -24,7 +24,8 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
+# A shape (a tuple up to two deep, e.g. XLA:GPU's `((operands), results)`), then the op.
+_OP = re.compile(r"=\s*(\((?:[^()]|\([^()]*\))*\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.\-]+)")
 _TRIPS = re.compile(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
 _CALLED = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)")
@@ -203,6 +204,28 @@ def _homes(comps: dict[str, list[str]], entry: str) -> dict[str, str]:
 _LAYOUT = re.compile(r"\{[^{}]*\}")  # a layout, e.g. {2,1,0:T(8,128)(2,1)S(1)}
 
 
+def _top_level(shape: str) -> list[str]:
+  """The elements of a tuple shape '(a, (b, c))' -> ['a', '(b, c)']."""
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    depth += (ch in "([") - (ch in ")]")  # dims' commas are inside brackets
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      out.append(shape[start:i].strip())
+      start = i + 1
+  return out
+
+
+def result_shape(shape: str, kind: str, start: bool) -> str:
+  """The result part of a collective's HLO shape (layouts removed). An async start's shape
+  holds its operands too: `(operand, result)` for an all-gather, `((operands), (results))`
+  combined, `(operand, result, u32[], u32[])` for a collective-permute (XLA:GPU); an
+  all-reduce-start's is its result alone."""
+  if not start or kind == "all-reduce" or not shape.startswith("("):
+    return shape
+  parts = _top_level(shape)
+  return parts[1] if len(parts) > 1 else shape
+
+
 def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
   """Every collective of the per-device program, counted per step (see module doc)."""
   comps, entry = computations(text)
@@ -214,17 +237,18 @@ def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
     if not mult.get(name, 0):
       continue
     for line in lines:
-      m, dcn = _OP.search(line), _DCN_SEND.search(line)
+      m, dcn = _OP.search(_LAYOUT.sub("", line)), _DCN_SEND.search(line)
       if not (m or dcn):
         continue
       channel = _CHANNEL.search(line)
-      what = (dcn.group(2), dcn.group(1)) if dcn else (m.group(2), m.group(1))
+      what = ((dcn.group(2), dcn.group(1)) if dcn else
+              (m.group(2), result_shape(m.group(1), m.group(2), bool(m.group(3)))))
       key = ((home.get(name, name), channel.group(1), bool(dcn), what[0],
               _LAYOUT.sub("", what[1]), _replica_groups(line)) if channel else (name, line))
       runs = max(mult[name], ops[key].runs if key in ops else 0)
       ops[key] = (Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
                   if dcn else
-                  Collective(m.group(2), shape_bytes(m.group(1)), runs, _group_size(line)))
+                  Collective(m.group(2), shape_bytes(what[1]), runs, _group_size(line)))
   return list(ops.values())
 
 

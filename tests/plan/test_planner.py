@@ -136,6 +136,33 @@ def test_collectives_are_told_apart_by_more_than_their_channel_id():
       "all-gather": {"count": 7, "bytes": 7 * 2 * 512 * 512}}
 
 
+# XLA:GPU's async forms: a start's shape holds its operands beside its results (`(operand,
+# result)`; combined: `((operands), (results))`; a reduce-scatter's `((operand), result)`);
+# an all-reduce-start's is its result. Each counts its results only.
+GPU_HLO = """HloModule m
+
+ENTRY %main (a: bf16[8192,4000]) -> bf16[128,4000] {
+  %ag = (bf16[128,4000]{1,0}, bf16[8192,4000]{1,0}) all-gather-start(%a), channel_id=1, """ \
+  """replica_groups={{0,1}}, dimensions={0}
+  %agc = ((bf16[64,8]{1,0}, bf16[64,16]{1,0}), (bf16[128,8]{1,0}, bf16[128,16]{1,0})) """ \
+  """all-gather-start(%a, %a), channel_id=2, replica_groups={{0,1}}, dimensions={0}
+  %rs = ((bf16[8192,4000]{1,0}), bf16[128,4000]{1,0}) reduce-scatter-start(%a), channel_id=3, """ \
+  """replica_groups={{0,1}}, dimensions={0}, to_apply=%add
+  %ar = f32[1024]{0} all-reduce-start(%a), channel_id=4, replica_groups={{0,1}}, to_apply=%add
+  %cp = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(%a), channel_id=5, """ \
+  """source_target_pairs={{0,1},{1,0}}
+}
+"""
+
+
+def test_async_collectives_count_their_results_not_their_operands():
+  assert hlo.collectives(GPU_HLO) == {
+      "all-gather": {"count": 2, "bytes": 2 * 8192 * 4000 + 2 * 128 * 24},
+      "reduce-scatter": {"count": 1, "bytes": 2 * 128 * 4000},
+      "all-reduce": {"count": 1, "bytes": 4 * 1024},
+      "collective-permute": {"count": 1, "bytes": 4 * 16}}
+
+
 def test_remat_warning_names_the_param_of_that_shape():
   log = ("W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler "
          "cannot go from sharding {devices=[2,4]<=[8]} to {devices=[8,1]<=[8]} efficiently for "
