@@ -8,7 +8,8 @@ explicitly, and a scan says how many times its body runs. This counts 2·M·N·K
 `dot_general` (and per convolution output element and kernel tap) through every
 nested jaxpr, times the trip counts of the scans around it, the manual shards of a
 `shard_map` (whose body is traced per shard) and the grid of a Pallas kernel (its body
-works on one block; a kernel's own `cost_estimate` wins where it gives one). A `while`
+works on one block; a kernel's own `cost_estimate` wins where it gives one); cuDNN's fused
+attention by its shapes (2 matmuls forward, 5 backward). A `while`
 with no static trip count counts once. Elementwise work is not counted: on a
 transformer it is a small share, and remat changes it in proportion.
 """
@@ -33,6 +34,23 @@ def _conv_flops(eqn) -> float:
 
 
 _COUNTERS = {"dot_general": _dot_flops, "conv_general_dilated": _conv_flops}
+
+# cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`) traces
+# as one primitive per direction, with no dot inside: its forward is two matmuls (QK^T,
+# PV); its backward five (QK^T again, dP, dV, dQ, dK).
+_ATTENTION_MATMULS = {"dot_product_attention_fwd_wrapper": 2,
+                      "dot_product_attention_bwd_wrapper": 5}
+
+
+def _attention_flops(eqn) -> float:
+  """2·b·h·t·s·d per matmul of a cuDNN attention call, q [b, t, h, d] and k [b, s, kv, d]
+  (layout 0) or [b, h, t, d] (layout 1), no masked block skipped."""
+  q, k = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+  if int(eqn.params.get("layout", 0)) == 0:
+    (b, t, h, d), s = q, k[1]
+  else:
+    (b, h, t, d), s = q, k[2]
+  return _ATTENTION_MATMULS[eqn.primitive.name] * 2.0 * b * h * t * s * d
 
 
 def _sub_jaxprs(params: dict[str, Any]):
@@ -60,12 +78,16 @@ def _repeats(eqn) -> int:
 
 def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
   """Matmul FLOPs of one run of `jaxpr` (all devices together); with `kernels_only`, only
-  those inside Pallas kernels (what XLA's cost analysis cannot see in a custom call)."""
+  those inside fused kernels, Pallas's and cuDNN's attention (what XLA's cost analysis
+  cannot see in a custom call)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     count = _COUNTERS.get(eqn.primitive.name)
     if count is not None:
       total += 0.0 if kernels_only else count(eqn)
+      continue
+    if eqn.primitive.name in _ATTENTION_MATMULS:  # a kernel: counted with kernels_only too
+      total += _attention_flops(eqn)
       continue
     kernel = eqn.primitive.name == "pallas_call"
     estimate = eqn.params.get("cost_estimate") if kernel else None

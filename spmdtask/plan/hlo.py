@@ -252,10 +252,14 @@ def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
   return list(ops.values())
 
 
-def pallas_calls(text: str) -> int:
-  """How many Pallas kernel calls XLA:TPU's optimized program holds (custom calls whose
-  FLOPs its cost analysis cannot see)."""
-  return text.count('custom_call_target="tpu_custom_call"')
+_KERNELS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__cudnn$fmha')
+
+
+def kernel_calls(text: str) -> int:
+  """How many fused-kernel calls the optimized program holds: Pallas kernels (XLA:TPU) and
+  cuDNN's fused attention (XLA:GPU), custom calls whose FLOPs XLA's cost analysis cannot
+  see (`plan.flops` traces them)."""
+  return sum(text.count(k) for k in _KERNELS)
 
 
 def collectives(text: str, num_slices: int = 1) -> dict[str, dict[str, int]]:

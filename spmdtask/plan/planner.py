@@ -207,17 +207,19 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   if text is not None:
     step = xla_cost.per_step(text)
     ops = hlo.collective_ops(text, target.num_slices)
-    kernels = hlo.pallas_calls(text)
+    kernels = hlo.kernel_calls(text)
     if kernels and kernel_flops is None:
-      notes.append(f"{kernels} Pallas kernel call(s) (e.g. splash attention): XLA's cost "
+      notes.append(f"{kernels} fused kernel call(s) (Pallas, e.g. splash; cuDNN attention): "
+                   "XLA's cost "
                    "analysis counts none of their FLOPs, so the compute bound uses the model "
                    "formula's FLOPs where larger (its attention term is unmasked: up to that "
                    "term's half above a causal kernel's work).")
     elif kernels:
       step["flops"] += kernel_flops
-      notes.append(f"{kernels} Pallas kernel call(s): their FLOPs ({kernel_flops:.3g} per device "
-                   "per step: forward, backward, recompute) are traced per grid point; a kernel "
-                   "that skips blocks does less (splash under a causal mask: about half), so "
+      notes.append(f"{kernels} fused kernel call(s): their FLOPs ({kernel_flops:.3g} per device "
+                   "per step: forward, backward, recompute) are traced as if no block were "
+                   "skipped; a kernel that skips blocks does less (splash or cuDNN under a "
+                   "causal mask: about half), so "
                    f"the compute bound may be up to {kernel_flops / 2 / step['flops']:.0%} high.")
   else:
     step = {"flops": float(once.get("flops", 0.0)),

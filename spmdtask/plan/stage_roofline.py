@@ -62,7 +62,7 @@ def measure(lowering, compiled, num_slices: int = 1) -> ProgramCost:
   else:
     step, ops = xla_cost.per_step(text), hlo.collective_ops(text, num_slices)
     kernels = (remat_cost.step_flops(lowering)[1] / n
-               if hlo.pallas_calls(text) and lowering.fn is not None else 0.0)
+               if hlo.kernel_calls(text) and lowering.fn is not None else 0.0)
   traffic = roofline.collective_traffic(ops)
   return ProgramCost(
       lowering.name, lowering.stage, n, lowering.calls_per_step, step["flops"] + kernels,

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.extend import core as jex_core
 
 from spmdtask.plan import flops
 from spmdtask.core import remat
@@ -56,3 +57,24 @@ def test_a_pallas_kernel_counts_its_block_matmul_once_per_grid_point():
   step = lambda x, y: jax.lax.scan(lambda c, _: (c, matmul(x, y) @ y.T), 0.0, None, length=3)
   kernel = flops.traced_flops(step, x, y, kernels_only=True)
   assert kernel == 3 * 2 * 64 * 32 * 64 and flops.traced_flops(step, x, y) > kernel
+
+
+def test_cudnn_attention_counts_two_matmuls_forward_and_five_backward():
+  """cuDNN's fused attention traces as one primitive per direction (no dot inside); it is
+  counted from q's and k's shapes, as a kernel. The primitives are stood in for by ones of
+  the same names (this machine has no cuDNN to trace the real ones)."""
+  def wrapper(name):
+    prim = jex_core.Primitive(name)
+    prim.def_abstract_eval(lambda q, k, v, **_: q)
+    return prim
+
+  fwd, bwd = (wrapper(f"dot_product_attention_{d}_wrapper") for d in ("fwd", "bwd"))
+  b, t, h, kv, d = 2, 256, 4, 2, 64
+  q, k = jnp.zeros((b, t, h, d)), jnp.zeros((b, t, kv, d))
+  step = lambda q, k: bwd.bind(fwd.bind(q, k, k, layout=0), k, k, layout=0)
+  per_matmul = 2.0 * b * h * t * t * d
+  assert flops.traced_flops(step, q, k) == 7 * per_matmul
+  assert flops.traced_flops(step, q, k, kernels_only=True) == 7 * per_matmul
+  heads_first = lambda q, k: fwd.bind(q, k, k, layout=1)
+  assert flops.traced_flops(heads_first, q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)) \
+      == 2 * per_matmul

@@ -140,7 +140,7 @@ def test_mpmd_part_programs_count_their_pallas_kernels():
     with jax.set_mesh(lw.mesh):
       traced.append(flops.traced_flops(lw.fn, *lw.args, kernels_only=True))
     got = stage_roofline.measure(lw, compiled)
-    assert hlo.pallas_calls(text) > 0 and got.calls_per_step == 4
+    assert hlo.kernel_calls(text) > 0 and got.calls_per_step == 4
     assert got.kernel_flops == traced[-1] / 4
     assert got.flops == xla_cost.per_step(text)["flops"] + traced[-1] / 4
   # Layer 0's attention over a microbatch of 4 rows x 128 tokens, 4 heads of 32: the forward
