@@ -173,13 +173,13 @@ def test_compute_bound_counts_pallas_kernels():
   kernel_flops = flops.traced_flops(step, arg, arg, kernels_only=True)
   assert kernel_flops == 2 * 256**3
   blind = planner.compiled_report(compiled, target, 1, 4 * 256**3, 256)
-  assert any("Pallas kernel" in w for w in blind["warnings"])
+  assert any("fused kernel call(s) (Pallas" in w for w in blind["warnings"])
   got = planner.compiled_report(compiled, target, 1, 4 * 256**3, 256, kernel_flops)
   xla_alone = blind["flops_per_step"]["xla_per_device"]
   assert xla_alone == pytest.approx(2 * 256**3, rel=0.01)  # the plain matmul only
   assert got["flops_per_step"]["xla_per_device"] == xla_alone + kernel_flops
   assert not any("model formula" in w for w in got["warnings"])
-  assert any("traced per grid point" in w and "up to 25% high" in w for w in got["warnings"])
+  assert any("traced as if no block were skipped" in w and "up to 25% high" in w for w in got["warnings"])
   chip, est = target.chip, got["estimate"]
   assert est["seconds"]["compute"] == pytest.approx(4 * 256**3 / chip.peak_bf16_flops_per_s,
                                                     rel=0.01)
