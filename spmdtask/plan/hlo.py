@@ -265,8 +265,13 @@ def kernel_calls(text: str) -> int:
 def collectives(text: str, num_slices: int = 1) -> dict[str, dict[str, int]]:
   """kind -> {'count': ops executed per step, 'bytes': result bytes per device per step};
   collectives across slices are kinds of their own, e.g. 'all-reduce (dcn)'."""
+  return by_kind(collective_ops(text, num_slices))
+
+
+def by_kind(ops: list[Collective]) -> dict[str, dict[str, int]]:
+  """`collectives` of ops already read (`collective_ops`)."""
   out: dict[str, dict[str, int]] = {}
-  for op in collective_ops(text, num_slices):
+  for op in ops:
     row = out.setdefault(op.kind + (" (dcn)" if op.dcn else ""), {"count": 0, "bytes": 0})
     row["count"] += op.runs
     row["bytes"] += op.runs * op.bytes

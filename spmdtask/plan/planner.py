@@ -216,11 +216,9 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                    "term's half above a causal kernel's work).")
     elif kernels:
       step["flops"] += kernel_flops
-      notes.append(f"{kernels} fused kernel call(s): their FLOPs ({kernel_flops:.3g} per device "
-                   "per step: forward, backward, recompute) are traced as if no block were "
-                   "skipped; a kernel that skips blocks does less (splash or cuDNN under a "
-                   "causal mask: about half), so "
-                   f"the compute bound may be up to {kernel_flops / 2 / step['flops']:.0%} high.")
+      notes.append(roofline.kernel_note(f"{kernels} fused kernel call(s)",
+                                        f"{kernel_flops:.3g} per device per step", kernel_flops,
+                                        step["flops"]))
   else:
     step = {"flops": float(once.get("flops", 0.0)),
             "bytes accessed": float(once.get("bytes accessed", 0.0)), "loops": []}
@@ -240,7 +238,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                   "model's is 6·N·T + attention."},
       "hbm_bytes_per_step_per_device": step["bytes accessed"],
       "loops": step["loops"],
-      "collectives": hlo.collectives(text, target.num_slices) if text is not None else {},
+      "collectives": hlo.by_kind(ops),
       "collective_bytes_received_per_device": traffic,
       **buffers.plan_section(text, LARGEST),
       "warnings": notes}

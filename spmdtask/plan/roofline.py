@@ -42,6 +42,15 @@ def collective_traffic(ops) -> dict[str, float]:
   return out
 
 
+def kernel_note(calls: str, amount: str, kernel_flops: float, flops: float) -> str:
+  """What a compute bound with fused kernels' traced FLOPs (`kernel_flops` of `flops`)
+  rests on: `calls` says which kernels, `amount` their FLOPs and over what."""
+  return (f"{calls}: their FLOPs ({amount}: forward, backward, recompute) are traced as if no "
+          "block were skipped; a kernel that skips blocks does less (splash or cuDNN under a "
+          "causal mask: about half), so the compute bound may be up to "
+          f"{kernel_flops / 2 / flops:.0%} high.")
+
+
 def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_bytes: float,
              model_flops: float, tokens: float, host_bytes: float = 0.0,
              transfer_bytes: float = 0.0) -> dict:

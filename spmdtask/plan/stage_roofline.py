@@ -68,7 +68,7 @@ def measure(lowering, compiled, num_slices: int = 1) -> ProgramCost:
       lowering.name, lowering.stage, n, lowering.calls_per_step, step["flops"] + kernels,
       kernels, float(once.get("flops", 0.0)), step["bytes accessed"], traffic["ici"],
       traffic["dcn"], remat_cost.host_transfer_bytes(compiled.memory_analysis()),
-      hlo.collectives(text, num_slices) if text is not None else {}, note)
+      hlo.by_kind(ops), note)
 
 
 def stage_sums(costs: list[ProgramCost], num_stages: int) -> list[dict]:
@@ -175,7 +175,5 @@ def _kernel_notes(costs: list[ProgramCost]) -> list[str]:
   flops = sum(c.flops * c.devices * c.calls_per_step for c in costs)
   if not kernels:
     return []
-  return [f"Pallas kernels: their FLOPs ({kernels:.3g} a step over every stage: forward, "
-          "backward, recompute) are traced per grid point; a kernel that skips blocks does "
-          "less (splash under a causal mask: about half), so the compute bounds may be up to "
-          f"{kernels / 2 / flops:.0%} high."]
+  return [roofline.kernel_note("Fused kernels (Pallas kernels, cuDNN attention)",
+                               f"{kernels:.3g} a step over every stage", kernels, flops)]
