@@ -208,7 +208,7 @@ def run(argv) -> None:
   backend_log = console.init_backends()
   if joined is not None:
     from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
-    peers.watch(_JOB_LOG_DIR.value)  # a lost process stops the others, naming it
+    peers.watch(_JOB_LOG_DIR.value, rerun_command(sys.argv))  # a lost one stops the others
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
   from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
@@ -285,6 +285,11 @@ def reexec_for_plan() -> None:
 
 def restore_command(argv: list[str], step: int) -> str:
   """This run's command line with --restore_step=`step` in place of any given."""
+  return f"{rerun_command(argv)} --restore_step={step}"
+
+
+def rerun_command(argv: list[str]) -> str:
+  """This run's command line without any --restore_step (a rerun resumes the newest)."""
   args, skip = [], False
   for a in argv[1:]:
     if skip or a.startswith("--restore_step="):
@@ -294,7 +299,7 @@ def restore_command(argv: list[str], step: int) -> str:
       skip = True
       continue
     args.append(a)
-  return shlex.join(["python", "-m", "spmdtask.main", *args, f"--restore_step={step}"])
+  return shlex.join(["python", "-m", "spmdtask.main", *args])
 
 
 def flag_error(error: Exception) -> str:
@@ -353,6 +358,10 @@ def main(argv) -> None:
     _fail(interrupts.after_ctrl_c() + str(e), 130, log=True)
   except KeyboardInterrupt:
     _fail(interrupts.after_ctrl_c() + "Interrupted; exiting.", 130, log=True)
+  except Exception as e:  # pylint: disable=broad-except
+    from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
+    peers.stop_if_lost(e)  # a lost process ends the job in one line (exit 5)
+    raise
 
 
 if __name__ == "__main__":

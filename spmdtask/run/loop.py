@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spmdtask.run import checkpoints, evaluation, interrupts, summaries
+from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries
 from spmdtask import console, fs
 from spmdtask.core import memory
 from spmdtask.core import program as program_lib
@@ -341,6 +341,9 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
     try:
       return run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
                        all_hooks, stop or (lambda step: None))
+    except Exception as e:  # pylint: disable=broad-except
+      peers.stop_if_lost(e)  # before the hooks close: their saves would wait for a lost peer
+      raise
     finally:
       for h in all_hooks:
         h.close()  # the last save is committed here

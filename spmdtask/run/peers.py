@@ -1,61 +1,83 @@
-"""A lost peer: the processes of a multi-process job watch each other; when one is lost, the
-others stop within about LOST_S seconds, each with one line naming it and the newest complete
-checkpoint, and exit EXIT_LOST_PEER.
+"""A lost peer: when a process of a multi-process job is lost, the others stop with one
+line naming it, the newest complete checkpoint and the rerun command, and exit
+EXIT_LOST_PEER, whichever way the loss shows itself first.
 
-JAX's own detection (its coordination service's heartbeats, `heartbeat_timeout_seconds` of
-`jax.distributed.initialize`) ends a survivor with a C++ fatal error, an abort (exit 134), a
-stack dump and no word of which process was lost. Its client takes a missed-heartbeat
-callback instead, but not one written in Python: jaxlib 0.10.2 fails to pass it the status
-(std::bad_cast, another abort). And a survivor waiting in a collective for the lost process
-cannot be reached from Python. So every process writes a beat to JAX's distributed key-value
-store every BEAT_S seconds and reads everyone's. A peer whose beat has not moved for LOST_S
-(or process 0, the store's host, not answering for as long) is lost: the watching thread
-prints the line and ends its process with `os._exit` (committed checkpoints stay as they are;
-an unfinished one is never used). JAX's heartbeat timeout is set above LOST_S
-(`cluster.JAX_HEARTBEAT_S`), as a backstop. A process that ends marks itself done at exit,
-so the others never count it lost while they finish. Not covered: when process 0 itself is
-lost, JAX's client on the others aborts at once (it polls the coordinator for errors).
+Every process writes a beat to JAX's distributed key-value store every BEAT_S seconds and
+reads everyone's (the `Watch` thread). A loss shows itself in one of three ways:
+- a collective fails (gloo, NCCL, TPU ICI/DCN: JAX raises `JaxRuntimeError` when a peer's
+  connection closes) or a key-value-store call fails (orbax's barriers, the preemption sync
+  point): `stop_if_lost(error)`, called where the train loop and the binary meet an error,
+  asks the beats which process is gone: one whose beat has not moved for SILENT_S, or
+  process 0 when its store no longer answers. It waits at most LOST_S; if every peer beats
+  on, the error was not a lost peer and goes on as it was;
+- a collective that never returns (gloo sometimes waits on a dead peer instead of failing):
+  the watch thread names a peer whose beat has not moved for LOST_S;
+- the store (process 0) not answering for LOST_S.
+The verdict is written to the store, so the other survivors adopt it at once rather than
+taking process 0's exit for a second loss; process 0 (the store's host) waits for them, up
+to SILENT_S, before it exits. The failure's traceback goes to the absl log (logs/), the
+line to stderr, and the process ends with `os._exit`: a normal exit would wait in
+`jax.distributed.shutdown` and orbax's barriers for the lost process until JAX's client
+aborts it (exit 134). Committed checkpoints stay as they are; an unfinished one is never
+used. A process that ends normally marks itself done, so the others never count it lost.
+
+Why not JAX's own detection: its coordination service's missed heartbeats
+(`heartbeat_timeout_seconds`, kept above LOST_S as a backstop: `cluster.JAX_HEARTBEAT_S`)
+end a survivor with a C++ fatal error, exit 134 and no word of which process was lost; its
+client's missed-heartbeat callback cannot be written in Python (jaxlib 0.10.2: bad_cast).
+When process 0 is lost, JAX's client on the others aborts as soon as its poll of the
+coordinator fails, within a second: a survivor's line comes first only when its own
+collective or store call failed first.
 """
 import atexit
 import os
 import sys
 import threading
 import time
+import traceback
 from typing import Callable
 
 from absl import logging
 
-BEAT_S = 3.0
-LOST_S = 30.0
+BEAT_S = 1.0
+SILENT_S = 5.0   # after a failed collective, a beat this still is a lost process
+LOST_S = 30.0    # with no failure seen, a beat this still is a lost process
 EXIT_LOST_PEER = 5
 _PREFIX = "spmdtask/beat/"
 _DONE = "done"
+_LOST = "lost:"  # a survivor's verdict, in place of its beat: "lost:<process>"
+# Status codes of a process's own fault (absl codes, the same from every runtime): an
+# out-of-memory or a bad program is never a lost peer, and needs no wait for the beats.
+_OWN_FAULTS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")
 
 
-def lost_line(lost: int, me: int, num_processes: int, seconds: float,
-              newest_step: int | None, checkpoint_dir: str) -> str:
-  """The one line survivor `me` stops with; process 0 lost means its key-value store no
-  longer answers."""
-  what = ("no longer answers (it hosts the job's coordinator)" if lost == 0
-          else "has given no sign of life")
-  kept = (f"the newest complete checkpoint is step {newest_step} in {checkpoint_dir}: restart "
-          "every process with the same command to resume from it" if newest_step is not None
-          else "no checkpoint was completed yet: a restart begins at step 0")
-  return (f"spmdtask: lost process {lost} of {num_processes}: it {what} for {seconds:.0f} s "
-          f"(killed, crashed, or its host gone). Process {me} stops here (exit "
-          f"{EXIT_LOST_PEER}); {kept}.")
+def lost_line(lost: int, me: int, num_processes: int, how: str, newest_step: int | None,
+              checkpoint_dir: str, rerun: str = "") -> str:
+  """The one line survivor `me` stops with; `how` says how the loss showed itself."""
+  kept = (f"the newest complete checkpoint is step {newest_step} in {checkpoint_dir}: a "
+          "rerun resumes from it" if newest_step is not None else
+          "no checkpoint was completed yet: a rerun begins at step 0")
+  again = f" (this one: {rerun})" if rerun else ""
+  return (f"spmdtask: lost process {lost} of {num_processes} (killed, crashed, or its host "
+          f"gone): {how}. Process {me} stops here (exit {EXIT_LOST_PEER}); {kept}. Rerun "
+          f"every process with the command it was started with{again}.")
 
 
 class Watch:
-  """The beat-and-watch thread of this process (start it once the job is joined)."""
+  """The beat-and-watch thread of this process (start it once the job is joined), and the
+  verdict a failed collective asks of it."""
 
   def __init__(self, client, process: int, num_processes: int,
-               newest_step: Callable[[], int | None], checkpoint_dir: str,
-               beat_s: float = BEAT_S, lost_s: float = LOST_S):
+               newest_step: Callable[[], int | None], checkpoint_dir: str, rerun: str = "",
+               beat_s: float = BEAT_S, silent_s: float = SILENT_S, lost_s: float = LOST_S):
     self.client, self.process, self.num_processes = client, process, num_processes
-    self.newest_step, self.checkpoint_dir = newest_step, checkpoint_dir
-    self.beat_s, self.lost_s = beat_s, lost_s
-    self._done = threading.Event()
+    self.newest_step, self.checkpoint_dir, self.rerun = newest_step, checkpoint_dir, rerun
+    self.beat_s, self.silent_s, self.lost_s = beat_s, silent_s, lost_s
+    self._done, self._lock, self._stopping = threading.Event(), threading.Lock(), False
+    now = time.monotonic()
+    self._beat, self._answered = 0, now
+    self._seen: dict[int, str | None] = {}
+    self._moved = {p: now for p in range(num_processes)}  # when its beat last changed
 
   def start(self) -> None:
     atexit.register(self.finish)  # runs before JAX's own exit handler (registered earlier)
@@ -65,56 +87,153 @@ class Watch:
     """This process is ending: the others must not count it lost."""
     if not self._done.is_set():
       self._done.set()
-      try:
-        self.client.key_value_set(f"{_PREFIX}{self.process}", _DONE, allow_overwrite=True)
-      except Exception:  # pylint: disable=broad-except  # the store's host is gone
-        pass
+      self._set(_DONE)
+
+  def _set(self, value: str) -> bool:
+    try:
+      self.client.key_value_set(f"{_PREFIX}{self.process}", value, allow_overwrite=True)
+      return True
+    except Exception:  # pylint: disable=broad-except  # the store's host is gone
+      return False
+
+  def _poll(self) -> dict[int, str] | None:
+    """Beats once and reads every beat (None: the store does not answer)."""
+    with self._lock:
+      self._beat += 1
+      beat = self._beat
+    try:
+      if not self._done.is_set():
+        self.client.key_value_set(f"{_PREFIX}{self.process}", str(beat), allow_overwrite=True)
+      raw = dict(self.client.key_value_dir_get(_PREFIX))
+    except Exception:  # pylint: disable=broad-except  # the store (process 0) is gone
+      return None
+    now = time.monotonic()
+    beats = {p: raw.get(f"{_PREFIX}{p}") for p in range(self.num_processes)}
+    with self._lock:
+      self._answered = now
+      for p, value in beats.items():
+        if value != self._seen.get(p):
+          self._seen[p], self._moved[p] = value, now
+    return beats
+
+  def _still(self, beats: dict[int, str]) -> tuple[int, float] | None:
+    """The peer whose beat has been still the longest (a finished one never counts)."""
+    now = time.monotonic()
+    with self._lock:
+      still = [(now - self._moved[p], p) for p in range(self.num_processes)
+               if p != self.process and beats.get(p) != _DONE]
+    return (max(still)[1], max(still)[0]) if still else None
 
   def _run(self) -> None:
-    now = time.monotonic()
-    seen, moved, answered, beat = {}, {p: now for p in range(self.num_processes)}, now, 0
     while not self._done.wait(self.beat_s):
-      now = time.monotonic()
-      try:
-        beat += 1
-        self.client.key_value_set(f"{_PREFIX}{self.process}", str(beat), allow_overwrite=True)
-        beats = dict(self.client.key_value_dir_get(_PREFIX))
-        answered = now
-      except Exception:  # pylint: disable=broad-except  # the store (process 0) is gone
-        if now - answered > self.lost_s and not self._done.is_set():
-          self._stop(0, now - answered)
+      beats = self._poll()
+      if beats is None:
+        silent = time.monotonic() - self._answered
+        if silent > self.lost_s and self.process != 0:
+          self._stop(0, f"its key-value store has not answered for {silent:.0f} s")
         continue
-      for p in range(self.num_processes):
-        value = beats.get(f"{_PREFIX}{p}")
-        if p == self.process or value == _DONE:
-          continue
-        if value != seen.get(p):
-          seen[p], moved[p] = value, now
-        elif now - moved[p] > self.lost_s and not self._done.is_set():
-          self._stop(p, now - moved[p])
+      verdict = _verdict(beats, self.process)
+      still = self._still(beats)
+      if verdict is not None:
+        self._stop(verdict, "another process saw it go")
+      elif still is not None and still[1] > self.lost_s:
+        self._stop(still[0], f"it has given no sign of life for {still[1]:.0f} s")
 
-  def _stop(self, process: int, seconds: float) -> None:
+  def lost_after(self, error: BaseException) -> None:
+    """Ends this process with the line if `error` came from a lost peer; else returns."""
+    t0 = time.monotonic()
+    first = None
+    while time.monotonic() - t0 < self.lost_s:
+      beats = self._poll()
+      what = f"a collective or key-value-store call failed ({type(error).__name__})"
+      if beats is None:
+        if self.process != 0:
+          self._stop(0, f"{what}, and its key-value store no longer answers", error)
+        return  # process 0 hosts the store: it cannot fail to answer here
+      verdict = _verdict(beats, self.process)
+      if verdict is not None:
+        self._stop(verdict, f"{what}; another process saw it go", error)
+      still = self._still(beats)
+      if still is not None and still[1] > self.silent_s:
+        self._stop(still[0], f"{what}, and it has given no sign of life for "
+                   f"{still[1]:.0f} s", error)
+      first = first or beats
+      if all(beats[p] != first[p] for p in range(self.num_processes)
+             if p != self.process and beats[p] != _DONE):
+        return  # every peer beat on since: they are all alive
+      time.sleep(self.beat_s / 5)
+
+  def _stop(self, lost: int, how: str, error: BaseException | None = None) -> None:
+    with self._lock:
+      first, self._stopping = not self._stopping, True
+    if not first:  # the other thread is printing the line: its os._exit ends this one too
+      threading.Event().wait()
     try:
       step = self.newest_step()
     except Exception:  # pylint: disable=broad-except  # unreadable: say so, stop anyway
       step = None
-    line = lost_line(process, self.process, self.num_processes, seconds, step,
-                     self.checkpoint_dir)
+    line = lost_line(lost, self.process, self.num_processes, how, step, self.checkpoint_dir,
+                     self.rerun)
+    if error is not None:
+      logging.info("The failure that showed the loss:\n%s",
+                   "".join(traceback.format_exception(error)))
     logging.info("%s", line)
     logging.flush()
+    sys.stdout.flush()
     print(line, file=sys.stderr, flush=True)
+    self._done.set()  # no more beats: the verdict takes this process's key
+    self._set(f"{_LOST}{lost}")
+    if self.process == 0:
+      self._linger(lost)
     os._exit(EXIT_LOST_PEER)  # pylint: disable=protected-access
 
+  def _linger(self, lost: int) -> None:
+    """Process 0 hosts the store: it stays until every other survivor has a verdict."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < self.silent_s:
+      try:
+        raw = dict(self.client.key_value_dir_get(_PREFIX))
+      except Exception:  # pylint: disable=broad-except
+        return
+      if all(str(raw.get(f"{_PREFIX}{p}")).startswith((_LOST, _DONE))
+             for p in range(1, self.num_processes) if p != lost):
+        return
+      time.sleep(self.beat_s / 5)
 
-def watch(job_log_dir: str) -> Watch | None:
-  """Starts this process's watch in a joined multi-process job (None for one process)."""
+
+def _verdict(beats: dict[int, str], me: int) -> int | None:
+  """A lost process another survivor has already named."""
+  return next((int(v[len(_LOST):]) for p, v in beats.items()
+               if p != me and v and v.startswith(_LOST)), None)
+
+
+_watch: Watch | None = None
+
+
+def stop_if_lost(error: BaseException) -> None:
+  """Call with an error a multi-process job met (an exception handler's `except`, before
+  any cleanup that talks to the other processes): ends the process with the lost-peer line
+  (exit EXIT_LOST_PEER) if a lost process caused it, else returns. A runtime error other
+  than a process's own fault is asked of the beats; nothing else is."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if (_watch is None or not isinstance(error, jax.errors.JaxRuntimeError)
+      or str(error).startswith(_OWN_FAULTS)):
+    return
+  _watch.lost_after(error)
+
+
+def watch(job_log_dir: str, rerun: str = "") -> Watch | None:
+  """Starts this process's watch in a joined multi-process job (None for one process).
+  `rerun`: this process's command line, named in the line."""
+  global _watch
   import jax  # pylint: disable=g-import-not-at-top
   from spmdtask.run import checkpoints, cluster  # pylint: disable=g-import-not-at-top
   client = cluster.kv_store()
   if client is None or jax.process_count() < 2:
     return None
   directory = checkpoints.checkpoint_dir(job_log_dir)
-  w = Watch(client, jax.process_index(), jax.process_count(),
-            lambda: max(checkpoints.complete_steps(directory), default=None), directory)
-  w.start()
-  return w
+  _watch = Watch(client, jax.process_index(), jax.process_count(),
+                 lambda: max(checkpoints.complete_steps(directory), default=None), directory,
+                 rerun)
+  _watch.start()
+  return _watch
