@@ -141,11 +141,11 @@ class Watch:
 
   def lost_after(self, error: BaseException) -> None:
     """Ends this process with the line if `error` came from a lost peer; else returns."""
+    what = f"a collective or key-value-store call failed ({type(error).__name__})"
     t0 = time.monotonic()
     first = None
     while time.monotonic() - t0 < self.lost_s:
       beats = self._poll()
-      what = f"a collective or key-value-store call failed ({type(error).__name__})"
       if beats is None:
         if self.process != 0:
           self._stop(0, f"{what}, and its key-value store no longer answers", error)
@@ -174,13 +174,13 @@ class Watch:
       step = None
     line = lost_line(lost, self.process, self.num_processes, how, step, self.checkpoint_dir,
                      self.rerun)
+    sys.stdout.flush()
+    print(line, file=sys.stderr, flush=True)  # first: JAX's client may abort this process
     if error is not None:
       logging.info("The failure that showed the loss:\n%s",
                    "".join(traceback.format_exception(error)))
     logging.info("%s", line)
     logging.flush()
-    sys.stdout.flush()
-    print(line, file=sys.stderr, flush=True)
     self._done.set()  # no more beats: the verdict takes this process's key
     self._set(f"{_LOST}{lost}")
     if self.process == 0:
