@@ -64,8 +64,8 @@ def device_counts(num_processes: int, devices_per_process) -> list[int]:
   return counts
 
 
-def _start(num_processes: int, devices_per_process, main_args: list[str], env: dict | None,
-           cluster: str, outputs: list) -> list[subprocess.Popen]:
+def start(num_processes: int, devices_per_process, main_args: list[str], env: dict | None,
+          cluster: str, outputs: list) -> list[subprocess.Popen]:
   """Starts the processes; process i writes stdout and stderr to `outputs[i]` (a pair of
   files; None: this terminal)."""
   env = dict(env or os.environ, JAX_PLATFORMS="cpu")
@@ -111,7 +111,7 @@ def launch(num_processes: int, devices_per_process: int | Sequence[int], main_ar
   # jax.distributed's shutdown barrier, so the others abort there.
   outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
           for _ in range(num_processes)]
-  procs = _start(num_processes, devices_per_process, main_args, env, cluster, outs)
+  procs = start(num_processes, devices_per_process, main_args, env, cluster, outs)
   _wait(procs, timeout)
   results = []
   for p, (out, err) in zip(procs, outs):
@@ -143,7 +143,7 @@ def run_on_console(num_processes: int, devices_per_process, main_args: list[str]
         f"{os.path.join(log_dir, 'process_<i>.log')}", file=sys.stderr, flush=True)
   files = [open(path, "w") for path in logs]  # pylint: disable=consider-using-with
   try:
-    procs = _start(num_processes, devices_per_process, main_args, None, cluster,
+    procs = start(num_processes, devices_per_process, main_args, None, cluster,
                    [None] + [(f, f) for f in files])
     try:
       _wait(procs, None)

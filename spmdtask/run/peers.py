@@ -46,9 +46,12 @@ EXIT_LOST_PEER = 5
 _PREFIX = "spmdtask/beat/"
 _DONE = "done"
 _LOST = "lost:"  # a survivor's verdict, in place of its beat: "lost:<process>"
-# Status codes of a process's own fault (absl codes, the same from every runtime): an
-# out-of-memory or a bad program is never a lost peer, and needs no wait for the beats.
-_OWN_FAULTS = ("RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNIMPLEMENTED")
+# The absl status codes (the same from every runtime: gloo, NCCL, TPU ICI/DCN, JAX's
+# coordination service) a lost peer shows as. JAX raises them as JaxRuntimeError, or as
+# ValueError when a failed collective's output is used; an out-of-memory
+# (RESOURCE_EXHAUSTED) or a bad program (INVALID_ARGUMENT) never needs the beats asked.
+_PEER_CODES = ("UNKNOWN", "UNAVAILABLE", "INTERNAL", "DEADLINE_EXCEEDED", "ABORTED",
+               "CANCELLED", "FAILED_PRECONDITION", "DATA_LOSS")
 
 
 def lost_line(lost: int, me: int, num_processes: int, how: str, newest_step: int | None,
@@ -141,7 +144,7 @@ class Watch:
 
   def lost_after(self, error: BaseException) -> None:
     """Ends this process with the line if `error` came from a lost peer; else returns."""
-    what = f"a collective or key-value-store call failed ({type(error).__name__})"
+    what = f"a collective or key-value-store call failed ({peer_status(error)})"
     t0 = time.monotonic()
     first = None
     while time.monotonic() - t0 < self.lost_s:
@@ -213,13 +216,23 @@ _watch: Watch | None = None
 def stop_if_lost(error: BaseException) -> None:
   """Call with an error a multi-process job met (an exception handler's `except`, before
   any cleanup that talks to the other processes): ends the process with the lost-peer line
-  (exit EXIT_LOST_PEER) if a lost process caused it, else returns. A runtime error other
-  than a process's own fault is asked of the beats; nothing else is."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if (_watch is None or not isinstance(error, jax.errors.JaxRuntimeError)
-      or str(error).startswith(_OWN_FAULTS)):
-    return
-  _watch.lost_after(error)
+  (exit EXIT_LOST_PEER) if a lost process caused it, else returns. Only an error that
+  carries a status a lost peer shows as is asked of the beats."""
+  if _watch is not None and peer_status(error) is not None:
+    _watch.lost_after(error)
+
+
+def peer_status(error: BaseException | None) -> str | None:
+  """The status code a lost peer shows as that `error`, or an error it was raised from,
+  carries (JAX's runtime errors begin their message with it); None if none does."""
+  for _ in range(8):  # the chain a library's wrapping leaves is short
+    if error is None:
+      return None
+    code = str(error).split(":", 1)[0]
+    if code in _PEER_CODES:
+      return code
+    error = error.__cause__ or error.__context__
+  return None
 
 
 def watch(job_log_dir: str, rerun: str = "") -> Watch | None:

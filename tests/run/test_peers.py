@@ -4,13 +4,17 @@ beating is named by the others within LOST_S, or within SILENT_S once a collecti
 each stops with one line naming it and the newest complete checkpoint, exit 5. A peer that
 ended and marked itself done is never lost; an error while every peer beats on, or a
 process's own fault, is not a lost peer."""
+import os
 import re
 import subprocess
 import sys
 import time
 
-from spmdtask.run import peers
+import pytest
+
+from spmdtask.run import checkpoints, peers
 from tests import subproc as h
+from tools import launch_local
 
 SETUP = """
 import threading, time
@@ -86,5 +90,119 @@ def test_a_failed_collective_asks_the_beats_and_names_the_silent_peer():
   lines = p.stderr.splitlines()
   assert len(lines) == 1 and re.fullmatch(
       r"spmdtask: lost process 1 of 3 \(killed, crashed, or its host gone\): a collective or "
-      r"key-value-store call failed \(JaxRuntimeError\), and it has given no sign of life for "
-      r"1 s\. " + END, lines[0]), lines
+      r"key-value-store call failed \(UNKNOWN\), and it has given no sign of life for 1 s\. "
+      + END, lines[0]), lines
+
+
+def test_a_lost_peer_is_recognised_by_its_runtime_status_not_its_type():
+  import jax  # pylint: disable=g-import-not-at-top
+  gloo = ValueError("UNKNOWN: Gloo AllGather failed: Connection reset by peer")  # a used output
+  try:
+    try:
+      raise jax.errors.JaxRuntimeError("UNAVAILABLE: Failed to send RPC")
+    except jax.errors.JaxRuntimeError as e:
+      raise RuntimeError("orbax: the barrier failed") from e
+  except RuntimeError as e:
+    wrapped = e
+  assert [peers.peer_status(e) for e in (gloo, wrapped)] == ["UNKNOWN", "UNAVAILABLE"]
+  for own in (jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory"),
+              ValueError("INVALID_ARGUMENT: bad shape"), ValueError("x: not a status"),
+              KeyError("UNKNOWN")):
+    assert peers.peer_status(own) is None, own
+
+
+# End to end: a 2-process TinyLm job (tools/launch_local.py, gloo, one CPU device each: every
+# collective crosses the processes), process 1 SIGKILLed at three moments, each found from
+# the job's own output. One job dir: each rerun checks that the previous line's checkpoint
+# resumes, then is the next kill's run.
+E2E = ("task.model.num_layers=2", "task.train.log_interval_steps=1",
+       "task.train.save_interval_steps=4", "task.train.summary_interval_steps=1000",
+       "datasets['train'].batch_size=32")
+LINE = re.compile(r"spmdtask: lost process 1 of 2 \(killed, crashed, or its host gone\): a "
+                  r"collective or key-value-store call failed \([A-Z_]+\), and it has "
+                  r"given no sign of life for \d+ s\. Process 0 stops here \(exit 5\); the "
+                  r"newest complete checkpoint is step (\d+) in (\S+): a rerun resumes from "
+                  r"it\. Rerun every process with the command it was started with \(this one: "
+                  r"python -m spmdtask\.main .*--process_id=0\)\.")
+
+
+class _Job:
+  """A launch of the 2-process job whose process 0's output is read as it comes."""
+
+  def __init__(self, job: str, tag: str, *overrides: str):
+    self.job, self.paths = job, [f"{job}.{tag}.{i}.{s}" for i in range(2) for s in ("out", "err")]
+    self.files = [open(p, "w+") for p in self.paths]  # pylint: disable=consider-using-with
+    args = h.main_cmd("lm.TinyLm", job, *E2E, *overrides)[3:]
+    self.procs = launch_local.start(2, 1, args, h.env(1), "flags",
+                                    [self.files[0:2], self.files[2:4]])
+
+  def out(self, i: int = 0, stream: int = 0) -> str:
+    with open(self.paths[2 * i + stream]) as f:
+      return f.read()
+
+  def wait_for(self, ready, timeout: float = 120) -> float:
+    """Polls until `ready()`; returns the time it became true."""
+    t0 = time.time()
+    while not ready():
+      assert time.time() - t0 < timeout and self.procs[0].poll() is None, self.out(0, 1)[-3000:]
+      time.sleep(0.01)
+    return time.time()
+
+  def kill_1_and_wait(self) -> tuple[float, str]:
+    """SIGKILLs process 1; (seconds until process 0 exited, its stderr)."""
+    t0 = time.time()
+    self.procs[1].kill()
+    self.procs[0].wait(timeout=90)
+    for f in self.files:
+      f.close()
+    return time.time() - t0, self.out(0, 1)
+
+  def check_lost_line(self) -> int:
+    """Process 1 killed: process 0 ended with exit 5, the one line and no traceback; returns
+    the checkpoint step the line names (the newest complete one on disk)."""
+    seconds, err = self.kill_1_and_wait()
+    assert self.procs[0].returncode == peers.EXIT_LOST_PEER, err[-3000:]
+    assert seconds < 60
+    assert "Traceback" not in err + self.out(0, 0)
+    line = LINE.fullmatch(err.strip())
+    assert line, err[-3000:]
+    step = int(line.group(1))
+    assert step == max(checkpoints.complete_steps(line.group(2)))
+    logs = open(os.path.join(self.job, "logs", "spmdtask.INFO")).read()
+    assert "The failure that showed the loss:\nTraceback" in logs
+    return step
+
+
+def _resumed(job: _Job, step: int) -> None:
+  job.wait_for(lambda: f"Resuming from the checkpoint at step {step};" in job.out())
+
+
+@pytest.mark.slow
+def test_process_1_killed_mid_step_between_steps_and_in_a_save_stops_process_0_in_one_line(
+    tmp_path):
+  job = str(tmp_path / "job")
+  ckpt = checkpoints.checkpoint_dir(job)
+  # During a checkpoint save: step 4's save has begun (orbax's temporary dir is there).
+  run = _Job(job, "save")
+  run.wait_for(lambda: os.path.isdir(ckpt) and any(
+      n.startswith("4.orbax-checkpoint-tmp") for n in os.listdir(ckpt)))
+  saved = run.check_lost_line()
+  # Between steps: process 0 has just printed a step's metrics (its next step not yet begun).
+  run = _Job(job, "between")
+  _resumed(run, saved)
+  run.wait_for(lambda: f"step {saved + 2}/" in run.out())
+  saved = run.check_lost_line()
+  # Mid-step: half a step after a progress line, when both processes are inside the step.
+  run = _Job(job, "mid")
+  _resumed(run, saved)
+  t1 = run.wait_for(lambda: f"step {saved + 2}/" in run.out())
+  t2 = run.wait_for(lambda: f"step {saved + 3}/" in run.out())
+  time.sleep((t2 - t1) / 2)
+  saved = run.check_lost_line()
+  # The rerun resumes from the newest checkpoint the line named, and finishes.
+  run = _Job(job, "end", f"task.train.num_train_steps={saved + 1}")
+  for p in run.procs:
+    p.wait(timeout=120)
+  assert [p.returncode for p in run.procs] == [0, 0], run.out(0, 1)[-3000:]
+  assert f"Resuming from the checkpoint at step {saved};" in run.out()
+  assert f"Done at step {saved + 1}" in run.out()
