@@ -1,10 +1,8 @@
 """The train loop: steps driven one by one, with small hooks for everything around them.
 
-The loop itself only feeds batches, runs `program.train` and fetches metrics when a
-hook asks for them (fetching is a host sync, so it happens only at those steps). What
-happens around the steps is a `Hook`: progress logging, TensorBoard summaries,
-checkpoints, evaluation; a new concern (profiling, NaN checks) is a new hook, not a
-longer loop.
+The loop only feeds batches, runs `program.train` and fetches metrics when a hook asks for
+them (a host sync, so only then). Around the steps, each concern (progress, summaries,
+checkpoints, evaluation, profiling, the NaN guard) is a `Hook`, not a longer loop.
 """
 import contextlib
 import dataclasses
@@ -341,8 +339,8 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
     try:
       return run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
                        all_hooks, stop or (lambda step: None))
-    except Exception as e:  # pylint: disable=broad-except
-      peers.stop_if_lost(e)  # before the hooks close: their saves would wait for a lost peer
+    except Exception as e:  # pylint: disable=broad-except  # the hooks' saves would wait for it
+      peers.stop_if_lost(e)
       raise
     finally:
       for h in all_hooks:
