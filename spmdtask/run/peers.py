@@ -4,11 +4,12 @@ EXIT_LOST_PEER, whichever way the loss shows itself first.
 
 Every process writes a beat to JAX's distributed key-value store every BEAT_S seconds and
 reads everyone's (the `Watch` thread). A loss shows itself in one of three ways:
-- a collective fails (gloo, NCCL, TPU ICI/DCN: JAX raises `JaxRuntimeError` when a peer's
-  connection closes) or a key-value-store call fails (orbax's barriers, the preemption sync
-  point): `stop_if_lost(error)`, called where the train loop and the binary meet an error,
-  asks the beats which process is gone: one whose beat has not moved for SILENT_S, or
-  process 0 when its store no longer answers. It waits at most LOST_S; if every peer beats
+- a collective fails (gloo, NCCL, TPU ICI/DCN: JAX raises an error carrying the runtime's
+  status when a peer's connection closes) or a key-value-store call fails (orbax's
+  barriers, the preemption sync point): `stop_if_lost(error)`, called where the train loop
+  (before its hooks close: their saves would wait for the lost peer) and the binary meet
+  an error, asks the beats which process is gone: one whose beat has not moved for
+  SILENT_S, or process 0 when its store no longer answers. It waits at most LOST_S; if every peer beats
   on, the error was not a lost peer and goes on as it was;
 - a collective that never returns (gloo sometimes waits on a dead peer instead of failing):
   the watch thread names a peer whose beat has not moved for LOST_S;
@@ -25,9 +26,9 @@ Why not JAX's own detection: its coordination service's missed heartbeats
 (`heartbeat_timeout_seconds`, kept above LOST_S as a backstop: `cluster.JAX_HEARTBEAT_S`)
 end a survivor with a C++ fatal error, exit 134 and no word of which process was lost; its
 client's missed-heartbeat callback cannot be written in Python (jaxlib 0.10.2: bad_cast).
-When process 0 is lost, JAX's client on the others aborts as soon as its poll of the
-coordinator fails, within a second: a survivor's line comes first only when its own
-collective or store call failed first.
+Not covered: process 0 lost. JAX's client on the others aborts them as soon as its poll of
+the coordinator fails (measured over gloo: 2.5 ms after the survivor's own collective
+failed, while its first store call still waited), exit 134, so nothing is said first.
 """
 import atexit
 import os
