@@ -9,8 +9,8 @@ reads everyone's (the `Watch` thread). A loss shows itself in one of three ways:
   barriers, the preemption sync point): `stop_if_lost(error)`, called where the train loop
   (before its hooks close: their saves would wait for the lost peer) and the binary meet
   an error, asks the beats which process is gone: one whose beat has not moved for
-  SILENT_S, or process 0 when its store no longer answers. It waits at most LOST_S; if every peer beats
-  on, the error was not a lost peer and goes on as it was;
+  SILENT_S, or process 0 when its store no longer answers. It waits at most LOST_S; if
+  every peer beats on, the error was not a lost peer and goes on as it was;
 - a collective that never returns (gloo sometimes waits on a dead peer instead of failing):
   the watch thread names a peer whose beat has not moved for LOST_S;
 - the store (process 0) not answering for LOST_S.

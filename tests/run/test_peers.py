@@ -130,7 +130,8 @@ class _Job:
   """A launch of the 2-process job whose process 0's output is read as it comes."""
 
   def __init__(self, launched: list, job: str, tag: str, *overrides: str):
-    self.job, self.paths = job, [f"{job}.{tag}.{i}.{s}" for i in range(2) for s in ("out", "err")]
+    self.job = job
+    self.paths = [f"{job}.{tag}.{i}.{s}" for i in range(2) for s in ("out", "err")]
     self.files = [open(p, "w+") for p in self.paths]  # pylint: disable=consider-using-with
     args = h.main_cmd("lm.TinyLm", job, *E2E, *overrides)[3:]
     self.procs = launch_local.start(2, 1, args, h.env(1), "flags",
@@ -199,8 +200,8 @@ def test_process_1_killed_mid_step_between_steps_and_in_a_save_stops_process_0_i
   run.wait_for(lambda: os.path.isdir(ckpt) and any(
       n.startswith("4.orbax-checkpoint-tmp") for n in os.listdir(ckpt)))
   saved = run.check_lost_line()
-  # Between steps: process 0 has printed an odd step's metrics (no save follows) and not yet
-  # begun the next step.
+  assert saved == 2  # step 4's save never completes: its line names step 2
+  # Between steps: process 0 has just printed an odd step's metrics (no save follows).
   run = _Job(launched, job, "between")
   _resumed(run, saved)
   run.wait_for(lambda: f"step {saved + 3}/" in run.out())
