@@ -40,6 +40,8 @@ from typing import Callable
 
 from absl import logging
 
+from spmdtask import console
+
 BEAT_S = 1.0
 SILENT_S = 5.0   # after a failed collective, a beat this still is a lost process
 LOST_S = 30.0    # with no failure seen, a beat this still is a lost process
@@ -145,6 +147,11 @@ class Watch:
 
   def lost_after(self, error: BaseException) -> None:
     """Ends this process with the line if `error` came from a lost peer; else returns."""
+    # Meanwhile the loss's other failures (orbax's save threads) go to the log, not the console.
+    with console.libraries_to_log():
+      self._ask(error)
+
+  def _ask(self, error: BaseException) -> None:
     what = f"a collective or key-value-store call failed ({peer_status(error)})"
     t0 = time.monotonic()
     first = None
