@@ -53,7 +53,8 @@ class Block(nn.Module):
   dim). Dropout runs where a `dropout_key` (uint32 key data) is given: row i's mask comes
   from (key, row_ids[i]), so it does not depend on how the batch is split into
   microbatches. `causal=False` makes an encoder block; `rope_theta=None` turns rotary
-  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`).
+  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`);
+  `qk_norm` RMS-normalizes q and k per head (Qwen3).
   """
   d_model: int
   num_heads: int
@@ -70,6 +71,7 @@ class Block(nn.Module):
   rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
   attention_impl: str = "auto"
+  qk_norm: bool = False
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -92,7 +94,8 @@ class Block(nn.Module):
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
-                         impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
+                         impl=self.attention_impl, qk_norm=self.qk_norm,
+                         norm_eps=self.norm_eps, name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,

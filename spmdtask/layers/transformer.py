@@ -70,6 +70,7 @@ class TransformerLm(nn.Module):
   rope_theta: float = 10000.0
   rope_scaling: Llama3Scaling | None = None  # Llama 3.1 / 3.2 frequency scaling
   norm_eps: float = 1e-6
+  qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
@@ -180,7 +181,7 @@ class TransformerLm(nn.Module):
     return dict(d_model=self.d_model, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
+                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
                 dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
