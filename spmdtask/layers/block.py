@@ -103,14 +103,21 @@ class Block(nn.Module):
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
 
-def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> float:
-  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·d·T² (attention unmasked)."""
-  return 6.0 * num_params * tokens + 12.0 * num_layers * d_model * tokens * tokens
+def train_flops(num_params: int, num_layers: int, width: int, tokens: int) -> float:
+  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·w·T², N the params a token
+  uses, w the attention's query width (heads × head_dim; d_model in most models), the
+  attention unmasked."""
+  return 6.0 * num_params * tokens + 12.0 * num_layers * width * tokens * tokens
+
+
+def param_shapes(model: nn.Module, example):
+  """The variables of `model` as ShapeDtypeStructs (boxed), initialised through `loss` on
+  one `example` row: nothing is allocated."""
+  batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
+  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
+  return jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
 
 
 def num_params(model: nn.Module, example) -> int:
   """Parameters of `model` (shapes only), initialised through `loss` on one `example` row."""
-  batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
-  shapes = jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
-  return sum(x.size for x in jax.tree.leaves(shapes))  # boxes are pytree nodes
+  return sum(x.size for x in jax.tree.leaves(param_shapes(model, example)))  # boxes: nodes

@@ -1,17 +1,33 @@
-"""What a decoder LM costs to train: per-layer train costs, measured from its own compiled
-code (what `TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol,
-returns), and its largest activations with the config changes that shrink them
+"""What a decoder LM costs to train: the params a token uses (a mixture of experts' active
+params), per-layer train costs, measured from its own compiled code (what
+`TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol, returns), and
+its largest activations with the config changes that shrink them
 (`TransformerLm.activation_memory`, `SizesActivations`)."""
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spmdtask.core import remat
+from spmdtask.core import remat, sharding
 from spmdtask.core.model import ActivationMemory, Held, MemoryFix
 from spmdtask.layers.block import Block
 
 VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole logits
+ROUTED = ("wi", "wg", "wo")  # a block's routed experts' weights, under its `moe`: [E, ...]
+
+
+def active_params(params, top_k: int, num_experts: int) -> int:
+  """The params one token uses, counted from `params` (shapes suffice, boxed or not): all
+  of them but the routed experts' weights (`.../moe/{wi,wg,wo}`, each holding all
+  `num_experts` experts), of which a token uses `top_k`. The router and the shared experts
+  (`moe/shared`) count whole, as do attention, norms, embedding and head."""
+  total = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
+    keys = sharding.path_keys(path)
+    routed = "moe" in keys[:-1] and keys[-1] in ROUTED and "shared" not in keys
+    total += x.size * top_k // num_experts if routed else x.size
+  return total
 
 
 def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:

@@ -123,10 +123,11 @@ class TransformerLm(nn.Module):
     _check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
-    """6·N·T + 12·L·d·T² train FLOPs (causal attention not halved) for T tokens."""
+    """6·N·T + 12·L·(heads·head_dim)·T² train FLOPs (causal attention not halved) for T
+    tokens."""
     t = int(example["inputs"].shape[-1])
     n = num_params(self.clone(execution=None), example)
-    return Work(train_flops(n, self.num_layers, self.d_model, t), t)
+    return Work(train_flops(n, self.num_layers, self.num_heads * self.head_dim, t), t)
 
   @nn.nowrap  # builds modules of its own: not a child of this one
   def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:

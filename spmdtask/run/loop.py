@@ -280,7 +280,10 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
   """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
   t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
   devices = program.mesh.devices
-  lines = [f"{name}: {console.human_count(t['num_params'])} params on {program_lib.mesh_words(program)} "
+  active = program.work.active_params
+  params = console.human_count(t["num_params"]) + " params" + (
+      f" ({console.human_count(active)} active per token)" if active else "")
+  lines = [f"{name}: {params} on {program_lib.mesh_words(program)} "
            f"({console.count(devices.size, devices.flat[0].platform + ' device')}); "
            f"train state "
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
