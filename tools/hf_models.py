@@ -21,7 +21,7 @@ EXPERIMENTS = {"llama": "llama.LlamaImport", "mixtral": "moe.MoeImport",
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
 MOE_REQUIRED = {"mixtral": ("num_local_experts", "num_experts_per_tok"),
-                "qwen3_moe": ("num_experts", "num_experts_per_tok", "moe_intermediate_size")}
+                "qwen3_moe": ("num_experts_per_tok", "moe_intermediate_size")}
 # HF config fields whose other values this converter cannot express: (key, the one value).
 UNSUPPORTED = {
     "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
@@ -101,7 +101,12 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
   if kind == "mixtral":
     return dict(num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
                 d_ff=cfg["intermediate_size"], score="softmax", renormalize=True)
-  return dict(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+  # The hub's configs say num_experts; transformers >= 5 writes num_local_experts.
+  experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+  if experts is None:
+    raise ConfigError("config.json has neither 'num_experts' nor 'num_local_experts', one of "
+                      "which a qwen3_moe config needs.")
+  return dict(num_experts=experts, top_k=cfg["num_experts_per_tok"],
               d_ff=cfg["moe_intermediate_size"], score="softmax",
               renormalize=bool(cfg.get("norm_topk_prob", False)))
 
