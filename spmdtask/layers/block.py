@@ -87,6 +87,15 @@ class Block(nn.Module):
                row_ids: jax.Array | None = None, cache: KvCache | None = None,
                dropout_key: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
+    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
+    h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
+            name="mlp")(h)
+    return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
+
+  def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key):
+    """x + attn(norm(x)) and the new cache (called from a compact `__call__`)."""
+    w, a = self.wsplit, self.asplit
     # Every use of the input goes through its name, so an offloading remat preset can move
     # it to the host instead of keeping the raw input (the scan's carry) for the backward.
     x = checkpoint_name(x, remat.LAYER_INPUT)
@@ -96,11 +105,7 @@ class Block(nn.Module):
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, qk_norm=self.qk_norm,
                          norm_eps=self.norm_eps, name="attn")(h, positions, segment_ids, cache)
-    x = constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
-    h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            name="mlp")(h)
-    return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
+    return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 
 def train_flops(num_params: int, num_layers: int, width: int, tokens: int) -> float:

@@ -10,6 +10,7 @@ from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import fused_attention
+from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention import KvCache
@@ -33,6 +34,11 @@ class WeightSplit:
   mlp_in: SplitDims = ("fsdp", "model")           # [d_model, d_ff]
   mlp_out: SplitDims = ("model", "fsdp")          # [d_ff, d_model]
   norm: SplitDims = (None,)                       # [d_model]
+  # Mixture of Experts (layers.moe): no `expert` axis by default (dense meshes have none);
+  # expert parallelism sets e.g. expert_in=("expert", "fsdp", "model").
+  router: SplitDims = (None, None)                # [d_model, experts]
+  expert_in: SplitDims = (None, "fsdp", "model")  # [experts, d_model, expert d_ff]
+  expert_out: SplitDims = (None, "model", "fsdp") # [experts, expert d_ff, d_model]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +83,7 @@ class TransformerLm(nn.Module):
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
+  moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -114,8 +121,9 @@ class TransformerLm(nn.Module):
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
+    _validate_moe(self, mesh_shape)
     if self.execution is not None:
-      self.execution.validate(StackFacts(self.num_layers, global_batch_size, mesh))
+      self.execution.validate(StackFacts(self._moe_stack_layers(), global_batch_size, mesh))
 
   def check_batch(self, batch) -> None:
     """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
@@ -150,6 +158,9 @@ class TransformerLm(nn.Module):
                            self.head_dim, self.d_ff)
     shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
                   mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
+    if self.moe is not None:
+      e, eff = self.moe.num_experts, self.moe.d_ff
+      shapes.update(router=(d, e), expert_in=(e, d, eff), expert_out=(e, eff, d))
     acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
                 logits=("b", "t", v))
     out = {f"task.model.weight_split_dims_mapping.{k}":
@@ -191,10 +202,38 @@ class TransformerLm(nn.Module):
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
                                 self.scan_unroll, self.execution, name="layers")
 
+  def _moe_stack_layers(self) -> int:
+    """Layers of the stack named `layers` (the one the execution strategy runs)."""
+    return self.num_layers - (self.moe.first_moe_layer if self.moe else 0)
+
+  def _layers(self, x, positions, segment_ids, cache):
+    """The layer stacks: (x, new cache, per-row MoE stats averaged over the MoE layers, or
+    None when dense). With `moe.first_moe_layer` = k > 0 the first k layers are a dense
+    scanned stack `dense_layers`; the MoE layers are `layers` (run by the strategy)."""
+    if self.moe is None:
+      x, cache = self._stack()(x, positions, segment_ids, cache=cache)
+      return x, cache, None
+    k, n = self.moe.first_moe_layer, self._moe_stack_layers()
+    caches = (None, None) if cache is None else (
+        jax.tree.map(lambda c: c[:k], cache), jax.tree.map(lambda c: c[k:], cache))
+    if k:
+      x, dense_cache = stack_lib.LayerStack(
+          Block, self.block_kwargs(), k, self.remat_policy, self.scan_unroll, None,
+          name="dense_layers")(x, positions, segment_ids, cache=caches[0])
+    stats = jnp.zeros((x.shape[0], len(moe_lib.STATS)), jnp.float32)
+    (x, stats), moe_cache = stack_lib.LayerStack(
+        moe_lib.MoeBlock, {**self.block_kwargs(), "moe": self.moe}, n, self.remat_policy,
+        self.scan_unroll, self.execution, name="layers")((x, stats), positions, segment_ids,
+                                                          cache=caches[1])
+    if cache is not None:
+      cache = moe_cache if not k else jax.tree.map(
+          lambda a, b: jnp.concatenate([a, b]), dense_cache, moe_cache)
+    return x, cache, stats / n
+
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
-               head: bool = True):
+               head: bool = True, moe_stats: bool = False):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
@@ -203,6 +242,8 @@ class TransformerLm(nn.Module):
     a token attends only to earlier tokens of its own segment. With `head=False`, returns
     `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
     head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
+    With `moe_stats=True` (an MoE model, no cache) returns `(result, stats)`: stats
+    [b, len(layers.moe.STATS)] per row, means over the MoE layers.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -212,7 +253,7 @@ class TransformerLm(nn.Module):
                  nn.initializers.normal(1.0))
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
-    x, cache = self._stack()(x, positions, segment_ids, cache=cache)
+    x, cache, stats = self._layers(x, positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
@@ -221,10 +262,12 @@ class TransformerLm(nn.Module):
                        dense_init(0, 1))
       scale = 1.0
     if not head:
-      return x, unembed, scale
+      return ((x, unembed, scale), stats) if moe_stats else (x, unembed, scale)
     logits = x @ unembed.astype(dt)
     logits = logits * scale if scale != 1.0 else logits
     logits = constrain(logits.astype(jnp.float32), a.logits)
+    if moe_stats:
+      return logits, stats
     return logits if cache is None else (logits, cache)
 
   def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
@@ -232,19 +275,31 @@ class TransformerLm(nn.Module):
 
     batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding);
     packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
-    Returns (loss, {'loss': Weighted(sum of token losses, tokens)}).
+    Returns (loss, {'loss': Weighted(sum of token losses, tokens)}). An MoE model adds
+    `aux_loss_coef · aux + z_loss_coef · z` of each row to its tokens' losses and reports
+    `layers.moe.STATS`, each a token-weighted mean over rows of its mean over MoE layers.
     """
     inputs, targets = batch["inputs"], batch["targets"]
+    kw = dict(segment_ids=batch.get("segment_ids"), moe_stats=self.moe is not None)
     if self.loss_vocab_tiles > 1:
-      x, w, scale = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                         head=False)
+      out = self(inputs, batch.get("positions"), head=False, **kw)
+      (x, w, scale), stats = out if self.moe else (out, None)
       token_xent = _tiled_loss(self, x, w, scale, targets)
     else:
-      logits = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"))
+      out = self(inputs, batch.get("positions"), **kw)
+      logits, stats = out if self.moe else (out, None)
       token_xent = xent.cross_entropy(logits, targets)
     weights = batch["weights"].astype(jnp.float32)
+    metrics = {}
+    if stats is not None:
+      row_tokens = jnp.sum(weights, axis=1)
+      extra = self.moe.aux_loss_coef * stats[:, 0] + self.moe.z_loss_coef * stats[:, 1]
+      token_xent = token_xent + extra[:, None]
+      metrics = {name: Weighted(jnp.sum(stats[:, i] * row_tokens), jnp.sum(row_tokens))
+                 for i, name in enumerate(moe_lib.STATS)}
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
-    return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss": Weighted(loss_sum, num_tokens)}
+    return (loss_sum / jnp.maximum(num_tokens, 1.0),
+            {"loss": Weighted(loss_sum, num_tokens), **metrics})
 
 
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
@@ -254,6 +309,34 @@ def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
   return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
                                   model.activation_split_dims_mapping.logits, split)
+
+
+def _validate_moe(model: TransformerLm, mesh_shape) -> None:
+  """The MoE fields; an expert split on a dense model; experts over the batch's axes."""
+  ws, field = model.weight_split_dims_mapping, "task.model.weight_split_dims_mapping"
+  expert_axes = {a for e in (ws.expert_in[0], ws.expert_out[0])
+                 for a in sharding.entry_axes(e) if mesh_shape.get(a, 1) > 1}
+  if model.moe is None:
+    if mesh_shape.get("expert", 1) > 1 or expert_axes:
+      raise ConfigError(
+          f"An expert split on a dense model: the mesh's `expert` axis has size "
+          f"{mesh_shape.get('expert', 1)} and {field}.expert_in / expert_out name "
+          f"{sorted(expert_axes) or 'no axis'}, but task.model.moe is None (no experts to "
+          "split). Set task.model.moe to a MoeConfig, or give the `expert` axis size 1 "
+          "(task.ici_mesh_shape) and name no axis on the expert dims.")
+    return
+  if sharding.entry_axes(ws.expert_in[0]) != sharding.entry_axes(ws.expert_out[0]):
+    raise ConfigError(f"{field}.expert_in[0]={ws.expert_in[0]!r} and expert_out[0]="
+                      f"{ws.expert_out[0]!r} must split the expert dim alike.")
+  model.moe.validate(model.num_layers, sharding.shards(ws.expert_in[0], mesh_shape))
+  batch = sharding.entry_axes(model.activation_split_dims_mapping.embed[0])
+  if not expert_axes <= set(batch):
+    raise ConfigError(
+        f"{field}.expert_in[0]={ws.expert_in[0]!r} splits the experts over "
+        f"{sorted(expert_axes - set(batch))}, which do not split the batch "
+        f"(task.model.activation_split_dims_mapping.embed[0]={batch}): tokens reach their "
+        "experts by all-to-all over the batch's axes. Add those axes to the batch's entry "
+        "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
 
 
 def _check_batch(model: TransformerLm, batch) -> None:
