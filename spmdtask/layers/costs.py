@@ -23,7 +23,10 @@ def active_params(params, top_k: int, num_experts: int) -> int:
   `num_experts` experts), of which a token uses `top_k`. The router and the shared experts
   (`moe/shared`) count whole, as do attention, norms, embedding and head."""
   total = 0
-  for path, x in jax.tree_util.tree_flatten_with_path(nn.meta.unbox(params))[0]:
+  # Unboxed by hand: flax's unbox would constrain each shape to its sharding in a mesh.
+  plain = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x, params,
+                       is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  for path, x in jax.tree_util.tree_flatten_with_path(plain)[0]:
     keys = sharding.path_keys(path)
     routed = "moe" in keys[:-1] and keys[-1] in ROUTED and "shared" not in keys
     total += x.size * top_k // num_experts if routed else x.size
