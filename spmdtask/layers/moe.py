@@ -208,17 +208,18 @@ class MoeFfn(nn.Module):
       return moe_dispatch.capacity_dispatch(x, experts, gates, cfg.num_experts, cap, ep, n_ep,
                                             ffn)
 
-    if not manual:
+    # A Pallas kernel (megablox gmm, TPU) has no partitioning rule: its shard_map is manual
+    # over every mesh axis (those that do not split an input replicate it), and unchecked:
+    # gmm's group metadata (jnp.histogram) fails to trace with manual-axis types (jax 0.10.2).
+    megablox = cfg.dispatch == "dropless" and platform() == "tpu" and not mesh.empty
+    if not manual and not megablox:
       return local(x, experts, gates, wi, wg, wo)
-    rows = P(manual)
+    names = set(mesh.axis_names) - set(mesh.manual_axes) if megablox else set(manual)
+    rows = P(manual or None)
     w_specs = tuple(P(ep or None, *[a or None for a in axes]) for axes in gathered)
-    # megablox gmm's group metadata (jnp.histogram) fails to trace with manual-axis types
-    # in jax 0.10.2 (XLA:TPU AOT): around it the shard_map runs unchecked.
-    megablox = cfg.dispatch == "dropless" and platform() == "tpu"
     return jax.shard_map(local, in_specs=(rows, rows, rows) + w_specs,
-                         out_specs=(rows, rows), axis_names=set(manual),
-                         check_vma=not megablox)(
-                             x, experts, gates, wi, wg, wo)
+                         out_specs=(rows, rows), axis_names=names,
+                         check_vma=not megablox)(x, experts, gates, wi, wg, wo)
 
 
 class MoeBlock(Block):
