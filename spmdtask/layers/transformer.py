@@ -15,7 +15,7 @@ from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
-from spmdtask.layers.block import Block, param_shapes, train_flops
+from spmdtask.layers.block import Block
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import StackFacts, Strategy
@@ -131,16 +131,9 @@ class TransformerLm(nn.Module):
     _check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
-    """6·N·T + 12·L·(heads·head_dim)·T² train FLOPs (causal attention not halved) for T
-    tokens, N the params a token uses: with `moe`, the router, top_k of the routed experts
-    and the shared experts of each MoE layer (`layers.costs.active_params`), not all."""
-    t = int(example["inputs"].shape[-1])
-    shapes = param_shapes(self.clone(execution=None), example)
-    if self.moe is None:
-      n, active = sum(x.size for x in jax.tree.leaves(shapes)), None
-    else:
-      n = active = costs_lib.active_params(shapes, self.moe.top_k, self.moe.num_experts)
-    return Work(train_flops(n, self.num_layers, self.num_heads * self.head_dim, t), t, active)
+    """Train FLOPs of the params a token uses (with `moe`: top_k of the routed experts),
+    and tokens, of one example (`layers.costs.lm_work`)."""
+    return costs_lib.lm_work(self.clone(execution=None), example)
 
   @nn.nowrap  # builds modules of its own: not a child of this one
   def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
