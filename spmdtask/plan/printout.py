@@ -77,6 +77,8 @@ def format_plan(plan: dict) -> list[str]:
       "largest arrays per device: " + (arrays(plan.get("largest_arrays", []), 5) or "unknown")
       + (f"; offloaded to the host: {arrays(plan['largest_host_arrays'], 3)}"
          if plan.get("largest_host_arrays") else ""),
+      *([f"MoE dispatch arrays per device: {arrays(plan['largest_moe_arrays'], 4)}"]
+        if plan.get("largest_moe_arrays") else []),
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]
