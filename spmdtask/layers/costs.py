@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from spmdtask.core import remat, sharding
 from spmdtask.core.model import ActivationMemory, Held, MemoryFix, Work
+from spmdtask.layers import moe as moe_lib
 from spmdtask.layers.block import Block, param_shapes, train_flops
 
 VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole logits
@@ -52,14 +53,17 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
 
   Compiled (`cost_analysis`) FLOPs of forward + backward on one batch of shape
   [batch_size, seq_len]: the embedding lookup's vjp; one `Block`'s vjp (grads of its weights
-  and of its input); the head (final norm, unembedding, cross entropy) as the one-block
-  model's loss-and-grad minus those two, so that it follows the model's own head code.
-  Remat, vocab tiling (a loop that cost analysis counts once) and pipelining are turned
-  off: they do not change what a layer costs to train.
+  and of its input), with `moe` one `MoeBlock`'s for the MoE layers (and one `Block`'s for
+  the dense ones before `moe.first_moe_layer`); the head (final norm, unembedding, cross
+  entropy) as the one-block model's loss-and-grad minus those two, so that it follows the
+  model's own head code. Remat, vocab tiling (a loop that cost analysis counts once) and
+  pipelining are turned off: they do not change what a layer costs to train.
   """
-  num_layers = model.num_layers
+  num_layers, moe = model.num_layers, model.moe
+  dense_layers = moe.first_moe_layer if moe else num_layers
   model = dataclasses.replace(model, num_layers=1, remat_policy=None, execution=None,
-                              dropout_rate=0.0, loss_vocab_tiles=1)
+                              dropout_rate=0.0, loss_vocab_tiles=1,
+                              moe=moe and dataclasses.replace(moe, first_moe_layer=0))
   dt = jnp.dtype(model.fprop_dtype)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
   x = jax.ShapeDtypeStruct((batch_size, seq_len, model.d_model), dt)
@@ -74,19 +78,25 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
     out, pullback = jax.vjp(fn, *args)
     return out, pullback(cotangent)
 
+  def layer(block, carry) -> float:  # carry: x, or an MoeBlock's (x, stats)
+    params = jax.eval_shape(block.init, jax.random.key(0), carry, positions)["params"]
+    return flops(lambda p, c, pos: vjp(lambda p, c: block.apply({"params": p}, c, pos)[0], p,
+                                       c, cotangent=c), params, carry, positions)
+
   emb = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), jnp.float32)
   embed = flops(lambda e, t, ct: vjp(lambda e: jnp.take(e, t, axis=0).astype(dt), e,
                                      cotangent=ct), emb, tokens, x)
-  block = Block(**model.block_kwargs())
-  block_params = jax.eval_shape(block.init, jax.random.key(0), x, positions)["params"]
-  layer = flops(lambda p, h, pos: vjp(lambda p, h: block.apply({"params": p}, h, pos)[0], p, h,
-                                      cotangent=h), block_params, x, positions)
+  layers = [layer(Block(**model.block_kwargs()), x)] * dense_layers if dense_layers else []
+  if moe:
+    stats = jax.ShapeDtypeStruct((batch_size, len(moe_lib.STATS)), jnp.float32)
+    layers += [layer(moe_lib.MoeBlock(**model.block_kwargs(), moe=model.moe), (x, stats))
+               ] * (num_layers - dense_layers)
   params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
   batch = {"inputs": tokens, "targets": tokens,
            "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
   whole = flops(jax.value_and_grad(
       lambda p, b: model.apply({"params": p}, b, method=model.loss)[0]), params, batch)
-  return [embed] + [layer] * num_layers + [whole - embed - layer]
+  return [embed] + layers + [whole - embed - layers[-1]]  # the one-layer model's: the last
 
 
 def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
