@@ -60,10 +60,14 @@ class TinyMoeMpmd(TinyMoe):
 
 def moe_model(*, moe: dict, qk_norm: bool = False, **fields) -> fdl.Config:
   """A Llama-style TransformerLm (`configs.llama.llama_model`) with `moe` (MoeConfig
-  fields) in its layers; its expert weights FSDP-split over d_model (WeightSplit's
-  defaults: no `expert` axis, the experts' own dim whole)."""
+  fields) in its layers; the router and the expert weights FSDP-split over d_model on
+  `fsdp` x `fsdp_b` (no `expert` axis: each device runs every expert on its own tokens,
+  as MaxText's ici_fsdp_parallelism=-1 does)."""
   cfg = llama.llama_model(**fields)
   cfg.moe = fdl.Config(MoeConfig, **moe)
+  split = cfg.weight_split_dims_mapping  # FSDP over both FSDP axes, as every other weight
+  split.router = (llama.FSDP, None)
+  split.expert_in, split.expert_out = (None, llama.FSDP, "model"), (None, "model", llama.FSDP)
   cfg.qk_norm = qk_norm
   return cfg
 
@@ -81,12 +85,15 @@ class Mixtral_8x7B(llama._Llama):  # pylint: disable=protected-access
   """Mixtral 8x7B (46,702,792,704 params, 12,879,925,248 active per token) on v5p-128
   (64 chips; plan it with --plan_topology=v5p:4x4x4) as MaxText's Mixtral end-to-end
   script runs it (per_device_batch_size=4 max_target_length=4096 ici_fsdp_parallelism=-1
-  remat_policy=full attention=flash megablox=True): FSDP over all 64 chips, 4 rows × 4096
+  remat_policy=full attention=flash megablox=True): FSDP over all 64 chips (16 x 4), 4 rows × 4096
   tokens per chip (global 256 rows = 1M tokens), full remat, splash attention and megablox
   grouped matmuls (what attention_impl 'auto' and the dropless dispatch pick on TPU)."""
   batch_size = 256
   seq_len = 4096
   eos_id = llama.LLAMA2_EOS
+  # FSDP 16 x 4: XLA:TPU compiles a reduce-scatter over all 64 chips as a full-size
+  # all-reduce (each expert weight's gradient: 896 MiB a layer); over 16 and 4 it stays one.
+  ici_mesh_shape = (1, -1, 4, 1)
 
   def model(self):
     return mixtral(d_model=4096, num_layers=32, num_heads=32, d_ff=14336, max_seq_len=32768)

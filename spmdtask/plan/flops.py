@@ -10,7 +10,7 @@ explicitly, and a scan says how many times its body runs. This counts 2·M·N·K
 nested jaxpr, times the trip counts of the scans around it, the manual shards of a
 `shard_map` (whose body is traced per shard) and the grid of a Pallas kernel (its body
 works on one block; a kernel's own `cost_estimate` wins where it gives one, e.g. megablox
-gmm's 2·m·k·n, which XLA:TPU's cost analysis also reads); cuDNN's fused
+gmm's 2·m·k·n); cuDNN's fused
 attention by its shapes (2 matmuls forward, 5 backward). A `while`
 with no static trip count counts once. Elementwise work is not counted: on a
 transformer it is a small share, and remat changes it in proportion.
@@ -94,9 +94,8 @@ def _repeats(eqn) -> int:
 
 def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
   """Matmul FLOPs of one run of `jaxpr` (all devices together); with `kernels_only`, only
-  those inside fused kernels that XLA's cost analysis cannot see in their custom call:
-  Pallas kernels with no cost estimate of their own (splash attention) and cuDNN's
-  attention."""
+  those inside fused kernels, Pallas's (megablox gmm, splash attention) and cuDNN's
+  attention (what XLA's cost analysis cannot see in a custom call)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     count = _COUNTERS.get(eqn.primitive.name)
@@ -109,9 +108,10 @@ def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
     kernel = eqn.primitive.name == "pallas_call"
     estimate = eqn.params.get("cost_estimate") if kernel else None
     if estimate is not None and estimate.flops:
-      # The kernel's own count (megablox gmm's). XLA:TPU reads it from the custom call, so
-      # its cost analysis has these FLOPs already: not a kernel's it cannot see.
-      total += 0.0 if kernels_only else float(estimate.flops)
+      # The kernel's own count (megablox gmm's 2·m·k·n). XLA:TPU's compiled cost_analysis
+      # reads it from the custom call, but the per-step analysis (plan.xla_cost, a CPU
+      # client's HloCostAnalysis of the optimized module) does not: counted as a kernel's.
+      total += float(estimate.flops)
       continue
     subs = [jaxpr_flops(j, kernels_only and not kernel) for j in _sub_jaxprs(eqn.params)]
     if eqn.primitive.name == "cond":
