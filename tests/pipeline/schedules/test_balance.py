@@ -112,14 +112,17 @@ def test_lm_layer_costs_follow_the_model():
 
 
 def test_moe_layer_costs_tell_the_dense_layers_from_the_moe_ones():
-  """A Mixture of Experts with its first layer dense: that layer costs what TinyLm's
-  dense block does, the MoE layers another (the same each)."""
+  """A Mixture of Experts with its first layer dense: that layer costs what a dense block
+  does (as above), the MoE layers another (the same each)."""
   from spmdtask.layers.moe import MoeConfig  # pylint: disable=import-outside-toplevel
-  dense = fdl.build(lm.tiny_model())
   b, t = 2, 32
-  model = dataclasses.replace(dense, moe=MoeConfig(num_experts=4, top_k=2, d_ff=64,
-                                                   first_moe_layer=1))
-  costs, ref = model.layer_costs(b, t), dense.layer_costs(b, t)
-  assert len(costs) == model.num_layers + 2 and costs[1] == ref[1]
+  model = dataclasses.replace(fdl.build(lm.tiny_model()), moe=MoeConfig(
+      num_experts=4, top_k=2, d_ff=64, first_moe_layer=1))
+  costs = model.layer_costs(b, t)
+  assert len(costs) == model.num_layers + 2
+  d, tokens = model.d_model, b * t
+  block_params = (d * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+                  + model.num_heads * model.head_dim * d + 3 * d * model.d_ff)
+  assert costs[1] == pytest.approx(6 * block_params * tokens + 12 * d * t * tokens, rel=0.05)
   assert len(set(costs[2:-1])) == 1 and costs[2] != costs[1]
   assert 0 < costs[-1] < costs[1]
