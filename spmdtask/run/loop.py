@@ -71,8 +71,10 @@ class ProgressLog(Hook):
   def on_metrics(self, fetched, last):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
-    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
-                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], step_time,
+    # The model's other metrics (e.g. an MoE's aux loss, load imbalance) after the loss.
+    others = "".join(f"  {k} {v:.4g}" for k, v in fetched.metrics[-1].items() if k != "loss")
+    console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
+                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], others, step_time,
                 " (incl. compile)" if self._first else "",
                 console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak.figure(),
                 console.duration((self.num_steps - fetched.step) * step_time))
