@@ -96,6 +96,10 @@ def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
   return metrics["loss"].sum / total, metrics, grads
 
 
+# What a train step reports besides the model's own metrics (the console prints those apart).
+STEP_METRICS = ("loss", "grad_norm", "param_norm", "learning_rate")
+
+
 def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
                   layout: StateLayout, seed: int, num_microbatches: int = 1) -> Callable:
   """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.

@@ -19,6 +19,7 @@ from spmdtask.run import checkpoints, evaluation, interrupts, summaries
 from spmdtask import console, fs
 from spmdtask.core import memory
 from spmdtask.core import program as program_lib
+from spmdtask.core import steps
 from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.core import host_input as inputs_base
 from spmdtask.core import global_batch
@@ -71,8 +72,9 @@ class ProgressLog(Hook):
   def on_metrics(self, fetched, last):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
-    # The model's other metrics (e.g. an MoE's aux loss, load imbalance) after the loss.
-    others = "".join(f"  {k} {v:.4g}" for k, v in fetched.metrics[-1].items() if k != "loss")
+    # The model's own other metrics (e.g. an MoE's aux loss, load imbalance) after the loss.
+    others = "".join(f"  {k} {v:.4g}" for k, v in fetched.metrics[-1].items()
+                     if k not in steps.STEP_METRICS)
     console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
                 fetched.step, self.num_steps, fetched.metrics[-1]["loss"], others, step_time,
                 " (incl. compile)" if self._first else "",

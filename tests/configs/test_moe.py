@@ -80,8 +80,8 @@ def test_console_and_tensorboard_show_the_moe_metrics_and_the_checkpoint_decodes
           "task.model.moe.capacity_factor=1.0", *CAPACITY)
   r = h.run(h.main_cmd("TinyMoe", job, *base))
   assert r.returncode == 0, r.stderr[-3000:]
-  lines = [l for l in r.stderr.splitlines() if "tokens/s" in l and " loss " in l]
-  assert len(lines) == 2, r.stderr[-3000:]
+  lines = [l for l in r.stdout.splitlines() if "tokens/s" in l and " loss " in l]
+  assert len(lines) == 2, r.stdout[-3000:]
   for line in lines:
     values = {k: float(line.split(f" {k} ")[1].split()[0]) for k in moe.STATS}
     assert values["moe_aux_loss"] >= 1.0 and values["moe_z_loss"] > 0
