@@ -17,9 +17,8 @@ import jax.numpy as jnp
 
 from spmdtask.run import checkpoints, evaluation, interrupts, summaries
 from spmdtask import console, fs
-from spmdtask.core import memory
+from spmdtask.core import memory, steps
 from spmdtask.core import program as program_lib
-from spmdtask.core import steps
 from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.core import host_input as inputs_base
 from spmdtask.core import global_batch
@@ -56,7 +55,7 @@ class Hook:
 
 
 class ProgressLog(Hook):
-  """Process 0 prints step, loss, step time, tokens/s, MFU and ETA every `every` steps.
+  """Process 0 prints step, loss, the model's metrics, s/step, tokens/s, MFU, ETA every `every` steps.
 
   Times are averaged over the steps since the last line; the first line's include
   compiling the step, so its ETA is pessimistic. MFU is against `peak` per device.
@@ -72,9 +71,7 @@ class ProgressLog(Hook):
   def on_metrics(self, fetched, last):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
-    # The model's own other metrics (e.g. an MoE's aux loss, load imbalance) after the loss.
-    others = "".join(f"  {k} {v:.4g}" for k, v in fetched.metrics[-1].items()
-                     if k not in steps.STEP_METRICS)
+    others = "".join(f"  {k} {v:.4g}" for k, v in steps.model_metrics(fetched.metrics[-1]))
     console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
                 fetched.step, self.num_steps, fetched.metrics[-1]["loss"], others, step_time,
                 " (incl. compile)" if self._first else "",
