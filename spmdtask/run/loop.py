@@ -55,7 +55,7 @@ class Hook:
 
 
 class ProgressLog(Hook):
-  """Process 0 prints step, loss, the model's metrics, s/step, tokens/s, MFU, ETA every `every` steps.
+  """Every `every` steps process 0 prints step, loss, model metrics, s/step, tokens/s, MFU, ETA.
 
   Times are averaged over the steps since the last line; the first line's include
   compiling the step, so its ETA is pessimistic. MFU is against `peak` per device.
