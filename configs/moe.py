@@ -13,6 +13,7 @@ from configs import llama, lm
 from spmdtask.layers.moe import MoeConfig
 from spmdtask.layers.transformer import ActivationSplit, WeightSplit
 from spmdtask.pipeline.mpmd.config import MpmdConfig
+from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register
 from spmdtask.task import Task
 
@@ -55,6 +56,18 @@ class TinyMoeMpmd(TinyMoe):
     cfg.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
                               submesh_shapes=((1, 2, 1, 2), (1, 4, 1, 1)), schedule="1f1b",
                               num_microbatches=4)
+    return cfg
+
+
+@register
+class TinyMoePipeline(TinyMoe):
+  """TinyMoe in a GPipe pipeline: stage 2 x expert 2 x model 2, 4 microbatches."""
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.mesh_axis_names = ("stage",) + MESH_AXES
+    cfg.ici_mesh_shape = (2, 1, 2, 1, 2)
+    cfg.pipeline = fdl.Config(PipelineConfig, num_stages=2, num_microbatches=4)
     return cfg
 
 

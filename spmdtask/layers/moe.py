@@ -59,6 +59,11 @@ class MoeConfig:
     """The fused shared experts' hidden size (0: none)."""
     return self.num_shared_experts * (self.shared_d_ff or self.d_ff)
 
+  def weight_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
+    """WeightSplit field -> the shape of the weights it maps."""
+    e, f = self.num_experts, self.d_ff
+    return dict(router=(d_model, e), expert_in=(e, d_model, f), expert_out=(e, f, d_model))
+
   def validate(self, num_layers: int, expert_shards: int) -> None:
     """ConfigError naming the field; `expert_shards`: how many ways expert_in[0] splits E."""
     if self.num_experts < 1 or self.d_ff < 1 or self.num_shared_experts < 0:

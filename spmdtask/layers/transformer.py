@@ -123,7 +123,7 @@ class TransformerLm(nn.Module):
       sharding.validate(split, shape, mesh_shape, where)
     _validate_moe(self, mesh_shape)
     if self.execution is not None:
-      self.execution.validate(StackFacts(self._moe_stack_layers(), global_batch_size, mesh))
+      self.execution.validate(StackFacts(_moe_layers(self), global_batch_size, mesh))
 
   def check_batch(self, batch) -> None:
     """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
@@ -156,9 +156,7 @@ class TransformerLm(nn.Module):
                            self.head_dim, self.d_ff)
     shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
                   mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
-    if self.moe is not None:
-      e, eff = self.moe.num_experts, self.moe.d_ff
-      shapes.update(router=(d, e), expert_in=(e, d, eff), expert_out=(e, eff, d))
+    shapes.update(self.moe.weight_shapes(d) if self.moe else {})
     acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
                 logits=("b", "t", v))
     out = {f"task.model.weight_split_dims_mapping.{k}":
@@ -200,34 +198,6 @@ class TransformerLm(nn.Module):
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
                                 self.scan_unroll, self.execution, name="layers")
 
-  def _moe_stack_layers(self) -> int:
-    """Layers of the stack named `layers` (the one the execution strategy runs)."""
-    return self.num_layers - (self.moe.first_moe_layer if self.moe else 0)
-
-  def _layers(self, x, positions, segment_ids, cache):
-    """The layer stacks: (x, new cache, per-row MoE stats averaged over the MoE layers, or
-    None when dense). With `moe.first_moe_layer` = k > 0 the first k layers are a dense
-    scanned stack `dense_layers`; the MoE layers are `layers` (run by the strategy)."""
-    if self.moe is None:
-      x, cache = self._stack()(x, positions, segment_ids, cache=cache)
-      return x, cache, None
-    k, n = self.moe.first_moe_layer, self._moe_stack_layers()
-    caches = (None, None) if cache is None else (
-        jax.tree.map(lambda c: c[:k], cache), jax.tree.map(lambda c: c[k:], cache))
-    if k:
-      x, dense_cache = stack_lib.LayerStack(
-          Block, self.block_kwargs(), k, self.remat_policy, self.scan_unroll, None,
-          name="dense_layers")(x, positions, segment_ids, cache=caches[0])
-    stats = jnp.zeros((x.shape[0], len(moe_lib.STATS)), jnp.float32)
-    (x, stats), moe_cache = stack_lib.LayerStack(
-        moe_lib.MoeBlock, {**self.block_kwargs(), "moe": self.moe}, n, self.remat_policy,
-        self.scan_unroll, self.execution, name="layers")((x, stats), positions, segment_ids,
-                                                          cache=caches[1])
-    if cache is not None:
-      cache = moe_cache if not k else jax.tree.map(
-          lambda a, b: jnp.concatenate([a, b]), dense_cache, moe_cache)
-    return x, cache, stats / n
-
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
@@ -240,8 +210,7 @@ class TransformerLm(nn.Module):
     a token attends only to earlier tokens of its own segment. With `head=False`, returns
     `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
     head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
-    With `moe_stats=True` (an MoE model, no cache) returns `(result, stats)`: stats
-    [b, len(layers.moe.STATS)] per row, means over the MoE layers.
+    `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -251,7 +220,7 @@ class TransformerLm(nn.Module):
                  nn.initializers.normal(1.0))
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
-    x, cache, stats = self._layers(x, positions, segment_ids, cache)
+    x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
@@ -264,40 +233,66 @@ class TransformerLm(nn.Module):
     logits = x @ unembed.astype(dt)
     logits = logits * scale if scale != 1.0 else logits
     logits = constrain(logits.astype(jnp.float32), a.logits)
-    if moe_stats:
-      return logits, stats
-    return logits if cache is None else (logits, cache)
+    return (logits, stats) if moe_stats else logits if cache is None else (logits, cache)
 
   def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    """Weighted mean next-token cross entropy.
-
-    batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding);
-    packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
-    Returns (loss, {'loss': Weighted(sum of token losses, tokens)}). An MoE model adds
-    `aux_loss_coef · aux + z_loss_coef · z` of each row to its tokens' losses and reports
-    `layers.moe.STATS`, each a token-weighted mean over rows of its mean over MoE layers.
-    """
-    inputs, targets = batch["inputs"], batch["targets"]
-    kw = dict(segment_ids=batch.get("segment_ids"), moe_stats=self.moe is not None)
-    if self.loss_vocab_tiles > 1:
-      out = self(inputs, batch.get("positions"), head=False, **kw)
-      (x, w, scale), stats = out if self.moe else (out, None)
-      token_xent = _tiled_loss(self, x, w, scale, targets)
-    else:
-      out = self(inputs, batch.get("positions"), **kw)
-      logits, stats = out if self.moe else (out, None)
-      token_xent = xent.cross_entropy(logits, targets)
+    """Weighted mean next-token cross entropy (+ an MoE's router losses: `_moe_losses`):
+    (loss, {'loss': Weighted(sum of token losses, tokens), MoE metrics}). batch: `inputs`,
+    `targets` [b, t] int32, `weights` [b, t] float (0 = padding); packed rows add
+    `segment_ids` and per-segment `positions` [b, t] int32."""
+    inputs, targets, tiles = batch["inputs"], batch["targets"], self.loss_vocab_tiles
+    out, stats = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                      head=tiles == 1, moe_stats=True)
+    token_xent = (_tiled_loss(self, *out, targets) if tiles > 1
+                  else xent.cross_entropy(out, targets))
     weights = batch["weights"].astype(jnp.float32)
-    metrics = {}
-    if stats is not None:
-      row_tokens = jnp.sum(weights, axis=1)
-      extra = self.moe.aux_loss_coef * stats[:, 0] + self.moe.z_loss_coef * stats[:, 1]
-      token_xent = token_xent + extra[:, None]
-      metrics = {name: Weighted(jnp.sum(stats[:, i] * row_tokens), jnp.sum(row_tokens))
-                 for i, name in enumerate(moe_lib.STATS)}
+    token_xent, metrics = _moe_losses(self.moe, stats, token_xent, weights)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
             {"loss": Weighted(loss_sum, num_tokens), **metrics})
+
+def _moe_layers(model: TransformerLm) -> int:
+  """Layers of the stack named `layers` (the one the execution strategy runs)."""
+  return model.num_layers - (model.moe.first_moe_layer if model.moe else 0)
+
+
+def _layer_stacks(model: TransformerLm, x, positions, segment_ids, cache):
+  """The layer stacks (called inside `model`'s compact `__call__`): (x, new cache, per-row
+  MoE stats averaged over the MoE layers, or None when dense). With `moe.first_moe_layer` =
+  k > 0 the first k layers are a dense scanned stack `dense_layers`; the MoE layers are
+  `layers` (run by the strategy)."""
+  if model.moe is None:
+    x, cache = model._stack()(x, positions, segment_ids, cache=cache)  # pylint: disable=protected-access
+    return x, cache, None
+  k, n = model.moe.first_moe_layer, _moe_layers(model)
+  caches = (None, None) if cache is None else (
+      jax.tree.map(lambda c: c[:k], cache), jax.tree.map(lambda c: c[k:], cache))
+  if k:
+    x, dense_cache = stack_lib.LayerStack(
+        Block, model.block_kwargs(), k, model.remat_policy, model.scan_unroll, None,
+        name="dense_layers")(x, positions, segment_ids, cache=caches[0])
+  stats = jnp.zeros((x.shape[0], len(moe_lib.STATS)), jnp.float32)
+  (x, stats), moe_cache = stack_lib.LayerStack(
+      moe_lib.MoeBlock, {**model.block_kwargs(), "moe": model.moe}, n, model.remat_policy,
+      model.scan_unroll, model.execution, name="layers")((x, stats), positions, segment_ids,
+                                                         cache=caches[1])
+  if cache is not None:
+    cache = moe_cache if not k else jax.tree.map(
+        lambda a, b: jnp.concatenate([a, b]), dense_cache, moe_cache)
+  return x, cache, stats / n
+
+
+def _moe_losses(cfg: moe_lib.MoeConfig | None, stats, token_xent, weights):
+  """Each row's `aux_loss_coef · aux + z_loss_coef · z` (means over the MoE layers) added to
+  its tokens' losses, and `layers.moe.STATS` as token-weighted means over rows; a dense
+  model's (stats None) unchanged, no metrics."""
+  if stats is None:
+    return token_xent, {}
+  row_tokens = jnp.sum(weights, axis=1)
+  extra = cfg.aux_loss_coef * stats[:, 0] + cfg.z_loss_coef * stats[:, 1]
+  metrics = {name: Weighted(jnp.sum(stats[:, i] * row_tokens), jnp.sum(row_tokens))
+             for i, name in enumerate(moe_lib.STATS)}
+  return token_xent + extra[:, None], metrics
 
 
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from spmdtask.run import checkpoints, evaluation, interrupts, summaries
 from spmdtask import console, fs
-from spmdtask.core import memory
+from spmdtask.core import memory, steps
 from spmdtask.core import program as program_lib
 from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.core import host_input as inputs_base
@@ -55,7 +55,7 @@ class Hook:
 
 
 class ProgressLog(Hook):
-  """Process 0 prints step, loss, step time, tokens/s, MFU and ETA every `every` steps.
+  """Every `every` steps process 0 prints step, loss, model metrics, s/step, tokens/s, MFU, ETA.
 
   Times are averaged over the steps since the last line; the first line's include
   compiling the step, so its ETA is pessimistic. MFU is against `peak` per device.
@@ -71,8 +71,9 @@ class ProgressLog(Hook):
   def on_metrics(self, fetched, last):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
-    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
-                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], step_time,
+    others = "".join(f"  {k} {v:.4g}" for k, v in steps.model_metrics(fetched.metrics[-1]))
+    console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
+                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], others, step_time,
                 " (incl. compile)" if self._first else "",
                 console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak.figure(),
                 console.duration((self.num_steps - fetched.step) * step_time))
