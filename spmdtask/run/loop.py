@@ -281,12 +281,9 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
   """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
   t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
   devices = program.mesh.devices
-  active = program.work.active_params
-  params = console.human_count(t["num_params"]) + " params" + (
-      f" ({console.human_count(active)} active per token)" if active else "")
-  lines = [f"{name}: {params} on {program_lib.mesh_words(program)} "
-           f"({console.count(devices.size, devices.flat[0].platform + ' device')}); "
-           f"train state "
+  lines = [f"{name}: {console.params(t['num_params'], program.work.active_params)} on "
+           f"{program_lib.mesh_words(program)} "
+           f"({console.count(devices.size, devices.flat[0].platform + ' device')}); train state "
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step); MFU against "
