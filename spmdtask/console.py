@@ -228,6 +228,13 @@ def human_count(n: float) -> str:
   return f"{n:.0f}"
 
 
+def params(n: int, active: int | None = None) -> str:
+  """'46.70B params (12.88B active per token)': a model's params, and those a token uses
+  where fewer (a mixture of experts')."""
+  return f"{human_count(n)} params" + (f" ({human_count(active)} active per token)"
+                                       if active else "")
+
+
 def count(n: float, noun: str) -> str:
   """`n noun`, the noun in the plural unless n is 1: "1 batch", "7 batches", "2 devices"."""
   if n == 1:

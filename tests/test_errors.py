@@ -57,6 +57,17 @@ CASES = [
     ("vit.TinyVit", [f"{M}.attention_impl='flash'"], [f"{M}.attention_impl='flash'"]),
     ("vit.TinyVit", [f"{M}.patch_size=5"], ["patch_size=5"]),
     ("vit.TinyVit", [f"{M}.num_classes=0"], [f"{M}.num_classes=0"]),
+    # Mixture of Experts (TinyMoe: 8 experts over the `expert` axis of all 8 devices).
+    ("TinyMoe", [f"{M}.moe.num_experts=6"], [f"{M}.moe.num_experts=6", "8 shards", "expert"]),
+    ("TinyMoe", [f"{M}.moe.top_k=0"], [f"{M}.moe.top_k=0", "1 <= top_k <= 8"]),
+    ("TinyMoe", [f"{M}.moe.top_k=9"], [f"{M}.moe.top_k=9", "1 <= top_k <= 8"]),
+    ("TinyMoe", [f"{M}.moe.capacity_factor=0.0"], [f"{M}.moe.capacity_factor=0.0", "> 0"]),
+    ("TinyMoe", [f"{M}.moe=None"], ["expert split on a dense model", f"{M}.moe is None"]),
+    ("TinyMoe", [f"{M}.moe.score='relu'"], [f"{M}.moe.score='relu'", "softmax"]),
+    ("TinyMoe", [f"{M}.moe.dispatch='sorted'"], [f"{M}.moe.dispatch='sorted'", "dropless"]),
+    ("TinyMoe", [f"{M}.moe.first_moe_layer=4"], [f"{M}.moe.first_moe_layer=4"]),
+    ("TinyMoe", [f"{M}.activation_split_dims_mapping.embed=(('data', 'fsdp'), None, None)"],
+     ["expert_in[0]='expert'", "do not split the batch"]),
 ]
 
 
@@ -109,6 +120,15 @@ def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):
   assert needle in line
   assert not (tmp_path / "job" / "config.txt").exists()
   assert not (tmp_path / "job" / "checkpoints").exists()
+
+
+def test_an_moe_mistake_exits_2_with_one_paragraph(tmp_path):
+  out = subproc.run(subproc.main_cmd("TinyMoe", str(tmp_path / "job"), f"{M}.moe.top_k=9"),
+                    timeout=200)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+  assert f"{M}.moe.top_k=9" in line
 
 
 def test_fdl_set_typo_names_the_closest_fields():

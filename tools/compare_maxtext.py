@@ -1,4 +1,4 @@
-"""Compiles a Llama train step both ways, spmdtask's and MaxText's, for the same TPU slice
+"""Compiles a train step both ways, spmdtask's and MaxText's, for the same TPU slice
 (XLA:TPU ahead of time, libtpu, on this machine) and prints them side by side.
 
     python tools/compare_maxtext.py --maxtext_dir=/work/maxtext \\
@@ -11,7 +11,11 @@ Configs (`--config`, or `all`):
   llama31_8b_v6e256   Llama-3.1-8B on v6e-256: `llama.Llama31_8B_V6e256` against MaxText's
                       published tuning config `llama3_1_8b_8192` (benchmarks/);
   llama2_70b_v5p512   Llama-2-70B on v5p-512: `llama.Llama2_70B_V5p512` against MaxText's
-                      `llama2_70b_v5p_128` at 4 rows per chip (see that experiment's doc).
+                      `llama2_70b_v5p_128` at 4 rows per chip (see that experiment's doc);
+  mixtral_8x7b_v5p128 Mixtral-8x7B on v5p-128: `moe.Mixtral_8x7B` against MaxText's Mixtral
+                      end-to-end script's `model_name=mixtral-8x7b per_device_batch_size=4
+                      max_target_length=4096 ici_fsdp_parallelism=-1 remat_policy=full
+                      attention=flash megablox=True sparse_matmul=True`.
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
@@ -65,6 +69,14 @@ CONFIGS = {
         "llama.Llama2_70B_V5p512", "v5p:4x8x8",
         ("compile_topology=v5p-512", "compile_topology_num_slices=1", "per_device_batch_size=4"),
         "maxtext_v5p_model_configs:llama2_70b_v5p_128"),
+    # MaxText's Mixtral end-to-end script's setup (its source holds no v5p Mixtral config);
+    # float32 weights (base.yml's default), as spmdtask's.
+    "mixtral_8x7b_v5p128": Config(
+        "moe.Mixtral_8x7B", "v5p:4x4x4",
+        ("compile_topology=v5p-128", "compile_topology_num_slices=1",
+         "model_name=mixtral-8x7b", "per_device_batch_size=4", "max_target_length=4096",
+         "ici_fsdp_parallelism=-1", "remat_policy=full", "attention=flash", "megablox=True",
+         "sparse_matmul=True", "dataset_type=synthetic")),
 }
 
 

@@ -12,7 +12,7 @@ A model is a Flax module that implements `Model`:
     is aggregated the same generic way: sums and weights are summed over microbatches,
     batches and processes, and reported as sum / weight.
   - `work_per_example(example)`: the train FLOPs (forward + backward) and the tokens of one
-    example, for MFU and tokens/s.
+    example, for MFU and tokens/s; a sparse model's FLOPs count the params a token uses.
   - `validate(mesh, global_batch_size)`: ConfigError naming the field when the model's
     config cannot run on this mesh and batch.
 
@@ -43,9 +43,11 @@ Metrics = dict[str, Weighted]
 
 
 class Work(NamedTuple):
-  """What one training example costs: forward + backward FLOPs, and its tokens."""
+  """What one training example costs: forward + backward FLOPs, and its tokens; and the
+  params one token uses where that is fewer than all (a mixture of experts'; None: all)."""
   train_flops: float
   tokens: int
+  active_params: int | None = None
 
 
 @runtime_checkable

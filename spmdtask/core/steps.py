@@ -96,6 +96,15 @@ def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
   return metrics["loss"].sum / total, metrics, grads
 
 
+# What a train step reports besides the model's own metrics (the console prints those apart).
+STEP_METRICS = ("loss", "grad_norm", "param_norm", "learning_rate")
+
+
+def model_metrics(metrics: dict) -> list[tuple[str, float]]:
+  """The model's own metrics among a step's (e.g. an MoE's aux loss), besides the loss."""
+  return [(k, v) for k, v in metrics.items() if k not in STEP_METRICS]
+
+
 def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
                   layout: StateLayout, seed: int, num_microbatches: int = 1) -> Callable:
   """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.

@@ -14,7 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.layers import fused_attention, rope
-from spmdtask.layers.base import SplitDims, constrain, dense_init, platform, project, weight
+from spmdtask.layers.base import (RmsNorm, SplitDims, constrain, dense_init, platform, project,
+                                  weight)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -78,7 +79,9 @@ class Attention(nn.Module):
   """Projections q/k/v/o around `attend`.
 
   Weights: q [d_model, heads, hd], k/v [d_model, kv_heads, hd], o [heads, hd, d_model].
-  Rotary positions unless `rope_theta` is None; causal unless `causal=False`.
+  Rotary positions unless `rope_theta` is None; causal unless `causal=False`. With
+  `qk_norm` (Qwen3), q and k are RMS-normalized over head_dim (a [head_dim] scale each,
+  shared by the heads, eps `norm_eps`) before the rotary positions.
   `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
   splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla).
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
@@ -97,6 +100,8 @@ class Attention(nn.Module):
   rope_scaling: rope.Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
   impl: str = "xla"
+  qk_norm: bool = False
+  norm_eps: float = 1e-6
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to; decoding (a KV cache): `attend`."""
@@ -128,6 +133,9 @@ class Attention(nn.Module):
     q = checkpoint_name(proj(wq, self.q_split), remat.Q_PROJ)
     k = checkpoint_name(proj(wk, self.kv_split), remat.K_PROJ)
     v = checkpoint_name(proj(wv, self.kv_split), remat.V_PROJ)
+    if self.qk_norm:
+      q = RmsNorm(hd, self.norm_eps, (None,), name="q_norm")(q)
+      k = RmsNorm(hd, self.norm_eps, (None,), name="k_norm")(k)
     if self.rope_theta is not None:
       q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
       k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)

@@ -53,7 +53,8 @@ class Block(nn.Module):
   dim). Dropout runs where a `dropout_key` (uint32 key data) is given: row i's mask comes
   from (key, row_ids[i]), so it does not depend on how the batch is split into
   microbatches. `causal=False` makes an encoder block; `rope_theta=None` turns rotary
-  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`).
+  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`);
+  `qk_norm` RMS-normalizes q and k per head (Qwen3).
   """
   d_model: int
   num_heads: int
@@ -70,6 +71,7 @@ class Block(nn.Module):
   rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
   attention_impl: str = "auto"
+  qk_norm: bool = False
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -85,6 +87,15 @@ class Block(nn.Module):
                row_ids: jax.Array | None = None, cache: KvCache | None = None,
                dropout_key: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
+    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
+    h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
+            name="mlp")(h)
+    return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
+
+  def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key):
+    """x + attn(norm(x)) and the new cache (called from a compact `__call__`)."""
+    w, a = self.wsplit, self.asplit
     # Every use of the input goes through its name, so an offloading remat preset can move
     # it to the host instead of keeping the raw input (the scan's carry) for the backward.
     x = checkpoint_name(x, remat.LAYER_INPUT)
@@ -92,22 +103,26 @@ class Block(nn.Module):
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
-                         impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
-    x = constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
-    h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            name="mlp")(h)
-    return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
+                         impl=self.attention_impl, qk_norm=self.qk_norm,
+                         norm_eps=self.norm_eps, name="attn")(h, positions, segment_ids, cache)
+    return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 
-def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> float:
-  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·d·T² (attention unmasked)."""
-  return 6.0 * num_params * tokens + 12.0 * num_layers * d_model * tokens * tokens
+def train_flops(num_params: int, num_layers: int, width: int, tokens: int) -> float:
+  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·w·T², N the params a token
+  uses, w the attention's query width (heads × head_dim; d_model in most models), the
+  attention unmasked."""
+  return 6.0 * num_params * tokens + 12.0 * num_layers * width * tokens * tokens
+
+
+def param_shapes(model: nn.Module, example):
+  """The variables of `model` as ShapeDtypeStructs (boxed), initialised through `loss` on
+  one `example` row: nothing is allocated."""
+  batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
+  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
+  return jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
 
 
 def num_params(model: nn.Module, example) -> int:
   """Parameters of `model` (shapes only), initialised through `loss` on one `example` row."""
-  batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
-  shapes = jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
-  return sum(x.size for x in jax.tree.leaves(shapes))  # boxes are pytree nodes
+  return sum(x.size for x in jax.tree.leaves(param_shapes(model, example)))  # boxes: nodes

@@ -1,17 +1,51 @@
-"""What a decoder LM costs to train: per-layer train costs, measured from its own compiled
-code (what `TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol,
-returns), and its largest activations with the config changes that shrink them
+"""What a decoder LM costs to train: the params a token uses (a mixture of experts' active
+params), per-layer train costs, measured from its own compiled code (what
+`TransformerLm.layer_costs`, the `spmdtask.core.model.LayerCosts` protocol, returns), and
+its largest activations with the config changes that shrink them
 (`TransformerLm.activation_memory`, `SizesActivations`)."""
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spmdtask.core import remat
-from spmdtask.core.model import ActivationMemory, Held, MemoryFix
-from spmdtask.layers.block import Block
+from spmdtask.core import remat, sharding
+from spmdtask.core.model import ActivationMemory, Held, MemoryFix, Work
+from spmdtask.layers import moe as moe_lib
+from spmdtask.layers.block import Block, param_shapes, train_flops
 
 VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole logits
+ROUTED = ("wi", "wg", "wo")  # a block's routed experts' weights, under its `moe`: [E, ...]
+
+
+def active_params(params, top_k: int, num_experts: int) -> int:
+  """The params one token uses, counted from `params` (shapes suffice, boxed or not): all
+  of them but the routed experts' weights (`.../moe/{wi,wg,wo}`, each holding all
+  `num_experts` experts), of which a token uses `top_k`. The router and the shared experts
+  (`moe/shared`) count whole, as do attention, norms, embedding and head."""
+  total = 0
+  # Unboxed by hand: flax's unbox would constrain each shape to its sharding in a mesh.
+  plain = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x, params,
+                       is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  for path, x in jax.tree_util.tree_flatten_with_path(plain)[0]:
+    keys = sharding.path_keys(path)
+    routed = "moe" in keys[:-1] and keys[-1] in ROUTED and "shared" not in keys
+    total += x.size * top_k // num_experts if routed else x.size
+  return total
+
+
+def lm_work(model, example) -> Work:
+  """A TransformerLm's work per example (`work_per_example`): 6·N·T + 12·L·(heads·
+  head_dim)·T² train FLOPs (causal attention not halved) for T tokens, N the params a token
+  uses: with `model.moe`, the router, top_k of the routed experts and the shared experts of
+  each MoE layer (`active_params`), not all of them; then `Work.active_params` says N."""
+  t = int(example["inputs"].shape[-1])
+  shapes = param_shapes(model, example)
+  if model.moe is None:
+    n, active = sum(x.size for x in jax.tree.leaves(shapes)), None
+  else:
+    n = active = active_params(shapes, model.moe.top_k, model.moe.num_experts)
+  return Work(train_flops(n, model.num_layers, model.num_heads * model.head_dim, t), t, active)
 
 
 def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
@@ -19,14 +53,17 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
 
   Compiled (`cost_analysis`) FLOPs of forward + backward on one batch of shape
   [batch_size, seq_len]: the embedding lookup's vjp; one `Block`'s vjp (grads of its weights
-  and of its input); the head (final norm, unembedding, cross entropy) as the one-block
-  model's loss-and-grad minus those two, so that it follows the model's own head code.
-  Remat, vocab tiling (a loop that cost analysis counts once) and pipelining are turned
-  off: they do not change what a layer costs to train.
+  and of its input), with `moe` one `MoeBlock`'s for the MoE layers (and one `Block`'s for
+  the dense ones before `moe.first_moe_layer`); the head (final norm, unembedding, cross
+  entropy) as the one-block model's loss-and-grad minus those two, so that it follows the
+  model's own head code. Remat, vocab tiling (a loop that cost analysis counts once) and
+  pipelining are turned off: they do not change what a layer costs to train.
   """
-  num_layers = model.num_layers
+  num_layers, moe = model.num_layers, model.moe
+  dense_layers = moe.first_moe_layer if moe else num_layers
   model = dataclasses.replace(model, num_layers=1, remat_policy=None, execution=None,
-                              dropout_rate=0.0, loss_vocab_tiles=1)
+                              dropout_rate=0.0, loss_vocab_tiles=1,
+                              moe=moe and dataclasses.replace(moe, first_moe_layer=0))
   dt = jnp.dtype(model.fprop_dtype)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
   x = jax.ShapeDtypeStruct((batch_size, seq_len, model.d_model), dt)
@@ -41,19 +78,25 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
     out, pullback = jax.vjp(fn, *args)
     return out, pullback(cotangent)
 
+  def layer(block, carry) -> float:  # carry: x, or an MoeBlock's (x, stats)
+    params = jax.eval_shape(block.init, jax.random.key(0), carry, positions)["params"]
+    return flops(lambda p, c, pos: vjp(lambda p, c: block.apply({"params": p}, c, pos)[0], p,
+                                       c, cotangent=c), params, carry, positions)
+
   emb = jax.ShapeDtypeStruct((model.vocab_size, model.d_model), jnp.float32)
   embed = flops(lambda e, t, ct: vjp(lambda e: jnp.take(e, t, axis=0).astype(dt), e,
                                      cotangent=ct), emb, tokens, x)
-  block = Block(**model.block_kwargs())
-  block_params = jax.eval_shape(block.init, jax.random.key(0), x, positions)["params"]
-  layer = flops(lambda p, h, pos: vjp(lambda p, h: block.apply({"params": p}, h, pos)[0], p, h,
-                                      cotangent=h), block_params, x, positions)
+  layers = [layer(Block(**model.block_kwargs()), x)] * dense_layers if dense_layers else []
+  if moe:
+    stats = jax.ShapeDtypeStruct((batch_size, len(moe_lib.STATS)), jnp.float32)
+    layers += [layer(moe_lib.MoeBlock(**model.block_kwargs(), moe=model.moe), (x, stats))
+               ] * (num_layers - dense_layers)
   params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
   batch = {"inputs": tokens, "targets": tokens,
            "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
   whole = flops(jax.value_and_grad(
       lambda p, b: model.apply({"params": p}, b, method=model.loss)[0]), params, batch)
-  return [embed] + [layer] * num_layers + [whole - embed - layer]
+  return [embed] + layers + [whole - embed - layers[-1]]  # the one-layer model's: the last
 
 
 def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
@@ -67,6 +110,8 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   r, t, L, dt = rows, seq_len, model.num_layers, model.fprop_dtype
   q, kv, d, ff = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
       model.d_model, model.d_ff
+  if model.moe is not None:  # per token: its top_k experts' hidden rows, and the shared ones
+    ff = model.moe.top_k * model.moe.d_ff + model.moe.shared_ff
   width = {remat.Q_PROJ: q, remat.K_PROJ: kv, remat.V_PROJ: kv, remat.ATTN_CONTEXT: q,
            remat.ATTN_OUT: d, remat.MLP_UP: ff, remat.MLP_GATE: ff, remat.MLP_HIDDEN: ff,
            remat.MLP_OUT: d}
@@ -83,7 +128,9 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                 f"one of the loss's {tiles} float32 logits tiles",
                 (r, t, -(-vocab // tiles)), "float32")
   arrays.append(logits)
-  arrays.append(Held("one layer's MLP activation while it runs", (r, t, ff), dt))
+  arrays.append(Held("one layer's MLP activation while it runs" if model.moe is None else
+                     "one MoE layer's expert activations (top_k per token) while it runs",
+                     (r, t, ff), dt))
   per_token = sum(a.bytes for a in arrays)  # what scales with the tokens at once
   if tiles > 1:  # layers.xent gathers one tile where it is used, reduce-scatters its gradient
     arrays.append(Held("one vocab tile of the head weight gathered while it runs, or its "

@@ -64,7 +64,8 @@ class LayerStack(nn.Module):
   def _row_ids(self, x):
     if not self._dropout():
       return None
-    return jnp.arange(x.shape[0], dtype=jnp.int32) + base.manual_row_offset(x.shape[0])
+    rows = jax.tree.leaves(x)[0].shape[0]  # x may be a carry tuple (layers.moe.MoeBlock)
+    return jnp.arange(rows, dtype=jnp.int32) + base.manual_row_offset(rows)
 
   def layer_keys(self) -> jax.Array | None:
     """Dropout key data `[num_layers, 2]` uint32 (one stream per layer), or None."""

@@ -10,11 +10,12 @@ from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import fused_attention
+from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
-from spmdtask.layers.block import Block, num_params, train_flops
+from spmdtask.layers.block import Block
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import StackFacts, Strategy
@@ -33,6 +34,11 @@ class WeightSplit:
   mlp_in: SplitDims = ("fsdp", "model")           # [d_model, d_ff]
   mlp_out: SplitDims = ("model", "fsdp")          # [d_ff, d_model]
   norm: SplitDims = (None,)                       # [d_model]
+  # Mixture of Experts (layers.moe): no `expert` axis by default (dense meshes have none);
+  # expert parallelism sets e.g. expert_in=("expert", "fsdp", "model").
+  router: SplitDims = (None, None)                # [d_model, experts]
+  expert_in: SplitDims = (None, "fsdp", "model")  # [experts, d_model, expert d_ff]
+  expert_out: SplitDims = (None, "model", "fsdp") # [experts, expert d_ff, d_model]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +76,14 @@ class TransformerLm(nn.Module):
   rope_theta: float = 10000.0
   rope_scaling: Llama3Scaling | None = None  # Llama 3.1 / 3.2 frequency scaling
   norm_eps: float = 1e-6
+  qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
+  moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -113,8 +121,9 @@ class TransformerLm(nn.Module):
     mesh_shape = dict(mesh.shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
+    _validate_moe(self, mesh_shape)
     if self.execution is not None:
-      self.execution.validate(StackFacts(self.num_layers, global_batch_size, mesh))
+      self.execution.validate(StackFacts(_moe_layers(self), global_batch_size, mesh))
 
   def check_batch(self, batch) -> None:
     """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
@@ -122,10 +131,9 @@ class TransformerLm(nn.Module):
     _check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
-    """6·N·T + 12·L·d·T² train FLOPs (causal attention not halved) for T tokens."""
-    t = int(example["inputs"].shape[-1])
-    n = num_params(self.clone(execution=None), example)
-    return Work(train_flops(n, self.num_layers, self.d_model, t), t)
+    """Train FLOPs of the params a token uses (with `moe`: top_k of the routed experts),
+    and tokens, of one example (`layers.costs.lm_work`)."""
+    return costs_lib.lm_work(self.clone(execution=None), example)
 
   @nn.nowrap  # builds modules of its own: not a child of this one
   def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
@@ -148,6 +156,7 @@ class TransformerLm(nn.Module):
                            self.head_dim, self.d_ff)
     shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
                   mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
+    shapes.update(self.moe.weight_shapes(d) if self.moe else {})
     acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
                 logits=("b", "t", v))
     out = {f"task.model.weight_split_dims_mapping.{k}":
@@ -180,7 +189,7 @@ class TransformerLm(nn.Module):
     return dict(d_model=self.d_model, num_heads=self.num_heads,
                 num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
+                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
                 dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
@@ -192,7 +201,7 @@ class TransformerLm(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
-               head: bool = True):
+               head: bool = True, moe_stats: bool = False):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
@@ -201,6 +210,7 @@ class TransformerLm(nn.Module):
     a token attends only to earlier tokens of its own segment. With `head=False`, returns
     `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
     head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
+    `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -210,7 +220,7 @@ class TransformerLm(nn.Module):
                  nn.initializers.normal(1.0))
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
-    x, cache = self._stack()(x, positions, segment_ids, cache=cache)
+    x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
@@ -219,30 +229,70 @@ class TransformerLm(nn.Module):
                        dense_init(0, 1))
       scale = 1.0
     if not head:
-      return x, unembed, scale
+      return ((x, unembed, scale), stats) if moe_stats else (x, unembed, scale)
     logits = x @ unembed.astype(dt)
     logits = logits * scale if scale != 1.0 else logits
     logits = constrain(logits.astype(jnp.float32), a.logits)
-    return logits if cache is None else (logits, cache)
+    return (logits, stats) if moe_stats else logits if cache is None else (logits, cache)
 
   def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    """Weighted mean next-token cross entropy.
-
-    batch: `inputs`, `targets` [b, t] int32 and `weights` [b, t] float (0 = padding);
-    packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
-    Returns (loss, {'loss': Weighted(sum of token losses, tokens)}).
-    """
-    inputs, targets = batch["inputs"], batch["targets"]
-    if self.loss_vocab_tiles > 1:
-      x, w, scale = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                         head=False)
-      token_xent = _tiled_loss(self, x, w, scale, targets)
-    else:
-      logits = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"))
-      token_xent = xent.cross_entropy(logits, targets)
+    """Weighted mean next-token cross entropy (+ an MoE's router losses: `_moe_losses`):
+    (loss, {'loss': Weighted(sum of token losses, tokens), MoE metrics}). batch: `inputs`,
+    `targets` [b, t] int32, `weights` [b, t] float (0 = padding); packed rows add
+    `segment_ids` and per-segment `positions` [b, t] int32."""
+    inputs, targets, tiles = batch["inputs"], batch["targets"], self.loss_vocab_tiles
+    out, stats = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                      head=tiles == 1, moe_stats=True)
+    token_xent = (_tiled_loss(self, *out, targets) if tiles > 1
+                  else xent.cross_entropy(out, targets))
     weights = batch["weights"].astype(jnp.float32)
+    token_xent, metrics = _moe_losses(self.moe, stats, token_xent, weights)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
-    return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss": Weighted(loss_sum, num_tokens)}
+    return (loss_sum / jnp.maximum(num_tokens, 1.0),
+            {"loss": Weighted(loss_sum, num_tokens), **metrics})
+
+def _moe_layers(model: TransformerLm) -> int:
+  """Layers of the stack named `layers` (the one the execution strategy runs)."""
+  return model.num_layers - (model.moe.first_moe_layer if model.moe else 0)
+
+
+def _layer_stacks(model: TransformerLm, x, positions, segment_ids, cache):
+  """The layer stacks (called inside `model`'s compact `__call__`): (x, new cache, per-row
+  MoE stats averaged over the MoE layers, or None when dense). With `moe.first_moe_layer` =
+  k > 0 the first k layers are a dense scanned stack `dense_layers`; the MoE layers are
+  `layers` (run by the strategy)."""
+  if model.moe is None:
+    x, cache = model._stack()(x, positions, segment_ids, cache=cache)  # pylint: disable=protected-access
+    return x, cache, None
+  k, n = model.moe.first_moe_layer, _moe_layers(model)
+  caches = (None, None) if cache is None else (
+      jax.tree.map(lambda c: c[:k], cache), jax.tree.map(lambda c: c[k:], cache))
+  if k:
+    x, dense_cache = stack_lib.LayerStack(
+        Block, model.block_kwargs(), k, model.remat_policy, model.scan_unroll, None,
+        name="dense_layers")(x, positions, segment_ids, cache=caches[0])
+  stats = jnp.zeros((x.shape[0], len(moe_lib.STATS)), jnp.float32)
+  (x, stats), moe_cache = stack_lib.LayerStack(
+      moe_lib.MoeBlock, {**model.block_kwargs(), "moe": model.moe}, n, model.remat_policy,
+      model.scan_unroll, model.execution, name="layers")((x, stats), positions, segment_ids,
+                                                         cache=caches[1])
+  if cache is not None:
+    cache = moe_cache if not k else jax.tree.map(
+        lambda a, b: jnp.concatenate([a, b]), dense_cache, moe_cache)
+  return x, cache, stats / n
+
+
+def _moe_losses(cfg: moe_lib.MoeConfig | None, stats, token_xent, weights):
+  """Each row's `aux_loss_coef · aux + z_loss_coef · z` (means over the MoE layers) added to
+  its tokens' losses, and `layers.moe.STATS` as token-weighted means over rows; a dense
+  model's (stats None) unchanged, no metrics."""
+  if stats is None:
+    return token_xent, {}
+  row_tokens = jnp.sum(weights, axis=1)
+  extra = cfg.aux_loss_coef * stats[:, 0] + cfg.z_loss_coef * stats[:, 1]
+  metrics = {name: Weighted(jnp.sum(stats[:, i] * row_tokens), jnp.sum(row_tokens))
+             for i, name in enumerate(moe_lib.STATS)}
+  return token_xent + extra[:, None], metrics
 
 
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
@@ -252,6 +302,34 @@ def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
   return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
                                   model.activation_split_dims_mapping.logits, split)
+
+
+def _validate_moe(model: TransformerLm, mesh_shape) -> None:
+  """The MoE fields; an expert split on a dense model; experts over the batch's axes."""
+  ws, field = model.weight_split_dims_mapping, "task.model.weight_split_dims_mapping"
+  expert_axes = {a for e in (ws.expert_in[0], ws.expert_out[0])
+                 for a in sharding.entry_axes(e) if mesh_shape.get(a, 1) > 1}
+  if model.moe is None:
+    if mesh_shape.get("expert", 1) > 1 or expert_axes:
+      raise ConfigError(
+          f"An expert split on a dense model: the mesh's `expert` axis has size "
+          f"{mesh_shape.get('expert', 1)} and {field}.expert_in / expert_out name "
+          f"{sorted(expert_axes) or 'no axis'}, but task.model.moe is None (no experts to "
+          "split). Set task.model.moe to a MoeConfig, or give the `expert` axis size 1 "
+          "(task.ici_mesh_shape) and name no axis on the expert dims.")
+    return
+  if sharding.entry_axes(ws.expert_in[0]) != sharding.entry_axes(ws.expert_out[0]):
+    raise ConfigError(f"{field}.expert_in[0]={ws.expert_in[0]!r} and expert_out[0]="
+                      f"{ws.expert_out[0]!r} must split the expert dim alike.")
+  model.moe.validate(model.num_layers, sharding.shards(ws.expert_in[0], mesh_shape))
+  batch = sharding.entry_axes(model.activation_split_dims_mapping.embed[0])
+  if not expert_axes <= set(batch):
+    raise ConfigError(
+        f"{field}.expert_in[0]={ws.expert_in[0]!r} splits the experts over "
+        f"{sorted(expert_axes - set(batch))}, which do not split the batch "
+        f"(task.model.activation_split_dims_mapping.embed[0]={batch}): tokens reach their "
+        "experts by all-to-all over the batch's axes. Add those axes to the batch's entry "
+        "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
 
 
 def _check_batch(model: TransformerLm, batch) -> None:

@@ -267,7 +267,8 @@ def pipeline_apply(
       the output has the shape and dtype of `h`.
     stage_params: pytree whose leaves are `[S, R, Lps, ...]`, dim 0 sharded over
       `config.stage_axis` (other dims may be sharded over other mesh axes).
-    x: `[B, ...]` activations with B = M * mb.
+    x: `[B, ...]` activations with B = M * mb, or a pytree of them (an MoE stack's carry
+      holds its per-row statistics beside the activations).
     mesh: the `jax.sharding.Mesh` (Auto axes) holding `config.stage_axis`.
     config: a `PipelineConfig`.
     broadcast_args: extra arguments passed unchanged to every `layer_fn` call (e.g.
@@ -291,7 +292,7 @@ def pipeline_apply(
         f"dims {sorted(leads)}: build the weights with to_stages(..., {s_n}, {r_n})."
     )
   lps = next(iter(leads))[2]
-  batch = x.shape[0]
+  batch = jax.tree.leaves(x)[0].shape[0]  # x may be a pytree of [B, ...] (an MoE carry)
   validate(config, num_layers=s_n * r_n * lps, batch_size=batch, mesh=mesh)
   m_n = config.resolve_num_microbatches(batch)
   mb = batch // m_n
@@ -320,13 +321,18 @@ def pipeline_apply(
   def per_stage(params, x, bargs, margs):
     params = jax.tree.map(lambda a: a[0], params)  # [R, Lps, ...]: this stage's
     s = jax.lax.axis_index(ax)
-    xs = x.reshape((mb, m_n) + x.shape[1:])  # microbatch m = x[m::M]
+    tree = jax.tree.map
+    xs = tree(lambda a: a.reshape((mb, m_n) + a.shape[1:]), x)  # microbatch m = x[m::M]
     ms = tuple(a.reshape((mb, m_n) + a.shape[1:]) for a in margs)
-    mb_shape = (mb,) + x.shape[1:]
-    cur = jnp.full(mb_shape, fill, x.dtype)
-    buf = jnp.full((ring,) + mb_shape if r_n > 1 else (0,), fill, x.dtype)
-    out = jnp.full(xs.shape, fill, x.dtype)
-    zeros = jnp.zeros(mb_shape, x.dtype)
+    cur = tree(lambda a: jnp.full((mb,) + a.shape[1:], fill, a.dtype), x)
+    buf = tree(lambda a: jnp.full((ring, mb) + a.shape[1:] if r_n > 1 else (0,), fill, a.dtype),
+               x)
+    out = tree(lambda a: jnp.full(a.shape, fill, a.dtype), xs)
+    zeros = tree(jnp.zeros_like, cur)
+    index = lambda t, i, axis: tree(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis, False), t)
+    update = lambda t, u, i, axis: tree(
+        lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, axis), t, u)
+    where = lambda c, a, b: tree(lambda u, v: jnp.where(c, u, v), a, b)
 
     def body(carry, t):
       cur, buf, out = carry
@@ -334,25 +340,23 @@ def pipeline_apply(
       valid = (k >= 0) & (k < m_n * r_n)
       kc = jnp.clip(k, 0, m_n * r_n - 1)
       r, m = kc // m_n, kc % m_n
-      first = jax.lax.dynamic_index_in_dim(xs, m, 1, False)
+      first = index(xs, m, 1)
       if r_n > 1:
-        buf = jax.lax.dynamic_update_index_in_dim(buf, cur, t % ring, 0)
-        back = jax.lax.dynamic_index_in_dim(buf, (t + 1) % ring, 0, False)
-        first = jnp.where(r == 0, first, back)
-      inp = jnp.where(valid, jnp.where(s == 0, first, cur), zeros)
+        buf = update(buf, cur, t % ring, 0)
+        first = where(r == 0, first, index(buf, (t + 1) % ring, 0))
+      inp = where(valid, where(s == 0, first, cur), zeros)
       margs_m = tuple(jax.lax.dynamic_index_in_dim(a, m, 1, False) for a in ms)
       h = run_stage(params, r, inp, bargs, margs_m)
       is_out = valid & (s == s_n - 1) & (r == r_n - 1)
-      old = jax.lax.dynamic_index_in_dim(out, m, 1, False)
-      out = jax.lax.dynamic_update_index_in_dim(out, jnp.where(is_out, h, old), m, 1)
+      out = update(out, where(is_out, h, index(out, m, 1)), m, 1)
       cur = h if s_n == 1 else jax.lax.ppermute(h, ax, perm)
       return (cur, buf, out), None
 
     (_, _, out), _ = jax.lax.scan(
         body, (cur, buf, out), jnp.arange(n_iter), unroll=bool(config.unroll)
     )
-    out = jnp.where(s == s_n - 1, out, jnp.zeros_like(out))
-    return jax.lax.psum(out.reshape(x.shape), ax)
+    out = where(s == s_n - 1, out, tree(jnp.zeros_like, out))
+    return jax.lax.psum(tree(lambda o, a: o.reshape(a.shape), out, x), ax)
 
   fn = jax.shard_map(
       per_stage,

@@ -48,6 +48,7 @@ _LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = ([a-z][a-z0-9]*\[[0-9,]*\])(\{[
                    r"([\w\-]+)\(")
 _SPACE = re.compile(r"S\((\d+)\)\}$")  # a layout's memory space; none: the device's HBM
 HOST_SPACE = 5  # XLA's memory space of the host's (pinned) memory
+MOE_SCOPE = "moe"  # the name scope of a block's Mixture of Experts (layers.moe.MoeFfn)
 _FUSED = re.compile(r"\b(?:calls|to_apply)=\{?%([\w.\-]+)")
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
 _VIEWS = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "iota",
@@ -62,10 +63,12 @@ def op_name(name: str) -> str:
   return "/".join(parts[-3:])
 
 
-def hlo_arrays(text: str, top: int | None = 10, on_host: bool = False) -> list[Buffer]:
+def hlo_arrays(text: str, top: int | None = 10, on_host: bool = False,
+               within: str | None = None) -> list[Buffer]:
   """The `top` (None: all) largest arrays the per-device program `text` writes in the
   device's HBM (with `on_host`: in the host's memory), largest first; one per shape and op
-  (module doc)."""
+  (module doc). With `within`, only those a JAX op made under that name scope (a part of
+  its op name: a Flax module's name, e.g. 'moe')."""
   want = HOST_SPACE if on_host else 0
   comps, _ = hlo.computations(text)
   inner = {m for lines in comps.values() for line in lines for m in _FUSED.findall(line)}
@@ -81,6 +84,8 @@ def hlo_arrays(text: str, top: int | None = 10, on_host: bool = False) -> list[B
       if (int(space.group(1)) if space else 0) != want:
         continue
       what = _OP_NAME.search(line)
+      if within and not (what and within in what.group(1).split("/")):
+        continue
       what = op_name(what.group(1)) if what else m.group(1)
       key = (m.group(2), what)
       if key not in seen:
@@ -90,12 +95,17 @@ def hlo_arrays(text: str, top: int | None = 10, on_host: bool = False) -> list[B
 
 
 def plan_section(text: str | None, top: int) -> dict:
-  """A compiled program's `top` largest arrays in the device's HBM (`largest_arrays`) and,
+  """A compiled program's `top` largest arrays in the device's HBM (`largest_arrays`);
   where XLA placed some in the host's memory (offloaded activations), there
-  (`largest_host_arrays`), as JSON; none where its optimized program `text` is unknown."""
+  (`largest_host_arrays`); where it has Mixture-of-Experts layers, those their dispatch
+  makes (`largest_moe_arrays`), as JSON; none where its optimized program `text` is
+  unknown."""
   if text is None:
     return {"largest_arrays": []}
   out = {"largest_arrays": [b.as_json() for b in hlo_arrays(text, top)]}
+  moe = hlo_arrays(text, top, within=MOE_SCOPE)
+  if moe:  # a Mixture of Experts' dispatch: its token buffers, by expert, and their FFN
+    out["largest_moe_arrays"] = [b.as_json() for b in moe]
   host = [b.as_json() for b in hlo_arrays(text, top, on_host=True)]
   return {**out, "largest_host_arrays": host} if host else out
 

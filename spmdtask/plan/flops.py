@@ -5,10 +5,12 @@ microbatches and pipeline iterations are loops, so it cannot tell a policy that
 recomputes each layer's forward from one that does not. The jaxpr of the differentiated
 step can: the backward of a rematerialized layer holds the recomputed forward
 explicitly, and a scan says how many times its body runs. This counts 2·M·N·K per
-`dot_general` (and per convolution output element and kernel tap) through every
+`dot_general` and grouped matmul (`ragged_dot`: each row against its own group's weights)
+(and per convolution output element and kernel tap) through every
 nested jaxpr, times the trip counts of the scans around it, the manual shards of a
 `shard_map` (whose body is traced per shard) and the grid of a Pallas kernel (its body
-works on one block; a kernel's own `cost_estimate` wins where it gives one); cuDNN's fused
+works on one block; a kernel's own `cost_estimate` wins where it gives one, e.g. megablox
+gmm's 2·m·k·n); cuDNN's fused
 attention by its shapes (2 matmuls forward, 5 backward). A `while`
 with no static trip count counts once. Elementwise work is not counted: on a
 transformer it is a small share, and remat changes it in proportion.
@@ -33,7 +35,21 @@ def _conv_flops(eqn) -> float:
   return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs.shape) / out_feature
 
 
-_COUNTERS = {"dot_general": _dot_flops, "conv_general_dilated": _conv_flops}
+def _ragged_dot_flops(eqn) -> float:
+  """A grouped matmul (`lax.ragged_dot`): each row meets one group's weights, so it costs
+  what one dense matmul of the rows does. Where the ragged dim is contracted (the weights'
+  gradient, [groups, ...] out), each group's output sums only its own rows."""
+  dims = eqn.params["ragged_dot_dimension_numbers"]
+  (contract, _), _ = dims.dot_dimension_numbers
+  lhs = eqn.invars[0].aval
+  out = math.prod(eqn.outvars[0].aval.shape)
+  if set(dims.lhs_ragged_dimensions) & set(contract):
+    out //= eqn.invars[2].aval.shape[0]  # the groups: one output block each
+  return 2.0 * out * math.prod(lhs.shape[d] for d in contract)
+
+
+_COUNTERS = {"dot_general": _dot_flops, "conv_general_dilated": _conv_flops,
+             "ragged_dot_general": _ragged_dot_flops}
 
 # cuDNN's fused attention (`jax.nn.dot_product_attention(implementation="cudnn")`) traces
 # as one primitive per direction, with no dot inside: its forward is two matmuls (QK^T,
@@ -78,8 +94,8 @@ def _repeats(eqn) -> int:
 
 def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
   """Matmul FLOPs of one run of `jaxpr` (all devices together); with `kernels_only`, only
-  those inside fused kernels, Pallas's and cuDNN's attention (what XLA's cost analysis
-  cannot see in a custom call)."""
+  those inside fused kernels, Pallas's (megablox gmm, splash attention) and cuDNN's
+  attention (what XLA's cost analysis cannot see in a custom call)."""
   total = 0.0
   for eqn in jaxpr.eqns:
     count = _COUNTERS.get(eqn.primitive.name)
@@ -92,7 +108,10 @@ def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
     kernel = eqn.primitive.name == "pallas_call"
     estimate = eqn.params.get("cost_estimate") if kernel else None
     if estimate is not None and estimate.flops:
-      total += float(estimate.flops)  # the kernel's own count (e.g. a causal mask's skips)
+      # The kernel's own count (megablox gmm's 2·m·k·n). XLA:TPU's compiled cost_analysis
+      # reads it from the custom call, but the per-step analysis (plan.xla_cost, a CPU
+      # client's HloCostAnalysis of the optimized module) does not: counted as a kernel's.
+      total += float(estimate.flops)
       continue
     subs = [jaxpr_flops(j, kernels_only and not kernel) for j in _sub_jaxprs(eqn.params)]
     if eqn.primitive.name == "cond":

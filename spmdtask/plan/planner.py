@@ -302,6 +302,8 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "batch_shards": sharding.shards(task.batch_axes() or None, mesh_shape),
           "num_microbatches": task.train.num_microbatches,
           **memory.totals(rows),
+          # what the model FLOPs (hence MFU, tokens/s) count: a mixture of experts' are fewer
+          "num_active_params": program.work.active_params or memory.totals(rows)["num_params"],
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
           "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape)

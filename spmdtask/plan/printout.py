@@ -45,7 +45,10 @@ def format_plan(plan: dict) -> list[str]:
   where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
            + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
            else f"{plan['num_devices']} {t['platform']} devices")
-  lines = [f"Plan of {plan['experiment']} ({plan['num_params']:,} params) on {where}, mesh {plan['mesh']}:",
+  active = plan.get("num_active_params", plan["num_params"])
+  params = f"{plan['num_params']:,} params" + (f", {active:,} active per token"
+                                               if active != plan["num_params"] else "")
+  lines = [f"Plan of {plan['experiment']} ({params}) on {where}, mesh {plan['mesh']}:",
            *plan.get("describe", []),
            f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
   for a in plan["arrays"]:
@@ -74,6 +77,8 @@ def format_plan(plan: dict) -> list[str]:
       "largest arrays per device: " + (arrays(plan.get("largest_arrays", []), 5) or "unknown")
       + (f"; offloaded to the host: {arrays(plan['largest_host_arrays'], 3)}"
          if plan.get("largest_host_arrays") else ""),
+      *([f"MoE dispatch arrays per device: {arrays(plan['largest_moe_arrays'], 4)}"]
+        if plan.get("largest_moe_arrays") else []),
       "collectives per step: " + (", ".join(
           f"{k} x{v['count']} {mb(v['bytes'])}" for k, v in sorted(plan["collectives"].items()))
           or "none")]

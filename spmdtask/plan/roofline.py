@@ -19,7 +19,8 @@ from spmdtask.plan.chips import Chip
 def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
   """Bytes one device receives in a collective with a ring algorithm, from its result.
 
-  all-gather / all-to-all: all but its own share of the result; reduce-scatter: the
+  all-gather / all-to-all: all but its own share of the result (a ragged all-to-all's
+  result is its receive buffer: at most that); reduce-scatter: the
   other members' partial sums of its shard; all-reduce: a reduce-scatter and an
   all-gather; collective-permute: the whole result.
   """
@@ -30,7 +31,7 @@ def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
     return result_bytes * (n - 1)
   if kind == "all-reduce":
     return 2 * result_bytes * (n - 1) / n
-  return result_bytes * (n - 1) / n  # all-gather, all-to-all
+  return result_bytes * (n - 1) / n  # all-gather, (ragged) all-to-all
 
 
 def collective_traffic(ops) -> dict[str, float]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries
 from spmdtask import console, fs
-from spmdtask.core import memory
+from spmdtask.core import memory, steps
 from spmdtask.core import program as program_lib
 from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.core import host_input as inputs_base
@@ -53,7 +53,7 @@ class Hook:
 
 
 class ProgressLog(Hook):
-  """Process 0 prints step, loss, step time, tokens/s, MFU and ETA every `every` steps.
+  """Every `every` steps process 0 prints step, loss, model metrics, s/step, tokens/s, MFU, ETA.
 
   Times are averaged over the steps since the last line; the first line's include
   compiling the step, so its ETA is pessimistic. MFU is against `peak` per device.
@@ -69,8 +69,9 @@ class ProgressLog(Hook):
   def on_metrics(self, fetched, last):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
-    console.say("step %d/%d  loss %.4f  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
-                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], step_time,
+    others = "".join(f"  {k} {v:.4g}" for k, v in steps.model_metrics(fetched.metrics[-1]))
+    console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
+                fetched.step, self.num_steps, fetched.metrics[-1]["loss"], others, step_time,
                 " (incl. compile)" if self._first else "",
                 console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak.figure(),
                 console.duration((self.num_steps - fetched.step) * step_time))
@@ -278,9 +279,9 @@ def start_summary(program: program_lib.Program, name: str, batch_size: int,
   """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
   t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
   devices = program.mesh.devices
-  lines = [f"{name}: {console.human_count(t['num_params'])} params on {program_lib.mesh_words(program)} "
-           f"({console.count(devices.size, devices.flat[0].platform + ' device')}); "
-           f"train state "
+  lines = [f"{name}: {console.params(t['num_params'], program.work.active_params)} on "
+           f"{program_lib.mesh_words(program)} "
+           f"({console.count(devices.size, devices.flat[0].platform + ' device')}); train state "
            f"{console.human_bytes(t['state_bytes_per_device'])} per device "
            f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
            f"({batch_size * program.work.tokens} tokens/step); MFU against "

@@ -127,3 +127,22 @@ ENTRY %main (p: bf16[4,8]) -> bf16[4,8] {
   section = buffers.plan_section(text, 8)
   assert [a["shape"] for a in section["largest_host_arrays"]] == ["bf16[32,4,8]"]
   assert "largest_host_arrays" not in buffers.plan_section(text.replace("S(5)", "S(1)"), 8)
+
+
+def test_a_mixture_of_experts_dispatch_arrays_are_named_apart():
+  """Arrays made under a `moe` name scope (layers.moe.MoeFfn) are the plan's MoE arrays."""
+  text = """HloModule m
+
+ENTRY %main (p: bf16[4,8]) -> bf16[4,8] {
+  %p = bf16[4,8]{1,0} parameter(0)
+  %sorted = bf16[64,8]{1,0} gather(%p, %p), metadata={op_name="jit(step)/layers/while/body/""" \
+      """block/moe/shard_map/gather"}
+  %hidden = bf16[64,16]{1,0} multiply(%p, %p), metadata={op_name="jit(step)/layers/while/""" \
+      """body/block/moe/shard_map/mul"}
+  ROOT %mlp = bf16[4,8]{1,0} add(%p, %p), metadata={op_name="jit(step)/mlp/add"}
+}
+"""
+  moe = buffers.plan_section(text, 8)["largest_moe_arrays"]
+  assert [(a["shape"], a["what"]) for a in moe] == [("bf16[64,16]", "moe/shard_map/mul"),
+                                                    ("bf16[64,8]", "moe/shard_map/gather")]
+  assert "largest_moe_arrays" not in buffers.plan_section(text.replace("/moe/", "/mlp/"), 8)

@@ -78,3 +78,24 @@ def test_cudnn_attention_counts_two_matmuls_forward_and_five_backward():
   heads_first = lambda q, k: fwd.bind(q, k, k, layout=1)
   assert flops.traced_flops(heads_first, q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)) \
       == 2 * per_matmul
+
+
+M, K, N, G = 128, 128, 256, 4  # tokens' rows, d_model, expert width, experts
+
+
+def _grouped_loss(matmul):
+  return jax.grad(lambda x, w, sizes: jnp.sum(matmul(x, w, sizes) ** 2), argnums=(0, 1))
+
+
+def test_grouped_matmuls_count_each_row_once():
+  """ragged_dot and megablox gmm (a Pallas kernel): forward and both gradients cost what a
+  dense [M, K] @ [K, N] does, whatever the groups (3 such matmuls), gmm by its own cost
+  estimates, which kernels_only counts (the plan's per-step XLA analysis sees none)."""
+  from jax.experimental.pallas.ops.tpu import megablox  # pylint: disable=import-outside-toplevel
+  x, w = jnp.ones((M, K)), jnp.ones((G, K, N))
+  sizes = jnp.array([64, 0, 48, 16], jnp.int32)
+  dense = 2 * M * K * N
+  assert flops.traced_flops(_grouped_loss(jax.lax.ragged_dot), x, w, sizes) == 3 * dense
+  gmm = lambda x, w, sizes: megablox.gmm(x, w, sizes, tiling=(128, 128, 128), interpret=True)
+  assert flops.traced_flops(_grouped_loss(gmm), x, w, sizes) == 3 * dense
+  assert flops.traced_flops(_grouped_loss(gmm), x, w, sizes, kernels_only=True) == 3 * dense

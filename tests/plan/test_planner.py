@@ -163,6 +163,24 @@ def test_async_collectives_count_their_results_not_their_operands():
       "collective-permute": {"count": 1, "bytes": 4 * 16}}
 
 
+# XLA:TPU's (AOT, v5p:2x2x1) exchanges of a dropless MoE's tokens: a ragged all-to-all
+# into a receive buffer, then a plain one; one channel id for both (told apart by kind).
+A2A_HLO = """HloModule m
+
+ENTRY %main (a: bf16[8,2,128]) -> bf16[4,2,128] {
+  %ragged = bf16[8,2,128]{2,1,0:T(2,128)(2,1)} ragged-all-to-all(%a, %b, %c, %d, %e, """ \
+  """/*index=5*/%d), channel_id=1, replica_groups={{0,1,2,3}}
+  %a2a = bf16[4,2,128]{2,1,0:T(2,128)(2,1)} all-to-all(%x), channel_id=1, """ \
+  """replica_groups={{0,1,2,3}}, dimensions={0}
+}
+"""
+
+
+def test_ragged_all_to_all_is_a_collective_of_its_own():
+  assert hlo.collectives(A2A_HLO) == {"ragged-all-to-all": {"count": 1, "bytes": 2 * 8 * 2 * 128},
+                                      "all-to-all": {"count": 1, "bytes": 2 * 4 * 2 * 128}}
+
+
 def test_remat_warning_names_the_param_of_that_shape():
   log = ("W spmd_partitioner.cc:656] [SPMD] Involuntary full rematerialization. The compiler "
          "cannot go from sharding {devices=[2,4]<=[8]} to {devices=[8,1]<=[8]} efficiently for "

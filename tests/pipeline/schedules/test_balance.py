@@ -109,3 +109,20 @@ def test_lm_layer_costs_follow_the_model():
   # As layer_cuts (embedding with layer 0, head with the last layer).
   assert len(bl.stack_costs(costs)) == model.num_layers
   assert bl.balance(bl.stack_costs(costs), 2).cuts == (2,)
+
+
+def test_moe_layer_costs_tell_the_dense_layers_from_the_moe_ones():
+  """A Mixture of Experts with its first layer dense: that layer costs what a dense block
+  does (as above), the MoE layers another (the same each)."""
+  from spmdtask.layers.moe import MoeConfig  # pylint: disable=import-outside-toplevel
+  b, t = 2, 32
+  model = dataclasses.replace(fdl.build(lm.tiny_model()), moe=MoeConfig(
+      num_experts=4, top_k=2, d_ff=64, first_moe_layer=1))
+  costs = model.layer_costs(b, t)
+  assert len(costs) == model.num_layers + 2
+  d, tokens = model.d_model, b * t
+  block_params = (d * (model.num_heads + 2 * model.num_kv_heads) * model.head_dim
+                  + model.num_heads * model.head_dim * d + 3 * d * model.d_ff)
+  assert costs[1] == pytest.approx(6 * block_params * tokens + 12 * d * t * tokens, rel=0.05)
+  assert len(set(costs[2:-1])) == 1 and costs[2] != costs[1]
+  assert 0 < costs[-1] < costs[1]

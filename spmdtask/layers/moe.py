@@ -1,0 +1,254 @@
+"""Mixture-of-Experts feed-forward: a float32 router, top-k, routed SwiGLU experts, shared experts.
+
+`MoeFfn(x [b, t, d]) -> (y [b, t, d], stats [b, len(STATS)])`. Routing groups are rows: the
+Switch load-balancing loss, the z-loss, the load imbalance (max over mean assignments per
+expert) and the dropped fraction are computed per row, so they, the capacity and the drops
+do not depend on how the batch is split over devices or microbatches (GShard's groups, one
+per sequence). The stack sums `stats` over its MoE layers; the LM adds
+`aux_loss_coef · aux + z_loss_coef · z` (means over MoE layers) to each row's token losses.
+
+Expert parallelism: where the batch dim is split over mesh axes (an `expert` axis among
+them, as MaxText and Praxis lay it out) the experts run under a `jax.shard_map` manual over
+those axes: expert weights keep their shard of the expert dim (axes of `expert_in[0]`),
+their other dims are all-gathered over manual (FSDP) axes like `layers.base.project`, and
+tokens travel by all-to-all (`layers.moe_dispatch`). A `model` axis on the ff dim stays
+automatic (GSPMD).
+"""
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from spmdtask.core import remat
+from spmdtask.core.sharding import entry_axes, shards
+from spmdtask.errors import ConfigError
+from spmdtask.layers import moe_dispatch
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project, weight
+from spmdtask.layers.block import Block, Mlp
+
+SCORES = ("softmax", "sigmoid")
+DISPATCHES = ("dropless", "capacity")
+STATS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped")
+FIELD = "task.model.moe"
+MEGABLOX_TILE = 128  # megablox gmm's default (tm, tk, tn): every dim a multiple of it
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+  """The MoE fields of a TransformerLm (`moe`; None = dense). See /README for each."""
+  num_experts: int
+  top_k: int
+  d_ff: int
+  num_shared_experts: int = 0
+  shared_d_ff: int | None = None
+  first_moe_layer: int = 0
+  score: str = "softmax"
+  renormalize: bool = True
+  dispatch: str = "dropless"
+  capacity_factor: float = 1.25
+  aux_loss_coef: float = 0.01
+  z_loss_coef: float = 0.001
+
+  @property
+  def shared_ff(self) -> int:
+    """The fused shared experts' hidden size (0: none)."""
+    return self.num_shared_experts * (self.shared_d_ff or self.d_ff)
+
+  def weight_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
+    """WeightSplit field -> the shape of the weights it maps."""
+    e, f = self.num_experts, self.d_ff
+    return dict(router=(d_model, e), expert_in=(e, d_model, f), expert_out=(e, f, d_model))
+
+  def validate(self, num_layers: int, expert_shards: int) -> None:
+    """ConfigError naming the field; `expert_shards`: how many ways expert_in[0] splits E."""
+    if self.num_experts < 1 or self.d_ff < 1 or self.num_shared_experts < 0:
+      raise ConfigError(f"{FIELD}: num_experts={self.num_experts}, d_ff={self.d_ff} must be "
+                        f"positive and num_shared_experts={self.num_shared_experts} >= 0.")
+    if not 1 <= self.top_k <= self.num_experts:
+      raise ConfigError(f"{FIELD}.top_k={self.top_k}: each token picks top_k of the "
+                        f"num_experts={self.num_experts} experts, so 1 <= top_k <= "
+                        f"{self.num_experts}. Set top_k in that range.")
+    if self.score not in SCORES:
+      raise ConfigError(f"{FIELD}.score={self.score!r}: use one of {', '.join(SCORES)}.")
+    if self.dispatch not in DISPATCHES:
+      raise ConfigError(f"{FIELD}.dispatch={self.dispatch!r}: use 'dropless' (grouped "
+                        "matmul, no token dropped) or 'capacity' (GShard capacity factor).")
+    if not self.capacity_factor > 0:
+      raise ConfigError(f"{FIELD}.capacity_factor={self.capacity_factor}: each expert takes "
+                        "ceil(capacity_factor * tokens * top_k / num_experts) tokens per row, "
+                        "so it must be > 0 (1.0 = an even share; 1.25 is usual).")
+    if not 0 <= self.first_moe_layer < num_layers:
+      raise ConfigError(f"{FIELD}.first_moe_layer={self.first_moe_layer}: layers [0, "
+                        f"first_moe_layer) are dense, so it must lie in [0, task.model."
+                        f"num_layers={num_layers}).")
+    if self.num_experts % expert_shards:
+      raise ConfigError(
+          f"{FIELD}.num_experts={self.num_experts} does not divide over the {expert_shards} "
+          "shards of the expert dim (task.model.weight_split_dims_mapping.expert_in[0] / "
+          "expert_out[0], the `expert` mesh axis): each device must hold whole experts. "
+          "Make num_experts a multiple of the expert axis size, or shrink that axis.")
+
+
+def route(logits: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """float32 router logits [..., E] -> (gates [..., k], experts [..., k] int32, scores)."""
+  scores = (jax.nn.softmax(logits) if cfg.score == "softmax" else jax.nn.sigmoid(logits))
+  gates, experts = jax.lax.top_k(scores, cfg.top_k)
+  if cfg.renormalize:
+    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+  return gates, experts.astype(jnp.int32), scores
+
+
+def row_stats(logits, scores, experts, dropped, cfg: MoeConfig) -> jax.Array:
+  """[g, len(STATS)] per row: Switch aux loss E·Σ_e f_e·P_e (f_e: share of the row's
+  assignments to e, P_e: e's mean normalized score), z-loss mean_t logsumexp², imbalance
+  max_e/mean_e of assignments, dropped share of assignments."""
+  t, e, k = logits.shape[1], cfg.num_experts, cfg.top_k
+  load = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(1, 2))  # [g, E]
+  prob = jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=1)
+  aux = e * jnp.sum(load / (t * k) * prob, axis=-1)
+  z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
+  imbalance = jnp.max(load, axis=-1) / (t * k / e)
+  return jnp.stack([aux, z, imbalance, dropped / (t * k)], axis=-1)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+  logging.warning("%s", message)
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, kernel: str = "auto"
+                   ) -> jax.Array:
+  """lhs [m, k] rows grouped by `sizes` [G] times rhs [G, k, n] -> [m, n] (rows past the
+  groups undefined). kernel: auto (megablox on TPU where every dim is a multiple of its
+  tile, else `jax.lax.ragged_dot`), ragged_dot, megablox, megablox_interpret (CPU tests)."""
+  if kernel == "auto":
+    fits = all(s % MEGABLOX_TILE == 0 for s in (lhs.shape[0], *rhs.shape[1:]))
+    kernel = "megablox" if platform() == "tpu" and fits else "ragged_dot"
+    if platform() == "tpu" and not fits:
+      _warn_once(f"MoE grouped matmul runs as jax.lax.ragged_dot, not megablox gmm: its dims "
+                 f"(rows {lhs.shape[0]}, {rhs.shape[1]}, {rhs.shape[2]}) are not all "
+                 f"multiples of {MEGABLOX_TILE}.")
+  if kernel == "ragged_dot":
+    return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=lhs.dtype)
+  from jax.experimental.pallas.ops.tpu.megablox import gmm  # pylint: disable=g-import-not-at-top
+  return gmm(lhs, rhs, sizes, preferred_element_type=lhs.dtype,
+             interpret=kernel == "megablox_interpret")
+
+
+def _swiglu(x, wi, wg, wo, matmul):
+  """Expert SwiGLU with the MLP's checkpoint names (every remat preset applies)."""
+  h = checkpoint_name(matmul(x, wi), remat.MLP_UP)
+  gate = checkpoint_name(matmul(x, wg), remat.MLP_GATE)
+  h = checkpoint_name(jax.nn.silu(gate) * h, remat.MLP_HIDDEN)
+  return matmul(h, wo)
+
+
+class MoeFfn(nn.Module):
+  """Router + routed experts (+ shared experts) in place of a block's Mlp (module doc)."""
+  d_model: int
+  cfg: MoeConfig
+  dtype: jnp.dtype
+  router_split: SplitDims   # [d, E]
+  in_split: SplitDims       # [E, d, f]
+  out_split: SplitDims      # [E, f, d]
+  shared_in_split: SplitDims
+  shared_out_split: SplitDims
+  ff_act_split: SplitDims | None
+  embed_split: SplitDims | None
+  kernel: str = "auto"      # grouped_matmul's kernel (dropless)
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    cfg, d, f, e = self.cfg, self.d_model, self.cfg.d_ff, self.cfg.num_experts
+    router = weight(self, "router", (d, e), self.router_split, nn.initializers.normal(0.02))
+    init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1,
+                                            out_axis=2, batch_axis=(0,))
+    wi = weight(self, "wi", (e, d, f), self.in_split, init)
+    wg = weight(self, "wg", (e, d, f), self.in_split, init)
+    wo = weight(self, "wo", (e, f, d), self.out_split, init)
+    batch = self.embed_split
+    logits = project("btd,de->bte", x.astype(jnp.float32), router, self.router_split, batch,
+                     jnp.float32)
+    gates, experts, scores = route(logits, cfg)
+    y, dropped = self._experts(x, experts, gates, wi, wg, wo)
+    y = checkpoint_name(constrain(y, batch), remat.MLP_OUT)
+    if cfg.shared_ff:
+      y = y + Mlp(d, cfg.shared_ff, "swiglu", self.dtype, self.shared_in_split,
+                  self.shared_out_split, self.ff_act_split, name="shared")(x)
+    return y, row_stats(logits, scores, experts, dropped, cfg)
+
+  def _experts(self, x, experts, gates, wi, wg, wo):
+    """The dispatch, per device under a shard_map manual over the batch's axes (module doc)."""
+    cfg, dt = self.cfg, self.dtype
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = _manual_axes(mesh, self.embed_split, x.shape[0])
+    ep = tuple(a for a in entry_axes(self.in_split[0]) if a in manual)
+    n_ep = shards(ep, mesh.shape) if ep else 1
+    # CPU aborts on a bf16 reduce-scatter (see base.project): move float32 there.
+    moved = jnp.float32 if platform() == "cpu" else dt
+    gathered = [[tuple(a for a in entry_axes(s) if a in manual) for s in split[1:]]
+                for split in (self.in_split, self.in_split, self.out_split)]
+
+    def local(x, experts, gates, *ws):
+      full = []
+      for w, axes in zip(ws, gathered):
+        w = w.astype(moved)
+        for dim, dim_axes in enumerate(axes, start=1):
+          for a in reversed(dim_axes):
+            w = jax.lax.all_gather(w, a, axis=dim, tiled=True)
+        full.append(w.astype(dt))
+      x = x.astype(dt)
+      if cfg.dispatch == "dropless":
+        ffn = lambda rows, sizes: _swiglu(
+            rows, *full, lambda h, w: grouped_matmul(h, w, sizes, self.kernel))
+        return moe_dispatch.dropless(x, experts, gates, cfg.num_experts // n_ep, ep, n_ep, ffn)
+      cap = moe_dispatch.capacity(x.shape[1], cfg.top_k, cfg.num_experts,
+                                  cfg.capacity_factor)
+      ffn = lambda buf: _swiglu(buf, *full, lambda h, w: jnp.einsum("emd,edf->emf", h, w))
+      return moe_dispatch.capacity_dispatch(x, experts, gates, cfg.num_experts, cap, ep, n_ep,
+                                            ffn)
+
+    # A Pallas kernel (megablox gmm, TPU) has no partitioning rule: its shard_map is manual
+    # over every mesh axis (those that do not split an input replicate it), and unchecked:
+    # gmm's group metadata (jnp.histogram) fails to trace with manual-axis types (jax 0.10.2).
+    megablox = cfg.dispatch == "dropless" and platform() == "tpu" and not mesh.empty
+    if not manual and not megablox:
+      return local(x, experts, gates, wi, wg, wo)
+    names = set(mesh.axis_names) - set(mesh.manual_axes) if megablox else set(manual)
+    rows = P(manual or None)
+    w_specs = tuple(P(ep or None, *[a or None for a in axes]) for axes in gathered)
+    return jax.shard_map(local, in_specs=(rows, rows, rows) + w_specs,
+                         out_specs=(rows, rows), axis_names=names,
+                         check_vma=not megablox)(x, experts, gates, wi, wg, wo)
+
+
+class MoeBlock(Block):
+  """A `Block` whose feed-forward is `MoeFfn` (submodule `moe`). Its carry is
+  `(x [b, t, d], stats [b, len(STATS)])`: each layer adds its rows' `row_stats`."""
+  moe: MoeConfig | None = None
+
+  @nn.compact
+  def __call__(self, carry, positions, segment_ids=None, row_ids=None, cache=None,
+               dropout_key=None):
+    x, stats = carry
+    w, a = self.wsplit, self.asplit
+    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
+    h, layer_stats = MoeFfn(self.d_model, self.moe, self.dtype, w.router, w.expert_in,
+                            w.expert_out, w.mlp_in, w.mlp_out, a.ff, a.embed, name="moe")(h)
+    x = constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed)
+    return (x, stats + layer_stats), cache
+
+
+def _manual_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
+  """The batch's axes (size > 1, not manual already) when they divide `rows`, else ()."""
+  if mesh.empty or batch is None:
+    return ()
+  axes = tuple(a for a in entry_axes(batch[0])
+               if mesh.shape[a] > 1 and a not in mesh.manual_axes)
+  return axes if axes and rows % shards(axes, mesh.shape) == 0 else ()

@@ -1,0 +1,106 @@
+"""Token dispatch for a Mixture of Experts: tokens to their experts and back, per device.
+
+Both functions run on one device's tokens (inside a `jax.shard_map` manual over the
+batch's axes, or globally where there is no such split) and take the routing for them:
+`x [g, t, d]` (g rows of t tokens), `experts [g, t, k]` int32 ids and `gates [g, t, k]`.
+`ffn(xs, local)` applies the local experts' SwiGLU: under `ep` (the `expert` mesh axes,
+manual here) each device holds `E / n_ep` consecutive experts and tokens travel to their
+experts' devices by all-to-all, and back.
+
+- `dropless`: every assignment is computed. Assignments are sorted by expert and run as one
+  grouped matmul (`ffn` gets rows sorted by local expert and the group sizes). With expert
+  parallelism each device sends every destination a buffer of the worst case (all its
+  assignments), padded: XLA:CPU cannot compile `jax.lax.ragged_all_to_all` (jax 0.10.2:
+  "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so the
+  exchange is a dense `all_to_all` of `[n_ep, assignments, d]` and the padding rows form no
+  group.
+- `capacity` (GShard): within each row, expert e takes its first C assignments (all top-1
+  choices before any top-2, then in token order); the others are dropped (the token keeps
+  its residual only). Buffers `[g, E, C, d]` are exchanged by `all_to_all` over the expert dim.
+
+Groups are rows: the capacity and the drops of a row do not depend on how the batch is
+split over devices or microbatches, so every layout computes the same function.
+"""
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+  """Slots per expert per row: ceil(factor · tokens · k / E)."""
+  return max(1, math.ceil(factor * tokens * top_k / num_experts))
+
+
+def _exchange(x: jax.Array, ep: tuple[str, ...], axis: int) -> jax.Array:
+  """Chunk j of `axis` to device j of the `ep` axes; chunk i back from device i."""
+  if not ep:
+    return x
+  return jax.lax.all_to_all(x, ep, axis, axis, tiled=True)
+
+
+def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
+             ep: tuple[str, ...], n_ep: int, ffn: Callable) -> tuple[jax.Array, jax.Array]:
+  """(output [g, t, d], dropped assignments per row [g] (zeros)) (module doc).
+
+  `ffn(rows [m, d], group_sizes [num_local]) -> [m, d]` runs rows sorted by local expert.
+  """
+  g, t, d = x.shape
+  k = experts.shape[-1]
+  m = g * t * k
+  flat = experts.reshape(m)
+  order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
+  sorted_e = flat[order]
+  rows = x.reshape(g * t, d)[order // k]
+  dest = sorted_e // num_local
+  # Slot of each assignment in its destination's buffer: its rank among those going there.
+  per_dest = jnp.bincount(dest, length=n_ep)
+  slot = jnp.arange(m) - (jnp.cumsum(per_dest) - per_dest)[dest]
+  send = jnp.zeros((n_ep, m, d), x.dtype).at[dest, slot].set(rows)
+  send_e = jnp.full((n_ep, m), num_local, jnp.int32).at[dest, slot].set(sorted_e % num_local)
+  recv, recv_e = _exchange(send, ep, 0), _exchange(send_e, ep, 0)
+  # The receiver runs what arrived grouped by its local expert; padding (id num_local) last.
+  recv_e = recv_e.reshape(n_ep * m)
+  local_order = jnp.argsort(recv_e, stable=True)
+  sizes = jnp.bincount(recv_e, length=num_local).astype(jnp.int32)
+  valid = (recv_e[local_order] < num_local)[:, None]
+  out = jnp.where(valid, ffn(recv.reshape(n_ep * m, d)[local_order], sizes), 0)
+  back = jnp.zeros_like(out).at[local_order].set(out).reshape(n_ep, m, d)
+  back = _exchange(back, ep, 0)[dest, slot]                 # [m, d], sorted order
+  y = jnp.zeros_like(back).at[order].set(back).reshape(g, t, k, d)
+  y = jnp.einsum("gtkd,gtk->gtd", y, gates.astype(y.dtype))
+  return y, jnp.zeros((g,), jnp.float32)
+
+
+def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_experts: int,
+                      cap: int, ep: tuple[str, ...], n_ep: int, ffn: Callable
+                      ) -> tuple[jax.Array, jax.Array]:
+  """(output [g, t, d], dropped assignments per row [g]) (module doc).
+
+  `ffn(buffers [E_local, rows, d]) -> [E_local, rows, d]` runs each local expert's slots.
+  """
+  g, t, d = x.shape
+  k = experts.shape[-1]
+  # Position in the expert's queue, top-1 choices of the whole row before any top-2.
+  onehot = jax.nn.one_hot(experts.transpose(0, 2, 1), num_experts, dtype=jnp.int32)
+  pos = jnp.cumsum(onehot.reshape(g, k * t, num_experts), axis=1).reshape(onehot.shape)
+  pos = jnp.sum((pos - 1) * onehot, axis=-1).transpose(0, 2, 1)  # [g, t, k]
+  keep = pos < cap
+  rows = jnp.broadcast_to(jnp.arange(g)[:, None, None], experts.shape)
+  src = jnp.broadcast_to(x[:, :, None, :], (g, t, k, d))
+  # Dropped assignments index slot `cap` (out of range): the scatter drops them.
+  slot = jnp.where(keep, pos, cap)
+  buf = jnp.zeros((g, num_experts, cap, d), x.dtype).at[rows, experts, slot].set(
+      src, mode="drop")
+  buf = buf.reshape(g, n_ep, num_experts // n_ep, cap, d)
+  buf = _exchange(buf, ep, 1)                               # [g, src dev, E_local, C, d]
+  e_loc = num_experts // n_ep
+  out = ffn(buf.transpose(2, 0, 1, 3, 4).reshape(e_loc, g * n_ep * cap, d))
+  out = out.reshape(e_loc, g, n_ep, cap, d).transpose(1, 2, 0, 3, 4)
+  out = _exchange(out, ep, 1).reshape(g, num_experts, cap, d)
+  y = out.at[rows, experts, slot].get(mode="fill", fill_value=0)  # [g, t, k, d]
+  w = jnp.where(keep, gates, 0).astype(y.dtype)
+  return (jnp.einsum("gtkd,gtk->gtd", y, w),
+          jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32))
+

@@ -1,0 +1,318 @@
+"""Hugging Face checkpoints in and out of spmdtask: Llama, Mixtral and Qwen3-MoE
+(safetensors, numpy; no torch).
+
+    python tools/convert_hf.py --from_hf=/models/llama --job_log_dir=/tmp/llama
+    python -m spmdtask.main --exp=llama.LlamaImport --job_log_dir=/tmp/llama --mode=decode \
+        --flagfile=/tmp/llama/model_overrides.txt
+    python tools/convert_hf.py --job_log_dir=/tmp/llama --to_hf=/models/llama_out
+
+(`tools/convert_llama.py`, the older name, runs this same command.)
+
+--from_hf reads config.json and model.safetensors (or the shards listed in
+model.safetensors.index.json) and writes, into --job_log_dir: a step-0 checkpoint (the
+params, a fresh optimizer state) that --mode=decode, --mode=train and
+task.train.init_checkpoint_dir accept on any mesh; model_overrides.txt, one
+`--fdl_set=...` per line (an absl --flagfile) that makes the family's import experiment
+(`llama.LlamaImport`; `moe.MoeImport` for Mixtral and Qwen3-MoE) build the matching
+TransformerLm (and, when the architecture is a published one, the name of the configs/
+experiment that has it: that experiment decodes the checkpoint as it is); the model's
+tokenizer.json (and tokenizer_config.json), when the HF directory has one, for decode
+text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf writes
+config.json and model.safetensors from the latest checkpoint. Converting in and out gives
+bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
+
+Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
+rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
+rope_type 'default' and 'llama3' are supported. Anything this converter cannot express
+exactly (another rope_type, unknown RoPE keys, biases, a non-SiLU activation, sliding
+windows, another model_type) is refused by name (exit 2), never replaced by a default
+(tools/hf_models.py: each family's fields and tensor names).
+
+Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] ->
+q [d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
+gate/up/down_proj -> mlp wg/wi/wo transposed, per-layer tensors stacked on a leading
+[num_layers] dim; a MoE router [E, d] -> moe/router [d, E], each expert's gate/up/down
+(Mixtral's w1/w3/w2) -> moe/wg, wi, wo stacked [num_layers, E, ...]. No permutation of q/k
+rows is needed: HF applies rotary embeddings in rotate-half form (pairs (i, i + hd/2),
+HF's checkpoint conversion already permuted Meta's interleaved rows), which is the form of
+`spmdtask.layers.attention.rope`, with the same frequencies theta^(-2i/hd). A tied HF
+head is unscaled: scale_tied_logits=False.
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+from safetensors import numpy as st_numpy
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# pylint: disable=wrong-import-position
+from spmdtask import fs
+from spmdtask.errors import ConfigError
+from tools import hf_models
+
+OVERRIDES_FILE = "model_overrides.txt"
+SOURCE_FILE = "hf_source.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints hold
+EXP = hf_models.EXPERIMENTS["llama"]  # the Llama experiment (the documented command's)
+
+
+def experiment(cfg: dict) -> str:
+  """The experiment (`configs/`) whose model the overrides of this HF config set."""
+  return hf_models.EXPERIMENTS[hf_models.family(cfg)]
+
+
+def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
+  """`--fdl_set` values that make `experiment(cfg)` build this model (its synthetic data in
+  vocab); `tokenizer`, a tokenizer.json path, gives the decode output its text."""
+  fields = hf_models.model_fields(cfg)
+  scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
+  lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
+  lines += [f"task.model.moe.{k}={v!r}" for k, v in moe.items()]
+  if scaling is None:
+    lines.append("task.model.rope_scaling=None")
+  else:  # EXP's model has a Llama3Scaling config: its fields are set one by one
+    lines += [f"task.model.rope_scaling.{k}={v!r}" for k, v in scaling.items()]
+  lines += [f"datasets['{s}'].vocab_size={cfg['vocab_size']}" for s in ("train", "eval")]
+  lines.append(f"decode_datasets['prompts'].vocab_size={cfg['vocab_size']}")
+  if isinstance(cfg.get("eos_token_id"), int):
+    lines.append(f"task.decode.eos_id={cfg['eos_token_id']}")
+  if tokenizer:
+    lines.append(f"decode_datasets['prompts'].tokenizer={'hf:' + tokenizer!r}")
+  return lines
+
+
+def published_experiment(cfg: dict) -> str | None:
+  """The registered experiment (`llama.NAME`, `moe.NAME`: the module of `experiment(cfg)`)
+  whose model is exactly this architecture, if any."""
+  import fiddle as fdl  # pylint: disable=g-import-not-at-top
+  from spmdtask import registry  # pylint: disable=g-import-not-at-top
+  want, exp = hf_models.model_fields(cfg), experiment(cfg)
+  module = "configs." + exp.split(".")[0] + "."
+  for name in registry.names():
+    if not name.startswith(module) or name.endswith("." + exp.split(".")[-1]):
+      continue
+    model = fdl.build(registry.get(name)().task().model)
+    got = {k: getattr(model, k) for k in want}
+    if got["rope_scaling"] is not None:
+      got["rope_scaling"] = {k: getattr(got["rope_scaling"], k) for k in hf_models.LLAMA3_KEYS}
+    if "moe" in want and got["moe"] is not None:
+      got["moe"] = {k: getattr(got["moe"], k) for k in want["moe"]}
+    if got == want:
+      return name.removeprefix("configs.")
+  return None
+
+
+def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
+  """(config.json, tensors by name) of a HF directory, single-file or sharded."""
+  path = fs.join(hf_dir, "config.json")
+  if not fs.isfile(path):
+    raise ConfigError(f"--from_hf={hf_dir!r} has no config.json; point it at a Hugging Face "
+                      "model directory (config.json + *.safetensors).")
+  cfg = json.loads(fs.read_text(path))
+  index = fs.join(hf_dir, "model.safetensors.index.json")
+  if fs.isfile(index):
+    files = sorted(set(json.loads(fs.read_text(index))["weight_map"].values()))
+  else:
+    files = ["model.safetensors"]
+  for name in files:
+    if not fs.isfile(fs.join(hf_dir, name)):
+      raise ConfigError(f"--from_hf={hf_dir!r} has no {name}, which holds the weights.")
+  tensors = {}
+  for name in files:
+    with fs.local_file(fs.join(hf_dir, name)) as path:  # safetensors reads (mmaps) a file
+      tensors.update(st_numpy.load_file(path))
+  return cfg, tensors
+
+
+# Layout kinds: HF Linear [out, in] -> spmdtask's [in, ...] (and back).
+def _layouts(m: dict):
+  d, h, kv, hd = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"]
+  to = {"heads_in": lambda w: w.T.reshape(d, h, hd), "kv_in": lambda w: w.T.reshape(d, kv, hd),
+        "heads_out": lambda w: w.T.reshape(h, hd, d), "t": lambda w: w.T, "same": lambda w: w}
+  back = {"heads_in": lambda w: w.reshape(d, -1).T, "kv_in": lambda w: w.reshape(d, -1).T,
+          "heads_out": lambda w: w.reshape(h * hd, d).T, "t": lambda w: w.T,
+          "same": lambda w: w}
+  return to, back
+
+
+def _paths(cfg: dict, m: dict):
+  """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked param."""
+  layers, experts = range(m["num_layers"]), range(hf_models.num_experts(cfg))
+  out = [(path, [hf_models.layer_tensors(cfg, i)[path][0] for i in layers], kind)
+         for path, (_, kind) in hf_models.layer_tensors(cfg, 0).items()]
+  out += [(path, [[hf_models.expert_tensors(cfg, i, j)[path][0] for j in experts]
+                  for i in layers], kind)
+          for path, (_, kind) in hf_models.expert_tensors(cfg, 0, 0).items()]
+  return out
+
+
+def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
+  """spmdtask's logical params (float32, layers stacked [L, ...], routed experts
+  [L, E, ...]) from HF tensors."""
+  m = hf_models.model_fields(cfg)
+  used = set()
+
+  def take(name):
+    if name not in tensors:
+      raise ConfigError(f"The checkpoint has no tensor {name!r}, which config.json implies.")
+    used.add(name)
+    return np.asarray(tensors[name]).astype(np.float32)
+
+  layout = _layouts(m)[0]
+  flat = {"embedding": take("model.embed_tokens.weight"),
+          "final_norm/scale": take("model.norm.weight")}
+  if not m["tie_embeddings"]:
+    flat["unembed"] = take("lm_head.weight").T
+  elif "lm_head.weight" in tensors:
+    used.add("lm_head.weight")  # a tied head's copy; HF ignores it too
+  stack = lambda names, kind: np.stack([stack(n, kind) if isinstance(n, list)
+                                        else layout[kind](take(n)) for n in names])
+  for path, names, kind in _paths(cfg, m):
+    flat[path] = stack(names, kind)
+  extra = sorted(k for k in set(tensors) - used if not k.endswith(IGNORED_TENSORS))
+  if extra:
+    raise ConfigError(f"The checkpoint has tensors this converter does not map: "
+                      f"{extra[:10]}{' ...' if len(extra) > 10 else ''}. It is not a plain "
+                      f"{cfg.get('architectures', [hf_models.family(cfg)])[0]} (config.json "
+                      "fields and tensors disagree).")
+  params = {}
+  for path, value in flat.items():
+    node = params
+    *parents, leaf = path.split("/")
+    for p in parents:
+      node = node.setdefault(p, {})
+    node[leaf] = np.ascontiguousarray(value)
+  return params
+
+
+def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np.ndarray]:
+  """HF tensors from spmdtask's params (the inverse of `to_params`), cast to `dtypes`."""
+  m = hf_models.model_fields(cfg)
+  out = {"model.embed_tokens.weight": params["embedding"],
+         "model.norm.weight": params["final_norm"]["scale"]}
+  if not m["tie_embeddings"]:
+    out["lm_head.weight"] = params["unembed"].T
+  inverse = _layouts(m)[1]
+
+  def put(names, stacked, kind):
+    for name, x in zip(names, stacked):
+      if isinstance(name, list):
+        put(name, x, kind)
+      else:
+        out[name] = inverse[kind](np.asarray(x))
+  for path, names, kind in _paths(cfg, m):
+    leaf = params
+    for key in path.split("/"):
+      leaf = leaf[key]
+    put(names, leaf, kind)
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  def cast(name, x):
+    dtype = dtypes.get(name, "float32")
+    return np.ascontiguousarray(np.asarray(x, np.float32).astype(
+        ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)))
+  return {k: cast(k, v) for k, v in out.items()}
+
+
+def _program(lines: list[str], exp: str):
+  from spmdtask import main
+  from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
+  import fiddle as fdl  # pylint: disable=g-import-not-at-top
+  run = fdl.build(main.resolved_config(exp, lines))
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+
+
+def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, exp: str = EXP) -> None:
+  """A step-0 train state with `params` (logical) and a fresh optimizer state, via spmdtask's
+  checkpoint module: the one place that knows the checkpoint layout."""
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
+  program = _program(lines, exp)
+  canonical = program.to_canonical(program.init())
+  state = program.from_canonical(canonical._replace(params=params))
+  ckpt = checkpoints.Checkpointer(job_log_dir, program, 1, None,
+                                  {"config": "\n".join(lines) + "\n"})
+  ckpt.save(0, state, None)
+  ckpt.close()
+
+
+def read_checkpoint(job_log_dir: str, lines: list[str], exp: str = EXP) -> dict:
+  """The logical params of the latest checkpoint of `job_log_dir` (its model: `exp` with
+  the override `lines`), as numpy."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
+  program = _program(lines, exp)
+  state, _ = checkpoints.restore_state(job_log_dir, program)
+  return jax.device_get(program.to_canonical(state).params)
+
+
+def from_hf(hf_dir: str, job_log_dir: str) -> list[str]:
+  """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
+  hf_source.json; returns the override lines."""
+  cfg, tensors = read_hf(hf_dir)
+  has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
+  tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
+  lines = overrides(cfg, tokenizer if has_tokenizer else None)
+  params = to_params(cfg, tensors)
+  fs.makedirs(job_log_dir)
+  for name in TOKENIZER_FILES if has_tokenizer else ():
+    if fs.isfile(fs.join(hf_dir, name)):
+      fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
+  write_checkpoint(job_log_dir, lines, params, experiment(cfg))
+  fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
+                "".join(f"--fdl_set={line}\n" for line in lines))
+  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(
+      {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, indent=1))
+  return lines
+
+
+def to_hf(job_log_dir: str, hf_dir: str) -> None:
+  """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir."""
+  source = fs.join(job_log_dir, SOURCE_FILE)
+  if not fs.isfile(source):
+    raise ConfigError(f"--job_log_dir={job_log_dir!r} has no {SOURCE_FILE}; --to_hf converts "
+                      "back a job made by --from_hf (it holds the HF config).")
+  src = json.loads(fs.read_text(source))
+  params = read_checkpoint(job_log_dir, overrides(src["config"]),  # tokenizer: not needed
+                           experiment(src["config"]))
+  staged = fs.Staged(hf_dir, "spmdtask_hf_")  # safetensors writes a local file
+  try:
+    st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
+                       os.path.join(staged.local, "model.safetensors"), metadata={"format": "pt"})
+    fs.write_text(os.path.join(staged.local, "config.json"), json.dumps(src["config"], indent=2))
+  except BaseException:
+    staged.close(upload=False)
+    raise
+  staged.close()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser.add_argument("--job_log_dir", required=True)
+  group = parser.add_mutually_exclusive_group(required=True)
+  group.add_argument("--from_hf", help="a Hugging Face model directory to read")
+  group.add_argument("--to_hf", help="a directory to write the Hugging Face model into")
+  args = parser.parse_args()
+  try:
+    if args.from_hf:
+      from_hf(args.from_hf, args.job_log_dir)
+      cfg = json.loads(fs.read_text(fs.join(args.from_hf, "config.json")))
+      published = published_experiment(cfg)
+      print(f"wrote {args.job_log_dir}: checkpoint step 0, {OVERRIDES_FILE} "
+            f"(--exp={experiment(cfg)} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
+      if published:
+        print(f"the architecture of --exp={published}, which decodes or trains it as it is "
+              "(its mesh and batch; add the --flagfile for the tokenizer's text)")
+    else:
+      to_hf(args.job_log_dir, args.to_hf)
+      print(f"wrote {args.to_hf}: config.json, model.safetensors")
+  except ConfigError as e:
+    print(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: config error: {e}",
+          file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  main()
