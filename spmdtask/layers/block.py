@@ -70,6 +70,7 @@ class Block(nn.Module):
   rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
   causal: bool = True
   attention_impl: str = "auto"
+  context_attention: str = "all_gather"  # across a split sequence (layers.context_attention)
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -92,7 +93,8 @@ class Block(nn.Module):
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
-                         impl=self.attention_impl, name="attn")(h, positions, segment_ids, cache)
+                         impl=self.attention_impl, context=self.context_attention,
+                         name="attn")(h, positions, segment_ids, cache)
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,

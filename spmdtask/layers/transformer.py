@@ -8,6 +8,7 @@ import numpy as np
 
 from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
+from spmdtask.layers import context_attention as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
@@ -37,7 +38,14 @@ class WeightSplit:
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSplit:
-  """Split-dims mapping of the main activations."""
+  """Split-dims mapping of the main activations.
+
+  The seq dim (dim 1) is whole by default; naming a mesh axis there (e.g. 'context', in
+  every field alike) splits the sequence over it: context parallelism. Attention then runs
+  across the shards as `TransformerLm.context_attention` says (layers.context_attention),
+  and the loss reorders each row's tokens zig-zag (with their targets, weights, positions
+  and segment ids) so that every shard does the same causal work.
+  """
   embed: SplitDims = (BATCH, None, None)          # [batch, seq, d_model]
   heads: SplitDims = (BATCH, None, "model", None) # [batch, seq, heads, head_dim]
   ff: SplitDims = (BATCH, None, "model")          # [batch, seq, d_ff]
@@ -73,6 +81,7 @@ class TransformerLm(nn.Module):
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
+  context_attention: str = "all_gather"  # all_gather | ring: across a split sequence
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
@@ -111,6 +120,8 @@ class TransformerLm(nn.Module):
     fused_attention.check(self.attention_impl, mesh.devices.flat[0].platform, self.head_dim,
                           self.fprop_dtype)
     mesh_shape = dict(mesh.shape)
+    context_lib.check(self.context_attention, self.attention_impl,
+                      self.activation_split_dims_mapping.heads, mesh_shape)
     for where, (split, shape) in self.split_dims_fields().items():
       sharding.validate(split, shape, mesh_shape, where)
     if self.execution is not None:
@@ -166,8 +177,17 @@ class TransformerLm(nn.Module):
 
   def cache_split_dims(self, mesh_shape) -> KvCache:
     """PartitionSpecs [layers, *activation_split_dims_mapping.heads]; KV heads that do not
-    divide their axes stay whole."""
+    divide their axes stay whole. ConfigError where the mapping splits the sequence:
+    decoding needs no context split."""
     heads = list(self.activation_split_dims_mapping.heads)
+    axes = context_lib.seq_axes(heads, mesh_shape)
+    if axes:
+      raise ConfigError(
+          f"task.model.activation_split_dims_mapping.heads splits the sequence over {axes} "
+          f"(sizes {[mesh_shape[a] for a in axes]}), which would split the decode KV cache "
+          "by slot: decoding reads one new token at a time and needs no context split. "
+          "Decode on a mesh whose context axis has size 1 (e.g. --fdl_set=task.ici_mesh_shape="
+          "...), or with the seq entries of activation_split_dims_mapping set to None.")
     if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
       heads[2] = None
     spec = jax.sharding.PartitionSpec(None, *heads)
@@ -182,6 +202,7 @@ class TransformerLm(nn.Module):
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
                 rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
                 dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
+                context_attention=self.context_attention,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
 
@@ -232,6 +253,7 @@ class TransformerLm(nn.Module):
     packed rows add `segment_ids` and per-segment `positions` [b, t] int32.
     Returns (loss, {'loss': Weighted(sum of token losses, tokens)}).
     """
+    batch = _zigzag(self, batch)
     inputs, targets = batch["inputs"], batch["targets"]
     if self.loss_vocab_tiles > 1:
       x, w, scale = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
@@ -243,6 +265,25 @@ class TransformerLm(nn.Module):
     weights = batch["weights"].astype(jnp.float32)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return loss_sum / jnp.maximum(num_tokens, 1.0), {"loss": Weighted(loss_sum, num_tokens)}
+
+
+def _zigzag(model: TransformerLm, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`batch` with each row's tokens in zig-zag order (layers.context_attention.zigzag)
+  where the activations split the sequence over mesh axes, positions made explicit (each
+  token keeps its true position); else `batch` itself. Runs on the devices: the input
+  arrives as the host read it, and the constraint splits it over the sequence axes."""
+  mesh = jax.sharding.get_abstract_mesh()
+  split = model.activation_split_dims_mapping.heads
+  axes = () if mesh.empty else context_lib.seq_axes(split, dict(mesh.shape), mesh.manual_axes)
+  if not axes:
+    return batch
+  rows, seq_len = batch["inputs"].shape
+  order = context_lib.zigzag(seq_len, sharding.shards(axes, dict(mesh.shape)))
+  if "positions" not in batch:
+    batch = dict(batch, positions=jnp.broadcast_to(jnp.arange(seq_len), (rows, seq_len)))
+  keys = ("inputs", "targets", "weights", "positions", "segment_ids")
+  return dict(batch, **{k: constrain(jnp.take(batch[k], order, axis=1), split[:2])
+                        for k in keys if k in batch})
 
 
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:

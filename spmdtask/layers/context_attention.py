@@ -1,0 +1,165 @@
+"""Attention when the sequence is split over a mesh axis (context parallelism), and the
+zig-zag order that balances its causal work.
+
+A `context` axis is no special axis: it is whatever the seq entry of
+`activation_split_dims_mapping.heads` names (`seq_axes`). When those axes have more than
+one shard, each device holds a slice of every row's tokens, and attention needs every
+key: `attend` runs under `jax.shard_map` manual over those axes (the other axes stay
+automatic, and axes already manual, such as the SPMD pipeline's 'stage', stay so) in one of
+two ways (`task.model.context_attention`):
+  all_gather  K/V (and their positions and segment ids) all-gathered over the axis in the
+              compute dtype, one layer at a time; each device attends its queries to the
+              whole row.
+  ring        K/V blocks passed around the axis with `ppermute`; each step's block is
+              attended with an online softmax (running max and sum, merged by
+              log-sum-exp), and the next block's send is issued before this block's compute
+              so that the link works while the chip does.
+The mask comes from each token's true position and segment id, never from its index, so
+RoPE, causality and packed rows are right whatever order the tokens sit in.
+
+Causal load balance (`zigzag`): the row is cut into 2·cp chunks and reordered so that shard
+i holds chunks i and 2cp-1-i; every shard then has the same number of visible
+(query, key) pairs. `TransformerLm.loss` reorders tokens, targets, weights, positions and
+segment ids together (the loss is a sum over tokens, so it needs no reorder back).
+
+Inside a shard the scores of a block are computed with einsums (the xla kernel): splash
+and cuDNN take causality from the token index, not from positions, so they cannot attend
+a K/V block from another shard; `check` refuses them by name.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from spmdtask.core.sharding import entry_axes, shards
+from spmdtask.errors import ConfigError
+from spmdtask.layers.base import SplitDims
+
+FIELD = "task.model.context_attention"
+METHODS = ("all_gather", "ring")
+
+
+def seq_axes(heads_split: SplitDims | None, mesh_shape, manual=()) -> tuple[str, ...]:
+  """The mesh axes of size > 1 (and not in `manual`) that split the sequence (the seq entry
+  of the heads mapping [batch, seq, heads, head_dim]); () when the sequence is whole on
+  each device."""
+  if heads_split is None or not mesh_shape:
+    return ()
+  return tuple(a for a in entry_axes(heads_split[1]) if dict(mesh_shape).get(a, 1) > 1
+               and a not in manual)
+
+
+def check(method: str, impl: str, heads_split: SplitDims | None, mesh_shape) -> None:
+  """ConfigError unless `method` is known and, where the sequence is split, the attention
+  kernel `impl` can attend a K/V block by positions."""
+  if method not in METHODS:
+    raise ConfigError(f"{FIELD}={method!r} is not a way to attend across a split sequence: use "
+                      f"one of {', '.join(METHODS)}.")
+  axes = seq_axes(heads_split, mesh_shape)
+  if axes and impl in ("splash", "cudnn"):
+    raise ConfigError(
+        f"task.model.attention_impl={impl!r} cannot take a K/V block from another shard: the "
+        f"{impl} kernel reads causality from token indices, but task.model."
+        f"activation_split_dims_mapping.heads splits the sequence over {axes}, so each shard's "
+        f"keys ({FIELD}={method!r}) are masked by their true positions. Use "
+        "attention_impl='auto' or 'xla', or stop splitting the sequence.")
+
+
+def zigzag(seq_len: int, cp: int) -> np.ndarray:
+  """The token order [seq_len] that gives shard i (of cp, contiguous) chunks i and 2cp-1-i
+  of 2cp equal chunks. ConfigError unless 2·cp divides seq_len."""
+  if seq_len % (2 * cp):
+    raise ConfigError(
+        f"The rows hold {seq_len} tokens, which do not cut into 2 x {cp} equal chunks: task."
+        f"model.activation_split_dims_mapping splits the sequence over {cp} shards, and causal "
+        "load balance gives each shard two chunks (zig-zag). Make datasets[...].seq_len a "
+        f"multiple of {2 * cp}, or split the sequence over fewer shards (the mesh's context "
+        "axis).")
+  chunks = np.arange(seq_len).reshape(2 * cp, seq_len // (2 * cp))
+  order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+  return chunks[order].reshape(-1)
+
+
+def _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
+  """Masked scores [b, kv, group, t, s] float32 and their mask (None: every key)."""
+  hd = q.shape[-1]
+  s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
+  mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None] if causal else None
+  if q_seg is not None:
+    same = kv_seg[:, None, None, None, :] == q_seg[:, None, None, :, None]
+    mask = same if mask is None else mask & same
+  return s, mask
+
+
+def _block(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
+  """One K/V block: (unnormalized output [b, kv, g, t, hd], running max and sum [b, kv, g,
+  t]), all float32. The max is a constant of the softmax, hence stop_gradient: the
+  function is the same, and its gradient needs no argmax."""
+  s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
+  low = jnp.finfo(jnp.float32).min
+  if mask is not None:
+    s = jnp.where(mask, s, low)
+  m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
+  p = jnp.exp(s - m[..., None])
+  if mask is not None:  # a row with no visible key: max is `low` and every exp is 1
+    p = jnp.where(mask, p, 0.0)
+  o = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return o, m, jnp.sum(p, axis=-1)
+
+
+def _merge(a, b):
+  """Two partial softmaxes (o, m, l) over disjoint keys as one (log-sum-exp merge)."""
+  (oa, ma, la), (ob, mb, lb) = a, b
+  m = jnp.maximum(ma, mb)
+  sa, sb = jnp.exp(ma - m), jnp.exp(mb - m)
+  return oa * sa[..., None] + ob * sb[..., None], m, la * sa + lb * sb
+
+
+def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal):
+  gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+  kv_pos = gather(q_pos)
+  kv_seg = None if q_seg is None else gather(q_seg)
+  o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal)
+  return o, l
+
+
+def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
+  cp = shards(axes, dict(jax.sharding.get_abstract_mesh().shape))
+  perm = [(i, (i + 1) % cp) for i in range(cp)]
+  blk = (k, v, q_pos, q_seg)
+  acc = None
+  for step in range(cp):
+    # The next block's send goes out before this block's compute.
+    nxt = jax.lax.ppermute(blk, axes, perm) if step < cp - 1 else None
+    part = _block(q, blk[0], blk[1], q_pos, blk[2], q_seg, blk[3], causal)
+    acc = part if acc is None else _merge(acc, part)
+    blk = nxt
+  return acc[0], acc[2]
+
+
+def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+           segment_ids: jax.Array | None, causal: bool, heads_split: SplitDims) -> jax.Array:
+  """Self-attention of a sequence split over the seq axes of `heads_split` (`method`:
+  all_gather or ring; module doc).
+
+  q [b, t, heads, hd], k/v [b, t, kv_heads, hd], positions and segment_ids (or None) [b, t],
+  each split over those axes, tokens in any order -> [b, t, heads, hd] in q's dtype.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = seq_axes(heads_split, dict(mesh.shape), mesh.manual_axes)
+  h, hd = q.shape[2:]
+  kvh = k.shape[2]
+  local = {"all_gather": _local_all_gather, "ring": _local_ring}[method]
+
+  def run(q, k, v, pos, seg):
+    q5 = q.reshape(q.shape[0], q.shape[1], kvh, h // kvh, hd)
+    o, l = local(q5, k, v, pos, seg, axes, causal)
+    o = o / jnp.where(l > 0, l, 1.0)[..., None]  # [b, kv, g, t, hd]
+    return jnp.einsum("bkgth->btkgh", o).reshape(q.shape).astype(q.dtype)
+
+  act, row = P(None, axes, None, None), P(None, axes)
+  segs = () if segment_ids is None else (segment_ids,)
+  fn = jax.shard_map(lambda q, k, v, pos, *seg: run(q, k, v, pos, *(seg or (None,))),
+                     in_specs=(act, act, act, row) + (row,) * len(segs), out_specs=act,
+                     axis_names=set(axes), check_vma=False)
+  return fn(q, k, v, positions, *segs)
