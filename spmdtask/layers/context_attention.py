@@ -115,26 +115,90 @@ def _merge(a, b):
   return oa * sa[..., None] + ob * sb[..., None], m, la * sa + lb * sb
 
 
+def _normalized(o, l):
+  return o / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal):
+  """This shard's queries against the whole row's K/V, gathered: [b, kv, g, t, hd] f32."""
   gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
   kv_pos = gather(q_pos)
   kv_seg = None if q_seg is None else gather(q_seg)
   o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal)
-  return o, l
+  return _normalized(o, l)
 
 
 def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
+  """This shard's queries against every shard's K/V block in turn: [b, kv, g, t, hd] f32.
+
+  A custom VJP, as flash attention's: the forward keeps only its output and each query's
+  log-sum-exp; the backward passes the K/V blocks around the ring again, recomputes each
+  block's probabilities, and sends each block's K/V gradients on with it, so that after cp
+  hops they reach their own shard. No step's [t, t] scores outlive the step.
+  """
   cp = shards(axes, dict(jax.sharding.get_abstract_mesh().shape))
   perm = [(i, (i + 1) % cp) for i in range(cp)]
-  blk = (k, v, q_pos, q_seg)
-  acc = None
-  for step in range(cp):
-    # The next block's send goes out before this block's compute.
-    nxt = jax.lax.ppermute(blk, axes, perm) if step < cp - 1 else None
-    part = _block(q, blk[0], blk[1], q_pos, blk[2], q_seg, blk[3], causal)
-    acc = part if acc is None else _merge(acc, part)
-    blk = nxt
-  return acc[0], acc[2]
+  send = lambda x: jax.lax.ppermute(x, axes, perm)
+  segs = () if q_seg is None else (q_seg,)
+  seg_of = lambda blk: blk[0] if blk else None
+
+  def forward(q, k, v, pos, *seg):
+    def step(blk, acc):
+      part = _block(q, blk[0], blk[1], pos, blk[2], seg_of(seg), seg_of(blk[3:]), causal)
+      return _merge(acc, part)
+
+    def hop(carry, _):  # the next block's send goes out before this block's compute
+      blk, acc = carry
+      return (send(blk), step(blk, acc)), None
+    rows = (q.shape[0], q.shape[2], q.shape[3], q.shape[1])  # [b, kv, g, t]
+    acc = (jnp.zeros(rows + (q.shape[-1],), jnp.float32),
+           jnp.full(rows, jnp.finfo(jnp.float32).min), jnp.zeros(rows, jnp.float32))
+    # A loop, not unrolled: one block's scores live at a time.
+    (blk, acc), _ = jax.lax.scan(hop, ((k, v, pos, *seg), acc), length=cp - 1)
+    o, m, l = step(blk, acc)
+    return _normalized(o, l), m + jnp.log(jnp.where(l > 0, l, 1.0))
+
+  @jax.custom_vjp
+  def ring(q, k, v, pos, *seg):
+    return forward(q, k, v, pos, *seg)[0]
+
+  def ring_fwd(q, k, v, pos, *seg):
+    o, lse = forward(q, k, v, pos, *seg)
+    return o, (q, k, v, pos, seg, o, lse)
+
+  def ring_bwd(res, do):
+    q, k, v, pos, seg, o, lse = res
+    scale = q.shape[-1] ** -0.5
+    delta = jnp.sum(do * o, axis=-1)  # [b, kv, g, t]
+
+    def step(blk, dkv, dq):
+      kb, vb = blk[0], blk[1]
+      s, mask = _scores(q, kb, pos, blk[2], seg_of(seg), seg_of(blk[3:]), causal)
+      p = jnp.exp(s - lse[..., None])
+      if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+      dv = jnp.einsum("bkgts,bkgth->bskh", p.astype(do.dtype), do,
+                      preferred_element_type=jnp.float32)
+      dp = jnp.einsum("bkgth,bskh->bkgts", do, vb.astype(do.dtype),
+                      preferred_element_type=jnp.float32)
+      ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
+      dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kb, preferred_element_type=jnp.float32)
+      dk = jnp.einsum("bkgts,btkgh->bskh", ds, q, preferred_element_type=jnp.float32)
+      # This block's gradients travel on with it: after cp hops they are home.
+      return send((dkv[0] + dk, dkv[1] + dv)), dq
+
+    def hop(carry, _):
+      blk, dkv, dq = carry
+      return (send(blk),) + step(blk, dkv, dq), None
+    zero = lambda x: jnp.zeros(x.shape, jnp.float32)
+    (blk, dkv, dq), _ = jax.lax.scan(hop, ((k, v, pos, *seg), (zero(k), zero(v)), zero(q)),
+                                     length=cp - 1)
+    dkv, dq = step(blk, dkv, dq)
+    zeros = (None,) * (1 + len(seg))
+    return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)) + zeros
+
+  ring.defvjp(ring_fwd, ring_bwd)
+  return ring(q, k, v, q_pos, *segs)
 
 
 def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
@@ -153,8 +217,7 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
   def run(q, k, v, pos, seg):
     q5 = q.reshape(q.shape[0], q.shape[1], kvh, h // kvh, hd)
-    o, l = local(q5, k, v, pos, seg, axes, causal)
-    o = o / jnp.where(l > 0, l, 1.0)[..., None]  # [b, kv, g, t, hd]
+    o = local(q5, k, v, pos, seg, axes, causal)  # [b, kv, g, t, hd]
     return jnp.einsum("bkgth->btkgh", o).reshape(q.shape).astype(q.dtype)
 
   act, row = P(None, axes, None, None), P(None, axes)
