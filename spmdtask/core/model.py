@@ -43,9 +43,11 @@ Metrics = dict[str, Weighted]
 
 
 class Work(NamedTuple):
-  """What one training example costs: forward + backward FLOPs, and its tokens."""
+  """What one training example costs: forward + backward FLOPs, its tokens, and the part
+  of those FLOPs that is attention's scores and weighted sums (causal: the visible half)."""
   train_flops: float
   tokens: int
+  attention_flops: float = 0.0
 
 
 @runtime_checkable

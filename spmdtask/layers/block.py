@@ -102,9 +102,16 @@ class Block(nn.Module):
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
 
-def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int) -> float:
-  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·d·T² (attention unmasked)."""
-  return 6.0 * num_params * tokens + 12.0 * num_layers * d_model * tokens * tokens
+def attention_flops(num_layers: int, d_model: int, tokens: int, causal: bool) -> float:
+  """Train FLOPs of attention's two matmuls (scores, weighted sum; forward and backward) on
+  one example: 12·L·d·T², halved when causal (the masked half of the keys is no work)."""
+  return (6.0 if causal else 12.0) * num_layers * d_model * tokens * tokens
+
+
+def train_flops(num_params: int, num_layers: int, d_model: int, tokens: int,
+                causal: bool = False) -> float:
+  """Train FLOPs of one example of `tokens` tokens: 6·N·T + attention (`attention_flops`)."""
+  return 6.0 * num_params * tokens + attention_flops(num_layers, d_model, tokens, causal)
 
 
 def num_params(model: nn.Module, example) -> int:

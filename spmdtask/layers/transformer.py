@@ -15,7 +15,7 @@ from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
-from spmdtask.layers.block import Block, num_params, train_flops
+from spmdtask.layers.block import Block, attention_flops, num_params, train_flops
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import StackFacts, Strategy
@@ -133,10 +133,11 @@ class TransformerLm(nn.Module):
     _check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
-    """6·N·T + 12·L·d·T² train FLOPs (causal attention not halved) for T tokens."""
+    """6·N·T + 6·L·d·T² train FLOPs for T tokens (causal attention: half of 12·L·d·T²)."""
     t = int(example["inputs"].shape[-1])
     n = num_params(self.clone(execution=None), example)
-    return Work(train_flops(n, self.num_layers, self.d_model, t), t)
+    return Work(train_flops(n, self.num_layers, self.d_model, t, causal=True), t,
+                attention_flops(self.num_layers, self.d_model, t, causal=True))
 
   @nn.nowrap  # builds modules of its own: not a child of this one
   def layer_costs(self, batch_size: int, seq_len: int) -> list[float]:
