@@ -65,6 +65,19 @@ def check(method: str, impl: str, heads_split: SplitDims | None, mesh_shape) -> 
         "attention_impl='auto' or 'xla', or stop splitting the sequence.")
 
 
+def check_decode(heads_split: SplitDims, mesh_shape) -> None:
+  """ConfigError where the heads mapping would split a decode KV cache over its slots."""
+  axes = seq_axes(heads_split, mesh_shape)
+  if axes:
+    raise ConfigError(
+        f"task.model.activation_split_dims_mapping.heads splits the sequence over {axes} "
+        f"(sizes {[mesh_shape[a] for a in axes]}), which would split the decode KV cache by "
+        "slot: decoding reads one new token at a time and needs no context split. Decode on "
+        "a mesh whose context axis has size 1 (set it to 1 in task.ici_mesh_shape and give "
+        "its devices to a data axis), or with the seq entries of "
+        "activation_split_dims_mapping set to None.")
+
+
 def zigzag(seq_len: int, cp: int) -> np.ndarray:
   """The token order [seq_len] that gives shard i (of cp, contiguous) chunks i and 2cp-1-i
   of 2cp equal chunks. ConfigError unless 2·cp divides seq_len."""
@@ -128,34 +141,79 @@ def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal):
   return _normalized(o, l)
 
 
+def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta):
+  """One block's gradients (dq [b, t, kv, g, hd], dk, dv [b, s, kv, hd], float32) from the
+  output's cotangent `do` [b, kv, g, t, hd], the log-sum-exp and delta = sum(do · o)."""
+  s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
+  p = jnp.exp(s - lse[..., None])
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  dv = jnp.einsum("bkgts,bkgth->bskh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
+  dp = jnp.einsum("bkgth,bskh->bkgts", do, v.astype(do.dtype), preferred_element_type=jnp.float32)
+  ds = (p * (dp - delta[..., None]) * q.shape[-1] ** -0.5).astype(q.dtype)
+  dq = jnp.einsum("bkgts,bskh->btkgh", ds, k, preferred_element_type=jnp.float32)
+  dk = jnp.einsum("bkgts,btkgh->bskh", ds, q, preferred_element_type=jnp.float32)
+  return dq, dk, dv
+
+
+def _halves(x, axis: int):
+  n = x.shape[axis] // 2
+  return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
+
+
+def _pad_front(x, axis: int, value=0.0):
+  """x after as many `value`s along `axis` (the half of the rows a block did not touch)."""
+  return jnp.concatenate([jnp.full_like(x, value), x], axis=axis)
+
+
 def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
   """This shard's queries against every shard's K/V block in turn: [b, kv, g, t, hd] f32.
 
   A custom VJP, as flash attention's: the forward keeps only its output and each query's
   log-sum-exp; the backward passes the K/V blocks around the ring again, recomputes each
   block's probabilities, and sends each block's K/V gradients on with it, so that after cp
-  hops they reach their own shard. No step's [t, t] scores outlive the step.
+  hops they reach their own shard. Steps run in a loop: one block's scores live at a time.
+
+  Causal rows are in zig-zag order (the model orders them so), and a block from another
+  shard is half work: from an earlier shard (src < this one) every query sees its first
+  chunk and none of its second; from a later one only this shard's second chunk sees it,
+  all of it. Only that half is computed (a `cond` on the shard indices); the mask still
+  comes from positions and segments.
   """
   cp = shards(axes, dict(jax.sharding.get_abstract_mesh().shape))
   perm = [(i, (i + 1) % cp) for i in range(cp)]
   send = lambda x: jax.lax.ppermute(x, axes, perm)
   segs = () if q_seg is None else (q_seg,)
-  seg_of = lambda blk: blk[0] if blk else None
+  first = lambda xs: xs[0] if xs else None
+  low = jnp.finfo(jnp.float32).min
+
+  def forward_part(q, pos, seg, blk, earlier):
+    whole = lambda: _block(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]), causal)
+    if earlier is None or not causal:
+      return whole()
+
+    def from_earlier(_):  # every query, the block's first chunk
+      kb = [_halves(x, 1)[0] for x in blk]
+      return _block(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal)
+
+    def from_later(_):  # this shard's second chunk, the whole block
+      o, m, l = _block(_halves(q, 1)[1], blk[0], blk[1], _halves(pos, 1)[1], blk[2],
+                       first([_halves(x, 1)[1] for x in seg]), first(blk[3:]), causal)
+      return _pad_front(o, 3), _pad_front(m, 3, low), _pad_front(l, 3)
+    return jax.lax.cond(earlier, from_earlier, from_later, None)
+
+  def earlier(step):  # whether the block of this step comes from an earlier shard
+    me = jax.lax.axis_index(axes)  # traced where used: the backward is a trace of its own
+    return (me - step) % cp < me
 
   def forward(q, k, v, pos, *seg):
-    def step(blk, acc):
-      part = _block(q, blk[0], blk[1], pos, blk[2], seg_of(seg), seg_of(blk[3:]), causal)
-      return _merge(acc, part)
+    acc = forward_part(q, pos, seg, (k, v, pos, *seg), None)  # its own block: the diagonal
 
-    def hop(carry, _):  # the next block's send goes out before this block's compute
+    def hop(carry, step):  # the next block's send goes out before this block's compute
       blk, acc = carry
-      return (send(blk), step(blk, acc)), None
-    rows = (q.shape[0], q.shape[2], q.shape[3], q.shape[1])  # [b, kv, g, t]
-    acc = (jnp.zeros(rows + (q.shape[-1],), jnp.float32),
-           jnp.full(rows, jnp.finfo(jnp.float32).min), jnp.zeros(rows, jnp.float32))
-    # A loop, not unrolled: one block's scores live at a time.
-    (blk, acc), _ = jax.lax.scan(hop, ((k, v, pos, *seg), acc), length=cp - 1)
-    o, m, l = step(blk, acc)
+      return (send(blk), _merge(acc, forward_part(q, pos, seg, blk, earlier(step)))), None
+    (blk, acc), _ = jax.lax.scan(hop, (send((k, v, pos, *seg)), acc), jnp.arange(1, cp - 1))
+    o, m, l = _merge(acc, forward_part(q, pos, seg, blk, earlier(cp - 1)))
     return _normalized(o, l), m + jnp.log(jnp.where(l > 0, l, 1.0))
 
   @jax.custom_vjp
@@ -168,32 +226,42 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
 
   def ring_bwd(res, do):
     q, k, v, pos, seg, o, lse = res
-    scale = q.shape[-1] ** -0.5
     delta = jnp.sum(do * o, axis=-1)  # [b, kv, g, t]
 
-    def step(blk, dkv, dq):
-      kb, vb = blk[0], blk[1]
-      s, mask = _scores(q, kb, pos, blk[2], seg_of(seg), seg_of(blk[3:]), causal)
-      p = jnp.exp(s - lse[..., None])
-      if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-      dv = jnp.einsum("bkgts,bkgth->bskh", p.astype(do.dtype), do,
-                      preferred_element_type=jnp.float32)
-      dp = jnp.einsum("bkgth,bskh->bkgts", do, vb.astype(do.dtype),
-                      preferred_element_type=jnp.float32)
-      ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
-      dq = dq + jnp.einsum("bkgts,bskh->btkgh", ds, kb, preferred_element_type=jnp.float32)
-      dk = jnp.einsum("bkgts,btkgh->bskh", ds, q, preferred_element_type=jnp.float32)
-      # This block's gradients travel on with it: after cp hops they are home.
-      return send((dkv[0] + dk, dkv[1] + dv)), dq
+    def grads(blk, earlier):
+      whole = lambda: _grads(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]),
+                             causal, do, lse, delta)
+      if earlier is None or not causal:
+        return whole()
 
-    def hop(carry, _):
+      def from_earlier(_):
+        kb = [_halves(x, 1)[0] for x in blk]
+        dq, dk, dv = _grads(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal,
+                            do, lse, delta)
+        pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
+        return dq, pad(dk), pad(dv)
+
+      def from_later(_):
+        hi = lambda x, axis: _halves(x, axis)[1]
+        dq, dk, dv = _grads(hi(q, 1), blk[0], blk[1], hi(pos, 1), blk[2],
+                            first([hi(x, 1) for x in seg]), first(blk[3:]), causal,
+                            hi(do, 3), hi(lse, 3), hi(delta, 3))
+        return _pad_front(dq, 1), dk, dv
+      return jax.lax.cond(earlier, from_earlier, from_later, None)
+
+    def step(blk, dkv, dq, earlier):
+      dq_b, dk, dv = grads(blk, earlier)
+      # This block's gradients travel on with it: after cp hops they are home.
+      return send((dkv[0] + dk, dkv[1] + dv)), dq + dq_b
+
+    def hop(carry, step_index):
       blk, dkv, dq = carry
-      return (send(blk),) + step(blk, dkv, dq), None
+      return (send(blk),) + step(blk, dkv, dq, earlier(step_index)), None
+    own = (k, v, pos, *seg)
     zero = lambda x: jnp.zeros(x.shape, jnp.float32)
-    (blk, dkv, dq), _ = jax.lax.scan(hop, ((k, v, pos, *seg), (zero(k), zero(v)), zero(q)),
-                                     length=cp - 1)
-    dkv, dq = step(blk, dkv, dq)
+    dkv, dq = step(own, (zero(k), zero(v)), zero(q), None)
+    (blk, dkv, dq), _ = jax.lax.scan(hop, (send(own), dkv, dq), jnp.arange(1, cp - 1))
+    dkv, dq = step(blk, dkv, dq, earlier(cp - 1))
     zeros = (None,) * (1 + len(seg))
     return (dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)) + zeros
 
@@ -207,7 +275,9 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
   all_gather or ring; module doc).
 
   q [b, t, heads, hd], k/v [b, t, kv_heads, hd], positions and segment_ids (or None) [b, t],
-  each split over those axes, tokens in any order -> [b, t, heads, hd] in q's dtype.
+  each split over those axes, in zig-zag order (`zigzag`; the ring skips the blocks that
+  order puts after a shard's queries; all_gather takes any order) -> [b, t, heads, hd] in
+  q's dtype.
   """
   mesh = jax.sharding.get_abstract_mesh()
   axes = seq_axes(heads_split, dict(mesh.shape), mesh.manual_axes)

@@ -94,38 +94,7 @@ class TransformerLm(nn.Module):
 
   def validate(self, mesh, global_batch_size: int) -> None:
     """Checks dims, dtypes, remat and every split-dims field, and the pipeline."""
-    checks.positive("task.model", vocab_size=self.vocab_size, d_model=self.d_model,
-                    num_layers=self.num_layers, num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                    max_seq_len=self.max_seq_len, loss_vocab_tiles=self.loss_vocab_tiles)
-    if self.num_heads % self.num_kv_heads:
-      raise ConfigError(
-          f"task.model.num_heads={self.num_heads} is not a multiple of task.model.num_kv_heads="
-          f"{self.num_kv_heads} (grouped-query attention shares each KV head among a whole "
-          "group of query heads): make num_kv_heads a divisor of num_heads.")
-    if self.head_dim % 2:
-      raise ConfigError(f"task.model.head_dim={self.head_dim} must be even: rotary positions "
-                        "rotate pairs of dims. Use an even head_dim.")
-    if self.mlp_activation not in ("swiglu", "gelu"):
-      raise ConfigError(f"task.model.mlp_activation={self.mlp_activation!r}: use 'swiglu' or "
-                        "'gelu'.")
-    if self.rope_scaling is not None:
-      if not isinstance(self.rope_scaling, Llama3Scaling):
-        raise ConfigError(f"task.model.rope_scaling={self.rope_scaling!r} is not a "
-                          "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
-      self.rope_scaling.validate("task.model.rope_scaling")
-    checks.in_range("task.model.dropout_rate", self.dropout_rate, 0.0, 0.99)
-    checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
-    checks.remat_policy("task.model.remat_policy", self.remat_policy)
-    fused_attention.check(self.attention_impl, mesh.devices.flat[0].platform, self.head_dim,
-                          self.fprop_dtype)
-    mesh_shape = dict(mesh.shape)
-    context_lib.check(self.context_attention, self.attention_impl,
-                      self.activation_split_dims_mapping.heads, mesh_shape)
-    for where, (split, shape) in self.split_dims_fields().items():
-      sharding.validate(split, shape, mesh_shape, where)
-    if self.execution is not None:
-      self.execution.validate(StackFacts(self.num_layers, global_batch_size, mesh))
+    _validate(self, mesh, global_batch_size)
 
   def check_batch(self, batch) -> None:
     """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
@@ -181,14 +150,7 @@ class TransformerLm(nn.Module):
     divide their axes stay whole. ConfigError where the mapping splits the sequence:
     decoding needs no context split."""
     heads = list(self.activation_split_dims_mapping.heads)
-    axes = context_lib.seq_axes(heads, mesh_shape)
-    if axes:
-      raise ConfigError(
-          f"task.model.activation_split_dims_mapping.heads splits the sequence over {axes} "
-          f"(sizes {[mesh_shape[a] for a in axes]}), which would split the decode KV cache "
-          "by slot: decoding reads one new token at a time and needs no context split. "
-          "Decode on a mesh whose context axis has size 1 (e.g. --fdl_set=task.ici_mesh_shape="
-          "...), or with the seq entries of activation_split_dims_mapping set to None.")
+    context_lib.check_decode(heads, mesh_shape)
     if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
       heads[2] = None
     spec = jax.sharding.PartitionSpec(None, *heads)
@@ -214,7 +176,7 @@ class TransformerLm(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
-               head: bool = True):
+               head: bool = True, zigzagged: bool = False):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
@@ -223,17 +185,26 @@ class TransformerLm(nn.Module):
     a token attends only to earlier tokens of its own segment. With `head=False`, returns
     `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
     head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
+    Where the activations split the sequence over mesh axes, the layers see each row in
+    zig-zag order (layers.context_attention) and the outputs come back in the row's own
+    order; `zigzagged=True` says the rows are in zig-zag order already (the loss orders
+    them with their targets) and keeps that order.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    order = None if cache is not None or zigzagged else _zigzag_order(self, tokens.shape[1])
+    tokens, positions, segment_ids = _reordered(order, a.heads[:2], tokens, positions,
+                                                segment_ids)
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
     x, cache = self._stack()(x, positions, segment_ids, cache=cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
+    if order is not None:  # back to the row's own order
+      x = _reordered(np.argsort(order), a.embed, x)[0]
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
     else:
@@ -258,10 +229,11 @@ class TransformerLm(nn.Module):
     inputs, targets = batch["inputs"], batch["targets"]
     if self.loss_vocab_tiles > 1:
       x, w, scale = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                         head=False)
+                         head=False, zigzagged=True)
       token_xent = _tiled_loss(self, x, w, scale, targets)
     else:
-      logits = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"))
+      logits = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                    zigzagged=True)
       token_xent = xent.cross_entropy(logits, targets)
     weights = batch["weights"].astype(jnp.float32)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
@@ -273,18 +245,33 @@ def _zigzag(model: TransformerLm, batch: dict[str, jax.Array]) -> dict[str, jax.
   where the activations split the sequence over mesh axes, positions made explicit (each
   token keeps its true position); else `batch` itself. Runs on the devices: the input
   arrives as the host read it, and the constraint splits it over the sequence axes."""
+  rows, seq_len = batch["inputs"].shape
+  order = _zigzag_order(model, seq_len)
+  if order is None:
+    return batch
+  if "positions" not in batch:
+    batch = dict(batch, positions=jnp.broadcast_to(jnp.arange(seq_len), (rows, seq_len)))
+  keys = [k for k in ("inputs", "targets", "weights", "positions", "segment_ids") if k in batch]
+  split = model.activation_split_dims_mapping.heads[:2]
+  return dict(batch, **dict(zip(keys, _reordered(order, split, *(batch[k] for k in keys)))))
+
+
+def _reordered(order: np.ndarray | None, split, *arrays):
+  """`arrays` (None among them kept) reordered along dim 1 by `order` (None: as they are),
+  each constrained to `split`."""
+  if order is None:
+    return arrays
+  return tuple(None if x is None else constrain(jnp.take(x, order, axis=1), split)
+               for x in arrays)
+
+
+def _zigzag_order(model: TransformerLm, seq_len: int) -> np.ndarray | None:
+  """The zig-zag token order where the activations split the sequence over mesh axes of
+  the context mesh; None where they do not."""
   mesh = jax.sharding.get_abstract_mesh()
   split = model.activation_split_dims_mapping.heads
   axes = () if mesh.empty else context_lib.seq_axes(split, dict(mesh.shape), mesh.manual_axes)
-  if not axes:
-    return batch
-  rows, seq_len = batch["inputs"].shape
-  order = context_lib.zigzag(seq_len, sharding.shards(axes, dict(mesh.shape)))
-  if "positions" not in batch:
-    batch = dict(batch, positions=jnp.broadcast_to(jnp.arange(seq_len), (rows, seq_len)))
-  keys = ("inputs", "targets", "weights", "positions", "segment_ids")
-  return dict(batch, **{k: constrain(jnp.take(batch[k], order, axis=1), split[:2])
-                        for k in keys if k in batch})
+  return context_lib.zigzag(seq_len, sharding.shards(axes, dict(mesh.shape))) if axes else None
 
 
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
@@ -294,6 +281,42 @@ def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
   return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
                                   model.activation_split_dims_mapping.logits, split)
+
+
+def _validate(model: TransformerLm, mesh, global_batch_size: int) -> None:
+  """TransformerLm.validate."""
+  checks.positive("task.model", vocab_size=model.vocab_size, d_model=model.d_model,
+                  num_layers=model.num_layers, num_heads=model.num_heads,
+                  num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, d_ff=model.d_ff,
+                  max_seq_len=model.max_seq_len, loss_vocab_tiles=model.loss_vocab_tiles)
+  if model.num_heads % model.num_kv_heads:
+    raise ConfigError(
+        f"task.model.num_heads={model.num_heads} is not a multiple of task.model.num_kv_heads="
+        f"{model.num_kv_heads} (grouped-query attention shares each KV head among a whole "
+        "group of query heads): make num_kv_heads a divisor of num_heads.")
+  if model.head_dim % 2:
+    raise ConfigError(f"task.model.head_dim={model.head_dim} must be even: rotary positions "
+                      "rotate pairs of dims. Use an even head_dim.")
+  if model.mlp_activation not in ("swiglu", "gelu"):
+    raise ConfigError(f"task.model.mlp_activation={model.mlp_activation!r}: use 'swiglu' or "
+                      "'gelu'.")
+  if model.rope_scaling is not None:
+    if not isinstance(model.rope_scaling, Llama3Scaling):
+      raise ConfigError(f"task.model.rope_scaling={model.rope_scaling!r} is not a "
+                        "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
+    model.rope_scaling.validate("task.model.rope_scaling")
+  checks.in_range("task.model.dropout_rate", model.dropout_rate, 0.0, 0.99)
+  checks.dtype("task.model.fprop_dtype", model.fprop_dtype)
+  checks.remat_policy("task.model.remat_policy", model.remat_policy)
+  fused_attention.check(model.attention_impl, mesh.devices.flat[0].platform, model.head_dim,
+                        model.fprop_dtype)
+  mesh_shape = dict(mesh.shape)
+  context_lib.check(model.context_attention, model.attention_impl,
+                    model.activation_split_dims_mapping.heads, mesh_shape)
+  for where, (split, shape) in model.split_dims_fields().items():
+    sharding.validate(split, shape, mesh_shape, where)
+  if model.execution is not None:
+    model.execution.validate(StackFacts(model.num_layers, global_batch_size, mesh))
 
 
 def _check_batch(model: TransformerLm, batch) -> None:
