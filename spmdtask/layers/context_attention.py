@@ -216,6 +216,10 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
     o, m, l = _merge(acc, forward_part(q, pos, seg, blk, earlier(cp - 1)))
     return _normalized(o, l), m + jnp.log(jnp.where(l > 0, l, 1.0))
 
+  # Checkpointed: where the forward is itself traced for a backward (a remat'd layer in a
+  # scan, partially evaluated), it keeps only its inputs, not each step's scores and masks.
+  forward = jax.checkpoint(forward)
+
   @jax.custom_vjp
   def ring(q, k, v, pos, *seg):
     return forward(q, k, v, pos, *seg)[0]
