@@ -11,7 +11,10 @@ Configs (`--config`, or `all`):
   llama31_8b_v6e256   Llama-3.1-8B on v6e-256: `llama.Llama31_8B_V6e256` against MaxText's
                       published tuning config `llama3_1_8b_8192` (benchmarks/);
   llama2_70b_v5p512   Llama-2-70B on v5p-512: `llama.Llama2_70B_V5p512` against MaxText's
-                      `llama2_70b_v5p_128` at 4 rows per chip (see that experiment's doc).
+                      `llama2_70b_v5p_128` at 4 rows per chip (see that experiment's doc);
+  llama31_8b_128k_v5p128  Llama-3.1-8B on rows of 131,072 tokens on v5p-128:
+                      `llama.Llama31_8B_128k` (context 16 x fsdp 4, ring attention) against
+                      MaxText's `ici_context_parallelism=16 ici_fsdp_parallelism=-1` (4 rows).
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
@@ -65,6 +68,12 @@ CONFIGS = {
         "llama.Llama2_70B_V5p512", "v5p:4x8x8",
         ("compile_topology=v5p-512", "compile_topology_num_slices=1", "per_device_batch_size=4"),
         "maxtext_v5p_model_configs:llama2_70b_v5p_128"),
+    "llama31_8b_128k_v5p128": Config(
+        "llama.Llama31_8B_128k", "v5p:4x4x4",
+        ("compile_topology=v5p-128", "compile_topology_num_slices=1", "model_name=llama3.1-8b",
+         "per_device_batch_size=0.0625", "max_target_length=131072",
+         "ici_context_parallelism=16", "ici_fsdp_parallelism=-1", "remat_policy=full",
+         "attention=flash", "dataset_type=synthetic")),
 }
 
 
