@@ -46,6 +46,7 @@ MESH_AXES = ("data", "fsdp", "fsdp_b", "model")
 WEIGHTS = dict(embedding=("model", FSDP), unembed=(FSDP, "model"), q=(FSDP, "model", None),
                kv=(FSDP, "model", None), o=("model", None, FSDP), mlp_in=(FSDP, "model"),
                mlp_out=("model", FSDP))
+CONTEXT_MESH_AXES = ("data", "fsdp", "fsdp_b", "context", "model")  # Llama31_8B_128k
 ACTIVATIONS = dict(embed=(BATCH, None, None), heads=(BATCH, None, "model", None),
                    ff=(BATCH, None, "model"), logits=(BATCH, None, "model"))
 
@@ -233,6 +234,36 @@ class Llama31_8B_V6e256(_Llama):
                       num_kv_heads=8, d_ff=14336, max_seq_len=131072, rope_theta=500000.0,
                       rope_scaling=LLAMA31_SCALING)
     cfg.remat_policy = "save_dot_except_mlp_offloaded"
+    return cfg
+
+
+@register
+class Llama31_8B_128k(_Llama):
+  """Llama 3.1 8B trained on rows of 131,072 tokens (its full context) on v5p-128 (64
+  chips): each row's sequence split over a 16-chip `context` axis (8192 tokens per chip,
+  zig-zag for causal balance), ring attention (layers.context_attention: K/V blocks passed
+  round the 16 chips, flash-style backward), 4 rows a step over fsdp 4; the weights FSDP
+  over fsdp x context (64 shards). Plan it: `--mode=plan --plan_topology=v5p:4x4x4`."""
+  seq_len = 131072
+  batch_size = 4
+  ici_mesh_shape = (1, -1, 1, 16, 1)
+
+  def model(self):
+    cfg = llama_model(vocab_size=LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, d_ff=14336, max_seq_len=131072, rope_theta=500000.0,
+                      rope_scaling=LLAMA31_SCALING)
+    fsdp = ("fsdp", "fsdp_b", "context")
+    cfg.weight_split_dims_mapping = fdl.Config(WeightSplit, **{
+        k: tuple(fsdp if e == FSDP else e for e in v) for k, v in WEIGHTS.items()})
+    cfg.activation_split_dims_mapping = fdl.Config(ActivationSplit, **{
+        k: (v[0], "context") + v[2:] for k, v in ACTIVATIONS.items()})
+    cfg.context_attention = "ring"
+    return cfg
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.mesh_axis_names = CONTEXT_MESH_AXES
     return cfg
 
 

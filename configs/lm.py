@@ -214,3 +214,40 @@ class TinyLmMpmdAuto(TinyLmMpmd):
                               submesh_shapes=((2, 1, 1), (6, 1, 1)), schedule="1f1b",
                               num_microbatches=2)
     return cfg
+
+
+# Context parallelism: the seq dim of every activation split over a 'context' mesh axis.
+CONTEXT_AXES = ("data", "fsdp", "context", "model")
+CONTEXT_ACTIVATIONS = dict(embed=(("data", "fsdp"), "context", None),
+                           heads=(("data", "fsdp"), "context", "model", None),
+                           ff=(("data", "fsdp"), "context", "model"),
+                           logits=(("data", "fsdp"), "context", "model"))
+
+
+def with_context(cfg: fdl.Config[Task], ici_mesh_shape: tuple[int, ...],
+                 context_attention: str = "all_gather") -> fdl.Config[Task]:
+  """`cfg` on a (data, fsdp, context, model) mesh of `ici_mesh_shape`, every activation's
+  sequence split over 'context' (attention across shards by `context_attention`)."""
+  cfg.mesh_axis_names = CONTEXT_AXES
+  cfg.ici_mesh_shape = ici_mesh_shape
+  cfg.model.activation_split_dims_mapping = fdl.Config(ActivationSplit, **CONTEXT_ACTIVATIONS)
+  cfg.model.context_attention = context_attention
+  return cfg
+
+
+@register
+class TinyLmContext(TinyLm):
+  """TinyLm with its sequence split over 4 devices (context 4 x data 2): each device holds
+  a zig-zag quarter of every row; K/V all-gathered over 'context' in each layer."""
+
+  def task(self) -> fdl.Config[Task]:
+    return with_context(super().task(), (2, 1, 4, 1), "all_gather")
+
+
+@register
+class TinyLmContextRing(TinyLm):
+  """TinyLmContext with ring attention: K/V blocks passed around the 4 'context' devices
+  with ppermute, each attended with an online softmax."""
+
+  def task(self) -> fdl.Config[Task]:
+    return with_context(super().task(), (2, 1, 4, 1), "ring")

@@ -15,7 +15,10 @@ Configs (`--config`, or `all`):
   mixtral_8x7b_v5p128 Mixtral-8x7B on v5p-128: `moe.Mixtral_8x7B` against MaxText's Mixtral
                       end-to-end script's `model_name=mixtral-8x7b per_device_batch_size=4
                       max_target_length=4096 ici_fsdp_parallelism=-1 remat_policy=full
-                      attention=flash megablox=True sparse_matmul=True`.
+                      attention=flash megablox=True sparse_matmul=True`;
+  llama31_8b_128k_v5p128  Llama-3.1-8B on rows of 131,072 tokens on v5p-128:
+                      `llama.Llama31_8B_128k` (context 16 x fsdp 4, ring attention) against
+                      MaxText's `ici_context_parallelism=16 ici_fsdp_parallelism=-1` (4 rows).
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
@@ -77,6 +80,12 @@ CONFIGS = {
          "model_name=mixtral-8x7b", "per_device_batch_size=4", "max_target_length=4096",
          "ici_fsdp_parallelism=-1", "remat_policy=full", "attention=flash", "megablox=True",
          "sparse_matmul=True", "dataset_type=synthetic")),
+    "llama31_8b_128k_v5p128": Config(
+        "llama.Llama31_8B_128k", "v5p:4x4x4",
+        ("compile_topology=v5p-128", "compile_topology_num_slices=1", "model_name=llama3.1-8b",
+         "per_device_batch_size=0.0625", "max_target_length=131072",
+         "ici_context_parallelism=16", "ici_fsdp_parallelism=-1", "remat_policy=full",
+         "attention=flash", "dataset_type=synthetic")),
 }
 
 

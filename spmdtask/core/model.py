@@ -43,11 +43,14 @@ Metrics = dict[str, Weighted]
 
 
 class Work(NamedTuple):
-  """What one training example costs: forward + backward FLOPs, and its tokens; and the
-  params one token uses where that is fewer than all (a mixture of experts'; None: all)."""
+  """What one training example costs: forward + backward FLOPs, and its tokens; the part
+  of those FLOPs that is attention's scores and weighted sums (causal: the visible half);
+  and the params one token uses where that is fewer than all (a mixture of experts'; None:
+  all)."""
   train_flops: float
   tokens: int
   active_params: int | None = None
+  attention_flops: float = 0.0
 
 
 @runtime_checkable

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
-from spmdtask.layers import fused_attention, rope
+from spmdtask.layers import context_attention, fused_attention, rope
 from spmdtask.layers.base import (RmsNorm, SplitDims, constrain, dense_init, platform, project,
                                   weight)
 
@@ -83,7 +83,9 @@ class Attention(nn.Module):
   `qk_norm` (Qwen3), q and k are RMS-normalized over head_dim (a [head_dim] scale each,
   shared by the heads, eps `norm_eps`) before the rotary positions.
   `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
-  splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla).
+  splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla). Where
+  `heads_act_split` splits the sequence over mesh axes, `context` says how attention runs
+  across the shards (`layers.context_attention`: all_gather or ring).
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
   None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """
@@ -102,9 +104,16 @@ class Attention(nn.Module):
   impl: str = "xla"
   qk_norm: bool = False
   norm_eps: float = 1e-6
+  context: str = "all_gather"  # across a split sequence (layers.context_attention)
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
-    """Full sequences: the kernel `impl` resolves to; decoding (a KV cache): `attend`."""
+    """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
+    mesh axes, `context_attention`; decoding (a KV cache): `attend`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not decoding and context_attention.seq_axes(self.heads_act_split, dict(mesh.shape),
+                                                   () if mesh.empty else mesh.manual_axes):
+      return context_attention.attend(self.context, q, k, v, q_pos, segment_ids, self.causal,
+                                      self.heads_act_split)
     if not decoding:
       backend = platform()
       impl = fused_attention.choose(

@@ -72,6 +72,7 @@ class Block(nn.Module):
   causal: bool = True
   attention_impl: str = "auto"
   qk_norm: bool = False
+  context_attention: str = "all_gather"  # across a split sequence (layers.context_attention)
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -104,15 +105,23 @@ class Block(nn.Module):
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, qk_norm=self.qk_norm,
-                         norm_eps=self.norm_eps, name="attn")(h, positions, segment_ids, cache)
+                         norm_eps=self.norm_eps, context=self.context_attention,
+                         name="attn")(h, positions, segment_ids, cache)
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 
-def train_flops(num_params: int, num_layers: int, width: int, tokens: int) -> float:
-  """Train FLOPs of one example of `tokens` tokens: 6·N·T + 12·L·w·T², N the params a token
-  uses, w the attention's query width (heads × head_dim; d_model in most models), the
-  attention unmasked."""
-  return 6.0 * num_params * tokens + 12.0 * num_layers * width * tokens * tokens
+def attention_flops(num_layers: int, width: int, tokens: int, causal: bool) -> float:
+  """Train FLOPs of attention's two matmuls (scores, weighted sum; forward and backward) on
+  one example: 12·L·w·T², w the query width (heads × head_dim; d_model in most models),
+  halved when causal (the masked half of the keys is no work)."""
+  return (6.0 if causal else 12.0) * num_layers * width * tokens * tokens
+
+
+def train_flops(num_params: int, num_layers: int, width: int, tokens: int,
+                causal: bool = False) -> float:
+  """Train FLOPs of one example of `tokens` tokens: 6·N·T + attention (`attention_flops`),
+  N the params a token uses."""
+  return 6.0 * num_params * tokens + attention_flops(num_layers, width, tokens, causal)
 
 
 def param_shapes(model: nn.Module, example):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from spmdtask.core import remat, sharding
 from spmdtask.core.model import ActivationMemory, Held, MemoryFix, Work
 from spmdtask.layers import moe as moe_lib
-from spmdtask.layers.block import Block, param_shapes, train_flops
+from spmdtask.layers.block import Block, attention_flops, param_shapes, train_flops
 
 VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole logits
 ROUTED = ("wi", "wg", "wo")  # a block's routed experts' weights, under its `moe`: [E, ...]
@@ -35,17 +35,20 @@ def active_params(params, top_k: int, num_experts: int) -> int:
 
 
 def lm_work(model, example) -> Work:
-  """A TransformerLm's work per example (`work_per_example`): 6·N·T + 12·L·(heads·
-  head_dim)·T² train FLOPs (causal attention not halved) for T tokens, N the params a token
-  uses: with `model.moe`, the router, top_k of the routed experts and the shared experts of
-  each MoE layer (`active_params`), not all of them; then `Work.active_params` says N."""
+  """A TransformerLm's work per example (`work_per_example`): 6·N·T + 6·L·(heads·
+  head_dim)·T² train FLOPs for T tokens (causal attention: the visible half of 12·L·w·T²),
+  N the params a token uses: with `model.moe`, the router, top_k of the routed experts and
+  the shared experts of each MoE layer (`active_params`), not all of them; then
+  `Work.active_params` says N, and `Work.attention_flops` the attention term."""
   t = int(example["inputs"].shape[-1])
   shapes = param_shapes(model, example)
   if model.moe is None:
     n, active = sum(x.size for x in jax.tree.leaves(shapes)), None
   else:
     n = active = active_params(shapes, model.moe.top_k, model.moe.num_experts)
-  return Work(train_flops(n, model.num_layers, model.num_heads * model.head_dim, t), t, active)
+  width = model.num_heads * model.head_dim
+  return Work(train_flops(n, model.num_layers, width, t, causal=True), t, active,
+              attention_flops(model.num_layers, width, t, causal=True))
 
 
 def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdtask.core import checks, sharding
-from spmdtask.errors import ConfigError
+from spmdtask.core import sharding
+from spmdtask.layers import context_attention as context_lib
 from spmdtask.layers import costs as costs_lib
-from spmdtask.layers import fused_attention
+from spmdtask.layers import lm_checks
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
@@ -18,7 +18,7 @@ from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weig
 from spmdtask.layers.block import Block
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
-from spmdtask.core.strategy import StackFacts, Strategy
+from spmdtask.core.strategy import Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
 
@@ -43,7 +43,14 @@ class WeightSplit:
 
 @dataclasses.dataclass(frozen=True)
 class ActivationSplit:
-  """Split-dims mapping of the main activations."""
+  """Split-dims mapping of the main activations.
+
+  The seq dim (dim 1) is whole by default; naming a mesh axis there (e.g. 'context', in
+  every field alike) splits the sequence over it: context parallelism. Attention then runs
+  across the shards as `TransformerLm.context_attention` says (layers.context_attention),
+  and the loss reorders each row's tokens zig-zag (with their targets, weights, positions
+  and segment ids) so that every shard does the same causal work.
+  """
   embed: SplitDims = (BATCH, None, None)          # [batch, seq, d_model]
   heads: SplitDims = (BATCH, None, "model", None) # [batch, seq, heads, head_dim]
   ff: SplitDims = (BATCH, None, "model")          # [batch, seq, d_ff]
@@ -80,6 +87,7 @@ class TransformerLm(nn.Module):
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
+  context_attention: str = "all_gather"  # all_gather | ring: across a split sequence
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
@@ -93,42 +101,12 @@ class TransformerLm(nn.Module):
 
   def validate(self, mesh, global_batch_size: int) -> None:
     """Checks dims, dtypes, remat and every split-dims field, and the pipeline."""
-    checks.positive("task.model", vocab_size=self.vocab_size, d_model=self.d_model,
-                    num_layers=self.num_layers, num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                    max_seq_len=self.max_seq_len, loss_vocab_tiles=self.loss_vocab_tiles)
-    if self.num_heads % self.num_kv_heads:
-      raise ConfigError(
-          f"task.model.num_heads={self.num_heads} is not a multiple of task.model.num_kv_heads="
-          f"{self.num_kv_heads} (grouped-query attention shares each KV head among a whole "
-          "group of query heads): make num_kv_heads a divisor of num_heads.")
-    if self.head_dim % 2:
-      raise ConfigError(f"task.model.head_dim={self.head_dim} must be even: rotary positions "
-                        "rotate pairs of dims. Use an even head_dim.")
-    if self.mlp_activation not in ("swiglu", "gelu"):
-      raise ConfigError(f"task.model.mlp_activation={self.mlp_activation!r}: use 'swiglu' or "
-                        "'gelu'.")
-    if self.rope_scaling is not None:
-      if not isinstance(self.rope_scaling, Llama3Scaling):
-        raise ConfigError(f"task.model.rope_scaling={self.rope_scaling!r} is not a "
-                          "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
-      self.rope_scaling.validate("task.model.rope_scaling")
-    checks.in_range("task.model.dropout_rate", self.dropout_rate, 0.0, 0.99)
-    checks.dtype("task.model.fprop_dtype", self.fprop_dtype)
-    checks.remat_policy("task.model.remat_policy", self.remat_policy)
-    fused_attention.check(self.attention_impl, mesh.devices.flat[0].platform, self.head_dim,
-                          self.fprop_dtype)
-    mesh_shape = dict(mesh.shape)
-    for where, (split, shape) in self.split_dims_fields().items():
-      sharding.validate(split, shape, mesh_shape, where)
-    _validate_moe(self, mesh_shape)
-    if self.execution is not None:
-      self.execution.validate(StackFacts(_moe_layers(self), global_batch_size, mesh))
+    lm_checks.validate(self, mesh, global_batch_size, _moe_layers(self))
 
   def check_batch(self, batch) -> None:
     """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
     clamp (ChecksBatch)."""
-    _check_batch(self, batch)
+    lm_checks.check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
     """Train FLOPs of the params a token uses (with `moe`: top_k of the routed experts),
@@ -175,8 +153,10 @@ class TransformerLm(nn.Module):
 
   def cache_split_dims(self, mesh_shape) -> KvCache:
     """PartitionSpecs [layers, *activation_split_dims_mapping.heads]; KV heads that do not
-    divide their axes stay whole."""
+    divide their axes stay whole. ConfigError where the mapping splits the sequence:
+    decoding needs no context split."""
     heads = list(self.activation_split_dims_mapping.heads)
+    context_lib.check_decode(heads, mesh_shape)
     if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
       heads[2] = None
     spec = jax.sharding.PartitionSpec(None, *heads)
@@ -191,6 +171,7 @@ class TransformerLm(nn.Module):
                 mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
                 rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
                 dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
+                context_attention=self.context_attention,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
 
@@ -201,7 +182,7 @@ class TransformerLm(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
-               head: bool = True, moe_stats: bool = False):
+               head: bool = True, moe_stats: bool = False, zigzagged: bool = False):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
@@ -211,17 +192,26 @@ class TransformerLm(nn.Module):
     `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
     head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
     `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None.
+    Where the activations split the sequence over mesh axes, the layers see each row in
+    zig-zag order (layers.context_attention) and the outputs come back in the row's own
+    order; `zigzagged=True` says the rows are in zig-zag order already (the loss orders
+    them with their targets) and keeps that order.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    order = None if cache is not None or zigzagged else _zigzag_order(self, tokens.shape[1])
+    tokens, positions, segment_ids = _reordered(order, a.heads[:2], tokens, positions,
+                                                segment_ids)
     emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                  nn.initializers.normal(1.0))
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
     x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
+    if order is not None:  # back to the row's own order
+      x = _reordered(np.argsort(order), a.embed, x)[0]
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
     else:
@@ -239,10 +229,12 @@ class TransformerLm(nn.Module):
     """Weighted mean next-token cross entropy (+ an MoE's router losses: `_moe_losses`):
     (loss, {'loss': Weighted(sum of token losses, tokens), MoE metrics}). batch: `inputs`,
     `targets` [b, t] int32, `weights` [b, t] float (0 = padding); packed rows add
-    `segment_ids` and per-segment `positions` [b, t] int32."""
+    `segment_ids` and per-segment `positions` [b, t] int32. Where the activations split the
+    sequence, the loss runs on the zig-zag order (`_zigzag`): a sum, so the same value."""
+    batch = _zigzag(self, batch)
     inputs, targets, tiles = batch["inputs"], batch["targets"], self.loss_vocab_tiles
     out, stats = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                      head=tiles == 1, moe_stats=True)
+                      head=tiles == 1, moe_stats=True, zigzagged=True)
     token_xent = (_tiled_loss(self, *out, targets) if tiles > 1
                   else xent.cross_entropy(out, targets))
     weights = batch["weights"].astype(jnp.float32)
@@ -250,6 +242,7 @@ class TransformerLm(nn.Module):
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
             {"loss": Weighted(loss_sum, num_tokens), **metrics})
+
 
 def _moe_layers(model: TransformerLm) -> int:
   """Layers of the stack named `layers` (the one the execution strategy runs)."""
@@ -295,6 +288,40 @@ def _moe_losses(cfg: moe_lib.MoeConfig | None, stats, token_xent, weights):
   return token_xent + extra[:, None], metrics
 
 
+def _zigzag(model: TransformerLm, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """`batch` with each row's tokens in zig-zag order (layers.context_attention.zigzag)
+  where the activations split the sequence over mesh axes, positions made explicit (each
+  token keeps its true position); else `batch` itself. Runs on the devices: the input
+  arrives as the host read it, and the constraint splits it over the sequence axes."""
+  rows, seq_len = batch["inputs"].shape
+  order = _zigzag_order(model, seq_len)
+  if order is None:
+    return batch
+  if "positions" not in batch:
+    batch = dict(batch, positions=jnp.broadcast_to(jnp.arange(seq_len), (rows, seq_len)))
+  keys = [k for k in ("inputs", "targets", "weights", "positions", "segment_ids") if k in batch]
+  split = model.activation_split_dims_mapping.heads[:2]
+  return dict(batch, **dict(zip(keys, _reordered(order, split, *(batch[k] for k in keys)))))
+
+
+def _reordered(order: np.ndarray | None, split, *arrays):
+  """`arrays` (None among them kept) reordered along dim 1 by `order` (None: as they are),
+  each constrained to `split`."""
+  if order is None:
+    return arrays
+  return tuple(None if x is None else constrain(jnp.take(x, order, axis=1), split)
+               for x in arrays)
+
+
+def _zigzag_order(model: TransformerLm, seq_len: int) -> np.ndarray | None:
+  """The zig-zag token order where the activations split the sequence over mesh axes of
+  the context mesh; None where they do not."""
+  mesh = jax.sharding.get_abstract_mesh()
+  split = model.activation_split_dims_mapping.heads
+  axes = () if mesh.empty else context_lib.seq_axes(split, dict(mesh.shape), mesh.manual_axes)
+  return context_lib.zigzag(seq_len, sharding.shards(axes, dict(mesh.shape))) if axes else None
+
+
 def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   """Per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent)."""
   ws = model.weight_split_dims_mapping
@@ -302,50 +329,3 @@ def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
   return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
                                   model.activation_split_dims_mapping.logits, split)
-
-
-def _validate_moe(model: TransformerLm, mesh_shape) -> None:
-  """The MoE fields; an expert split on a dense model; experts over the batch's axes."""
-  ws, field = model.weight_split_dims_mapping, "task.model.weight_split_dims_mapping"
-  expert_axes = {a for e in (ws.expert_in[0], ws.expert_out[0])
-                 for a in sharding.entry_axes(e) if mesh_shape.get(a, 1) > 1}
-  if model.moe is None:
-    if mesh_shape.get("expert", 1) > 1 or expert_axes:
-      raise ConfigError(
-          f"An expert split on a dense model: the mesh's `expert` axis has size "
-          f"{mesh_shape.get('expert', 1)} and {field}.expert_in / expert_out name "
-          f"{sorted(expert_axes) or 'no axis'}, but task.model.moe is None (no experts to "
-          "split). Set task.model.moe to a MoeConfig, or give the `expert` axis size 1 "
-          "(task.ici_mesh_shape) and name no axis on the expert dims.")
-    return
-  if sharding.entry_axes(ws.expert_in[0]) != sharding.entry_axes(ws.expert_out[0]):
-    raise ConfigError(f"{field}.expert_in[0]={ws.expert_in[0]!r} and expert_out[0]="
-                      f"{ws.expert_out[0]!r} must split the expert dim alike.")
-  model.moe.validate(model.num_layers, sharding.shards(ws.expert_in[0], mesh_shape))
-  batch = sharding.entry_axes(model.activation_split_dims_mapping.embed[0])
-  if not expert_axes <= set(batch):
-    raise ConfigError(
-        f"{field}.expert_in[0]={ws.expert_in[0]!r} splits the experts over "
-        f"{sorted(expert_axes - set(batch))}, which do not split the batch "
-        f"(task.model.activation_split_dims_mapping.embed[0]={batch}): tokens reach their "
-        "experts by all-to-all over the batch's axes. Add those axes to the batch's entry "
-        "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
-
-
-def _check_batch(model: TransformerLm, batch) -> None:
-  """TransformerLm.check_batch: row length against max_seq_len, ids against vocab_size."""
-  seq_len = np.shape(batch["inputs"])[-1]
-  if seq_len > model.max_seq_len:
-    raise ConfigError(
-        f"The data's rows hold {seq_len} tokens (the datasets' seq_len), more than "
-        f"task.model.max_seq_len={model.max_seq_len}, the longest sequence this model is "
-        f"made for. Set datasets[...].seq_len to at most {model.max_seq_len} (e.g. "
-        f"--fdl_set=\"datasets['train'].seq_len={model.max_seq_len}\"), or raise "
-        f"task.model.max_seq_len to {seq_len} if the model should take longer sequences.")
-  for key in ("inputs", "targets"):
-    x = np.asarray(batch[key])
-    if x.size and (x.min() < 0 or x.max() >= model.vocab_size):
-      raise ConfigError(
-          f"The data's {key!r} hold token ids in [{x.min()}, {x.max()}], outside "
-          f"task.model.vocab_size={model.vocab_size}. Set vocab_size to the tokenizer's "
-          "vocabulary size (or more), or fix the dataset's vocab_size / tokenizer.")

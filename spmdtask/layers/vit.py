@@ -17,7 +17,7 @@ from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent as xent_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
-from spmdtask.layers.block import Block, num_params, train_flops
+from spmdtask.layers.block import Block, attention_flops, num_params, train_flops
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import StackFacts, Strategy
 
@@ -111,7 +111,8 @@ class VisionTransformer(nn.Module):
   def work_per_example(self, example) -> Work:
     n = num_params(self.clone(execution=None), example)
     return Work(train_flops(n, self.num_layers, self.d_model, self.num_patches),
-                self.num_patches)
+                self.num_patches,
+                attention_flops(self.num_layers, self.d_model, self.num_patches, False))
 
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)

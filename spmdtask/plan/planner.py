@@ -212,8 +212,8 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       notes.append(f"{kernels} fused kernel call(s) (Pallas, e.g. splash; cuDNN attention): "
                    "XLA's cost "
                    "analysis counts none of their FLOPs, so the compute bound uses the model "
-                   "formula's FLOPs where larger (its attention term is unmasked: up to that "
-                   "term's half above a causal kernel's work).")
+                   "formula's FLOPs where larger (its attention term counts a causal mask's "
+                   "visible half only).")
     elif kernels:
       step["flops"] += kernel_flops
       notes.append(roofline.kernel_note(f"{kernels} fused kernel call(s)",
@@ -295,6 +295,9 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     step, stage_plans = stage_roofline.step_report(costs, program.stage_report(pairs),
                                                    target.chip, model_flops, tokens, n)
     report.update(step)
+  if "flops_per_step" in report:  # how much of the model's work is attention
+    report["flops_per_step"]["model_attention"] = (float(program.work.attention_flops)
+                                                   * batch_shape[0])
   if remat is not None:
     report["remat"] = remat
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,

@@ -72,7 +72,8 @@ def format_plan(plan: dict) -> list[str]:
       f"{mb(c['output_size_in_bytes'])} (aliased {mb(c['alias_size_in_bytes'])}), temporaries "
       f"{mb(c['temp_size_in_bytes'])}; peak estimate {mb(c['peak_estimate_bytes'])}{hbm}",
       f"FLOPs per step: XLA {f['xla']:.4g} (loops counted per trip; {f['xla_loop_bodies_once']:.3g}"
-      f" with loop bodies once), model formula {f['model']:.4g}; HBM bytes per step per device "
+      f" with loop bodies once), model formula {f['model']:.4g}{_attention_share(f)}; HBM "
+      "bytes per step per device "
       f"{mb(plan['hbm_bytes_per_step_per_device'])}",
       "largest arrays per device: " + (arrays(plan.get("largest_arrays", []), 5) or "unknown")
       + (f"; offloaded to the host: {arrays(plan['largest_host_arrays'], 3)}"
@@ -121,3 +122,9 @@ def arrays(largest: list[dict], top: int = 3) -> str:
   """'f32[8192,16032] 501.0 MiB (while/body/dot_general), ...': a plan's `largest_arrays`."""
   return ", ".join(f"{a['shape']} {console.human_bytes(a['bytes'])} ({a['what']})"
                    for a in largest[:top])
+
+
+def _attention_share(flops: dict) -> str:
+  """', attention N% of it' where the model says how much of its work is attention."""
+  part = flops.get("model_attention")
+  return f" (attention {part / flops['model']:.1%} of it)" if part and flops["model"] else ""

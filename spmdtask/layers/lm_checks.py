@@ -1,0 +1,95 @@
+"""TransformerLm's checks of its config against a mesh, and of a batch against the model:
+each mistake a ConfigError naming the field and the fix."""
+import numpy as np
+
+from spmdtask.core import checks, sharding
+from spmdtask.core.strategy import StackFacts
+from spmdtask.errors import ConfigError
+from spmdtask.layers import context_attention as context_lib
+from spmdtask.layers import fused_attention
+from spmdtask.layers.rope import Llama3Scaling
+
+
+def _validate_moe(model, mesh_shape) -> None:
+  """The MoE fields; an expert split on a dense model; experts over the batch's axes."""
+  ws, field = model.weight_split_dims_mapping, "task.model.weight_split_dims_mapping"
+  expert_axes = {a for e in (ws.expert_in[0], ws.expert_out[0])
+                 for a in sharding.entry_axes(e) if mesh_shape.get(a, 1) > 1}
+  if model.moe is None:
+    if mesh_shape.get("expert", 1) > 1 or expert_axes:
+      raise ConfigError(
+          f"An expert split on a dense model: the mesh's `expert` axis has size "
+          f"{mesh_shape.get('expert', 1)} and {field}.expert_in / expert_out name "
+          f"{sorted(expert_axes) or 'no axis'}, but task.model.moe is None (no experts to "
+          "split). Set task.model.moe to a MoeConfig, or give the `expert` axis size 1 "
+          "(task.ici_mesh_shape) and name no axis on the expert dims.")
+    return
+  if sharding.entry_axes(ws.expert_in[0]) != sharding.entry_axes(ws.expert_out[0]):
+    raise ConfigError(f"{field}.expert_in[0]={ws.expert_in[0]!r} and expert_out[0]="
+                      f"{ws.expert_out[0]!r} must split the expert dim alike.")
+  model.moe.validate(model.num_layers, sharding.shards(ws.expert_in[0], mesh_shape))
+  batch = sharding.entry_axes(model.activation_split_dims_mapping.embed[0])
+  if not expert_axes <= set(batch):
+    raise ConfigError(
+        f"{field}.expert_in[0]={ws.expert_in[0]!r} splits the experts over "
+        f"{sorted(expert_axes - set(batch))}, which do not split the batch "
+        f"(task.model.activation_split_dims_mapping.embed[0]={batch}): tokens reach their "
+        "experts by all-to-all over the batch's axes. Add those axes to the batch's entry "
+        "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
+
+
+def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
+  """TransformerLm.validate: dims, dtypes, remat, attention, every split-dims field, the
+  MoE fields, and the pipeline over the `stack_layers` layers the strategy runs."""
+  checks.positive("task.model", vocab_size=model.vocab_size, d_model=model.d_model,
+                  num_layers=model.num_layers, num_heads=model.num_heads,
+                  num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, d_ff=model.d_ff,
+                  max_seq_len=model.max_seq_len, loss_vocab_tiles=model.loss_vocab_tiles)
+  if model.num_heads % model.num_kv_heads:
+    raise ConfigError(
+        f"task.model.num_heads={model.num_heads} is not a multiple of task.model.num_kv_heads="
+        f"{model.num_kv_heads} (grouped-query attention shares each KV head among a whole "
+        "group of query heads): make num_kv_heads a divisor of num_heads.")
+  if model.head_dim % 2:
+    raise ConfigError(f"task.model.head_dim={model.head_dim} must be even: rotary positions "
+                      "rotate pairs of dims. Use an even head_dim.")
+  if model.mlp_activation not in ("swiglu", "gelu"):
+    raise ConfigError(f"task.model.mlp_activation={model.mlp_activation!r}: use 'swiglu' or "
+                      "'gelu'.")
+  if model.rope_scaling is not None:
+    if not isinstance(model.rope_scaling, Llama3Scaling):
+      raise ConfigError(f"task.model.rope_scaling={model.rope_scaling!r} is not a "
+                        "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
+    model.rope_scaling.validate("task.model.rope_scaling")
+  checks.in_range("task.model.dropout_rate", model.dropout_rate, 0.0, 0.99)
+  checks.dtype("task.model.fprop_dtype", model.fprop_dtype)
+  checks.remat_policy("task.model.remat_policy", model.remat_policy)
+  fused_attention.check(model.attention_impl, mesh.devices.flat[0].platform, model.head_dim,
+                        model.fprop_dtype)
+  mesh_shape = dict(mesh.shape)
+  context_lib.check(model.context_attention, model.attention_impl,
+                    model.activation_split_dims_mapping.heads, mesh_shape)
+  for where, (split, shape) in model.split_dims_fields().items():
+    sharding.validate(split, shape, mesh_shape, where)
+  _validate_moe(model, mesh_shape)
+  if model.execution is not None:
+    model.execution.validate(StackFacts(stack_layers, global_batch_size, mesh))
+
+
+def check_batch(model, batch) -> None:
+  """TransformerLm.check_batch: row length against max_seq_len, ids against vocab_size."""
+  seq_len = np.shape(batch["inputs"])[-1]
+  if seq_len > model.max_seq_len:
+    raise ConfigError(
+        f"The data's rows hold {seq_len} tokens (the datasets' seq_len), more than "
+        f"task.model.max_seq_len={model.max_seq_len}, the longest sequence this model is "
+        f"made for. Set datasets[...].seq_len to at most {model.max_seq_len} (e.g. "
+        f"--fdl_set=\"datasets['train'].seq_len={model.max_seq_len}\"), or raise "
+        f"task.model.max_seq_len to {seq_len} if the model should take longer sequences.")
+  for key in ("inputs", "targets"):
+    x = np.asarray(batch[key])
+    if x.size and (x.min() < 0 or x.max() >= model.vocab_size):
+      raise ConfigError(
+          f"The data's {key!r} hold token ids in [{x.min()}, {x.max()}], outside "
+          f"task.model.vocab_size={model.vocab_size}. Set vocab_size to the tokenizer's "
+          "vocabulary size (or more), or fix the dataset's vocab_size / tokenizer.")
