@@ -15,11 +15,9 @@ import jax.numpy as jnp
 
 from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries
 from spmdtask import console, fs
-from spmdtask.core import memory, steps
-from spmdtask.core import program as program_lib
+from spmdtask.core import global_batch, memory, steps
+from spmdtask.core import host_input as inputs_base, program as program_lib
 from spmdtask.errors import Interrupted, TrainingError
-from spmdtask.core import host_input as inputs_base
-from spmdtask.core import global_batch
 from spmdtask.plan import chips
 from spmdtask.task import RunConfig
 
