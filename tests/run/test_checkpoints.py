@@ -231,7 +231,6 @@ def test_a_damaged_checkpoint_is_told_from_its_metadata_and_sizes(reference_job,
   os.remove(os.path.join(ck, "8", "opt_state", "d", node))
   assert checkpoint_check.problem(os.path.join(ck, "8")).startswith(
       f"opt_state/d/{node} is missing")
-  assert checkpoint_check.newest_intact(ck, [4, 8, 12]) == 4
   program = _program()
   with pytest.raises(CheckpointUnreadable) as e:
     checkpoints.restore_state(str(tmp_path / "job"), program)
