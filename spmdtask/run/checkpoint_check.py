@@ -157,7 +157,7 @@ def unreadable(directory: str, step: int, why: str, intact: int | None, own: boo
   """The error for a damaged committed checkpoint: which step, which file or array and what
   is wrong (`why`), and the newest intact earlier step (`intact`, checked the same way). For
   this job's checkpoints (`own`), a CheckpointUnreadable whose `intact_step` main turns into
-  a --restore_step command; when `resume`ing, that command moves `step` and later ones
+  a --restore_step command; when `resume`ing, that command moves the steps after `intact`
   aside (nothing is deleted)."""
   head = (f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
           "Nothing was changed.")
@@ -169,8 +169,8 @@ def unreadable(directory: str, step: int, why: str, intact: int | None, own: boo
             f"later step) out of {directory} to start from it.")
   else:
     tail = (f"The newest intact checkpoint is step {intact}" + (
-        f"; resuming from it moves step {step} and any later step into {aside_dir(directory)}/ "
-        "(nothing is deleted)" if resume else "") + ".")
+        f"; resuming from it moves the steps after it into {aside_dir(directory)}/ (nothing is "
+        "deleted)" if resume else "") + ".")
   if not own:
     return ConfigError(f"{head} {tail}")
   return CheckpointUnreadable(f"{head} {tail}", step, intact)
