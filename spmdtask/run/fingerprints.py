@@ -9,9 +9,15 @@ global flat index, and the mixed words are summed with wrapping uint32 addition,
 Integer addition mod 2^32 is associative and commutative, so the partial sums of any sharding,
 device count, process count or reduction order add up to the same numbers: a checkpoint saved
 from 8 devices with FSDP and restored onto 1 device gives equal fingerprints for equal values.
-fmix32 (MurmurHash3's finalizer) is a bijection, so a change to any one element changes lane
-0, and a swap of two elements changes lane 1; random damage to many elements is missed with
-probability about 2^-64. It is a check of the bytes, not a cryptographic hash.
+fmix32 (MurmurHash3's finalizer) is a bijection, so a change to any one element always changes
+lane 0; each word depends on the element's position too, so values moved elsewhere show; random
+damage to many elements goes unseen with a chance of about 2^-64. A check of the bytes, not a
+cryptographic hash.
+
+Why not a checksum in the storage format: orbax 0.12 writes zarr3's crc32c only over a
+shard's index, not its chunks, and zarr v2 (its default, every existing checkpoint) has none.
+A fingerprint of the logical values also survives any re-sharding, and proves what the
+devices held, not only what reached the disk.
 
 The checkpoint's `meta` item stores them as {"item/array/path": "<16 hex digits>"}; a restore
 recomputes them from the restored arrays and compares (`mismatch`).
@@ -19,9 +25,9 @@ recomputes them from the restored arrays and compares (`mismatch`).
 import functools
 
 import jax
-from absl import logging
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
 from spmdtask.core import sharding
