@@ -9,7 +9,9 @@ object's generation in `x-goog-generation` (tensorstore's OCDBT reads its manife
 generation there to commit the next write; without it: "Malformed StorageGeneration"); and a
 simple upload or a delete with `ifGenerationMatch` (0: the object must not exist; N: its live
 generation must be N) is refused with 412 when the condition fails (the job lock relies on it;
-the emulator ignores the parameter).
+the emulator ignores the parameter). A third: objects.move (`.../o/SRC/moveTo/o/DEST`, which
+gcsfs's `mv` tries first) is served as a copy and a delete (the emulator answers 501, which
+gcsfs retries with backoff for about a minute before it copies).
 """
 import socket
 import subprocess
@@ -76,6 +78,20 @@ def delete(request, response, storage, *args, **kwargs):
     return _refuse(response)
   return _delete(request, response, storage, *args, **kwargs)
 objects.insert, objects.delete = insert, delete
+
+from gcp_storage_emulator import server
+def move(request, response, storage, *args, **kwargs):
+  bucket, source = request.params["bucket_name"], request.params["object_id"]
+  try:
+    moved = objects._copy(request.base_url, storage, bucket, source, bucket,
+                          request.params["dest_object_id"])
+  except Exception:  # NotFound
+    response.status = HTTPStatus.NOT_FOUND
+    return
+  objects._delete(storage, bucket, source)
+  response.json(moved)
+server.HANDLERS = ((r"^/storage/v1/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/"
+                    r"(?P<dest_object_id>.*[^/]+)$", {"POST": move}),) + server.HANDLERS
 from gcp_storage_emulator.__main__ import main
 main(sys.argv[1:])
 """

@@ -79,3 +79,38 @@ def tiny_hf_tokenizer(directory: str, texts, vocab_size: int = 300, eos: str | N
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
       json.dump({"bos_token": "<bos>", "eos_token": {"content": eos}}, f)
   return path
+
+
+def flip_middle_of_largest(item_dir: str, read, write) -> tuple[str, str]:
+  """Flips 256 bytes in the middle of the data file that holds the most bytes of an orbax
+  array item (`item_dir`, e.g. a step's params/; local or gs://), found from its OCDBT index
+  as `checkpoint_check` reads it: the B-tree nodes map each zarr key to (file, offset,
+  length). Files are read and written with `read(path) -> bytes` and `write(path, bytes)`;
+  the size is kept. Returns (the file relative to item_dir, the array whose chunk holds
+  the middle, as 'a/b/c')."""
+  import urllib.parse  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  url = item_dir if item_dir.startswith("gs://") else "file://" + item_dir
+  kv = ts.KvStore.open(url.rstrip("/") + "/").result()
+  nodes, values = [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]], []
+  while nodes:
+    node = ts.ocdbt.dump(kv, nodes.pop()).result()
+    for entry in node.get("entries", []):
+      for v in entry.values():
+        if isinstance(v, str) and v.startswith("btreenode:"):
+          nodes.append(v)
+        elif isinstance(v, str) and v.startswith("value:"):
+          _, base, rel, offset, length = v.split(":")
+          values.append((entry["key"].decode(), urllib.parse.unquote(base + rel), int(offset),
+                         int(length)))
+  held = {}
+  for _, path, _, length in values:
+    held[path] = held.get(path, 0) + length
+  rel = max(held, key=held.get)
+  data = bytearray(read(f"{item_dir.rstrip('/')}/{rel}"))
+  mid = len(data) // 2
+  data[mid:mid + 256] = bytes(b ^ 0xFF for b in data[mid:mid + 256])
+  write(f"{item_dir.rstrip('/')}/{rel}", bytes(data))
+  (key,) = [k for k, path, offset, length in values
+            if path == rel and offset <= mid < offset + length]
+  return rel, key.split("/")[0].replace(".", "/")

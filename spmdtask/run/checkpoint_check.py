@@ -14,8 +14,9 @@ their own: the ranges are what records how long each must be.
 checks that every file a range points into is there and long enough, and that every array
 of `_METADATA` has its `.zarray` key. That finds a file cut short (an interrupted copy or
 upload, a full disk) or missing, and a manifest or node that cannot be decoded, for a
-fraction of a restore's cost. Bytes changed in place are left to the restore; an array item
-written without OCDBT (one zarr dir per array) gets the metadata checks only.
+fraction of a restore's cost. Bytes changed in place are left to the restore and the arrays'
+fingerprints (`checkpoints`, `fingerprints`); an array item written without OCDBT (one zarr
+dir per array) gets the metadata checks only. `unreadable` is the one paragraph for any damage.
 """
 import json
 import re
@@ -24,6 +25,7 @@ import urllib.parse
 import tensorstore as ts
 
 from spmdtask import fs
+from spmdtask.errors import CheckpointUnreadable, ConfigError
 
 _JSON_FILES = ("_CHECKPOINT_METADATA", "_METADATA", "_sharding", "metadata")
 # tensorstore's names for OCDBT locations: kind:base_path:relative_path:offset:length.
@@ -53,14 +55,6 @@ def problem(step_dir: str) -> str | None:
           k[len(item) + 1:]: n for k, n in sizes.items() if k.startswith(item + "/")})
       if why:
         return why
-  return None
-
-
-def newest_intact(directory: str, steps) -> int | None:
-  """The largest of `steps` (step dirs in `directory`) whose checkpoint passes `problem`."""
-  for step in sorted(steps, reverse=True):
-    if problem(fs.join(directory, str(step))) is None:
-      return step
   return None
 
 
@@ -141,3 +135,42 @@ def _array_names(tree: dict) -> list[str]:
     if value.get("value_type") in _ARRAY_TYPES and not value.get("skip_deserialize"):
       names.append(".".join(str(k["key"]) for k in entry.get("key_metadata", [])))
   return names
+
+
+def innermost_reason(error: BaseException) -> str:
+  """The root cause's first line, without object reprs (orbax wraps tensorstore's error,
+  which names the file and the key, in one that embeds a pybind repr)."""
+  while (error.__cause__ or error.__context__) is not None:
+    error = error.__cause__ or error.__context__
+  text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+  text = re.sub(r"<[^<>]*(>|$)", "", re.sub(r"\s*\[source locations=.*$", "", text))
+  return f"{type(error).__name__}: {text[:300]}"
+
+
+def aside_dir(directory: str) -> str:
+  """Where a resume with --restore_step moves the unreadable later checkpoints."""
+  return fs.join(fs.dirname(directory), "checkpoints_unreadable")
+
+
+def unreadable(directory: str, step: int, why: str, intact: int | None, own: bool = True,
+               resume: bool = False) -> ConfigError:
+  """The error for a damaged committed checkpoint: which step, which file or array and what
+  is wrong (`why`), and the newest intact earlier step (`intact`, checked the same way). For
+  this job's checkpoints (`own`), a CheckpointUnreadable whose `intact_step` main turns into
+  a --restore_step command; when `resume`ing, that command moves the steps after `intact`
+  aside (nothing is deleted)."""
+  head = (f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
+          "Nothing was changed.")
+  if intact is None:
+    tail = ("There is no intact earlier checkpoint: train from scratch in a new "
+            "--job_log_dir (this one keeps the damaged checkpoint for inspection).")
+  elif not own:
+    tail = (f"Its newest intact checkpoint is step {intact}: move {directory}/{step} (and any "
+            f"later step) out of {directory} to start from it.")
+  else:
+    tail = (f"The newest intact checkpoint is step {intact}" + (
+        f"; resuming from it moves the steps after it into {aside_dir(directory)}/ (nothing is "
+        "deleted)" if resume else "") + ".")
+  if not own:
+    return ConfigError(f"{head} {tail}")
+  return CheckpointUnreadable(f"{head} {tail}", step, intact)

@@ -6,7 +6,8 @@ A checkpoint step dir holds four orbax items:
                      the pipeline strategy that trained them (StandardSave);
   inputs             the train input iterator's state (JsonSave);
   meta               step, resolved config text, the saving layout's facts (mesh,
-                     pipeline, microbatches), device/process count.
+                     pipeline, microbatches), device/process count, and the arrays'
+                     `fingerprints`, computed on the devices before the save.
 Because the arrays are canonical, a restore onto any mesh, device count or pipeline
 strategy works: they are read with shardings of the new mesh, then converted to the
 new live layout by `program.from_canonical`. Every process calls save/restore (orbax
@@ -14,13 +15,15 @@ coordinates); JSON items are written by the primary process.
 
 A step dir counts as complete when orbax committed it (`commit_success.txt`, every
 item dir present). Incomplete ones are never restored: the previous complete step is
-used, with a warning. A committed one whose files are damaged (told from its metadata and
-file sizes before any restore: `checkpoint_check`) is not restored: CheckpointUnreadable
-names the file and the newest intact step; training from that step with --restore_step
-moves the damaged later steps into `checkpoints_unreadable/` (nothing is deleted).
+used, with a warning. A committed one that is damaged is not used: its files (told from
+its metadata and file sizes before any restore: `checkpoint_check`), orbax's restore, or
+the restored arrays' fingerprints (recomputed on the devices and compared with the stored
+ones, before the first step) say so. CheckpointUnreadable names the file or array and the
+newest intact step (checked the same way, only then); training from that step with
+--restore_step moves the damaged later steps into `checkpoints_unreadable/` (nothing is
+deleted). A checkpoint written before fingerprints existed restores as before, unchecked.
 """
 import os
-import re
 import time
 from typing import Any
 
@@ -32,8 +35,8 @@ from absl import logging
 
 from spmdtask import console, fs
 from spmdtask.core import sharding
-from spmdtask.errors import CheckpointUnreadable, ConfigError
-from spmdtask.run import checkpoint_check
+from spmdtask.errors import ConfigError
+from spmdtask.run import checkpoint_check, fingerprints
 from spmdtask.core.train_state import TrainState
 
 ARRAY_ITEMS = ("params", "opt_state")
@@ -137,24 +140,42 @@ def _pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
   return step
 
 
-def _restore(mngr, directory: str, job_log_dir: str, program, step: int,
-             items=ARRAY_ITEMS + JSON_ITEMS, own: bool = True,
-             resume: bool = False) -> dict[str, Any]:
-  """The items of checkpoint `step`; CheckpointUnreadable (ConfigError if not `own`, i.e.
-  another job's) when its files are damaged, told from its metadata before any restore."""
+def _restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_ITEMS,
+             own: bool = True, resume: bool = False) -> dict[str, Any]:
+  """The items of checkpoint `step`, checked (`_checked_read`); CheckpointUnreadable
+  (ConfigError if not `own`, i.e. another job's) when it is damaged."""
+  got, why = _checked_read(mngr, directory, program, step, items)
+  if why:
+    intact = next((s for s in sorted(complete_steps(directory), reverse=True)
+                   if s < step and _checked_read(mngr, directory, program, s, items)[1] is None),
+                  None)
+    raise checkpoint_check.unreadable(directory, step, why, intact, own, resume)
+  return got
+
+
+def _checked_read(mngr, directory: str, program, step: int,
+                  items) -> tuple[dict[str, Any] | None, str | None]:
+  """(the items of checkpoint `step` with its `meta`, None), or (None, why) when it is
+  damaged: its metadata and file sizes (`checkpoint_check`, before any read), orbax's
+  restore, or its arrays' fingerprints (when it has them) say so."""
   why = checkpoint_check.problem(fs.join(directory, str(step)))
   if why:
-    raise unreadable(directory, step, why, own, resume, cheap_check_passed=False)
+    return None, why
   # A failure ends the run (in the binary the hooks stay: orbax's reads still in flight report).
   with console.libraries_to_log():
     try:
-      return _read(mngr, directory, program, step, items)
+      got = _read(mngr, directory, program, step, tuple(dict.fromkeys((*items, "meta"))))
     except ConfigError:
       raise
     except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
       logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
-      raise unreadable(directory, step, _innermost_reason(e), own, resume,
-                       cheap_check_passed=True) from None
+      return None, checkpoint_check.innermost_reason(e)
+  stored = got["meta"].get(fingerprints.KEY)
+  if stored is None:  # written before checkpoints carried fingerprints: unchecked
+    return got, None
+  why = fingerprints.mismatch(stored, fingerprints.of(
+      {k: got[k] for k in ARRAY_ITEMS if k in items}, program.mesh))
+  return (None, why) if why else (got, None)
 
 
 def _read(mngr, directory: str, program, step: int, items) -> dict[str, Any]:
@@ -167,53 +188,6 @@ def _read(mngr, directory: str, program, step: int, items) -> dict[str, Any]:
   args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
   args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
   return mngr.restore(step, args=ocp.args.Composite(**args))
-
-
-def _innermost_reason(error: BaseException) -> str:
-  """The root cause's first line, without object reprs (orbax wraps tensorstore's error,
-  which names the file and the key, in one that embeds a pybind repr)."""
-  while (error.__cause__ or error.__context__) is not None:
-    error = error.__cause__ or error.__context__
-  text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-  text = re.sub(r"<[^<>]*(>|$)", "", re.sub(r"\s*\[source locations=.*$", "", text))
-  return f"{type(error).__name__}: {text[:300]}"
-
-
-def aside_dir(directory: str) -> str:
-  """Where a resume with --restore_step moves the unreadable later checkpoints."""
-  return fs.join(fs.dirname(directory), "checkpoints_unreadable")
-
-
-def unreadable(directory: str, step: int, why: str, own: bool = True, resume: bool = False,
-               cheap_check_passed: bool = False) -> ConfigError:
-  """The error for a committed checkpoint that cannot be read: which step, which file and
-  what is wrong (`why`), and the newest intact earlier step. For this job's checkpoints
-  (`own`), a CheckpointUnreadable whose `intact_step` main turns into a --restore_step
-  command; when `resume`ing, that command moves `step` and later ones aside (nothing is
-  deleted) — only possible when the metadata check sees the damage (else the move is
-  left to the user)."""
-  intact = checkpoint_check.newest_intact(
-      directory, [s for s in complete_steps(directory) if s < step])
-  head = (f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
-          "Nothing was changed.")
-  aside = aside_dir(directory)
-  if intact is None:
-    tail = ("There is no intact earlier checkpoint: train from scratch in a new "
-            "--job_log_dir (this one keeps the damaged checkpoint for inspection).")
-  elif not own:
-    tail = (f"Its newest intact checkpoint is step {intact}: move {directory}/{step} (and any "
-            f"later step) out of {directory} to start from it.")
-  elif resume and cheap_check_passed:
-    tail = (f"The newest intact checkpoint is step {intact}: move {directory}/{step} (and any "
-            f"later step) into {aside}/, then rerun this command to resume from it.")
-    intact = None  # --restore_step would refuse: the later step's metadata looks fine
-  else:
-    tail = (f"The newest intact checkpoint is step {intact}" + (
-        f"; resuming from it moves step {step} and any later step into {aside}/ (nothing is "
-        "deleted)" if resume else "") + ".")
-  if not own:
-    return ConfigError(f"{head} {tail}")
-  return CheckpointUnreadable(f"{head} {tail}", step, intact)
 
 
 def _live(program, step: int, params, opt_state) -> TrainState:
@@ -239,7 +213,7 @@ def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[T
   step = _pick_step(directory, job_log_dir, step)
   mngr = _manager(directory, read_only=True)
   try:
-    got = _restore(mngr, directory, job_log_dir, program, step, ARRAY_ITEMS)
+    got = _restore(mngr, directory, program, step, ARRAY_ITEMS)
   finally:
     mngr.close()
   return _live(program, step, got["params"], got["opt_state"]), step
@@ -263,7 +237,7 @@ def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
   step = _pick_step(directory, init_dir, None)
   mngr = _manager(directory, read_only=True)
   try:
-    params = _restore(mngr, directory, init_dir, program, step, ("params",), own=False)["params"]
+    params = _restore(mngr, directory, program, step, ("params",), own=False)["params"]
   finally:
     mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", directory, step)
@@ -292,6 +266,7 @@ class Checkpointer:
     self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
                   "process_count": jax.process_count(), **(metadata or {})}
     self.save_seconds: list[float] = []  # blocking part of each save
+    self.checked: set[int] = set()  # steps written by this run or whose fingerprints matched
 
   def latest_step(self) -> int | None:
     steps = complete_steps(self.directory)
@@ -301,26 +276,31 @@ class Checkpointer:
     """(padded state, step, input iterator state) of a checkpoint of this job."""
     step = _pick_step(self.directory, self.job_log_dir, step)
     later = [s for s in complete_steps(self.directory) if s > step]
-    intact = [s for s in later
-              if checkpoint_check.problem(fs.join(self.directory, str(s))) is None]
-    if intact:
+    # Later steps are checked as a restore checks them (newest first), and moved aside only
+    # when all are damaged.
+    intact = next((s for s in reversed(later) if _checked_read(
+        self._mngr, self.directory, self.program, s, ARRAY_ITEMS)[1] is None), None)
+    if intact is not None:
       raise ConfigError(
-          f"--restore_step={step}, but {self.directory} has later checkpoints {intact}; training "
-          "on would overwrite them. Omit --restore_step to resume from the latest, or train in a "
-          "new --job_log_dir with task.train.init_checkpoint_dir set to this job.")
+          f"--restore_step={step}, but {self.directory} has a later intact checkpoint, step "
+          f"{intact}; training on would overwrite it. Omit --restore_step to resume from the "
+          "latest, or train in a new --job_log_dir with task.train.init_checkpoint_dir set to "
+          "this job.")
     if later:
       self._move_aside(later)
     self._drop_incomplete()
-    got = _restore(self._mngr, self.directory, self.job_log_dir, self.program, step,
-                   resume=True)
-    logging.info("Restored step %d from %s (saved on mesh %s).", step, self.directory,
-                 dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])))
+    got = _restore(self._mngr, self.directory, self.program, step, resume=True)
+    if fingerprints.KEY in got["meta"]:
+      self.checked.add(step)
+    logging.info("Restored step %d from %s (saved on mesh %s; %s).", step, self.directory,
+                 dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])),
+                 "fingerprints checked" if step in self.checked else "no fingerprints: unchecked")
     return _live(self.program, step, got["params"], got["opt_state"]), step, got["inputs"]
 
   def _move_aside(self, steps: list[int]) -> None:
     """Moves the unreadable checkpoints `steps` into `aside_dir` (process 0), so training
     from an earlier step can save those steps anew; nothing is deleted."""
-    aside = aside_dir(self.directory)
+    aside = checkpoint_check.aside_dir(self.directory)
     if jax.process_index() == 0:
       for step in steps:
         dest = fs.join(aside, str(step))
@@ -356,13 +336,23 @@ class Checkpointer:
     """Starts an async save of `state` (padded) at `step`; returns once arrays are copied."""
     t0 = time.perf_counter()
     logical = self.program.to_canonical(state)
+    arrays = {"params": logical.params, "opt_state": logical.opt_state}
+    fingerprinted = fingerprints.of(arrays, self.program.mesh)  # before orbax's copy
     args = ocp.args.Composite(
-        params=ocp.args.StandardSave(logical.params),
-        opt_state=ocp.args.StandardSave(logical.opt_state),
+        **{k: ocp.args.StandardSave(v) for k, v in arrays.items()},
         inputs=ocp.args.JsonSave(input_state or {}),
-        meta=ocp.args.JsonSave({"step": int(step), **self._meta}))
+        meta=ocp.args.JsonSave({"step": int(step), **self._meta,
+                                fingerprints.KEY: fingerprinted}))
     self._mngr.save(step, args=args, force=True)
+    self.checked.add(step)
     self.save_seconds.append(time.perf_counter() - t0)
+
+  def latest_checked(self) -> tuple[int | None, bool]:
+    """(the latest complete step or None, whether its bytes were checked: written by this
+    run or its fingerprints matched on restore), once the save in flight is committed."""
+    self.wait()
+    step = self.latest_step()
+    return step, step in self.checked
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()

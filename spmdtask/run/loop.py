@@ -85,7 +85,7 @@ class NonFiniteGuard(Hook):
   checkpoint stays the last good one. Raises `TrainingError`.
   """
 
-  def __init__(self, every: int, saves, task, last_good=lambda: None):
+  def __init__(self, every: int, saves, task, last_good=lambda: (None, False)):
     self.every, self.saves, self.task, self.last_good = max(1, every), saves, task, last_good
 
   def wants_metrics(self, step, last):
@@ -96,14 +96,14 @@ class NonFiniteGuard(Hook):
     for i, m in enumerate(fetched.metrics):
       bad = {k: m[k] for k in ("loss", "grad_norm") if k in m and not math.isfinite(m[k])}
       if bad:
-        raise TrainingError(non_finite_message(first + i, bad, self.task, self.last_good()))
+        raise TrainingError(non_finite_message(first + i, bad, self.task, *self.last_good()))
 
   def after_step(self, step, state, last):
     # A step's metrics describe the params it started from; the state it leaves behind is
     # checked here, right before the Checkpoints hook would save it.
     if (last or self.saves(step)) and not _all_finite(state):
       raise TrainingError(non_finite_message(
-          step, {"updated train state": "not finite"}, self.task, self.last_good()))
+          step, {"updated train state": "not finite"}, self.task, *self.last_good()))
 
 
 def _all_finite(tree) -> bool:
@@ -123,14 +123,15 @@ def _finite(xs) -> jax.Array:
   return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
 
 
-def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | None) -> str:
+def non_finite_message(step: int, bad: dict, task, last_good: int | None, checked=False) -> str:
   """The one paragraph a diverged run ends with: the step, what diverged, the knobs."""
   tp = task.train
   lr = tp.learning_rate if isinstance(tp.learning_rate, (int, float)) else "a schedule"
   dtype = getattr(task.model, "fprop_dtype", None)
   what = " and ".join(f"the {k.replace('_', ' ')} is {v}" for k, v in bad.items())
-  kept = (f"the latest checkpoint, step {last_good}, is the last good one" if last_good is not None
-          else "no checkpoint was written")
+  kept = ("no checkpoint was written" if last_good is None else
+          f"the latest checkpoint, step {last_good}, is the last good one" if checked else
+          f"the latest checkpoint, step {last_good}, has no fingerprints: its bytes are unchecked")
   return (f"Training stopped at step {step}: {what}. Nothing from that step was saved; {kept}. "
           f"Usual causes: a learning rate too high (task.train.learning_rate={lr}: lower it or "
           f"warm it up), loose or no gradient clipping (task.train.clip_grad_norm="
@@ -138,7 +139,7 @@ def non_finite_message(step: int, bad: dict[str, float], task, last_good: int | 
           + (f", low-precision compute (task.model.fprop_dtype={dtype!r}: try 'float32')"
              if dtype not in (None, "float32") else "")
           + ", or bad data at that step. Fix the config and rerun with the same --job_log_dir "
-          "to resume from the last good checkpoint.")
+          f"to resume from the {'last good' if checked else 'latest'} checkpoint.")
 
 
 class Profiler(Hook):
@@ -296,7 +297,7 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -
   hooks: list[Hook] = [
       NonFiniteGuard(tp.log_interval_steps,
                      ckpt.should_save if ckpt is not None else (lambda step: False), run.task,
-                     (lambda: (ckpt.wait(), ckpt.latest_step())[1]) if ckpt else (lambda: None)),
+                     ckpt.latest_checked if ckpt else (lambda: (None, False))),
       ProgressLog(tp.log_interval_steps, tp.num_train_steps, mfu_peak(program)),
       TrainSummaries(job_log_dir, tp.summary_interval_steps)]
   if tp.profile_steps is not None and job_log_dir is not None:

@@ -1,5 +1,7 @@
 """Checkpoints: bitwise resume after SIGKILL, other meshes, incomplete saves, SIGTERM,
-warm start and bad input. Process-level tests run `spmdtask.main` in subprocesses."""
+warm start, bad input, damage (cut short, bytes flipped: fingerprints) and checkpoints
+written without fingerprints. Process-level tests run `spmdtask.main` in subprocesses."""
+import json
 import logging
 import os
 import re
@@ -16,10 +18,11 @@ import numpy as np
 import pytest
 
 from tests import subproc as h
+from tests import util
 from spmdtask.run import checkpoint_check, checkpoints, loop
 from spmdtask import main
 from spmdtask.core import program as program_lib
-from spmdtask.errors import CheckpointUnreadable, ConfigError
+from spmdtask.errors import CheckpointUnreadable, ConfigError, TrainingError
 
 BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
         "task.train.summary_interval_steps=1", "task.train.log_interval_steps=4")
@@ -231,7 +234,6 @@ def test_a_damaged_checkpoint_is_told_from_its_metadata_and_sizes(reference_job,
   os.remove(os.path.join(ck, "8", "opt_state", "d", node))
   assert checkpoint_check.problem(os.path.join(ck, "8")).startswith(
       f"opt_state/d/{node} is missing")
-  assert checkpoint_check.newest_intact(ck, [4, 8, 12]) == 4
   program = _program()
   with pytest.raises(CheckpointUnreadable) as e:
     checkpoints.restore_state(str(tmp_path / "job"), program)
@@ -258,8 +260,57 @@ def test_bytes_changed_in_place_fail_the_restore_in_one_paragraph(reference_job,
   assert e.value.intact_step == 8 and "<" not in str(e.value) and "\n" not in str(e.value)
 
 
+def test_a_checkpoint_without_fingerprints_restores_and_is_called_unchecked(reference_job,
+                                                                           tmp_path):
+  """A checkpoint written before fingerprints existed (its meta without them) restores as
+  before; the non-finite guard then calls it unchecked, never good. With them: checked."""
+  job = str(tmp_path / "job")
+  for step in ("8", "12"):
+    shutil.copytree(os.path.join(reference_job, "checkpoints", step),
+                    os.path.join(job, "checkpoints", step))
+  run = fdl.build(main.resolved_config("TinyLm", []))
+  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  guard_messages = []
+  for fingerprinted in (True, False):
+    ckpt = checkpoints.Checkpointer(job, program, 4, None)
+    try:
+      state, step, _ = ckpt.restore()
+      assert step == int(jax.device_get(state.step)) == 12
+      assert ckpt.latest_checked() == (12, fingerprinted)
+      guard = loop.NonFiniteGuard(1, ckpt.should_save, run.task, ckpt.latest_checked)
+      with pytest.raises(TrainingError) as e:
+        guard.on_metrics(loop.Fetched(13, [{"loss": float("nan")}], {}), last=False)
+      guard_messages.append(str(e.value))
+      if not fingerprinted:  # a later step that restores (unchecked) is not moved aside
+        with pytest.raises(ConfigError, match="has a later intact checkpoint, step 12;"):
+          ckpt.restore(8)
+    finally:
+      ckpt.close()
+    if fingerprinted:  # now as checkpoints were written before: their meta without them
+      meta = os.path.join(job, "checkpoints", "12", "meta", "metadata")
+      with open(meta) as f:
+        saved = json.load(f)
+      targets = program.canonical_targets()
+      assert len(saved.pop("fingerprints")) == len(jax.tree.leaves((targets.params,
+                                                                      targets.opt_state)))
+      with open(meta, "w") as f:
+        json.dump(saved, f)
+  checked, unchecked = guard_messages
+  assert "the latest checkpoint, step 12, is the last good one" in checked
+  assert "resume from the last good checkpoint" in checked
+  assert ("the latest checkpoint, step 12, has no fingerprints: its bytes are unchecked"
+          in unchecked)
+  assert "good" not in unchecked
+  assert _steps(job) == [8, 12]
+
+
 @pytest.mark.slow
-def test_a_truncated_checkpoint_exits_2_and_its_restore_command_resumes(reference_job, tmp_path):
+def test_damaged_checkpoints_exit_2_naming_the_array_and_the_restore_command_resumes(
+    reference_job, tmp_path):
+  """Step 12: 256 bytes flipped mid-file, size kept (orbax restores it without a word; the
+  fingerprints stored at the save do not match). Step 8: a data file cut short (told from
+  the index before any read). The run exits 2 in <= 15 lines naming the array and step 4;
+  the command it prints moves 8 and 12 aside and trains on to the reference's step 9."""
   job = str(tmp_path / "job")
   shutil.copytree(reference_job, job)
   nine = BASE + ("task.train.num_train_steps=9",)
@@ -267,23 +318,39 @@ def test_a_truncated_checkpoint_exits_2_and_its_restore_command_resumes(referenc
   r = h.run(h.main_cmd("TinyLm", job, *nine, "datasets['train'].seq_len=512"))
   assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
   assert "task.model.max_seq_len=256" in r.stderr and "Resuming" not in r.stdout
-  os.truncate(_largest_file(os.path.join(job, "checkpoints", "12", "params")), 1000)
+  ck = os.path.join(job, "checkpoints")
+  _, array = util.flip_middle_of_largest(os.path.join(ck, "12", "params"), _read_bytes,
+                                         _write_bytes)
+  assert checkpoint_check.problem(os.path.join(ck, "12")) is None
+  os.truncate(_largest_file(os.path.join(ck, "8", "params")), 1000)
   before = _snapshot(job)
   r = h.run(h.main_cmd("TinyLm", job, *nine))
   lines = (r.stdout + r.stderr).splitlines()
   assert r.returncode == 2 and len(lines) <= 15, r.stdout + r.stderr
   assert "Traceback" not in r.stderr and "pybind" not in r.stderr
-  assert "The checkpoint at step 12 in" in r.stderr and "cut short" in r.stderr
-  assert "The newest intact checkpoint is step 8" in r.stderr
+  assert (f"The checkpoint at step 12 in {ck} cannot be read: the array params/{array} does "
+          "not hold the values it was saved with (its fingerprint") in r.stderr, r.stderr
+  assert "The newest intact checkpoint is step 4;" in r.stderr
   assert {p: v for p, v in _snapshot(job).items() if "/logs/" not in p} == {
       p: v for p, v in before.items() if "/logs/" not in p}
   command = shlex.split(lines[-1])
-  assert command[:3] == ["python", "-m", "spmdtask.main"] and command[-1] == "--restore_step=8"
+  assert command[:3] == ["python", "-m", "spmdtask.main"] and command[-1] == "--restore_step=4"
   r = h.run([sys.executable] + command[1:])
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "Moved the unreadable checkpoint at step 12 into" in r.stdout
-  assert "Resuming from the checkpoint at step 8" in r.stdout
+  assert "Moved the unreadable checkpoints at step 8, 12 into" in r.stdout
+  assert "Resuming from the checkpoint at step 4" in r.stdout
   assert _steps(job) == [4, 8, 9]
-  assert os.listdir(os.path.join(job, "checkpoints_unreadable")) == ["12"]
-  want = h.train_losses(reference_job)[9]
-  assert h.train_losses(job)[9] == want  # the same step 9 as the uninterrupted run
+  assert sorted(os.listdir(os.path.join(job, "checkpoints_unreadable"))) == ["12", "8"]
+  want = h.train_losses(reference_job)
+  got = h.train_losses(job)
+  assert [got[s] for s in range(5, 10)] == [want[s] for s in range(5, 10)]  # as uninterrupted
+
+
+def _read_bytes(path):
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def _write_bytes(path, data):
+  with open(path, "wb") as f:
+    f.write(data)

@@ -1,7 +1,8 @@
 """A whole job in a GCS bucket (a local emulator): train, SIGKILL, resume on the
 uninterrupted losses, eval, decode, TensorBoard summaries, nothing on the local disk; and
-an unreachable gs:// job dir fails fast with exit 2, creating nothing; a damaged checkpoint in
-a bucket is refused as on a local disk, nothing in the bucket changed."""
+an unreachable gs:// job dir fails fast with exit 2, creating nothing; damaged checkpoints in
+a bucket (cut short; bytes flipped: fingerprints) are refused as on a local disk, nothing in
+the bucket changed, and restoring the intact step moves them aside."""
 import json
 import os
 import signal
@@ -144,29 +145,46 @@ def test_unreachable_bucket_exits_2_fast_and_writes_nothing(emulator, tmp_path, 
   print(f"{where}: exit 2 after {seconds:.1f} s: {err}")
 
 
-def test_a_damaged_checkpoint_in_a_bucket_is_refused_and_kept(emulator, monkeypatch):
-  """In-process, through gcsfs and tensorstore on the emulator: a checkpoint saved to gs://
-  and a copy of it as the next step, whose array data is then cut short (an interrupted
-  upload). The metadata check
-  names the file; a resume and a restore refuse it in the local disk's paragraph, naming
-  the intact step; no object in the bucket is deleted, added or rewritten."""
+@pytest.fixture
+def in_bucket(emulator, monkeypatch):
+  """This process on the emulator (gcsfs and tensorstore), and a checkpoint of TinyLm's fresh
+  state at step 1 in gs://bucket/saved/checkpoints (saved once: orbax's save to the emulator
+  takes ~6 s; tests copy it server-side). Gives (program, state, gcsfs filesystem)."""
   import gcsfs  # pylint: disable=g-import-not-at-top
-  from spmdtask.errors import CheckpointUnreadable  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import checkpoint_check, checkpoints  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
   from tests import util  # pylint: disable=g-import-not-at-top
   for k, v in emulator.env().items():
     monkeypatch.setenv(k, v)
   gcsfs.GCSFileSystem.clear_instance_cache()  # none made for another endpoint
   program, state = util.program_and_state("TinyLm", 8)
-  job, ck = "gs://bucket/damaged", "gs://bucket/damaged/checkpoints"
-  saver = checkpoints.Checkpointer(job, program, 1, None)
-  try:
-    saver.save(1, state, {"step": 1})
-  finally:
-    saver.close()
   gcs = emulator.filesystem()
-  # Step 2: a server-side copy of step 1 (orbax's save to the emulator takes ~6 s).
-  gcs.copy("bucket/damaged/checkpoints/1", "bucket/damaged/checkpoints/2", recursive=True)
+  if not gcs.exists("bucket/saved/checkpoints/1"):
+    saver = checkpoints.Checkpointer("gs://bucket/saved", program, 1, None)
+    try:
+      saver.save(1, state, {"step": 1})
+    finally:
+      saver.close()
+  yield program, state, gcs
+  gcsfs.GCSFileSystem.clear_instance_cache()
+
+
+def test_damaged_checkpoints_in_a_bucket_are_refused_kept_and_restore_step_resumes(in_bucket):
+  """In-process, through gcsfs and tensorstore on the emulator: a checkpoint saved to gs://
+  and two server-side copies of it as steps 2 and 3. Step 2's array data is cut short (an
+  interrupted upload): the metadata check names the file. Step 3 has 256 bytes flipped
+  mid-file, its size kept: the resume names the array whose fingerprint no longer matches,
+  and the intact step 1 (step 2 is skipped: cut short); no object in the bucket is deleted,
+  added or rewritten. Restoring step 1 (what --restore_step=1 does) moves steps 2 and 3
+  aside and gives the saved values, bitwise."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from spmdtask.errors import CheckpointUnreadable  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoint_check, checkpoints  # pylint: disable=g-import-not-at-top
+  from tests import util  # pylint: disable=g-import-not-at-top
+  program, state, gcs = in_bucket
+  job, ck = "gs://bucket/damaged", "gs://bucket/damaged/checkpoints"
+  for step in ("1", "2", "3"):
+    gcs.copy("bucket/saved/checkpoints/1", f"bucket/damaged/checkpoints/{step}", recursive=True)
   data = max((n for n in gcs.find("bucket/damaged/checkpoints/2/params") if "/d/" in n),
              key=gcs.size)
   gcs.pipe(data, gcs.cat(data)[:1000])
@@ -174,22 +192,30 @@ def test_a_damaged_checkpoint_in_a_bucket_is_refused_and_kept(emulator, monkeypa
   why = checkpoint_check.problem(f"{ck}/2")
   assert why.startswith(f"{rel} is 1000 bytes long, but the checkpoint's index "
                         "(params/manifest.ocdbt) records data up to byte "), why
-  assert checkpoint_check.problem(f"{ck}/1") is None
+  _, array = util.flip_middle_of_largest(f"{ck}/3/params", gcs.cat, gcs.pipe)
+  assert checkpoint_check.problem(f"{ck}/1") is checkpoint_check.problem(f"{ck}/3") is None
   before = {n: (i["size"], i["generation"]) for n, i in gcs.find("bucket", detail=True).items()}
 
   resume = checkpoints.Checkpointer(job, program, 1, None)
   try:
     with pytest.raises(CheckpointUnreadable) as e:
       resume.restore()
+    assert (e.value.step, e.value.intact_step) == (3, 1)
+    assert str(e.value) == (
+        f"The checkpoint at step 3 in {ck} cannot be read: the array params/{array} does not "
+        "hold the values it was saved with (its fingerprint, taken on the devices at the save, "
+        "differs: its bytes changed after the save, e.g. on a disk, in a bucket or in a copy). "
+        "Nothing was changed. The newest intact checkpoint is step 1; resuming from it moves "
+        "the steps after it into gs://bucket/damaged/checkpoints_unreadable/ (nothing is "
+        "deleted).")
+    after = {n: (i["size"], i["generation"]) for n, i in gcs.find("bucket", detail=True).items()}
+    assert after == before
+    restored, step, _ = resume.restore(1)
+    assert step == 1 and resume.latest_checked() == (1, True)
   finally:
     resume.close()
-  assert (e.value.step, e.value.intact_step) == (2, 1)
-  assert str(e.value) == (
-      f"The checkpoint at step 2 in {ck} cannot be read: {why}. Nothing was changed. The "
-      f"newest intact checkpoint is step 1; resuming from it moves step 2 and any later step "
-      f"into gs://bucket/damaged/checkpoints_unreadable/ (nothing is deleted).")
-  with pytest.raises(CheckpointUnreadable, match=r"newest intact checkpoint is step 1\.$"):
-    checkpoints.restore_state(job, program)
-  after = {n: (i["size"], i["generation"]) for n, i in gcs.find("bucket", detail=True).items()}
-  assert after == before
-  gcsfs.GCSFileSystem.clear_instance_cache()
+  assert sorted(n.rsplit("/", 1)[1] for n in gcs.ls(
+      "bucket/damaged/checkpoints_unreadable")) == ["2", "3"]
+  for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)),
+                  jax.tree.leaves(jax.device_get(state.params))):
+    np.testing.assert_array_equal(a, b)
