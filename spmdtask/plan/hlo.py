@@ -23,7 +23,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                 "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 # A shape (a tuple up to two deep, e.g. XLA:GPU's `((operands), results)`), then the op.
 _OP = re.compile(r"=\s*(\((?:[^()]|\([^()]*\))*\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.\-]+)")
@@ -50,7 +50,7 @@ def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """(computation name -> its instruction lines, the ENTRY computation's name)."""
   comps, entry, current = {}, None, None
   for line in text.splitlines():
-    m = _HEADER.match(line)
+    m = HEADER.match(line)
     if m and not line.startswith(" "):
       current = m.group(2)
       comps[current] = []
@@ -192,6 +192,11 @@ class Instruction:
   line: str
 
 
+def runs_inside(line: str) -> list[str]:
+  """The computations that run inside an instruction line (`Instruction.called`)."""
+  return _RUNS_INSIDE.findall(line)
+
+
 def _closing(text: str, start: int) -> int:
   """The index just past the bracket group opening at text[start]."""
   depth = 0
@@ -247,11 +252,11 @@ def async_origins(instrs: list[Instruction], comps: dict[str, list[str]]) -> dic
   `AsyncCollectiveStart` custom call."""
   origin: dict[str, str] = {}
   for ins in instrs:
-    if ins.op.endswith("-start") or _wraps(ins, comps, "AsyncCollectiveStart"):
+    if is_async_start(ins, comps):
       origin[ins.name] = ins.name
       continue
     continues = (ins.op == "get-tuple-element" or _ASYNC_TAIL.search(ins.op)
-                 or (ins.op == "fusion" and _inner_collectives(ins, comps)))
+                 or (ins.op == "fusion" and inner_collectives(ins, comps)))
     fed = next((origin[o] for o in ins.operands if o in origin), None)
     if continues and fed is not None:
       origin[ins.name] = fed
@@ -263,7 +268,17 @@ def _wraps(ins: Instruction, comps, target: str) -> bool:
                                     for c in ins.called for l in comps.get(c, ()))
 
 
-def _inner_collectives(ins: Instruction, comps, depth: int = 4) -> list[str]:
+def is_async_start(ins: Instruction, comps) -> bool:
+  """An `X-start`, `async-start`, or XLA:TPU's start fusion (`AsyncCollectiveStart`)."""
+  return ins.op.endswith("-start") or _wraps(ins, comps, "AsyncCollectiveStart")
+
+
+def is_async_done(ins: Instruction, comps) -> bool:
+  """An `X-done`, `async-done`, or XLA:TPU's done fusion (`AsyncCollectiveDone`)."""
+  return ins.op.endswith("-done") or _wraps(ins, comps, "AsyncCollectiveDone")
+
+
+def inner_collectives(ins: Instruction, comps, depth: int = 4) -> list[str]:
   """The collective lines inside the computations `ins` calls (fusions nest)."""
   out = []
   for c in ins.called:
@@ -271,7 +286,7 @@ def _inner_collectives(ins: Instruction, comps, depth: int = 4) -> list[str]:
       if _OP.search(_LAYOUT.sub("", inner.line)):
         out.append(inner.line)
       elif depth and inner.called:
-        out += _inner_collectives(inner, comps, depth - 1)
+        out += inner_collectives(inner, comps, depth - 1)
   return out
 
 
@@ -296,6 +311,18 @@ def result_shape(shape: str, kind: str, start: bool) -> str:
     return shape
   parts = _top_level(shape)
   return parts[1] if len(parts) > 1 else shape
+
+
+def collective_result(line: str) -> tuple[str, str] | None:
+  """(kind, result shape without layouts) of the collective an HLO line performs, or None."""
+  m = _OP.search(_LAYOUT.sub("", line))
+  return (m.group(2), result_shape(m.group(1), m.group(2), bool(m.group(3)))) if m else None
+
+
+def branches(line: str) -> list[str]:
+  """The computations a `conditional` line may run."""
+  return [c.strip("%, ") for g in _SCHEDULED.findall(line) for c in g.split(", ")
+          if c.strip("%, ")]
 
 
 def _collective(line: str, num_slices: int, runs: int) -> Collective | None:
@@ -326,7 +353,7 @@ def scheduled_collectives(text: str, num_slices: int = 1) -> dict[str, list[Coll
     for ins in instrs:
       if origin.get(ins.name, ins.name) != ins.name:
         continue
-      lines = [ins.line] if _collective(ins.line, num_slices, 1) else _inner_collectives(
+      lines = [ins.line] if _collective(ins.line, num_slices, 1) else inner_collectives(
           ins, comps)
       ops = [c for c in (_collective(l, num_slices, mult[name]) for l in lines) if c]
       if ops:

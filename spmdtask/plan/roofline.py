@@ -33,6 +33,14 @@ def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
   return result_bytes * (n - 1) / n  # all-gather, all-to-all
 
 
+def link_seconds(op, chip: Chip) -> float:
+  """Seconds one run of a collective (`hlo.Collective`) holds the chip's link: the bytes it
+  receives over its ICI ingress, or over its DCN share across slices (0 where the chip
+  has no documented DCN rate: `estimate` notes it)."""
+  rate = chip.dcn_bytes_per_s if op.dcn else chip.ici_ingress_bytes_per_s
+  return received_bytes(op.kind, op.bytes, op.group_size) / rate if rate else 0.0
+
+
 def collective_traffic(ops) -> dict[str, float]:
   """Bytes one device receives per run of a program in its collectives (`hlo.Collective`s,
   each run `runs` times): within its slice (ICI) and across slices (DCN)."""
