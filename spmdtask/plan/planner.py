@@ -281,13 +281,13 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   if compiled is not None:
     report = compiled_report(compiled, target, n, model_flops, tokens,
                              remat and remat["kernel_flops_per_device"])
-  for row in report.get("step_estimate", {}).get("top_exposed", []):
-    row["what"] = owners.owner(hlo.dims(row["shape"]), rows, batch_shape)
   if programs:  # MPMD: the step costs what every stage's programs do (plan.stage_roofline)
-    costs = [stage_roofline.measure(lw, c, target.num_slices) for lw, c in pairs]
+    costs = [stage_roofline.measure(lw, c, target.num_slices, target.chip) for lw, c in pairs]
     step, stage_plans = stage_roofline.step_report(costs, program.stage_report(pairs),
                                                    target.chip, model_flops, tokens, n)
     report.update(step)
+  for row in report.get("step_estimate", {}).get("top_exposed", []):
+    row["what"] = owners.owner(hlo.dims(row["shape"]), rows, batch_shape)
   if remat is not None:
     report["remat"] = remat
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,

@@ -122,6 +122,11 @@ def test_mpmd_plan_on_v5e_compiles_every_stage_program(tmp_path):
   assert programs["stage 1 gradient reduction"]["compiled"]["peak_estimate_bytes"] > 0
   stages, f, est = got["stage_plans"], got["flops_per_step"], got["estimate"]
   assert [st["stage"] for st in stages] == [0, 1]
+  # Every stage program's schedule walked; the busiest stage's sum is at least its roofline.
+  sched = got["step_estimate"]
+  assert sched["step_seconds"] >= stages[sched["stage"]]["busy_seconds"] * (1 - 1e-9)
+  assert sched["step_seconds"] == pytest.approx(
+      sched["compute_seconds"] + sched["hbm_seconds"] + sched["exposed_seconds"], rel=1e-9)
   assert all(st["flops_per_step"] > 0 for st in stages)
   # The step's bound: the busiest stage's busy time; the MFU ceiling over all 8 chips.
   assert sum(st["flops_per_step"] for st in stages) == pytest.approx(f["xla"], rel=1e-12)
