@@ -291,6 +291,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   if remat is not None:
     report["remat"] = remat
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
+          "xla_flags": task.xla_flags or {},
           "batch_shape": list(batch_shape),
           "batch_shards": sharding.shards(task.batch_axes() or None, mesh_shape),
           "num_microbatches": task.train.num_microbatches,
