@@ -18,6 +18,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
@@ -155,6 +157,7 @@ class Collective:
   runs: int
   group_size: int
   dcn: bool = False
+  hosts: int = 1  # the most hosts one of its groups spans (GPUs: where `host_of` is given)
 
 
 def _group_size(line: str) -> int:
@@ -170,6 +173,36 @@ def _group_size(line: str) -> int:
     sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
     return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
   return 1
+
+
+def replica_groups(line: str) -> list[list[int]] | None:
+  """The device groups of a collective line (logical ids: positions in the program's device
+  assignment): explicit {{0,1},{2,3}}, iota [G,S]<=[dims]T(perm), or mesh['a'=2,'b'=4]
+  {'b'}; None for a form not read here (or no groups: one group of all)."""
+  m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", line)
+  if m:
+    return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+  if m:
+    shape = [int(d) for d in m.group(1).split(",")]
+    ids = np.arange(math.prod(shape)).reshape([int(d) for d in m.group(2).split(",")])
+    if m.group(3):
+      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+    return ids.reshape(-1, shape[-1]).tolist()
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+  if m:
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names, inner = [a for a, _ in axes], re.findall(r"'([^']+)'", m.group(2))
+    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
+    order = [names.index(a) for a in names if a not in inner] + [names.index(a) for a in inner]
+    return ids.transpose(order).reshape(-1, _group_size(line)).tolist()
+  return None
+
+
+def _hosts_spanned(line: str, host_of) -> int:
+  """The most hosts one group of a collective line spans (1 without `host_of`)."""
+  groups = replica_groups(line) if host_of is not None else None
+  return max((len({host_of[i] for i in g}) for g in groups or ()), default=1)
 
 
 # Across slices XLA:TPU hands a collective to the megascale runtime as a host-transfer
@@ -325,23 +358,27 @@ def branches(line: str) -> list[str]:
           if c.strip("%, ")]
 
 
-def _collective(line: str, num_slices: int, runs: int) -> Collective | None:
+def _collective(line: str, num_slices: int, runs: int, host_of=None) -> Collective | None:
   """The collective one HLO line performs (a bare or -start op, or a send across slices)."""
   m, dcn = _OP.search(_LAYOUT.sub("", line)), _DCN_SEND.search(line)
   if dcn:
     return Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
   if m:
     shape = result_shape(m.group(1), m.group(2), bool(m.group(3)))
-    return Collective(m.group(2), shape_bytes(shape), runs, _group_size(line))
+    return Collective(m.group(2), shape_bytes(shape), runs, _group_size(line),
+                      hosts=_hosts_spanned(line, host_of))
   return None
 
 
-def scheduled_collectives(text: str, num_slices: int = 1) -> dict[str, list[Collective]]:
+def scheduled_collectives(text: str, num_slices: int = 1,
+                          host_of: tuple[int, ...] | None = None
+                          ) -> dict[str, list[Collective]]:
   """Per instruction of a scheduled computation that performs collectives (a bare
   collective, an async start, a fusion that holds one), named by that instruction: its
   collectives, each with the runs per step of its computation. An async op's done,
   update and XLA:TPU continuation fusions hold clones of its start's collective and are
-  not counted again (`async_origins`)."""
+  not counted again (`async_origins`). `host_of`: the host of each logical device (GPUs),
+  for the hosts each collective spans."""
   comps, _ = computations(text)
   mult = multipliers(text)
   out: dict[str, list[Collective]] = {}
@@ -355,15 +392,17 @@ def scheduled_collectives(text: str, num_slices: int = 1) -> dict[str, list[Coll
         continue
       lines = [ins.line] if _collective(ins.line, num_slices, 1) else inner_collectives(
           ins, comps)
-      ops = [c for c in (_collective(l, num_slices, mult[name]) for l in lines) if c]
+      ops = [c for c in (_collective(l, num_slices, mult[name], host_of) for l in lines) if c]
       if ops:
         out[ins.name] = ops
   return out
 
 
-def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
+def collective_ops(text: str, num_slices: int = 1,
+                   host_of: tuple[int, ...] | None = None) -> list[Collective]:
   """Every collective of the per-device program, counted per step (see module doc)."""
-  return [op for ops in scheduled_collectives(text, num_slices).values() for op in ops]
+  return [op for ops in scheduled_collectives(text, num_slices, host_of).values()
+          for op in ops]
 
 
 _KERNELS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__cudnn$fmha')

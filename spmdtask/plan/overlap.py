@@ -128,17 +128,18 @@ def _where(op_name: str, comp: str, trips: dict[str, int]) -> str:
 
 
 def estimate(text: str, chip: Chip, flops: float, hbm_bytes: float, kernel_flops: float = 0.0,
-             num_slices: int = 1, roofline_bound: float = 0.0, model_flops: float = 0.0
-             ) -> dict:
+             num_slices: int = 1, roofline_bound: float = 0.0, model_flops: float = 0.0,
+             host_of: tuple[int, ...] | None = None) -> dict:
   """The step estimate of a compiled program (its optimized text) on `chip` (module doc):
   `flops` and `hbm_bytes` are XLA's per device per step (kernels' FLOPs included,
   `kernel_flops` of them), `roofline_bound` the roofline's step bound, `model_flops` the
-  model formula's per device (for the MFU). Returns seconds per step (`step_seconds` =
+  model formula's per device (for the MFU), `host_of` the host of each device (GPUs:
+  collectives across hosts, `roofline.link_seconds`). Returns seconds per step (`step_seconds` =
   compute + hbm + exposed communication, never below `roofline_bound`), the collectives'
   link time, the exposed share, the scales applied to the shapes' FLOPs and bytes, and the
   `TOP` collectives by exposed time per step (kind, result shape, op name, where)."""
   prog = _Program(text)
-  mult, colls = hlo.multipliers(text), hlo.scheduled_collectives(text, num_slices)
+  mult, colls = hlo.multipliers(text), hlo.scheduled_collectives(text, num_slices, host_of)
   trips = {l.body: l.trips or 1 for l in hlo.loops(text)}
   origins = {c: hlo.async_origins(prog.instrs[c], prog.comps) for c in hlo.scheduled(text)}
 

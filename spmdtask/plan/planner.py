@@ -193,7 +193,9 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                  "collectives are not listed.")
   if text is not None:
     step = xla_cost.per_step(text)
-    ops = hlo.collective_ops(text, target.num_slices)
+    hosts = (target.hosts_of(jax.tree.leaves(compiled.input_shardings)[0].mesh.devices.flat)
+             if target.platform == "gpu" else None)
+    ops = hlo.collective_ops(text, target.num_slices, hosts)
     kernels = hlo.kernel_calls(text)
     if kernels and kernel_flops is None:
       notes.append(f"{kernels} fused kernel call(s) (Pallas, e.g. splash; cuDNN attention): "
@@ -239,7 +241,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
     if text is not None:  # the schedule's estimate: what the compute hides (plan.overlap)
       report["step_estimate"] = overlap.estimate(
           text, target.chip, flops, step["bytes accessed"], kernel_flops or 0.0,
-          target.num_slices, est["step_seconds_lower_bound"], model_flops / n)
+          target.num_slices, est["step_seconds_lower_bound"], model_flops / n, hosts)
   return report
 
 
@@ -282,7 +284,8 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     report = compiled_report(compiled, target, n, model_flops, tokens,
                              remat and remat["kernel_flops_per_device"])
   if programs:  # MPMD: the step costs what every stage's programs do (plan.stage_roofline)
-    costs = [stage_roofline.measure(lw, c, target.num_slices, target.chip) for lw, c in pairs]
+    costs = [stage_roofline.measure(lw, c, target.num_slices, target.chip,
+                                    target.hosts_of(lw.mesh.devices.flat)) for lw, c in pairs]
     step, stage_plans = stage_roofline.step_report(costs, program.stage_report(pairs),
                                                    target.chip, model_flops, tokens, n)
     report.update(step)

@@ -44,11 +44,13 @@ class ProgramCost:
   schedule: dict | None = None  # overlap.estimate of one call (with a chip's facts)
 
 
-def measure(lowering, compiled, num_slices: int = 1, chip=None) -> ProgramCost:
+def measure(lowering, compiled, num_slices: int = 1, chip=None,
+            host_of: tuple[int, ...] | None = None) -> ProgramCost:
   """`ProgramCost` of a compiled `layouts.Lowering`. Its Pallas kernels' FLOPs are traced
   (from the lowering's fn and args) where the compiled program calls kernels XLA cannot
   see into (XLA:TPU's custom calls; interpret-mode kernels are XLA ops it counts). With
-  a `chip`, its schedule's estimate of one call too (`overlap.estimate`)."""
+  a `chip`, its schedule's estimate of one call too (`overlap.estimate`); `host_of`: the
+  host of each device of its submesh (GPUs: collectives across hosts)."""
   n, note = lowering.mesh.devices.size, None
   once = compiled.cost_analysis()
   once = (once[0] if isinstance(once, list) else once) or {}
@@ -62,7 +64,7 @@ def measure(lowering, compiled, num_slices: int = 1, chip=None) -> ProgramCost:
   if text is None:
     step, ops, kernels = {k: float(once.get(k, 0.0)) for k in xla_cost.KEYS}, [], 0.0
   else:
-    step, ops = xla_cost.per_step(text), hlo.collective_ops(text, num_slices)
+    step, ops = xla_cost.per_step(text), hlo.collective_ops(text, num_slices, host_of)
     kernels = (remat_cost.step_flops(lowering)[1] / n
                if hlo.kernel_calls(text) and lowering.fn is not None else 0.0)
   traffic = roofline.collective_traffic(ops)
@@ -72,7 +74,8 @@ def measure(lowering, compiled, num_slices: int = 1, chip=None) -> ProgramCost:
     bound = roofline.estimate(chip, step["flops"] + kernels, step["bytes accessed"],
                               traffic["ici"], traffic["dcn"], 0.0, 1.0, host)
     schedule = overlap.estimate(text, chip, step["flops"] + kernels, step["bytes accessed"],
-                                kernels, num_slices, bound["step_seconds_lower_bound"])
+                                kernels, num_slices, bound["step_seconds_lower_bound"],
+                                host_of=host_of)
   return ProgramCost(
       lowering.name, lowering.stage, n, lowering.calls_per_step, step["flops"] + kernels,
       kernels, float(once.get("flops", 0.0)), step["bytes accessed"], traffic["ici"],

@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 
-from spmdtask.plan import chips, hlo, oom, planner, printout
+from spmdtask.plan import chips, hlo, oom, planner, printout, roofline
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -230,3 +230,31 @@ def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply(
          "to host memory, at least 96.0 MiB less (alone" in text and "remat_policy='full'" in text
   assert "more devices" not in text  # the state is not what fills it
   assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB), v6e" in text
+
+
+# XLA:GPU on 2 hosts of 4 GPUs: an all-gather within each host (axis_2) and an all-reduce
+# across the hosts (axis_1), in the device-mesh form of replica groups.
+HOSTS_HLO = """HloModule m
+
+ENTRY %main (a: bf16[64,256]) -> bf16[256,256] {
+  %ag = (bf16[64,256]{1,0}, bf16[256,256]{1,0}) all-gather-start(%a), channel_id=1, """ \
+  """replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_2'}, dimensions={0}
+  %ar = f32[1024]{0} all-reduce-start(%a), channel_id=2, """ \
+  """replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1','axis_2'}, to_apply=%add
+}
+"""
+
+
+def test_collectives_across_hosts_are_charged_at_the_hosts_network_rate():
+  host_of = (0, 0, 0, 0, 1, 1, 1, 1)
+  ag, ar = hlo.collective_ops(HOSTS_HLO, host_of=host_of)
+  assert (ag.kind, ag.group_size, ag.hosts) == ("all-gather", 4, 1)
+  assert (ar.kind, ar.group_size, ar.hosts) == ("all-reduce", 8, 2)
+  assert roofline.network_bytes(ag) == 0
+  # Each host reduces with the other (2 hosts: half the 4 KiB out, half in, both phases),
+  # spread over its 4 GPUs' NICs.
+  assert roofline.network_bytes(ar) == 2 * 4096 * (1 / 2) / 4
+  h100 = chips.GPUS["h100"]
+  assert roofline.link_seconds(ar, h100) == max(2 * 4096 * 7 / 8 / h100.ici_ingress_bytes_per_s,
+                                                1024 / h100.dcn_bytes_per_s)
+  assert roofline.collective_traffic([ag, ar])["dcn"] == 1024
