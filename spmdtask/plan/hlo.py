@@ -288,10 +288,9 @@ def async_origins(instrs: list[Instruction], comps: dict[str, list[str]]) -> dic
     if is_async_start(ins, comps):
       origin[ins.name] = ins.name
       continue
-    continues = (ins.op == "get-tuple-element" or _ASYNC_TAIL.search(ins.op)
-                 or (ins.op == "fusion" and inner_collectives(ins, comps)))
     fed = next((origin[o] for o in ins.operands if o in origin), None)
-    if continues and fed is not None:
+    if fed is not None and (ins.op == "get-tuple-element" or _ASYNC_TAIL.search(ins.op)
+                            or (ins.op == "fusion" and inner_collectives(ins, comps))):
       origin[ins.name] = fed
   return origin
 
