@@ -6,19 +6,16 @@ all-reduce's reduced one, reduce-scatter's shard). Collectives inside a `while` 
 (a scanned layer stack, gradient accumulation) are counted once per trip, so the totals
 are per train step. A loop's trips come from its `known_trip_count` (XLA:CPU annotates
 it) or, where the backend leaves none (XLA:TPU), from its condition `i < N` and the
-constant start of `i`. A collective is counted by the scheduled
-instruction that performs it (names are unique in a module: `scheduled_collectives`), so
-two same-shape collectives that share a `channel_id` (XLA:TPU reuses ids) count twice. An
-async collective counts once: its `-done` / `-update`, XLA's `async-done` wrapper and
-XLA:TPU's continuation and done fusions (clones of the start's collective) continue its
-start (`async_origins`).
+constant start of `i`. A collective counts once per scheduled instruction that performs
+it (names are unique in a module, `scheduled_collectives`; XLA:TPU reuses `channel_id`s):
+an async op's done and updates, XLA:TPU's continuation and done fusions continue its start.
 """
 import collections
 import dataclasses
 import math
 import re
 
-import numpy as np
+from spmdtask.plan import replica_groups as groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -160,51 +157,6 @@ class Collective:
   hosts: int = 1  # the most hosts one of its groups spans (GPUs: where `host_of` is given)
 
 
-def _group_size(line: str) -> int:
-  """Devices per replica group: explicit {{0,1},..}, iota [G,S]<=[N], or mesh[..] {axes}."""
-  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
-  if m:
-    return len(m.group(1).split(","))
-  m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
-  if m:
-    return int(m.group(1).split(",")[-1])
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-  if m:
-    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
-  return 1
-
-
-def replica_groups(line: str) -> list[list[int]] | None:
-  """The device groups of a collective line (logical ids: positions in the program's device
-  assignment): explicit {{0,1},{2,3}}, iota [G,S]<=[dims]T(perm), or mesh['a'=2,'b'=4]
-  {'b'}; None for a form not read here (or no groups: one group of all)."""
-  m = re.search(r"replica_groups=\{(\{[0-9,{}]*\})\}", line)
-  if m:
-    return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([0-9,]*)\}", m.group(1))]
-  m = re.search(r"replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
-  if m:
-    shape = [int(d) for d in m.group(1).split(",")]
-    ids = np.arange(math.prod(shape)).reshape([int(d) for d in m.group(2).split(",")])
-    if m.group(3):
-      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-    return ids.reshape(-1, shape[-1]).tolist()
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-  if m:
-    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    names, inner = [a for a, _ in axes], re.findall(r"'([^']+)'", m.group(2))
-    ids = np.arange(math.prod(int(n) for _, n in axes)).reshape([int(n) for _, n in axes])
-    order = [names.index(a) for a in names if a not in inner] + [names.index(a) for a in inner]
-    return ids.transpose(order).reshape(-1, _group_size(line)).tolist()
-  return None
-
-
-def _hosts_spanned(line: str, host_of) -> int:
-  """The most hosts one group of a collective line spans (1 without `host_of`)."""
-  groups = replica_groups(line) if host_of is not None else None
-  return max((len({host_of[i] for i in g}) for g in groups or ()), default=1)
-
-
 # Across slices XLA:TPU hands a collective to the megascale runtime as a host-transfer
 # send / recv pair, named after the collective it implements.
 _DCN_SEND = re.compile(r"=\s*\((\S+?), .*\bsend\(.*xla_megascale_runtime.*"
@@ -323,6 +275,8 @@ def inner_collectives(ins: Instruction, comps, depth: int = 4) -> list[str]:
 
 
 _LAYOUT = re.compile(r"\{[^{}]*\}")  # a layout, e.g. {2,1,0:T(8,128)(2,1)S(1)}
+
+
 def _top_level(shape: str) -> list[str]:
   """The elements of a tuple shape '(a, (b, c))' -> ['a', '(b, c)']."""
   out, depth, start = [], 0, 1
@@ -364,8 +318,8 @@ def _collective(line: str, num_slices: int, runs: int, host_of=None) -> Collecti
     return Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
   if m:
     shape = result_shape(m.group(1), m.group(2), bool(m.group(3)))
-    return Collective(m.group(2), shape_bytes(shape), runs, _group_size(line),
-                      hosts=_hosts_spanned(line, host_of))
+    return Collective(m.group(2), shape_bytes(shape), runs, groups.group_size(line),
+                      hosts=groups.hosts_spanned(line, host_of))
   return None
 
 
