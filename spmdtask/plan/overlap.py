@@ -54,17 +54,19 @@ class _Program:
     self.instrs = {n: hlo.instructions(lines) for n, lines in self.comps.items()}
     self.shapes = {i.name: i.shape for ins in self.instrs.values() for i in ins}
     self.xla_flops = xla_cost.fused_flops(text)
+    self._flops: dict[str, float] = {}
+    self._io: dict[str, tuple[dict[int, float], float]] = {}
 
   def dims(self, name: str) -> tuple[int, ...]:
     return hlo.dims(self.shapes.get(name, ""))
 
-  @functools.cache
   def flops(self, comp: str) -> float:
     """FLOPs of one run of a computation that runs inside an instruction: XLA's where it
     can analyse it alone, else its matmuls' from their shapes."""
-    if comp in self.xla_flops:
-      return self.xla_flops[comp]
-    return sum(self.instruction_flops(i) for i in self.instrs.get(comp, ()))
+    if comp not in self._flops:
+      self._flops[comp] = self.xla_flops.get(comp) if comp in self.xla_flops else sum(
+          self.instruction_flops(i) for i in self.instrs.get(comp, ()))
+    return self._flops[comp]
 
   def instruction_flops(self, ins: hlo.Instruction) -> float:
     out = math.prod(hlo.dims(ins.shape))
@@ -79,11 +81,15 @@ class _Program:
       return 2.0 * out * math.prod(rhs) / max(o, 1)
     return sum(self.flops(c) for c in ins.called)
 
-  @functools.cache
   def _fused_io(self, comp: str) -> tuple[dict[int, float], float]:
     """(parameter number -> bytes read, bytes written) of a fused computation: a parameter
     read only through dynamic-slices reads their slices, one updated in place reads none;
     an output made by a dynamic-update-slice writes its update."""
+    if comp not in self._io:
+      self._io[comp] = self._read_write(comp)
+    return self._io[comp]
+
+  def _read_write(self, comp: str) -> tuple[dict[int, float], float]:
     instrs = self.instrs.get(comp, [])
     by_name = {i.name: i for i in instrs}
     params = {i.name: int(re.search(r"parameter\((\d+)\)", i.line).group(1))
