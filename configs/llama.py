@@ -37,6 +37,46 @@ LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=8192)
 
 
+# libtpu flags of MaxText's v6e tuning config for Llama 3.1 8B (benchmarks/
+# maxtext_trillium_model_configs.py `llama3_1_8b_8192`, from its xla_flags_library): the
+# numbers compare_maxtext shows for `Llama31_8B_V6e256` are compiled under them.
+V6E_FLAGS = (
+    "--xla_tpu_scoped_vmem_limit_kib=98304 "
+    "--xla_tpu_use_minor_sharding_for_major_trivial_input=true "
+    "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1 "
+    "--xla_tpu_assign_all_reduce_scatter_layout=true "
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true "
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true "
+    "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false "
+    "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
+    "--xla_tpu_enable_all_reduce_offload_tracing=true --xla_tpu_use_tc_device_shape_on_sc=true "
+    "--xla_sc_enable_instruction_fusion=false --xla_sc_disjoint_spmem=false "
+    "--xla_sc_disable_megacore_partitioning=true "
+    "--xla_tpu_enable_all_experimental_scheduler_features=true "
+    "--xla_tpu_enable_scheduler_memory_pressure_tracking=true "
+    "--xla_tpu_host_transfer_overlap_limit=24 --xla_tpu_aggressive_opt_barrier_removal=ENABLED "
+    "--xla_lhs_prioritize_async_depth_over_stall=ENABLED "
+    "--xla_tpu_enable_ag_backward_pipelining=true "
+    "--xla_should_allow_loop_variant_parameter_in_chain=ENABLED "
+    "--xla_should_add_loop_invariant_op_in_chain=ENABLED "
+    "--xla_max_concurrent_host_send_recv=100 "
+    "--xla_tpu_scheduler_percent_shared_memory_limit=100 "
+    "--xla_latency_hiding_scheduler_rerun=2")
+
+# libtpu flags of MaxText's v5p config for Llama 2 70B (benchmarks/maxtext_v5p_model_configs.py
+# `llama2_70b_v5p_128`): data-parallel all-reduce overlap, all-gathers in collective fusions.
+V5P_FLAGS = (
+    "--xla_tpu_enable_data_parallel_all_reduce_opt=true "
+    "--xla_tpu_data_parallel_opt_different_sized_ops=true "
+    "--xla_tpu_enable_async_collective_fusion=true "
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+    "--xla_tpu_enable_async_collective_fusion_multiple_steps=true "
+    "--xla_tpu_overlap_compute_collective_tc=true --xla_enable_async_all_gather=true")
+
 # FSDP over two mesh axes (`fsdp` x `fsdp_b`): each weight is gathered, and its gradient
 # reduce-scattered, one axis at a time (layers.base.project). XLA:TPU compiles a reduce-scatter
 # over a whole 256-chip slice as a full-size all-reduce; over 16 chips it stays one.
@@ -83,6 +123,7 @@ class _Llama(Experiment):
       over fsdp x fsdp_b: on slices of 256 chips and more, fsdp_b = 16 keeps each gradient
       reduce-scatter within 16 chips (see FSDP above).
     data_dir: None = synthetic tokens; else a prepared corpus (tools/prepare_text_data.py).
+    xla_flags: task.xla_flags, the compiler flags the experiment's numbers rest on.
   """
   batch_size = 256
   seq_len = 8192
@@ -92,6 +133,7 @@ class _Llama(Experiment):
   eos_id = LLAMA3_EOS
   max_decode_len = 256
   data_dir: str | None = None
+  xla_flags: dict[str, str] | None = None
 
   def model(self) -> fdl.Config[TransformerLm]:
     raise NotImplementedError
@@ -107,7 +149,8 @@ class _Llama(Experiment):
                        log_interval_steps=10, save_interval_steps=1000)
     decode = fdl.Config(DecodeParams, max_decode_len=self.max_decode_len, temperature=0.0, eos_id=self.eos_id)
     return fdl.Config(Task, model=self.model(), mesh_axis_names=MESH_AXES,
-                      ici_mesh_shape=self.ici_mesh_shape, train=train, decode=decode)
+                      ici_mesh_shape=self.ici_mesh_shape, train=train, decode=decode,
+                      xla_flags=self.xla_flags)
 
   def datasets(self) -> dict[str, fdl.Config]:
     model = self.task().model
@@ -186,6 +229,7 @@ class Llama2_70B_V5p512(Llama2_70B):
   HBM; `minimal` would also keep the attention context, 20 GiB more than a v5p holds)."""
   ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
   num_microbatches = 1
+  xla_flags = {"tpu": V5P_FLAGS}
 
   def model(self):
     cfg = super().model()
@@ -220,14 +264,16 @@ class Llama31_8B_V6e256(_Llama):
   v6e-256, mirroring MaxText's published tuning config for it (benchmarks/
   maxtext_trillium_model_configs.py `llama3_1_8b_8192`, 45.46% MFU measured by MaxText):
   FSDP over 256 chips, 4 × 8192 tokens per chip (global 1024 rows = 8M tokens), no
-  microbatching, splash attention. Compare it with `tools/compare_maxtext.py`, which
-  compiles both under that config's XLA flags (a 98304 KiB scoped VMEM limit among them).
+  microbatching, splash attention, and that config's libtpu flags (`V6E_FLAGS`: a 98304 KiB
+  scoped VMEM limit among them) as its `task.xla_flags`. Compare it with
+  `tools/compare_maxtext.py`.
   Remat as MaxText's `custom` policy there: each layer's input and its q/k/v and out
   projections go to the host (`save_dot_except_mlp_offloaded`), the MLP is recomputed.
   What differs: MaxText sets splash blocks of 2048 with its fused backward kernel;
   spmdtask's splash picks its own block size."""
   ici_mesh_shape = (1, -1, 16, 1)  # FSDP 16 x 16 on 256 chips
   batch_size = 1024
+  xla_flags = {"tpu": V6E_FLAGS}
 
   def model(self):
     cfg = llama_model(vocab_size=LLAMA3_VOCAB, d_model=4096, num_layers=32, num_heads=32,

@@ -16,6 +16,7 @@ from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
+from spmdtask import task as task_lib
 from spmdtask.run import interrupts
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
                              PlanExceeded, TrainingError)
@@ -120,6 +121,17 @@ def use_cpu_devices(num_devices: int | None) -> None:
   jax.config.update("jax_num_cpu_devices", num_devices)
 
 
+def use_xla_flags(cfg: fdl.Config) -> dict[str, str]:
+  """`task.xla_flags` into LIBTPU_INIT_ARGS / XLA_FLAGS, before JAX starts its backends (the
+  environment's own flags after them: where both give one, the environment's wins)."""
+  by_kind = dict(cfg.task.xla_flags or {})
+  task_lib.check_xla_flags(by_kind)
+  for kind, line in by_kind.items():
+    variable = task_lib.XLA_FLAG_VARIABLES[kind]
+    os.environ[variable] = f"{line} {os.environ.get(variable, '')}".strip()
+  return by_kind
+
+
 def init_distributed():
   """Joins the multi-process job before any JAX computation, if one is asked for or found."""
   from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
@@ -204,12 +216,13 @@ def run(argv) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
+  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
+  xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()
   if joined is not None:
     from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
     peers.watch(_JOB_LOG_DIR.value, rerun_command(sys.argv))  # a lost one stops the others
-  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
   run_cfg = build(cfg)
   from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
@@ -223,6 +236,9 @@ def run(argv) -> None:
       console.say("%s", cluster.describe(joined))
     if took_over:
       console.say("%s", took_over)
+    for kind, line in xla_flags.items():
+      console.say("XLA flags for %s (task.xla_flags, in %s): %s", kind,
+                  task_lib.XLA_FLAG_VARIABLES[kind], line)
     if backend_log:
       logging.info("While JAX initialized its backends: %s", backend_log)
     run_mode(run_cfg, config_text)

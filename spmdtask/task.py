@@ -150,6 +150,24 @@ class DecodeParams:
     checks.in_range("task.decode.top_p", self.top_p, 1e-9, 1.0, "1.0 = off.")
 
 
+XLA_FLAG_VARIABLES = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
+
+
+def check_xla_flags(flags: dict[str, str] | None) -> None:
+  """ConfigError naming `task.xla_flags` for a kind it does not know or a flag not of the
+  form --name[=value]."""
+  for kind, line in (flags or {}).items():
+    if kind not in XLA_FLAG_VARIABLES:
+      raise ConfigError(f"task.xla_flags has a key {kind!r}; its keys are target kinds, "
+                        f"{' or '.join(map(repr, XLA_FLAG_VARIABLES))}, each with a line of "
+                        "flags, e.g. {'tpu': '--xla_tpu_scoped_vmem_limit_kib=98304'}.")
+    bad = [f for f in str(line).split() if not f.startswith("--")]
+    if bad:
+      raise ConfigError(f"task.xla_flags[{kind!r}] holds {bad[0]!r}, not a flag: give "
+                        "space-separated --name=value flags, e.g. "
+                        "'--xla_tpu_scoped_vmem_limit_kib=98304'.")
+
+
 @dataclasses.dataclass
 class Task:
   """A model on a mesh, how it executes, and its train params.
@@ -171,6 +189,12 @@ class Task:
       strategy starts from the same initial weights; checkpoints do not depend on it.
     train: TrainParams.
     decode: DecodeParams, for --mode=decode.
+    xla_flags: the compiler flags this task's numbers rest on, per target kind: 'tpu'
+      (libtpu's flags, e.g. '--xla_tpu_scoped_vmem_limit_kib=98304') and 'gpu' (XLA's, e.g.
+      '--xla_gpu_enable_latency_hiding_scheduler=true'). `spmdtask.main` sets them before
+      JAX starts its backends (LIBTPU_INIT_ARGS and XLA_FLAGS, ahead of what the
+      environment already holds, so a flag given there wins), in every mode: a plan and a
+      run compile with the same flags.
   """
   model: nn.Module
   mesh_axis_names: tuple[str, ...] = ("data", "fsdp", "model")
@@ -180,11 +204,13 @@ class Task:
   pipeline: Strategy | None = None
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
   decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
+  xla_flags: dict[str, str] | None = None
 
   def validate(self) -> None:
     """Checks the train and decode fields (the model checks its own in `Model.validate`)."""
     self.train.validate()
     self.decode.validate()
+    check_xla_flags(self.xla_flags)
 
   def batch_axes(self) -> tuple[str, ...]:
     """The data axes that exist in this mesh."""

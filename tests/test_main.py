@@ -1,4 +1,6 @@
 """The binary: config.txt, overrides, and a clear one-paragraph error for each user mistake."""
+import os
+
 from absl import flags
 import pytest
 
@@ -100,3 +102,20 @@ def test_a_flag_absl_cannot_parse_is_one_paragraph():
     values(["main.py", "--restore_stp=3"])
   assert main.flag_error(e.value).startswith(
       "Unknown command line flag 'restore_stp'. Did you mean: restore_step? Fix or remove")
+
+
+def test_task_xla_flags_go_before_the_environments_own(monkeypatch):
+  cfg = main.resolved_config("lm.TinyLm", [
+      "task.xla_flags={'tpu': '--xla_tpu_scoped_vmem_limit_kib=98304', "
+      "'gpu': '--xla_gpu_enable_latency_hiding_scheduler=true'}"])
+  monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_scoped_vmem_limit_kib=65536")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+  assert main.use_xla_flags(cfg) == cfg.task.xla_flags
+  # The environment's flag comes last: libtpu and XLA take the last value of a flag.
+  assert os.environ["LIBTPU_INIT_ARGS"] == ("--xla_tpu_scoped_vmem_limit_kib=98304 "
+                                            "--xla_tpu_scoped_vmem_limit_kib=65536")
+  assert os.environ["XLA_FLAGS"] == ("--xla_gpu_enable_latency_hiding_scheduler=true "
+                                     "--xla_force_host_platform_device_count=8")
+  bad = main.resolved_config("lm.TinyLm", ["task.xla_flags={'cpu': '--x'}"])
+  with pytest.raises(main.ConfigError, match="task.xla_flags has a key 'cpu'"):
+    main.use_xla_flags(bad)

@@ -22,11 +22,12 @@ Configs (`--config`, or `all`):
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
---mode=plan` in a subprocess (tools/compare_plans.py) under the same LIBTPU_INIT_ARGS, so
-both are compiled with the same XLA flags. Both compiled programs are then read the same
-way, by spmdtask's planner (`planner.compiled_report`): memory_analysis, collectives per
-step (spmdtask.plan.hlo), XLA's FLOPs with loops counted per trip (spmdtask.plan.xla_cost),
-the roofline (spmdtask.plan.roofline, chips.py's facts). MaxText's program hides its Pallas
+--mode=plan` in a subprocess (tools/compare_plans.py) under its experiment's own flags
+(`task.xla_flags`), as a user's plan and run get them. Both compiled programs are then read
+the same way, by spmdtask's planner (`planner.compiled_report`): memory_analysis,
+collectives per step (spmdtask.plan.hlo), XLA's FLOPs with loops counted per trip
+(spmdtask.plan.xla_cost), the roofline (spmdtask.plan.roofline, chips.py's facts) and the
+compiled schedule's step estimate (spmdtask.plan.overlap). MaxText's program hides its Pallas
 kernels' FLOPs from XLA as spmdtask's does; its roofline is charged spmdtask's traced kernel
 FLOPs for the same attention shapes, and the MFU bound of both divides the same model FLOPs
 (spmdtask's formula, 6·N·T + attention). `--out`/results.json holds every number (and
@@ -156,6 +157,11 @@ def quantities(report: dict) -> dict:
     out["step bound s"] = est["step_seconds_lower_bound"]
     out["bound by"] = est["bound"]
     out["MFU bound"] = est["mfu_upper_bound"] or None  # no model FLOPs: none
+  step = report.get("step_estimate")
+  if step:  # the compiled schedule's estimate (spmdtask.plan.overlap), both read alike
+    out["step estimate s"] = step["step_seconds"]
+    out["exposed comm s"] = step["exposed_seconds"]
+    out["MFU estimate"] = step["mfu_estimate"]
   return out
 
 
@@ -211,7 +217,9 @@ def main() -> None:
         mt_cfg = json.load(f)
     else:
       mt_cfg = maxtext_compile(cfg, args.maxtext_dir, args.maxtext_python, mt_out)
-    os.environ["LIBTPU_INIT_ARGS"] = mt_cfg["libtpu_init_args"]  # the same XLA flags
+    # spmdtask's side compiles under its experiment's own flags (task.xla_flags), as a
+    # user's plan and run do; MaxText's was compiled under MaxText's (config.json).
+    os.environ.pop("LIBTPU_INIT_ARGS", None)
     plan_json = compare_plans.plan_json(os.path.join(out, "spmdtask"), f"tpu:{cfg.topology}")
     if args.reuse and os.path.exists(plan_json):
       with open(plan_json) as f:

@@ -47,8 +47,8 @@ def lm_work(model, example) -> Work:
   else:
     n = active = active_params(shapes, model.moe.top_k, model.moe.num_experts)
   width = model.num_heads * model.head_dim
-  return Work(train_flops(n, model.num_layers, width, t, causal=True), t, active,
-              attention_flops(model.num_layers, width, t, causal=True))
+  return Work(train_flops(n, model.num_layers, width, t, causal=True), t, active_params=active,
+              attention_flops=attention_flops(model.num_layers, width, t, causal=True))
 
 
 def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:

@@ -111,8 +111,8 @@ class VisionTransformer(nn.Module):
   def work_per_example(self, example) -> Work:
     n = num_params(self.clone(execution=None), example)
     return Work(train_flops(n, self.num_layers, self.d_model, self.num_patches),
-                self.num_patches,
-                attention_flops(self.num_layers, self.d_model, self.num_patches, False))
+                self.num_patches, attention_flops=attention_flops(
+                    self.num_layers, self.d_model, self.num_patches, False))
 
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)

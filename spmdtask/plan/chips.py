@@ -8,7 +8,8 @@ Each figure is per chip, as its vendor's documentation states it (the source of 
 is named beside it). ICI (for a GPU: NVLink) is kept as the bidirectional figure the
 pages give; a chip receives at most half of it (`ici_ingress_bytes_per_s`), which is what
 bounds the time of the collectives it takes part in. DCN is the per-chip share of the
-hosts' network, where the documentation gives one. A GPU row also carries XLA's
+hosts' network, where the documentation gives one (for a GPU: its host's NIC for it, what
+collectives across hosts are charged at, `roofline.network_bytes`). A GPU row also carries XLA's
 description of the device (`gpu_target_config`, a GpuTargetConfigProto in text form),
 which is what XLA's GPU compiler needs to compile for it without one present.
 """
@@ -89,7 +90,9 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 GPUS = {c.name: c for c in (
     # NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100), SXM: BF16
     # 1979 TFLOPS with sparsity (989 dense), 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s
-    # (both ways); DGX H100: one 400 Gb/s ConnectX-7 InfiniBand port per GPU.
+    # (both ways). The hosts' network: a DGX H100 has 8 ConnectX-7 ports of 400 Gb/s (NDR
+    # InfiniBand), one per GPU (NVIDIA DGX H100 user guide, hardware overview): each GPU's
+    # share is its port, 50 GB/s one way, what a plan charges bytes between hosts at.
     Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 * GIB, 3350 * GB, 900 * GB, 400e9 / 8,
          "NVIDIA H100 datasheet (SXM); DGX H100 networking",
          gpu_target_config=_H100_SXM_TARGET),

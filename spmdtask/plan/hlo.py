@@ -6,17 +6,16 @@ all-reduce's reduced one, reduce-scatter's shard). Collectives inside a `while` 
 (a scanned layer stack, gradient accumulation) are counted once per trip, so the totals
 are per train step. A loop's trips come from its `known_trip_count` (XLA:CPU annotates
 it) or, where the backend leaves none (XLA:TPU), from its condition `i < N` and the
-constant start of `i`. XLA:TPU clones an async collective into its start / update / done
-fusions: clones of one collective share a `channel_id`, kind, shape and replica groups and
-run in one scheduled computation (the ENTRY, a loop body or a branch: the fusions'
-caller), and count once. The `channel_id` alone does not tell collectives apart: XLA:TPU
-reuses one for different ops, and a layer peeled out of a scanned loop keeps its loop
-copy's id (it runs in another computation, so it counts on its own).
+constant start of `i`. A collective counts once per scheduled instruction that performs
+it (names are unique in a module, `scheduled_collectives`; XLA:TPU reuses `channel_id`s):
+an async op's done and updates, XLA:TPU's continuation and done fusions continue its start.
 """
 import collections
 import dataclasses
 import math
 import re
+
+from spmdtask.plan import replica_groups as groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
          "collective-permute")  # ragged: dropless MoE's token exchange (its result: the
@@ -25,7 +24,7 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                 "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
-_HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
+HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
 # A shape (a tuple up to two deep, e.g. XLA:GPU's `((operands), results)`), then the op.
 _OP = re.compile(r"=\s*(\((?:[^()]|\([^()]*\))*\)|\S+)\s+(" + "|".join(KINDS) + r")(-start)?\(")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%([\w.\-]+)")
@@ -36,7 +35,7 @@ _SCHEDULED = re.compile(r"\b(?:body|condition|branch_computations|true_computati
 _WHILE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .* while\(%([\w.\-]+)\), condition=%([\w.\-]+), "
                     r"body=%([\w.\-]+)")
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
-_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_RUNS_INSIDE = re.compile(r"\b(?:calls|to_apply)=\{?%([\w.\-]+)")  # not a schedule of its own
 
 
 def shape_bytes(shape: str) -> int:
@@ -52,7 +51,7 @@ def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
   """(computation name -> its instruction lines, the ENTRY computation's name)."""
   comps, entry, current = {}, None, None
   for line in text.splitlines():
-    m = _HEADER.match(line)
+    m = HEADER.match(line)
     if m and not line.startswith(" "):
       current = m.group(2)
       comps[current] = []
@@ -157,27 +156,7 @@ class Collective:
   runs: int
   group_size: int
   dcn: bool = False
-
-
-def _replica_groups(line: str) -> str:
-  m = re.search(r"replica_groups=(\{\{[0-9,{}]*\}\}|\[[0-9,]+\]<=\[[0-9,]+\]\S*|"
-                r"mesh\[[^\]]*\] \{[^}]*\})", line)
-  return m.group(1) if m else ""
-
-
-def _group_size(line: str) -> int:
-  """Devices per replica group: explicit {{0,1},..}, iota [G,S]<=[N], or mesh[..] {axes}."""
-  m = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
-  if m:
-    return len(m.group(1).split(","))
-  m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
-  if m:
-    return int(m.group(1).split(",")[-1])
-  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
-  if m:
-    sizes = dict(re.findall(r"'([^']+)'=(\d+)", m.group(1)))
-    return math.prod(int(sizes.get(a, 1)) for a in re.findall(r"'([^']+)'", m.group(2)))
-  return 1
+  hosts: int = 1  # the most hosts one of its groups spans (GPUs: where `host_of` is given)
 
 
 # Across slices XLA:TPU hands a collective to the megascale runtime as a host-transfer
@@ -186,21 +165,115 @@ _DCN_SEND = re.compile(r"=\s*\((\S+?), .*\bsend\(.*xla_megascale_runtime.*"
                        r'_xla_host_transfer_rendezvous="([a-z\-]+?)(?:-start)?[.\d_"]')
 
 
-def _homes(comps: dict[str, list[str]], entry: str) -> dict[str, str]:
-  """Computation -> the scheduled computation it runs in: itself for the ENTRY, a loop's
-  body or condition and a conditional's branches; its caller's home for a fusion's, an
-  async op's or a reduction's computation."""
-  home = {entry: entry}
-  order = [entry]
-  for name in order:
-    for line in comps.get(name, ()):
-      scheduled = {c.lstrip("%") for group in _SCHEDULED.findall(line)
-                   for c in group.split(", ")}
-      for called in _CALLED.findall(line) + sorted(scheduled):
-        if called not in home:
-          home[called] = called if called in scheduled else home[name]
-          order.append(called)
-  return home
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One instruction of a computation: its name (unique in the module), result shape, op,
+  operand names and the computations that run inside it (a fusion's, an async op's, a
+  reduction's; not a loop's or branch's, which are scheduled of their own); `line` is its
+  whole text."""
+  name: str
+  shape: str
+  op: str
+  operands: tuple[str, ...]
+  called: tuple[str, ...]
+  line: str
+
+
+def runs_inside(line: str) -> list[str]:
+  """The computations that run inside an instruction line (`Instruction.called`)."""
+  return _RUNS_INSIDE.findall(line)
+
+
+def _closing(text: str, start: int) -> int:
+  """The index just past the bracket group opening at text[start]."""
+  depth = 0
+  for i in range(start, len(text)):
+    depth += (text[i] in "([{") - (text[i] in ")]}")
+    if depth == 0:
+      return i + 1
+  return len(text)
+
+
+def instructions(lines: list[str]) -> list[Instruction]:
+  """A computation's instruction lines (`computations`) parsed, in their (scheduled) order."""
+  out = []
+  for line in lines:
+    m = _DEF.match(line)
+    if not m:
+      continue
+    rhs = m.group(2)
+    shape_end = _closing(rhs, 0) if rhs.startswith("(") else rhs.find(" ")
+    op = re.match(r"\s*([\w\-]+)\(", rhs[shape_end:])
+    if not op:
+      continue
+    args_at = shape_end + op.end() - 1
+    args = rhs[args_at:_closing(rhs, args_at)]
+    out.append(Instruction(m.group(1), rhs[:shape_end], op.group(1),
+                           tuple(re.findall(r"%([\w.\-]+)", args)),
+                           tuple(_RUNS_INSIDE.findall(line)), line))
+  return out
+
+
+def scheduled(text: str) -> list[str]:
+  """The computations that run as a schedule of their own: the ENTRY, loop bodies and
+  conditions, a conditional's branches (a fusion's or an async op's computation runs
+  inside its caller's instruction)."""
+  comps, entry = computations(text)
+  names = [entry] if entry else []
+  for lines in comps.values():
+    for line in lines:
+      for group in _SCHEDULED.findall(line):
+        names += [c.lstrip("%") for c in group.split(", ") if c.strip("%, ")]
+  return list(dict.fromkeys(n for n in names if n in comps))
+
+
+_ASYNC_TAIL = re.compile(r"-(done|update)$")
+
+
+def async_origins(instrs: list[Instruction], comps: dict[str, list[str]]) -> dict[str, str]:
+  """Instruction -> the async start it continues, in one scheduled computation: an
+  `X-start` or `async-start` is its own origin; an `X-done` / `X-update`, a tuple element
+  of one, and XLA:TPU's continuation and done fusions (computations holding the same
+  collective, fed by the start's outputs) carry the origin of the operand they continue.
+  A start is an op ending in -start or XLA:TPU's fusion whose computation ends in the
+  `AsyncCollectiveStart` custom call."""
+  origin: dict[str, str] = {}
+  for ins in instrs:
+    if is_async_start(ins, comps):
+      origin[ins.name] = ins.name
+      continue
+    fed = next((origin[o] for o in ins.operands if o in origin), None)
+    if fed is not None and (ins.op == "get-tuple-element" or _ASYNC_TAIL.search(ins.op)
+                            or (ins.op == "fusion" and inner_collectives(ins, comps))):
+      origin[ins.name] = fed
+  return origin
+
+
+def _wraps(ins: Instruction, comps, target: str) -> bool:
+  return ins.op == "fusion" and any(f'custom_call_target="{target}"' in l
+                                    for c in ins.called for l in comps.get(c, ()))
+
+
+def is_async_start(ins: Instruction, comps) -> bool:
+  """An `X-start`, `async-start`, or XLA:TPU's start fusion (`AsyncCollectiveStart`)."""
+  return ins.op.endswith("-start") or _wraps(ins, comps, "AsyncCollectiveStart")
+
+
+def is_async_done(ins: Instruction, comps) -> bool:
+  """An `X-done`, `async-done`, or XLA:TPU's done fusion (`AsyncCollectiveDone`)."""
+  return ins.op.endswith("-done") or _wraps(ins, comps, "AsyncCollectiveDone")
+
+
+def inner_collectives(ins: Instruction, comps, depth: int = 4) -> list[str]:
+  """The collective lines inside the computations `ins` calls (fusions nest)."""
+  out = []
+  for c in ins.called:
+    for inner in instructions(comps.get(c, [])):
+      if _OP.search(_LAYOUT.sub("", inner.line)):
+        out.append(inner.line)
+      elif depth and inner.called:
+        out += inner_collectives(inner, comps, depth - 1)
+  return out
 
 
 _LAYOUT = re.compile(r"\{[^{}]*\}")  # a layout, e.g. {2,1,0:T(8,128)(2,1)S(1)}
@@ -228,30 +301,63 @@ def result_shape(shape: str, kind: str, start: bool) -> str:
   return parts[1] if len(parts) > 1 else shape
 
 
-def collective_ops(text: str, num_slices: int = 1) -> list[Collective]:
-  """Every collective of the per-device program, counted per step (see module doc)."""
-  comps, entry = computations(text)
-  if entry is None:
-    return []
-  mult, home = multipliers(text), _homes(comps, entry)
-  ops: dict[tuple, Collective] = {}
-  for name, lines in comps.items():
+def collective_result(line: str) -> tuple[str, str] | None:
+  """(kind, result shape without layouts) of the collective an HLO line performs, or None."""
+  m = _OP.search(_LAYOUT.sub("", line))
+  return (m.group(2), result_shape(m.group(1), m.group(2), bool(m.group(3)))) if m else None
+
+
+def branches(line: str) -> list[str]:
+  """The computations a `conditional` line may run."""
+  return [c.strip("%, ") for g in _SCHEDULED.findall(line) for c in g.split(", ")
+          if c.strip("%, ")]
+
+
+def _collective(line: str, num_slices: int, runs: int, host_of=None) -> Collective | None:
+  """The collective one HLO line performs (a bare or -start op, or a send across slices)."""
+  m, dcn = _OP.search(_LAYOUT.sub("", line)), _DCN_SEND.search(line)
+  if dcn:
+    return Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
+  if m:
+    shape = result_shape(m.group(1), m.group(2), bool(m.group(3)))
+    return Collective(m.group(2), shape_bytes(shape), runs, groups.group_size(line),
+                      hosts=groups.hosts_spanned(line, host_of))
+  return None
+
+
+def scheduled_collectives(text: str, num_slices: int = 1,
+                          host_of: tuple[int, ...] | None = None
+                          ) -> dict[str, list[Collective]]:
+  """Per instruction of a scheduled computation that performs collectives (a bare
+  collective, an async start, a fusion that holds one), named by that instruction: its
+  collectives, each with the runs per step of its computation. An async op's done,
+  update and XLA:TPU continuation fusions hold clones of its start's collective and are
+  not counted again (`async_origins`). `host_of`: the host of each logical device (GPUs),
+  for the hosts each collective spans."""
+  comps, _ = computations(text)
+  mult = multipliers(text)
+  out: dict[str, list[Collective]] = {}
+  for name in scheduled(text):
     if not mult.get(name, 0):
       continue
-    for line in lines:
-      m, dcn = _OP.search(_LAYOUT.sub("", line)), _DCN_SEND.search(line)
-      if not (m or dcn):
+    instrs = instructions(comps[name])
+    origin = async_origins(instrs, comps)
+    for ins in instrs:
+      if origin.get(ins.name, ins.name) != ins.name:
         continue
-      channel = _CHANNEL.search(line)
-      what = ((dcn.group(2), dcn.group(1)) if dcn else
-              (m.group(2), result_shape(m.group(1), m.group(2), bool(m.group(3)))))
-      key = ((home.get(name, name), channel.group(1), bool(dcn), what[0],
-              _LAYOUT.sub("", what[1]), _replica_groups(line)) if channel else (name, line))
-      runs = max(mult[name], ops[key].runs if key in ops else 0)
-      ops[key] = (Collective(dcn.group(2), shape_bytes(dcn.group(1)), runs, num_slices, True)
-                  if dcn else
-                  Collective(m.group(2), shape_bytes(what[1]), runs, _group_size(line)))
-  return list(ops.values())
+      lines = [ins.line] if _collective(ins.line, num_slices, 1) else inner_collectives(
+          ins, comps)
+      ops = [c for c in (_collective(l, num_slices, mult[name], host_of) for l in lines) if c]
+      if ops:
+        out[ins.name] = ops
+  return out
+
+
+def collective_ops(text: str, num_slices: int = 1,
+                   host_of: tuple[int, ...] | None = None) -> list[Collective]:
+  """Every collective of the per-device program, counted per step (see module doc)."""
+  return [op for ops in scheduled_collectives(text, num_slices, host_of).values()
+          for op in ops]
 
 
 _KERNELS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__cudnn$fmha')

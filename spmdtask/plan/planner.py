@@ -36,8 +36,8 @@ import tempfile
 import jax
 
 from spmdtask import console, fs
-from spmdtask.plan import (buffers, hlo, oom, printout, remat_cost, roofline, stage_roofline,
-                           targets, xla_cost)
+from spmdtask.plan import (buffers, hlo, oom, overlap, owners, printout, remat_cost, roofline,
+                           stage_roofline, targets, xla_cost)
 from spmdtask.core import memory, sharding
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
@@ -138,19 +138,6 @@ def compiled_memory(compiled) -> dict[str, int]:
   return out
 
 
-def _owner(shape: tuple[int, ...], rows: list[memory.ArrayRow], batch_shape) -> str:
-  """A param of this shape, else an activation described by its leading batch dims."""
-  names = [r.path for r in rows if r.kind == "params" and shape in (r.logical_shape,
-                                                                     r.padded_shape)]
-  if names:
-    return "param " + ", ".join(names[:3])
-  if len(shape) >= 2 and tuple(shape[:2]) == tuple(batch_shape[:2]):
-    return f"an activation [batch {shape[0]}, seq {shape[1]}, ...] {list(shape)}"
-  if shape and shape[0] == batch_shape[0]:
-    return f"an activation [batch {shape[0]}, ...] {list(shape)}"
-  return f"a tensor {list(shape)}"
-
-
 def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: list[dict],
              batch_shape) -> list[str]:
   """Human-readable warnings, each naming the array it concerns."""
@@ -172,7 +159,7 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
                  f"(+{100 * pad / r.bytes_total:.0f}%, and so is its optimizer state): pick "
                  "dims divisible by their mesh axes.")
   for w in remats:
-    owner = _owner(hlo.dims(w["shape"]), rows, batch_shape)
+    owner = owners.owner(hlo.dims(w["shape"]), rows, batch_shape)
     out.append(f"XLA involuntary full rematerialization of {owner} (HLO %{w['op']} "
                f"{w['shape']}): it cannot reshard {w['from']} -> {w['to']} without replicating "
                "it; align the split-dims mappings of the arrays around it.")
@@ -206,7 +193,9 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
                  "collectives are not listed.")
   if text is not None:
     step = xla_cost.per_step(text)
-    ops = hlo.collective_ops(text, target.num_slices)
+    hosts = (target.hosts_of(jax.tree.leaves(compiled.input_shardings)[0].mesh.devices.flat)
+             if target.platform == "gpu" else None)
+    ops = hlo.collective_ops(text, target.num_slices, hosts)
     kernels = hlo.kernel_calls(text)
     if kernels and kernel_flops is None:
       notes.append(f"{kernels} fused kernel call(s) (Pallas, e.g. splash; cuDNN attention): "
@@ -246,9 +235,13 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
     flops = step["flops"]
     if any("Pallas kernel" in w for w in notes):
       flops = max(flops, model_flops / n)
-    report["estimate"] = roofline.estimate(
+    report["estimate"] = est = roofline.estimate(
         target.chip, flops, step["bytes accessed"], traffic["ici"], traffic["dcn"],
         model_flops / n, tokens, remat_cost.host_transfer_bytes(compiled.memory_analysis()))
+    if text is not None:  # the schedule's estimate: what the compute hides (plan.overlap)
+      report["step_estimate"] = overlap.estimate(
+          text, target.chip, flops, step["bytes accessed"], kernel_flops or 0.0,
+          target.num_slices, est["step_seconds_lower_bound"], model_flops / n, hosts)
   return report
 
 
@@ -291,16 +284,20 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     report = compiled_report(compiled, target, n, model_flops, tokens,
                              remat and remat["kernel_flops_per_device"])
   if programs:  # MPMD: the step costs what every stage's programs do (plan.stage_roofline)
-    costs = [stage_roofline.measure(lw, c, target.num_slices) for lw, c in pairs]
+    costs = [stage_roofline.measure(lw, c, target.num_slices, target.chip,
+                                    target.hosts_of(lw.mesh.devices.flat)) for lw, c in pairs]
     step, stage_plans = stage_roofline.step_report(costs, program.stage_report(pairs),
                                                    target.chip, model_flops, tokens, n)
     report.update(step)
   if "flops_per_step" in report:  # how much of the model's work is attention
     report["flops_per_step"]["model_attention"] = (float(program.work.attention_flops)
                                                    * batch_shape[0])
+  for row in report.get("step_estimate", {}).get("top_exposed", []):
+    row["what"] = owners.owner(hlo.dims(row["shape"]), rows, batch_shape)
   if remat is not None:
     report["remat"] = remat
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
+          "xla_flags": task.xla_flags or {},
           "batch_shape": list(batch_shape),
           "batch_shards": sharding.shards(task.batch_axes() or None, mesh_shape),
           "num_microbatches": task.train.num_microbatches,

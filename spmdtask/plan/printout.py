@@ -16,7 +16,23 @@ def format_estimate(plan: dict) -> list[str]:
       f"roofline per step: {terms}; bound by {est['bound']}: step >= "
       f"{console.human_seconds(est['step_seconds_lower_bound'])}, tokens/s <= "
       f"{console.human_count(est['tokens_per_second_upper_bound'])}, MFU <= "
-      f"{100 * est['mfu_upper_bound']:.1f}%"]
+      f"{100 * est['mfu_upper_bound']:.1f}%"] + (
+          [] if "stage" in est else step_line(plan.get("step_estimate"), est))
+
+
+def step_line(step: dict | None, roof: dict) -> list[str]:
+  """The schedule's estimate (`plan.overlap`) beside the roofline `roof`: one line."""
+  if not step:
+    return []
+  secs = console.human_seconds
+  mfu = (f"; MFU ~ {100 * step['mfu_estimate']:.1f}% (ceiling "
+         f"{100 * roof['mfu_upper_bound']:.1f}%)" if step.get("mfu_estimate") else "")
+  where = (f"stage {step['stage']}'s programs' compiled schedules (the bubble not in it)"
+           if "stage" in step else "the compiled schedule")
+  return [f"step ~ {secs(step['step_seconds'])} from {where}: compute "
+          f"{secs(step['compute_seconds'])}, HBM-bound {secs(step['hbm_seconds'])}, exposed "
+          f"communication {secs(step['exposed_seconds'])} ({step['exposed_fraction']:.0%} of the "
+          f"collectives' {secs(step['collective_seconds'])}){mfu}"]
 
 
 def format_stage_estimates(plan: dict) -> list[str]:
@@ -31,6 +47,7 @@ def format_stage_estimates(plan: dict) -> list[str]:
     terms = ", ".join(f"{k} {secs(v)}" for k, v in st["seconds"].items())
     lines.append(f"stage {st['stage']} busy per step: {terms}; busy {secs(st['busy_seconds'])}"
                  f" (bound by {st['bound']}); bubble {st['bubble']:.1%}")
+  lines += step_line(plan.get("step_estimate"), est)
   with_bubble = est["step_seconds_with_bubble_estimate"]
   lines.append(f"with the schedule's bubble (the simulator's estimate with equal F/B/W costs, "
                f"not a bound): step ~ {secs(with_bubble)}, MFU ~ "

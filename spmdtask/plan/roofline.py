@@ -5,7 +5,9 @@ Each per-chip resource gives a time the step cannot beat:
   hbm      XLA's HBM bytes accessed per chip per step / the HBM bandwidth;
   ici      bytes a chip receives in the collectives within its slice / its ICI ingress
            bandwidth (half the documented bidirectional figure);
-  dcn      the same for collectives that cross slices / its share of the DCN;
+  dcn      the same for collectives that cross slices / its share of the DCN; on GPUs,
+           the bytes of collectives whose groups span hosts that must cross the hosts'
+           network (`network_bytes`) / its share of it (its NIC);
   host_link  bytes of offloaded activations (remat `*_offloaded` presets) moved between
            HBM and host memory / the chip's host link (PCIe) bandwidth;
   transfers  (MPMD stages) bytes a chip sends to another stage's chips / its one-way ICI
@@ -34,12 +36,43 @@ def received_bytes(kind: str, result_bytes: float, group_size: int) -> float:
   return result_bytes * (n - 1) / n  # all-gather, (ragged) all-to-all
 
 
+def network_bytes(op) -> float:
+  """Bytes of one run of a collective whose groups span `op.hosts` hosts (GPUs) that one
+  GPU's NIC must carry at least: each host as one member of the collective over the
+  hosts, its part spread over its GPUs' NICs (m GPUs of the group per host): an
+  all-gather's host receives the (H-1)/H of the result held elsewhere, a reduce-scatter's
+  the other hosts' partial sums of its m shards, an all-reduce both; a permute its whole
+  result. 0 within one host."""
+  h = op.hosts
+  if h <= 1:
+    return 0.0
+  if op.kind == "collective-permute":
+    return float(op.bytes)
+  m = max(1, op.group_size // h)
+  scale = m if op.kind in ("reduce-scatter", "all-to-all") else 1
+  return received_bytes(op.kind, op.bytes * scale, h) / m
+
+
+def link_seconds(op, chip: Chip) -> float:
+  """Seconds one run of a collective (`hlo.Collective`) holds the chip's links: the bytes it
+  receives over its ICI (NVLink) ingress or, across slices, its DCN share; a GPU
+  collective across hosts the longer of that and its `network_bytes` over its NIC (0 for
+  a rate the chip's facts lack: `estimate` notes it)."""
+  rate = chip.dcn_bytes_per_s if op.dcn else chip.ici_ingress_bytes_per_s
+  link = received_bytes(op.kind, op.bytes, op.group_size) / rate if rate else 0.0
+  net = network_bytes(op) / chip.dcn_bytes_per_s if chip.dcn_bytes_per_s else 0.0
+  return max(link, net)
+
+
 def collective_traffic(ops) -> dict[str, float]:
   """Bytes one device receives per run of a program in its collectives (`hlo.Collective`s,
-  each run `runs` times): within its slice (ICI) and across slices (DCN)."""
+  each run `runs` times): within its slice (ICI) and across slices (DCN); on GPUs the
+  bytes its NIC carries for collectives across hosts count as DCN too (`network_bytes`),
+  beside all their bytes on NVLink."""
   out = {"ici": 0.0, "dcn": 0.0}
   for op in ops:
     out["dcn" if op.dcn else "ici"] += op.runs * received_bytes(op.kind, op.bytes, op.group_size)
+    out["dcn"] += op.runs * network_bytes(op)
   return out
 
 

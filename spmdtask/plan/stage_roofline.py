@@ -21,7 +21,7 @@ import dataclasses
 
 import jax
 
-from spmdtask.plan import hlo, remat_cost, roofline, xla_cost
+from spmdtask.plan import hlo, overlap, remat_cost, roofline, xla_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +41,16 @@ class ProgramCost:
   host_bytes: float = 0.0
   collectives: dict = dataclasses.field(default_factory=dict)  # hlo.collectives of one call
   note: str | None = None  # what could not be read from the compiled program
+  schedule: dict | None = None  # overlap.estimate of one call (with a chip's facts)
 
 
-def measure(lowering, compiled, num_slices: int = 1) -> ProgramCost:
+def measure(lowering, compiled, num_slices: int = 1, chip=None,
+            host_of: tuple[int, ...] | None = None) -> ProgramCost:
   """`ProgramCost` of a compiled `layouts.Lowering`. Its Pallas kernels' FLOPs are traced
   (from the lowering's fn and args) where the compiled program calls kernels XLA cannot
-  see into (XLA:TPU's custom calls; interpret-mode kernels are XLA ops it counts)."""
+  see into (XLA:TPU's custom calls; interpret-mode kernels are XLA ops it counts). With
+  a `chip`, its schedule's estimate of one call too (`overlap.estimate`); `host_of`: the
+  host of each device of its submesh (GPUs: collectives across hosts)."""
   n, note = lowering.mesh.devices.size, None
   once = compiled.cost_analysis()
   once = (once[0] if isinstance(once, list) else once) or {}
@@ -60,15 +64,22 @@ def measure(lowering, compiled, num_slices: int = 1) -> ProgramCost:
   if text is None:
     step, ops, kernels = {k: float(once.get(k, 0.0)) for k in xla_cost.KEYS}, [], 0.0
   else:
-    step, ops = xla_cost.per_step(text), hlo.collective_ops(text, num_slices)
+    step, ops = xla_cost.per_step(text), hlo.collective_ops(text, num_slices, host_of)
     kernels = (remat_cost.step_flops(lowering)[1] / n
                if hlo.kernel_calls(text) and lowering.fn is not None else 0.0)
   traffic = roofline.collective_traffic(ops)
+  host = remat_cost.host_transfer_bytes(compiled.memory_analysis())
+  schedule = None
+  if chip is not None and text is not None:
+    bound = roofline.estimate(chip, step["flops"] + kernels, step["bytes accessed"],
+                              traffic["ici"], traffic["dcn"], 0.0, 1.0, host)
+    schedule = overlap.estimate(text, chip, step["flops"] + kernels, step["bytes accessed"],
+                                kernels, num_slices, bound["step_seconds_lower_bound"],
+                                host_of=host_of)
   return ProgramCost(
       lowering.name, lowering.stage, n, lowering.calls_per_step, step["flops"] + kernels,
       kernels, float(once.get("flops", 0.0)), step["bytes accessed"], traffic["ici"],
-      traffic["dcn"], remat_cost.host_transfer_bytes(compiled.memory_analysis()),
-      hlo.by_kind(ops), note)
+      traffic["dcn"], host, hlo.by_kind(ops), note, schedule)
 
 
 def stage_sums(costs: list[ProgramCost], num_stages: int) -> list[dict]:
@@ -167,7 +178,39 @@ def step_report(costs: list[ProgramCost], stage_rows: list[dict], chip, model_fl
       "warnings": [c.note for c in costs if c.note] + _kernel_notes(costs)}
   if estimate is not None:
     out["estimate"] = estimate
+    if all(c.schedule for c in costs):
+      out["step_estimate"] = schedule_estimate(costs, len(rows), chip, model_flops / num_devices)
   return out, rows
+
+
+_SUMMED = ("step_seconds", "compute_seconds", "hbm_seconds", "exposed_seconds",
+           "collective_seconds")
+
+
+def schedule_estimate(costs: list[ProgramCost], num_stages: int, chip,
+                      model_flops_per_device: float) -> dict:
+  """The schedules' estimate of an MPMD step (`overlap.estimate` of each program, times its
+  calls, summed per stage): the busiest stage's, `stage` naming it, with its programs' most
+  exposed collectives. Stages wait on each other too: the bubble is not in it. Pure."""
+  per_stage = []
+  for s in range(num_stages):
+    mine = [c for c in costs if c.stage == s]
+    row = {k: sum(c.schedule[k] * c.calls_per_step for c in mine) for k in _SUMMED}
+    row["top_exposed"] = sorted(
+        ({**r, "program": c.name, "runs": r["runs"] * c.calls_per_step,
+          "exposed_seconds_per_step": r["exposed_seconds_per_step"] * c.calls_per_step,
+          "link_seconds_per_step": r["link_seconds_per_step"] * c.calls_per_step}
+         for c in mine for r in c.schedule["top_exposed"]),
+        key=lambda r: -r["exposed_seconds_per_step"])[:overlap.TOP]
+    per_stage.append(row)
+  s = max(range(num_stages), key=lambda i: per_stage[i]["step_seconds"])
+  out = {**per_stage[s], "stage": s}
+  out["exposed_fraction"] = (out["exposed_seconds"] / out["collective_seconds"]
+                             if out["collective_seconds"] else 0.0)
+  out["mfu_estimate"] = (model_flops_per_device / (out["step_seconds"]
+                                                   * chip.peak_bf16_flops_per_s)
+                         if out["step_seconds"] else None)
+  return out
 
 
 def _kernel_notes(costs: list[ProgramCost]) -> list[str]:

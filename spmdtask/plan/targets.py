@@ -45,6 +45,11 @@ class Target:
             "device_kind": self.devices[0].device_kind,
             "chip": None if self.chip is None else self.chip.as_json()}
 
+  def hosts_of(self, devices) -> tuple[int, ...] | None:
+    """GPUs: the host of each of `devices` (a program's device assignment, in order), for
+    its collectives across hosts; None elsewhere (a TPU slice's chips all share ICI)."""
+    return tuple(d.process_index for d in devices) if self.platform == "gpu" else None
+
   def describe(self) -> str:
     if self.topology is None:
       return f"{len(self.devices)} {self.platform} devices"
@@ -128,7 +133,8 @@ def gpu(name: str) -> Target:
   """Compile-only GPUs: `model:[hosts x]gpus_per_host` (e.g. 'h100:8'), compiled by XLA:GPU
   from XLA's description of the device (no GPU, driver or CUDA library needed).
 
-  Collectives between hosts are counted at NVLink speed: the bound stays a lower bound.
+  Collectives whose groups span hosts are charged at the hosts' network rate too
+  (`Target.hosts_of`, `roofline.network_bytes`).
   """
   m = _GPU_TOPOLOGY.match(name)
   models = [c.name for c in chips.GPUS.values() if c.gpu_target_config]  # XLA can compile for

@@ -10,6 +10,8 @@ each loop body taken as the entry of the same module; a step then costs
 where runs() are the trip products of `hlo.multipliers` and once(B) already holds B's
 nested loops once: every computation ends up weighted by how often it runs.
 """
+import re
+
 import jax
 from jax._src.lib import _jax  # XLA's HloCostAnalysis binding (no public API yet)
 from jaxlib import _hlo
@@ -54,3 +56,50 @@ def per_step(text: str) -> dict:
         total[k] += extra * body[k]
   total["loops"] = [{"body": l.body, "trips": l.trips} for l in loops]
   return total
+
+
+_MATMUL = re.compile(r" (?:convolution|dot)\(")
+_METADATA = re.compile(r", metadata=\{[^}]*\}")  # its stack frame ids point into the module
+
+
+def _blocks(text: str) -> dict[str, str]:
+  """Computation name -> its text (header to closing brace), ENTRY's prefix dropped."""
+  out, current = {}, None
+  for line in text.splitlines():
+    m = hlo.HEADER.match(line)
+    if m and not line.startswith(" "):
+      current = m.group(2)
+      out[current] = [line.removeprefix("ENTRY ")]
+    elif current is not None:
+      out[current].append(line)
+      if line.strip() == "}":
+        current = None
+  return {k: _METADATA.sub("", "\n".join(v)) for k, v in out.items()}
+
+
+def fused_flops(text: str) -> dict[str, float]:
+  """FLOPs of one run of each computation of the module that holds a dot or convolution
+  (a fusion's, an async op's): XLA's HloCostAnalysis of it as the ENTRY of a module of its
+  own, with the computations that run inside it. XLA counts what the shapes alone do not
+  tell: a dilated or padded convolution's real taps."""
+  client = jax.devices("cpu")[0].client
+  comps, _ = hlo.computations(text)
+  blocks, out = _blocks(text), {}
+
+  def inside(name, acc):
+    for line in comps.get(name, ()):
+      for c in hlo.runs_inside(line):
+        if c not in acc:
+          inside(c, acc)
+          acc.append(c)
+    return acc
+
+  for name, lines in comps.items():
+    if any(_MATMUL.search(l) for l in lines):
+      module = "\n\n".join(["HloModule fused"] + [blocks[c] for c in inside(name, [])]
+                            + ["ENTRY " + blocks[name]])
+      try:
+        out[name] = _once(client, module)["flops"]
+      except jax.errors.JaxRuntimeError:
+        continue  # a form jaxlib cannot read back alone: the caller counts shapes instead
+  return out

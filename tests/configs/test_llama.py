@@ -138,3 +138,15 @@ def test_data_dir_switches_every_input_to_the_prepared_corpus(tmp_path):
   batch = train.batch_at(0)
   assert batch["inputs"].shape == (4, 64) and "segment_ids" in batch
   assert prompts.tokenizer.decode(prompts.batch_at(0)["prompts"][0][:9]) == "document "
+
+
+def test_tuned_experiments_carry_the_libtpu_flags_of_their_numbers():
+  from spmdtask import task as task_lib  # pylint: disable=g-import-not-at-top
+  flags = {name: registry.get(f"llama.{name}")().task().xla_flags
+           for name in ("Llama3_8B", *SAME_MODEL)}
+  for by_kind in flags.values():
+    task_lib.check_xla_flags(by_kind)
+  assert flags["Llama3_8B"] is None  # MaxText's v5e compile it is compared with sets none
+  assert "--xla_tpu_scoped_vmem_limit_kib=98304" in flags["Llama31_8B_V6e256"]["tpu"].split()
+  assert "--xla_tpu_enable_data_parallel_all_reduce_opt=true" in (
+      flags["Llama2_70B_V5p512"]["tpu"].split())

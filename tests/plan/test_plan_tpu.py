@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.core import program as program_lib
-from spmdtask.plan import chips, flops, hlo, planner, stage_roofline, targets, xla_cost
+from spmdtask.plan import (chips, flops, hlo, planner, printout, stage_roofline, targets,
+                           xla_cost)
 from spmdtask.errors import ConfigError, PlanExceeded
 from tests import subproc, util
 
@@ -58,6 +59,14 @@ def test_tinylm_on_v5e_2x2(tinylm_v5e):
   assert model <= got["flops_per_step"]["xla"] <= 1.5 * model
   assert got["flops_per_step"]["xla_loop_bodies_once"] < model
   assert [l["trips"] for l in got["loops"]].count(4) >= 2  # forward and backward scans
+  # The schedule's estimate (plan.overlap) sits on the roofline, its line beside it.
+  step = got["step_estimate"]
+  assert step["step_seconds"] >= est["step_seconds_lower_bound"]
+  assert math.isclose(step["collective_seconds"], secs["ici"])
+  assert 0 < step["exposed_seconds"] <= step["collective_seconds"]
+  assert all(r["what"] and r["where"] for r in step["top_exposed"])
+  assert any(l.startswith("step ~ ") and "exposed communication" in l
+             for l in printout.format_plan(got))
 
 
 def _stack(unroll):
@@ -113,6 +122,11 @@ def test_mpmd_plan_on_v5e_compiles_every_stage_program(tmp_path):
   assert programs["stage 1 gradient reduction"]["compiled"]["peak_estimate_bytes"] > 0
   stages, f, est = got["stage_plans"], got["flops_per_step"], got["estimate"]
   assert [st["stage"] for st in stages] == [0, 1]
+  # Every stage program's schedule walked; the busiest stage's sum is at least its roofline.
+  sched = got["step_estimate"]
+  assert sched["step_seconds"] >= stages[sched["stage"]]["busy_seconds"] * (1 - 1e-9)
+  assert sched["step_seconds"] == pytest.approx(
+      sched["compute_seconds"] + sched["hbm_seconds"] + sched["exposed_seconds"], rel=1e-9)
   assert all(st["flops_per_step"] > 0 for st in stages)
   # The step's bound: the busiest stage's busy time; the MFU ceiling over all 8 chips.
   assert sum(st["flops_per_step"] for st in stages) == pytest.approx(f["xla"], rel=1e-12)

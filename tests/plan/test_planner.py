@@ -4,7 +4,7 @@ import json
 import jax
 import numpy as np
 
-from spmdtask.plan import chips, hlo, oom, planner, printout
+from spmdtask.plan import chips, hlo, oom, planner, printout, roofline
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -84,31 +84,54 @@ def test_collectives_count_loop_bodies_per_trip():
 
 
 # XLA:TPU's forms: a loop body whose all-reduce (channel 5) also runs once in a layer peeled
-# out of the loop (same id, in ENTRY), an async all-gather cloned into its start and done
-# fusions (one op, channel 7), and channel 3 reused in ENTRY by two different all-reduces.
+# out of the loop (same id, in ENTRY), two same-shape all-reduces sharing channel 9 in the body
+# (two ops: XLA:TPU gave Mixtral's expert gradients such pairs), an async all-gather cloned
+# into its start, continuation (with a matmul fused in) and done fusions (one op, channel 7),
+# and channel 3 reused in ENTRY by two different all-reduces.
 TPU_HLO = """HloModule m
 
 %add (x: f32[], y: f32[]) -> f32[] {
   ROOT %s = f32[] add(f32[] %x, f32[] %y)
 }
 
-%ag_start (p0: bf16[1,128,512]) -> (bf16[1,128,512], bf16[1,512,512]) {
+%ag_start (p0: bf16[1,128,512]) -> (bf16[1,128,512], bf16[1,512,512], u32[]) {
   %all-gather.1 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)S(1)} all-gather(%p0), channel_id=7, """ \
   """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
-  ROOT %t = (bf16[1,128,512], bf16[1,512,512]) tuple(%p0, %all-gather.1)
+  ROOT %cc = (bf16[1,128,512], bf16[1,512,512], u32[]) custom-call(%all-gather.1), """ \
+  """custom_call_target="AsyncCollectiveStart"
 }
 
-%ag_done (p1: bf16[1,128,512]) -> bf16[1,512,512] {
-  ROOT %all-gather.2 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)} all-gather(%p1), channel_id=7, """ \
+%ag_more (p0: bf16[1,128,512], p1: bf16[1,512,512], p2: u32[], x: bf16[64,512]) -> """ \
+  """(bf16[64,64], bf16[1,128,512], bf16[1,512,512], u32[]) {
+  %dot.1 = bf16[64,64]{1,0} convolution(%x, %x), dim_labels=bf_oi->bf
+  %all-gather.3 = bf16[1,512,512]{2,1,0} all-gather(%p0), channel_id=7, """ \
   """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
+  ROOT %t = (bf16[64,64], bf16[1,128,512], bf16[1,512,512], u32[]) tuple(%dot.1, %p0, """ \
+  """%all-gather.3, %p2)
+}
+
+%ag_done (p1: bf16[1,128,512], p2: bf16[1,512,512]) -> bf16[1,512,512] {
+  %all-gather.2 = bf16[1,512,512]{2,1,0:T(8,128)(2,1)} all-gather(%p1), channel_id=7, """ \
+  """replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, dimensions={1}
+  ROOT %cc = bf16[1,512,512]{2,1,0} custom-call(%p1, %p2, %all-gather.2), """ \
+  """custom_call_target="AsyncCollectiveDone"
 }
 
 %body (p: (s32[], f32[1024])) -> (s32[], f32[1024]) {
   %g = f32[1024]{0} get-tuple-element(%p), index=1
   %ar.5 = f32[1024]{0} all-reduce(%g), channel_id=5, replica_groups={{0,1,2,3}}, to_apply=%add
-  %async-collective-start = (bf16[1,128,512], bf16[1,512,512]) fusion(%w), kind=kCustom, """ \
-  """calls=%ag_start
-  %async-collective-done = bf16[1,512,512]{2,1,0} fusion(%w), kind=kCustom, calls=%ag_done
+  %psum.27 = f32[1024]{0} all-reduce(%g), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%add
+  %psum.28 = f32[1024]{0} all-reduce(%g), channel_id=9, replica_groups={{0,1,2,3}}, to_apply=%add
+  %async-collective-start = (bf16[1,128,512], bf16[1,512,512], u32[]) fusion(%w), """ \
+  """kind=kCustom, calls=%ag_start
+  %s0 = bf16[1,128,512] get-tuple-element(%async-collective-start), index=0
+  %s1 = bf16[1,512,512] get-tuple-element(%async-collective-start), index=1
+  %s2 = u32[] get-tuple-element(%async-collective-start), index=2
+  %more = (bf16[64,64], bf16[1,128,512], bf16[1,512,512], u32[]) fusion(%s0, %s1, %s2, %x), """ \
+  """kind=kCustom, calls=%ag_more
+  %m1 = bf16[1,128,512] get-tuple-element(%more), index=1
+  %m2 = bf16[1,512,512] get-tuple-element(%more), index=2
+  %async-collective-done = bf16[1,512,512]{2,1,0} fusion(%m1, %m2), kind=kCustom, calls=%ag_done
 }
 
 %cond (p: (s32[], f32[1024])) -> pred[] {
@@ -128,12 +151,15 @@ ENTRY %main (a: f32[1024]) -> f32[1024] {
 """
 
 
-def test_collectives_are_told_apart_by_more_than_their_channel_id():
-  # 7 trips (i from 1 to 8) of the body's all-reduce and all-gather; the peeled layer's
+def test_collectives_are_counted_by_instruction():
+  # 7 trips (i from 1 to 8) of the body's three all-reduces (the two channel-9 ones both)
+  # and its all-gather (start, continuation and done: one op); the peeled layer's
   # all-reduce once more; both channel-3 all-reduces once.
   assert hlo.collectives(TPU_HLO) == {
-      "all-reduce": {"count": 7 + 1 + 2, "bytes": 8 * 4096 + 64 + 1024},
+      "all-reduce": {"count": 7 * 3 + 1 + 2, "bytes": 7 * 3 * 4096 + 4096 + 64 + 1024},
       "all-gather": {"count": 7, "bytes": 7 * 2 * 512 * 512}}
+  assert sorted(hlo.scheduled_collectives(TPU_HLO)) == [
+      "ar.3a", "ar.3b", "ar.5", "async-collective-start", "peeled", "psum.27", "psum.28"]
 
 
 # XLA:GPU's async forms: a start's shape holds its operands beside its results (`(operand,
@@ -222,3 +248,31 @@ def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply(
          "to host memory, at least 96.0 MiB less (alone" in text and "remat_policy='full'" in text
   assert "more devices" not in text  # the state is not what fills it
   assert "a chip with more than 24.6 GiB of HBM: v4 (32.0 GiB), v5p (95.0 GiB), v6e" in text
+
+
+# XLA:GPU on 2 hosts of 4 GPUs: an all-gather within each host (axis_2) and an all-reduce
+# across the hosts (axis_1), in the device-mesh form of replica groups.
+HOSTS_HLO = """HloModule m
+
+ENTRY %main (a: bf16[64,256]) -> bf16[256,256] {
+  %ag = (bf16[64,256]{1,0}, bf16[256,256]{1,0}) all-gather-start(%a), channel_id=1, """ \
+  """replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_2'}, dimensions={0}
+  %ar = f32[1024]{0} all-reduce-start(%a), channel_id=2, """ \
+  """replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=4] {'axis_1','axis_2'}, to_apply=%add
+}
+"""
+
+
+def test_collectives_across_hosts_are_charged_at_the_hosts_network_rate():
+  host_of = (0, 0, 0, 0, 1, 1, 1, 1)
+  ag, ar = hlo.collective_ops(HOSTS_HLO, host_of=host_of)
+  assert (ag.kind, ag.group_size, ag.hosts) == ("all-gather", 4, 1)
+  assert (ar.kind, ar.group_size, ar.hosts) == ("all-reduce", 8, 2)
+  assert roofline.network_bytes(ag) == 0
+  # Each host reduces with the other (2 hosts: half the 4 KiB out, half in, both phases),
+  # spread over its 4 GPUs' NICs.
+  assert roofline.network_bytes(ar) == 2 * 4096 * (1 / 2) / 4
+  h100 = chips.GPUS["h100"]
+  assert roofline.link_seconds(ar, h100) == max(2 * 4096 * 7 / 8 / h100.ici_ingress_bytes_per_s,
+                                                1024 / h100.dcn_bytes_per_s)
+  assert roofline.collective_traffic([ag, ar])["dcn"] == 1024

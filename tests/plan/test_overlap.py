@@ -1,0 +1,99 @@
+"""The schedule's step estimate: a collective hidden behind compute costs nothing, one the
+compute waits for costs its link time; XLA:TPU's programs with async collectives and with
+them forced synchronous."""
+import json
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from spmdtask.plan import chips, overlap, roofline, xla_cost
+from tests import subproc
+
+V5E = chips.CHIPS["v5e"]
+_DOT = ("  %d = bf16[1024,4096]{1,0} dot(%x, %w), lhs_contracting_dims={1}, "
+        "rhs_contracting_dims={0}\n")
+
+
+def scheduled(hidden: bool) -> str:
+  """An async all-gather (2 MiB result, 4 devices) with a 34 GFLOP matmul scheduled between
+  its start and done (`hidden`), or before its start."""
+  return ("HloModule m, is_scheduled=true\n\nENTRY %main (p0: bf16[256,1024], x: "
+          "bf16[1024,4096], w: bf16[4096,4096]) -> (bf16[1024,1024], bf16[1024,4096]) {\n"
+          "  %p0 = bf16[256,1024]{1,0} parameter(0)\n"
+          "  %x = bf16[1024,4096]{1,0} parameter(1)\n"
+          "  %w = bf16[4096,4096]{1,0} parameter(2)\n"
+          + ("" if hidden else _DOT) +
+          "  %ags = (bf16[256,1024]{1,0}, bf16[1024,1024]{1,0}) all-gather-start(%p0), "
+          "channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true\n"
+          + (_DOT if hidden else "") +
+          "  %agd = bf16[1024,1024]{1,0} all-gather-done(%ags)\n"
+          "  ROOT %t = (bf16[1024,1024]{1,0}, bf16[1024,4096]{1,0}) tuple(%agd, %d)\n}\n")
+
+
+@pytest.mark.parametrize("hidden", [True, False])
+def test_an_all_gather_behind_a_matmul_is_hidden_one_before_it_exposed(hidden):
+  text = scheduled(hidden)
+  cost = xla_cost.per_step(text)
+  bound = roofline.estimate(V5E, cost["flops"], cost["bytes accessed"], 0.0, 0.0, 0.0, 1.0)
+  got = overlap.estimate(text, V5E, cost["flops"], cost["bytes accessed"],
+                         roofline_bound=bound["step_seconds_lower_bound"])
+  link = 3 / 4 * 2 * 1024 * 1024 / V5E.ici_ingress_bytes_per_s  # all but its own quarter
+  matmul = 2 * 1024 * 4096 * 4096 / V5E.peak_bf16_flops_per_s  # 174 µs: compute-bound
+  assert math.isclose(got["collective_seconds"], link, rel_tol=1e-12)
+  assert math.isclose(got["compute_seconds"], matmul, rel_tol=1e-12) and got["hbm_seconds"] == 0
+  assert got["exposed_seconds"] == (0.0 if hidden else pytest.approx(link, rel=1e-12))
+  assert got["step_seconds"] == pytest.approx(matmul + (0.0 if hidden else link), rel=1e-12)
+  assert got["step_seconds"] >= bound["step_seconds_lower_bound"]
+  assert [r["kind"] for r in got["top_exposed"]] == ([] if hidden else ["all-gather"])
+
+
+# XLA:TPU's own switches for its async collectives (libtpu reads them when it starts).
+SYNC = ("--xla_tpu_enable_async_collective_fusion=false --xla_enable_async_all_gather=false "
+        "--xla_enable_async_all_reduce=false --xla_enable_async_collective_permute=false "
+        "--xla_tpu_enable_async_all_to_all=false --xla_enable_async_reduce_scatter_fusion=false")
+
+
+def fsdp_stack_estimate() -> dict:
+  """The step estimate of a 4-layer FSDP MLP stack's gradient (scanned, 4 chips), compiled by
+  XLA:TPU for v5e:2x2 under whatever LIBTPU_INIT_ARGS this process started with."""
+  from spmdtask.plan import targets
+  mesh = Mesh(np.array(targets.tpu("v5e:2x2").devices), ("fsdp",))
+
+  def loss(ws, x):
+    return jnp.sum(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0] ** 2)
+
+  step = jax.jit(jax.grad(loss), in_shardings=(NamedSharding(mesh, P(None, "fsdp")),
+                                               NamedSharding(mesh, P("fsdp"))))
+  compiled = step.lower(jax.ShapeDtypeStruct((4, 1024, 1024), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)).compile()
+  text = compiled.as_text()
+  cost = xla_cost.per_step(text)
+  return overlap.estimate(text, V5E, cost["flops"], cost["bytes accessed"])
+
+
+def test_forcing_collectives_synchronous_exposes_their_whole_link_time():
+  asynchronous = fsdp_stack_estimate()
+  out = subproc.run([sys.executable, "-c", "import json; from tests.plan.test_overlap import "
+                     "fsdp_stack_estimate as f; print(json.dumps(f()))"],
+                    num_devices=1, timeout=120, LIBTPU_INIT_ARGS=SYNC)
+  assert out.returncode == 0, out.stderr[-2000:]
+  synchronous = json.loads(out.stdout.splitlines()[-1])
+  # The same collectives, the same link time: 4 layers' weights gathered forward and
+  # backward, their gradients reduced.
+  assert synchronous["collective_seconds"] == pytest.approx(asynchronous["collective_seconds"],
+                                                            rel=1e-9)
+  link = synchronous["collective_seconds"]
+  # Synchronous: the step waits for every byte; its estimate is its compute, HBM and link time.
+  assert synchronous["exposed_seconds"] == pytest.approx(link, rel=1e-9)
+  assert synchronous["step_seconds"] == pytest.approx(
+      synchronous["compute_seconds"] + synchronous["hbm_seconds"] + link, rel=1e-9)
+  # Asynchronous: XLA's scheduler hides part of it behind the layers' matmuls.
+  assert asynchronous["exposed_seconds"] < 0.8 * link
+  assert asynchronous["step_seconds"] == pytest.approx(
+      asynchronous["compute_seconds"] + asynchronous["hbm_seconds"]
+      + asynchronous["exposed_seconds"], rel=1e-9)
