@@ -41,6 +41,9 @@ import numpy as np
 from safetensors import numpy as st_numpy
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # C++ libraries print as they load: keep them off the console
+  from spmdtask import console  # pylint: disable=wrong-import-position
+  console.start_tool()
 
 # pylint: disable=wrong-import-position
 from spmdtask import fs
