@@ -12,8 +12,10 @@ unused), and ERROR and above from anywhere, each as one `spmdtask: warning: ...`
 captured while starting and print the rest as before.
 `say(...)` is for the few lines a run is read by (the start summary, progress, the end):
 process 0 prints them on stdout and logs them too. With `verbose` (--verbosity,
---alsologtostderr, --logtostderr or --stderrthreshold given) nothing is captured, stderr
-gets every log line as absl prints it, and `say` only logs, so nothing is printed twice.
+--alsologtostderr, --logtostderr or --stderrthreshold given) what was captured, and all that
+follows, goes to the terminal, stderr gets every log line as absl prints it, and `say` only logs, so nothing is printed twice.
+The tools that load JAX or TensorFlow call `start_tool()` first: the same capture (dropped
+at exit) and the records that matter shown at once.
 """
 import atexit
 import contextlib
@@ -50,8 +52,9 @@ class _ConsoleRecords(py_logging.Handler):
     self.show = False
 
   def emit(self, record):
-    if not (record.levelno >= py_logging.ERROR and not _library_errors_muted or _ours(record)
-            or record.name in _SHOWN_LOGGERS) or _no_gpu_here(record):
+    shown = (record.levelno >= py_logging.ERROR and not _library_errors_muted or _ours(record)
+             or record.name in _SHOWN_LOGGERS)
+    if not shown or _no_gpu_here(record):
       return
     if self.pending is not None:
       self.pending.append(record)

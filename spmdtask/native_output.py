@@ -10,9 +10,9 @@ The filter writes everything to a temporary file until `log_to(path)` (appending
 so far) or `to_terminal()`; from the first line that looks fatal (a C++ CHECK failure, a
 FATAL log line, "Fatal Python error", a signal report) it also copies everything to the
 terminal's stderr, so a crash is never silent. The binary and the tools call `capture()`
-before they import JAX or TensorFlow: their C++ libraries print as they load. The filter is a separate process because a
-crash of this one would lose what a thread had not read yet; it ignores SIGINT (Ctrl-C
-reaches the whole process group) and ends when the pipe closes.
+before they import JAX or TensorFlow: their C++ libraries print as they load. The filter is
+a separate process because a crash of this one would lose what a thread had not read yet;
+it ignores SIGINT (Ctrl-C reaches the whole process group) and ends when the pipe closes.
 """
 import atexit
 import os

@@ -76,15 +76,16 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
       fs.write_bytes(copy, fs.read_bytes(kind[3:]))
     return tokenizers.HfTokenizer(copy, eod_id=tok.eod_id)
   lines = [line for t in train_texts for line in t.splitlines() if line.strip()]
-  given = f"--vocab_size={vocab_size}" if vocab_size else f"--vocab_size={DEFAULT_VOCAB} (the default)"
+  given = (f"--vocab_size={vocab_size}" if vocab_size else
+           f"--vocab_size={DEFAULT_VOCAB} (the default)")
   vocab_size = vocab_size or DEFAULT_VOCAB
   need = tokenizers.sentencepiece_min_vocab(lines)
-  if vocab_size < need:
+  if vocab_size < need:  # checked here: SentencePiece's own refusal is a C++ RuntimeError
     raise ConfigError(
         f"{given} is too small for this corpus: SentencePiece keeps each of its "
-        f"{need - tokenizers.sentencepiece_min_vocab([])} distinct characters as a piece, "
-        f"beside {tokenizers.sentencepiece_min_vocab([])} fixed ones (256 byte fallbacks, "
-        f"unknown, end of document, newline, tab). Pass --vocab_size={need} or more.")
+        f"{need - tokenizers.SP_FIXED_PIECES} distinct characters as a piece, beside "
+        f"{tokenizers.SP_FIXED_PIECES} fixed ones (256 byte fallbacks, unknown, end of "
+        f"document, newline, tab). Pass --vocab_size={need} or more.")
   try:
     model = tokenizers.train_sentencepiece(
         lines, os.path.join(output_dir, os.path.splitext(tokenizers.SP_MODEL_FILE)[0]),

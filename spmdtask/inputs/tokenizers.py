@@ -119,14 +119,14 @@ def from_spec(spec: str, eod_token: str | None = None, field: str = "tokenizer")
 
 _SP_SYMBOLS = ["\n", "\t"]  # user-defined pieces: kept whole, never merged
 # Pieces every model of `train_sentencepiece` has: 256 byte fallbacks, unk, eos, the symbols.
-_SP_FIXED_PIECES = 256 + 2 + len(_SP_SYMBOLS)
+SP_FIXED_PIECES = 256 + 2 + len(_SP_SYMBOLS)
 
 
 def sentencepiece_min_vocab(sentences: Iterable[str]) -> int:
   """The smallest vocab_size `train_sentencepiece` accepts for `sentences`: each distinct
   character is a piece of its own (character_coverage=1.0), beside the fixed pieces."""
   chars = set().union(*map(set, sentences)) - set(_SP_SYMBOLS)
-  return len(chars) + _SP_FIXED_PIECES
+  return len(chars) + SP_FIXED_PIECES
 
 
 def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size: int) -> str:
