@@ -13,7 +13,8 @@ captured while starting and print the rest as before.
 `say(...)` is for the few lines a run is read by (the start summary, progress, the end):
 process 0 prints them on stdout and logs them too. With `verbose` (--verbosity,
 --alsologtostderr, --logtostderr or --stderrthreshold given) what was captured, and all that
-follows, goes to the terminal, stderr gets every log line as absl prints it, and `say` only logs, so nothing is printed twice.
+follows, goes to the terminal, stderr gets every log line as absl prints it, and `say` only
+logs, so nothing is printed twice.
 The tools that load JAX or TensorFlow call `start_tool()` first: the same capture (dropped
 at exit) and the records that matter shown at once.
 """
