@@ -11,8 +11,8 @@ CACHE = os.path.join(tempfile.gettempdir(), "spmdtask_test_jax_cache")
 # running (a third less CPU for the suite). The HLO passes are XLA's usual ones; float results
 # may differ from -O2's in the last bits, and every comparison runs both sides with this flag.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
-# More XLA flags for every test process, e.g. --xla_cpu_max_isa=AVX2: the suite on another
-# XLA:CPU code path (float sums in another order), as on another machine.
+# More XLA flags for every test process, e.g. --xla_cpu_max_isa=SSE4_2: the suite on another
+# XLA:CPU code path (128-bit vectors: float sums in another order), as on another machine.
 EXTRA_XLA_FLAGS = os.environ.get("SPMDTASK_TEST_XLA_FLAGS", "")
 
 KILL_AFTER_SAVE = """

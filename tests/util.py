@@ -42,14 +42,15 @@ EPS32 = float(np.finfo(np.float32).eps)  # 2**-23 = 1.19e-7
 def f32_atol(want, terms: int = 1) -> float:
   """The absolute tolerance for float32 values that equal `want` up to rounding order.
 
-  Another schedule, microbatching, sharding or CPU (AVX2 vs AVX-512 kernels) sums the same
-  float32 terms in another order; each result then moves by about eps32 * scale * sqrt(terms)
-  (rounding errors of a sum add up as a random walk), where scale is that of the summands,
-  not of the result: an element near 0 that is a sum of cancelling terms keeps the error of
-  the terms. The array's largest magnitude stands for that scale (a fixed atol such as 1e-7
-  does not: it is 1 ulp at 1.0 and passed or failed with the machine). The factor 8 covers the
-  roundings a gradient's chain adds around the sum (the largest difference measured, on
-  AVX-512 and AVX2 kernels, was 0.6 eps32 * max|want| * sqrt(terms)). This stays far below
+  Another schedule, microbatching, sharding or CPU (another vector width, as with
+  --xla_cpu_max_isa=SSE4_2; another matmul blocking) sums the same float32 terms in another
+  order; each result then moves by about eps32 * scale * sqrt(terms) (rounding errors of a
+  sum add up as a random walk), where scale is that of the summands, not of the result: an
+  element near 0 that is a sum of cancelling terms keeps the error of the terms. The array's
+  largest magnitude stands for that scale (a fixed atol such as 1e-7 does not: it is 1 ulp
+  at 1.0 and passed or failed with the machine). The factor 8 covers the roundings around
+  the sum (the largest difference measured in these tests, on both code paths, was 1.1
+  eps32 * max|want| * sqrt(terms): TinyLm's weights after Adam steps). It stays far below
   what a bug moves: a missing microbatch, row or tied-weight half, or a wrong 1/n scale,
   changes the largest values by 1e-3 of max|want| or more: 260x this atol for terms = 16,
   33x for the 1024 tokens of a TinyLm batch.
