@@ -12,8 +12,11 @@ unused), and ERROR and above from anywhere, each as one `spmdtask: warning: ...`
 captured while starting and print the rest as before.
 `say(...)` is for the few lines a run is read by (the start summary, progress, the end):
 process 0 prints them on stdout and logs them too. With `verbose` (--verbosity,
---alsologtostderr, --logtostderr or --stderrthreshold given) nothing is captured, stderr
-gets every log line as absl prints it, and `say` only logs, so nothing is printed twice.
+--alsologtostderr, --logtostderr or --stderrthreshold given) what was captured, and all that
+follows, goes to the terminal, stderr gets every log line as absl prints it, and `say` only
+logs, so nothing is printed twice.
+The tools that load JAX or TensorFlow call `start_tool()` first: the same capture (dropped
+at exit) and the records that matter shown at once.
 """
 import atexit
 import contextlib
@@ -50,8 +53,9 @@ class _ConsoleRecords(py_logging.Handler):
     self.show = False
 
   def emit(self, record):
-    if not (record.levelno >= py_logging.ERROR and not _library_errors_muted or _ours(record)
-            or record.name in _SHOWN_LOGGERS):
+    shown = (record.levelno >= py_logging.ERROR and not _library_errors_muted or _ours(record)
+             or record.name in _SHOWN_LOGGERS)
+    if not shown or _no_gpu_here(record):
       return
     if self.pending is not None:
       self.pending.append(record)
@@ -66,6 +70,21 @@ class _ConsoleRecords(py_logging.Handler):
         _print_record(record)
 
 
+def _no_gpu_here(record: py_logging.LogRecord) -> bool:
+  """JAX's CUDA plugin (the gpu_plan extra) failing to start on a machine without NVIDIA's
+  driver, as it does on every run there: JAX runs on the CPU as it would without the plugin,
+  and the first line names the devices. Where a driver is, the failure shows."""
+  return (record.name == "jax._src.xla_bridge" and "xla_cuda" in _message(record)
+          and not os.path.exists("/proc/driver/nvidia"))
+
+
+def _message(record: py_logging.LogRecord) -> str:
+  try:
+    return record.getMessage()
+  except Exception:  # pylint: disable=broad-except  # a library's bad format string
+    return str(record.msg)
+
+
 def _ours(record: py_logging.LogRecord) -> bool:
   return (record.pathname or "").startswith(_PACKAGE_DIRS)
 
@@ -77,11 +96,7 @@ def _print_record(record: py_logging.LogRecord) -> None:
     where = record.name.split(".")[0] if record.name not in ("absl", "root") else (
         os.path.basename(record.pathname or "?"))
     kind = (f"{where} warning" if record.levelno < py_logging.ERROR else f"{where} error")
-  try:
-    msg = record.getMessage()
-  except Exception:  # pylint: disable=broad-except  # a library's bad format string
-    msg = str(record.msg)
-  print(f"spmdtask: {kind}: {msg}", file=sys.stderr, flush=True)
+  print(f"spmdtask: {kind}: {_message(record)}", file=sys.stderr, flush=True)
 
 
 _records: _ConsoleRecords | None = None
@@ -148,11 +163,25 @@ def _log_traceback(what: str, exc_type, value, tb) -> None:
 def start(verbose: bool) -> None:
   """The binary's first step: captures fds 1 and 2; holds log records until `setup`."""
   global _records
-  if verbose or _records is not None:
+  if _records is not None:
+    return
+  if verbose:  # the binary captured from its first line: what came so far, and the rest, shown
+    native_output.to_terminal(keep=True)
     return
   native_output.capture()
+  # absl's lines until `setup` names the log file go with the captured fd 2 (the binary
+  # captured before absl made its handler, which then took the terminal's copy).
+  logging.get_absl_handler().python_handler.stream = sys.__stderr__
   _records = _ConsoleRecords()
   py_logging.getLogger().addHandler(_records)
+
+
+def start_tool() -> None:
+  """A tool's first step, before it imports JAX or TensorFlow: what C/C++ libraries print
+  is captured and dropped at exit (a fatal line still shows), and of the log records the
+  ones that matter (see the module's doc) show at once as `spmdtask: ...` lines."""
+  start(verbose=False)
+  _records.let_through(show=True)
 
 
 def setup(job_log_dir: str, verbose: bool) -> str:

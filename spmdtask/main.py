@@ -1,4 +1,12 @@
 """The spmdtask binary: `python -m spmdtask.main --exp=NAME --job_log_dir=DIR --mode=train`."""
+# pylint: disable=wrong-import-position
+if __name__ == "__main__":
+  # C++ libraries print as they load (JAX's CUDA plugin on a machine without a GPU, at
+  # `import jax`; TensorFlow's oneDNN notice): fds 1 and 2 are captured before any import
+  # of them (console.setup then sends the capture to logs/native.log).
+  from spmdtask import native_output
+  native_output.capture()
+
 import contextlib
 import dataclasses
 import os

@@ -9,9 +9,10 @@ of the original fds, so Python's own lines (spmdtask's, errors) still reach the 
 The filter writes everything to a temporary file until `log_to(path)` (appending what came
 so far) or `to_terminal()`; from the first line that looks fatal (a C++ CHECK failure, a
 FATAL log line, "Fatal Python error", a signal report) it also copies everything to the
-terminal's stderr, so a crash is never silent. The filter is a separate process because a
-crash of this one would lose what a thread had not read yet; it ignores SIGINT (Ctrl-C
-reaches the whole process group) and ends when the pipe closes.
+terminal's stderr, so a crash is never silent. The binary and the tools call `capture()`
+before they import JAX or TensorFlow: their C++ libraries print as they load. The filter is
+a separate process because a crash of this one would lose what a thread had not read yet;
+it ignores SIGINT (Ctrl-C reaches the whole process group) and ends when the pipe closes.
 """
 import atexit
 import os
@@ -34,7 +35,11 @@ for line in sys.stdin.buffer:
   if line.startswith(CONTROL):
     target = line[len(CONTROL):].rstrip(b"\n").decode()
     sink.close()
-    if target == "-":  # everything from now on to the terminal
+    if target in ("-", "+"):  # everything from now on to the terminal ("+": so far too)
+      if target == "+":
+        with open(temp, "rb") as src:
+          sys.stdout.buffer.write(src.read())
+        sys.stdout.buffer.flush()
       sink, forward = open(os.devnull, "ab"), True
     else:
       with open(temp, "rb") as src, open(target, "ab") as dst:
@@ -105,9 +110,9 @@ def log_to(path: str) -> None:
   _control(path)
 
 
-def to_terminal() -> None:
-  """Drops what was captured so far; what comes goes to the terminal again."""
-  _control("-")
+def to_terminal(keep: bool = False) -> None:
+  """Drops what was captured so far (`keep`: prints it); what comes goes to the terminal."""
+  _control("+" if keep else "-")
 
 
 def _control(target: str) -> None:

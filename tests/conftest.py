@@ -3,11 +3,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.subproc import FAST_COMPILE  # pylint: disable=wrong-import-position
+from tests.subproc import EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + f" {FAST_COMPILE} --xla_force_host_platform_device_count=8"
-).strip()
+    os.environ.get("XLA_FLAGS", "") +
+    f" {FAST_COMPILE} {EXTRA_XLA_FLAGS} --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

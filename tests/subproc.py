@@ -11,6 +11,9 @@ CACHE = os.path.join(tempfile.gettempdir(), "spmdtask_test_jax_cache")
 # running (a third less CPU for the suite). The HLO passes are XLA's usual ones; float results
 # may differ from -O2's in the last bits, and every comparison runs both sides with this flag.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
+# More XLA flags for every test process, e.g. --xla_cpu_max_isa=SSE4_2: the suite on another
+# XLA:CPU code path (128-bit vectors: float sums in another order), as on another machine.
+EXTRA_XLA_FLAGS = os.environ.get("SPMDTASK_TEST_XLA_FLAGS", "")
 
 KILL_AFTER_SAVE = """
 import os, signal, sys
@@ -33,7 +36,8 @@ app.run(main.main)
 def env(num_devices: int = 8, **extra) -> dict:
   e = dict(os.environ)
   e.update(PYTHONPATH=REPO + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
-           XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={num_devices}",
+           XLA_FLAGS=(f"{FAST_COMPILE} {EXTRA_XLA_FLAGS} "
+                      f"--xla_force_host_platform_device_count={num_devices}"),
            JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
            TF_CPP_MIN_LOG_LEVEL="3", **extra)
   return e

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from spmdtask.run import checkpoints, decoding, evaluation
 from spmdtask import console
 from tests import subproc
+from tools import prepare_text_data
 
 
 # Every line the binary prints in these runs is one of these (spmdtask's own formats).
@@ -98,6 +99,23 @@ def test_default_run_console_rerun_and_nan_stop(tmp_path):
     saved = reader.restore(os.path.join(checkpoints.checkpoint_dir(job), str(max(steps)),
                                         "params"))
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(saved))
+
+
+def test_prepare_text_data_prints_only_its_own_lines(tmp_path):
+  """With whatever is installed (TensorFlow prints its oneDNN notice from C++ when it loads,
+  JAX's CUDA plugin of the gpu_plan extra its driver probe): the tool's lines and no other."""
+  for i in range(3):
+    (tmp_path / f"{i}.txt").write_text(f"document {i}: a few words\n")
+  data = str(tmp_path / "data")
+  out = run_as_user([sys.executable, os.path.join("tools", "prepare_text_data.py"),
+                     f"--input={tmp_path}/*.txt", f"--output_dir={data}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  meta = json.loads(open(os.path.join(data, "meta.json")).read())
+  assert (out.stdout + out.stderr).splitlines() == [
+      f"{data}: bytes tokenizer, vocab_size=257, eod_id=256; train: 2 documents, "
+      f"{meta['splits']['train']['num_tokens']} tokens, eval: 1 documents, "
+      f"{meta['splits']['eval']['num_tokens']} tokens",
+      "Train on it:", "  " + prepare_text_data.train_command(data, meta)]
 
 
 def test_eval_line_is_readable():

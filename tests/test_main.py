@@ -65,6 +65,9 @@ def test_train_writes_config_and_logs(tmp_path):
      ["--fdl_set='task.train.num_train_stepz=3'", "num_train_stepz"]),
     (["--fdl_set=task.train.num_train_steps=(3"], "lm.TinyLm",
      ["--fdl_set='task.train.num_train_steps=(3'", "Python literal"]),
+    # Checked before JAX starts (jax.distributed.initialize raises a ValueError).
+    (["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=5"],
+     "lm.TinyLm", ["--process_id=5 is not an index of --num_processes=2", "from 0 to 1"]),
     (["--mode=decode", "--fdl_set=decode_datasets['prompts'].tokenizer="
       "'sentencepiece:/nonexistent/tokenizer.model'"], "lm.TinyLm",
      ["decode_datasets['prompts'].tokenizer=", "no file '/nonexistent/tokenizer.model'"]),

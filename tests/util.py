@@ -1,10 +1,13 @@
-"""Shared test helpers: build an experiment's run config, train it in-process on a device subset."""
+"""Shared test helpers: build an experiment's run config, train it in-process on a device subset;
+compare float32 results at tolerances that follow from float32 and the arrays' scale."""
 import functools
+import math
 
 import fiddle as fdl
 import jax
 import numpy as np
 
+from configs import lm
 from spmdtask.run import loop
 from spmdtask import main
 from spmdtask.core import program as program_lib, sharding
@@ -32,13 +35,59 @@ def train_steps(exp: str, num_steps: int, devices=None, overrides=(), edit=None)
   return np.asarray(losses), params, program, state
 
 
-def assert_trees_close(a, b, rtol, atol=0.0):
+TINY_LM_TOKENS = lm.TinyLm.batch_size * lm.TinyLm.seq_len  # the terms of a TinyLm gradient's sums
+EPS32 = float(np.finfo(np.float32).eps)  # 2**-23 = 1.19e-7
+
+
+def f32_atol(want, terms: int = 1) -> float:
+  """The absolute tolerance for float32 values that equal `want` up to rounding order.
+
+  Another schedule, microbatching, sharding or CPU (another vector width, as with
+  --xla_cpu_max_isa=SSE4_2; another matmul blocking) sums the same float32 terms in another
+  order; each result then moves by about eps32 * scale * sqrt(terms) (rounding errors of a
+  sum add up as a random walk), where scale is that of the summands, not of the result: an
+  element near 0 that is a sum of cancelling terms keeps the error of the terms. The array's
+  largest magnitude stands for that scale (a fixed atol such as 1e-7 does not: it is 1 ulp
+  at 1.0 and passed or failed with the machine). The factor 8 covers the roundings around
+  the sum (the largest difference measured in these tests, on both code paths, was 1.1
+  eps32 * max|want| * sqrt(terms): TinyLm's weights after Adam steps). It stays far below
+  what a bug moves: a missing microbatch, row or tied-weight half, or a wrong 1/n scale,
+  changes the largest values by 1e-3 of max|want| or more: 260x this atol for terms = 16,
+  33x for the 1024 tokens of a TinyLm batch.
+  """
+  return 8 * EPS32 * float(np.max(np.abs(want), initial=0.0)) * math.sqrt(terms)
+
+
+def assert_close_f32(got, want, *, terms: int = 1, rtol: float = 1e-5, err_msg: str = ""):
+  """got == want up to float32 rounding order: atol `f32_atol(want, terms)`, rtol kept tight."""
+  want = np.asarray(want)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=rtol, atol=f32_atol(want, terms),
+                             err_msg=err_msg)
+
+
+def assert_trees_close(a, b, *, terms: int = 1, rtol: float = 1e-5, atol: float | None = None):
+  """`assert_close_f32` on each leaf pair of two trees of one structure (b holds the wants).
+
+  An explicit `atol` only where more than float32 rounding sets the error (Adam's first
+  steps move a weight by ~lr whatever its gradient's size; the caller says why).
+  """
   flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
   flat_b = jax.tree.leaves(b)
   assert len(flat_a) == len(flat_b)
   for (path, x), y in zip(flat_a, flat_b):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+    y = np.asarray(y)
+    np.testing.assert_allclose(np.asarray(x), y, rtol=rtol,
+                               atol=f32_atol(y, terms) if atol is None else atol,
                                err_msg=sharding.path_str(path))
+
+
+def assert_trees_equal(a, b):
+  """Leaf for leaf bitwise equal."""
+  flat_a = jax.tree_util.tree_flatten_with_path(a)[0]
+  flat_b = jax.tree.leaves(b)
+  assert len(flat_a) == len(flat_b)
+  for (path, x), y in zip(flat_a, flat_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=sharding.path_str(path))
 
 
 @functools.lru_cache(maxsize=None)

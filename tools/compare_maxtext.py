@@ -43,6 +43,9 @@ import types
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+if __name__ == "__main__":  # C++ libraries print as they load: keep them off the console
+  from spmdtask import console  # pylint: disable=wrong-import-position
+  console.start_tool()
 
 from spmdtask.plan import chips, planner, targets  # pylint: disable=wrong-import-position
 from tools import compare_plans  # pylint: disable=wrong-import-position

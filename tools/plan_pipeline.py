@@ -26,6 +26,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # C++ libraries print as they load: keep them off the console
+  from spmdtask import console  # pylint: disable=wrong-import-position
+  console.start_tool()
 
 # pylint: disable=wrong-import-position
 from spmdtask.errors import ConfigError

@@ -24,16 +24,20 @@ import sys
 
 import numpy as np
 
-# TensorFlow (imported to write the TFRecords) prints start-up notices from C++ (CPU
-# features, CUDA/TensorRT probes) that say nothing about the data: errors only, unless the
-# caller set its own level. Read when TensorFlow loads, so set before any import of it.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# TensorFlow (imported to write the TFRecords) and JAX's plugins print start-up notices from
+# C++ (oneDNN, CUDA probes) that TF_CPP_MIN_LOG_LEVEL does not reach.
+if __name__ == "__main__":  # C++ libraries print as they load: keep them off the console
+  from spmdtask import console  # pylint: disable=wrong-import-position
+  console.start_tool()
 
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
+
+
+DEFAULT_VOCAB = 4096  # SentencePiece's --vocab_size when none is given
 
 
 def read_documents(pattern: str) -> tuple[list[str], list[str]]:
@@ -71,10 +75,27 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
     if fs.absolute(kind[3:]) != fs.absolute(copy):
       fs.write_bytes(copy, fs.read_bytes(kind[3:]))
     return tokenizers.HfTokenizer(copy, eod_id=tok.eod_id)
-  lines = (line for t in train_texts for line in t.splitlines() if line.strip())
-  model = tokenizers.train_sentencepiece(
-      lines, os.path.join(output_dir, os.path.splitext(tokenizers.SP_MODEL_FILE)[0]),
-      vocab_size or 4096)
+  lines = [line for t in train_texts for line in t.splitlines() if line.strip()]
+  given = (f"--vocab_size={vocab_size}" if vocab_size else
+           f"--vocab_size={DEFAULT_VOCAB} (the default)")
+  vocab_size = vocab_size or DEFAULT_VOCAB
+  need = tokenizers.sentencepiece_min_vocab(lines)
+  if vocab_size < need:  # checked here: SentencePiece's own refusal is a C++ RuntimeError
+    raise ConfigError(
+        f"{given} is too small for this corpus: SentencePiece keeps each of its "
+        f"{need - tokenizers.SP_FIXED_PIECES} distinct characters as a piece, beside "
+        f"{tokenizers.SP_FIXED_PIECES} fixed ones (256 byte fallbacks, unknown, end of "
+        f"document, newline, tab). Pass --vocab_size={need} or more.")
+  try:
+    model = tokenizers.train_sentencepiece(
+        lines, os.path.join(output_dir, os.path.splitext(tokenizers.SP_MODEL_FILE)[0]),
+        vocab_size)
+  except RuntimeError as e:  # e.g. more pieces asked for than the corpus has
+    if "vocab" not in str(e).lower():
+      raise
+    said = str(e).rsplit("] ", 1)[-1].strip()
+    raise ConfigError(f"{given}: SentencePiece refused it on this corpus: {said} Pass a "
+                      "--vocab_size it accepts.") from None
   return tokenizers.SentencePieceTokenizer(model)
 
 
@@ -140,7 +161,7 @@ def main():
                       help="hf: the end-of-document token (default: the eos_token of the "
                       "tokenizer_config.json beside tokenizer.json)")
   parser.add_argument("--vocab_size", type=int, default=None,
-                      help="SentencePiece vocabulary size (default 4096)")
+                      help=f"SentencePiece vocabulary size (default {DEFAULT_VOCAB})")
   parser.add_argument("--eval_fraction", type=float, default=0.05)
   parser.add_argument("--num_shards", type=int, default=4, help="train shards")
   parser.add_argument("--seed", type=int, default=0, help="document shuffle seed")

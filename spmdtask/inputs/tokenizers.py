@@ -117,6 +117,18 @@ def from_spec(spec: str, eod_token: str | None = None, field: str = "tokenizer")
                     f"(a Hugging Face {HF_FILE}).")
 
 
+_SP_SYMBOLS = ["\n", "\t"]  # user-defined pieces: kept whole, never merged
+# Pieces every model of `train_sentencepiece` has: 256 byte fallbacks, unk, eos, the symbols.
+SP_FIXED_PIECES = 256 + 2 + len(_SP_SYMBOLS)
+
+
+def sentencepiece_min_vocab(sentences: Iterable[str]) -> int:
+  """The smallest vocab_size `train_sentencepiece` accepts for `sentences`: each distinct
+  character is a piece of its own (character_coverage=1.0), beside the fixed pieces."""
+  chars = set().union(*map(set, sentences)) - set(_SP_SYMBOLS)
+  return len(chars) + SP_FIXED_PIECES
+
+
 def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size: int) -> str:
   """Trains a SentencePiece BPE model on `sentences` (offline); returns the .model path.
 
@@ -129,7 +141,7 @@ def train_sentencepiece(sentences: Iterable[str], model_prefix: str, vocab_size:
       character_coverage=1.0, byte_fallback=True, split_digits=True,
       remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
       normalization_rule_name="identity",
-      user_defined_symbols=["\n", "\t"], unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,
+      user_defined_symbols=_SP_SYMBOLS, unk_id=0, eos_id=1, bos_id=-1, pad_id=-1,
       max_sentence_length=1 << 16, input_sentence_size=2_000_000, shuffle_input_sentence=True,
       minloglevel=2)
   return model_prefix + ".model"

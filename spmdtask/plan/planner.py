@@ -57,8 +57,9 @@ def reexec_emulated(num_devices: int, argv: list[str]) -> int:
              XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                         f" --xla_force_host_platform_device_count={num_devices}").strip(),
              TF_CPP_MIN_LOG_LEVEL="1")  # keep XLA's warnings: they are part of the plan
+  # To this process's terminal (sys.stdout/stderr), not to its captured fds 1 and 2.
   return subprocess.run([sys.executable, "-m", "spmdtask.main"] + argv[1:], env=env,
-                        check=False).returncode
+                        stdout=sys.stdout, stderr=sys.stderr, check=False).returncode
 
 
 class CompilerOutOfMemory(Exception):

@@ -46,13 +46,11 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
   Returns how it joined ('flags' or JAX's name of the cluster: 'slurm', 'gcetpu', ...), or
   None for a single process. Must run before JAX's backends start; starts none itself.
   """
-  import jax  # pylint: disable=g-import-not-at-top
   if multihost not in MODES:
     raise ConfigError(f"--multihost={multihost!r}: give one of {', '.join(MODES)}.")
+  check_flags(coordinator_address, num_processes, process_id)
+  import jax  # pylint: disable=g-import-not-at-top
   if coordinator_address:
-    if num_processes is None or process_id is None:
-      raise ConfigError("--coordinator_address needs --num_processes and --process_id (this "
-                        "process's index, 0-based), the same on every process but the index.")
     _cpu_collectives(jax)
     jax.distributed.initialize(coordinator_address, num_processes, process_id,
                                heartbeat_timeout_seconds=JAX_HEARTBEAT_S)
@@ -73,6 +71,36 @@ def join(coordinator_address: str | None, num_processes: int | None, process_id:
   jax.distributed.initialize(cluster_detection_method=getattr(env, "name", "") or None,
                              heartbeat_timeout_seconds=JAX_HEARTBEAT_S)
   return getattr(env, "name", "") or env.__name__
+
+
+def check_flags(coordinator_address: str | None, num_processes: int | None,
+                process_id: int | None) -> None:
+  """ConfigError for cluster flags that `jax.distributed.initialize` would reject (with a
+  ValueError, or an IndexError on an address without a port) or that would be ignored."""
+  if not coordinator_address:
+    if num_processes is not None or process_id is not None:
+      raise ConfigError(
+          "--num_processes and --process_id need --coordinator_address (host:port of process "
+          "0); without it they would be ignored. Give all three, e.g. "
+          "--coordinator_address=10.0.0.1:1234 --num_processes=2 --process_id=0, or none.")
+    return
+  if num_processes is None or process_id is None:
+    raise ConfigError("--coordinator_address needs --num_processes and --process_id (this "
+                      "process's index, 0-based), the same on every process but the index.")
+  host, _, port = coordinator_address.rpartition(":")
+  if not host or not port.isdigit() or not 0 < int(port) < 65536:
+    raise ConfigError(
+        f"--coordinator_address={coordinator_address!r} is not host:port (a port from 1 to "
+        "65535), e.g. --coordinator_address=10.0.0.1:1234 or [::1]:1234: process 0's address "
+        "and a free port on it, the same on every process.")
+  if num_processes < 1:
+    raise ConfigError(f"--num_processes={num_processes}: give the job's process count, 1 or "
+                      "more, the same on every process.")
+  if not 0 <= process_id < num_processes:
+    raise ConfigError(
+        f"--process_id={process_id} is not an index of --num_processes={num_processes}: give "
+        f"each process its own index from 0 to {num_processes - 1} (0 on the coordinator's "
+        "host).")
 
 
 def _cpu_collectives(jax) -> None:

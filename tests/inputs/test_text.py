@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -81,6 +82,33 @@ def test_sentencepiece_tokenizer_round_trips_text(tmp_path):
   assert meta["splits"]["train"]["num_tokens"] < 0.75 * sum(
       os.path.getsize(os.path.join(os.path.dirname(pattern), s))
       for s in meta["splits"]["train"]["sources"])  # fewer tokens than bytes
+
+
+def test_a_vocab_size_sentencepiece_refuses_is_a_config_error(tmp_path, capsys, monkeypatch):
+  """Too few pieces for the corpus's characters (the minimum computed, exact), or more than
+  it has: one paragraph naming --vocab_size, exit 2 (the tool's main)."""
+  txt = tmp_path / "txt"
+  txt.mkdir()
+  for i in range(4):  # 100 distinct characters besides the ASCII ones
+    (txt / f"{i}.txt").write_text(f"doc {i}: " + "".join(chr(0x4e00 + j) for j in range(100)))
+  texts = prepare_text_data.read_documents(str(txt / "*.txt"))[1]
+  need = tokenizers.sentencepiece_min_vocab(texts)
+  assert need == len(set("".join(texts))) + 260
+  with pytest.raises(ConfigError, match=f"--vocab_size={need - 1} is too small for this corpus: "
+                     f"SentencePiece keeps each of its {need - 260} distinct characters.*"
+                     f"Pass --vocab_size={need} or more"):
+    prepare_text_data.make_tokenizer("sentencepiece", texts, str(tmp_path), need - 1)
+  assert prepare_text_data.make_tokenizer("sentencepiece", texts, str(tmp_path),
+                                          need).vocab_size == need
+  monkeypatch.setattr(sys, "argv", ["prepare_text_data.py", f"--input={txt}/*.txt",
+                                    f"--output_dir={tmp_path / 'out'}",
+                                    "--tokenizer=sentencepiece"])
+  with pytest.raises(SystemExit) as done:
+    prepare_text_data.main()
+  assert done.value.code == 2
+  (line,) = capsys.readouterr().err.splitlines()
+  assert line.startswith("prepare_text_data: config error: --vocab_size=4096 (the default): "
+                         "SentencePiece refused it on this corpus: Vocabulary size too high")
 
 
 def test_processes_make_their_rows_of_the_same_global_batches(byte_dir):

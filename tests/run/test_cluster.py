@@ -37,6 +37,14 @@ def test_srun_environment_is_jax_slurm_cluster(plain):
     ((None, None, None, "true"), "--multihost=true, but this process runs in no cluster"),
     (("127.0.0.1:1234", 2, None, "auto"), "--coordinator_address needs --num_processes"),
     ((None, None, None, "maybe"), "--multihost='maybe'"),
+    # What jax.distributed.initialize would reject (a ValueError, an IndexError), or ignore.
+    (("127.0.0.1:1234", 2, 5, "auto"), "--process_id=5 is not an index of --num_processes=2"),
+    (("127.0.0.1:1234", 2, -1, "auto"), "--process_id=-1 is not an index"),
+    (("127.0.0.1:1234", 0, 0, "auto"), "--num_processes=0: give the job's process count"),
+    (("127.0.0.1", 2, 0, "auto"), "--coordinator_address='127.0.0.1' is not host:port"),
+    (("host:http", 2, 0, "auto"), "--coordinator_address='host:http' is not host:port"),
+    (("[::1]:65536", 2, 0, "auto"), "is not host:port"),
+    ((None, 2, 1, "auto"), "--num_processes and --process_id need --coordinator_address"),
 ])
 def test_mistakes_are_config_errors(plain, args, message):
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

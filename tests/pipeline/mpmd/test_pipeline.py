@@ -17,6 +17,7 @@ from spmdtask.pipeline.schedules import simulate
 from spmdtask.pipeline.schedules.generators import gpipe, interleaved_1f1b, one_f_one_b, zb_h1
 from spmdtask.pipeline.schedules.schedule import Action, Schedule
 from spmdtask.pipeline.mpmd.split import stage_boundary
+from tests import util
 
 DIN, D, L, B, M = 4, 8, 4, 16, 4  # input width, model width, layers, batch, microbatches
 
@@ -108,7 +109,7 @@ def check_run(pipeline, params, batch, rtol=1e-5):
   for s, grads in enumerate(result.grads):
     assert set(grads) == set(pipeline.stage_keys[s])
     for k, g in grads.items():
-      np.testing.assert_allclose(g, want[k], rtol=rtol, atol=1e-6, err_msg=f"stage {s} {k}")
+      util.assert_close_f32(g, want[k], terms=B, rtol=rtol, err_msg=f"stage {s} {k}")
   return result
 
 
@@ -187,7 +188,7 @@ def test_aux_and_microbatch_weights():
   want = dict(zip(pl.paths, jax.tree.leaves(want)))
   for grads in result.grads:
     for k, g in grads.items():
-      np.testing.assert_allclose(g, want[k], rtol=1e-5, atol=1e-6)
+      util.assert_close_f32(g, want[k], terms=B)
   np.testing.assert_allclose([a["y2"] for a in result.aux],
                              [(mb["y"] ** 2).mean() for mb in mbs], rtol=1e-6)
 
@@ -199,7 +200,7 @@ def assert_same_run(got, want, rtol=1e-5):
   got, want = merge(got), merge(want)
   assert got.keys() == want.keys()
   for k in got:
-    np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=1e-7, err_msg=k)
+    util.assert_close_f32(got[k], want[k], terms=B, rtol=rtol, err_msg=k)
 
 
 def test_zb_h1_and_interleaved_equal_1f1b_with_simulated_peaks():

@@ -48,7 +48,7 @@ def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
                    {"['layers']['block_1']", "['final_norm']['scale']", "['unembed']"}]
   assert program.last_peak_residuals == (2, 1)  # 1F1B: S - s
   np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
-  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
   got_eval = evaluate(program, state)
   assert got_eval["weight"] == want_eval["weight"] == 100 * 64
   np.testing.assert_allclose(got_eval["loss"], want_eval["loss"], rtol=1e-5)
@@ -80,7 +80,7 @@ def test_zb_h1_and_interleaved_equal_one_device():
   want, want_params, _ = one_device(3)
   zb, params, program, state = _train_program(("task.pipeline.schedule='zb_h1'",))
   np.testing.assert_allclose(zb, want, rtol=1e-4)
-  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
   assert program.last_peak_residuals == (2, 1)  # released at I: 1F1B's S - s
   batch = program.global_batch(util.build_run("lm.TinyLmMpmd").datasets["train"].batch_at(0))
   flops = program.pipeline.backward_flops([st.params for st in state.stages],
@@ -93,7 +93,7 @@ def test_zb_h1_and_interleaved_equal_one_device():
       "task.pipeline.layer_cuts=(1, 2, 3)"))
   assert program.pipeline.part_stage == [0, 1, 0, 1]
   np.testing.assert_allclose(interleaved, want, rtol=1e-4)
-  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
 
 
 def test_tied_embeddings_match_one_device():
@@ -104,7 +104,7 @@ def test_tied_embeddings_match_one_device():
   np.testing.assert_array_equal(stage0, stage1)  # the two copies stay identical
   assert "unembed" not in params  # the checkpoint holds one embedding
   np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
-  util.assert_trees_close(params, want_params, rtol=1e-5, atol=1e-6)
+  util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
 
 
 def _train(exp, steps, job_log_dir, overrides=()):
@@ -195,5 +195,5 @@ def test_last_stage_vocab_tiled_loss_and_grads_equal_optax():
   flat = dict(zip(pl.paths, jax.tree.leaves(want_grads)))
   for s, grads in enumerate(got.grads):
     for k, g in grads.items():
-      np.testing.assert_allclose(np.asarray(g) / tokens, np.asarray(flat[k]) / tokens,
-                                 rtol=1e-6, atol=1e-6, err_msg=f"stage {s} {k}")
+      util.assert_close_f32(np.asarray(g) / tokens, np.asarray(flat[k]) / tokens, terms=tokens,
+                            rtol=1e-6, err_msg=f"stage {s} {k}")

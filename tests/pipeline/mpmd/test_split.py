@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from spmdtask.pipeline.mpmd.split import split, stage_boundary, stage_boundary_p
+from tests import util
 
 B = 4  # rows; every width below is distinct so a value is named by its shape
 
@@ -46,8 +47,7 @@ def test_marker_is_identity_for_grad_vmap_jit():
   for got in (jax.value_and_grad(four_stages)(p, x),
               jax.jit(jax.value_and_grad(four_stages))(p, x)):
     np.testing.assert_allclose(got[0], unmarked[0], rtol=1e-6)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7),
-                 got[1], unmarked[1])
+    util.assert_trees_close(got[1], unmarked[1], terms=B, rtol=1e-6)
   per_row = jax.vmap(lambda r: four_stages(p, r[None]))(x)
   per_row_ref = jax.vmap(lambda r: four_stages(p, r[None], mark=False))(x)
   np.testing.assert_allclose(per_row, per_row_ref, rtol=1e-6)
@@ -102,7 +102,7 @@ def test_stages_compose_to_value_and_grad():
   np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
   np.testing.assert_allclose(staged(p, x), want_loss, rtol=1e-6)
   for g, w in zip(grads, jax.tree.leaves(want)):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    util.assert_close_f32(g, w, terms=B)
 
 
 def test_markers_inside_jit_are_inlined_and_inside_scan_rejected():
