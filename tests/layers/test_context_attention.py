@@ -21,11 +21,12 @@ from tools import prepare_text_data
 
 STEPS = 10
 # float32, 10 Adam steps: one step's loss and gradients differ from one device's by the
-# order of sums only (~eps · sqrt(n) ≈ 1e-7 · 30 relative). Gradients reach ~1e-2: an
-# element near zero gets an absolute floor of 1e-5 of that. Adam divides each update by
-# its gradient's own scale, so a parameter whose gradient is near zero moves by ~lr
-# whatever the rounding: params get an absolute floor at 1e-6 of their O(1) size.
-RTOL, PARAMS_ATOL, GRADS_ATOL = 1e-5, 1e-6, 1e-7
+# order of sums only (~eps · sqrt(n) ≈ 1e-7 · 30 relative). Gradients: an element near
+# zero gets util.f32_atol's floor over a batch's 1024 tokens (~3e-5 of the largest).
+# Adam divides each update by its gradient's own scale, so a parameter whose gradient is
+# near zero moves by ~lr whatever the rounding: params get an absolute floor at 1e-6 of
+# their O(1) size.
+RTOL, PARAMS_ATOL, GRAD_TERMS = 1e-5, 1e-6, 16 * 64
 
 
 def grads_then_adamw(learning_rate):
@@ -140,7 +141,7 @@ def test_context_parallel_training_equals_one_device(case, corpus):
   got = _run(exp, STEPS, overrides, named_edit)
   print(case, _worst(got, want))
   np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
-  util.assert_trees_close(got[2], want[2], rtol=RTOL, atol=GRADS_ATOL)
+  util.assert_trees_close(got[2], want[2], rtol=RTOL, terms=GRAD_TERMS)
   util.assert_trees_close(got[1], want[1], rtol=RTOL, atol=PARAMS_ATOL)
 
 
