@@ -4,12 +4,11 @@
 bytes of its result (the data each device ends up with: all-gather's gathered array,
 all-reduce's reduced one, reduce-scatter's shard). Collectives inside a `while` body
 (a scanned layer stack, gradient accumulation) are counted once per trip, so the totals
-are per train step. A loop's trips come from its `known_trip_count` (XLA:CPU annotates
-it) or, where the backend leaves none (XLA:TPU), from its condition `i < N` and the
-constant start of `i`. A collective counts once per scheduled instruction that performs
-it (names are unique in a module, `scheduled_collectives`; XLA:TPU reuses `channel_id`s):
-an async op's done and updates, XLA:TPU's continuation and done fusions continue its start.
-"""
+are per train step. A loop's trips: its `known_trip_count` (XLA:CPU's) or, where there is
+none (XLA:TPU), its condition `i < N` and the constant start of `i`. A collective counts
+once per scheduled instruction that performs it (names are unique in a module; XLA:TPU
+reuses `channel_id`s): an async op's done and updates, XLA:TPU's continuation and done
+fusions continue its start (`scheduled_collectives`)."""
 import collections
 import dataclasses
 import math
@@ -18,10 +17,9 @@ import re
 from spmdtask.plan import replica_groups as groups
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
-         "collective-permute")  # ragged: dropless MoE's token exchange (its result: the
-                                # receive buffer, sized for the most a device may get)
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+         "collective-permute")  # ragged: dropless MoE's (result: the receive buffer)
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                 "f8e4m3fn": 1, "f8e5m2": 1}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$")
