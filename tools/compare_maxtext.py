@@ -98,7 +98,9 @@ def maxtext_compile(cfg: Config, maxtext_dir: str, python: str, out: str) -> dic
   cmd = [python, os.path.join(REPO, "tools", "maxtext_step.py"), out]
   cmd += [f"--benchmark={cfg.benchmark}"] if cfg.benchmark else []
   cmd += ["src/maxtext/configs/base.yml", *cfg.maxtext_args]
-  env = dict(os.environ, DECOUPLE_GCLOUD="TRUE", PYTHONPATH=".:src")
+  # Another process here (spmdtask's own plan) may hold libtpu's lockfile.
+  env = dict(os.environ, DECOUPLE_GCLOUD="TRUE", PYTHONPATH=".:src",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   done = subprocess.run(cmd, cwd=maxtext_dir, env=env, capture_output=True, text=True,
                         check=False)
   if done.returncode:
@@ -205,7 +207,8 @@ def main() -> None:
   p.add_argument("--maxtext_dir", required=True, help="a MaxText checkout (its src/ and "
                  "benchmarks/)")
   p.add_argument("--maxtext_python", required=True, help="a Python with MaxText's "
-                 "requirements and jax[tpu] (libtpu)")
+                 "requirements and jax[tpu] (libtpu); today's MaxText needs Python >= 3.12 "
+                 "and jax, jaxlib and libtpu pinned to spmdtask's versions")
   p.add_argument("--config", default="all", choices=[*CONFIGS, "all"])
   p.add_argument("--out", default="/tmp/spmdtask_compare_maxtext")
   p.add_argument("--reuse", action="store_true", help="keep compiles already under --out")
