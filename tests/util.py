@@ -130,6 +130,18 @@ def tiny_hf_tokenizer(directory: str, texts, vocab_size: int = 300, eos: str | N
   return path
 
 
+def flipped_array_reasons(array_path: str) -> tuple[str, str]:
+  """The two ways a restore names an array whose stored bytes were flipped in place: the
+  chunk still decompresses and its fingerprint differs, or the compressed stream no longer
+  decodes (TensorStore's read error, spmdtask.run.checkpoint_check.read_failure); which one
+  depends on where in the compressed chunk the bytes land."""
+  return (f"the array {array_path} does not hold the values it was saved with (its "
+          "fingerprint, taken on the devices at the save, differs: its bytes changed after the "
+          "save, e.g. on a disk, in a bucket or in a copy)",
+          f"the array {array_path} cannot be decoded (its bytes changed after the save, e.g. "
+          "on a disk, in a bucket or in a copy)")
+
+
 def flip_middle_of_largest(item_dir: str, read, write) -> tuple[str, str]:
   """Flips 256 bytes in the middle of the data file that holds the most bytes of an orbax
   array item (`item_dir`, e.g. a step's params/; local or gs://), found from its OCDBT index

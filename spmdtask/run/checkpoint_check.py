@@ -147,6 +147,25 @@ def innermost_reason(error: BaseException) -> str:
   return f"{type(error).__name__}: {text[:300]}"
 
 
+# TensorStore's read error for a value of an OCDBT database: its key ("a.b.c/chunk"), then
+# the database's path (the checkpoint item's directory; "local file" before a local one).
+_OCDBT_READ = re.compile(r'Error reading "([^"/]+)/[^"]*" in OCDBT database at '
+                         r'[^/]*?([^\s"]*/[^\s"]*)')
+
+
+def read_failure(error: BaseException) -> str:
+  """Why orbax's restore failed: the array whose stored bytes TensorStore could not decode
+  (bytes changed in compressed data), named as the fingerprints name it; else the root
+  cause (`innermost_reason`)."""
+  reason = innermost_reason(error)
+  found = _OCDBT_READ.search(reason)
+  if not found:
+    return reason
+  item = found.group(2).rstrip("/:,.").split("/")[-1]  # params, opt_state
+  return (f"the array {item}/{found.group(1).replace('.', '/')} cannot be decoded (its bytes "
+          "changed after the save, e.g. on a disk, in a bucket or in a copy)")
+
+
 def aside_dir(directory: str) -> str:
   """Where a resume with --restore_step moves the unreadable later checkpoints."""
   return fs.join(fs.dirname(directory), "checkpoints_unreadable")

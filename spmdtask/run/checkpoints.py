@@ -169,7 +169,7 @@ def _checked_read(mngr, directory: str, program, step: int,
       raise
     except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
       logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
-      return None, checkpoint_check.innermost_reason(e)
+      return None, checkpoint_check.read_failure(e)
   stored = got["meta"].get(fingerprints.KEY)
   if stored is None:  # written before checkpoints carried fingerprints: unchecked
     return got, None

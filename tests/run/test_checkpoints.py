@@ -255,7 +255,8 @@ def test_bytes_changed_in_place_fail_the_restore_in_one_paragraph(reference_job,
   shutil.copytree(os.path.join(reference_job, "checkpoints"), os.path.join(job, "checkpoints"))
   _flip_bytes(_largest_file(os.path.join(job, "checkpoints", "12", "params")))
   assert checkpoint_check.problem(os.path.join(job, "checkpoints", "12")) is None
-  with pytest.raises(CheckpointUnreadable, match=r"in OCDBT database .*ZSTD_decompress") as e:
+  with pytest.raises(CheckpointUnreadable,
+                     match=r"cannot be read: the array params/\S+ cannot be decoded") as e:
     checkpoints.restore_state(job, _program())
   assert e.value.intact_step == 8 and "<" not in str(e.value) and "\n" not in str(e.value)
 
@@ -328,8 +329,8 @@ def test_damaged_checkpoints_exit_2_naming_the_array_and_the_restore_command_res
   lines = (r.stdout + r.stderr).splitlines()
   assert r.returncode == 2 and len(lines) <= 15, r.stdout + r.stderr
   assert "Traceback" not in r.stderr and "pybind" not in r.stderr
-  assert (f"The checkpoint at step 12 in {ck} cannot be read: the array params/{array} does "
-          "not hold the values it was saved with (its fingerprint") in r.stderr, r.stderr
+  assert any(f"The checkpoint at step 12 in {ck} cannot be read: {why}." in r.stderr
+             for why in util.flipped_array_reasons(f"params/{array}")), r.stderr
   assert "The newest intact checkpoint is step 4;" in r.stderr
   assert {p: v for p, v in _snapshot(job).items() if "/logs/" not in p} == {
       p: v for p, v in before.items() if "/logs/" not in p}
