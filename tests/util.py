@@ -175,3 +175,18 @@ def flip_middle_of_largest(item_dir: str, read, write) -> tuple[str, str]:
   (key,) = [k for k, path, offset, length in values
             if path == rel and offset <= mid < offset + length]
   return rel, key.split("/")[0].replace(".", "/")
+
+
+def packed_text_corpus(tmp_path_factory) -> str:
+  """A byte-level corpus of 24 short documents (tools/prepare_text_data.py), for packed-row
+  tests (TextLm): the prepared data dir."""
+  from tools import prepare_text_data  # pylint: disable=g-import-not-at-top
+  root = tmp_path_factory.mktemp("corpus")
+  rng = np.random.default_rng(0)
+  words = "a packed row holds whole documents each closed by its end id".split()
+  for i in range(24):
+    text = " ".join(words[j] for j in rng.integers(0, len(words), int(rng.integers(3, 60))))
+    (root / f"doc{i:02d}.txt").write_text(f"document {i}: {text}.\n")
+  out = str(root / "bytes")
+  prepare_text_data.prepare(str(root / "*.txt"), out, "bytes", eval_fraction=0.2, num_shards=2)
+  return out

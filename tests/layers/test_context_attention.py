@@ -11,13 +11,11 @@ import optax
 import pytest
 
 from configs import lm
-from spmdtask.core import remat
 from spmdtask.errors import ConfigError
 from spmdtask.layers import attention, context_attention
 from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from tests import util
-from tools import prepare_text_data
 
 STEPS = 10
 # float32, 10 Adam steps: one step's loss and gradients differ from one device's by the
@@ -97,14 +95,7 @@ def one_device(exp, overrides=()):
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("corpus")
-  rng = np.random.default_rng(0)
-  words = "a packed row holds whole documents each closed by its end id".split()
-  for i in range(24):
-    text = " ".join(words[j] for j in rng.integers(0, len(words), int(rng.integers(3, 60))))
-    (root / f"doc{i:02d}.txt").write_text(f"document {i}: {text}.\n")
-  out = str(root / "bytes")
-  prepare_text_data.prepare(str(root / "*.txt"), out, "bytes", eval_fraction=0.2, num_shards=2)
+  out = util.packed_text_corpus(tmp_path_factory)
   return ("task.model.vocab_size=257", f"decode_datasets['prompts'].data_dir='{out}'",
           "decode_datasets['prompts'].num_examples=4",
           "decode_datasets['prompts'].batch_size=4") + tuple(

@@ -18,7 +18,6 @@ from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.core.strategy import StackFacts
 from tests import util
-from tools import prepare_text_data
 
 STEPS = 3
 DROPOUT = ("task.model.dropout_rate=0.1",)
@@ -73,15 +72,7 @@ def test_tiny_vit_mpmd_equals_tiny_vit_on_one_device():
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-  root = tmp_path_factory.mktemp("corpus")
-  rng = np.random.default_rng(0)
-  words = "a packed row holds whole documents each closed by its end id".split()
-  for i in range(24):
-    text = " ".join(words[j] for j in rng.integers(0, len(words), int(rng.integers(3, 60))))
-    (root / f"doc{i:02d}.txt").write_text(f"document {i}: {text}.\n")
-  out = str(root / "bytes")
-  prepare_text_data.prepare(str(root / "*.txt"), out, "bytes", eval_fraction=0.2, num_shards=2)
-  return out
+  return util.packed_text_corpus(tmp_path_factory)
 
 
 def _text(corpus):
