@@ -53,6 +53,9 @@ def benchmark_args(spec: str, args: list[str]) -> list[str]:
 
 
 def main() -> None:
+  if len(sys.argv) < 2 or sys.argv[1].startswith("-"):  # --help, or no OUT_DIR: never a dir
+    print(__doc__.split("\n\n")[1] if len(sys.argv) > 1 else __doc__, file=sys.stderr)
+    sys.exit(2)
   out, rest = sys.argv[1], sys.argv[2:]
   if rest and rest[0].startswith("--benchmark="):
     rest = benchmark_args(rest[0].split("=", 1)[1], rest[1:])
