@@ -24,7 +24,8 @@ segment ids together (the loss is a sum over tokens, so it needs no reorder back
 
 Inside a shard the scores of a block are computed with einsums (the xla kernel): splash
 and cuDNN take causality from the token index, not from positions, so they cannot attend
-a K/V block from another shard; `check` refuses them by name.
+a K/V block from another shard; `check` refuses them by name. A block's queries are taken
+in chunks (`score_block`), so that only one chunk's float32 scores live at a time.
 """
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,12 @@ from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.context_attention"
 METHODS = ("all_gather", "ring")
+# (query, key) pairs per head in one chunk of scores. The chunk's float32 arrays are
+# [b, kv, g, t', s], and a backward holds about four at once (scores, probabilities, dp,
+# ds): Llama-3.1-8B at 128k over context 16 (32 heads, 8192 keys a ring step) gets 512
+# queries a chunk, 512 MiB an array. Measured on its plan (v5p, 2 layers): 256, 512, 1024
+# queries gave TODO GiB of temporaries; the unchunked block 15.1 GiB.
+SCORE_BLOCK = 512 * 8192
 
 
 def seq_axes(heads_split: SplitDims | None, mesh_shape, manual=()) -> tuple[str, ...]:
@@ -104,8 +111,8 @@ def _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
   return s, mask
 
 
-def _block(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
-  """One K/V block: (unnormalized output [b, kv, g, t, hd], running max and sum [b, kv, g,
+def _block_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
+  """One K/V block, all its queries at once: (unnormalized output [b, kv, g, t, hd], running max and sum [b, kv, g,
   t]), all float32. The max is a constant of the softmax, hence stop_gradient: the
   function is the same, and its gradient needs no argmax."""
   s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
@@ -132,17 +139,17 @@ def _normalized(o, l):
   return o / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal):
+def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal, score_block):
   """This shard's queries against the whole row's K/V, gathered: [b, kv, g, t, hd] f32."""
   gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
   kv_pos = gather(q_pos)
   kv_seg = None if q_seg is None else gather(q_seg)
-  o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal)
+  o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal, score_block)
   return _normalized(o, l)
 
 
-def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta):
-  """One block's gradients (dq [b, t, kv, g, hd], dk, dv [b, s, kv, hd], float32) from the
+def _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta):
+  """One block's gradients, all its queries at once (dq [b, t, kv, g, hd], dk, dv [b, s, kv, hd], float32) from the
   output's cotangent `do` [b, kv, g, t, hd], the log-sum-exp and delta = sum(do · o)."""
   s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
   p = jnp.exp(s - lse[..., None])
@@ -156,6 +163,56 @@ def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta):
   return dq, dk, dv
 
 
+def _num_chunks(t: int, s: int, score_block: int) -> int:
+  """How many equal chunks `t` queries against `s` keys take: the fewest whose chunk holds
+  at most `score_block` (query, key) pairs, or as near as a divisor of t allows."""
+  most = max(1, score_block // max(s, 1))
+  return t // next(c for c in range(min(most, t), 0, -1) if t % c == 0)
+
+
+def _chunks(x, n: int, axis: int):
+  """x [..., t, ...] as n chunks along a new leading dim: [n, ..., t/n, ...]."""
+  shape = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unchunk(x, axis: int):
+  """The inverse of `_chunks`."""
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _block(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool, score_block: int):
+  """`_block_dense` over chunks of queries (each needs the whole K/V block, no other query:
+  the chunks' outputs just stack). Each chunk is checkpointed: differentiated (the
+  all_gather path), it keeps its inputs, not its scores, and its backward recomputes them."""
+  n = _num_chunks(q.shape[1], k.shape[1], score_block)
+  if n == 1:
+    return _block_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal)
+  one = jax.checkpoint(lambda xs: _block_dense(xs[0], k, v, xs[1], kv_pos, xs[2], kv_seg, causal))
+  seg = None if q_seg is None else _chunks(q_seg, n, 1)
+  o, m, l = jax.lax.map(one, (_chunks(q, n, 1), _chunks(q_pos, n, 1), seg))
+  return _unchunk(o, 3), _unchunk(m, 3), _unchunk(l, 3)
+
+
+def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta, score_block: int):
+  """`_grads_dense` over chunks of queries: dq chunk by chunk, dk and dv summed."""
+  n = _num_chunks(q.shape[1], k.shape[1], score_block)
+  if n == 1:
+    return _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta)
+
+  def one(dkv, xs):
+    qc, pos, seg, doc, lsec, deltac = xs
+    dq, dk, dv = _grads_dense(qc, k, v, pos, kv_pos, seg, kv_seg, causal, doc, lsec, deltac)
+    return (dkv[0] + dk, dkv[1] + dv), dq
+  zero = jnp.zeros(k.shape, jnp.float32)
+  seg = None if q_seg is None else _chunks(q_seg, n, 1)
+  (dk, dv), dq = jax.lax.scan(one, (zero, zero), (
+      _chunks(q, n, 1), _chunks(q_pos, n, 1), seg, _chunks(do, n, 3), _chunks(lse, n, 3),
+      _chunks(delta, n, 3)))
+  return _unchunk(dq, 1), dk, dv
+
+
 def _halves(x, axis: int):
   n = x.shape[axis] // 2
   return jax.lax.slice_in_dim(x, 0, n, axis=axis), jax.lax.slice_in_dim(x, n, 2 * n, axis=axis)
@@ -166,7 +223,7 @@ def _pad_front(x, axis: int, value=0.0):
   return jnp.concatenate([jnp.full_like(x, value), x], axis=axis)
 
 
-def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
+def _local_ring(q, k, v, q_pos, q_seg, axes, causal, score_block):
   """This shard's queries against every shard's K/V block in turn: [b, kv, g, t, hd] f32.
 
   A custom VJP, as flash attention's: the forward keeps only its output and each query's
@@ -188,17 +245,20 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
   low = jnp.finfo(jnp.float32).min
 
   def forward_part(q, pos, seg, blk, earlier):
-    whole = lambda: _block(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]), causal)
+    whole = lambda: _block(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]), causal,
+                           score_block)
     if earlier is None or not causal:
       return whole()
 
     def from_earlier(_):  # every query, the block's first chunk
       kb = [_halves(x, 1)[0] for x in blk]
-      return _block(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal)
+      return _block(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal,
+                    score_block)
 
     def from_later(_):  # this shard's second chunk, the whole block
       o, m, l = _block(_halves(q, 1)[1], blk[0], blk[1], _halves(pos, 1)[1], blk[2],
-                       first([_halves(x, 1)[1] for x in seg]), first(blk[3:]), causal)
+                       first([_halves(x, 1)[1] for x in seg]), first(blk[3:]), causal,
+                       score_block)
       return _pad_front(o, 3), _pad_front(m, 3, low), _pad_front(l, 3)
     return jax.lax.cond(earlier, from_earlier, from_later, None)
 
@@ -234,14 +294,14 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
 
     def grads(blk, earlier):
       whole = lambda: _grads(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]),
-                             causal, do, lse, delta)
+                             causal, do, lse, delta, score_block)
       if earlier is None or not causal:
         return whole()
 
       def from_earlier(_):
         kb = [_halves(x, 1)[0] for x in blk]
         dq, dk, dv = _grads(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal,
-                            do, lse, delta)
+                            do, lse, delta, score_block)
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
         return dq, pad(dk), pad(dv)
 
@@ -249,7 +309,7 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
         hi = lambda x, axis: _halves(x, axis)[1]
         dq, dk, dv = _grads(hi(q, 1), blk[0], blk[1], hi(pos, 1), blk[2],
                             first([hi(x, 1) for x in seg]), first(blk[3:]), causal,
-                            hi(do, 3), hi(lse, 3), hi(delta, 3))
+                            hi(do, 3), hi(lse, 3), hi(delta, 3), score_block)
         return _pad_front(dq, 1), dk, dv
       return jax.lax.cond(earlier, from_earlier, from_later, None)
 
@@ -274,14 +334,16 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal):
 
 
 def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
-           segment_ids: jax.Array | None, causal: bool, heads_split: SplitDims) -> jax.Array:
+           segment_ids: jax.Array | None, causal: bool, heads_split: SplitDims,
+           score_block: int = SCORE_BLOCK) -> jax.Array:
   """Self-attention of a sequence split over the seq axes of `heads_split` (`method`:
   all_gather or ring; module doc).
 
   q [b, t, heads, hd], k/v [b, t, kv_heads, hd], positions and segment_ids (or None) [b, t],
   each split over those axes, in zig-zag order (`zigzag`; the ring skips the blocks that
   order puts after a shard's queries; all_gather takes any order) -> [b, t, heads, hd] in
-  q's dtype.
+  q's dtype. `score_block`: (query, key) pairs per head in one chunk of float32 scores
+  inside a shard (queries are taken in chunks of about score_block / keys).
   """
   mesh = jax.sharding.get_abstract_mesh()
   axes = seq_axes(heads_split, dict(mesh.shape), mesh.manual_axes)
@@ -291,7 +353,7 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
   def run(q, k, v, pos, seg):
     q5 = q.reshape(q.shape[0], q.shape[1], kvh, h // kvh, hd)
-    o = local(q5, k, v, pos, seg, axes, causal)  # [b, kv, g, t, hd]
+    o = local(q5, k, v, pos, seg, axes, causal, score_block)  # [b, kv, g, t, hd]
     return jnp.einsum("bkgth->btkgh", o).reshape(q.shape).astype(q.dtype)
 
   act, row = P(None, axes, None, None), P(None, axes)

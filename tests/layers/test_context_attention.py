@@ -2,6 +2,7 @@
 'context' mesh axis trains like one device, with both attentions, alone and with fsdp and
 tp, packed rows, every remat preset, the SPMD pipeline and MPMD; and its config errors."""
 import functools
+import itertools
 
 import fiddle as fdl
 import jax
@@ -182,9 +183,12 @@ def test_both_attentions_equal_one_device_attention_on_shuffled_packed_tokens():
   split = (None, "context", None, None)
   mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:4])
-  for method in context_attention.METHODS:
+  # The default score block holds each shard's queries whole; 16 (query, key) pairs cuts
+  # them into chunks of 1 (all_gather: 32 keys) or 2 and 4 (the ring's 8- and 4-key blocks).
+  for method, score_block in itertools.product(context_attention.METHODS,
+                                                (context_attention.SCORE_BLOCK, 16)):
     with jax.set_mesh(mesh):
       got = with_grads(lambda q, k, v, p, s: context_attention.attend(
-          method, q, k, v, p, s, True, split))(*shuffled)
+          method, q, k, v, p, s, True, split, score_block))(*shuffled)
     # float32 sums over 32 keys and 8 head dims: ~eps · sqrt(n) relative.
     util.assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
