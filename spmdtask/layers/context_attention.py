@@ -38,11 +38,13 @@ from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.context_attention"
 METHODS = ("all_gather", "ring")
-# (query, key) pairs per head in one chunk of scores. The chunk's float32 arrays are
-# [b, kv, g, t', s], and a backward holds about four at once (scores, probabilities, dp,
-# ds): Llama-3.1-8B at 128k over context 16 (32 heads, 8192 keys a ring step) gets 512
-# queries a chunk, 512 MiB an array. Measured on its plan (v5p, 2 layers): 256, 512, 1024
-# queries gave TODO GiB of temporaries; the unchunked block 15.1 GiB.
+# (query, key) pairs per head in one chunk of the forward's float32 scores [b, kv, g, t', s];
+# the backward, which holds about twice as many such arrays at once (probabilities, dp, ds),
+# takes half. Llama-3.1-8B at 128k over context 16 (32 heads, 8192 keys a ring step): 512
+# queries a forward chunk (512 MiB), 256 a backward one. Measured on its v5p-128 plan,
+# temporaries | HBM bytes per chip per step: whole blocks 20.2 GiB | 24.6 TiB; 512 both
+# ways 8.87 | 26.9; 512 and 256 8.03 | 27.8; 256 both 7.97 | 28.6 (each chunk re-reads its
+# K/V block and the backward's dk/dv sums: smaller chunks, more traffic).
 SCORE_BLOCK = 512 * 8192
 
 
@@ -112,9 +114,9 @@ def _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
 
 
 def _block_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
-  """One K/V block, all its queries at once: (unnormalized output [b, kv, g, t, hd], running max and sum [b, kv, g,
-  t]), all float32. The max is a constant of the softmax, hence stop_gradient: the
-  function is the same, and its gradient needs no argmax."""
+  """One K/V block, all its queries at once: (unnormalized output [b, kv, g, t, hd], running
+  max and sum [b, kv, g, t]), all float32. The max is a constant of the softmax, hence
+  stop_gradient: the function is the same, and its gradient needs no argmax."""
   s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
   low = jnp.finfo(jnp.float32).min
   if mask is not None:
@@ -149,8 +151,9 @@ def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal, score_block):
 
 
 def _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta):
-  """One block's gradients, all its queries at once (dq [b, t, kv, g, hd], dk, dv [b, s, kv, hd], float32) from the
-  output's cotangent `do` [b, kv, g, t, hd], the log-sum-exp and delta = sum(do · o)."""
+  """One block's gradients, all its queries at once (dq [b, t, kv, g, hd], dk, dv [b, s, kv,
+  hd], float32) from the output's cotangent `do` [b, kv, g, t, hd], the log-sum-exp and
+  delta = sum(do · o)."""
   s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
   p = jnp.exp(s - lse[..., None])
   if mask is not None:
@@ -196,8 +199,9 @@ def _block(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool, score_block: int
 
 
 def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta, score_block: int):
-  """`_grads_dense` over chunks of queries: dq chunk by chunk, dk and dv summed."""
-  n = _num_chunks(q.shape[1], k.shape[1], score_block)
+  """`_grads_dense` over chunks of queries (half `_block`'s: module's SCORE_BLOCK): dq chunk
+  by chunk, dk and dv summed over them."""
+  n = _num_chunks(q.shape[1], k.shape[1], score_block // 2)  # twice the live arrays
   if n == 1:
     return _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta)
 
