@@ -5,8 +5,8 @@ context 1, 2, 4, 8 (XLA:CPU's compiled programs; nothing runs).
 
 lm.TinyLm with one row of `seq_len` tokens on a (data 1, fsdp 1, context cp, model 1) mesh
 of cp emulated CPU devices, compiled once per (cp, task.model.context_attention); prints
-memory_analysis per device: arguments, temporaries (the activations: they fall as 1/cp)
-and the peak estimate. cp = 1 has no context axis to attend across: it is the one-device
+memory_analysis per device: arguments, temporaries (the activations, attention's scores a
+chunk at a time) and the peak estimate. cp = 1 has no context axis to attend across: it is the one-device
 program (the attention field does not apply).
 """
 import argparse

@@ -146,7 +146,9 @@ def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal, score_block):
   gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
   kv_pos = gather(q_pos)
   kv_seg = None if q_seg is None else gather(q_seg)
-  o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal, score_block)
+  # Autodiff's backward recomputes each checkpointed chunk: the chunks are a backward's size.
+  o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal,
+                   score_block // 2)
   return _normalized(o, l)
 
 

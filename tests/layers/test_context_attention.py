@@ -184,8 +184,8 @@ def test_both_attentions_equal_one_device_attention_on_shuffled_packed_tokens():
   mesh = jax.make_mesh((4,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:4])
   # The default score block holds each shard's 8 queries whole; 16 (query, key) pairs cut
-  # them into chunks of 1 (all_gather: 32 keys) or 2 and 4 (the ring's 8- and 4-key
-  # blocks), half that in the ring's backward.
+  # them into chunks of 1 (all_gather: 32 keys) or of 2 and 4 (the ring's 8- and 4-key
+  # blocks; half that in its backward).
   for method, score_block in itertools.product(context_attention.METHODS,
                                                 (context_attention.SCORE_BLOCK, 16)):
     with jax.set_mesh(mesh):
