@@ -201,8 +201,8 @@ def _block(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool, score_block: int
 
 
 def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta, score_block: int):
-  """`_grads_dense` over chunks of queries (half `_block`'s: module's SCORE_BLOCK): dq chunk
-  by chunk, dk and dv summed over them."""
+  """`_grads_dense` over chunks of queries, half as long as `_block`'s for the same
+  `score_block` (SCORE_BLOCK's note): dq chunk by chunk, dk and dv summed over them."""
   n = _num_chunks(q.shape[1], k.shape[1], score_block // 2)  # twice the live arrays
   if n == 1:
     return _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta)
