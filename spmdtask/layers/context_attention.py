@@ -235,7 +235,8 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal, score_block):
   A custom VJP, as flash attention's: the forward keeps only its output and each query's
   log-sum-exp; the backward passes the K/V blocks around the ring again, recomputes each
   block's probabilities, and sends each block's K/V gradients on with it, so that after cp
-  hops they reach their own shard. Steps run in a loop: one block's scores live at a time.
+  hops they reach their own shard. Steps run in a loop, each block's queries in chunks
+  (`_block`, `_grads`): one chunk of one block's scores lives at a time.
 
   Causal rows are in zig-zag order (the model orders them so), and a block from another
   shard is half work: from an earlier shard (src < this one) every query sees its first
