@@ -187,7 +187,7 @@ def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul
   def body(total, ws):  # the sum stays outside the checkpoint: no per-step copy of it
     return total + step(x, gates, *ws).astype(jnp.float32), None
 
-  zero = jnp.zeros(x.shape, jnp.float32)
+  zero = jnp.zeros_like(x, jnp.float32)  # varying over the manual axes x varies over
   total, _ = jax.lax.scan(body, zero, (sliced(wi, 2), sliced(wg, 2), sliced(wo, 1)))
   return total.astype(x.dtype)
 
