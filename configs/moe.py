@@ -109,7 +109,17 @@ class Mixtral_8x7B(llama._Llama):  # pylint: disable=protected-access
   ici_mesh_shape = (1, -1, 4, 1)
 
   def model(self):
-    return mixtral(d_model=4096, num_layers=32, num_heads=32, d_ff=14336, max_seq_len=32768)
+    cfg = mixtral(d_model=4096, num_layers=32, num_heads=32, d_ff=14336, max_seq_len=32768)
+    # The experts' d over `fsdp` (256 a chip) and d_ff over `fsdp_b`: d over all 64 chips
+    # leaves 64 a chip, which XLA:TPU lays out minor-most in the layer stack's bf16 weight
+    # copies and gradients, padded to 128 (twice the bytes).
+    split = cfg.weight_split_dims_mapping
+    split.expert_in = (None, "fsdp", ("fsdp_b", "model"))
+    split.expert_out = (None, ("fsdp_b", "model"), "fsdp")
+    # The experts' ff dim in 7 slices of 2048 (megablox tiles): one slice's gathered weights
+    # and [tokens * top_k, 2048] activations live at a time.
+    cfg.moe.ff_chunks = 7
+    return cfg
 
 
 @register

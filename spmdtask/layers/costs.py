@@ -113,8 +113,10 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   r, t, L, dt = rows, seq_len, model.num_layers, model.fprop_dtype
   q, kv, d, ff = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
       model.d_model, model.d_ff
+  running = ff  # the MLP's hidden width per token while one layer runs
   if model.moe is not None:  # per token: its top_k experts' hidden rows, and the shared ones
     ff = model.moe.top_k * model.moe.d_ff + model.moe.shared_ff
+    running = model.moe.top_k * model.moe.d_ff // model.moe.ff_chunks + model.moe.shared_ff
   width = {remat.Q_PROJ: q, remat.K_PROJ: kv, remat.V_PROJ: kv, remat.ATTN_CONTEXT: q,
            remat.ATTN_OUT: d, remat.MLP_UP: ff, remat.MLP_GATE: ff, remat.MLP_HIDDEN: ff,
            remat.MLP_OUT: d}
@@ -132,8 +134,9 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                 (r, t, -(-vocab // tiles)), "float32")
   arrays.append(logits)
   arrays.append(Held("one layer's MLP activation while it runs" if model.moe is None else
-                     "one MoE layer's expert activations (top_k per token) while it runs",
-                     (r, t, ff), dt))
+                     "one MoE layer's expert activations (top_k per token, one ff slice) "
+                     "while it runs",
+                     (r, t, running), dt))
   per_token = sum(a.bytes for a in arrays)  # what scales with the tokens at once
   if tiles > 1:  # layers.xent gathers one tile where it is used, reduce-scatters its gradient
     arrays.append(Held("one vocab tile of the head weight gathered while it runs, or its "

@@ -16,6 +16,7 @@ automatic (GSPMD).
 """
 import dataclasses
 import functools
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -53,6 +54,7 @@ class MoeConfig:
   capacity_factor: float = 1.25
   aux_loss_coef: float = 0.01
   z_loss_coef: float = 0.001
+  ff_chunks: int = 1
 
   @property
   def shared_ff(self) -> int:
@@ -82,6 +84,10 @@ class MoeConfig:
       raise ConfigError(f"{FIELD}.capacity_factor={self.capacity_factor}: each expert takes "
                         "ceil(capacity_factor * tokens * top_k / num_experts) tokens per row, "
                         "so it must be > 0 (1.0 = an even share; 1.25 is usual).")
+    if self.ff_chunks < 1 or self.d_ff % self.ff_chunks:
+      raise ConfigError(f"{FIELD}.ff_chunks={self.ff_chunks}: the routed experts' ff dim "
+                        f"(d_ff={self.d_ff}) runs in ff_chunks equal slices, so it must be a "
+                        f"positive divisor of {self.d_ff} (1: all at once).")
     if not 0 <= self.first_moe_layer < num_layers:
       raise ConfigError(f"{FIELD}.first_moe_layer={self.first_moe_layer}: layers [0, "
                         f"first_moe_layer) are dense, so it must lie in [0, task.model."
@@ -140,12 +146,50 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, kernel: str
              interpret=kernel == "megablox_interpret")
 
 
-def _swiglu(x, wi, wg, wo, matmul):
-  """Expert SwiGLU with the MLP's checkpoint names (every remat preset applies)."""
+def _swiglu(x, gates, wi, wg, wo, matmul):
+  """Expert SwiGLU with the MLP's checkpoint names (every remat preset applies), each
+  output row scaled by its gate."""
   h = checkpoint_name(matmul(x, wi), remat.MLP_UP)
   gate = checkpoint_name(matmul(x, wg), remat.MLP_GATE)
   h = checkpoint_name(jax.nn.silu(gate) * h, remat.MLP_HIDDEN)
-  return matmul(h, wo)
+  out = matmul(h, wo)
+  return out * gates[..., None].astype(out.dtype)
+
+
+def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul: Callable,
+                chunks: int) -> jax.Array:
+  """x [..., d] through the routed experts' SwiGLU, each row times its gate (`gates` [...]);
+  `weights` (wi, wg [E, d, f], wo [E, f, d]) as this device holds them, `whole(w, i)` the
+  i-th of them whole (gathered over FSDP axes, in the compute dtype), `matmul(rows, w)` one
+  expert matmul.
+
+  chunks > 1: the ff dim runs in `chunks` slices (hidden units j, j + chunks, ...: a
+  `model` split of f holds every slice's share), one after another in a `lax.scan`: each
+  slice's weights are gathered and its [..., f / chunks] activations made, used and freed
+  in its own step, and its backward recomputes them (a checkpoint per slice, so a remat
+  preset's MLP names are not kept across slices; each slice's weight gradients are its
+  own, never summed over steps). The gates are applied inside, so the gates' gradient
+  comes from each slice's backward and a remat'd layer need not rerun the slices for it.
+  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1."""
+  def run(x, gates, wi, wg, wo):
+    return _swiglu(x, gates, whole(wi, 0), whole(wg, 1), whole(wo, 2), matmul)
+
+  if chunks == 1:
+    return run(x, gates, *weights)
+
+  def sliced(w, axis):  # [..., f, ...] -> [chunks, ..., f / chunks, ...], strided
+    shape = w.shape[:axis] + (w.shape[axis] // chunks, chunks) + w.shape[axis + 1:]
+    return jnp.moveaxis(w.reshape(shape), axis + 1, 0)
+
+  wi, wg, wo = weights
+  step = jax.checkpoint(run)
+
+  def body(total, ws):  # the sum stays outside the checkpoint: no per-step copy of it
+    return total + step(x, gates, *ws).astype(jnp.float32), None
+
+  zero = jnp.zeros_like(x, jnp.float32)  # varying over the manual axes x varies over
+  total, _ = jax.lax.scan(body, zero, (sliced(wi, 2), sliced(wg, 2), sliced(wo, 1)))
+  return total.astype(x.dtype)
 
 
 class MoeFfn(nn.Module):
@@ -194,22 +238,25 @@ class MoeFfn(nn.Module):
     gathered = [[tuple(a for a in entry_axes(s) if a in manual) for s in split[1:]]
                 for split in (self.in_split, self.in_split, self.out_split)]
 
+    def whole(w, i):  # weight i's local shard whole over the manual FSDP axes, in dt
+      w = w.astype(moved)
+      for dim, dim_axes in enumerate(gathered[i], start=1):
+        for a in reversed(dim_axes):
+          w = jax.lax.all_gather(w, a, axis=dim, tiled=True)
+      return w.astype(dt)
+
     def local(x, experts, gates, *ws):
-      full = []
-      for w, axes in zip(ws, gathered):
-        w = w.astype(moved)
-        for dim, dim_axes in enumerate(axes, start=1):
-          for a in reversed(dim_axes):
-            w = jax.lax.all_gather(w, a, axis=dim, tiled=True)
-        full.append(w.astype(dt))
       x = x.astype(dt)
       if cfg.dispatch == "dropless":
-        ffn = lambda rows, sizes: _swiglu(
-            rows, *full, lambda h, w: grouped_matmul(h, w, sizes, self.kernel))
+        ffn = lambda rows, row_gates, sizes: experts_ffn(
+            rows, row_gates, ws, whole, lambda h, w: grouped_matmul(h, w, sizes, self.kernel),
+            cfg.ff_chunks)
         return moe_dispatch.dropless(x, experts, gates, cfg.num_experts // n_ep, ep, n_ep, ffn)
       cap = moe_dispatch.capacity(x.shape[1], cfg.top_k, cfg.num_experts,
                                   cfg.capacity_factor)
-      ffn = lambda buf: _swiglu(buf, *full, lambda h, w: jnp.einsum("emd,edf->emf", h, w))
+      ffn = lambda buf, buf_gates: experts_ffn(
+          buf, buf_gates, ws, whole, lambda h, w: jnp.einsum("emd,edf->emf", h, w),
+          cfg.ff_chunks)
       return moe_dispatch.capacity_dispatch(x, experts, gates, cfg.num_experts, cap, ep, n_ep,
                                             ffn)
 

@@ -3,12 +3,14 @@
 Both functions run on one device's tokens (inside a `jax.shard_map` manual over the
 batch's axes, or globally where there is no such split) and take the routing for them:
 `x [g, t, d]` (g rows of t tokens), `experts [g, t, k]` int32 ids and `gates [g, t, k]`.
-`ffn(xs, local)` applies the local experts' SwiGLU: under `ep` (the `expert` mesh axes,
-manual here) each device holds `E / n_ep` consecutive experts and tokens travel to their
-experts' devices by all-to-all, and back.
+`ffn` applies the local experts' SwiGLU, each output row times its gate (a remat'd layer
+then needs no rerun of the experts for the gates' gradient): under `ep` (the `expert` mesh
+axes, manual here) each device holds `E / n_ep` consecutive experts and tokens travel to
+their experts' devices by all-to-all, and back.
 
 - `dropless`: every assignment is computed. Assignments are sorted by expert and run as one
-  grouped matmul (`ffn` gets rows sorted by local expert and the group sizes). With expert
+  grouped matmul (`ffn` gets rows sorted by local expert and the group sizes), then gathered
+  back in token order (no scatter, no buffer besides the sorted rows). With expert
   parallelism each device sends every destination a buffer of the worst case (all its
   assignments), padded: XLA:CPU cannot compile `jax.lax.ragged_all_to_all` (jax 0.10.2:
   "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so the
@@ -44,7 +46,8 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
              ep: tuple[str, ...], n_ep: int, ffn: Callable) -> tuple[jax.Array, jax.Array]:
   """(output [g, t, d], dropped assignments per row [g] (zeros)) (module doc).
 
-  `ffn(rows [m, d], group_sizes [num_local]) -> [m, d]` runs rows sorted by local expert.
+  `ffn(rows [m, d], row_gates [m], group_sizes [num_local]) -> [m, d]` runs rows sorted by
+  local expert, each output row times its gate.
   """
   g, t, d = x.shape
   k = experts.shape[-1]
@@ -53,24 +56,31 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
   order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
   sorted_e = flat[order]
   rows = x.reshape(g * t, d)[order // k]
+  row_gates = gates.reshape(m)[order]
+  if not ep:  # every expert here: one grouped matmul, then each assignment back in place
+    out = ffn(rows, row_gates, jnp.bincount(flat, length=num_local).astype(jnp.int32))
+    return (jnp.sum(out[jnp.argsort(order)].reshape(g, t, k, d), axis=2),
+            jnp.zeros((g,), jnp.float32))
   dest = sorted_e // num_local
   # Slot of each assignment in its destination's buffer: its rank among those going there.
   per_dest = jnp.bincount(dest, length=n_ep)
   slot = jnp.arange(m) - (jnp.cumsum(per_dest) - per_dest)[dest]
   send = jnp.zeros((n_ep, m, d), x.dtype).at[dest, slot].set(rows)
   send_e = jnp.full((n_ep, m), num_local, jnp.int32).at[dest, slot].set(sorted_e % num_local)
+  send_g = jnp.zeros((n_ep, m), gates.dtype).at[dest, slot].set(row_gates)
   recv, recv_e = _exchange(send, ep, 0), _exchange(send_e, ep, 0)
+  recv_g = _exchange(send_g, ep, 0).reshape(n_ep * m)
   # The receiver runs what arrived grouped by its local expert; padding (id num_local) last.
   recv_e = recv_e.reshape(n_ep * m)
   local_order = jnp.argsort(recv_e, stable=True)
   sizes = jnp.bincount(recv_e, length=num_local).astype(jnp.int32)
   valid = (recv_e[local_order] < num_local)[:, None]
-  out = jnp.where(valid, ffn(recv.reshape(n_ep * m, d)[local_order], sizes), 0)
+  out = jnp.where(valid, ffn(recv.reshape(n_ep * m, d)[local_order], recv_g[local_order],
+                             sizes), 0)
   back = jnp.zeros_like(out).at[local_order].set(out).reshape(n_ep, m, d)
   back = _exchange(back, ep, 0)[dest, slot]                 # [m, d], sorted order
   y = jnp.zeros_like(back).at[order].set(back).reshape(g, t, k, d)
-  y = jnp.einsum("gtkd,gtk->gtd", y, gates.astype(y.dtype))
-  return y, jnp.zeros((g,), jnp.float32)
+  return jnp.sum(y, axis=2), jnp.zeros((g,), jnp.float32)
 
 
 def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_experts: int,
@@ -78,7 +88,8 @@ def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_ex
                       ) -> tuple[jax.Array, jax.Array]:
   """(output [g, t, d], dropped assignments per row [g]) (module doc).
 
-  `ffn(buffers [E_local, rows, d]) -> [E_local, rows, d]` runs each local expert's slots.
+  `ffn(buffers [E_local, rows, d], gates [E_local, rows]) -> [E_local, rows, d]` runs each
+  local expert's slots, each output row times its gate (0 in an empty slot).
   """
   g, t, d = x.shape
   k = experts.shape[-1]
@@ -93,14 +104,14 @@ def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_ex
   slot = jnp.where(keep, pos, cap)
   buf = jnp.zeros((g, num_experts, cap, d), x.dtype).at[rows, experts, slot].set(
       src, mode="drop")
-  buf = buf.reshape(g, n_ep, num_experts // n_ep, cap, d)
-  buf = _exchange(buf, ep, 1)                               # [g, src dev, E_local, C, d]
   e_loc = num_experts // n_ep
-  out = ffn(buf.transpose(2, 0, 1, 3, 4).reshape(e_loc, g * n_ep * cap, d))
+  buf_g = jnp.zeros((g, num_experts, cap), gates.dtype).at[rows, experts, slot].set(
+      gates, mode="drop")
+  buf = _exchange(buf.reshape(g, n_ep, e_loc, cap, d), ep, 1)  # [g, src dev, E_local, C, d]
+  buf_g = _exchange(buf_g.reshape(g, n_ep, e_loc, cap), ep, 1)
+  out = ffn(buf.transpose(2, 0, 1, 3, 4).reshape(e_loc, g * n_ep * cap, d),
+            buf_g.transpose(2, 0, 1, 3).reshape(e_loc, g * n_ep * cap))
   out = out.reshape(e_loc, g, n_ep, cap, d).transpose(1, 2, 0, 3, 4)
   out = _exchange(out, ep, 1).reshape(g, num_experts, cap, d)
-  y = out.at[rows, experts, slot].get(mode="fill", fill_value=0)  # [g, t, k, d]
-  w = jnp.where(keep, gates, 0).astype(y.dtype)
-  return (jnp.einsum("gtkd,gtk->gtd", y, w),
-          jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32))
-
+  y = out.at[rows, experts, slot].get(mode="fill", fill_value=0)  # [g, t, k, d], gated
+  return jnp.sum(y, axis=2), jnp.sum(~keep, axis=(1, 2)).astype(jnp.float32)

@@ -156,8 +156,9 @@ def test_the_converter_names_the_experiment_of_each_published_hf_config():
 
 def test_mixtral_activations_hold_each_tokens_top_k_expert_rows():
   """What the plan's out-of-memory paragraph counts: a Mixtral layer's expert activations
-  are [rows, tokens, top_k · expert d_ff], not the dense MLP's."""
+  are [rows, tokens, top_k · expert d_ff / ff_chunks] (one of its 7 ff slices at a time),
+  not the dense MLP's."""
   model = fdl.build(registry.get("moe.Mixtral_8x7B")().task().model)
   held = {h.what: h.shape for h in model.activation_memory(4, 4096).arrays}
-  assert held["one MoE layer's expert activations (top_k per token) while it runs"] == (
-      4, 4096, 2 * 14336)
+  assert held["one MoE layer's expert activations (top_k per token, one ff slice) while it "
+              "runs"] == (4, 4096, 2 * 14336 // 7)
