@@ -1,4 +1,5 @@
 """What every spmdtask layer shares: weights with split-dims metadata, activation constraints."""
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
@@ -47,41 +48,76 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
 
   Under FSDP (w split over axes that also split the batch) the product runs under a
   `jax.shard_map` manual over the batch's axes: each device casts its shard of w to
-  `dtype`, all-gathers it one mesh axis at a time (the last axis of a dim's entry first),
-  and multiplies its own rows. The gradient then needs no rule of its own: the transpose of
-  each all-gather is a reduce-scatter over that one axis, so w's gradient leaves the layer
-  already reduced to each device's shard, in `dtype`. XLA:TPU compiles a reduce-scatter
-  over a whole 256-chip slice as a full-size all-reduce; over one axis of a 16x16 mesh it
-  stays a reduce-scatter, hence FSDP over two axes (`("fsdp", "fsdp_b")`) on big slices.
-  Elsewhere (no mesh, no FSDP axis, a batch or weight dim that does not divide its axes)
-  GSPMD partitions the plain einsum.
+  `dtype`, gathers it whole (`gather`: one all-gather per dim, over all of that dim's
+  axes at once) and multiplies its own rows; w's gradient leaves the layer reduce-scattered
+  to each device's shard one mesh axis at a time, in `dtype`. XLA:TPU compiles a
+  reduce-scatter over a whole 256-chip slice as a full-size all-reduce; over one axis of a
+  16x16 mesh it stays a reduce-scatter, hence FSDP over two axes (`("fsdp", "fsdp_b")`) on
+  big slices. Elsewhere (no mesh, no FSDP axis, a batch or weight dim that does not divide
+  its axes) GSPMD partitions the plain einsum.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  manual = _batch_axes(mesh, batch, x.shape[0])
-  w_axes = [tuple(a for a in entry_axes(e) if a in manual) for e in w_split]
+  manual = batch_axes(mesh, batch, x.shape[0])
+  w_axes = fsdp_axes(w.shape, w_split, manual)
   product = lambda x, w: jnp.einsum(eqn, x, w.astype(dtype), preferred_element_type=out_dtype)
-  if not any(w_axes) or any(d % shards(axes, mesh.shape) for d, axes in zip(w.shape, w_axes)):
+  if w_axes is None:
     return product(x, w)
-
-  # XLA:CPU aborts on a bfloat16 reduce-scatter (AllReducePromotion): there the shards
-  # cross the mesh, and the gradient is reduced, in float32.
-  moved = jnp.float32 if platform() == "cpu" else dtype
-
-  def local(x, w):
-    w = w.astype(moved)
-    for dim, axes in enumerate(w_axes):
-      for axis in reversed(axes):
-        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
-    return product(x, w)
-
+  moved = moved_dtype(dtype)
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])
-  return jax.shard_map(local, in_specs=(rows, P(*[a or None for a in w_axes])),
+  return jax.shard_map(lambda x, w: product(x, gather(w.astype(moved), w_axes)),
+                       in_specs=(rows, P(*[a or None for a in w_axes])),
                        out_specs=P(manual, *[None] * (out_ndim - 1)),
                        axis_names=set(manual))(x, w)
 
 
-def _batch_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
+def fsdp_axes(shape: Sequence[int], split: SplitDims, manual: tuple[str, ...]
+              ) -> tuple[tuple[str, ...], ...] | None:
+  """Per dim of a weight of `shape` split as `split`, the axes of `manual` (the batch's,
+  `_batch_axes`) that split it: what `gather` gathers. None where there are none or a dim
+  does not divide its axes (GSPMD then partitions the plain product)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(tuple(a for a in entry_axes(e) if a in manual) for e in split)
+  if not any(axes) or any(d % shards(a, mesh.shape) for d, a in zip(shape, axes)):
+    return None
+  return axes
+
+
+def moved_dtype(dtype):
+  """The dtype FSDP moves a weight's shards (and reduces its gradient) in: `dtype`, but
+  float32 on XLA:CPU, which aborts on a bfloat16 reduce-scatter (AllReducePromotion)."""
+  return jnp.float32 if platform() == "cpu" else dtype
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather(w: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+  """Inside a shard_map manual over `axes`: a weight's shard gathered whole, each dim in
+  one all-gather over all of its axes (`axes`: per dim, as `fsdp_axes` gives). The
+  gradient is reduce-scattered back to the shard (`scatter`).
+
+  One all-gather over both axes of a 16x16 mesh moves what two do (each chip receives the
+  255/256 of the weight it lacks either way), as one collective of the weight's size; its
+  transpose, one reduce-scatter over all 256 chips, XLA:TPU would compile as a full-size
+  all-reduce, hence the gradient's own rule."""
+  for dim, dim_axes in enumerate(axes):
+    if dim_axes:
+      w = jax.lax.all_gather(w, dim_axes, axis=dim, tiled=True)
+  return w
+
+
+def scatter(g: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+  """`gather`'s transpose: each device's whole `g` summed over `axes` and cut to its shard,
+  one reduce-scatter per mesh axis (a dim's major axis first), each within that axis."""
+  for dim, dim_axes in enumerate(axes):
+    for axis in dim_axes:
+      g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+  return g
+
+
+gather.defvjp(lambda w, axes: (gather(w, axes), None), lambda axes, _, g: (scatter(g, axes),))
+
+
+def batch_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
   """The axes (of size > 1, not manual already) that split a batch of `rows` rows, or ()
   where there are none or they do not divide the rows."""
   if mesh.empty or batch is None:
