@@ -191,11 +191,11 @@ class MoeFfn(nn.Module):
     ep = tuple(a for a in entry_axes(self.in_split[0]) if a in manual)
     n_ep = shards(ep, mesh.shape) if ep else 1
     moved = moved_dtype(dt)
-    gathered = [tuple(tuple(a for a in entry_axes(s) if a in manual) for s in split[1:])
+    gathered = [((), *(tuple(a for a in entry_axes(s) if a in manual) for s in split[1:]))
                 for split in (self.in_split, self.in_split, self.out_split)]
 
     def local(x, experts, gates, *ws):
-      full = [gather(w.astype(moved), ((), *axes)).astype(dt) for w, axes in zip(ws, gathered)]
+      full = [gather(w.astype(moved), axes).astype(dt) for w, axes in zip(ws, gathered)]
       x = x.astype(dt)
       if cfg.dispatch == "dropless":
         ffn = lambda rows, sizes: _swiglu(
