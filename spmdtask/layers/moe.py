@@ -28,8 +28,7 @@ from spmdtask.core import remat
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
 from spmdtask.layers import moe_dispatch
-from spmdtask.layers.base import (RmsNorm, SplitDims, constrain, gather, moved_dtype, platform,
-                                  project, weight)
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project, weight
 from spmdtask.layers.block import Block, Mlp
 
 SCORES = ("softmax", "sigmoid")
@@ -190,12 +189,19 @@ class MoeFfn(nn.Module):
     manual = _manual_axes(mesh, self.embed_split, x.shape[0])
     ep = tuple(a for a in entry_axes(self.in_split[0]) if a in manual)
     n_ep = shards(ep, mesh.shape) if ep else 1
-    moved = moved_dtype(dt)
-    gathered = [((), *(tuple(a for a in entry_axes(s) if a in manual) for s in split[1:]))
+    # CPU aborts on a bf16 reduce-scatter (see base.project): move float32 there.
+    moved = jnp.float32 if platform() == "cpu" else dt
+    gathered = [[tuple(a for a in entry_axes(s) if a in manual) for s in split[1:]]
                 for split in (self.in_split, self.in_split, self.out_split)]
 
     def local(x, experts, gates, *ws):
-      full = [gather(w.astype(moved), axes).astype(dt) for w, axes in zip(ws, gathered)]
+      full = []
+      for w, axes in zip(ws, gathered):
+        w = w.astype(moved)
+        for dim, dim_axes in enumerate(axes, start=1):
+          for a in reversed(dim_axes):
+            w = jax.lax.all_gather(w, a, axis=dim, tiled=True)
+        full.append(w.astype(dt))
       x = x.astype(dt)
       if cfg.dispatch == "dropless":
         ffn = lambda rows, sizes: _swiglu(
