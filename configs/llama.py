@@ -38,10 +38,9 @@ LLAMA31_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                        original_max_position_embeddings=8192)
 
 
-# FSDP over two mesh axes (`fsdp` x `fsdp_b`): each weight is gathered over both at once, its
-# gradient reduce-scattered one axis at a time (layers.base.project). XLA:TPU compiles a
-# reduce-scatter over a whole 256-chip slice as a full-size all-reduce; over 16 chips it
-# stays one.
+# FSDP over two mesh axes (`fsdp` x `fsdp_b`): each weight is gathered, and its gradient
+# reduce-scattered, one axis at a time (layers.base.project). XLA:TPU compiles a reduce-scatter
+# over a whole 256-chip slice as a full-size all-reduce; over 16 chips it stays one.
 FSDP = ("fsdp", "fsdp_b")
 BATCH = ("data", "fsdp", "fsdp_b")
 MESH_AXES = ("data", "fsdp", "fsdp_b", "model")

@@ -78,7 +78,7 @@ class TinyLmFsdp(TinyLm):
 @register
 class TinyLmFsdp2(TinyLm):
   """TinyLm with FSDP over two mesh axes, as the big Llamas have it: fsdp 2 x fsdp_b 2 x
-  model 2 (weights gathered over both axes at once, gradients reduce-scattered one at a time)."""
+  model 2 (weights gathered and gradients reduce-scattered one axis at a time)."""
 
   def task(self) -> fdl.Config[Task]:
     cfg = super().task()
