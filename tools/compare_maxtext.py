@@ -154,6 +154,9 @@ def quantities(report: dict) -> dict:
     c = report["collectives"][kind]
     out[f"{kind} ops"] = c["count"]
     out[f"{kind} GiB"] = c["bytes"] / GIB
+    received = report.get("collective_bytes_received_by_kind", {}).get(kind)
+    if received is not None:  # what the links carry (a two-axis gather's results overcount)
+      out[f"{kind} received GiB"] = received / GIB
   f = report["flops_per_step"]
   out["XLA TFLOP (kernels excl.)"] = (f["xla_per_device"] - f["kernels_per_device"]) / 1e12
   out["kernel TFLOP (traced)"] = f["kernels_per_device"] / 1e12

@@ -47,41 +47,74 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
 
   Under FSDP (w split over axes that also split the batch) the product runs under a
   `jax.shard_map` manual over the batch's axes: each device casts its shard of w to
-  `dtype`, all-gathers it one mesh axis at a time (the last axis of a dim's entry first),
-  and multiplies its own rows. The gradient then needs no rule of its own: the transpose of
-  each all-gather is a reduce-scatter over that one axis, so w's gradient leaves the layer
-  already reduced to each device's shard, in `dtype`. XLA:TPU compiles a reduce-scatter
-  over a whole 256-chip slice as a full-size all-reduce; over one axis of a 16x16 mesh it
-  stays a reduce-scatter, hence FSDP over two axes (`("fsdp", "fsdp_b")`) on big slices.
-  Elsewhere (no mesh, no FSDP axis, a batch or weight dim that does not divide its axes)
-  GSPMD partitions the plain einsum.
+  `dtype`, gathers it whole (`gather`: one mesh axis at a time) and multiplies its own
+  rows. The gradient then needs no rule of its own: the transpose of each all-gather is a
+  reduce-scatter over that one axis, so w's gradient leaves the layer already reduced to
+  each device's shard, in `dtype`. XLA:TPU compiles a reduce-scatter over a whole 256-chip
+  slice as a full-size all-reduce; over one axis of a 16x16 mesh it stays a reduce-scatter,
+  hence FSDP over two axes (`("fsdp", "fsdp_b")`) on big slices. Elsewhere (no mesh, no
+  FSDP axis, a batch or weight dim that does not divide its axes) GSPMD partitions the
+  plain einsum.
   """
   mesh = jax.sharding.get_abstract_mesh()
-  manual = _batch_axes(mesh, batch, x.shape[0])
-  w_axes = [tuple(a for a in entry_axes(e) if a in manual) for e in w_split]
+  manual = batch_axes(mesh, batch, x.shape[0])
+  w_axes = fsdp_axes(w.shape, w_split, manual)
   product = lambda x, w: jnp.einsum(eqn, x, w.astype(dtype), preferred_element_type=out_dtype)
-  if not any(w_axes) or any(d % shards(axes, mesh.shape) for d, axes in zip(w.shape, w_axes)):
+  if w_axes is None:
     return product(x, w)
-
-  # XLA:CPU aborts on a bfloat16 reduce-scatter (AllReducePromotion): there the shards
-  # cross the mesh, and the gradient is reduced, in float32.
-  moved = jnp.float32 if platform() == "cpu" else dtype
-
-  def local(x, w):
-    w = w.astype(moved)
-    for dim, axes in enumerate(w_axes):
-      for axis in reversed(axes):
-        w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
-    return product(x, w)
-
+  moved = moved_dtype(dtype)
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])
-  return jax.shard_map(local, in_specs=(rows, P(*[a or None for a in w_axes])),
+  return jax.shard_map(lambda x, w: product(x, gather(w.astype(moved), w_axes)),
+                       in_specs=(rows, P(*[a or None for a in w_axes])),
                        out_specs=P(manual, *[None] * (out_ndim - 1)),
                        axis_names=set(manual))(x, w)
 
 
-def _batch_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
+def fsdp_axes(shape: Sequence[int], split: SplitDims, manual: tuple[str, ...]
+              ) -> tuple[tuple[str, ...], ...] | None:
+  """Per dim of a weight of `shape` split as `split`, the axes of `manual` (the batch's,
+  `batch_axes`) that split it: what `gather` gathers. None where there are none or a dim
+  does not divide its axes (GSPMD then partitions the plain product)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  axes = tuple(tuple(a for a in entry_axes(e) if a in manual) for e in split)
+  if not any(axes) or any(d % shards(a, mesh.shape) for d, a in zip(shape, axes)):
+    return None
+  return axes
+
+
+def moved_dtype(dtype):
+  """The dtype FSDP moves a weight's shards (and reduces its gradient) in: `dtype`, but
+  float32 on XLA:CPU, which aborts on a bfloat16 reduce-scatter (AllReducePromotion)."""
+  return jnp.float32 if platform() == "cpu" else dtype
+
+
+def gather(w: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+  """Inside a shard_map manual over `axes`: a weight's shard gathered whole, one mesh axis
+  at a time (a dim's last axis first; `axes`: per dim, as `fsdp_axes` gives). Its
+  transpose (`scatter`, also what autodiff gives) reduce-scatters over one axis at a time.
+
+  On a 16x16 mesh the two all-gathers' results add up to 1 + 1/16 of the weight, but a
+  chip receives what one all-gather over all 256 chips would bring it: 15/16 of the
+  1/16 it gathers first, then 15/16 of the whole, together the 255/256 it lacks. One
+  all-gather over both axes instead, XLA:TPU compiled as an all-reduce (twice the bytes
+  received) for Llama-2-70B's weights on v5p-512 and for Llama-3-8B's k/v on v5e-256."""
+  for dim, dim_axes in enumerate(axes):
+    for axis in reversed(dim_axes):
+      w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
+  return w
+
+
+def scatter(g: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+  """`gather`'s transpose: each device's whole `g` summed over `axes` and cut to its shard,
+  one reduce-scatter per mesh axis (a dim's first axis first), each within that axis."""
+  for dim, dim_axes in enumerate(axes):
+    for axis in dim_axes:
+      g = jax.lax.psum_scatter(g, axis, scatter_dimension=dim, tiled=True)
+  return g
+
+
+def batch_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
   """The axes (of size > 1, not manual already) that split a batch of `rows` rows, or ()
   where there are none or they do not divide the rows."""
   if mesh.empty or batch is None:

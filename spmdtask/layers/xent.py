@@ -10,17 +10,23 @@ and gradient, but XLA:TPU no longer keeps the float32 logits alive for the gathe
 (tile j holds vocab ids j, j + tiles, j + 2·tiles, ..., so a vocab dim split over a mesh axis
 splits every tile evenly); a scan computes each tile's log-sum-exp and label logit, and the
 backward scan recomputes each tile's logits (one more head matmul) to give its softmax
-gradient. Each tile's product is `layers.base.project`'s, as every layer's weight matmul:
-under FSDP the tile is gathered by hand where it is used (in the forward, and again in the
-backward's recompute; the gathered head is never kept) and its gradient leaves as a
-reduce-scatter to the weight's own shards, never whole and never all-reduced.
+gradient. Under FSDP (w split over axes that also split the batch) the loss runs under a
+`jax.shard_map` manual over the batch's axes, as `layers.base.project` does: the forward
+gathers each tile where it is used (`base.gather`) and keeps it for the backward, so the
+head is gathered once per step (its bf16 copy, vocab x d_model x 2 bytes per device, held
+from the loss's forward to its backward, which follow each other), and each tile's
+gradient leaves reduce-scattered to the weight's own shards (`base.scatter`), never whole
+and never all-reduced.
 """
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from spmdtask.layers.base import SplitDims, constrain, project
+from jax.sharding import PartitionSpec as P
+
+from spmdtask.layers import base
+from spmdtask.layers.base import SplitDims, constrain
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
@@ -54,58 +60,72 @@ def tiled_cross_entropy(x: jax.Array, w_tiles: jax.Array, labels: jax.Array, voc
   logits: x [b, t, d], `w_tiles` = `head_tiles(w, ...)`, labels [b, t] int in [0, vocab).
 
   Each tile's logits [b, t, cols] are float32 and constrained to `logits_split` (whose dim
-  0 entry is x's batch split); with `weight_split` (w's mapping [d, vocab]) each tile's
-  product is `project`'s: gathered where used, its gradient reduce-scattered (module doc).
+  0 entry is x's batch split); with `weight_split` (w's mapping [d, vocab]) under FSDP the
+  head is gathered once and its gradient reduce-scattered (module doc).
   """
-  return _tiled(vocab, scale, (logits_split, weight_split), x, w_tiles, labels)
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = base.batch_axes(mesh, logits_split, x.shape[0])
+  axes = weight_split and base.fsdp_axes(w_tiles.shape[1:], weight_split, manual)
+  if not axes:  # GSPMD partitions the plain products
+    return _tiled(vocab, scale, logits_split, (), x, w_tiles, labels)
+  rows = P(manual)
+  # The head is the same on axes that split only the batch (data): varying there, its
+  # gradient is summed over them (pcast's transpose) after the reduce-scatter.
+  replicas = tuple(a for a in manual if not any(a in dim_axes for dim_axes in axes))
+  local = lambda x, w, labels: _tiled(vocab, scale, logits_split, axes, x,
+                                      jax.lax.pcast(w, replicas, to="varying"), labels)
+  w_tiles = w_tiles.astype(base.moved_dtype(x.dtype))  # the dtype its shards move in
+  return jax.shard_map(local, in_specs=(rows, P(None, *[a or None for a in axes]), rows),
+                       out_specs=rows, axis_names=set(manual))(x, w_tiles, labels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _tiled(vocab, scale, splits, x, w_tiles, labels):
-  return _forward(vocab, scale, splits, x, w_tiles, labels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _tiled(vocab, scale, logits_split, axes, x, w_tiles, labels):
+  return _forward(vocab, scale, logits_split, axes, x, w_tiles, labels)[0]
 
 
-def _masked_logits(x, w, j, tiles, vocab, scale, splits):
-  """Tile j's float32 logits [b, t, cols]; padding ids (>= vocab) at -inf."""
-  logits_split, weight_split = splits
-  if weight_split is None:
-    logits = jnp.einsum("btd,dv->btv", x, w, preferred_element_type=jnp.float32)
-  else:
-    logits = project("btd,dv->btv", x, w, weight_split, logits_split, x.dtype, jnp.float32)
+def _masked_logits(x, w, j, tiles, vocab, scale, logits_split):
+  """Tile j's float32 logits [b, t, cols] of a whole tile w; padding ids (>= vocab) at -inf."""
+  logits = jnp.einsum("btd,dv->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
   ids = j + tiles * jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2)
   return constrain(jnp.where(ids < vocab, logits * scale, -jnp.inf), logits_split)
 
 
-def _forward(vocab, scale, splits, x, w_tiles, labels):
+def _forward(vocab, scale, logits_split, axes, x, w_tiles, labels):
+  """Per-token losses, and the residuals: the gathered tiles among them (`axes`: per dim
+  of a tile, the manual axes splitting it; () outside a shard_map)."""
   tiles = w_tiles.shape[0]
 
   def tile(_, jw):
     j, w = jw
-    logits = _masked_logits(x, w, j, tiles, vocab, scale, splits)
+    w = base.gather(w, axes) if axes else w
+    logits = _masked_logits(x, w, j, tiles, vocab, scale, logits_split)
     picked = jnp.sum(jnp.where(_one_hot(labels, w.shape[-1], j, tiles), logits, 0.0), -1)
-    return None, (jax.nn.logsumexp(logits, axis=-1), picked)
+    return None, (jax.nn.logsumexp(logits, axis=-1), picked, w)
 
-  _, (lse, picked) = jax.lax.scan(tile, None, (jnp.arange(tiles), w_tiles))
+  _, (lse, picked, whole) = jax.lax.scan(tile, None, (jnp.arange(tiles), w_tiles))
   lse = jax.nn.logsumexp(lse, axis=0)
-  return lse - jnp.sum(picked, axis=0), (x, w_tiles, labels, lse)
+  return lse - jnp.sum(picked, axis=0), (x, whole, labels, lse)
 
 
-def _backward(vocab, scale, splits, res, g):
-  x, w_tiles, labels, lse = res
-  tiles = w_tiles.shape[0]
+def _backward(vocab, scale, logits_split, axes, res, g):
+  x, whole, labels, lse = res
+  tiles = whole.shape[0]
 
   def tile(dx, jw):
     j, w = jw
-    logits, pull = jax.vjp(lambda x, w: _masked_logits(x, w, j, tiles, vocab, scale, splits),
-                           x, w)
+    logits = _masked_logits(x, w, j, tiles, vocab, scale, logits_split)
     # d loss / d logits = softmax - one-hot; padding ids have p = 0 and no label.
-    dlogits = (jnp.exp(logits - lse[..., None])
-               - _one_hot(labels, w.shape[-1], j, tiles)) * g[..., None]
-    dx_j, dw = pull(dlogits)
-    return dx + dx_j.astype(jnp.float32), dw
+    dlogits = ((jnp.exp(logits - lse[..., None])
+                - _one_hot(labels, w.shape[-1], j, tiles)) * (g * scale)[..., None])
+    dlogits = dlogits.astype(x.dtype)
+    dx_j = jnp.einsum("btv,dv->btd", dlogits, w.astype(x.dtype),
+                      preferred_element_type=jnp.float32)
+    dw = jnp.einsum("btd,btv->dv", x, dlogits, preferred_element_type=w.dtype)
+    return dx + dx_j, base.scatter(dw, axes) if axes else dw
 
-  dx, dw = jax.lax.scan(tile, jnp.zeros(x.shape, jnp.float32), (jnp.arange(tiles), w_tiles))
-  return dx.astype(x.dtype), dw, None
+  dx, dw = jax.lax.scan(tile, jnp.zeros_like(x, jnp.float32), (jnp.arange(tiles), whole))
+  return dx.astype(x.dtype), dw.astype(whole.dtype), None
 
 
 _tiled.defvjp(_forward, _backward)

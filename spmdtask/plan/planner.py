@@ -229,6 +229,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       "hbm_bytes_per_step_per_device": step["bytes accessed"],
       "loops": step["loops"],
       "collectives": hlo.by_kind(ops),
+      "collective_bytes_received_by_kind": roofline.received_by_kind(ops),
       "collective_bytes_received_per_device": traffic,
       **buffers.plan_section(text, LARGEST),
       "warnings": notes}
