@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from spmdtask.core import remat
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
-from spmdtask.layers import moe_dispatch
+from spmdtask.layers import base, moe_dispatch
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project, weight
 from spmdtask.layers.block import Block, Mlp
 
@@ -230,20 +230,15 @@ class MoeFfn(nn.Module):
     """The dispatch, per device under a shard_map manual over the batch's axes (module doc)."""
     cfg, dt = self.cfg, self.dtype
     mesh = jax.sharding.get_abstract_mesh()
-    manual = _manual_axes(mesh, self.embed_split, x.shape[0])
+    manual = base.batch_axes(mesh, self.embed_split, x.shape[0])
     ep = tuple(a for a in entry_axes(self.in_split[0]) if a in manual)
     n_ep = shards(ep, mesh.shape) if ep else 1
-    # CPU aborts on a bf16 reduce-scatter (see base.project): move float32 there.
-    moved = jnp.float32 if platform() == "cpu" else dt
-    gathered = [[tuple(a for a in entry_axes(s) if a in manual) for s in split[1:]]
+    # Per dim, the manual (FSDP) axes to gather over; the expert dim stays split.
+    gathered = [((),) + tuple(tuple(a for a in entry_axes(s) if a in manual) for s in split[1:])
                 for split in (self.in_split, self.in_split, self.out_split)]
 
     def whole(w, i):  # weight i's local shard whole over the manual FSDP axes, in dt
-      w = w.astype(moved)
-      for dim, dim_axes in enumerate(gathered[i], start=1):
-        for a in reversed(dim_axes):
-          w = jax.lax.all_gather(w, a, axis=dim, tiled=True)
-      return w.astype(dt)
+      return base.gather(w.astype(base.moved_dtype(dt)), gathered[i]).astype(dt)
 
     def local(x, experts, gates, *ws):
       x = x.astype(dt)
@@ -268,7 +263,7 @@ class MoeFfn(nn.Module):
       return local(x, experts, gates, wi, wg, wo)
     names = set(mesh.axis_names) - set(mesh.manual_axes) if megablox else set(manual)
     rows = P(manual or None)
-    w_specs = tuple(P(ep or None, *[a or None for a in axes]) for axes in gathered)
+    w_specs = tuple(P(ep or None, *[a or None for a in axes[1:]]) for axes in gathered)
     return jax.shard_map(local, in_specs=(rows, rows, rows) + w_specs,
                          out_specs=(rows, rows), axis_names=names,
                          check_vma=not megablox)(x, experts, gates, wi, wg, wo)
@@ -290,12 +285,3 @@ class MoeBlock(Block):
                             w.expert_out, w.mlp_in, w.mlp_out, a.ff, a.embed, name="moe")(h)
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed)
     return (x, stats + layer_stats), cache
-
-
-def _manual_axes(mesh, batch: SplitDims | None, rows: int) -> tuple[str, ...]:
-  """The batch's axes (size > 1, not manual already) when they divide `rows`, else ()."""
-  if mesh.empty or batch is None:
-    return ()
-  axes = tuple(a for a in entry_axes(batch[0])
-               if mesh.shape[a] > 1 and a not in mesh.manual_axes)
-  return axes if axes and rows % shards(axes, mesh.shape) == 0 else ()
