@@ -182,6 +182,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   once = compiled.cost_analysis()
   once = (once[0] if isinstance(once, list) else once) or {}  # XLA:GPU AOT gives None
   notes = []
+  unseen_kernels = False  # kernel calls whose FLOPs neither XLA nor a trace counted
   try:
     text = compiled.as_text()
   except jax.errors.JaxRuntimeError as e:
@@ -199,6 +200,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
     ops = hlo.collective_ops(text, target.num_slices, hosts)
     kernels = hlo.kernel_calls(text)
     if kernels and kernel_flops is None:
+      unseen_kernels = True
       notes.append(f"{kernels} fused kernel call(s) (Pallas, e.g. splash; cuDNN attention): "
                    "XLA's cost "
                    "analysis counts none of their FLOPs, so the compute bound uses the model "
@@ -235,7 +237,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       "warnings": notes}
   if target.chip is not None:
     flops = step["flops"]
-    if any("Pallas kernel" in w for w in notes):
+    if unseen_kernels:
       flops = max(flops, model_flops / n)
     report["estimate"] = est = roofline.estimate(
         target.chip, flops, step["bytes accessed"], traffic["ici"], traffic["dcn"],

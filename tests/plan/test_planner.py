@@ -1,10 +1,11 @@
 """--mode=plan: its per-device state bytes equal what a real run allocates; 64 devices; budget."""
 import json
+import types
 
 import jax
 import numpy as np
 
-from spmdtask.plan import chips, hlo, oom, planner, printout, roofline
+from spmdtask.plan import chips, hlo, oom, planner, printout, roofline, targets
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -276,3 +277,31 @@ def test_collectives_across_hosts_are_charged_at_the_hosts_network_rate():
   assert roofline.link_seconds(ar, h100) == max(2 * 4096 * 7 / 8 / h100.ici_ingress_bytes_per_s,
                                                 1024 / h100.dcn_bytes_per_s)
   assert roofline.collective_traffic([ag, ar])["dcn"] == 1024
+
+
+KERNEL_HLO = """HloModule m
+
+ENTRY %main (a: bf16[128,128]) -> bf16[128,128] {
+  %a = bf16[128,128]{1,0} parameter(0)
+  ROOT %k = bf16[128,128]{1,0} custom-call(%a), custom_call_target="tpu_custom_call"
+}
+"""
+
+
+def test_a_kernel_whose_flops_no_one_counted_is_charged_the_model_formula():
+  """A Pallas call XLA cannot see into and no trace counted (kernel_flops None): the compute
+  bound takes the model formula's FLOPs, so the MFU bound cannot pass 1 (it read 2.7 for
+  MaxText's 128k step when this fallback keyed on a warning's wording)."""
+  mem = types.SimpleNamespace(argument_size_in_bytes=0, output_size_in_bytes=0,
+                              alias_size_in_bytes=0, temp_size_in_bytes=0)
+  compiled = types.SimpleNamespace(as_text=lambda: KERNEL_HLO, memory_analysis=lambda: mem,
+                                   cost_analysis=lambda: {"flops": 1e6})
+  v5p = chips.CHIPS["v5p"]
+  target = targets.Target("tpu", (), "v5p:2x2x1", chip=v5p)
+  model = 4 * v5p.peak_bf16_flops_per_s  # 1 s of compute on each of the 4 chips
+  est = planner.compiled_report(compiled, target, 4, model, 1024.0)["estimate"]
+  assert est["seconds"]["compute"] == 1.0
+  assert est["mfu_upper_bound"] <= 1.0
+  # With the kernel's FLOPs traced (none here) XLA's own count stands.
+  est = planner.compiled_report(compiled, target, 4, model, 1024.0, 0.0)["estimate"]
+  assert est["seconds"]["compute"] < 1e-6
