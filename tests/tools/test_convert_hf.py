@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from spmdtask.errors import ConfigError
+from tests import subproc as h
 from tests import util
 from tools import convert_hf
 
@@ -61,6 +62,27 @@ def test_tiny_hf_mixtral_gives_hf_logits_and_round_trips_bit_identically(tmp_pat
   with pytest.raises(ConfigError, match=r"(?s)does not match this model's params.*"
                      r"layers/block/moe/router: in the checkpoint, not in the model"):
     convert_hf.read_checkpoint(out, dense, convert_hf.EXP)
+
+
+@pytest.mark.slow
+def test_a_mixtral_checkpoint_run_by_a_llama_experiment_exits_2_naming_its_experts(tmp_path):
+  """The same mistake from the command line: one paragraph, exit 2, the checkpoint intact."""
+  hf, cfg, _, _ = _fixture("mixtral")
+  out = str(tmp_path / "job")
+  lines = convert_hf.from_hf(hf, out)
+  dense = [l for l in lines if not l.startswith(("task.model.moe.", "task.model.qk_norm"))]
+  flagfile = tmp_path / "dense_overrides.txt"
+  flagfile.write_text("".join(f"--fdl_set={l}\n" for l in dense))
+  before = {p: os.path.getsize(os.path.join(d, p)) for d, _, ps in os.walk(out) for p in ps}
+  r = h.run(h.main_cmd(convert_hf.EXP, out, flags=["--mode=decode", f"--flagfile={flagfile}"]),
+            num_devices=1)
+  assert r.returncode == 2, r.stderr[-3000:]
+  paragraph, = r.stderr.strip().splitlines()  # one paragraph, nothing else
+  assert paragraph.startswith("spmdtask: config error: The checkpoint at"), paragraph
+  assert "layers/block/moe/router: in the checkpoint, not in the model" in paragraph
+  assert not r.stdout
+  after = {p: os.path.getsize(os.path.join(d, p)) for d, _, ps in os.walk(out) for p in ps}
+  assert {p: after[p] for p in before} == before  # nothing of the checkpoint rewritten
 
 
 def test_tiny_hf_qwen3_moe_gives_hf_logits():
