@@ -23,6 +23,10 @@ everything else recomputed):
                           gate projections and the attention scores.
   save_dot_except_mlp     q/k/v_proj and attn_out: the attention's weight matmuls.
   save_qkv_proj           q/k/v_proj.
+  save_q_attn_out         q_proj and attn_out: save_dot_except_mlp less k/v_proj, whose
+                          recompute is the cheapest per byte kept under grouped-query
+                          attention (k/v are kv_heads/heads of q's width: 5 GiB of the
+                          Llama-2-70B's temporaries on v5p-512 for 0.5% more matmul FLOPs).
   <preset>_offloaded      (full, minimal, save_dot_except_mlp, save_qkv_proj) everything the
                           preset keeps, each layer's input included, moved to the host's
                           pinned memory after the forward and back for the backward
@@ -60,6 +64,7 @@ SAVED = {
     "minimal": _QKV + (ATTN_CONTEXT, ATTN_OUT, MLP_OUT),
     "save_dot_except_mlp": _QKV + (ATTN_OUT,),
     "save_qkv_proj": _QKV,
+    "save_q_attn_out": (Q_PROJ, ATTN_OUT),
 }
 OFFLOADABLE = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj")
 PRESETS = tuple(SAVED) + tuple(p + OFFLOADED for p in OFFLOADABLE)

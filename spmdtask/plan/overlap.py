@@ -83,7 +83,8 @@ class _Program:
 
   def _fused_io(self, comp: str) -> tuple[dict[int, float], float]:
     """(parameter number -> bytes read, bytes written) of a fused computation: a parameter
-    read only through dynamic-slices reads their slices, one updated in place reads none;
+    read only through dynamic-slices (its own, or those of the fusions nested in it, as in
+    XLA:TPU's async collective fusions) reads their slices, one updated in place reads none;
     an output made by a dynamic-update-slice writes its update."""
     if comp not in self._io:
       self._io[comp] = self._read_write(comp)
@@ -98,11 +99,23 @@ class _Program:
     for i in instrs:
       for o in i.operands:
         users.setdefault(o, []).append(i)
+    def sliced(u: hlo.Instruction, name: str) -> float | None:
+      """Bytes `u` reads of `name` where it reads a part only (a dynamic-slice, or a nested
+      fusion that reads that parameter only through slices), else None."""
+      if u.op == "dynamic-slice" and u.operands[0] == name:
+        return float(hlo.shape_bytes(u.shape))
+      if u.op == "fusion" and u.called:
+        inner = self._fused_io(u.called[0])[0]
+        parts = [inner.get(j) for j, o in enumerate(u.operands) if o == name]
+        return sum(parts) if parts and None not in parts else None
+      return None
+
     reads = {}
     for name, k in params.items():
       use = users.get(name, [])
-      if use and all(u.op == "dynamic-slice" and u.operands[0] == name for u in use):
-        reads[k] = float(sum(hlo.shape_bytes(u.shape) for u in use))
+      parts = [sliced(u, name) for u in use]
+      if use and None not in parts:
+        reads[k] = float(sum(parts))
       elif any(u.op == "dynamic-update-slice" and u.operands[0] == name for u in use):
         reads[k] = 0.0
     root = next((i for i in reversed(instrs) if i.line.lstrip().startswith("ROOT ")), None)

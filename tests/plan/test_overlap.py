@@ -97,3 +97,34 @@ def test_forcing_collectives_synchronous_exposes_their_whole_link_time():
   assert asynchronous["step_seconds"] == pytest.approx(
       asynchronous["compute_seconds"] + asynchronous["hbm_seconds"]
       + asynchronous["exposed_seconds"], rel=1e-9)
+
+
+def test_a_fusion_reads_only_the_slice_a_nested_fusion_takes_of_a_stack():
+  """XLA:TPU's async collective fusions nest the fusion that dynamic-slices a layer's input
+  out of the scanned stack: the outer fusion reads that one slice, not the stack."""
+  mib = 2 * 1024 * 1024  # one bf16[1,1024,1024]
+  text = (
+      "HloModule m, is_scheduled=true\n\n"
+      "%inner (p0: bf16[80,1024,1024], p1: s32[]) -> bf16[1,1024,1024] {\n"
+      "  %p0 = bf16[80,1024,1024]{2,1,0} parameter(0)\n"
+      "  %p1 = s32[] parameter(1)\n"
+      "  %z = s32[] constant(0)\n"
+      "  ROOT %ds = bf16[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), "
+      "dynamic_slice_sizes={1,1024,1024}\n}\n\n"
+      "%outer (q0: bf16[80,1024,1024], q1: s32[], q2: bf16[1,1024,1024]) -> "
+      "bf16[1,1024,1024] {\n"
+      "  %q0 = bf16[80,1024,1024]{2,1,0} parameter(0)\n"
+      "  %q1 = s32[] parameter(1)\n"
+      "  %q2 = bf16[1,1024,1024]{2,1,0} parameter(2)\n"
+      "  %f = bf16[1,1024,1024]{2,1,0} fusion(%q0, %q1), kind=kLoop, calls=%inner\n"
+      "  ROOT %a = bf16[1,1024,1024]{2,1,0} add(%f, %q2)\n}\n\n"
+      "ENTRY %main (s: bf16[80,1024,1024], i: s32[], y: bf16[1,1024,1024]) -> "
+      "bf16[1,1024,1024] {\n"
+      "  %s = bf16[80,1024,1024]{2,1,0} parameter(0)\n"
+      "  %i = s32[] parameter(1)\n"
+      "  %y = bf16[1,1024,1024]{2,1,0} parameter(2)\n"
+      "  ROOT %o = bf16[1,1024,1024]{2,1,0} fusion(%s, %i, %y), kind=kOutput, calls=%outer\n}\n")
+  prog = overlap._Program(text)  # pylint: disable=protected-access
+  fused = next(i for i in prog.instrs[prog.entry] if i.op == "fusion")
+  # The slice and y read, the sum written, the index's 4 bytes: not the 160 MiB stack.
+  assert prog.instruction_bytes(fused) == 3 * mib + 4
