@@ -105,6 +105,7 @@ class Attention(nn.Module):
   qk_norm: bool = False
   norm_eps: float = 1e-6
   context: str = "all_gather"  # across a split sequence (layers.context_attention)
+  score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -113,7 +114,7 @@ class Attention(nn.Module):
     if not decoding and context_attention.seq_axes(self.heads_act_split, dict(mesh.shape),
                                                    () if mesh.empty else mesh.manual_axes):
       return context_attention.attend(self.context, q, k, v, q_pos, segment_ids, self.causal,
-                                      self.heads_act_split)
+                                      self.heads_act_split, self.score_block)
     if not decoding:
       backend = platform()
       impl = fused_attention.choose(

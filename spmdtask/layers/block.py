@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
+from spmdtask.layers import context_attention as context_attention_lib
 from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, project, weight
@@ -73,6 +74,7 @@ class Block(nn.Module):
   attention_impl: str = "auto"
   qk_norm: bool = False
   context_attention: str = "all_gather"  # across a split sequence (layers.context_attention)
+  context_score_block: int = context_attention_lib.SCORE_BLOCK
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -106,7 +108,7 @@ class Block(nn.Module):
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, qk_norm=self.qk_norm,
                          norm_eps=self.norm_eps, context=self.context_attention,
-                         name="attn")(h, positions, segment_ids, cache)
+                         score_block=self.context_score_block, name="attn")(h, positions, segment_ids, cache)
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 

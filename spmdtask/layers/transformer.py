@@ -88,6 +88,9 @@ class TransformerLm(nn.Module):
   fprop_dtype: str = "float32"
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   context_attention: str = "all_gather"  # all_gather | ring: across a split sequence
+  # (query, key) pairs per head in one chunk of float32 scores inside a context shard (the
+  # xla kernel; layers.context_attention.SCORE_BLOCK says how it was chosen)
+  context_score_block: int = context_lib.SCORE_BLOCK
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
@@ -172,6 +175,7 @@ class TransformerLm(nn.Module):
                 rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
                 dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
                 context_attention=self.context_attention,
+                context_score_block=self.context_score_block,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping)
 
