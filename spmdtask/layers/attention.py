@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
+from spmdtask.core.sharding import shards
 from spmdtask.layers import context_attention, fused_attention, rope
 from spmdtask.layers.base import (RmsNorm, SplitDims, constrain, dense_init, platform, project,
                                   weight)
@@ -110,10 +111,15 @@ class Attention(nn.Module):
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
     mesh axes, `context_attention`; decoding (a KV cache): `attend`."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not decoding and context_attention.seq_axes(self.heads_act_split, dict(mesh.shape),
-                                                   () if mesh.empty else mesh.manual_axes):
+    seq_axes = () if decoding else context_attention.seq_axes(
+        self.heads_act_split, dict(mesh.shape), () if mesh.empty else mesh.manual_axes)
+    if seq_axes:
+      backend = platform()
+      impl = context_attention.choose(
+          self.context, self.impl, backend, q.shape[1] // shards(seq_axes, mesh.shape),
+          q.shape[2], self.heads_act_split, dict(mesh.shape))
       return context_attention.attend(self.context, q, k, v, q_pos, segment_ids, self.causal,
-                                      self.heads_act_split)
+                                      self.heads_act_split, impl=impl, backend=backend)
     if not decoding:
       backend = platform()
       impl = fused_attention.choose(
