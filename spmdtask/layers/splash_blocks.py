@@ -65,7 +65,8 @@ def _global_grads(kernel, q, k, v, segment_ids, o, lse, do):
   tests/layers/test_splash_blocks.py against the xla block's gradients.
   """
   res = (q, k, v, segment_ids, None, o, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
-  grads = sk._splash_attention_bwd(res=res, do=do, **kernel.kwargs)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  grads = sk._splash_attention_bwd(res=res, do=do, **kernel.kwargs)
   return grads[3:6]
 
 

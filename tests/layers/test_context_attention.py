@@ -35,13 +35,13 @@ def grads_then_adamw(learning_rate):
                      optax.adamw(learning_rate, b2=0.95, weight_decay=0.01))
 
 
-def _keep_grads(cfg):
+def keep_grads(cfg):
   cfg.task.train.optimizer = fdl.Partial(grads_then_adamw)
 
 
 def _context(mesh, method, remat_policy):
   def edit(cfg):
-    _keep_grads(cfg)
+    keep_grads(cfg)
     lm.with_context(cfg.task, mesh, method)
     cfg.task.model.remat_policy = remat_policy
   return edit
@@ -49,7 +49,7 @@ def _context(mesh, method, remat_policy):
 
 def _spmd_pipeline(method, remat_policy):
   def edit(cfg):
-    _keep_grads(cfg)
+    keep_grads(cfg)
     lm.with_context(cfg.task, None, method)
     cfg.task.mesh_axis_names = ("stage",) + lm.CONTEXT_AXES
     cfg.task.ici_mesh_shape = (2, 1, 1, 2, 2)
@@ -60,7 +60,7 @@ def _spmd_pipeline(method, remat_policy):
 
 def _mpmd(method, remat_policy):
   def edit(cfg):
-    _keep_grads(cfg)
+    keep_grads(cfg)
     lm.with_context(cfg.task, (2, 1, 4, 1), method)
     cfg.task.model.remat_policy = remat_policy
     cfg.task.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
@@ -69,7 +69,7 @@ def _mpmd(method, remat_policy):
   return edit
 
 
-def _run(exp, steps, overrides=(), edit=None, devices=None):
+def run_steps(exp, steps, overrides=(), edit=None, devices=None):
   losses, params, program, state = util.train_steps(exp, steps, devices, overrides, edit)
   opt_state = program.to_canonical(state).opt_state  # (clipping's, (the trace's, adamw's))
   grads = jax.device_get(opt_state[1][0].trace)
@@ -91,7 +91,7 @@ def _worst(got, want) -> str:
 def one_device(exp, overrides=()):
   axes = util.build_run(exp, overrides).task.mesh_axis_names
   ones = ("task.ici_mesh_shape=" + str((1,) * len(axes)),)
-  return _run(exp, STEPS, ones + overrides, _keep_grads, jax.devices()[:1])
+  return run_steps(exp, STEPS, ones + overrides, keep_grads, jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,8 @@ def test_context_parallel_training_equals_one_device(case, corpus):
   data = corpus if packed else ()
   want = one_device("lm.TextLm" if packed else "lm.TinyLm", data)
   overrides = data + ((f"task.model.remat_policy={policy!r}",) if policy else ())
-  named_edit = edit or _keep_grads
-  got = _run(exp, STEPS, overrides, named_edit)
+  named_edit = edit or keep_grads
+  got = run_steps(exp, STEPS, overrides, named_edit)
   print(case, _worst(got, want))
   np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
   util.assert_trees_close(got[2], want[2], rtol=RTOL, terms=GRAD_TERMS)

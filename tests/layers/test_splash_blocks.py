@@ -8,6 +8,7 @@ import pytest
 
 from spmdtask.layers import attention, context_attention, splash_blocks, xla_blocks
 from tests import util
+from tests.layers import test_context_attention
 
 # float32 sums over <= 1024 keys and 32 head dims, in other orders than the dense
 # reference's: ~eps · sqrt(n) ≈ 1.2e-7 · 32 relative; atol for elements near zero.
@@ -91,3 +92,19 @@ def test_ring_with_splash_equals_ring_with_xla_and_one_device(cp):
   # the row's keys.
   util.assert_trees_close(got["splash"], got["xla"], rtol=RTOL, terms=t)
   util.assert_trees_close(got["splash"], want, rtol=RTOL, terms=t)
+
+
+def test_tiny_lm_context_ring_with_splash_trains_like_one_device():
+  """TinyLmContextRing (context 4 x data 2) with splash blocks: 256 tokens a shard, 2 rows,
+  2 layers; losses, gradients and params after 2 Adam steps == lm.TinyLm on 1 device."""
+  data = ("datasets['train'].seq_len=1024", "datasets['train'].batch_size=2",
+          "task.model.max_seq_len=1024", "task.model.num_layers=2")
+  steps = lambda exp, more=(), devices=None: test_context_attention.run_steps(
+      exp, 2, data + more, test_context_attention.keep_grads, devices)
+  want = steps("lm.TinyLm", ("task.ici_mesh_shape=(1, 1, 1)",), jax.devices()[:1])
+  got = steps("lm.TinyLmContextRing", ("task.model.attention_impl='splash'",))
+  # As test_context_attention's: float32 sums in other orders; gradients over the 2048
+  # tokens of a batch; Adam moves a weight with a near-zero gradient by ~lr whatever.
+  np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
+  util.assert_trees_close(got[2], want[2], rtol=RTOL, terms=2048)
+  util.assert_trees_close(got[1], want[1], rtol=RTOL, atol=test_context_attention.PARAMS_ATOL)
