@@ -86,7 +86,8 @@ class Attention(nn.Module):
   `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
   splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla). Where
   `heads_act_split` splits the sequence over mesh axes, `context` says how attention runs
-  across the shards (`layers.context_attention`: all_gather or ring).
+  across the shards (`layers.context_attention`: all_gather or ring; `impl` then picks the
+  ring's block kernel, `context_attention.choose`).
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
   None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """

@@ -5,8 +5,9 @@ A `context` axis is no special axis: it is whatever the seq entry of
 `activation_split_dims_mapping.heads` names (`seq_axes`). When those axes have more than
 one shard, each device holds a slice of every row's tokens, and attention needs every
 key: `attend` runs under `jax.shard_map` manual over those axes (the other axes stay
-automatic, and axes already manual, such as the SPMD pipeline's 'stage', stay so) in one of
-two ways (`task.model.context_attention`):
+automatic, or manual too for the splash kernel, which has no partitioning rule; axes
+already manual, such as the SPMD pipeline's 'stage', stay so) in one of two ways
+(`task.model.context_attention`):
   all_gather  K/V (and their positions and segment ids) all-gathered over the axis in the
               compute dtype, one layer at a time; each device attends its queries to the
               whole row.
@@ -14,8 +15,9 @@ two ways (`task.model.context_attention`):
               attended with an online softmax (running max and sum, merged by
               log-sum-exp), and the next block's send is issued before this block's compute
               so that the link works while the chip does.
-The mask comes from each token's true position and segment id, never from its index, so
-RoPE, causality and packed rows are right whatever order the tokens sit in.
+The xla kernel's mask comes from each token's true position and segment id, never from its
+index, so RoPE, causality and packed rows are right whatever order the tokens sit in;
+splash's comes from the zig-zag order (and segment ids), which the model always uses.
 
 Causal load balance (`zigzag`): the row is cut into 2·cp chunks and reordered so that shard
 i holds chunks i and 2cp-1-i; every shard then has the same number of visible
