@@ -23,8 +23,9 @@ on Llama31_8B_128k's v5p-128 plan (2-layer proxy) compute 357 -> 317 ms, tempora
 2.7 -> 3.3 GiB (its dq partials per K/V block, [s/512, heads, t, hd] in q's dtype).
 
 Precision: splash returns a block's output and gradients in q's dtype. In bfloat16 each
-block's partial output and each block's dq, dk, dv (dq also per 512 keys inside the fused
-kernel) are rounded to bfloat16 (~2^-9 relative) before they are summed in float32; the xla kernel keeps its partials in float32 (its
+block's partial output and each block's dq, dk, dv are rounded to bfloat16 (~2^-9
+relative; the fused kernel's dq also per 512 keys, summed in q's dtype) before the ring
+sums them in float32; the xla kernel keeps its partials in float32 (its
 probabilities are rounded to bfloat16 for the P·V matmul all the same). Over cp blocks the
 extra error grows as ~sqrt(cp)·2^-9 relative: below bfloat16 training noise.
 """
