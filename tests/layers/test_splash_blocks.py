@@ -30,8 +30,9 @@ def _packed(b, t, kvh, g, hd, seed=0):
 
 def test_a_blocks_grads_against_the_rows_softmax_equal_the_xla_kernels():
   """Pins splash_blocks._global_grads (splash's private backward, fed the row's o and lse):
-  a causal diagonal block and a full half block, as the ring holds them."""
-  b, t, kvh, g, hd = 1, 256, 1, 2, 32
+  a causal diagonal block and a full half block, as the ring holds them; 2048 queries, so
+  that the blocks take splash's 512-token blocks and 1024 keys a backward step."""
+  b, t, kvh, g, hd = 1, 2048, 1, 2, 32
   q, k, v, pos, seg = _packed(b, t, kvh, g, hd)
   q5 = q.reshape(b, t, kvh, g, hd)
   half = t // 2  # the second block: the first half of an earlier shard's keys, all visible
