@@ -26,8 +26,11 @@ Precision: splash returns a block's output and gradients in q's dtype. In bfloat
 block's partial output and each block's dq, dk, dv are rounded to bfloat16 (~2^-9
 relative; the fused kernel's dq also per DKV_KEYS keys, summed in q's dtype) before the ring
 sums them in float32; the xla kernel keeps its partials in float32 (its
-probabilities are rounded to bfloat16 for the P·V matmul all the same). Over cp blocks the
-extra error grows as ~sqrt(cp)·2^-9 relative: below bfloat16 training noise.
+probabilities are rounded to bfloat16 for the P·V matmul all the same). Measured (CPU,
+interpret mode, bfloat16 q/k/v, packed rows, 256 tokens a shard, head_dim 64), the largest
+error of dq, dk, dv against float32 attention of the unrounded inputs, over the largest
+gradient: cp 2: splash 6.7e-3, 5.8e-3, 3.3e-3 and xla the same; cp 4: splash 7.6e-3,
+4.7e-3, 4.0e-3, xla 6.3e-3, 4.5e-3, 3.8e-3: the inputs' rounding dominates.
 """
 import dataclasses
 import functools
