@@ -24,9 +24,9 @@ on Llama31_8B_128k's v5p-128 plan (2-layer proxy) compute 357 -> 317 ms, tempora
 
 Precision: splash returns a block's output and gradients in q's dtype. In bfloat16 each
 block's partial output and each block's dq, dk, dv are rounded to bfloat16 (~2^-9
-relative; the fused kernel's dq also per DKV_KEYS keys, summed in q's dtype) before the ring
-sums them in float32; the xla kernel keeps its partials in float32 (its
-probabilities are rounded to bfloat16 for the P·V matmul all the same). Measured (CPU,
+relative; the fused kernel's dq also per DKV_KEYS keys, summed in q's dtype) before the
+ring sums them in float32; the xla kernel keeps its partials in float32 (its probabilities
+are rounded to bfloat16 for the P·V matmul all the same). Measured (CPU,
 interpret mode, bfloat16 q/k/v, packed rows, 256 tokens a shard, head_dim 64), the largest
 error of dq, dk, dv against float32 attention of the unrounded inputs, over the largest
 gradient: cp 2: splash 6.7e-3, 5.8e-3, 3.3e-3 and xla the same; cp 4: splash 7.6e-3,
@@ -50,9 +50,9 @@ DKV_KEYS = 1024  # keys per step of the fused backward kernel, where they divide
 
 def _kernel(tq: int, tk: int, heads: int, causal: bool, interpret: bool):
   """A splash kernel (save_residuals: its output and log-sum-exp; the fused backward) for
-  one static mask: causal (the diagonal, tq == tk) or full. Built in the trace that calls it: its mask info
-  becomes that trace's constants (a kernel kept across traces would carry another mesh's
-  arrays)."""
+  one static mask: causal (the diagonal, tq == tk) or full. Built in the trace that calls
+  it: its mask info becomes that trace's constants (a kernel kept across traces would
+  carry another mesh's arrays)."""
   mask = sm.CausalMask((tq, tk)) if causal else sm.FullMask((tq, tk))
   sizes = fused_attention.splash_block_sizes(min(tq, tk))
   # The fused backward keeps dq partials per block_kv_dkv keys: 1024, not 512, halves them
@@ -60,8 +60,7 @@ def _kernel(tq: int, tk: int, heads: int, causal: bool, interpret: bool):
   sizes = dataclasses.replace(
       sizes, block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True,
       block_kv_dkv=DKV_KEYS if tk % DKV_KEYS == 0 else sizes.block_kv_dkv)
-  return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads),
-                            block_sizes=sizes,
+  return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
                             head_shards=1, q_seq_shards=1, save_residuals=True,
                             interpret=interpret)
 
