@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
+from spmdtask.core.sharding import shards
 from spmdtask.layers import context_attention, fused_attention, rope
 from spmdtask.layers.base import (RmsNorm, SplitDims, constrain, dense_init, platform, project,
                                   weight)
@@ -85,7 +86,8 @@ class Attention(nn.Module):
   `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
   splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla). Where
   `heads_act_split` splits the sequence over mesh axes, `context` says how attention runs
-  across the shards (`layers.context_attention`: all_gather or ring).
+  across the shards (`layers.context_attention`: all_gather or ring; `impl` then picks the
+  ring's block kernel, `context_attention.choose`).
   Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
   None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
   """
@@ -111,10 +113,16 @@ class Attention(nn.Module):
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
     mesh axes, `context_attention`; decoding (a KV cache): `attend`."""
     mesh = jax.sharding.get_abstract_mesh()
-    if not decoding and context_attention.seq_axes(self.heads_act_split, dict(mesh.shape),
-                                                   () if mesh.empty else mesh.manual_axes):
+    seq_axes = () if decoding else context_attention.seq_axes(
+        self.heads_act_split, dict(mesh.shape), () if mesh.empty else mesh.manual_axes)
+    if seq_axes:
+      backend = platform()
+      impl = context_attention.choose(
+          self.context, self.impl, backend, q.shape[1] // shards(seq_axes, mesh.shape),
+          q.shape[2], self.heads_act_split, dict(mesh.shape))
       return context_attention.attend(self.context, q, k, v, q_pos, segment_ids, self.causal,
-                                      self.heads_act_split, self.score_block)
+                                      self.heads_act_split, self.score_block, impl=impl,
+                                      backend=backend)
     if not decoding:
       backend = platform()
       impl = fused_attention.choose(

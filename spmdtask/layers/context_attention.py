@@ -5,8 +5,9 @@ A `context` axis is no special axis: it is whatever the seq entry of
 `activation_split_dims_mapping.heads` names (`seq_axes`). When those axes have more than
 one shard, each device holds a slice of every row's tokens, and attention needs every
 key: `attend` runs under `jax.shard_map` manual over those axes (the other axes stay
-automatic, and axes already manual, such as the SPMD pipeline's 'stage', stay so) in one of
-two ways (`task.model.context_attention`):
+automatic, or manual too for the splash kernel, which has no partitioning rule; axes
+already manual, such as the SPMD pipeline's 'stage', stay so) in one of two ways
+(`task.model.context_attention`):
   all_gather  K/V (and their positions and segment ids) all-gathered over the axis in the
               compute dtype, one layer at a time; each device attends its queries to the
               whole row.
@@ -14,19 +15,24 @@ two ways (`task.model.context_attention`):
               attended with an online softmax (running max and sum, merged by
               log-sum-exp), and the next block's send is issued before this block's compute
               so that the link works while the chip does.
-The mask comes from each token's true position and segment id, never from its index, so
-RoPE, causality and packed rows are right whatever order the tokens sit in.
+The xla kernel's mask comes from each token's true position and segment id, never from its
+index, so RoPE, causality and packed rows are right whatever order the tokens sit in;
+splash's comes from the zig-zag order (and segment ids), which the model always uses.
 
 Causal load balance (`zigzag`): the row is cut into 2·cp chunks and reordered so that shard
 i holds chunks i and 2cp-1-i; every shard then has the same number of visible
 (query, key) pairs. `TransformerLm.loss` reorders tokens, targets, weights, positions and
 segment ids together (the loss is a sum over tokens, so it needs no reorder back).
 
-Inside a shard the scores of a block are computed with einsums (the xla kernel): splash
-and cuDNN take causality from the token index, not from positions, so they cannot attend
-a K/V block from another shard; `check` refuses them by name. A block's queries are taken
-in chunks (`score_block`), so that only one chunk's float32 scores live at a time.
+Inside a shard, the ring attends each block with a block kernel chosen once (`choose`,
+from task.model.attention_impl): `xla_blocks.XlaBlocks` (einsums, masks from positions,
+queries in chunks of `score_block`) or `splash_blocks.SplashBlocks` (splash on TPU: the
+zig-zag order makes every block pair's mask static in index order; scores stay on chip).
+all_gather attends with the xla kernel. cuDNN cannot serve: JAX's wrapper returns no
+log-sum-exp, which merging blocks needs.
 """
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,19 +40,28 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
+from spmdtask.layers import splash_blocks, xla_blocks
 from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.context_attention"
+IMPL = "task.model.attention_impl"
 METHODS = ("all_gather", "ring")
-# (query, key) pairs per head in one chunk of the forward's float32 scores [b, kv, g, t', s];
-# the backward, which holds about twice as many such arrays at once (probabilities, dp, ds),
-# takes half. Llama-3.1-8B at 128k over context 16 (32 heads, 8192 keys a ring step): 512
-# queries a forward chunk (512 MiB), 256 a backward one. Measured on its v5p-128 plan,
-# temporaries | HBM bytes per chip per step: whole blocks 20.2 GiB | 24.6 TiB; 512 both
-# ways 8.87 | 26.9; 512 and 256 8.03 | 27.8; 256 both 7.97 | 28.6 (each chunk re-reads its
-# K/V block and the backward's dk/dv sums: smaller chunks, more traffic).
-SCORE_BLOCK = 512 * 8192
+SCORE_BLOCK = xla_blocks.SCORE_BLOCK
 
+
+class BlockKernel(Protocol):
+  """How the ring attends one K/V block (q [b, t, kv, g, hd], k/v [b, s, kv, hd],
+  positions and segment ids (or None) [b, t] / [b, s]). `diagonal`: the block is this
+  shard's own (else, in a causal ring, a half block every query of which sees every key
+  but for segments)."""
+
+  def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, diagonal: bool):
+    """A partial softmax (o [b, kv, g, t, hd], m, l [b, kv, g, t]) float32: o and l summed
+    over the block's visible keys of exp(score - m)."""
+
+  def grads(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, diagonal: bool, do, o, lse, delta):
+    """The block's share of (dq, dk, dv), float32, from the whole row's output cotangent
+    `do`, output `o`, log-sum-exp `lse` and delta = rowsum(o·do)."""
 
 def seq_axes(heads_split: SplitDims | None, mesh_shape, manual=()) -> tuple[str, ...]:
   """The mesh axes of size > 1 (and not in `manual`) that split the sequence (the seq entry
@@ -59,19 +74,48 @@ def seq_axes(heads_split: SplitDims | None, mesh_shape, manual=()) -> tuple[str,
 
 
 def check(method: str, impl: str, heads_split: SplitDims | None, mesh_shape) -> None:
-  """ConfigError unless `method` is known and, where the sequence is split, the attention
-  kernel `impl` can attend a K/V block by positions."""
+  """ConfigError unless `method` is known and, where the sequence is split, `impl` can
+  attend K/V blocks with it (at validation; shapes are checked by `choose`)."""
   if method not in METHODS:
     raise ConfigError(f"{FIELD}={method!r} is not a way to attend across a split sequence: use "
                       f"one of {', '.join(METHODS)}.")
   axes = seq_axes(heads_split, mesh_shape)
-  if axes and impl in ("splash", "cudnn"):
+  if axes and impl == "cudnn":
     raise ConfigError(
-        f"task.model.attention_impl={impl!r} cannot take a K/V block from another shard: the "
-        f"{impl} kernel reads causality from token indices, but task.model."
-        f"activation_split_dims_mapping.heads splits the sequence over {axes}, so each shard's "
-        f"keys ({FIELD}={method!r}) are masked by their true positions. Use "
+        f"{IMPL}='cudnn' cannot attend a sequence split over {axes} (task.model."
+        "activation_split_dims_mapping.heads): merging the K/V blocks of other shards needs "
+        "each block's log-sum-exp, which JAX's cuDNN attention does not return. Use "
         "attention_impl='auto' or 'xla', or stop splitting the sequence.")
+  if axes and impl == "splash" and method != "ring":
+    raise ConfigError(
+        f"{IMPL}='splash' with a sequence split over {axes} runs inside ring attention "
+        f"only, but {FIELD}={method!r}. Set {FIELD}='ring', or use attention_impl='auto' or "
+        "'xla'.")
+
+
+def choose(method: str, impl: str, backend: str, local_seq: int, num_heads: int,
+           heads_split: SplitDims, mesh_shape) -> str:
+  """The block kernel inside a shard, 'splash' or 'xla', for `local_seq` tokens per shard:
+  for the ring, 'auto' is splash on TPU where the shapes allow, else xla, and explicit
+  'splash' is checked (ConfigError naming the shapes); all_gather attends with xla. Call
+  after `check` (which refuses the rest). Pure."""
+  if method != "ring":
+    return "xla"
+  head_shards = shards(heads_split[2], mesh_shape)
+  problem = None
+  if local_seq % splash_blocks.LOCAL_MULTIPLE:
+    problem = (f"each shard holds {local_seq} tokens of a row, and splash's half blocks need "
+               f"a multiple of {splash_blocks.LOCAL_MULTIPLE}: make datasets[...].seq_len a "
+               f"multiple of {splash_blocks.LOCAL_MULTIPLE} x the context shards")
+  elif num_heads % head_shards:
+    problem = (f"num_heads={num_heads} does not divide over the {head_shards} shards "
+               "activation_split_dims_mapping.heads puts on heads: make it divide")
+  if impl == "auto":
+    return "splash" if backend == "tpu" and problem is None else "xla"
+  if impl == "splash" and problem is not None:
+    raise ConfigError(f"{IMPL}='splash' cannot run in the ring here: {problem}; or use "
+                      "'auto' (falls back to xla) or 'xla'.")
+  return impl
 
 
 def check_decode(heads_split: SplitDims, mesh_shape) -> None:
@@ -102,33 +146,6 @@ def zigzag(seq_len: int, cp: int) -> np.ndarray:
   return chunks[order].reshape(-1)
 
 
-def _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
-  """Masked scores [b, kv, group, t, s] float32 and their mask (None: every key)."""
-  hd = q.shape[-1]
-  s = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32) * hd ** -0.5
-  mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None] if causal else None
-  if q_seg is not None:
-    same = kv_seg[:, None, None, None, :] == q_seg[:, None, None, :, None]
-    mask = same if mask is None else mask & same
-  return s, mask
-
-
-def _block_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool):
-  """One K/V block, all its queries at once: (unnormalized output [b, kv, g, t, hd], running
-  max and sum [b, kv, g, t]), all float32. The max is a constant of the softmax, hence
-  stop_gradient: the function is the same, and its gradient needs no argmax."""
-  s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
-  low = jnp.finfo(jnp.float32).min
-  if mask is not None:
-    s = jnp.where(mask, s, low)
-  m = jax.lax.stop_gradient(jnp.max(s, axis=-1))
-  p = jnp.exp(s - m[..., None])
-  if mask is not None:  # a row with no visible key: max is `low` and every exp is 1
-    p = jnp.where(mask, p, 0.0)
-  o = jnp.einsum("bkgts,bskh->bkgth", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-  return o, m, jnp.sum(p, axis=-1)
-
-
 def _merge(a, b):
   """Two partial softmaxes (o, m, l) over disjoint keys as one (log-sum-exp merge)."""
   (oa, ma, la), (ob, mb, lb) = a, b
@@ -141,82 +158,15 @@ def _normalized(o, l):
   return o / jnp.where(l > 0, l, 1.0)[..., None]
 
 
-def _local_all_gather(q, k, v, q_pos, q_seg, axes, causal, score_block):
+def _local_all_gather(q, k, v, q_pos, q_seg, axes, kernel: xla_blocks.XlaBlocks):
   """This shard's queries against the whole row's K/V, gathered: [b, kv, g, t, hd] f32."""
   gather = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
   kv_pos = gather(q_pos)
   kv_seg = None if q_seg is None else gather(q_seg)
   # Autodiff's backward recomputes each checkpointed chunk: the chunks are a backward's size.
-  o, _, l = _block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg, causal,
-                   score_block // 2)
+  o, _, l = xla_blocks.block(q, gather(k), gather(v), q_pos, kv_pos, q_seg, kv_seg,
+                             kernel.causal, kernel.score_block // 2)
   return _normalized(o, l)
-
-
-def _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta):
-  """One block's gradients, all its queries at once (dq [b, t, kv, g, hd], dk, dv [b, s, kv,
-  hd], float32) from the output's cotangent `do` [b, kv, g, t, hd], the log-sum-exp and
-  delta = sum(do · o)."""
-  s, mask = _scores(q, k, q_pos, kv_pos, q_seg, kv_seg, causal)
-  p = jnp.exp(s - lse[..., None])
-  if mask is not None:
-    p = jnp.where(mask, p, 0.0)
-  dv = jnp.einsum("bkgts,bkgth->bskh", p.astype(do.dtype), do, preferred_element_type=jnp.float32)
-  dp = jnp.einsum("bkgth,bskh->bkgts", do, v.astype(do.dtype), preferred_element_type=jnp.float32)
-  ds = (p * (dp - delta[..., None]) * q.shape[-1] ** -0.5).astype(q.dtype)
-  dq = jnp.einsum("bkgts,bskh->btkgh", ds, k, preferred_element_type=jnp.float32)
-  dk = jnp.einsum("bkgts,btkgh->bskh", ds, q, preferred_element_type=jnp.float32)
-  return dq, dk, dv
-
-
-def _num_chunks(t: int, s: int, score_block: int) -> int:
-  """How many equal chunks `t` queries against `s` keys take: the fewest whose chunk holds
-  at most `score_block` (query, key) pairs, or as near as a divisor of t allows."""
-  most = max(1, score_block // max(s, 1))
-  return t // next(c for c in range(min(most, t), 0, -1) if t % c == 0)
-
-
-def _chunks(x, n: int, axis: int):
-  """x [..., t, ...] as n chunks along a new leading dim: [n, ..., t/n, ...]."""
-  shape = x.shape[:axis] + (n, x.shape[axis] // n) + x.shape[axis + 1:]
-  return jnp.moveaxis(x.reshape(shape), axis, 0)
-
-
-def _unchunk(x, axis: int):
-  """The inverse of `_chunks`."""
-  x = jnp.moveaxis(x, 0, axis)
-  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
-
-
-def _block(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal: bool, score_block: int):
-  """`_block_dense` over chunks of queries (each needs the whole K/V block, no other query:
-  the chunks' outputs just stack). Each chunk is checkpointed: differentiated (the
-  all_gather path), it keeps its inputs, not its scores, and its backward recomputes them."""
-  n = _num_chunks(q.shape[1], k.shape[1], score_block)
-  if n == 1:
-    return _block_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal)
-  one = jax.checkpoint(lambda xs: _block_dense(xs[0], k, v, xs[1], kv_pos, xs[2], kv_seg, causal))
-  seg = None if q_seg is None else _chunks(q_seg, n, 1)
-  o, m, l = jax.lax.map(one, (_chunks(q, n, 1), _chunks(q_pos, n, 1), seg))
-  return _unchunk(o, 3), _unchunk(m, 3), _unchunk(l, 3)
-
-
-def _grads(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta, score_block: int):
-  """`_grads_dense` over chunks of queries, half as long as `_block`'s for the same
-  `score_block` (SCORE_BLOCK's note): dq chunk by chunk, dk and dv summed over them."""
-  n = _num_chunks(q.shape[1], k.shape[1], score_block // 2)  # twice the live arrays
-  if n == 1:
-    return _grads_dense(q, k, v, q_pos, kv_pos, q_seg, kv_seg, causal, do, lse, delta)
-
-  def one(dkv, xs):
-    qc, pos, seg, doc, lsec, deltac = xs
-    dq, dk, dv = _grads_dense(qc, k, v, pos, kv_pos, seg, kv_seg, causal, doc, lsec, deltac)
-    return (dkv[0] + dk, dkv[1] + dv), dq
-  zero = jnp.zeros(k.shape, jnp.float32)
-  seg = None if q_seg is None else _chunks(q_seg, n, 1)
-  (dk, dv), dq = jax.lax.scan(one, (zero, zero), (
-      _chunks(q, n, 1), _chunks(q_pos, n, 1), seg, _chunks(do, n, 3), _chunks(lse, n, 3),
-      _chunks(delta, n, 3)))
-  return _unchunk(dq, 1), dk, dv
 
 
 def _halves(x, axis: int):
@@ -229,43 +179,41 @@ def _pad_front(x, axis: int, value=0.0):
   return jnp.concatenate([jnp.full_like(x, value), x], axis=axis)
 
 
-def _local_ring(q, k, v, q_pos, q_seg, axes, causal, score_block):
+def _local_ring(q, k, v, q_pos, q_seg, axes, kernel: BlockKernel):
   """This shard's queries against every shard's K/V block in turn: [b, kv, g, t, hd] f32.
 
   A custom VJP, as flash attention's: the forward keeps only its output and each query's
-  log-sum-exp; the backward passes the K/V blocks around the ring again, recomputes each
-  block's probabilities, and sends each block's K/V gradients on with it, so that after cp
-  hops they reach their own shard. Steps run in a loop, each block's queries in chunks
-  (`_block`, `_grads`): one chunk of one block's scores lives at a time.
+  log-sum-exp; the backward passes the K/V blocks around the ring again, has `kernel`
+  recompute each block's share of the gradients, and sends each block's K/V gradients on
+  with it, so that after cp hops they reach their own shard. Steps run in a loop.
 
   Causal rows are in zig-zag order (the model orders them so), and a block from another
   shard is half work: from an earlier shard (src < this one) every query sees its first
   chunk and none of its second; from a later one only this shard's second chunk sees it,
-  all of it. Only that half is computed (a `cond` on the shard indices); the mask still
-  comes from positions and segments.
+  all of it. Only that half is attended (a `cond` on the shard indices).
   """
+  causal = kernel.causal
   cp = shards(axes, dict(jax.sharding.get_abstract_mesh().shape))
   perm = [(i, (i + 1) % cp) for i in range(cp)]
   send = lambda x: jax.lax.ppermute(x, axes, perm)
   segs = () if q_seg is None else (q_seg,)
   first = lambda xs: xs[0] if xs else None
   low = jnp.finfo(jnp.float32).min
+  lo = lambda x, axis: _halves(x, axis)[0]
+  hi = lambda x, axis: _halves(x, axis)[1]
 
   def forward_part(q, pos, seg, blk, earlier):
-    whole = lambda: _block(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]), causal,
-                           score_block)
-    if earlier is None or not causal:
-      return whole()
+    if earlier is None or not causal:  # its own block (the diagonal), or no mask by index
+      return kernel.forward(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]),
+                            earlier is None)
 
     def from_earlier(_):  # every query, the block's first chunk
-      kb = [_halves(x, 1)[0] for x in blk]
-      return _block(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal,
-                    score_block)
+      kb = [lo(x, 1) for x in blk]
+      return kernel.forward(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), False)
 
     def from_later(_):  # this shard's second chunk, the whole block
-      o, m, l = _block(_halves(q, 1)[1], blk[0], blk[1], _halves(pos, 1)[1], blk[2],
-                       first([_halves(x, 1)[1] for x in seg]), first(blk[3:]), causal,
-                       score_block)
+      o, m, l = kernel.forward(hi(q, 1), blk[0], blk[1], hi(pos, 1), blk[2],
+                               first([hi(x, 1) for x in seg]), first(blk[3:]), False)
       return _pad_front(o, 3), _pad_front(m, 3, low), _pad_front(l, 3)
     return jax.lax.cond(earlier, from_earlier, from_later, None)
 
@@ -300,23 +248,21 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal, score_block):
     delta = jnp.sum(do * o, axis=-1)  # [b, kv, g, t]
 
     def grads(blk, earlier):
-      whole = lambda: _grads(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]),
-                             causal, do, lse, delta, score_block)
       if earlier is None or not causal:
-        return whole()
+        return kernel.grads(q, blk[0], blk[1], pos, blk[2], first(seg), first(blk[3:]),
+                            earlier is None, do, o, lse, delta)
 
       def from_earlier(_):
-        kb = [_halves(x, 1)[0] for x in blk]
-        dq, dk, dv = _grads(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]), causal,
-                            do, lse, delta, score_block)
+        kb = [lo(x, 1) for x in blk]
+        dq, dk, dv = kernel.grads(q, kb[0], kb[1], pos, kb[2], first(seg), first(kb[3:]),
+                                  False, do, o, lse, delta)
         pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
         return dq, pad(dk), pad(dv)
 
       def from_later(_):
-        hi = lambda x, axis: _halves(x, axis)[1]
-        dq, dk, dv = _grads(hi(q, 1), blk[0], blk[1], hi(pos, 1), blk[2],
-                            first([hi(x, 1) for x in seg]), first(blk[3:]), causal,
-                            hi(do, 3), hi(lse, 3), hi(delta, 3), score_block)
+        dq, dk, dv = kernel.grads(hi(q, 1), blk[0], blk[1], hi(pos, 1), blk[2],
+                                  first([hi(x, 1) for x in seg]), first(blk[3:]), False,
+                                  hi(do, 3), hi(o, 3), hi(lse, 3), hi(delta, 3))
         return _pad_front(dq, 1), dk, dv
       return jax.lax.cond(earlier, from_earlier, from_later, None)
 
@@ -342,30 +288,47 @@ def _local_ring(q, k, v, q_pos, q_seg, axes, causal, score_block):
 
 def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
            segment_ids: jax.Array | None, causal: bool, heads_split: SplitDims,
-           score_block: int = SCORE_BLOCK) -> jax.Array:
+           score_block: int = SCORE_BLOCK, impl: str = "xla", backend: str = "cpu"
+           ) -> jax.Array:
   """Self-attention of a sequence split over the seq axes of `heads_split` (`method`:
   all_gather or ring; module doc).
 
   q [b, t, heads, hd], k/v [b, t, kv_heads, hd], positions and segment_ids (or None) [b, t],
   each split over those axes, in zig-zag order (`zigzag`; the ring skips the blocks that
-  order puts after a shard's queries; all_gather takes any order) -> [b, t, heads, hd] in
-  q's dtype. `score_block`: (query, key) pairs per head in one chunk of float32 scores
-  inside a shard (queries are taken in chunks of about score_block / keys).
+  order puts after a shard's queries, and splash needs that order; all_gather takes any)
+  -> [b, t, heads, hd] in q's dtype. `impl`: the block kernel, 'xla' or 'splash' (as
+  `choose` resolved it; splash in Pallas interpret mode off `backend` 'tpu').
+  `score_block`: (query, key) pairs per head in one chunk of the xla kernel's float32
+  scores (queries are taken in chunks of about score_block / keys).
   """
   mesh = jax.sharding.get_abstract_mesh()
   axes = seq_axes(heads_split, dict(mesh.shape), mesh.manual_axes)
-  h, hd = q.shape[2:]
-  kvh = k.shape[2]
+  kernel = {"xla": lambda: xla_blocks.XlaBlocks(causal, score_block),
+            "splash": lambda: splash_blocks.SplashBlocks(causal, backend != "tpu")}[impl]()
   local = {"all_gather": _local_all_gather, "ring": _local_ring}[method]
+  # A Pallas call has no partitioning rule: splash runs manual over every free axis (its
+  # examples and heads per device, as fused_attention.splash); einsums leave the other axes
+  # to the partitioner.
+  batch_axes = head_axes = None
+  manual = set(axes)
+  if impl == "splash":
+    manual = set(mesh.axis_names) - set(mesh.manual_axes)
+    free = lambda entry: tuple(a for a in entry_axes(entry) if a in manual) or None
+    batch_axes, head_axes = free(heads_split[0]), free(heads_split[2])
+    if k.shape[2] % shards(head_axes, mesh.shape):  # KV heads that do not divide: repeated
+      k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    if q.shape[0] % shards(batch_axes, mesh.shape):  # init traces one row
+      batch_axes = None
 
-  def run(q, k, v, pos, seg):
-    q5 = q.reshape(q.shape[0], q.shape[1], kvh, h // kvh, hd)
-    o = local(q5, k, v, pos, seg, axes, causal, score_block)  # [b, kv, g, t, hd]
+  def run(q, k, v, pos, seg):  # this device's shard: its heads, its KV heads
+    b, t, h, hd = q.shape
+    q5 = q.reshape(b, t, k.shape[2], h // k.shape[2], hd)
+    o = local(q5, k, v, pos, seg, axes, kernel)  # [b, kv, g, t, hd]
     return jnp.einsum("bkgth->btkgh", o).reshape(q.shape).astype(q.dtype)
 
-  act, row = P(None, axes, None, None), P(None, axes)
+  act, row = P(batch_axes, axes, head_axes, None), P(batch_axes, axes)
   segs = () if segment_ids is None else (segment_ids,)
   fn = jax.shard_map(lambda q, k, v, pos, *seg: run(q, k, v, pos, *(seg or (None,))),
                      in_specs=(act, act, act, row) + (row,) * len(segs), out_specs=act,
-                     axis_names=set(axes), check_vma=False)
+                     axis_names=manual, check_vma=False)
   return fn(q, k, v, positions, *segs)

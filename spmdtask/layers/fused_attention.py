@@ -160,7 +160,9 @@ def choose(impl: str, backend: str, seq: int, num_heads: int, head_dim: int, dty
   return impl
 
 
-def _block_sizes(seq: int, block: int | None):
+def splash_block_sizes(seq: int, block: int | None = None):
+  """Splash's block sizes, forward and backward: `block`, or the largest of SPLASH_BLOCKS
+  that divides `seq`."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   b = block or next(s for s in SPLASH_BLOCKS if seq % s == 0)
   return sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b,
@@ -174,7 +176,7 @@ def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool, block: in
   _, t, h, hd = q.shape
   head_mask = sm.CausalMask((t, t)) if causal else sm.FullMask((t, t))
   kernel = sk.make_splash_mha(sm.MultiHeadMask([head_mask] * h),
-                              block_sizes=_block_sizes(t, block), head_shards=1,
+                              block_sizes=splash_block_sizes(t, block), head_shards=1,
                               q_seq_shards=1, interpret=interpret)
   # The kernel wants [heads, seq, hd] per example and does not scale q itself.
   q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(hd ** -0.5, q.dtype), k, v))

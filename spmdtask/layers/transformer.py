@@ -89,7 +89,7 @@ class TransformerLm(nn.Module):
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
   context_attention: str = "all_gather"  # all_gather | ring: across a split sequence
   # (query, key) pairs per head in one chunk of float32 scores inside a context shard (the
-  # xla kernel; layers.context_attention.SCORE_BLOCK says how it was chosen)
+  # xla kernel; layers.xla_blocks.SCORE_BLOCK says how it was chosen)
   context_score_block: int = context_lib.SCORE_BLOCK
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1

@@ -35,13 +35,13 @@ def grads_then_adamw(learning_rate):
                      optax.adamw(learning_rate, b2=0.95, weight_decay=0.01))
 
 
-def _keep_grads(cfg):
+def keep_grads(cfg):
   cfg.task.train.optimizer = fdl.Partial(grads_then_adamw)
 
 
 def _context(mesh, method, remat_policy):
   def edit(cfg):
-    _keep_grads(cfg)
+    keep_grads(cfg)
     lm.with_context(cfg.task, mesh, method)
     cfg.task.model.remat_policy = remat_policy
   return edit
@@ -49,7 +49,7 @@ def _context(mesh, method, remat_policy):
 
 def _spmd_pipeline(method, remat_policy):
   def edit(cfg):
-    _keep_grads(cfg)
+    keep_grads(cfg)
     lm.with_context(cfg.task, None, method)
     cfg.task.mesh_axis_names = ("stage",) + lm.CONTEXT_AXES
     cfg.task.ici_mesh_shape = (2, 1, 1, 2, 2)
@@ -60,7 +60,7 @@ def _spmd_pipeline(method, remat_policy):
 
 def _mpmd(method, remat_policy):
   def edit(cfg):
-    _keep_grads(cfg)
+    keep_grads(cfg)
     lm.with_context(cfg.task, (2, 1, 4, 1), method)
     cfg.task.model.remat_policy = remat_policy
     cfg.task.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
@@ -69,7 +69,7 @@ def _mpmd(method, remat_policy):
   return edit
 
 
-def _run(exp, steps, overrides=(), edit=None, devices=None):
+def run_steps(exp, steps, overrides=(), edit=None, devices=None):
   losses, params, program, state = util.train_steps(exp, steps, devices, overrides, edit)
   opt_state = program.to_canonical(state).opt_state  # (clipping's, (the trace's, adamw's))
   grads = jax.device_get(opt_state[1][0].trace)
@@ -91,7 +91,7 @@ def _worst(got, want) -> str:
 def one_device(exp, overrides=()):
   axes = util.build_run(exp, overrides).task.mesh_axis_names
   ones = ("task.ici_mesh_shape=" + str((1,) * len(axes)),)
-  return _run(exp, STEPS, ones + overrides, _keep_grads, jax.devices()[:1])
+  return run_steps(exp, STEPS, ones + overrides, keep_grads, jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,8 @@ def test_context_parallel_training_equals_one_device(case, corpus):
   data = corpus if packed else ()
   want = one_device("lm.TextLm" if packed else "lm.TinyLm", data)
   overrides = data + ((f"task.model.remat_policy={policy!r}",) if policy else ())
-  named_edit = edit or _keep_grads
-  got = _run(exp, STEPS, overrides, named_edit)
+  named_edit = edit or keep_grads
+  got = run_steps(exp, STEPS, overrides, named_edit)
   print(case, _worst(got, want))
   np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
   util.assert_trees_close(got[2], want[2], rtol=RTOL, terms=GRAD_TERMS)
@@ -152,11 +152,27 @@ def test_bad_context_inputs_are_config_errors():
   # Rows that do not cut into 2·cp chunks: 60 tokens over context 4 (8 chunks).
   with pytest.raises(ConfigError, match="do not cut into 2 x 4 equal chunks.*seq_len"):
     util.train_steps("lm.TinyLmContext", 1, overrides=["datasets['train'].seq_len=60"])
-  # A kernel that cannot take a K/V block by positions.
+  # Kernels that cannot attend K/V blocks: cuDNN (no log-sum-exp), splash outside the ring.
+  split = lm.CONTEXT_ACTIVATIONS["heads"]
+  shape = {"data": 2, "fsdp": 1, "context": 4, "model": 1}
+  with pytest.raises(ConfigError, match="attention_impl='cudnn' cannot attend.*log-sum-exp"):
+    context_attention.check("ring", "cudnn", split, shape)
   run = util.build_run("lm.TinyLmContextRing", ["task.model.attention_impl='splash'"])
   mesh = jax.make_mesh((2, 1, 4, 1), lm.CONTEXT_AXES)
-  with pytest.raises(ConfigError, match="attention_impl='splash' cannot take a K/V block"):
-    run.task.model.validate(mesh, 16)
+  with pytest.raises(ConfigError, match="'splash' with a sequence split.*context_attention='ring'"):
+    run.task.model.clone(context_attention="all_gather").validate(mesh, 16)
+  run.task.model.validate(mesh, 16)  # the ring takes it
+  # The ring's block kernel: auto is splash on TPU where a shard's tokens allow.
+  choose = lambda impl, backend, local, heads=32: context_attention.choose(
+      "ring", impl, backend, local, heads, split, shape)
+  assert [choose("auto", "tpu", 8192), choose("auto", "tpu", 128), choose("auto", "cpu", 8192),
+          choose("splash", "cpu", 256), choose("xla", "tpu", 8192)] == [
+              "splash", "xla", "xla", "splash", "xla"]
+  assert context_attention.choose("all_gather", "auto", "tpu", 8192, 32, split, shape) == "xla"
+  with pytest.raises(ConfigError, match="each shard holds 384 tokens.*multiple of 256"):
+    choose("splash", "tpu", 384)
+  with pytest.raises(ConfigError, match="num_heads=3 does not divide"):
+    context_attention.choose("ring", "splash", "tpu", 256, 3, split, {**shape, "model": 2})
   with pytest.raises(ConfigError, match="context_attention='rings' is not"):
     run.task.model.clone(attention_impl="auto", context_attention="rings").validate(mesh, 16)
   # A context split on the decode cache.
