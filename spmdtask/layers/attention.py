@@ -136,12 +136,13 @@ class Attention(nn.Module):
     wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
     dt, heads = self.dtype, self.heads_act_split
 
-    def proj(w, split):
-      return constrain(project("btd,dhk->bthk", x, w, split, heads, dt), heads)
+    def proj(w, split, w_name):
+      return constrain(project("btd,dhk->bthk", x, w, split, heads, dt,
+                               gathered_name=w_name), heads)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
-    q = checkpoint_name(proj(wq, self.q_split), remat.Q_PROJ)
-    k = checkpoint_name(proj(wk, self.kv_split), remat.K_PROJ)
-    v = checkpoint_name(proj(wv, self.kv_split), remat.V_PROJ)
+    q = checkpoint_name(proj(wq, self.q_split, remat.Q_WEIGHT), remat.Q_PROJ)
+    k = checkpoint_name(proj(wk, self.kv_split, remat.K_WEIGHT), remat.K_PROJ)
+    v = checkpoint_name(proj(wv, self.kv_split, remat.V_WEIGHT), remat.V_PROJ)
     if self.qk_norm:
       q = RmsNorm(hd, self.norm_eps, (None,), name="q_norm")(q)
       k = RmsNorm(hd, self.norm_eps, (None,), name="k_norm")(k)

@@ -4,6 +4,7 @@ from typing import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core.sharding import entry_axes, shards
@@ -40,7 +41,7 @@ def platform() -> str:
 
 
 def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
-            dtype, out_dtype=None) -> jax.Array:
+            dtype, out_dtype=None, gathered_name: str | None = None) -> jax.Array:
   """`jnp.einsum(eqn, x, w)` in `dtype` (the result in `out_dtype`, default `dtype`), x's
   dim 0 its batch (split over the axes of the entry `batch`), the result's dim 0 the same
   batch.
@@ -55,6 +56,11 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   hence FSDP over two axes (`("fsdp", "fsdp_b")`) on big slices. Elsewhere (no mesh, no
   FSDP axis, a batch or weight dim that does not divide its axes) GSPMD partitions the
   plain einsum.
+
+  `gathered_name` names the gathered whole weight (`checkpoint_name`) for the remat presets
+  (spmdtask.core.remat): a preset that keeps it spares the backward its gather, as FSDP's
+  "no reshard after forward" does, for the weight's size in memory. GSPMD's path gathers
+  out of sight of a name: there is nothing to keep.
   """
   mesh = jax.sharding.get_abstract_mesh()
   manual = batch_axes(mesh, batch, x.shape[0])
@@ -65,7 +71,10 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   moved = moved_dtype(dtype)
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])
-  return jax.shard_map(lambda x, w: product(x, gather(w.astype(moved), w_axes)),
+  def gathered(w):
+    whole = gather(w.astype(moved), w_axes)
+    return checkpoint_name(whole, gathered_name) if gathered_name else whole
+  return jax.shard_map(lambda x, w: product(x, gathered(w)),
                        in_specs=(rows, P(*[a or None for a in w_axes])),
                        out_specs=P(manual, *[None] * (out_ndim - 1)),
                        axis_names=set(manual))(x, w)
