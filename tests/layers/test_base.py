@@ -77,21 +77,32 @@ def _first_step(overrides, devices):
   return ops, float(metrics["loss"]), grads, run.task.model
 
 
-def test_save_qkv_weights_spares_the_backward_the_q_k_v_gathers_with_the_same_grads():
-  """remat 'save_qkv_weights' under FSDP over fsdp 4 x fsdp_b 2: the forward's gathered
-  q/k/v weights (named by `project`) are kept for the backward, which gathers only o and
-  the MLP's again: the layer loops receive q/k/v's 7/8 once per layer, not twice. Loss and
-  gradients are the 1-device run's, up to float32 summation order."""
+def test_kept_qkv_weights_and_mlp_gathered_at_once_move_fewer_bytes_with_the_same_grads():
+  """FSDP over fsdp 4 x fsdp_b 2, remat 'save_qkv_weights', the MLP weights gathered at once.
+  The forward's gathered q/k/v weights (named by `project`) are kept for the backward,
+  which gathers only o and the MLP's again: the layer loops receive q/k/v's 7/8 once per
+  layer, not twice. Each MLP weight is one all-gather over all 8 devices (its result the
+  weight once, not 1 + 1/4 of it), its gradient still reduce-scattered one axis at a time.
+  Loss and gradients are the 1-device run's, up to float32 summation order."""
   # 2 vocab tiles: the head's loop runs 2 trips, the layers' 4
-  ops, loss, grads, model = _first_step([FSDP_4X2, "task.model.loss_vocab_tiles=2",
-                                         "task.model.remat_policy='save_qkv_weights'"],
-                                        jax.devices())
+  ops, loss, grads, model = _first_step(
+      [FSDP_4X2, "task.model.loss_vocab_tiles=2", "task.model.remat_policy='save_qkv_weights'",
+       "task.model.weight_split_dims_mapping.gather_at_once=('mlp_in', 'mlp_out')"],
+      jax.devices())
   d, hd = model.d_model, model.head_dim
   qkv_bytes = d * (model.num_heads + 2 * model.num_kv_heads) * hd * F32
   o_bytes, mlp_bytes = model.num_heads * hd * d * F32, 3 * d * model.d_ff * F32
-  gathers = [op for op in ops if op.runs == model.num_layers and op.kind == "all-gather"]
+  in_layers = [op for op in ops if op.runs == model.num_layers]
+  gathers = [op for op in in_layers if op.kind == "all-gather"]
   assert _received(gathers) == model.num_layers * (
       qkv_bytes + 2 * (o_bytes + mlp_bytes)) * 7 / 8, gathers
+  assert sum(op.bytes for op in gathers if op.group_size == 8) == 2 * mlp_bytes, gathers
+  assert sum(op.bytes for op in gathers if op.group_size != 8) == (
+      qkv_bytes + 2 * o_bytes) * 5 // 4, gathers
+  scatters = [op for op in in_layers if op.kind == "reduce-scatter"]
+  assert {op.group_size for op in scatters} == {2, 4}, scatters
+  assert sum(op.bytes for op in scatters if op.group_size == 4) == (
+      qkv_bytes + o_bytes + mlp_bytes) // 4, scatters
 
   _, want_loss, want_grads, _ = _first_step(["task.ici_mesh_shape=(1, 1, 1, 1)",
                                              "task.model.loss_vocab_tiles=2",
