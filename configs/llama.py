@@ -250,6 +250,7 @@ class Llama31_8B_V6e256(_Llama):
                       num_kv_heads=8, d_ff=14336, max_seq_len=131072, rope_theta=500000.0,
                       rope_scaling=LLAMA31_SCALING)
     cfg.remat_policy = "save_dot_except_mlp_offloaded"
+    cfg.weight_split_dims_mapping.gather_at_once = ("mlp_in", "mlp_out")  # as Llama3_8B's
     return cfg
 
 
