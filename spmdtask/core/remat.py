@@ -14,6 +14,8 @@ Names (per layer; shapes for batch b, sequence t, heads h, KV heads k, head dim 
   mlp_up, mlp_gate         the MLP's input projections (gate: SwiGLU only) [b,t,ff]
   mlp_hidden               the activation, the out projection's input      [b,t,ff]
   mlp_out                  the MLP out projection                          [b,t,d]
+  q_weight, k_weight,      the whole q / k / v weights FSDP gathered for the forward
+  v_weight                 (layers.base.project)           [d,h,e] / [d,k,e], every layer
 
 Presets (what the backward keeps besides each layer's input, which it always keeps;
 everything else recomputed):
@@ -27,6 +29,10 @@ everything else recomputed):
                           recompute is the cheapest per byte kept under grouped-query
                           attention (k/v are kv_heads/heads of q's width: 5 GiB of the
                           Llama-2-70B's temporaries on v5p-512 for 0.5% more matmul FLOPs).
+  save_qkv_weights        q/k/v_weight: full's recompute, but the backward does not gather
+                          those weights again (FSDP's "no reshard after forward" for them):
+                          their whole size per device (Llama-3-8B: 48 MiB a layer) for as
+                          many bytes less all-gather per step.
   <preset>_offloaded      (full, minimal, save_dot_except_mlp, save_qkv_proj) everything the
                           preset keeps, each layer's input included, moved to the host's
                           pinned memory after the forward and back for the backward
@@ -54,7 +60,11 @@ LAYER_INPUT = "layer_input"
 Q_PROJ, K_PROJ, V_PROJ = "q_proj", "k_proj", "v_proj"
 ATTN_CONTEXT, ATTN_OUT = "attn_context", "attn_out"
 MLP_UP, MLP_GATE, MLP_HIDDEN, MLP_OUT = "mlp_up", "mlp_gate", "mlp_hidden", "mlp_out"
-NAMES = (LAYER_INPUT, Q_PROJ, K_PROJ, V_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_UP, MLP_GATE, MLP_HIDDEN, MLP_OUT)
+# The whole weights FSDP gathered for the forward's q / k / v projections (layers.base.project).
+Q_WEIGHT, K_WEIGHT, V_WEIGHT = "q_weight", "k_weight", "v_weight"
+WEIGHTS = (Q_WEIGHT, K_WEIGHT, V_WEIGHT)
+NAMES = (LAYER_INPUT, Q_PROJ, K_PROJ, V_PROJ, ATTN_CONTEXT, ATTN_OUT, MLP_UP, MLP_GATE, MLP_HIDDEN,
+         MLP_OUT) + WEIGHTS
 
 OFFLOADED = "_offloaded"
 _QKV = (Q_PROJ, K_PROJ, V_PROJ)
@@ -65,6 +75,7 @@ SAVED = {
     "save_dot_except_mlp": _QKV + (ATTN_OUT,),
     "save_qkv_proj": _QKV,
     "save_q_attn_out": (Q_PROJ, ATTN_OUT),
+    "save_qkv_weights": WEIGHTS,
 }
 OFFLOADABLE = ("full", "minimal", "save_dot_except_mlp", "save_qkv_proj")
 PRESETS = tuple(SAVED) + tuple(p + OFFLOADED for p in OFFLOADABLE)

@@ -108,6 +108,7 @@ class Attention(nn.Module):
   norm_eps: float = 1e-6
   context: str = "all_gather"  # across a split sequence (layers.context_attention)
   score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
+  at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (transformer.WeightSplit)
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -145,12 +146,13 @@ class Attention(nn.Module):
     wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
     dt, heads = self.dtype, self.heads_act_split
 
-    def proj(w, split):
-      return constrain(project("btd,dhk->bthk", x, w, split, heads, dt), heads)
+    def proj(w, split, w_name, field):
+      return constrain(project("btd,dhk->bthk", x, w, split, heads, dt, gathered_name=w_name,
+                               at_once=field in self.at_once), heads)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
-    q = checkpoint_name(proj(wq, self.q_split), remat.Q_PROJ)
-    k = checkpoint_name(proj(wk, self.kv_split), remat.K_PROJ)
-    v = checkpoint_name(proj(wv, self.kv_split), remat.V_PROJ)
+    q = checkpoint_name(proj(wq, self.q_split, remat.Q_WEIGHT, "q"), remat.Q_PROJ)
+    k = checkpoint_name(proj(wk, self.kv_split, remat.K_WEIGHT, "kv"), remat.K_PROJ)
+    v = checkpoint_name(proj(wv, self.kv_split, remat.V_WEIGHT, "kv"), remat.V_PROJ)
     if self.qk_norm:
       q = RmsNorm(hd, self.norm_eps, (None,), name="q_norm")(q)
       k = RmsNorm(hd, self.norm_eps, (None,), name="k_norm")(k)
@@ -169,5 +171,6 @@ class Attention(nn.Module):
     out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
                     self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
-    out = project("bthk,hkd->btd", out, wo, self.o_split, heads, dt)
+    out = project("bthk,hkd->btd", out, wo, self.o_split, heads, dt,
+                  at_once="o" in self.at_once)
     return checkpoint_name(out, remat.ATTN_OUT), cache

@@ -1,9 +1,11 @@
 """What every spmdtask layer shares: weights with split-dims metadata, activation constraints."""
+import functools
 from typing import Callable, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core.sharding import entry_axes, shards
@@ -40,7 +42,8 @@ def platform() -> str:
 
 
 def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
-            dtype, out_dtype=None) -> jax.Array:
+            dtype, out_dtype=None, gathered_name: str | None = None,
+            at_once: bool = False) -> jax.Array:
   """`jnp.einsum(eqn, x, w)` in `dtype` (the result in `out_dtype`, default `dtype`), x's
   dim 0 its batch (split over the axes of the entry `batch`), the result's dim 0 the same
   batch.
@@ -55,6 +58,13 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   hence FSDP over two axes (`("fsdp", "fsdp_b")`) on big slices. Elsewhere (no mesh, no
   FSDP axis, a batch or weight dim that does not divide its axes) GSPMD partitions the
   plain einsum.
+
+  `at_once` gathers the weight with one all-gather over all its axes (`gather_at_once`);
+  its gradient still reduce-scatters one axis at a time.
+  `gathered_name` names the gathered whole weight (`checkpoint_name`) for the remat presets
+  (spmdtask.core.remat): a preset that keeps it spares the backward its gather, as FSDP's
+  "no reshard after forward" does, for the weight's size in memory. GSPMD's path gathers
+  out of sight of a name: there is nothing to keep.
   """
   mesh = jax.sharding.get_abstract_mesh()
   manual = batch_axes(mesh, batch, x.shape[0])
@@ -65,7 +75,10 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   moved = moved_dtype(dtype)
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])
-  return jax.shard_map(lambda x, w: product(x, gather(w.astype(moved), w_axes)),
+  def gathered(w):
+    whole = (gather_at_once if at_once else gather)(w.astype(moved), w_axes)
+    return checkpoint_name(whole, gathered_name) if gathered_name else whole
+  return jax.shard_map(lambda x, w: product(x, gathered(w)),
                        in_specs=(rows, P(*[a or None for a in w_axes])),
                        out_specs=P(manual, *[None] * (out_ndim - 1)),
                        axis_names=set(manual))(x, w)
@@ -103,6 +116,31 @@ def gather(w: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
     for axis in reversed(dim_axes):
       w = jax.lax.all_gather(w, axis, axis=dim, tiled=True)
   return w
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def gather_at_once(w: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:
+  """`gather` by one all-gather per dim over all its axes (the results count the weight
+  once, not 1 + 1/16 of it on 16 x 16; a chip receives the same bytes); its transpose is
+  `scatter`'s, one reduce-scatter per axis. Which all-gathers XLA keeps as such is its
+  choice: on v5e-256 it keeps Llama-3-8B's q, o and MLP weights' (MaxText's are the same),
+  but compiles its k/v's, and on v5p-512 Llama-2-70B's weights', as all-reduces (twice the
+  bytes received)."""
+  for dim, dim_axes in enumerate(axes):
+    if dim_axes:
+      w = jax.lax.all_gather(w, tuple(dim_axes), axis=dim, tiled=True)
+  return w
+
+
+def _gather_at_once_fwd(w, axes):
+  return gather_at_once(w, axes), None
+
+
+def _gather_at_once_bwd(axes, _, g):
+  return (scatter(g, axes),)
+
+
+gather_at_once.defvjp(_gather_at_once_fwd, _gather_at_once_bwd)
 
 
 def scatter(g: jax.Array, axes: tuple[tuple[str, ...], ...]) -> jax.Array:

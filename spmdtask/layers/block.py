@@ -10,10 +10,24 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
+from spmdtask.errors import ConfigError
 from spmdtask.layers import context_attention as context_attention_lib
 from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, project, weight
+
+
+# The weights whose FSDP gather a weight split's `gather_at_once` may ask for at once.
+GATHER_AT_ONCE = ("q", "kv", "o", "mlp_in", "mlp_out")
+
+
+def check_gather_at_once(field: str, names) -> None:
+  """ConfigError naming `field` unless `names` is a tuple of GATHER_AT_ONCE's names."""
+  if not isinstance(names, (tuple, list)) or not set(names) <= set(GATHER_AT_ONCE):
+    raise ConfigError(
+        f"{field}={names!r}: name the weights whose FSDP gather runs as one all-gather over "
+        f"all the axes that split them, a tuple of {', '.join(GATHER_AT_ONCE)} (() for one "
+        "axis at a time, the default); plan the slice to see which XLA keeps as all-gathers.")
 
 
 class Mlp(nn.Module):
@@ -25,12 +39,14 @@ class Mlp(nn.Module):
   in_split: SplitDims
   out_split: SplitDims
   ff_act_split: SplitDims | None
+  at_once: tuple[str, ...] = ()  # of 'mlp_in', 'mlp_out': FSDP gathers (WeightSplit)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     dt, batch = self.dtype, self.ff_act_split
     w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-    up = lambda w: constrain(project("btd,df->btf", x, w, self.in_split, batch, dt), batch)
+    up = lambda w: constrain(project("btd,df->btf", x, w, self.in_split, batch, dt,
+                                     at_once="mlp_in" in self.at_once), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     h = checkpoint_name(up(w_in), remat.MLP_UP)
     if self.activation == "swiglu":
@@ -41,8 +57,8 @@ class Mlp(nn.Module):
       h = jax.nn.gelu(h)
     h = checkpoint_name(h, remat.MLP_HIDDEN)
     w_out = weight(self, "wo", (self.d_ff, self.d_model), self.out_split, dense_init(0, 1))
-    return checkpoint_name(project("btf,fd->btd", h, w_out, self.out_split, batch, dt),
-                           remat.MLP_OUT)
+    return checkpoint_name(project("btf,fd->btd", h, w_out, self.out_split, batch, dt,
+                                   at_once="mlp_out" in self.at_once), remat.MLP_OUT)
 
 
 class Block(nn.Module):
@@ -93,7 +109,7 @@ class Block(nn.Module):
     x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            name="mlp")(h)
+            w.gather_at_once, name="mlp")(h)
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
   def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key):
@@ -108,7 +124,8 @@ class Block(nn.Module):
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, qk_norm=self.qk_norm,
                          norm_eps=self.norm_eps, context=self.context_attention,
-                         score_block=self.context_score_block, name="attn")(h, positions, segment_ids, cache)
+                         score_block=self.context_score_block, at_once=w.gather_at_once,
+                         name="attn")(h, positions, segment_ids, cache)
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 

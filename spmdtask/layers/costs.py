@@ -120,14 +120,15 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   width = {remat.Q_PROJ: q, remat.K_PROJ: kv, remat.V_PROJ: kv, remat.ATTN_CONTEXT: q,
            remat.ATTN_OUT: d, remat.MLP_UP: ff, remat.MLP_GATE: ff, remat.MLP_HIDDEN: ff,
            remat.MLP_OUT: d}
-  policy, saved = model.remat_policy, None
+  policy, kept = model.remat_policy, []
   inputs = Held("the layers' inputs, kept for the backward", (L, r, t, d), dt)
   arrays = [] if remat.offloads(policy) else [inputs]  # an offloaded preset keeps them on the host
-  if remat.SAVED.get(policy):  # an offloaded preset keeps its names on the host
-    names = remat.SAVED[policy]
-    saved = Held(f"what remat_policy={policy!r} keeps besides ({', '.join(names)})",
-                 (L, r, t, sum(width[n] for n in names)), dt)
-    arrays.append(saved)
+  names = remat.SAVED.get(policy, ())  # an offloaded preset keeps its names on the host
+  acts = [n for n in names if n in width]
+  if acts:
+    kept.append(Held(f"what remat_policy={policy!r} keeps besides ({', '.join(acts)})",
+                     (L, r, t, sum(width[n] for n in acts)), dt))
+  arrays += kept
   tiles, vocab = model.loss_vocab_tiles, model.vocab_size
   logits = Held("the loss's float32 logits" if tiles == 1 else
                 f"one of the loss's {tiles} float32 logits tiles",
@@ -138,6 +139,12 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
                      "while it runs",
                      (r, t, running), dt))
   per_token = sum(a.bytes for a in arrays)  # what scales with the tokens at once
+  weights = [n for n in names if n in remat.WEIGHTS]
+  if weights:  # whole weights on every device, whatever the tokens
+    gathered = {remat.Q_WEIGHT: q, remat.K_WEIGHT: kv, remat.V_WEIGHT: kv}
+    kept.append(Held(f"the FSDP-gathered weights remat_policy={policy!r} keeps "
+                     f"({', '.join(weights)})", (L, d, sum(gathered[n] for n in weights)), dt))
+    arrays.append(kept[-1])
   if tiles > 1:  # layers.xent gathers one tile where it is used, reduce-scatters its gradient
     arrays.append(Held("one vocab tile of the head weight gathered while it runs, or its "
                        "gradient before its reduce-scatter", (d, -(-vocab // tiles)), dt))
@@ -149,10 +156,10 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   if policy in remat.OFFLOADABLE:
     fixes.append(MemoryFix(f"task.model.remat_policy='{policy}{remat.OFFLOADED}'",
                            "what it keeps, the layers' inputs included, moves to host memory",
-                           inputs.bytes + (saved.bytes if saved else 0)))
+                           inputs.bytes + sum(a.bytes for a in kept)))
   if policy not in ("full", "nothing_saveable"):
     fixes.append(MemoryFix("task.model.remat_policy='full'", "each layer keeps only its input "
-                           "(one more forward per layer)", saved.bytes if saved else None))
+                           "(one more forward per layer)", sum(a.bytes for a in kept) or None))
   if t % 2 == 0:
     fixes.append(MemoryFix(f"datasets['train'].seq_len={t // 2}", "rows of half the tokens "
                            "(a step of half the tokens): the layers' inputs, the logits and "

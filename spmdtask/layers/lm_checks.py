@@ -5,6 +5,7 @@ import numpy as np
 from spmdtask.core import checks, sharding
 from spmdtask.core.strategy import StackFacts
 from spmdtask.errors import ConfigError
+from spmdtask.layers import block
 from spmdtask.layers import context_attention as context_lib
 from spmdtask.layers import fused_attention
 from spmdtask.layers.rope import Llama3Scaling
@@ -71,6 +72,8 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
                     model.activation_split_dims_mapping.heads, mesh_shape)
   for where, (split, shape) in model.split_dims_fields().items():
     sharding.validate(split, shape, mesh_shape, where)
+  block.check_gather_at_once("task.model.weight_split_dims_mapping.gather_at_once",
+                             model.weight_split_dims_mapping.gather_at_once)
   _validate_moe(model, mesh_shape)
   if model.execution is not None:
     model.execution.validate(StackFacts(stack_layers, global_batch_size, mesh))

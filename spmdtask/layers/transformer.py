@@ -39,6 +39,9 @@ class WeightSplit:
   router: SplitDims = (None, None)                # [d_model, experts]
   expert_in: SplitDims = (None, "fsdp", "model")  # [experts, d_model, expert d_ff]
   expert_out: SplitDims = (None, "model", "fsdp") # [experts, expert d_ff, d_model]
+  # Of block.GATHER_AT_ONCE: weights FSDP gathers by one all-gather over all the axes that
+  # split a dim, not one at a time (layers.base.gather_at_once); gradients still per axis.
+  gather_at_once: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

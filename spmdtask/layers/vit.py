@@ -17,7 +17,8 @@ from spmdtask.layers import fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent as xent_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
-from spmdtask.layers.block import Block, attention_flops, num_params, train_flops
+from spmdtask.layers.block import (Block, attention_flops, check_gather_at_once, num_params,
+                                   train_flops)
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import StackFacts, Strategy
 
@@ -36,6 +37,7 @@ class VitWeightSplit:
   mlp_in: SplitDims = ("fsdp", "model")           # [d_model, d_ff]
   mlp_out: SplitDims = ("model", "fsdp")          # [d_ff, d_model]
   norm: SplitDims = (None,)                       # [d_model]
+  gather_at_once: tuple[str, ...] = ()  # as transformer.WeightSplit's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,7 @@ class VisionTransformer(nn.Module):
     for k, shape in shapes.items():
       sharding.validate(getattr(w, k), shape, mesh_shape,
                         f"task.model.weight_split_dims_mapping.{k}")
+    check_gather_at_once("task.model.weight_split_dims_mapping.gather_at_once", w.gather_at_once)
     for k, shape in dict(embed=("b", t, d), heads=("b", t, h, hd), ff=("b", t, ff)).items():
       sharding.validate(getattr(a, k), shape, mesh_shape,
                         f"task.model.activation_split_dims_mapping.{k}")

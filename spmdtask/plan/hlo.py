@@ -1,4 +1,4 @@
-"""Reading a compiled program's optimized HLO text: collectives per step, XLA's warnings. Pure.
+"""Reading a compiled program's optimized HLO text: collectives per step. Pure.
 
 `collectives(text)` counts every collective of the per-device program by kind, with the
 bytes of its result (the data each device ends up with: all-gather's gathered array,
@@ -155,6 +155,11 @@ class Collective:
   group_size: int
   dcn: bool = False
   hosts: int = 1  # the most hosts one of its groups spans (GPUs: where `host_of` is given)
+
+  @property
+  def label(self) -> str:
+    """Its kind as the plan's tables name it: e.g. 'all-reduce', 'all-reduce (dcn)'."""
+    return self.kind + (" (dcn)" if self.dcn else "")
 
 
 # Across slices XLA:TPU hands a collective to the megascale runtime as a host-transfer
@@ -378,20 +383,10 @@ def by_kind(ops: list[Collective]) -> dict[str, dict[str, int]]:
   """`collectives` of ops already read (`collective_ops`)."""
   out: dict[str, dict[str, int]] = {}
   for op in ops:
-    row = out.setdefault(op.kind + (" (dcn)" if op.dcn else ""), {"count": 0, "bytes": 0})
+    row = out.setdefault(op.label, {"count": 0, "bytes": 0})
     row["count"] += op.runs
     row["bytes"] += op.runs * op.bytes
   return out
-
-
-_REMAT = re.compile(r"Involuntary full rematerialization.*?from sharding (\{.*?\}) to (\{.*?\}) "
-                    r"efficiently for HLO operation %([\w.\-]+) = (\S+) ")
-
-
-def remat_warnings(log_text: str) -> list[dict[str, str]]:
-  """XLA's 'involuntary full rematerialization' messages: op, its shape, the two shardings."""
-  return [{"op": op, "shape": shape, "from": src, "to": dst}
-          for src, dst, op, shape in _REMAT.findall(log_text)]
 
 
 def dims(shape: str) -> tuple[int, ...]:

@@ -37,7 +37,7 @@ import jax
 
 from spmdtask import console, fs
 from spmdtask.plan import (buffers, hlo, oom, overlap, owners, printout, remat_cost, roofline,
-                           stage_roofline, targets, xla_cost)
+                           stage_roofline, targets, xla_cost, xla_log)
 from spmdtask.core import memory, sharding
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
@@ -310,7 +310,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "num_active_params": program.work.active_params or memory.totals(rows)["num_params"],
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
-          "warnings": warnings(rows, mesh_shape, hlo.remat_warnings(log_text), batch_shape)
+          "warnings": warnings(rows, mesh_shape, xla_log.remat_warnings(log_text), batch_shape)
                       + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
           "arrays": [r.as_json() for r in rows]}
   plan["xla_log"] = target.log + log_text

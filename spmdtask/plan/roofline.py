@@ -77,14 +77,14 @@ def collective_traffic(ops) -> dict[str, float]:
 
 
 def received_by_kind(ops) -> dict[str, float]:
-  """Bytes one device receives per step in each kind of collective (`hlo.Collective`s;
-  kinds as `hlo.by_kind` names them): what its links carry, where result bytes mislead.
+  """Bytes one device receives per step in each kind of collective (`hlo.Collective`s,
+  by their `label`): what its links carry, where result bytes mislead.
   A weight gathered over two mesh axes in turn (16 x 16) counts 1 + 1/16 of itself in
   results, and brings the 255/256 a chip lacks, as one gather over all 256 would."""
   out: dict[str, float] = {}
   for op in ops:
-    kind = op.kind + (" (dcn)" if op.dcn else "")
-    out[kind] = out.get(kind, 0.0) + op.runs * received_bytes(op.kind, op.bytes, op.group_size)
+    out[op.label] = (out.get(op.label, 0.0)
+                     + op.runs * received_bytes(op.kind, op.bytes, op.group_size))
   return out
 
 

@@ -94,6 +94,7 @@ def test_presets_save_their_names_and_offload_only_when_asked(capsys):
   assert saved("save_qkv_proj") == ({"q_proj", "k_proj", "v_proj"}, 0)
   assert saved("save_dot_except_mlp") == ({"q_proj", "k_proj", "v_proj", "attn_out"}, 0)
   assert saved("save_q_attn_out") == ({"q_proj", "attn_out"}, 0)
+  assert saved("save_qkv_weights") == ({"q_weight", "k_weight", "v_weight"}, 0)
   assert saved("minimal_offloaded") == (set(), len(remat.SAVED["minimal"]) + 1)  # all on the host
   assert remat.offloads("minimal_offloaded") and not remat.offloads("minimal")
 

@@ -111,3 +111,9 @@ def test_rows_longer_than_max_seq_len_are_a_config_error_at_setup():
                      r"datasets\[\.\.\.\]\.seq_len to at most 256"):
     _program("lm.TinyLm", ["datasets['train'].seq_len=512"])
   _program("lm.TinyLm", ["datasets['train'].seq_len=256"])  # up to max_seq_len is fine
+
+
+def test_an_unknown_gather_at_once_weight_is_a_config_error():
+  with pytest.raises(ConfigError, match=r"weight_split_dims_mapping.gather_at_once=\('mlp',\).*"
+                                        r"a tuple of q, kv, o, mlp_in, mlp_out"):
+    _program("lm.TinyLm", ["task.model.weight_split_dims_mapping.gather_at_once=('mlp',)"])
