@@ -27,7 +27,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core.sharding import shards
-from spmdtask.layers import splash_blocks
+from spmdtask.layers import fused_attention
 
 
 class ZigzagCausalMask(sm.CausalMask):
@@ -44,7 +44,9 @@ def kernel(order: np.ndarray, heads: int, mesh, head_axes, seq_axes, causal: boo
   heads split over `head_axes` and its queries over `seq_axes` of `mesh`, and its
   shard_map in_spec (each shard: its slice of the mask info)."""
   t, cp = len(order), shards(seq_axes, mesh.shape)
-  sizes = splash_blocks.block_sizes(t // cp, t)
+  # splash's separate dq kernel: the fused backward keeps dq partials per block_kv_dkv of
+  # the row's keys, [T/1024, heads, t, hd] (Llama31_8B_128k: 8 GiB a chip).
+  sizes = fused_attention.splash_block_sizes(t // cp)
   if causal:
     mask, q_shards, q_axes = ZigzagCausalMask(order), cp, seq_axes
   else:  # the same full mask on every shard: built for one (splash's mask info of a full
