@@ -57,3 +57,10 @@ def test_all_gather_with_splash_equals_xla_and_one_device(cp, local, causal):
   # A gradient 0 in exact arithmetic keeps its terms' rounding: util.f32_atol over the row.
   util.assert_trees_close(got["splash"], got["xla"], rtol=RTOL, terms=t)
   util.assert_trees_close(got["splash"], want, rtol=RTOL, terms=t)
+
+
+def test_tiny_lm_context_all_gather_with_splash_trains_like_one_device():
+  """TinyLmContext (all_gather, context 4 x data 2) with splash: 256 tokens a shard, 2 rows,
+  2 layers; losses, gradients and params after 2 Adam steps == lm.TinyLm on 1 device."""
+  test_splash_blocks.assert_like_one_device(test_splash_blocks.context_steps(
+      "lm.TinyLmContext", ("task.model.attention_impl='splash'",)))
