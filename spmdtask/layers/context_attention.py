@@ -24,12 +24,13 @@ i holds chunks i and 2cp-1-i; every shard then has the same number of visible
 (query, key) pairs. `TransformerLm.loss` reorders tokens, targets, weights, positions and
 segment ids together (the loss is a sum over tokens, so it needs no reorder back).
 
-Inside a shard, the ring attends each block with a block kernel chosen once (`choose`,
-from task.model.attention_impl): `xla_blocks.XlaBlocks` (einsums, masks from positions,
+Inside a shard, the kernel is chosen once (`choose`, from task.model.attention_impl). The
+ring attends each block with `xla_blocks.XlaBlocks` (einsums, masks from positions,
 queries in chunks of `score_block`) or `splash_blocks.SplashBlocks` (splash on TPU: the
 zig-zag order makes every block pair's mask static in index order; scores stay on chip).
-all_gather attends with the xla kernel. cuDNN cannot serve: JAX's wrapper returns no
-log-sum-exp, which merging blocks needs.
+all_gather attends with the same xla kernel, or with ONE splash call on the whole gathered
+row (`splash_gathered`: the zig-zag causal mask, its block map split over the shards).
+cuDNN cannot serve: JAX's wrapper returns no log-sum-exp, which merging blocks needs.
 """
 from typing import Protocol
 
@@ -75,7 +76,7 @@ def seq_axes(heads_split: SplitDims | None, mesh_shape, manual=()) -> tuple[str,
 
 def check(method: str, impl: str, heads_split: SplitDims | None, mesh_shape) -> None:
   """ConfigError unless `method` is known and, where the sequence is split, `impl` can
-  attend K/V blocks with it (at validation; shapes are checked by `choose`)."""
+  attend across shards (at validation; shapes are checked by `choose`)."""
   if method not in METHODS:
     raise ConfigError(f"{FIELD}={method!r} is not a way to attend across a split sequence: use "
                       f"one of {', '.join(METHODS)}.")
@@ -289,8 +290,9 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
   q [b, t, heads, hd], k/v [b, t, kv_heads, hd], positions and segment_ids (or None) [b, t],
   each split over those axes, in zig-zag order (`zigzag`; the ring skips the blocks that
-  order puts after a shard's queries, and splash needs that order; all_gather takes any)
-  -> [b, t, heads, hd] in q's dtype. `impl`: the block kernel, 'xla' or 'splash' (as
+  order puts after a shard's queries, and splash needs that order; all_gather with xla
+  takes any)
+  -> [b, t, heads, hd] in q's dtype. `impl`: the kernel in a shard, 'xla' or 'splash' (as
   `choose` resolved it; splash in Pallas interpret mode off `backend` 'tpu').
   `score_block`: (query, key) pairs per head in one chunk of the xla kernel's float32
   scores (queries are taken in chunks of about score_block / keys).
