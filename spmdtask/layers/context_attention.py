@@ -322,7 +322,7 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
   extra, extra_specs = (), ()
   if gathered_splash:
     splash, spec = splash_gathered.kernel(zigzag(q.shape[1], shards(axes, mesh.shape)),
-                                          q.shape[2], mesh, head_axes, axes, causal,
+                                          q.shape[2] // k.shape[2], mesh, axes, causal,
                                           backend != "tpu")
     extra, extra_specs = (splash,), (spec,)
 

@@ -16,8 +16,9 @@ Building the mask info walks every (query block, key block) pair in numpy: at T=
 with 512-token blocks, 26 s for the forward's and as long for the backward's, once per
 process (splash caches it by mask).
 
-Backward: splash's own VJP; the whole row's softmax is in one call, so it is exact, and
-the gather's transpose (a reduce-scatter) returns each shard its keys' gradients.
+Backward: splash's own VJP (its fused kernel, as the ring's); the whole row's softmax is
+in one call, so it is exact, and the gather's transpose (a reduce-scatter) returns each
+shard its keys' gradients.
 """
 import numpy as np
 import jax
@@ -27,7 +28,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core.sharding import shards
-from spmdtask.layers import fused_attention
+from spmdtask.layers import splash_blocks
 
 
 class ZigzagCausalMask(sm.CausalMask):
@@ -38,24 +39,21 @@ class ZigzagCausalMask(sm.CausalMask):
     self.q_sequence = np.asarray(order, np.int32)  # read by the kernel and the mask info
 
 
-def kernel(order: np.ndarray, heads: int, mesh, head_axes, seq_axes, causal: bool,
-           interpret: bool) -> tuple[sk.SplashAttentionKernel, sk.SplashAttentionKernel]:
-  """The splash kernel of a row in token order `order` (zig-zag, [T]), its `heads` query
-  heads split over `head_axes` and its queries over `seq_axes` of `mesh`, and its
+def kernel(order: np.ndarray, group: int, mesh, seq_axes, causal: bool, interpret: bool
+           ) -> tuple[sk.SplashAttentionKernel, sk.SplashAttentionKernel]:
+  """The splash kernel of a row in token order `order` (zig-zag, [T]) for the `group`
+  query heads of one KV head, its queries split over `seq_axes` of `mesh`, and its
   shard_map in_spec (each shard: its slice of the mask info)."""
   t, cp = len(order), shards(seq_axes, mesh.shape)
-  # splash's separate dq kernel: the fused backward keeps dq partials per block_kv_dkv of
-  # the row's keys, [T/1024, heads, t, hd] (Llama31_8B_128k: 8 GiB a chip).
-  sizes = fused_attention.splash_block_sizes(t // cp)
   if causal:
     mask, q_shards, q_axes = ZigzagCausalMask(order), cp, seq_axes
   else:  # the same full mask on every shard: built for one (splash's mask info of a full
     # mask split over queries fails: it has no partial blocks to pad).
     mask, q_shards, q_axes = sm.FullMask((t // cp, t)), 1, None
-  kern = sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
-                            head_shards=shards(head_axes, mesh.shape), q_seq_shards=q_shards,
-                            interpret=interpret)
-  return kern, kern.manual_sharding_spec(NamedSharding(mesh, P(head_axes, q_axes)))
+  kern = sk.make_splash_mha(sm.MultiHeadMask([mask] * group),
+                            block_sizes=splash_blocks.block_sizes(t // cp, t), head_shards=1,
+                            q_seq_shards=q_shards, interpret=interpret)
+  return kern, kern.manual_sharding_spec(NamedSharding(mesh, P(None, q_axes)))
 
 
 def _natural(x, cp: int):
@@ -76,10 +74,12 @@ def attend(q, k, v, q_seg, axes, kern: sk.SplashAttentionKernel, causal: bool):
   if causal:
     row = lambda x, gather=row: _natural(gather(x), cp)
   b, t, kvh, g, hd = q.shape
-  # [b, heads, t, hd] (query head kv·g + j reads KV head kv), q scaled: splash does not.
-  qh = jnp.transpose(q * jnp.asarray(hd ** -0.5, q.dtype), (0, 2, 3, 1, 4)).reshape(
-      b, kvh * g, t, hd)
-  kh, vh = (jnp.swapaxes(row(x), 1, 2) for x in (k, v))
+  # One KV head (and its g query heads) a call, in a loop: the fused backward keeps dq
+  # partials per DKV_KEYS of the row's keys, [T/1024, heads, t, hd] in q's dtype, for the
+  # heads of one call (Llama31_8B_128k: 1 GiB a KV head, 8 GiB for all 8).
+  qh = jnp.transpose(q * jnp.asarray(hd ** -0.5, q.dtype), (2, 0, 3, 1, 4))  # [kv, b, g, t, hd]
+  kh, vh = (jnp.transpose(row(x), (2, 0, 1, 3))[:, :, None] for x in (k, v))  # [kv, b, 1, T, hd]
   seg = None if q_seg is None else sk.SegmentIds(q_seg, row(q_seg))
-  o = jax.vmap(lambda a, b, c, s: kern(a, b, c, segment_ids=s))(qh, kh, vh, seg)
-  return o.reshape(b, kvh, g, t, hd).astype(jnp.float32)
+  call = jax.vmap(lambda a, b, c, s: kern(a, b, c, segment_ids=s))
+  _, o = jax.lax.scan(lambda _, x: (None, call(*x, seg)), None, (qh, kh, vh))
+  return jnp.swapaxes(o, 0, 1).astype(jnp.float32)

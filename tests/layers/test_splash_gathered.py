@@ -24,7 +24,7 @@ def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
   # 3 (1 + 4 visible key blocks), shard 1 chunks 1 and 2 (2 + 3): 5 of 8 each, the rest
   # skipped, each shard reading its own slice of the mask info.
   mesh = jax.make_mesh((2,), ("context",), devices=jax.devices()[:2])
-  kern, spec = splash_gathered.kernel(context_attention.zigzag(2048, 2), 1, mesh, None,
+  kern, spec = splash_gathered.kernel(context_attention.zigzag(2048, 2), 1, mesh,
                                       ("context",), True, True)
   blocks = np.asarray(kern.fwd_mask_info.block_mask)  # [head shards, q blocks, kv blocks]
   assert blocks.shape[1] == 4 and spec.fwd_mask_info.block_mask == P(None, ("context",))
