@@ -53,7 +53,10 @@ def kernel(order: np.ndarray, group: int, mesh, seq_axes, causal: bool, interpre
   kern = sk.make_splash_mha(sm.MultiHeadMask([mask] * group),
                             block_sizes=splash_blocks.block_sizes(t // cp, t), head_shards=1,
                             q_seq_shards=q_shards, interpret=interpret)
-  return kern, kern.manual_sharding_spec(NamedSharding(mesh, P(None, q_axes)))
+  # The spec names only free axes; read against the mesh's sizes alone (a NamedSharding on
+  # a mesh with manual axes, the SPMD pipeline's 'stage', has no shard shape in JAX 0.10).
+  sizes = jax.sharding.AbstractMesh(tuple(mesh.shape.values()), tuple(mesh.shape))
+  return kern, kern.manual_sharding_spec(NamedSharding(sizes, P(None, q_axes)))
 
 
 def _natural(x, cp: int):

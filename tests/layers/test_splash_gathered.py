@@ -29,6 +29,12 @@ def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
   blocks = np.asarray(kern.fwd_mask_info.block_mask)  # [head shards, q blocks, kv blocks]
   assert blocks.shape[1] == 4 and spec.fwd_mask_info.block_mask == P(None, ("context",))
   assert [np.count_nonzero(blocks[:, 2 * s:2 * s + 2]) for s in range(2)] == [5, 5]
+  # Inside the SPMD pipeline's shard_map, manual over 'stage' (its spec: the free axes).
+  manual = jax.sharding.AbstractMesh((2, 2), ("stage", "context"), axis_types=(
+      jax.sharding.AxisType.Manual, jax.sharding.AxisType.Auto))
+  _, spec = splash_gathered.kernel(context_attention.zigzag(2048, 2), 1, manual,
+                                   ("context",), True, True)
+  assert spec.fwd_mask_info.block_mask == P(None, ("context",))
 
 
 @pytest.mark.parametrize("cp,local,causal", [(2, 1024, True), (4, 128, True), (4, 128, False)])
