@@ -16,9 +16,16 @@ Building the mask info walks every (query block, key block) pair in numpy: at T=
 with 512-token blocks, 26 s for the forward's and as long for the backward's, once per
 process (splash caches it by mask).
 
-Backward: splash's own VJP (its fused kernel, as the ring's); the whole row's softmax is
-in one call, so it is exact, and the gather's transpose (a reduce-scatter) returns each
-shard its keys' gradients.
+Backward: splash's own VJP; the whole row's softmax is in one call, so it is exact, and
+the gather's transpose (a reduce-scatter) returns each shard its keys' gradients. Its
+fused kernel (dq, dk, dv in one pass: 5 matmuls a block, not 7) keeps dq partials per
+DKV_KEYS of the row's keys, [T/DKV_KEYS, heads, t, hd] in q's dtype, summed after the
+kernel: for Llama31_8B_128k's 32 heads x 8192 queries x 131072 keys, 8 GiB a chip with
+1024-key steps. So the call takes one KV head (and its query heads) at a time, in a loop,
+with 4096-key steps: 256 MiB (2-layer proxy temporaries 4.4 GiB with 1024 keys, 3.7 with
+2048, 3.2 with 4096; the separate dq kernel 3.5 GiB, at ~1.2x the backward's matmuls).
+A 4096-key step spans a whole zig-zag chunk, so the backward skips a little less: 264 of
+512 (query, key) blocks a shard (51.6%) against 1032 of 2048 with 1024 keys (50.4%).
 """
 import numpy as np
 import jax
@@ -29,6 +36,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core.sharding import shards
 from spmdtask.layers import splash_blocks
+
+
+DKV_KEYS = 4096  # keys a step of the fused backward (module doc)
 
 
 class ZigzagCausalMask(sm.CausalMask):
@@ -51,7 +61,8 @@ def kernel(order: np.ndarray, group: int, mesh, seq_axes, causal: bool, interpre
     # mask split over queries fails: it has no partial blocks to pad).
     mask, q_shards, q_axes = sm.FullMask((t // cp, t)), 1, None
   kern = sk.make_splash_mha(sm.MultiHeadMask([mask] * group),
-                            block_sizes=splash_blocks.block_sizes(t // cp, t), head_shards=1,
+                            block_sizes=splash_blocks.block_sizes(t // cp, t, DKV_KEYS),
+                            head_shards=1,
                             q_seq_shards=q_shards, interpret=interpret)
   # The spec names only free axes; read against the mesh's sizes alone (a NamedSharding on
   # a mesh with manual axes, the SPMD pipeline's 'stage', has no shard shape in JAX 0.10).
@@ -77,9 +88,8 @@ def attend(q, k, v, q_seg, axes, kern: sk.SplashAttentionKernel, causal: bool):
   if causal:
     row = lambda x, gather=row: _natural(gather(x), cp)
   b, t, kvh, g, hd = q.shape
-  # One KV head (and its g query heads) a call, in a loop: the fused backward keeps dq
-  # partials per DKV_KEYS of the row's keys, [T/1024, heads, t, hd] in q's dtype, for the
-  # heads of one call (Llama31_8B_128k: 1 GiB a KV head, 8 GiB for all 8).
+  # One KV head (and its g query heads) a call, in a loop: the fused backward's dq
+  # partials are then one KV head's (module doc).
   qh = jnp.transpose(q * jnp.asarray(hd ** -0.5, q.dtype), (2, 0, 3, 1, 4))  # [kv, b, g, t, hd]
   kh, vh = (jnp.transpose(row(x), (2, 0, 1, 3))[:, :, None] for x in (k, v))  # [kv, b, 1, T, hd]
   seg = None if q_seg is None else sk.SegmentIds(q_seg, row(q_seg))
