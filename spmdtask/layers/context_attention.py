@@ -24,12 +24,13 @@ i holds chunks i and 2cp-1-i; every shard then has the same number of visible
 (query, key) pairs. `TransformerLm.loss` reorders tokens, targets, weights, positions and
 segment ids together (the loss is a sum over tokens, so it needs no reorder back).
 
-Inside a shard, the ring attends each block with a block kernel chosen once (`choose`,
-from task.model.attention_impl): `xla_blocks.XlaBlocks` (einsums, masks from positions,
+Inside a shard, the kernel is chosen once (`choose`, from task.model.attention_impl). The
+ring attends each block with `xla_blocks.XlaBlocks` (einsums, masks from positions,
 queries in chunks of `score_block`) or `splash_blocks.SplashBlocks` (splash on TPU: the
 zig-zag order makes every block pair's mask static in index order; scores stay on chip).
-all_gather attends with the xla kernel. cuDNN cannot serve: JAX's wrapper returns no
-log-sum-exp, which merging blocks needs.
+all_gather attends with the same xla kernel, or with ONE splash call on the whole gathered
+row (`splash_gathered`: the zig-zag causal mask, its block map split over the shards).
+cuDNN cannot serve: JAX's wrapper returns no log-sum-exp, which merging blocks needs.
 """
 from typing import Protocol
 
@@ -40,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
-from spmdtask.layers import splash_blocks, xla_blocks
+from spmdtask.layers import fused_attention, splash_blocks, splash_gathered, xla_blocks
 from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.context_attention"
@@ -75,7 +76,7 @@ def seq_axes(heads_split: SplitDims | None, mesh_shape, manual=()) -> tuple[str,
 
 def check(method: str, impl: str, heads_split: SplitDims | None, mesh_shape) -> None:
   """ConfigError unless `method` is known and, where the sequence is split, `impl` can
-  attend K/V blocks with it (at validation; shapes are checked by `choose`)."""
+  attend across shards (at validation; shapes are checked by `choose`)."""
   if method not in METHODS:
     raise ConfigError(f"{FIELD}={method!r} is not a way to attend across a split sequence: use "
                       f"one of {', '.join(METHODS)}.")
@@ -86,35 +87,29 @@ def check(method: str, impl: str, heads_split: SplitDims | None, mesh_shape) -> 
         "activation_split_dims_mapping.heads): merging the K/V blocks of other shards needs "
         "each block's log-sum-exp, which JAX's cuDNN attention does not return. Use "
         "attention_impl='auto' or 'xla', or stop splitting the sequence.")
-  if axes and impl == "splash" and method != "ring":
-    raise ConfigError(
-        f"{IMPL}='splash' with a sequence split over {axes} runs inside ring attention "
-        f"only, but {FIELD}={method!r}. Set {FIELD}='ring', or use attention_impl='auto' or "
-        "'xla'.")
 
 
 def choose(method: str, impl: str, backend: str, local_seq: int, num_heads: int,
            heads_split: SplitDims, mesh_shape) -> str:
-  """The block kernel inside a shard, 'splash' or 'xla', for `local_seq` tokens per shard:
-  for the ring, 'auto' is splash on TPU where the shapes allow, else xla, and explicit
-  'splash' is checked (ConfigError naming the shapes); all_gather attends with xla. Call
-  after `check` (which refuses the rest). Pure."""
-  if method != "ring":
-    return "xla"
+  """The kernel inside a shard, 'splash' or 'xla', for `local_seq` tokens per shard: 'auto'
+  is splash on TPU where the shapes allow, else xla, and explicit 'splash' is checked
+  (ConfigError naming the shapes). Call after `check` (which refuses the rest). Pure."""
   head_shards = shards(heads_split[2], mesh_shape)
+  # The ring's half blocks, or all_gather's queries, in splash's 128-lane blocks.
+  multiple = splash_blocks.LOCAL_MULTIPLE if method == "ring" else fused_attention.SPLASH_LANES
   problem = None
-  if local_seq % splash_blocks.LOCAL_MULTIPLE:
-    problem = (f"each shard holds {local_seq} tokens of a row, and splash's half blocks need "
-               f"a multiple of {splash_blocks.LOCAL_MULTIPLE}: make datasets[...].seq_len a "
-               f"multiple of {splash_blocks.LOCAL_MULTIPLE} x the context shards")
+  if local_seq % multiple:
+    problem = (f"each shard holds {local_seq} tokens of a row, and splash's blocks need a "
+               f"multiple of {multiple}: make datasets[...].seq_len a multiple of "
+               f"{multiple} x the context shards")
   elif num_heads % head_shards:
     problem = (f"num_heads={num_heads} does not divide over the {head_shards} shards "
                "activation_split_dims_mapping.heads puts on heads: make it divide")
   if impl == "auto":
     return "splash" if backend == "tpu" and problem is None else "xla"
   if impl == "splash" and problem is not None:
-    raise ConfigError(f"{IMPL}='splash' cannot run in the ring here: {problem}; or use "
-                      "'auto' (falls back to xla) or 'xla'.")
+    raise ConfigError(f"{IMPL}='splash' cannot run with {FIELD}={method!r} here: {problem}; "
+                      "or use 'auto' (falls back to xla) or 'xla'.")
   return impl
 
 
@@ -295,8 +290,9 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
 
   q [b, t, heads, hd], k/v [b, t, kv_heads, hd], positions and segment_ids (or None) [b, t],
   each split over those axes, in zig-zag order (`zigzag`; the ring skips the blocks that
-  order puts after a shard's queries, and splash needs that order; all_gather takes any)
-  -> [b, t, heads, hd] in q's dtype. `impl`: the block kernel, 'xla' or 'splash' (as
+  order puts after a shard's queries, and splash needs that order; all_gather with xla
+  takes any)
+  -> [b, t, heads, hd] in q's dtype. `impl`: the kernel in a shard, 'xla' or 'splash' (as
   `choose` resolved it; splash in Pallas interpret mode off `backend` 'tpu').
   `score_block`: (query, key) pairs per head in one chunk of the xla kernel's float32
   scores (queries are taken in chunks of about score_block / keys).
@@ -306,6 +302,7 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
   kernel = {"xla": lambda: xla_blocks.XlaBlocks(causal, score_block),
             "splash": lambda: splash_blocks.SplashBlocks(causal, backend != "tpu")}[impl]()
   local = {"all_gather": _local_all_gather, "ring": _local_ring}[method]
+  gathered_splash = method == "all_gather" and impl == "splash"
   # A Pallas call has no partitioning rule: splash runs manual over every free axis (its
   # examples and heads per device, as fused_attention.splash); einsums leave the other axes
   # to the partitioner.
@@ -320,15 +317,28 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
     if q.shape[0] % shards(batch_axes, mesh.shape):  # init traces one row
       batch_axes = None
 
-  def run(q, k, v, pos, seg):  # this device's shard: its heads, its KV heads
+  # all_gather with splash: one call per shard, its mask info global over the row and
+  # split over the shard_map like the queries (splash_gathered).
+  extra, extra_specs = (), ()
+  if gathered_splash:
+    splash, spec = splash_gathered.kernel(zigzag(q.shape[1], shards(axes, mesh.shape)),
+                                          q.shape[2] // k.shape[2], mesh, axes, causal,
+                                          backend != "tpu")
+    extra, extra_specs = (splash,), (spec,)
+
+  def run(q, k, v, pos, seg, *extra):  # this device's shard: its heads, its KV heads
     b, t, h, hd = q.shape
     q5 = q.reshape(b, t, k.shape[2], h // k.shape[2], hd)
-    o = local(q5, k, v, pos, seg, axes, kernel)  # [b, kv, g, t, hd]
+    if gathered_splash:
+      o = splash_gathered.attend(q5, k, v, seg, axes, extra[0], causal)
+    else:
+      o = local(q5, k, v, pos, seg, axes, kernel)  # [b, kv, g, t, hd]
     return jnp.einsum("bkgth->btkgh", o).reshape(q.shape).astype(q.dtype)
 
   act, row = P(batch_axes, axes, head_axes, None), P(batch_axes, axes)
   segs = () if segment_ids is None else (segment_ids,)
-  fn = jax.shard_map(lambda q, k, v, pos, *seg: run(q, k, v, pos, *(seg or (None,))),
-                     in_specs=(act, act, act, row) + (row,) * len(segs), out_specs=act,
-                     axis_names=manual, check_vma=False)
-  return fn(q, k, v, positions, *segs)
+  fn = jax.shard_map(
+      lambda extra, q, k, v, pos, *seg: run(q, k, v, pos, *(seg or (None,)), *extra),
+      in_specs=(extra_specs, act, act, act, row) + (row,) * len(segs), out_specs=act,
+      axis_names=manual, check_vma=False)
+  return fn(extra, q, k, v, positions, *segs)

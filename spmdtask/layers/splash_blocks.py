@@ -54,15 +54,21 @@ def _kernel(tq: int, tk: int, heads: int, causal: bool, interpret: bool):
   it: its mask info becomes that trace's constants (a kernel kept across traces would
   carry another mesh's arrays)."""
   mask = sm.CausalMask((tq, tk)) if causal else sm.FullMask((tq, tk))
+  return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=block_sizes(tq, tk),
+                            head_shards=1, q_seq_shards=1, save_residuals=True,
+                            interpret=interpret)
+
+
+def block_sizes(tq: int, tk: int, dkv_keys: int = DKV_KEYS) -> sk.BlockSizes:
+  """Splash's block sizes for tq queries (a shard's) against tk keys, with the fused
+  backward kernel (dq, dk and dv in one pass) taking `dkv_keys` keys a step where they
+  divide tk."""
   sizes = fused_attention.splash_block_sizes(min(tq, tk))
   # The fused backward keeps dq partials per block_kv_dkv keys: 1024, not 512, halves them
   # (128k proxy temporaries 3.3 -> 3.0 GiB, step estimate unchanged).
-  sizes = dataclasses.replace(
+  return dataclasses.replace(
       sizes, block_q_dq=None, block_kv_dq=None, use_fused_bwd_kernel=True,
-      block_kv_dkv=DKV_KEYS if tk % DKV_KEYS == 0 else sizes.block_kv_dkv)
-  return sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
-                            head_shards=1, q_seq_shards=1, save_residuals=True,
-                            interpret=interpret)
+      block_kv_dkv=dkv_keys if tk % dkv_keys == 0 else sizes.block_kv_dkv)
 
 
 def _global_grads(kernel, q, k, v, segment_ids, o, lse, do):

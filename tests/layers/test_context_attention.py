@@ -152,25 +152,30 @@ def test_bad_context_inputs_are_config_errors():
   # Rows that do not cut into 2·cp chunks: 60 tokens over context 4 (8 chunks).
   with pytest.raises(ConfigError, match="do not cut into 2 x 4 equal chunks.*seq_len"):
     util.train_steps("lm.TinyLmContext", 1, overrides=["datasets['train'].seq_len=60"])
-  # Kernels that cannot attend K/V blocks: cuDNN (no log-sum-exp), splash outside the ring.
+  # A kernel that cannot attend K/V blocks: cuDNN (no log-sum-exp).
   split = lm.CONTEXT_ACTIVATIONS["heads"]
   shape = {"data": 2, "fsdp": 1, "context": 4, "model": 1}
   with pytest.raises(ConfigError, match="attention_impl='cudnn' cannot attend.*log-sum-exp"):
     context_attention.check("ring", "cudnn", split, shape)
   run = util.build_run("lm.TinyLmContextRing", ["task.model.attention_impl='splash'"])
   mesh = jax.make_mesh((2, 1, 4, 1), lm.CONTEXT_AXES)
-  with pytest.raises(ConfigError, match="'splash' with a sequence split.*context_attention='ring'"):
-    run.task.model.clone(context_attention="all_gather").validate(mesh, 16)
-  run.task.model.validate(mesh, 16)  # the ring takes it
-  # The ring's block kernel: auto is splash on TPU where a shard's tokens allow.
+  run.task.model.clone(context_attention="all_gather").validate(mesh, 16)  # both take splash
+  run.task.model.validate(mesh, 16)
+  # The kernel in a shard: auto is splash on TPU where a shard's tokens allow.
   choose = lambda impl, backend, local, heads=32: context_attention.choose(
       "ring", impl, backend, local, heads, split, shape)
   assert [choose("auto", "tpu", 8192), choose("auto", "tpu", 128), choose("auto", "cpu", 8192),
           choose("splash", "cpu", 256), choose("xla", "tpu", 8192)] == [
               "splash", "xla", "xla", "splash", "xla"]
-  assert context_attention.choose("all_gather", "auto", "tpu", 8192, 32, split, shape) == "xla"
+  gathered = lambda impl, backend, local: context_attention.choose(
+      "all_gather", impl, backend, local, 32, split, shape)
+  assert [gathered("auto", "tpu", 8192), gathered("auto", "tpu", 384),
+          gathered("auto", "tpu", 200), gathered("auto", "cpu", 8192)] == [
+              "splash", "splash", "xla", "xla"]
   with pytest.raises(ConfigError, match="each shard holds 384 tokens.*multiple of 256"):
     choose("splash", "tpu", 384)
+  with pytest.raises(ConfigError, match="context_attention='all_gather'.*multiple of 128"):
+    gathered("splash", "tpu", 200)
   with pytest.raises(ConfigError, match="num_heads=3 does not divide"):
     context_attention.choose("ring", "splash", "tpu", 256, 3, split, {**shape, "model": 2})
   with pytest.raises(ConfigError, match="context_attention='rings' is not"):

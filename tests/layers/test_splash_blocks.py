@@ -1,6 +1,8 @@
 """Splash as the ring's block kernel (spmdtask.layers.splash_blocks), in Pallas interpret
 mode: a block's gradients against the whole row's softmax equal the xla kernel's, and the
 ring with splash equals the ring with xla and one device's attention, values and grads."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,17 +97,34 @@ def test_ring_with_splash_equals_ring_with_xla_and_one_device(cp):
   util.assert_trees_close(got["splash"], want, rtol=RTOL, terms=t)
 
 
-def test_tiny_lm_context_ring_with_splash_trains_like_one_device():
-  """TinyLmContextRing (context 4 x data 2) with splash blocks: 256 tokens a shard, 2 rows,
-  2 layers; losses, gradients and params after 2 Adam steps == lm.TinyLm on 1 device."""
-  data = ("datasets['train'].seq_len=1024", "datasets['train'].batch_size=2",
-          "task.model.max_seq_len=1024", "task.model.num_layers=2")
-  steps = lambda exp, more=(), devices=None: test_context_attention.run_steps(
-      exp, 2, data + more, test_context_attention.keep_grads, devices)
-  want = steps("lm.TinyLm", ("task.ici_mesh_shape=(1, 1, 1)",), jax.devices()[:1])
-  got = steps("lm.TinyLmContextRing", ("task.model.attention_impl='splash'",))
-  # As test_context_attention's: float32 sums in other orders; gradients over the 2048
-  # tokens of a batch; Adam moves a weight with a near-zero gradient by ~lr whatever.
+_DATA = ("datasets['train'].seq_len=1024", "datasets['train'].batch_size=2",
+         "task.model.max_seq_len=1024", "task.model.num_layers=2")
+
+
+def context_steps(exp, more=(), devices=None):
+  """(losses, params, grads) of `exp` over 2 steps of 2 rows of 1024 tokens, 2 layers."""
+  return test_context_attention.run_steps(exp, 2, _DATA + more,
+                                          test_context_attention.keep_grads, devices)
+
+
+@functools.cache
+def one_device_steps():
+  """lm.TinyLm on 1 device, 1024-token rows, 2 rows, 2 layers, 2 Adam steps: (losses,
+  params, grads), the reference of the context splits with splash (shared)."""
+  return context_steps("lm.TinyLm", ("task.ici_mesh_shape=(1, 1, 1)",), jax.devices()[:1])
+
+
+def assert_like_one_device(got):
+  """As test_context_attention's: float32 sums in other orders; gradients over the 2048
+  tokens of a batch; Adam moves a weight with a near-zero gradient by ~lr whatever."""
+  want = one_device_steps()
   np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
   util.assert_trees_close(got[2], want[2], rtol=RTOL, terms=2048)
   util.assert_trees_close(got[1], want[1], rtol=RTOL, atol=test_context_attention.PARAMS_ATOL)
+
+
+def test_tiny_lm_context_ring_with_splash_trains_like_one_device():
+  """TinyLmContextRing (context 4 x data 2) with splash blocks: 256 tokens a shard, 2 rows,
+  2 layers; losses, gradients and params after 2 Adam steps == lm.TinyLm on 1 device."""
+  assert_like_one_device(context_steps("lm.TinyLmContextRing",
+                                       ("task.model.attention_impl='splash'",)))
