@@ -2,18 +2,12 @@
 mode: one call per shard against the gathered row equals all_gather with xla and one
 device's attention, values and grads, causal and not, packed rows."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from spmdtask.layers import attention, context_attention, splash_gathered
-from tests import util
+from spmdtask.layers import context_attention, splash_gathered
 from tests.layers import test_splash_blocks
-
-# float32 sums over <= 2048 keys and 32 head dims in other orders than the reference's:
-# ~eps · sqrt(n) ≈ 1.2e-7 · 45 relative (as test_splash_blocks').
-RTOL = test_splash_blocks.RTOL
 
 
 def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
@@ -40,29 +34,9 @@ def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
 @pytest.mark.parametrize("cp,local,causal", [(2, 1024, True), (4, 128, True), (4, 128, False)])
 def test_all_gather_with_splash_equals_xla_and_one_device(cp, local, causal):
   """`local` tokens a shard (cp 2: chunks of 512 = splash's blocks, some skipped; cp 4:
-  a block holds two 64-token chunks), 2 rows, 4 heads on 2 KV heads, packed rows; value
-  and grads of a loss weighing every output."""
-  b, kvh, g, hd = 2, 2, 2, 32
-  t = local * cp
-  q, k, v, pos, seg = test_splash_blocks._packed(b, t, kvh, g, hd, seed=cp)  # pylint: disable=protected-access
-  order = context_attention.zigzag(t, cp)
-  w = jax.random.normal(jax.random.key(1), q.shape)[:, order]
-  with_grads = lambda f: jax.jit(jax.value_and_grad(
-      lambda q, k, v, p, s: jnp.sum(f(q, k, v, p, s) * w), argnums=(0, 1, 2)))
-  shuffled = [x[:, order] for x in (q, k, v, pos, seg)]
-  want = with_grads(lambda q, k, v, p, s: attention.attend(q, k, v, p, p, causal, s, s))(
-      *shuffled)
-  mesh = jax.make_mesh((cp,), ("context",), axis_types=(jax.sharding.AxisType.Auto,),
-                       devices=jax.devices()[:cp])
-  split = (None, "context", None, None)
-  got = {}
-  for impl in ("xla", "splash"):
-    with jax.set_mesh(mesh):
-      got[impl] = with_grads(lambda q, k, v, p, s, impl=impl: context_attention.attend(
-          "all_gather", q, k, v, p, s, causal, split, impl=impl, backend="cpu"))(*shuffled)
-  # A gradient 0 in exact arithmetic keeps its terms' rounding: util.f32_atol over the row.
-  util.assert_trees_close(got["splash"], got["xla"], rtol=RTOL, terms=t)
-  util.assert_trees_close(got["splash"], want, rtol=RTOL, terms=t)
+  a block holds two 64-token chunks), 2 rows, 4 heads on 2 KV heads, packed rows."""
+  test_splash_blocks.assert_splash_equals_xla_and_one_device(
+      "all_gather", cp, local * cp, kvh=2, g=2, causal=causal)
 
 
 def test_tiny_lm_context_all_gather_with_splash_trains_like_one_device():
