@@ -94,17 +94,13 @@ def choose(method: str, impl: str, backend: str, local_seq: int, num_heads: int,
   """The kernel inside a shard, 'splash' or 'xla', for `local_seq` tokens per shard: 'auto'
   is splash on TPU where the shapes allow, else xla, and explicit 'splash' is checked
   (ConfigError naming the shapes). Call after `check` (which refuses the rest). Pure."""
-  head_shards = shards(heads_split[2], mesh_shape)
   # The ring's half blocks, or all_gather's queries, in splash's 128-lane blocks.
   multiple = splash_blocks.LOCAL_MULTIPLE if method == "ring" else fused_attention.SPLASH_LANES
-  problem = None
+  problem = fused_attention.heads_problem(num_heads, heads_split, mesh_shape)
   if local_seq % multiple:
     problem = (f"each shard holds {local_seq} tokens of a row, and splash's blocks need a "
                f"multiple of {multiple}: make datasets[...].seq_len a multiple of "
                f"{multiple} x the context shards")
-  elif num_heads % head_shards:
-    problem = (f"num_heads={num_heads} does not divide over the {head_shards} shards "
-               "activation_split_dims_mapping.heads puts on heads: make it divide")
   if impl == "auto":
     return "splash" if backend == "tpu" and problem is None else "xla"
   if impl == "splash" and problem is not None:
@@ -299,40 +295,35 @@ def attend(method: str, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax
   """
   mesh = jax.sharding.get_abstract_mesh()
   axes = seq_axes(heads_split, dict(mesh.shape), mesh.manual_axes)
-  kernel = {"xla": lambda: xla_blocks.XlaBlocks(causal, score_block),
-            "splash": lambda: splash_blocks.SplashBlocks(causal, backend != "tpu")}[impl]()
-  local = {"all_gather": _local_all_gather, "ring": _local_ring}[method]
-  gathered_splash = method == "all_gather" and impl == "splash"
   # A Pallas call has no partitioning rule: splash runs manual over every free axis (its
   # examples and heads per device, as fused_attention.splash); einsums leave the other axes
   # to the partitioner.
-  batch_axes = head_axes = None
-  manual = set(axes)
+  manual, batch_axes, head_axes = set(axes), None, None
   if impl == "splash":
-    manual = set(mesh.axis_names) - set(mesh.manual_axes)
-    free = lambda entry: tuple(a for a in entry_axes(entry) if a in manual) or None
-    batch_axes, head_axes = free(heads_split[0]), free(heads_split[2])
-    if k.shape[2] % shards(head_axes, mesh.shape):  # KV heads that do not divide: repeated
-      k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
-    if q.shape[0] % shards(batch_axes, mesh.shape):  # init traces one row
-      batch_axes = None
-
-  # all_gather with splash: one call per shard, its mask info global over the row and
-  # split over the shard_map like the queries (splash_gathered).
+    manual, batch_axes, head_axes, k, v = fused_attention.splash_layout(
+        q, k, v, heads_split, mesh)
+  # The local attention, chosen once: extra (and its shard_map specs) is what it needs
+  # beside the arrays (all_gather's splash kernel, whose mask info is split like the queries).
   extra, extra_specs = (), ()
-  if gathered_splash:
+  if method == "ring":
+    kernel = (xla_blocks.XlaBlocks(causal, score_block) if impl == "xla" else
+              splash_blocks.SplashBlocks(causal, backend != "tpu"))
+    local = lambda q5, k, v, pos, seg: _local_ring(q5, k, v, pos, seg, axes, kernel)
+  elif impl == "xla":
+    local = lambda q5, k, v, pos, seg: _local_all_gather(
+        q5, k, v, pos, seg, axes, xla_blocks.XlaBlocks(causal, score_block))
+  else:  # all_gather with splash: one call per shard (splash_gathered)
     splash, spec = splash_gathered.kernel(zigzag(q.shape[1], shards(axes, mesh.shape)),
                                           q.shape[2] // k.shape[2], mesh, axes, causal,
                                           backend != "tpu")
     extra, extra_specs = (splash,), (spec,)
+    local = lambda q5, k, v, pos, seg, splash: splash_gathered.attend(q5, k, v, seg, axes,
+                                                                      splash, causal)
 
   def run(q, k, v, pos, seg, *extra):  # this device's shard: its heads, its KV heads
     b, t, h, hd = q.shape
     q5 = q.reshape(b, t, k.shape[2], h // k.shape[2], hd)
-    if gathered_splash:
-      o = splash_gathered.attend(q5, k, v, seg, axes, extra[0], causal)
-    else:
-      o = local(q5, k, v, pos, seg, axes, kernel)  # [b, kv, g, t, hd]
+    o = local(q5, k, v, pos, seg, *extra)  # [b, kv, g, t, hd]
     return jnp.einsum("bkgth->btkgh", o).reshape(q.shape).astype(q.dtype)
 
   act, row = P(batch_axes, axes, head_axes, None), P(batch_axes, axes)

@@ -89,6 +89,11 @@ def _splash_problem(seq: int, num_heads: int, heads_split: SplitDims | None,
     return ("task.model.activation_split_dims_mapping.heads splits the sequence or head_dim "
             f"({heads_split}), but each device needs whole sequences and heads: split only "
             "batch and heads")
+  return heads_problem(num_heads, heads_split, mesh_shape)
+
+
+def heads_problem(num_heads: int, heads_split: SplitDims, mesh_shape) -> str | None:
+  """Why splash cannot take these heads (each device needs whole heads), or None."""
   if num_heads % shards(heads_split[2], mesh_shape):
     return (f"num_heads={num_heads} does not divide over the "
             f"{shards(heads_split[2], mesh_shape)} shards task.model."
@@ -188,6 +193,26 @@ def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool, block: in
   return jnp.swapaxes(out, 1, 2)
 
 
+def splash_layout(q, k, v, heads_split: SplitDims, mesh):
+  """How a splash call (a Pallas call has no partitioning rule) splits over `mesh`:
+  (the axes its shard_map is manual over, the axes of q's batch and heads dims, k, v).
+
+  Axes already manual (the SPMD pipeline's 'stage', MPMD's per-device data axes) split the
+  arrays by hand already: the call is manual over every other axis, and replicated over
+  those `heads_split` does not put on batch or heads. KV heads that do not divide over the
+  heads' axes come back repeated to one per query head; a batch that does not divide over
+  its axes (init traces one row) is not split."""
+  manual = set(mesh.axis_names) - set(mesh.manual_axes)
+  free = lambda entry: tuple(a for a in entry_axes(entry) if a in manual) or None
+  batch_axes, head_axes = free(heads_split[0]), free(heads_split[2])
+  if k.shape[2] % shards(head_axes, mesh.shape):
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+  if q.shape[0] % shards(batch_axes, mesh.shape):
+    batch_axes = None
+  return manual, batch_axes, head_axes, k, v
+
+
 def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
            interpret: bool, block: int | None = None):
   """Splash attention on [b, t, heads, hd] arrays, per device inside a mesh context.
@@ -204,17 +229,7 @@ def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or heads_split is None:
     return local(q, k, v, segment_ids)
-  # Axes already manual (the SPMD pipeline's 'stage', MPMD's per-device data axes) split
-  # the arrays by hand already: the call is manual over every other axis, and replicated
-  # over those it does not split.
-  axis_names = set(mesh.axis_names) - set(mesh.manual_axes)
-  free = lambda entry: tuple(a for a in entry_axes(entry) if a in axis_names) or None
-  batch_axes, head_axes = free(heads_split[0]), free(heads_split[2])
-  if k.shape[2] % shards(head_axes, mesh.shape):
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-  # A batch that does not divide over its axes (init traces one row) is not split.
-  batch = batch_axes if q.shape[0] % shards(batch_axes, mesh.shape) == 0 else None
+  axis_names, batch, head_axes, k, v = splash_layout(q, k, v, heads_split, mesh)
   spec, seg_spec = P(batch, None, head_axes, None), P(batch, None)
   if segment_ids is None:
     fn = jax.shard_map(lambda a, b, c: local(a, b, c, None), in_specs=(spec,) * 3,
