@@ -98,21 +98,23 @@ class SplashBlocks:
   causal: bool
   interpret: bool
 
-  def _setup(self, q, k, diagonal: bool):
+  def _setup(self, q, k, v, q_seg, kv_seg, diagonal: bool):
+    """The block's kernel and its operands in splash's layout: q [b, heads, t, hd] (query
+    head kv·g + j reads KV head kv; scaled, as splash does not), k/v [b, kv, s, hd], the
+    segment ids; and q's shape."""
     b, t, kvh, g, hd = q.shape
     kernel = _kernel(t, k.shape[1], kvh * g, self.causal and diagonal, self.interpret)
-    # [b, heads, t, hd] (query head kv·g + j reads KV head kv), q scaled: splash does not.
     qh = jnp.transpose(q * jnp.asarray(hd ** -0.5, q.dtype), (0, 2, 3, 1, 4)).reshape(
         b, kvh * g, t, hd)
-    return kernel, qh, (b, kvh, g, t, hd)
+    kh, vh = (jnp.swapaxes(x, 1, 2) for x in (k, v))
+    seg = None if q_seg is None else sk.SegmentIds(q_seg, kv_seg)
+    return kernel, (qh, kh, vh, seg), (b, kvh, g, t, hd)
 
   def forward(self, q, k, v, q_pos, kv_pos, q_seg, kv_seg, diagonal: bool):
     """A block's partial softmax (o, m, l) = (its normalized output, its log-sum-exp, 1)."""
     del q_pos, kv_pos
-    kernel, qh, shape = self._setup(q, k, diagonal)
-    kh, vh = (jnp.swapaxes(x, 1, 2) for x in (k, v))
-    seg = None if q_seg is None else sk.SegmentIds(q_seg, kv_seg)
-    o, (lse,) = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(qh, kh, vh, seg)
+    kernel, args, shape = self._setup(q, k, v, q_seg, kv_seg, diagonal)
+    o, (lse,) = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=s))(*args)
     lse = lse.reshape(shape[:-1])
     return o.reshape(shape).astype(jnp.float32), lse, jnp.ones_like(lse)
 
@@ -121,12 +123,10 @@ class SplashBlocks:
     ring's output cotangent `do`, output `o` and log-sum-exp `lse` (the kernel computes
     rowsum(o·do) itself: `delta` is not read)."""
     del q_pos, kv_pos, delta
-    kernel, qh, (b, kvh, g, t, hd) = self._setup(q, k, diagonal)
-    kh, vh = (jnp.swapaxes(x, 1, 2) for x in (k, v))
+    kernel, args, (b, kvh, g, t, hd) = self._setup(q, k, v, q_seg, kv_seg, diagonal)
     heads = lambda x: x.reshape(b, kvh * g, *x.shape[3:])
-    seg = None if q_seg is None else sk.SegmentIds(q_seg, kv_seg)
     dq, dk, dv = jax.vmap(functools.partial(_global_grads, kernel))(
-        qh, kh, vh, seg, heads(o), heads(lse), heads(do).astype(q.dtype))
+        *args, heads(o), heads(lse), heads(do).astype(q.dtype))
     dq = jnp.transpose(dq.reshape(b, kvh, g, t, hd), (0, 3, 1, 2, 4)).astype(jnp.float32)
     f32 = lambda x: jnp.swapaxes(x, 1, 2).astype(jnp.float32)
     return dq * hd ** -0.5, f32(dk), f32(dv)
