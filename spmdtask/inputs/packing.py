@@ -13,7 +13,8 @@ Pure functions (numpy in, numpy out); `text.PackedLmInput` uses them on a prepar
 3. `make_rows(row_pieces, tokens)`: arrays of the rows.
 
 Target convention: within a segment t_0..t_{m-1}, input i is t_i and target i is t_{i+1};
-the segment's last token has no target (weight 0, target 0). Padding after the last
+the segment's last token has no target (weight 0, target 0). With target masks (documents of
+conversations) the weight of target i is the mask of t_{i+1}: 1 for an assistant token, else 0. Padding after the last
 segment has segment id 0, position 0, weight 0. Real segments are numbered 1, 2, ... in
 their row. A document closes with the end-of-document id, so its last prediction is
 "end of document".
@@ -61,8 +62,14 @@ def first_fit(piece_lengths: np.ndarray, seq_len: int, max_open_rows: int = 64) 
   return rows
 
 
-def make_rows(row_pieces: list[list[np.ndarray]], seq_len: int) -> dict[str, np.ndarray]:
-  """Batch arrays [len(row_pieces), seq_len] from each row's piece token arrays (see module doc)."""
+def make_rows(row_pieces: list[list[np.ndarray]], seq_len: int,
+              row_masks: list[list[np.ndarray]] | None = None) -> dict[str, np.ndarray]:
+  """Batch arrays [len(row_pieces), seq_len] from each row's piece token arrays (see module doc).
+
+  `row_masks` (optional, shaped as `row_pieces`): each piece's target mask, mask[i] = 1 when
+  token i is a target; the weight at position i (target t_{i+1}) is then mask[i+1]. Without
+  it every prediction weighs 1.
+  """
   b = len(row_pieces)
   out = {"inputs": np.zeros((b, seq_len), np.int32), "targets": np.zeros((b, seq_len), np.int32),
          "weights": np.zeros((b, seq_len), np.float32),
@@ -74,7 +81,7 @@ def make_rows(row_pieces: list[list[np.ndarray]], seq_len: int) -> dict[str, np.
       m = len(toks)
       out["inputs"][r, at:at + m] = toks
       out["targets"][r, at:at + m - 1] = toks[1:]
-      out["weights"][r, at:at + m - 1] = 1.0
+      out["weights"][r, at:at + m - 1] = 1.0 if row_masks is None else row_masks[r][s][1:m]
       out["segment_ids"][r, at:at + m] = s + 1
       out["positions"][r, at:at + m] = np.arange(m)
       at += m

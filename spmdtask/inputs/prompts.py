@@ -1,10 +1,13 @@
-"""Prompt inputs for --mode=decode: synthetic ones, deterministic per (seed, example), and
-the texts a person gives (`--prompt`, `--prompts_file`) through a tokenizer."""
+"""Prompt inputs for --mode=decode: synthetic ones, deterministic per (seed, example), the
+texts a person gives (`--prompt`, `--prompts_file`) through a tokenizer, and conversations
+rendered with a prepared chat data dir's template."""
 import dataclasses
 
 import numpy as np
 
-from spmdtask.inputs import tokenizers
+from spmdtask import fs
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import chat, tokenizers
 from spmdtask.core.host_input import StepIndexedInput
 
 
@@ -70,6 +73,47 @@ class TokenizedPrompts(StepIndexedInput):
     self.token_ids = [list(self.tokenizer.encode(t)) for t in self.texts]
     self.num_examples = len(self.texts)
     self.prompt_len = max(map(len, self.token_ids), default=1)
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    ids = self.local_rows(step)
+    return prompt_batch(ids, [self.token_ids[int(example)] for example in ids], self.prompt_len)
+
+
+@dataclasses.dataclass
+class ChatPromptInput(StepIndexedInput):
+  """Conversations as decode prompts: each line of `prompts_file` (`{"messages": [...]}`, the
+  last message not the assistant's) rendered with the chat template of `data_dir` (a dir of
+  tools/prepare_chat_data.py) and its generation prompt, one row each in order.
+
+  Batches are like `SyntheticPromptInput`'s, `prompt_len` the longest prompt's tokens;
+  `tokenizer` turns output ids back into text. `end_of_turn_id` is the template's: decoding
+  stops a row there when task.decode.eos_id is set to it (prepare_chat_data prints the flag).
+  """
+  data_dir: str = ""
+  prompts_file: str = ""
+  batch_size: int = 8
+  model: object | None = None
+  process_index: int | None = None
+  process_count: int | None = None
+
+  def __post_init__(self):
+    field = "decode_datasets[...].data_dir"
+    meta = tokenizers.read_meta(self.data_dir, field)
+    if self.model is not None:
+      tokenizers.check_vocab(meta, self.model.vocab_size, self.data_dir)
+    conv = chat.Chat.from_data_dir(self.data_dir, meta, field)
+    self.tokenizer, self.end_of_turn_id = conv.tokenizer, conv.end_of_turn_id
+    if not self.prompts_file or not fs.glob(self.prompts_file):
+      raise ConfigError(f"decode_datasets[...].prompts_file={self.prompts_file!r} names no "
+                        'file; give a JSONL file of {"messages": [...]} a line.')
+    lines = chat.read_jsonl(self.prompts_file)
+    if not lines:
+      raise ConfigError(f"decode_datasets[...].prompts_file={self.prompts_file!r} holds no "
+                        'conversation; write {"messages": [...]} a line.')
+    self.token_ids = [conv.prompt_ids(chat.parse_prompt(line, where), where)
+                      for where, line in lines]
+    self.num_examples = len(self.token_ids)
+    self.prompt_len = max(map(len, self.token_ids))
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     ids = self.local_rows(step)

@@ -3,7 +3,10 @@
 Layout of a data dir (written by tools/prepare_text_data.py):
   meta.json, tokenizer.model (SentencePiece only)    see `tokenizers`
   <split>-0000i-of-0000n.tfrecord                    one tf.train.Example per document:
-                                                     int64 `tokens`, closed by eod_id
+                                                     int64 `tokens`, closed by eod_id; and
+                                                     int64 `mask` (same length) when meta has
+                                                     "target_mask": true (conversations,
+                                                     tools/prepare_chat_data.py: 1 = target)
   <split>_index.npz                                  per document in order: shard, record,
                                                      length (for the packing plan)
 
@@ -35,15 +38,18 @@ def index_name(split: str) -> str:
   return f"{split}_index.npz"
 
 
-def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: int) -> list[str]:
-  """Writes documents (token lists, eod included) as `num_shards` shards + the index."""
+def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: int,
+                masks: list[list[int]] | None = None) -> list[str]:
+  """Writes documents (token lists, eod included) as `num_shards` shards + the index; with
+  `masks`, each document's target mask beside its tokens."""
   num_shards = max(1, min(num_shards, len(docs)))
   bounds = np.linspace(0, len(docs), num_shards + 1).astype(int)
   files, shard, record = [], [], []
   for i in range(num_shards):
     files.append(shard_name(split, i, num_shards))
     part = docs[bounds[i]:bounds[i + 1]]
-    write_records(fs.join(data_dir, files[-1]), part)
+    write_records(fs.join(data_dir, files[-1]), part,
+                  None if masks is None else masks[bounds[i]:bounds[i + 1]])
     shard += [i] * len(part)
     record += list(range(len(part)))
   index = io.BytesIO()
@@ -66,7 +72,8 @@ class DocumentReader:
   `TFRecordDataset.skip(first).take(count)`, and tf.data's skip steps over the records
   before it by their length headers (small records still pass through its read buffer).
   Documents read by the previous call are reused; `records_read` counts the records taken
-  off the files so far.
+  off the files so far. When the data has target masks (meta "target_mask"), `masks` holds
+  those of the documents the last `read` returned, by document (else it is None).
   """
 
   def __init__(self, data_dir: str, split: str, field: str):
@@ -80,11 +87,14 @@ class DocumentReader:
     with np.load(io.BytesIO(fs.read_bytes(fs.join(data_dir, index_name(split))))) as idx:
       self.shard, self.record, self.lengths = idx["shard"], idx["record"], idx["length"]
     self._cache: dict[int, np.ndarray] = {}
+    self.with_masks = bool(self.meta.get("target_mask", False))
+    self.masks: dict[int, np.ndarray] | None = {} if self.with_masks else None
     self.records_read = 0
 
   def read(self, doc_ids) -> dict[int, np.ndarray]:
     ids = sorted(set(int(d) for d in doc_ids))
     got = {d: self._cache[d] for d in ids if d in self._cache}
+    masks = {d: self.masks[d] for d in got} if self.with_masks else None
     todo = np.asarray([d for d in ids if d not in got], np.int64)
     runs = [(int(self.shard[d0]), int(self.record[d0]), n, d0)  # (shard, record, count, doc)
             for s in np.unique(self.shard[todo])
@@ -93,20 +103,26 @@ class DocumentReader:
       tf = tensorflow()
       shards, firsts, counts, _ = (np.asarray(c, np.int64) for c in zip(*runs))
       files = tf.constant(self.files)
-      spec = {"tokens": tf.io.RaggedFeature(tf.int64)}
+      spec = {k: tf.io.RaggedFeature(tf.int64)
+              for k in (("tokens", "mask") if self.with_masks else ("tokens",))}
       ds = tf.data.Dataset.from_tensor_slices((shards, firsts, counts)).flat_map(
           lambda s, first, n: tf.data.TFRecordDataset(tf.gather(files, s)).skip(first).take(n))
       docs = [d0 + k for _, _, n, d0 in runs for k in range(n)]
-      for d, toks in zip(docs, ds.map(lambda r: tf.io.parse_single_example(r, spec)["tokens"])
-                         .as_numpy_iterator(), strict=True):
-        got[d] = toks.astype(np.int32)
+      for d, ex in zip(docs, ds.map(lambda r: tf.io.parse_single_example(r, spec))
+                       .as_numpy_iterator(), strict=True):
+        got[d] = ex["tokens"].astype(np.int32)
+        if self.with_masks:
+          masks[d] = ex["mask"].astype(np.int32)
+          if len(masks[d]) != len(got[d]):
+            raise ValueError(f"{self.data_dir}: document {d} has {len(got[d])} tokens but a "
+                             f"mask of {len(masks[d])}; the data dir is inconsistent.")
         self.records_read += 1
     for d, toks in got.items():
       if len(toks) != self.lengths[d]:
         raise ValueError(f"{self.data_dir}: document {d} has {len(toks)} tokens, its index "
                          f"{self.lengths[d]}; the data dir is inconsistent (prepare it again).")
       tokenizers.check_ids(toks, int(self.meta["vocab_size"]), f"{self.data_dir} document {d}")
-    self._cache = got
+    self._cache, self.masks = got, masks
     return got
 
 
@@ -114,7 +130,8 @@ class DocumentReader:
 class PackedLmInput(StepIndexedInput):
   """Packed next-token batches of a prepared corpus (see the module and `packing` docs).
 
-  Batches: `inputs`, `targets`, `weights`, `segment_ids`, `positions`, each [rows, seq_len].
+  Batches: `inputs`, `targets`, `weights`, `segment_ids`, `positions`, each [rows, seq_len];
+  on data with target masks `weights` is 1 only where the target is a target token.
   `efficiency(step)` is batch `step`'s real tokens / row tokens (the same in every
   process); `last_batch_efficiency` is that of the batch `next` returned last.
 
@@ -180,9 +197,13 @@ class PackedLmInput(StepIndexedInput):
     parts = self._plan[0]
     rows = self._rows(self.local_rows(step))
     docs = self._reader.read(parts[[i for row in rows for i in row], 0])
+    # A piece is a slice of its document (pieces of a long one overlap by a token); its mask
+    # the same slice. A piece without a target still packs, with weights all 0.
+    piece = lambda arrays, i: arrays[int(parts[i, 0])][parts[i, 1]:parts[i, 1] + parts[i, 2]]
+    masks = self._reader.masks
     return packing.make_rows(
-        [[docs[int(parts[i, 0])][parts[i, 1]:parts[i, 1] + parts[i, 2]] for i in row]
-         for row in rows], self.seq_len)
+        [[piece(docs, i) for i in row] for row in rows], self.seq_len,
+        None if masks is None else [[piece(masks, i) for i in row] for row in rows])
 
   def __next__(self) -> dict[str, np.ndarray]:
     step = self._step

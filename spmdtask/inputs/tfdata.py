@@ -24,6 +24,7 @@ it streamed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
@@ -44,12 +45,17 @@ def tensorflow():
   return tf
 
 
-def write_records(path: str, sequences: Iterable[Sequence[int]]) -> int:
-  """Writes token sequences as TFRecord Examples; returns how many."""
+def write_records(path: str, sequences: Iterable[Sequence[int]],
+                  masks: Iterable[Sequence[int]] | None = None) -> int:
+  """Writes token sequences as TFRecord Examples (with an int64 `mask` feature of the same
+  length beside `tokens` when `masks` are given); returns how many."""
   tf, n = tensorflow(), 0
+  int64s = lambda v: tf.train.Feature(int64_list=tf.train.Int64List(value=list(v)))
   with tf.io.TFRecordWriter(path) as writer:
-    for seq in sequences:
-      feature = {"tokens": tf.train.Feature(int64_list=tf.train.Int64List(value=list(seq)))}
+    for seq, mask in zip(sequences, itertools.repeat(None) if masks is None else masks):
+      feature = {"tokens": int64s(seq)}
+      if mask is not None:
+        feature["mask"] = int64s(mask)
       writer.write(tf.train.Example(features=tf.train.Features(feature=feature))
                    .SerializeToString())
       n += 1

@@ -88,6 +88,18 @@ class HfTokenizer:
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def encoding(self, text: str):
+    """The `tokenizers` Encoding of `text` without the post-processor's special tokens (as
+    transformers tokenizes a rendered chat template): `.ids`, `.char_to_token(i)`."""
+    return self._tok.encode(text, add_special_tokens=False)
+
+  def token_id(self, token: str) -> int | None:
+    return self._tok.token_to_id(token)
+
+  def special_ids(self) -> frozenset[int]:
+    """Ids of the added tokens marked special (a template's control tokens)."""
+    return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
 
 def _eos_token(directory: str) -> str | None:
   """The eos_token of DIRECTORY/tokenizer_config.json (a string or {'content': ...})."""

@@ -1,0 +1,263 @@
+"""Conversations -> token ids and a target mask, with the model's own chat template.
+
+A JSONL line is one example:
+  {"messages": [{"role": ..., "content": ...}, ...]}    roles system, user, assistant, tool
+  {"prompt": P, "completion": C}     both lists of messages (the prompt's turns are context,
+                                     the completion's assistant turns targets), or both
+                                     strings (plain text as TRL takes it: the tokenizer's
+                                     own special tokens, closed by eos; the completion and
+                                     eos are targets)
+
+mask[i] = 1 when token i is a target (predicted from token i-1). Targets are each assistant
+message's text and its end-of-turn token; system, user and tool turns and the generation
+prompt (the assistant header) are not. Two ways to find them:
+- the template marks assistant text with `{% generation %}` blocks: the tokens covering each
+  block's characters, as transformers' `return_assistant_tokens_mask` finds them;
+- it has none (Llama 3's, Qwen's): growing prefixes are rendered. For assistant message k,
+  messages[:k] with the generation prompt and messages[:k+1] must both tokenize as prefixes of
+  the whole conversation's ids; the tokens between them up to and including the first
+  end-of-turn id are targets. A prefix that does not tokenize as a prefix is a ConfigError
+  naming the template, never a guessed mask.
+
+The end-of-turn id is the first special token the template emits after an assistant
+message's text (a probe conversation), unless named.
+"""
+import dataclasses
+import json
+
+import numpy as np
+
+from spmdtask import fs
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import chat_template, tokenizers
+
+ROLES = ("system", "user", "assistant", "tool")
+_PROBE = "Zq7 probe reply"
+
+
+def _fail_prefix(template, where: str, k: int, what: str):
+  raise ConfigError(
+      f"{where}the chat template {template.origin} has no {{% generation %}} markers, and "
+      f"{what} of this conversation (up to message {k}) does not tokenize as a prefix of the "
+      "whole conversation's tokens, so the assistant turns cannot be told apart without "
+      "guessing. Use a template that marks assistant text with {% generation %}..."
+      "{% endgeneration %} (put it in chat_template.jinja beside tokenizer.json), or one whose "
+      "rendering of earlier turns does not depend on later ones.")
+
+
+class Chat:
+  """A chat template with its tokenizer: renders and tokenizes conversations and masks them.
+
+  `end_of_turn_id` ends an assistant turn (the decode stop token); `eos_id` is the
+  tokenizer_config's eos_token's id (None without one).
+  """
+
+  def __init__(self, template: chat_template.ChatTemplate, tokenizer: tokenizers.HfTokenizer,
+               end_of_turn_id: int | None = None):
+    self.template, self.tokenizer = template, tokenizer
+    eos = template.special_tokens.get("eos_token")
+    self.eos_id = tokenizer.token_id(eos) if eos else None
+    self.end_of_turn_id = (self._probe_end_of_turn() if end_of_turn_id is None
+                           else int(end_of_turn_id))
+
+  @classmethod
+  def from_model_dir(cls, model_dir: str, end_of_turn_token: str | None = None,
+                     field: str = "--tokenizer") -> "Chat":
+    """A Hugging Face model dir's tokenizer.json and chat template."""
+    path = fs.join(model_dir, tokenizers.HF_FILE)
+    if not fs.isfile(path):
+      raise ConfigError(f"{field}={model_dir!r} holds no {tokenizers.HF_FILE}; give the dir of "
+                        "a Hugging Face model (tokenizer.json + tokenizer_config.json).")
+    template = chat_template.load(model_dir, field)
+    tok = tokenizers.HfTokenizer(path)
+    eot = None
+    if end_of_turn_token is not None:
+      eot = tok.token_id(end_of_turn_token)
+      if eot is None:
+        raise ConfigError(f"--end_of_turn_token={end_of_turn_token!r} is not a token of {path}; "
+                          "name one of its special tokens (e.g. '<|eot_id|>').")
+    return cls(template, tok, eot)
+
+  @classmethod
+  def from_data_dir(cls, data_dir: str, meta: dict, field: str) -> "Chat":
+    """The chat of a prepared chat data dir (tools/prepare_chat_data.py)."""
+    if "chat" not in meta:
+      raise ConfigError(f"{field}={data_dir!r} was not prepared from conversations (its "
+                        f"{tokenizers.META_FILE} has no 'chat'); prepare it with "
+                        "tools/prepare_chat_data.py.")
+    file = fs.join(data_dir, chat_template.TEMPLATE_FILE)
+    template = chat_template.ChatTemplate(fs.read_text(file), file,
+                                          meta["chat"].get("special_tokens", {}))
+    tok = tokenizers.load(data_dir, meta, field)
+    return cls(template, tok, meta["chat"]["end_of_turn_id"])
+
+  def ids(self, text: str) -> list[int]:
+    return self.tokenizer.encoding(text).ids
+
+  def _probe_end_of_turn(self) -> int:
+    r = self.template.render([{"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": _PROBE}])
+    after = r.text.find(_PROBE) + len(_PROBE)
+    enc, special = self.tokenizer.encoding(r.text), self.tokenizer.special_ids()
+    for i, (start, _) in zip(enc.ids, enc.offsets):
+      if start >= after and i in special:
+        return int(i)
+    raise ConfigError(f"The chat template {self.template.origin} emits no special token after "
+                      "an assistant message, so its end-of-turn token is unknown; pass "
+                      "--end_of_turn_token=TOKEN (the token that ends an assistant turn).")
+
+  def encode(self, messages: list[dict], first_target: int = 0,
+             where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) int32 of a conversation whose assistant messages from `first_target` on
+    are targets (see the module doc). ConfigError naming `where` (e.g. 'FILE:LINE: ')."""
+    full = self.template.render(messages, where=where)
+    if self.template.has_generation_blocks:
+      enc = self.tokenizer.encoding(full.text)
+      spans = full.spans
+      if first_target:  # the prompt's own generation blocks are context
+        head = self.template.render(messages[:first_target], True, where).text
+        spans = tuple(s for s in spans if s[0] >= len(head))
+      mask = _span_mask(enc, spans)
+      ids = np.asarray(enc.ids, np.int32)
+    else:
+      ids = np.asarray(self.ids(full.text), np.int32)
+      mask = self._prefix_mask(messages, first_target, ids, where)
+    if not mask[1:].any():
+      raise ConfigError(
+          f"{where}the chat template {self.template.origin} gives this conversation no target "
+          "token (its {% generation %} blocks cover no assistant text). Check that the "
+          "template marks each assistant message, or drop the conversation.")
+    return ids, mask
+
+  def _prefix_mask(self, messages, first_target, ids, where) -> np.ndarray:
+    mask = np.zeros(len(ids), np.int32)
+    for k in range(first_target, len(messages)):
+      if messages[k]["role"] != "assistant":
+        continue
+      head = self.ids(self.template.render(messages[:k], True, where).text)
+      upto = self.ids(self.template.render(messages[:k + 1], where=where).text)
+      if list(ids[:len(head)]) != head:
+        _fail_prefix(self.template, where, k, "the generation prompt")
+      if list(ids[:len(upto)]) != upto:
+        _fail_prefix(self.template, where, k, "a prefix")
+      turn = ids[len(head):len(upto)]
+      ends = np.flatnonzero(turn == self.end_of_turn_id)
+      if not ends.size:
+        raise ConfigError(
+            f"{where}the chat template {self.template.origin} emits no end-of-turn token "
+            f"(id {self.end_of_turn_id}) after assistant message {k}; pass the token that "
+            "ends its assistant turns as --end_of_turn_token.")
+      mask[len(head):len(head) + int(ends[0]) + 1] = 1
+    return mask
+
+  def encode_text_pair(self, prompt: str, completion: str,
+                       where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) of a plain-text pair: prompt + completion with the tokenizer's own
+    special tokens, closed by eos (else the end-of-turn id); completion and eos targets."""
+    head = self.tokenizer.encode(prompt)
+    ids = self.tokenizer.encode(prompt + completion)
+    if ids[:len(head)] != head:
+      raise ConfigError(f"{where}the prompt's tokens are not a prefix of prompt + completion's "
+                        "(a token spans their boundary); end the prompt at a word boundary, "
+                        "e.g. with a space or newline.")
+    close = self.eos_id if self.eos_id is not None else self.end_of_turn_id
+    mask = np.zeros(len(ids) + 1, np.int32)
+    mask[len(head):] = 1
+    if len(ids) == len(head):
+      raise ConfigError(f"{where}the completion is empty; give it text to learn.")
+    return np.asarray(ids + [close], np.int32), mask
+
+  def prompt_ids(self, messages: list[dict], where: str = "") -> list[int]:
+    """Decode prompt: the conversation rendered with the generation prompt."""
+    return self.ids(self.template.render(messages, True, where).text)
+
+
+def _span_mask(enc, spans) -> np.ndarray:
+  """Tokens covering each character span [start, end) (transformers' rule: from the token of
+  the first character through the token of the last; a span whose start has no token ends
+  the marking)."""
+  mask = np.zeros(len(enc.ids), np.int32)
+  for start, end in spans:
+    first, last = enc.char_to_token(start), enc.char_to_token(end - 1)
+    if first is None:
+      break
+    mask[first:last + 1 if last else len(mask)] = 1
+  return mask
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One JSONL line: a conversation (`first_target`: messages before it are a pair's prompt),
+  or a plain-text pair (`text_pair`)."""
+  messages: tuple = ()
+  first_target: int = 0
+  text_pair: tuple[str, str] | None = None
+
+  def encode(self, chat: Chat, where: str = "") -> tuple[np.ndarray, np.ndarray]:
+    if self.text_pair is not None:
+      return chat.encode_text_pair(*self.text_pair, where)
+    return chat.encode(list(self.messages), self.first_target, where)
+
+
+def _messages(value, where: str, what: str) -> list[dict]:
+  if not isinstance(value, list) or not value:
+    raise ConfigError(f"{where}{what} is not a non-empty list of messages; write "
+                      '[{"role": "user", "content": "..."}, ...].')
+  for i, m in enumerate(value):
+    role = m.get("role") if isinstance(m, dict) else None
+    if role not in ROLES:
+      raise ConfigError(f"{where}message {i} of {what} has role {role!r}; roles are "
+                        f"{', '.join(ROLES)}. Fix the message (or rename the role).")
+  return value
+
+
+def parse(line: str, where: str) -> Example:
+  """An `Example` of one JSONL line; ConfigError naming `where` ('FILE:LINE: ')."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
+  if isinstance(record, dict) and "messages" in record:
+    messages = _messages(record["messages"], where, "messages")
+    first = 0
+  elif isinstance(record, dict) and {"prompt", "completion"} <= set(record):
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+      return Example(text_pair=(prompt, completion))
+    messages = (_messages(prompt, where, "prompt") +
+                _messages(completion, where, "completion"))
+    first = len(prompt)
+  else:
+    raise ConfigError(f"{where}has neither 'messages' nor 'prompt' and 'completion'; write "
+                      '{"messages": [...]} or {"prompt": ..., "completion": ...}.')
+  if not any(m["role"] == "assistant" for m in messages[first:]):
+    raise ConfigError(f"{where}has no assistant turn{' in its completion' if first else ''}, so "
+                      "nothing to learn; add the assistant's reply or drop the line.")
+  return Example(tuple(messages), first)
+
+
+def parse_prompt(line: str, where: str) -> list[dict]:
+  """A decode prompt's messages: `{"messages": [...]}` (or `{"prompt": [...]}`) whose last
+  message is not the assistant's (the model writes the next assistant turn)."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
+  key = next((k for k in ("messages", "prompt") if isinstance(record, dict) and k in record),
+             "messages")
+  messages = _messages(record.get(key) if isinstance(record, dict) else None, where, key)
+  if messages[-1]["role"] == "assistant":
+    raise ConfigError(f"{where}ends with an assistant message; a decode prompt ends where the "
+                      "assistant is to answer (drop the last message).")
+  return messages
+
+
+def read_jsonl(pattern: str) -> list[tuple[str, str]]:
+  """(where, line) of each non-empty line of the files matching `pattern`, in path order;
+  where is 'PATH:LINE: '."""
+  out = []
+  for path in fs.glob(pattern):
+    for n, line in enumerate(fs.read_text(path).splitlines(), 1):
+      if line.strip():
+        out.append((f"{path}:{n}: ", line))
+  return out
