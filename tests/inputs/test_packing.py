@@ -36,6 +36,36 @@ def test_rows_follow_the_target_convention():
   np.testing.assert_array_equal(b["positions"], [[0, 1, 2, 0, 1, 0]])
 
 
+def test_masks_weigh_each_target_by_the_mask_of_the_token_it_predicts():
+  toks = [np.asarray([7, 8, 9, 10]), np.asarray([4, 5, 6])]
+  masks = [np.asarray([0, 0, 1, 1]), np.asarray([1, 0, 1])]  # mask[0] predicts nothing
+  b = packing.make_rows([toks], seq_len=8, row_masks=[masks])
+  np.testing.assert_array_equal(b["targets"], [[8, 9, 10, 0, 5, 6, 0, 0]])
+  np.testing.assert_array_equal(b["weights"], [[0, 1, 1, 0, 0, 1, 0, 0]])
+  np.testing.assert_array_equal(b["segment_ids"], [[1, 1, 1, 1, 2, 2, 2, 0]])
+  # Without masks every prediction weighs 1, as before; a piece with no target packs at 0.
+  np.testing.assert_array_equal(packing.make_rows([toks], 8)["weights"], [[1, 1, 1, 0, 1, 1, 0, 0]])
+  none = packing.make_rows([toks], 8, [[np.asarray([1, 0, 0, 0]), masks[1]]])
+  np.testing.assert_array_equal(none["weights"], [[0, 0, 0, 0, 0, 1, 0, 0]])
+
+
+def test_pieces_of_a_long_masked_document_weigh_each_target_once():
+  rng = np.random.default_rng(1)
+  n, seq_len = 23, 8
+  doc, mask = rng.integers(0, 50, n), rng.integers(0, 2, n)
+  parts = packing.pieces(np.asarray([n]), seq_len)
+  rows = [[(doc[s:s + m], mask[s:s + m])] for _, s, m in parts]  # one piece a row
+  b = packing.make_rows([[t for t, _ in r] for r in rows], seq_len, [[m for _, m in r] for r in rows])
+  # Each prediction t_i -> t_{i+1} of the document is made once, weighted mask[i+1].
+  got = {}
+  for (_, s, m), w, t in zip(parts, b["weights"], b["targets"]):
+    for i in range(m - 1):
+      assert t[i] == doc[s + i + 1] and (s + i) not in got
+      got[s + i] = w[i]
+  assert sorted(got) == list(range(n - 1))
+  np.testing.assert_array_equal([got[i] for i in range(n - 1)], mask[1:])
+
+
 def _xent(logits, targets):
   return np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
 

@@ -279,3 +279,43 @@ def test_a_missing_tokenizer_file_is_a_config_error_naming_the_field(byte_dir, t
   with pytest.raises(ConfigError, match=r"decode_datasets\[\.\.\.\]\.data_dir=.*names a "
                      "sentencepiece tokenizer, but there is no tokenizer.model beside it"):
     prompts.tokenizer  # pylint: disable=pointless-statement
+
+
+def test_masked_documents_pack_their_masks_piece_by_piece(tmp_path):
+  """Documents with target masks (meta target_mask): a long one cut into overlapping pieces,
+  short ones packed together; every target is weighted by its token's mask, once."""
+  rng = np.random.default_rng(3)
+  lengths = [70, 9, 21, 5, 33]
+  docs = [rng.integers(0, 256, n).tolist() for n in lengths]
+  masks = [rng.integers(0, 2, n).tolist() for n in lengths]
+  out = str(tmp_path / "masked")
+  os.makedirs(out)
+  splits = {"train": {"files": text.write_split(out, "train", docs, 2, masks)}}
+  with open(os.path.join(out, "meta.json"), "w") as f:
+    json.dump({"tokenizer": "bytes", "vocab_size": 257, "eod_id": 256, "splits": splits,
+               "target_mask": True}, f)
+  reader = text.DocumentReader(out, "train", "data_dir")
+  assert reader.read([1, 3])[3].tolist() == docs[3] and reader.masks[3].tolist() == masks[3]
+  inp = _input(out, batch_size=8, seq_len=24, repeat=False)
+  batch = inp.batch_at(0)
+  assert inp.num_examples <= 8  # one batch holds the whole epoch
+  # Map every weighted prediction back to (document, token position) through the plan.
+  parts, rows = inp._plan  # pylint: disable=protected-access
+  seen = {}
+  for r, row in enumerate(rows):
+    at = 0
+    for i in row:
+      d, s, m = (int(v) for v in parts[i])
+      np.testing.assert_array_equal(batch["inputs"][r, at:at + m], docs[d][s:s + m])
+      for k in range(m - 1):
+        assert (d, s + k + 1) not in seen
+        seen[d, s + k + 1] = batch["weights"][r, at + k]
+      at += m
+  for d, n in enumerate(lengths):
+    np.testing.assert_array_equal([seen[d, j] for j in range(1, n)], masks[d][1:])
+  assert batch["weights"].sum() == sum(sum(m[1:]) for m in masks)
+  # Without target_mask in meta.json the same files read as plain text: all weights 1.
+  with open(os.path.join(out, "meta.json"), "w") as f:
+    json.dump({"tokenizer": "bytes", "vocab_size": 257, "eod_id": 256, "splits": splits}, f)
+  plain = _input(out, batch_size=8, seq_len=24, repeat=False).batch_at(0)
+  assert plain["weights"].sum() == sum(n - 1 for n in lengths)

@@ -1,0 +1,156 @@
+"""Conversation masks: equal to transformers' on a template with generation markers; on a
+Llama-3-style one without, exactly the assistant texts and their end-of-turn tokens; pairs;
+and every bad input a ConfigError naming its line."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import chat
+from spmdtask.inputs.chat import Chat
+
+CHAT = "tests/inputs/data/chat"
+LINES = chat.read_jsonl(f"{CHAT}/conversations.jsonl")
+
+
+def _encode(c: Chat, n: int):
+  where, line = LINES[n - 1]
+  return chat.parse(line, where).encode(c, where)
+
+
+def _find(ids, sub) -> int:
+  """The one position where `sub` occurs in `ids`."""
+  hits = [i for i in range(len(ids) - len(sub) + 1) if list(ids[i:i + len(sub)]) == list(sub)]
+  assert len(hits) == 1, (sub, hits)
+  return hits[0]
+
+
+def test_marker_masks_equal_transformers_with_and_without_a_system_message():
+  c = Chat.from_model_dir(f"{CHAT}/chatml")
+  with open(f"{CHAT}/chatml_expected.json") as f:
+    expected = json.load(f)
+  assert [e["line"] for e in expected] == [1, 2, 3]
+  assert LINES[0][1].count('"system"') == 1 and '"system"' not in LINES[1][1]  # with, without
+  for e in expected:
+    ids, mask = _encode(c, e["line"])
+    np.testing.assert_array_equal(ids, e["input_ids"])
+    np.testing.assert_array_equal(mask, e["assistant_masks"])
+    assert mask.sum() > 0
+
+
+def test_prefix_masks_are_exactly_assistant_texts_and_their_end_of_turn_tokens():
+  c = Chat.from_model_dir(f"{CHAT}/llama3")
+  eot = c.tokenizer.token_id("<|eot_id|>")
+  assert c.end_of_turn_id == eot == 6 and not c.template.has_generation_blocks
+  for n in (1, 2, 3):
+    ids, mask = _encode(c, n)
+    messages = json.loads(LINES[n - 1][1])["messages"]
+    want = np.zeros(len(ids), np.int32)
+    for m in messages:
+      # Each message's text, tokenized alone, sits in the conversation once (the template
+      # writes '<|end_header_id|>\n\n' before it); an assistant's, with its <|eot_id|>, is
+      # what the mask must cover, and nothing else.
+      sub = c.ids(m["content"].strip()) + [eot]
+      at = _find(ids, sub)
+      if m["role"] == "assistant":
+        want[at:at + len(sub)] = 1
+    np.testing.assert_array_equal(mask, want)
+    # The generation prompt (assistant header) is never a target.
+    header = c.ids("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    for i in range(len(ids) - len(header) + 1):
+      if list(ids[i:i + len(header)]) == header:
+        assert not mask[i:i + len(header)].any()
+
+
+@pytest.mark.parametrize("model", ["chatml", "llama3"])
+def test_a_pair_of_message_lists_learns_only_the_completion(model):
+  c = Chat.from_model_dir(f"{CHAT}/{model}")
+  ids, mask = _encode(c, 4)
+  want = c.ids("HELLO THERE!") + [c.end_of_turn_id]
+  at = _find(ids, want)
+  assert int(mask.sum()) == len(want) and mask[at:at + len(want)].all()
+  # The prompt's own assistant turn ("Hello.") is context.
+  assert not mask[_find(ids, c.ids("Hello.")):][:2].any()
+
+
+def test_a_text_pair_learns_the_completion_and_eos():
+  c = Chat.from_model_dir(f"{CHAT}/chatml")
+  ids, mask = _encode(c, 5)
+  head = c.tokenizer.encode("Question: what colour is the sky?\n")
+  assert list(ids[:len(head)]) == head and ids[-1] == c.eos_id == 2
+  assert list(mask) == [0] * len(head) + [1] * (len(ids) - len(head))
+  assert c.tokenizer.decode(ids[len(head):]) == "Answer: blue."
+
+
+def _conv(*roles):
+  return json.dumps({"messages": [{"role": r, "content": f"{r} text"} for r in roles]})
+
+
+def test_bad_lines_are_config_errors_naming_the_line():
+  with pytest.raises(ConfigError, match=r"^f.jsonl:7: has no assistant turn, so nothing"):
+    chat.parse(_conv("system", "user"), "f.jsonl:7: ")
+  with pytest.raises(ConfigError, match=r"^f.jsonl:2: message 1 of messages has role 'bot'; "
+                     r"roles are system, user, assistant, tool"):
+    chat.parse(_conv("user", "bot"), "f.jsonl:2: ")
+  with pytest.raises(ConfigError, match="has no assistant turn in its completion"):
+    chat.parse(json.dumps({"prompt": [{"role": "user", "content": "a"}],
+                           "completion": [{"role": "user", "content": "b"}]}), "x: ")
+  with pytest.raises(ConfigError, match="is not JSON"):
+    chat.parse("{", "x: ")
+  with pytest.raises(ConfigError, match="neither 'messages' nor 'prompt' and 'completion'"):
+    chat.parse('{"text": "hi"}', "x: ")
+  with pytest.raises(ConfigError, match="ends with an assistant message"):
+    chat.parse_prompt(_conv("user", "assistant"), "x: ")
+  assert chat.parse_prompt(_conv("system", "user"), "x: ")[1]["role"] == "user"
+
+
+def _model_dir(tmp_path, template: str, name="m"):
+  d = tmp_path / name
+  d.mkdir()
+  with open(f"{CHAT}/llama3/tokenizer.json", "rb") as f:
+    (d / "tokenizer.json").write_bytes(f.read())
+  (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eot_id|>"}))
+  (d / "chat_template.jinja").write_text(template)
+  return str(d)
+
+
+def test_a_template_whose_prefixes_do_not_tokenize_as_prefixes_is_refused(tmp_path):
+  # Earlier assistant turns are written without their text (as templates that drop earlier
+  # reasoning do): messages[:2] is not a prefix of the whole conversation.
+  template = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+              "{% if m.role != 'assistant' or loop.last %}{{ m.content }}{% endif %}<|eot_id|>"
+              "{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant"
+              "<|end_header_id|>{% endif %}")
+  c = Chat.from_model_dir(_model_dir(tmp_path, template))
+  assert c.end_of_turn_id == 6
+  c.encode(json.loads(_conv("user", "assistant"))["messages"])  # one turn is fine
+  with pytest.raises(ConfigError, match=r"^x:3: the chat template .*chat_template.jinja has no "
+                     r"\{% generation %\} markers, and a prefix of this conversation \(up to "
+                     r"message 1\) does not tokenize as a prefix"):
+    c.encode(json.loads(_conv("user", "assistant", "user", "assistant"))["messages"],
+             where="x:3: ")
+
+
+def test_a_template_giving_no_target_and_one_without_end_of_turn_are_refused(tmp_path):
+  empty = ("{% for m in messages %}{{ m.content }}<|eot_id|>{% if m.role == 'assistant' %}"
+           "{% generation %}{% endgeneration %}{% endif %}{% endfor %}")
+  c = Chat.from_model_dir(_model_dir(tmp_path, empty, "empty"))
+  with pytest.raises(ConfigError, match=r"^l:1: the chat template .* gives this conversation "
+                     "no target token"):
+    c.encode(json.loads(_conv("user", "assistant"))["messages"], where="l:1: ")
+  with pytest.raises(ConfigError, match=r"emits no special token after an assistant message.*"
+                     "--end_of_turn_token"):
+    Chat.from_model_dir(_model_dir(tmp_path, "{% for m in messages %}{{ m.content }}\n"
+                                   "{% endfor %}", "plain"))
+  d = _model_dir(tmp_path, "{% for m in messages %}{{ m.content }}\n{% endfor %}", "named")
+  with pytest.raises(ConfigError, match="emits no end-of-turn token \\(id 6\\) after assistant "
+                     "message 1"):
+    Chat.from_model_dir(d, "<|eot_id|>").encode(
+        json.loads(_conv("user", "assistant"))["messages"])
+  with pytest.raises(ConfigError, match="--end_of_turn_token='<nope>' is not a token"):
+    Chat.from_model_dir(d, "<nope>")
+  os.remove(os.path.join(d, "tokenizer.json"))
+  with pytest.raises(ConfigError, match="holds no tokenizer.json"):
+    Chat.from_model_dir(d)
