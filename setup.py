@@ -23,7 +23,7 @@ setuptools.setup(
         "safetensors>=0.4.3,<0.9",
         "ml-dtypes>=0.5",
         "tokenizers>=0.15",  # an imported model's tokenizer.json (hf:PATH)
-        "jinja2>=3.1.6",  # chat templates (spmdtask/inputs/chat_template.py), as transformers needs
+        "jinja2>=3.1.6",  # chat templates (inputs/chat_template.py); transformers' minimum
         # gs:// job and data dirs (spmdtask/fs.py); google-cloud-storage: its start-up probe.
         "fsspec>=2024.6",
         "gcsfs>=2024.6",
