@@ -96,7 +96,9 @@ class Chat:
 
   def _probe_end_of_turn(self) -> int:
     r = self.template.render([{"role": "user", "content": "Hi"},
-                              {"role": "assistant", "content": _PROBE}])
+                              {"role": "assistant", "content": _PROBE}],
+                             where="Probing the end-of-turn token (pass --end_of_turn_token to "
+                             "skip it): ")
     after = r.text.find(_PROBE) + len(_PROBE)
     enc, special = self.tokenizer.encoding(r.text), self.tokenizer.special_ids()
     for i, (start, _) in zip(enc.ids, enc.offsets):
@@ -116,6 +118,12 @@ class Chat:
       spans = full.spans
       if first_target:  # the prompt's own generation blocks are context
         head = self.template.render(messages[:first_target], True, where).text
+        if not full.text.startswith(head):
+          raise ConfigError(
+              f"{where}the chat template {self.template.origin} renders the prompt (with its "
+              "generation prompt) differently from the start of prompt + completion, so the "
+              "completion cannot be told apart; give the pair as one conversation "
+              '({"messages": [...]}: every assistant turn is then learned).')
         spans = tuple(s for s in spans if s[0] >= len(head))
       mask = _span_mask(enc, spans)
       ids = np.asarray(enc.ids, np.int32)
@@ -160,11 +168,11 @@ class Chat:
       raise ConfigError(f"{where}the prompt's tokens are not a prefix of prompt + completion's "
                         "(a token spans their boundary); end the prompt at a word boundary, "
                         "e.g. with a space or newline.")
+    if len(ids) == len(head):
+      raise ConfigError(f"{where}the completion is empty; give it text to learn.")
     close = self.eos_id if self.eos_id is not None else self.end_of_turn_id
     mask = np.zeros(len(ids) + 1, np.int32)
     mask[len(head):] = 1
-    if len(ids) == len(head):
-      raise ConfigError(f"{where}the completion is empty; give it text to learn.")
     return np.asarray(ids + [close], np.int32), mask
 
   def prompt_ids(self, messages: list[dict], where: str = "") -> list[int]:
