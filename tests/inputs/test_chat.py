@@ -154,3 +154,19 @@ def test_a_template_giving_no_target_and_one_without_end_of_turn_are_refused(tmp
   os.remove(os.path.join(d, "tokenizer.json"))
   with pytest.raises(ConfigError, match="holds no tokenizer.json"):
     Chat.from_model_dir(d)
+
+
+def test_conversations_and_decode_prompts_tokenize_as_transformers_renders_them():
+  """The Llama-3-style template (bos_token from tokenizer_config.json, trim filter, the
+  generation prompt): ids equal transformers' apply_chat_template."""
+  c = Chat.from_model_dir(f"{CHAT}/llama3")
+  with open(f"{CHAT}/llama3_expected.json") as f:
+    expected = json.load(f)
+  assert [e["line"] for e in expected] == [1, 2, 3]
+  for e in expected:
+    messages = json.loads(LINES[e["line"] - 1][1])["messages"]
+    ids, _ = _encode(c, e["line"])
+    assert ids.tolist() == e["input_ids"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    assert c.prompt_ids(messages[:last]) == e["prompt_ids"]
+    assert ids[:len(e["prompt_ids"])].tolist() == e["prompt_ids"]
