@@ -170,3 +170,28 @@ def test_conversations_and_decode_prompts_tokenize_as_transformers_renders_them(
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     assert c.prompt_ids(messages[:last]) == e["prompt_ids"]
     assert ids[:len(e["prompt_ids"])].tolist() == e["prompt_ids"]
+
+
+def test_the_prefix_method_on_chatml_without_markers_gives_transformers_marker_masks(tmp_path):
+  """Qwen's case: the ChatML template with its {% generation %} tags removed. Its generation
+  blocks held exactly each assistant text and <|im_end|>, so the prefix method must find
+  transformers' masks of the marked template."""
+  d = tmp_path / "qwenish"
+  d.mkdir()
+  with open(f"{CHAT}/chatml/tokenizer_config.json") as f:
+    config = json.load(f)
+  template = config.pop("chat_template")
+  (d / "chat_template.jinja").write_text(
+      template.replace("{% generation %}", "").replace("{% endgeneration %}", ""))
+  (d / "tokenizer_config.json").write_text(json.dumps(config))
+  with open(f"{CHAT}/chatml/tokenizer.json", "rb") as f:
+    (d / "tokenizer.json").write_bytes(f.read())
+  c = Chat.from_model_dir(str(d))
+  assert not c.template.has_generation_blocks and c.end_of_turn_id == 2  # <|im_end|>
+  with open(f"{CHAT}/chatml_expected.json") as f:
+    for e in json.load(f):
+      ids, mask = _encode(c, e["line"])
+      assert ids.tolist() == e["input_ids"] and mask.tolist() == e["assistant_masks"]
+  marked = Chat.from_model_dir(f"{CHAT}/chatml")
+  for n in (4, 5):  # the pairs, whose prompts are context either way
+    np.testing.assert_array_equal(np.stack(_encode(c, n)), np.stack(_encode(marked, n)))
