@@ -1,7 +1,8 @@
 """Conversations -> token ids and a target mask, with the model's own chat template.
 
 A JSONL line is one example:
-  {"messages": [{"role": ..., "content": ...}, ...]}    roles system, user, assistant, tool
+  {"messages": [{"role": ..., "content": ...}, ...]}    roles system, user, assistant, tool;
+                                     optional "tools": function schemas the template shows
   {"prompt": P, "completion": C}     both lists of messages (the prompt's turns are context,
                                      the completion's assistant turns targets), or both
                                      strings (plain text as TRL takes it: the tokenizer's
@@ -23,6 +24,7 @@ The end-of-turn id is the first special token the template emits after an assist
 message's text (a probe conversation), unless named.
 """
 import dataclasses
+import functools
 import json
 
 import numpy as np
@@ -108,16 +110,18 @@ class Chat:
                       "an assistant message, so its end-of-turn token is unknown; pass "
                       "--end_of_turn_token=TOKEN (the token that ends an assistant turn).")
 
-  def encode(self, messages: list[dict], first_target: int = 0,
-             where: str = "") -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) int32 of a conversation whose assistant messages from `first_target` on
-    are targets (see the module doc). ConfigError naming `where` (e.g. 'FILE:LINE: ')."""
-    full = self.template.render(messages, where=where)
+  def encode(self, messages: list[dict], first_target: int = 0, where: str = "",
+             tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, mask) int32 of a conversation (with `tools`, the schemas it may call) whose
+    assistant messages from `first_target` on are targets (see the module doc). ConfigError
+    naming `where` (e.g. 'FILE:LINE: ')."""
+    render = functools.partial(self.template.render, where=where, tools=tools)
+    full = render(messages)
     if self.template.has_generation_blocks:
       enc = self.tokenizer.encoding(full.text)
       spans = full.spans
       if first_target:  # the prompt's own generation blocks are context
-        head = self.template.render(messages[:first_target], True, where).text
+        head = render(messages[:first_target], True).text
         if not full.text.startswith(head):
           raise ConfigError(
               f"{where}the chat template {self.template.origin} renders the prompt (with its "
@@ -129,7 +133,7 @@ class Chat:
       ids = np.asarray(enc.ids, np.int32)
     else:
       ids = np.asarray(self.ids(full.text), np.int32)
-      mask = self._prefix_mask(messages, first_target, ids, where)
+      mask = self._prefix_mask(render, messages, first_target, ids, where)
     if not mask[1:].any():
       raise ConfigError(
           f"{where}the chat template {self.template.origin} gives this conversation no target "
@@ -137,13 +141,13 @@ class Chat:
           "template marks each assistant message, or drop the conversation.")
     return ids, mask
 
-  def _prefix_mask(self, messages, first_target, ids, where) -> np.ndarray:
+  def _prefix_mask(self, render, messages, first_target, ids, where) -> np.ndarray:
     mask = np.zeros(len(ids), np.int32)
     for k in range(first_target, len(messages)):
       if messages[k]["role"] != "assistant":
         continue
-      head = self.ids(self.template.render(messages[:k], True, where).text)
-      upto = self.ids(self.template.render(messages[:k + 1], where=where).text)
+      head = self.ids(render(messages[:k], True).text)
+      upto = self.ids(render(messages[:k + 1]).text)
       if list(ids[:len(head)]) != head:
         _fail_prefix(self.template, where, k, "the generation prompt")
       if list(ids[:len(upto)]) != upto:
@@ -175,9 +179,10 @@ class Chat:
     mask[len(head):] = 1
     return np.asarray(ids + [close], np.int32), mask
 
-  def prompt_ids(self, messages: list[dict], where: str = "") -> list[int]:
+  def prompt_ids(self, messages: list[dict], where: str = "",
+                 tools: list | None = None) -> list[int]:
     """Decode prompt: the conversation rendered with the generation prompt."""
-    return self.ids(self.template.render(messages, True, where).text)
+    return self.ids(self.template.render(messages, True, where, tools).text)
 
 
 def _span_mask(enc, spans) -> np.ndarray:
@@ -195,16 +200,18 @@ def _span_mask(enc, spans) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-  """One JSONL line: a conversation (`first_target`: messages before it are a pair's prompt),
-  or a plain-text pair (`text_pair`)."""
+  """One JSONL line: a conversation (`first_target`: messages before it are a pair's prompt;
+  `tools`: the function schemas it may call), or a plain-text pair (`text_pair`)."""
   messages: tuple = ()
   first_target: int = 0
   text_pair: tuple[str, str] | None = None
+  tools: tuple | None = None
 
   def encode(self, chat: Chat, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     if self.text_pair is not None:
       return chat.encode_text_pair(*self.text_pair, where)
-    return chat.encode(list(self.messages), self.first_target, where)
+    return chat.encode(list(self.messages), self.first_target, where,
+                       None if self.tools is None else list(self.tools))
 
 
 def _messages(value, where: str, what: str) -> list[dict]:
@@ -241,7 +248,12 @@ def parse(line: str, where: str) -> Example:
   if not any(m["role"] == "assistant" for m in messages[first:]):
     raise ConfigError(f"{where}has no assistant turn{' in its completion' if first else ''}, so "
                       "nothing to learn; add the assistant's reply or drop the line.")
-  return Example(tuple(messages), first)
+  tools = record.get("tools")
+  if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
+                                                               for t in tools)):
+    raise ConfigError(f"{where}'tools' is not a list of function schemas (JSON objects); "
+                      "write [{\"type\": \"function\", \"function\": {...}}, ...] or drop it.")
+  return Example(tuple(messages), first, tools=None if tools is None else tuple(tools))
 
 
 def parse_prompt(line: str, where: str) -> list[dict]:

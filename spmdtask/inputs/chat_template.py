@@ -120,14 +120,15 @@ class ChatTemplate:
     self.has_generation_blocks = _GENERATION_TAG.search(source) is not None
 
   def render(self, messages: list[dict], add_generation_prompt: bool = False,
-             where: str = "") -> Rendered:
-    """The text of `messages` and its generation spans. ConfigError (naming `where`, e.g. the
-    JSONL line) when the template raises (`raise_exception`) or fails."""
+             where: str = "", tools: list | None = None) -> Rendered:
+    """The text of `messages` (and the JSON schemas of `tools` the model may call) and its
+    generation spans. ConfigError (naming `where`, e.g. the JSONL line) when the template
+    raises (`raise_exception`) or fails."""
     blocks, spans = [], []
     self._env.recording = (blocks, spans)
     try:
       for block in self._template.generate(
-          messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+          messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
           documents=None, **self.special_tokens):
         blocks.append(block)
     except jinja2.TemplateError as e:

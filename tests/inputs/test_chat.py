@@ -195,3 +195,23 @@ def test_the_prefix_method_on_chatml_without_markers_gives_transformers_marker_m
   marked = Chat.from_model_dir(f"{CHAT}/chatml")
   for n in (4, 5):  # the pairs, whose prompts are context either way
     np.testing.assert_array_equal(np.stack(_encode(c, n)), np.stack(_encode(marked, n)))
+
+
+def test_a_lines_tools_reach_the_template(tmp_path):
+  template = ("{% if tools %}<|start_header_id|>system<|end_header_id|>{{ tools | tojson }}"
+              "<|eot_id|>{% endif %}{% for m in messages %}<|start_header_id|>{{ m.role }}"
+              "<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+              "<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+  c = Chat.from_model_dir(_model_dir(tmp_path, template))
+  tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+  line = json.dumps({"messages": [{"role": "user", "content": "2+3"},
+                                  {"role": "assistant", "content": "add(2, 3)"}],
+                     "tools": tools})
+  ids, mask = chat.parse(line, "l: ").encode(c)
+  text = c.tokenizer._tok.decode(ids.tolist(), skip_special_tokens=False)  # pylint: disable=protected-access
+  assert text.startswith('<|start_header_id|>system<|end_header_id|>[{"type": "function", '
+                         '"function": {"name": "add", "parameters": {}}}]<|eot_id|>')
+  assert c.tokenizer._tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == (  # pylint: disable=protected-access
+      "add(2, 3)<|eot_id|>")
+  with pytest.raises(ConfigError, match="^l: 'tools' is not a list of function schemas"):
+    chat.parse(json.dumps({**json.loads(line), "tools": "add"}), "l: ")
