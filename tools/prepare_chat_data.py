@@ -122,7 +122,7 @@ def train_command(output_dir: str, meta: dict) -> str:
   an assistant turn, as a shell runs it from any dir."""
   data_dir = output_dir if "://" in output_dir else os.path.abspath(output_dir)
   job = data_dir.rstrip("/") + "_sft"
-  return " ".join(["python -m spmdtask.main --exp=lm.TextLm",
+  return " ".join(["python -m spmdtask.main --exp=lm.TinyLmSft",
                    f"--job_log_dir={shlex.quote(job)}", f"--data_dir={shlex.quote(data_dir)}",
                    f"--fdl_set=task.model.vocab_size={meta['vocab_size']}",
                    f"--fdl_set=task.decode.eos_id={meta['chat']['end_of_turn_id']}"])

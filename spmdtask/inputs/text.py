@@ -131,7 +131,8 @@ class PackedLmInput(StepIndexedInput):
   """Packed next-token batches of a prepared corpus (see the module and `packing` docs).
 
   Batches: `inputs`, `targets`, `weights`, `segment_ids`, `positions`, each [rows, seq_len];
-  on data with target masks `weights` is 1 only where the target is a target token.
+  on data with target masks (`target_mask` True) `weights` is 1 only where the target is a
+  target token.
   `efficiency(step)` is batch `step`'s real tokens / row tokens (the same in every
   process); `last_batch_efficiency` is that of the batch `next` returned last.
 
@@ -160,6 +161,7 @@ class PackedLmInput(StepIndexedInput):
     self._reader = DocumentReader(self.data_dir, self.split, "datasets[...].data_dir")
     if self.model is not None:
       tokenizers.check_vocab(self._reader.meta, self.model.vocab_size, self.data_dir)
+    self.target_mask = self._reader.with_masks  # weights mark target tokens only
     self.last_batch_efficiency = None
 
   @functools.cached_property

@@ -298,7 +298,7 @@ def test_masked_documents_pack_their_masks_piece_by_piece(tmp_path):
   assert reader.read([1, 3])[3].tolist() == docs[3] and reader.masks[3].tolist() == masks[3]
   inp = _input(out, batch_size=8, seq_len=24, repeat=False)
   batch = inp.batch_at(0)
-  assert inp.num_examples <= 8  # one batch holds the whole epoch
+  assert inp.target_mask and inp.num_examples <= 8  # one batch holds the whole epoch
   # Map every weighted prediction back to (document, token position) through the plan.
   parts, rows = inp._plan  # pylint: disable=protected-access
   seen = {}
@@ -317,5 +317,6 @@ def test_masked_documents_pack_their_masks_piece_by_piece(tmp_path):
   # Without target_mask in meta.json the same files read as plain text: all weights 1.
   with open(os.path.join(out, "meta.json"), "w") as f:
     json.dump({"tokenizer": "bytes", "vocab_size": 257, "eod_id": 256, "splits": splits}, f)
-  plain = _input(out, batch_size=8, seq_len=24, repeat=False).batch_at(0)
-  assert plain["weights"].sum() == sum(n - 1 for n in lengths)
+  plain = _input(out, batch_size=8, seq_len=24, repeat=False)
+  assert not plain.target_mask
+  assert plain.batch_at(0)["weights"].sum() == sum(n - 1 for n in lengths)

@@ -57,7 +57,8 @@ def test_prepared_masks_read_back_packed_equal_the_expected(model, tmp_path, cap
   assert meta["target_mask"] and meta["chat"]["end_of_turn_id"] == eot
   assert meta["splits"]["train"]["num_documents"] == 4
   assert meta["splits"]["eval"]["num_documents"] == 1
-  assert f"--data_dir={out}" in stdout and f"task.decode.eos_id={eot}" in stdout
+  assert (f"--exp=lm.TinyLmSft --job_log_dir={out}_sft --data_dir={out} "
+          f"--fdl_set=task.model.vocab_size=300 --fdl_set=task.decode.eos_id={eot}") in stdout
   assert "0 conversations over --max_len=128 dropped" in stdout
   # Expected masks, made independently of the data dir: transformers' for the marker
   # template (conversations), the library's own for the rest (tested in tests/inputs).
