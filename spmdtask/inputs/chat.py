@@ -88,6 +88,10 @@ class Chat:
                         f"{tokenizers.META_FILE} has no 'chat'); prepare it with "
                         "tools/prepare_chat_data.py.")
     file = fs.join(data_dir, chat_template.TEMPLATE_FILE)
+    if not fs.isfile(file):
+      raise ConfigError(f"{field}={data_dir!r} has no {chat_template.TEMPLATE_FILE} beside its "
+                        f"{tokenizers.META_FILE}; copy the one it was prepared with there, or "
+                        "prepare it again with tools/prepare_chat_data.py.")
     template = chat_template.ChatTemplate(fs.read_text(file), file,
                                           meta["chat"].get("special_tokens", {}))
     tok = tokenizers.load(data_dir, meta, field)
@@ -101,7 +105,11 @@ class Chat:
                               {"role": "assistant", "content": _PROBE}],
                              where="Probing the end-of-turn token (pass --end_of_turn_token to "
                              "skip it): ")
-    after = r.text.find(_PROBE) + len(_PROBE)
+    if _PROBE not in r.text:
+      raise ConfigError(f"The chat template {self.template.origin} does not show an assistant "
+                        "message's content as given, so its end-of-turn token cannot be found; "
+                        "pass --end_of_turn_token=TOKEN (the token that ends an assistant turn).")
+    after = r.text.index(_PROBE) + len(_PROBE)
     enc, special = self.tokenizer.encoding(r.text), self.tokenizer.special_ids()
     for i, (start, _) in zip(enc.ids, enc.offsets):
       if start >= after and i in special:

@@ -144,6 +144,10 @@ def test_a_template_giving_no_target_and_one_without_end_of_turn_are_refused(tmp
                      "--end_of_turn_token"):
     Chat.from_model_dir(_model_dir(tmp_path, "{% for m in messages %}{{ m.content }}\n"
                                    "{% endfor %}", "plain"))
+  with pytest.raises(ConfigError, match=r"does not show an assistant message's content as "
+                     "given.*--end_of_turn_token"):
+    Chat.from_model_dir(_model_dir(tmp_path, "{% for m in messages %}{{ m.role }}<|eot_id|>"
+                                   "{% endfor %}", "hidden"))
   d = _model_dir(tmp_path, "{% for m in messages %}{{ m.content }}\n{% endfor %}", "named")
   with pytest.raises(ConfigError, match="emits no end-of-turn token \\(id 6\\) after assistant "
                      "message 1"):

@@ -2,6 +2,7 @@
 its generation prompt; decoding them writes text and stops a row at the end-of-turn id."""
 import dataclasses
 import json
+import shutil
 
 import fiddle as fdl
 import jax
@@ -58,6 +59,11 @@ def test_bad_chat_prompts_are_config_errors(chat_dir, tmp_path):
     ChatPromptInput(data_dir=data, prompts_file=str(bad))
   with pytest.raises(ConfigError, match=r"prompts_file='/no/such.jsonl' names no file"):
     ChatPromptInput(data_dir=data, prompts_file="/no/such.jsonl")
+  copy = tmp_path / "copy"
+  shutil.copytree(data, copy)
+  (copy / "chat_template.jinja").unlink()
+  with pytest.raises(ConfigError, match=r"data_dir='.*copy' has no chat_template.jinja"):
+    ChatPromptInput(data_dir=str(copy), prompts_file=str(bad))
   meta = json.load(open(f"{data}/meta.json"))
   plain = tmp_path / "plain"
   plain.mkdir()
