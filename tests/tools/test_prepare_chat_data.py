@@ -128,14 +128,17 @@ EMPTY_MARKERS = ("{% for m in messages %}{{ m.content }}<|eot_id|>{% if m.role =
                  "{% generation %}{% endgeneration %}{% endif %}{% endfor %}")
 
 
-@pytest.mark.parametrize("case,match", [
-    ("no_assistant", r"in.jsonl:2: has no assistant turn"),
-    ("unknown_role", r"in.jsonl:1: message 1 of messages has role 'bot'"),
-    ("no_template", r"--tokenizer='.*model' has no chat template"),
-    ("not_prefixes", r"in.jsonl:2: the chat template .* does not tokenize as a prefix"),
-    ("no_target", r"in.jsonl:1: the chat template .* gives this conversation no target token"),
-    ("existing_dir", r"--output_dir='.*' already holds a prepared data dir"),
-])
+BAD = {  # case: what stderr's paragraph says
+    "no_assistant": r"in.jsonl:2: has no assistant turn",
+    "unknown_role": r"in.jsonl:1: message 1 of messages has role 'bot'",
+    "no_template": r"--tokenizer='.*model' has no chat template",
+    "not_prefixes": r"in.jsonl:2: the chat template .* does not tokenize as a prefix",
+    "no_target": r"in.jsonl:1: the chat template .* gives this conversation no target token",
+    "existing_dir": r"--output_dir='.*' already holds a prepared data dir",
+}
+
+
+@pytest.mark.parametrize("case,match", BAD.items(), ids=list(BAD))
 def test_each_bad_input_exits_2_with_one_paragraph_and_writes_nothing(case, match, tmp_path,
                                                                       capsys):
   model = f"{CHAT}/llama3"
