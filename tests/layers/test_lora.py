@@ -3,6 +3,7 @@ weight W + (alpha / r)·A·B, frozen bases (no gradient, no optimizer state, bit
 unchanged) and 1 vs 8 devices."""
 import re
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.transformer import TransformerLm
+from spmdtask.pipeline.mpmd.config import MpmdConfig
+from spmdtask.pipeline.spmd import PipelineConfig
 from tests import util
 
 ALL = ("q", "k", "v", "o", "wi", "wg", "wo")
@@ -156,16 +159,48 @@ def test_only_adapters_train_and_hold_optimizer_state(one_device):
       x.size for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("mesh", [
-    "(2, 2, 2)",
-    pytest.param("(1, 8, 1)", marks=pytest.mark.slow),
-    pytest.param("(4, 1, 2)", marks=pytest.mark.slow)], ids=["fsdp_tp", "fsdp", "tp"])
-def test_lora_on_8_devices_equals_one_device(one_device, mesh):
-  (losses, params, _, _), _ = one_device
-  got, got_params, _, _ = util.train_steps(
-      "lm.TinyLmLora", 10, overrides=SMALL + DROPOUT + [f"task.ici_mesh_shape={mesh}"])
-  np.testing.assert_allclose(got, losses, rtol=1e-5)
-  adapters, base = _split(params)
-  got_adapters, got_base = _split(got_params)
+@pytest.mark.parametrize("over", [
+    ["task.ici_mesh_shape=(2, 2, 2)"],
+    pytest.param(["task.ici_mesh_shape=(1, 8, 1)", "task.model.remat_policy='minimal'"],
+                 marks=pytest.mark.slow),
+    pytest.param(["task.ici_mesh_shape=(4, 1, 2)", "task.model.remat_policy='save_qkv_proj'"],
+                 marks=pytest.mark.slow),
+], ids=["fsdp_tp", "fsdp_remat_minimal", "tp_remat_qkv"])
+def test_lora_on_8_devices_equals_one_device(one_device, over):
+  got = util.train_steps("lm.TinyLmLora", 10, overrides=SMALL + DROPOUT + over)
+  _assert_same_training(got, one_device[0])
+
+
+def _assert_same_training(got, want):
+  """Losses and adapters equal at float32 rounding; frozen params bitwise."""
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  adapters, base = _split(want[1])
+  got_adapters, got_base = _split(got[1])
   util.assert_trees_close(got_adapters, adapters, terms=util.TINY_LM_TOKENS)
   jax.tree.map(np.testing.assert_array_equal, got_base, base)
+
+
+def _pipelined(mesh, **pipeline):
+  def edit(cfg):
+    cfg.task.mesh_axis_names = ("stage", "data", "fsdp", "model")
+    cfg.task.ici_mesh_shape = mesh
+    cfg.task.pipeline = fdl.Config(PipelineConfig, **pipeline)
+  return edit
+
+
+@pytest.mark.slow
+def test_lora_in_the_spmd_pipeline_equals_one_device(one_device):
+  got = util.train_steps("lm.TinyLmLora", 10, overrides=SMALL + DROPOUT,
+                         edit=_pipelined((2, 2, 1, 2), num_stages=2, num_microbatches=4))
+  _assert_same_training(got, one_device[0])
+
+
+@pytest.mark.slow
+def test_lora_under_mpmd_equals_one_device():
+  def mpmd(cfg):
+    cfg.task.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
+                                   submesh_shapes=((2, 1, 2), (4, 1, 1)), schedule="1f1b",
+                                   num_microbatches=4)
+  want = util.train_steps("lm.TinyLmLora", 4, devices=jax.devices()[:1], overrides=SMALL)
+  got = util.train_steps("lm.TinyLmLora", 4, overrides=SMALL, edit=mpmd)
+  _assert_same_training(got, want)
