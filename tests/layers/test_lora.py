@@ -119,6 +119,19 @@ def test_a_gelu_mlp_has_no_wg_to_adapt():
     model.validate(jax.sharding.get_abstract_mesh(), 2)
 
 
+def test_adapters_on_routed_experts_are_refused():
+  from spmdtask.layers.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+  model = _model(targets=("q", "experts")).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8))
+  with pytest.raises(ConfigError, match=r"'experts'\) are not built yet"):
+    model.validate(jax.sharding.get_abstract_mesh(), 2)
+  # The attention of an MoE model adapts; its routed experts have no dense 'wi'.
+  _model(targets=("q", "o")).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8)).validate(
+      jax.sharding.get_abstract_mesh(), 2)
+  with pytest.raises(ConfigError, match=r"'wi' matches no weight"):
+    _model(targets=("wi",)).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8)).validate(
+        jax.sharding.get_abstract_mesh(), 2)
+
+
 def test_trainable_mask_is_by_name():
   tree = {"a": {"q": 1, "q_lora_a": 2}, "x/y/wo_lora_b": 3, "x/y/wo": 4}
   assert train_state.trainable_mask(tree, True) == {
