@@ -35,6 +35,11 @@ def _batch(rows=2, seq=8):
           "weights": jnp.ones((rows, seq), jnp.float32)}
 
 
+def _mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                           ("data", "fsdp", "model"))
+
+
 def _boxed(model):
   return model.init(jax.random.key(0), _batch(), method=model.loss)["params"]
 
@@ -110,26 +115,25 @@ def test_frozen_weights_get_no_gradient_matmul():
 def test_bad_lora_fields_are_config_errors(field, value, match):
   model = _model(**{field: value})
   with pytest.raises(ConfigError, match=match):
-    model.validate(jax.sharding.get_abstract_mesh(), 2)
+    model.validate(_mesh(), 2)
 
 
 def test_a_gelu_mlp_has_no_wg_to_adapt():
   model = _model().clone(mlp_activation="gelu")
   with pytest.raises(ConfigError, match=r"'wg' matches no weight"):
-    model.validate(jax.sharding.get_abstract_mesh(), 2)
+    model.validate(_mesh(), 2)
 
 
 def test_adapters_on_routed_experts_are_refused():
   from spmdtask.layers.moe import MoeConfig  # pylint: disable=g-import-not-at-top
   model = _model(targets=("q", "experts")).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8))
   with pytest.raises(ConfigError, match=r"'experts'\) are not built yet"):
-    model.validate(jax.sharding.get_abstract_mesh(), 2)
+    model.validate(_mesh(), 2)
   # The attention of an MoE model adapts; its routed experts have no dense 'wi'.
-  _model(targets=("q", "o")).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8)).validate(
-      jax.sharding.get_abstract_mesh(), 2)
+  moe = MoeConfig(num_experts=4, top_k=2, d_ff=8)
+  _model(targets=("q", "o")).clone(moe=moe).validate(_mesh(), 2)
   with pytest.raises(ConfigError, match=r"'wi' matches no weight"):
-    _model(targets=("wi",)).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8)).validate(
-        jax.sharding.get_abstract_mesh(), 2)
+    _model(targets=("wi",)).clone(moe=moe).validate(_mesh(), 2)
 
 
 def test_trainable_mask_is_by_name():
