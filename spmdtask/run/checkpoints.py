@@ -142,14 +142,12 @@ def _pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
 
 def _restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_ITEMS,
              own: bool = True, resume: bool = False, params_targets=None) -> dict[str, Any]:
-  """The items of checkpoint `step`, checked (`_checked_read`); CheckpointUnreadable
-  (ConfigError if not `own`, i.e. another job's) when it is damaged. `params_targets`
-  replace the program's canonical params as what is read (a LoRA model's base)."""
+  """The items of checkpoint `step` (`params_targets`: what params to read, else the
+  program's), checked; CheckpointUnreadable (ConfigError if not `own`) when damaged."""
   got, why = _checked_read(mngr, directory, program, step, items, params_targets)
   if why:
-    intact = next((s for s in sorted(complete_steps(directory), reverse=True)
-                   if s < step and _checked_read(mngr, directory, program, s, items,
-                                                 params_targets)[1] is None),
+    intact = next((s for s in sorted(complete_steps(directory), reverse=True) if s < step and
+                   _checked_read(mngr, directory, program, s, items, params_targets)[1] is None),
                   None)
     raise checkpoint_check.unreadable(directory, step, why, intact, own, resume)
   return got
@@ -181,8 +179,7 @@ def _checked_read(mngr, directory: str, program, step: int, items, params_target
   return (None, why) if why else (got, None)
 
 
-def _read(mngr, directory: str, program, step: int, items, params_targets=None
-          ) -> dict[str, Any]:
+def _read(mngr, directory: str, program, step: int, items, params_targets=None) -> dict[str, Any]:
   """orbax's restore of `items` of `step`, after checking the arrays' shapes."""
   targets = program.canonical_targets()
   if params_targets is not None:
@@ -238,8 +235,7 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
 
 def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
   """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh.
-  A LoRA model (`train_state.adapters_only`) takes its frozen params from it (its base,
-  `run.lora_base`) and keeps its fresh adapters."""
+  A LoRA model takes its frozen params from it (`run.lora_base`), its adapters fresh."""
   fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
   directory = checkpoint_dir(init_dir)
   step = _pick_step(directory, init_dir, None)
@@ -304,8 +300,7 @@ class Checkpointer:
       self._move_aside(later)
     self._drop_incomplete()
     got = _restore(self._mngr, self.directory, self.program, step, resume=True)
-    if lora_base.META_KEY in got["meta"]:  # a LoRA job names its base in every checkpoint
-      self._meta[lora_base.META_KEY] = got["meta"][lora_base.META_KEY]
+    self._meta.update({k: v for k, v in got["meta"].items() if k == lora_base.META_KEY})
     if fingerprints.KEY in got["meta"]:
       self.checked.add(step)
     logging.info("Restored step %d from %s (saved on mesh %s; %s).", step, self.directory,
@@ -340,12 +335,6 @@ class Checkpointer:
         fs.rm(path, recursive=True)
     with console.libraries_to_log():
       self._mngr.reload()
-
-  def name_base(self, init_dir: str, params) -> None:
-    """A LoRA job's checkpoints name its base from now on: `init_dir`, its latest step and
-    a fingerprint of the frozen params' shapes (`run.lora_base`)."""
-    step = _pick_step(checkpoint_dir(init_dir), init_dir, None)
-    self._meta[lora_base.META_KEY] = lora_base.record(init_dir, step, params)
 
   def reached_preemption(self, step: int) -> bool:
     """JAX's multi-host preemption sync point: True at the same step on every process."""
@@ -404,6 +393,8 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
   state = program.init()
   if init_checkpoint_dir:
     state = warm_start(init_checkpoint_dir, program, state)
-    if ckpt is not None and train_state.adapters_only(program.model):
-      ckpt.name_base(init_checkpoint_dir, program.canonical.logical.params)
+    if ckpt is not None and train_state.adapters_only(program.model):  # its ckpts name the base
+      ckpt._meta[lora_base.META_KEY] = lora_base.record(  # pylint: disable=protected-access
+          init_checkpoint_dir, max(complete_steps(checkpoint_dir(init_checkpoint_dir))),
+          program.canonical.logical.params)
   return state
