@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import lm
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
 from spmdtask.layers.lora import LoraConfig
@@ -213,11 +214,28 @@ def test_lora_in_the_spmd_pipeline_equals_one_device(one_device):
 
 
 @pytest.mark.slow
-def test_lora_under_mpmd_equals_one_device():
+def test_lora_under_mpmd_and_a_context_axis_equals_one_device():
+  """No adapter dropout: a context split reorders each row's tokens (zig-zag), so masks over
+  positions differ from one device's; MPMD draws per microbatch."""
   def mpmd(cfg):
     cfg.task.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
                                    submesh_shapes=((2, 1, 2), (4, 1, 1)), schedule="1f1b",
                                    num_microbatches=4)
+
+  def context(cfg):
+    lm.with_context(cfg.task, (2, 1, 4, 1), "ring")
   want = util.train_steps("lm.TinyLmLora", 4, devices=jax.devices()[:1], overrides=SMALL)
-  got = util.train_steps("lm.TinyLmLora", 4, overrides=SMALL, edit=mpmd)
-  _assert_same_training(got, want)
+  for edit in (mpmd, context):
+    _assert_same_training(util.train_steps("lm.TinyLmLora", 4, overrides=SMALL, edit=edit),
+                          want)
+
+
+@pytest.mark.slow
+def test_attention_lora_on_an_expert_parallel_moe_equals_one_device():
+  """TinyMoe (8 experts over the `expert` axis of all 8 devices) with adapters on q, v, o:
+  the router and experts frozen."""
+  def lora(cfg):
+    cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, targets=("q", "v", "o"))
+  want = util.train_steps("TinyMoe", 4, devices=jax.devices()[:1], edit=lora,
+                          overrides=["task.ici_mesh_shape=(1, 1, 1, 1)"])
+  _assert_same_training(util.train_steps("TinyMoe", 4, edit=lora), want)
