@@ -239,3 +239,14 @@ def test_attention_lora_on_an_expert_parallel_moe_equals_one_device():
   want = util.train_steps("TinyMoe", 4, devices=jax.devices()[:1], edit=lora,
                           overrides=["task.ici_mesh_shape=(1, 1, 1, 1)"])
   _assert_same_training(util.train_steps("TinyMoe", 4, edit=lora), want)
+
+
+def test_train_flops_count_no_weight_gradient_for_frozen_params():
+  """6·N·T for the adapters, 4·N·T (forward, input gradient) for the frozen params."""
+  model = _model(targets=("q", "k", "v", "o"))
+  example = {k: jax.ShapeDtypeStruct((8,), v.dtype) for k, v in _batch().items()}
+  full = model.clone(lora=None).work_per_example(example)
+  adapters = 2 * (4 * (16 + 16) * 2 + 4 * (16 + 8) * 2)  # layers x q, o + k, v
+  frozen = (full.train_flops - full.attention_flops) / (6 * 8)
+  assert model.work_per_example(example).train_flops == (
+      full.attention_flops + 6 * 8 * adapters + 4 * 8 * frozen)
