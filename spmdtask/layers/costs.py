@@ -50,7 +50,9 @@ def lm_work(model, example) -> Work:
   width = model.num_heads * model.head_dim
   flops = train_flops(n, model.num_layers, width, t, causal=True)
   if model.lora is not None:  # frozen weights (layers.lora): no weight gradient, 4·N not 6·N
-    adapters = sum(x.size for p, x in jax.tree_util.tree_leaves_with_path(nn.unbox(shapes))
+    boxes = jax.tree_util.tree_leaves_with_path(  # (no nn.unbox: it constrains in a mesh)
+        shapes, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    adapters = sum(x.value.size for p, x in boxes
                    if train_state.is_adapter_name(sharding.path_str(p)))
     flops -= 2.0 * (n - adapters) * t
   return Work(flops, t, active_params=active,
