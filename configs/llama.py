@@ -378,4 +378,3 @@ class LlamaImport(Llama32_1B):
     cfg = super().model()
     cfg.fprop_dtype = "float32"
     return cfg
-
