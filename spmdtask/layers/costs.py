@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from spmdtask.core import remat, sharding
+from spmdtask.core import remat, sharding, train_state
 from spmdtask.core.model import ActivationMemory, Held, MemoryFix, Work
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers.block import Block, attention_flops, param_shapes, train_flops
@@ -39,7 +39,8 @@ def lm_work(model, example) -> Work:
   head_dim)·T² train FLOPs for T tokens (causal attention: the visible half of 12·L·w·T²),
   N the params a token uses: with `model.moe`, the router, top_k of the routed experts and
   the shared experts of each MoE layer (`active_params`), not all of them; then
-  `Work.active_params` says N, and `Work.attention_flops` the attention term."""
+  `Work.active_params` says N, and `Work.attention_flops` the attention term. With `lora`,
+  the frozen params cost 4·N·T (forward and input gradient; no weight gradient)."""
   t = int(example["inputs"].shape[-1])
   shapes = param_shapes(model, example)
   if model.moe is None:
@@ -47,7 +48,14 @@ def lm_work(model, example) -> Work:
   else:
     n = active = active_params(shapes, model.moe.top_k, model.moe.num_experts)
   width = model.num_heads * model.head_dim
-  return Work(train_flops(n, model.num_layers, width, t, causal=True), t, active_params=active,
+  flops = train_flops(n, model.num_layers, width, t, causal=True)
+  if model.lora is not None:  # frozen weights (layers.lora): no weight gradient, 4·N not 6·N
+    boxes = jax.tree_util.tree_leaves_with_path(  # (no nn.unbox: it constrains in a mesh)
+        shapes, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    adapters = sum(x.value.size for p, x in boxes
+                   if train_state.is_adapter_name(sharding.path_str(p)))
+    flops -= 2.0 * (n - adapters) * t
+  return Work(flops, t, active_params=active,
               attention_flops=attention_flops(model.num_layers, width, t, causal=True))
 
 
