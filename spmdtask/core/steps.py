@@ -97,7 +97,9 @@ def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
 
 
 # What a train step reports besides the model's own metrics (the console prints those apart).
-STEP_METRICS = ("loss", "grad_norm", "param_norm", "learning_rate")
+# target_tokens: the loss's weight summed over the global batch (with target masks, the
+# tokens trained on; the loop's target tokens/s).
+STEP_METRICS = ("loss", "grad_norm", "param_norm", "learning_rate", "target_tokens")
 
 
 def model_metrics(metrics: dict) -> list[tuple[str, float]]:
@@ -110,8 +112,8 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
   """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.
 
   Metrics are replicated scalars: loss, every model metric (sum / weight over the
-  batch), grad_norm, param_norm (of the params the step started from) and
-  learning_rate (the step's). Dropout's rng is fold_in(seed, step), so it depends on
+  batch), grad_norm, param_norm (of the params the step started from), learning_rate
+  (the step's) and target_tokens (the loss's weight: the global batch's target count). Dropout's rng is fold_in(seed, step), so it depends on
   neither the mesh nor a restart.
   """
   def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
@@ -124,7 +126,8 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
     # param norm is of the params the step started from, off the update's critical path.
     out = {**reported(metrics), "loss": loss, "grad_norm": optax.tree.norm(grads),
            "param_norm": optax.tree.norm(state.params),
-           "learning_rate": jnp.asarray(schedule(state.step), jnp.float32)}
+           "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
+           "target_tokens": metrics["loss"].weight}
     new = TrainState(state.step + 1, params, opt_state)
     return sharding.pad(new, layout.padded), out
 
