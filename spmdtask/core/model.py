@@ -120,6 +120,14 @@ class Stacked(Protocol):
 
 
 @runtime_checkable
+class Adapted(Protocol):
+  """A model that may train only its adapters (params named `*_lora_a`, `*_lora_b`)."""
+
+  def adapters_only(self) -> bool:
+    """Whether every param but the adapters is frozen (no gradient, no optimizer state)."""
+
+
+@runtime_checkable
 class LayerCosts(Protocol):
   """A model that measures what its parts cost to train, for balancing pipeline stages."""
 

@@ -129,9 +129,13 @@ def opt_state_split_dims(tx, opt_shapes, param_shapes, param_splits) -> tuple[An
                                    is_leaf=lambda x: isinstance(x, DeclaresSplitDims))
   # optax matches by tree structure (Adafactor's v_row mirrors the params' tree too), so
   # only a leaf of its param's shape takes the param's spec.
+  # optax.masked's masked-out params (a LoRA model's frozen ones) hold no state: MaskedNode.
+  masked = lambda x: isinstance(x, optax.MaskedNode)
   from_params = paths(optax.tree_utils.tree_map_params(
-      tx, lambda leaf, spec, param: spec if tuple(leaf.shape) == tuple(param.shape) else None,
-      opt_shapes, param_splits, param_shapes, transform_non_params=lambda _: None))
+      tx, lambda leaf, spec, param: None if masked(leaf) or tuple(leaf.shape) != tuple(
+          param.shape) else spec,
+      opt_shapes, param_splits, param_shapes, transform_non_params=lambda _: None,
+      is_leaf=masked))
   fallback, owners = _fallback_split_dims(opt_shapes, param_shapes, param_splits)
   fallback = paths(fallback)
   warnings = []

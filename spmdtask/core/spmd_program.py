@@ -98,7 +98,8 @@ def build(task, strategy, example_local_batch, devices=None) -> SpmdProgram:
   global_size = jax.tree.leaves(global_batch.global_shapes(example_local_batch))[0].shape[0]
   num_mb = layouts.check_microbatches(task, global_size, mesh_shape)
   model.validate(mesh, global_size // num_mb)
-  tx = task.train.make_optimizer()
+  only_adapters = train_state.adapters_only(model)
+  tx = train_state.optimizer(task.train.make_optimizer(), only_adapters)
   schedule = task.train.schedule()
   # Init traces on one row: params do not depend on the batch size.
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
@@ -130,7 +131,8 @@ def build(task, strategy, example_local_batch, devices=None) -> SpmdProgram:
       canonical=canonical, canonical_split=canonical_split, batch_specs=batch_specs, work=work,
       _init=steps.partition(canonical_init, mesh, (), canonical_split),
       _train=steps.partition(
-          steps.train_step_fn(model, tx, schedule, layout, task.train.seed, num_mb), mesh,
+          steps.train_step_fn(model, tx, schedule, layout, task.train.seed, num_mb,
+                              only_adapters), mesh,
           (layout.split, batch_specs), (layout.split, metrics_spec), donate_argnums=(0,)),
       _eval=steps.partition(steps.eval_step_fn(model, layout), mesh, (layout.split, batch_specs),
                             metrics_spec),

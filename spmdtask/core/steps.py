@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from spmdtask.core import sharding
 from spmdtask.core.model import Metrics
+from spmdtask.core import train_state
 from spmdtask.core.train_state import StateLayout, TrainState, create
 
 
@@ -108,8 +109,13 @@ def model_metrics(metrics: dict) -> list[tuple[str, float]]:
 
 
 def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
-                  layout: StateLayout, seed: int, num_microbatches: int = 1) -> Callable:
+                  layout: StateLayout, seed: int, num_microbatches: int = 1,
+                  only_adapters: bool = False) -> Callable:
   """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.
+
+  `only_adapters` (a LoRA model, `train_state.adapters_only`; `tx` then made by
+  `train_state.optimizer`): frozen params come back bitwise unchanged, and grad_norm is
+  the adapters'.
 
   Metrics are replicated scalars: loss, every model metric (sum / weight over the
   batch), grad_norm, param_norm (of the params the step started from), learning_rate
@@ -121,10 +127,11 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
     rng = jax.random.fold_in(jax.random.key(seed), state.step)
     loss, metrics, grads = loss_and_grads(model, state.params, batch, rng, num_microbatches)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    params = train_state.apply_updates(state.params, updates, only_adapters)
     # optax.tree.norm is what clip_by_global_norm computes, so XLA shares the work; the
     # param norm is of the params the step started from, off the update's critical path.
-    out = {**reported(metrics), "loss": loss, "grad_norm": optax.tree.norm(grads),
+    grad_norm = optax.tree.norm(train_state.trainable(grads, only_adapters))
+    out = {**reported(metrics), "loss": loss, "grad_norm": grad_norm,
            "param_norm": optax.tree.norm(state.params),
            "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
            "target_tokens": metrics["loss"].weight}

@@ -11,6 +11,11 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import sharding
+from spmdtask.core.model import Adapted
+
+# The one rule of what a LoRA model trains (layers.lora names its adapters so): params
+# whose name ends so are trainable; every other param is frozen.
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
 
 
 class TrainState(NamedTuple):
@@ -74,3 +79,46 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
     logging.warning("%s", w)
   split = TrainState(P(), param_split, opt_split)
   return StateLayout(logical, sharding.padded_shapes(logical, split, mesh_shape), split)
+
+
+def adapters_only(model) -> bool:
+  """Whether `model` trains only its adapters (the `Adapted` protocol)."""
+  return isinstance(model, Adapted) and model.adapters_only()
+
+
+def _is_adapter(path) -> bool:
+  last = path[-1]
+  name = last.key if isinstance(last, jax.tree_util.DictKey) else str(last)
+  return str(name).endswith(ADAPTER_SUFFIXES)
+
+
+def trainable_mask(params, only_adapters: bool):
+  """Per param leaf (nested or flat path-keyed dicts alike): True where it trains."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: not only_adapters or _is_adapter(path), params)
+
+
+def trainable(tree, only_adapters: bool):
+  """`tree` (params or grads) with its frozen leaves None (e.g. for a gradient norm)."""
+  if not only_adapters:
+    return tree
+  return jax.tree_util.tree_map_with_path(lambda path, x: x if _is_adapter(path) else None,
+                                          tree)
+
+
+def optimizer(tx: optax.GradientTransformation, only_adapters: bool
+              ) -> optax.GradientTransformation:
+  """`tx` over the trainable params alone: frozen ones hold no optimizer state (and their
+  gradients, zero, are not clipped with the others). Pair with `apply_updates`."""
+  if not only_adapters:
+    return tx
+  return optax.masked(tx, lambda params: trainable_mask(params, True))
+
+
+def apply_updates(params, updates, only_adapters: bool):
+  """`optax.apply_updates`, frozen params returned as they were (bitwise, not p + 0)."""
+  new = optax.apply_updates(params, updates)
+  if not only_adapters:
+    return new
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p, n: n if _is_adapter(path) else p, params, new)

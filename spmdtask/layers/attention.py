@@ -14,9 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.core.sharding import shards
-from spmdtask.layers import context_attention, fused_attention, rope
-from spmdtask.layers.base import (RmsNorm, SplitDims, constrain, dense_init, platform, project,
-                                  weight)
+from spmdtask.layers import context_attention, fused_attention, lora as lora_lib, rope
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -88,8 +87,11 @@ class Attention(nn.Module):
   `heads_act_split` splits the sequence over mesh axes, `context` says how attention runs
   across the shards (`layers.context_attention`: all_gather or ring; `impl` then picks the
   ring's block kernel, `context_attention.choose`).
-  Called as `(x, positions, segment_ids=None, cache=None) -> (out, new_cache)`; new_cache is
-  None without a cache. `segment_ids` [b, t] (packed rows) keep attention within a segment.
+  With `lora` (layers.lora) the weights are frozen and its targets among q, k, v, o get
+  adapters; `lora_drop` gives their dropout masks' source.
+  Called as `(x, positions, segment_ids=None, cache=None, lora_drop=None) -> (out,
+  new_cache)`; new_cache is None without a cache. `segment_ids` [b, t] (packed rows) keep
+  attention within a segment.
   """
   d_model: int
   num_heads: int
@@ -109,6 +111,7 @@ class Attention(nn.Module):
   context: str = "all_gather"  # across a split sequence (layers.context_attention)
   score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
   at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (transformer.WeightSplit)
+  lora: lora_lib.LoraConfig | None = None
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -138,24 +141,26 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-               cache: KvCache | None = None):
-    d, h, kv, hd = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim
-    wq = weight(self, "q", (d, h, hd), self.q_split, dense_init(0, (1, 2)))
-    wk = weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
-    wv = weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
-    wo = weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
+               cache: KvCache | None = None, lora_drop: lora_lib.Dropout | None = None):
+    d, h, kv, hd, lora = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.lora
+    wq = lora_lib.weight(self, "q", (d, h, hd), self.q_split, dense_init(0, (1, 2)), lora)
+    wk = lora_lib.weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)), lora)
+    wv = lora_lib.weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)), lora)
+    wo = lora_lib.weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2), lora)
     dt, heads = self.dtype, self.heads_act_split
 
-    def proj(w, split, w_name, field):
-      return constrain(project("btd,dhk->bthk", x, w, split, heads, dt, gathered_name=w_name,
-                               at_once=field in self.at_once), heads)
+    def proj(name, w, split, w_name, field):
+      return constrain(lora_lib.project(self, name, "btd,dhk->bthk", x, w, split, heads, dt,
+                                        lora, lora_drop, gathered_name=w_name,
+                                        at_once=field in self.at_once), heads)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
-    q = checkpoint_name(proj(wq, self.q_split, remat.Q_WEIGHT, "q"), remat.Q_PROJ)
-    k = checkpoint_name(proj(wk, self.kv_split, remat.K_WEIGHT, "kv"), remat.K_PROJ)
-    v = checkpoint_name(proj(wv, self.kv_split, remat.V_WEIGHT, "kv"), remat.V_PROJ)
+    q = checkpoint_name(proj("q", wq, self.q_split, remat.Q_WEIGHT, "q"), remat.Q_PROJ)
+    k = checkpoint_name(proj("k", wk, self.kv_split, remat.K_WEIGHT, "kv"), remat.K_PROJ)
+    v = checkpoint_name(proj("v", wv, self.kv_split, remat.V_WEIGHT, "kv"), remat.V_PROJ)
     if self.qk_norm:
-      q = RmsNorm(hd, self.norm_eps, (None,), name="q_norm")(q)
-      k = RmsNorm(hd, self.norm_eps, (None,), name="k_norm")(k)
+      frozen = lora_lib.frozen(lora)
+      q = RmsNorm(hd, self.norm_eps, (None,), frozen, name="q_norm")(q)
+      k = RmsNorm(hd, self.norm_eps, (None,), frozen, name="k_norm")(k)
     if self.rope_theta is not None:
       q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
       k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)
@@ -171,6 +176,6 @@ class Attention(nn.Module):
     out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
                     self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
-    out = project("bthk,hkd->btd", out, wo, self.o_split, heads, dt,
-                  at_once="o" in self.at_once)
+    out = lora_lib.project(self, "o", "bthk,hkd->btd", out, wo, self.o_split, heads, dt, lora,
+                           lora_drop, at_once="o" in self.at_once)
     return checkpoint_name(out, remat.ATTN_OUT), cache

@@ -14,9 +14,23 @@ SplitDims = tuple
 
 
 def weight(module: nn.Module, name: str, shape: Sequence[int], split: SplitDims,
-           init: Callable) -> jax.Array:
-  """A float32 weight whose `nn.Partitioned` box carries its split-dims mapping."""
-  return module.param(name, nn.with_partitioning(init, tuple(split)), tuple(shape), jnp.float32)
+           init: Callable, dtype=jnp.float32, frozen: bool = False) -> jax.Array:
+  """A weight (float32 unless `dtype`) whose `nn.Partitioned` box carries its split-dims
+  mapping. `frozen` (a LoRA model's base, layers.lora) reads it through `stop_gradient`,
+  so autodiff never forms its gradient."""
+  w = module.param(name, nn.with_partitioning(init, tuple(split)), tuple(shape), dtype)
+  return jax.lax.stop_gradient(w) if frozen else w
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array, row_ids: jax.Array,
+            which: int) -> jax.Array:
+  """Inverted dropout of x [rows, ...]: row i's mask from (fold_in(key, which), row_ids[i])
+  (`key`: uint32 key data), so it does not depend on how the batch is split."""
+  keep = 1.0 - rate
+  stream = jax.random.fold_in(jax.random.wrap_key_data(key), which)
+  mask = jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(stream, i), keep,
+                                                 x.shape[1:]))(row_ids)
+  return jnp.where(mask, x / keep, jnp.zeros_like(x))
 
 
 def constrain(x: jax.Array, split: SplitDims | None) -> jax.Array:
@@ -185,10 +199,12 @@ class RmsNorm(nn.Module):
   dim: int
   eps: float = 1e-6
   split: SplitDims = (None,)
+  frozen: bool = False  # a LoRA model's (layers.lora): no gradient; kept in float32
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = weight(self, "scale", (self.dim,), self.split, nn.initializers.ones)
+    scale = weight(self, "scale", (self.dim,), self.split, nn.initializers.ones,
+                   frozen=self.frozen)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * scale).astype(x.dtype)

@@ -11,10 +11,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.errors import ConfigError
+from spmdtask.layers import base
 from spmdtask.layers import context_attention as context_attention_lib
+from spmdtask.layers import lora as lora_lib
 from spmdtask.layers.attention import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, project, weight
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 
 
 # The weights whose FSDP gather a weight split's `gather_at_once` may ask for at once.
@@ -31,7 +33,8 @@ def check_gather_at_once(field: str, names) -> None:
 
 
 class Mlp(nn.Module):
-  """Gated SwiGLU (`swiglu`) or plain GELU (`gelu`) feed-forward."""
+  """Gated SwiGLU (`swiglu`) or plain GELU (`gelu`) feed-forward; with `lora`
+  (layers.lora) its weights frozen and its targets among wi, wg, wo adapted."""
   d_model: int
   d_ff: int
   activation: str
@@ -40,25 +43,31 @@ class Mlp(nn.Module):
   out_split: SplitDims
   ff_act_split: SplitDims | None
   at_once: tuple[str, ...] = ()  # of 'mlp_in', 'mlp_out': FSDP gathers (WeightSplit)
+  lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    dt, batch = self.dtype, self.ff_act_split
-    w_in = weight(self, "wi", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-    up = lambda w: constrain(project("btd,df->btf", x, w, self.in_split, batch, dt,
-                                     at_once="mlp_in" in self.at_once), batch)
+  def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None) -> jax.Array:
+    dt, batch, lora = self.dtype, self.ff_act_split, self.lora
+    w_in = lora_lib.weight(self, "wi", (self.d_model, self.d_ff), self.in_split,
+                           dense_init(0, 1), lora)
+    up = lambda name, w: constrain(lora_lib.project(
+        self, name, "btd,df->btf", x, w, self.in_split, batch, dt, lora, lora_drop,
+        at_once="mlp_in" in self.at_once), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
-    h = checkpoint_name(up(w_in), remat.MLP_UP)
+    h = checkpoint_name(up("wi", w_in), remat.MLP_UP)
     if self.activation == "swiglu":
-      w_gate = weight(self, "wg", (self.d_model, self.d_ff), self.in_split, dense_init(0, 1))
-      gate = checkpoint_name(up(w_gate), remat.MLP_GATE)
+      w_gate = lora_lib.weight(self, "wg", (self.d_model, self.d_ff), self.in_split,
+                               dense_init(0, 1), lora)
+      gate = checkpoint_name(up("wg", w_gate), remat.MLP_GATE)
       h = jax.nn.silu(gate) * h
     else:
       h = jax.nn.gelu(h)
     h = checkpoint_name(h, remat.MLP_HIDDEN)
-    w_out = weight(self, "wo", (self.d_ff, self.d_model), self.out_split, dense_init(0, 1))
-    return checkpoint_name(project("btf,fd->btd", h, w_out, self.out_split, batch, dt,
-                                   at_once="mlp_out" in self.at_once), remat.MLP_OUT)
+    w_out = lora_lib.weight(self, "wo", (self.d_ff, self.d_model), self.out_split,
+                            dense_init(0, 1), lora)
+    return checkpoint_name(lora_lib.project(self, "wo", "btf,fd->btd", h, w_out, self.out_split,
+                                            batch, dt, lora, lora_drop,
+                                            at_once="mlp_out" in self.at_once), remat.MLP_OUT)
 
 
 class Block(nn.Module):
@@ -71,7 +80,9 @@ class Block(nn.Module):
   from (key, row_ids[i]), so it does not depend on how the batch is split into
   microbatches. `causal=False` makes an encoder block; `rope_theta=None` turns rotary
   positions off; `attention_impl` is the attention kernel (`layers.fused_attention`);
-  `qk_norm` RMS-normalizes q and k per head (Qwen3).
+  `qk_norm` RMS-normalizes q and k per head (Qwen3); `lora` (layers.lora) freezes the
+  weights and adapts its targets, its dropout drawn the same way (streams 2 + the target's
+  index in `lora.TARGETS`).
   """
   d_model: int
   num_heads: int
@@ -91,15 +102,15 @@ class Block(nn.Module):
   qk_norm: bool = False
   context_attention: str = "all_gather"  # across a split sequence (layers.context_attention)
   context_score_block: int = context_attention_lib.SCORE_BLOCK
+  lora: lora_lib.LoraConfig | None = None
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
       return x
-    keep = 1.0 - self.dropout_rate
-    base = jax.random.fold_in(jax.random.wrap_key_data(key), which)
-    mask = jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(base, i), keep,
-                                                   x.shape[1:]))(row_ids)
-    return jnp.where(mask, x / keep, jnp.zeros_like(x))
+    return base.dropout(x, self.dropout_rate, key, row_ids, which)
+
+  def _lora_drop(self, key, row_ids) -> lora_lib.Dropout | None:
+    return None if key is None else lora_lib.Dropout(key, row_ids)
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
@@ -107,9 +118,10 @@ class Block(nn.Module):
                dropout_key: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
     x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
+    frozen = lora_lib.frozen(self.lora)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, frozen, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            w.gather_at_once, name="mlp")(h)
+            w.gather_at_once, self.lora, name="mlp")(h, self._lora_drop(dropout_key, row_ids))
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
   def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key):
@@ -118,14 +130,16 @@ class Block(nn.Module):
     # Every use of the input goes through its name, so an offloading remat preset can move
     # it to the host instead of keeping the raw input (the scan's carry) for the backward.
     x = checkpoint_name(x, remat.LAYER_INPUT)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="attn_norm")(x)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
+                name="attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, qk_norm=self.qk_norm,
                          norm_eps=self.norm_eps, context=self.context_attention,
                          score_block=self.context_score_block, at_once=w.gather_at_once,
-                         name="attn")(h, positions, segment_ids, cache)
+                         lora=self.lora, name="attn")(h, positions, segment_ids, cache,
+                                                      self._lora_drop(dropout_key, row_ids))
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 

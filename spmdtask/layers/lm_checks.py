@@ -8,6 +8,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.layers import block
 from spmdtask.layers import context_attention as context_lib
 from spmdtask.layers import fused_attention
+from spmdtask.layers import lora as lora_lib
 from spmdtask.layers.rope import Llama3Scaling
 
 
@@ -39,6 +40,21 @@ def _validate_moe(model, mesh_shape) -> None:
         "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
 
 
+def _validate_lora(model) -> None:
+  """The LoRA fields against the weights this model has (layers.lora)."""
+  if model.lora is None:
+    return
+  mlp = lora_lib.MLP if model.mlp_activation == "swiglu" else ("wi", "wo")
+  dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
+  weights = lora_lib.ATTENTION + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
+  model.lora.validate(weights)
+  if "experts" in model.lora.targets:
+    raise ConfigError(
+        f"{lora_lib.FIELD}.targets={model.lora.targets!r}: adapters on the routed experts "
+        "('experts') are not built yet (their grouped matmuls run per expert shard); adapt "
+        "the attention (q, k, v, o) and any dense or shared MLP (wi, wg, wo) instead.")
+
+
 def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   """TransformerLm.validate: dims, dtypes, remat, attention, every split-dims field, the
   MoE fields, and the pipeline over the `stack_layers` layers the strategy runs."""
@@ -57,6 +73,7 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   if model.mlp_activation not in ("swiglu", "gelu"):
     raise ConfigError(f"task.model.mlp_activation={model.mlp_activation!r}: use 'swiglu' or "
                       "'gelu'.")
+  _validate_lora(model)
   if model.rope_scaling is not None:
     if not isinstance(model.rope_scaling, Llama3Scaling):
       raise ConfigError(f"task.model.rope_scaling={model.rope_scaling!r} is not a "

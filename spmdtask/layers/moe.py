@@ -28,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 from spmdtask.core import remat
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
-from spmdtask.layers import base, moe_dispatch
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project, weight
+from spmdtask.layers import base, lora as lora_lib, moe_dispatch
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project
 from spmdtask.layers.block import Block, Mlp
 
 SCORES = ("softmax", "sigmoid")
@@ -205,16 +205,21 @@ class MoeFfn(nn.Module):
   ff_act_split: SplitDims | None
   embed_split: SplitDims | None
   kernel: str = "auto"      # grouped_matmul's kernel (dropless)
+  # Frozen router and experts (no 'experts' adapters yet); the shared experts' Mlp adapted.
+  lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None
+               ) -> tuple[jax.Array, jax.Array]:
     cfg, d, f, e = self.cfg, self.d_model, self.cfg.d_ff, self.cfg.num_experts
-    router = weight(self, "router", (d, e), self.router_split, nn.initializers.normal(0.02))
+    lora = self.lora
+    router = lora_lib.weight(self, "router", (d, e), self.router_split,
+                             nn.initializers.normal(0.02), lora)
     init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=1,
                                             out_axis=2, batch_axis=(0,))
-    wi = weight(self, "wi", (e, d, f), self.in_split, init)
-    wg = weight(self, "wg", (e, d, f), self.in_split, init)
-    wo = weight(self, "wo", (e, f, d), self.out_split, init)
+    wi = lora_lib.weight(self, "wi", (e, d, f), self.in_split, init, lora)
+    wg = lora_lib.weight(self, "wg", (e, d, f), self.in_split, init, lora)
+    wo = lora_lib.weight(self, "wo", (e, f, d), self.out_split, init, lora)
     batch = self.embed_split
     logits = project("btd,de->bte", x.astype(jnp.float32), router, self.router_split, batch,
                      jnp.float32)
@@ -223,7 +228,7 @@ class MoeFfn(nn.Module):
     y = checkpoint_name(constrain(y, batch), remat.MLP_OUT)
     if cfg.shared_ff:
       y = y + Mlp(d, cfg.shared_ff, "swiglu", self.dtype, self.shared_in_split,
-                  self.shared_out_split, self.ff_act_split, name="shared")(x)
+                  self.shared_out_split, self.ff_act_split, lora=lora, name="shared")(x, lora_drop)
     return y, row_stats(logits, scores, experts, dropped, cfg)
 
   def _experts(self, x, experts, gates, wi, wg, wo):
@@ -280,8 +285,10 @@ class MoeBlock(Block):
     x, stats = carry
     w, a = self.wsplit, self.asplit
     x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, name="mlp_norm")(x)
+    h = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
+                name="mlp_norm")(x)
     h, layer_stats = MoeFfn(self.d_model, self.moe, self.dtype, w.router, w.expert_in,
-                            w.expert_out, w.mlp_in, w.mlp_out, a.ff, a.embed, name="moe")(h)
+                            w.expert_out, w.mlp_in, w.mlp_out, a.ff, a.embed, lora=self.lora,
+                            name="moe")(h, self._lora_drop(dropout_key, row_ids))
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed)
     return (x, stats + layer_stats), cache

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from spmdtask.core import remat
 from spmdtask.layers import base
+from spmdtask.layers import lora as lora_lib
 from spmdtask.core.model import LayoutMap
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
@@ -59,7 +60,9 @@ class LayerStack(nn.Module):
     return self.execution.apply_stack(self, x, side, keys), None
 
   def _dropout(self) -> bool:
-    return bool(self.block_kwargs.get("dropout_rate")) and self.has_rng("dropout")
+    rate = self.block_kwargs.get("dropout_rate") or lora_lib.dropout_rate(
+        self.block_kwargs.get("lora"))
+    return bool(rate) and self.has_rng("dropout")
 
   def _row_ids(self, x):
     if not self._dropout():

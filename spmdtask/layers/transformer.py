@@ -10,11 +10,12 @@ from spmdtask.core import sharding
 from spmdtask.layers import context_attention as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
+from spmdtask.layers import lora as lora_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention import KvCache
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
@@ -98,6 +99,8 @@ class TransformerLm(nn.Module):
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
+  # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
+  lora: lora_lib.LoraConfig | None = None
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -127,6 +130,10 @@ class TransformerLm(nn.Module):
   def activation_memory(self, rows: float, seq_len: int):
     """The largest activations and this config's fixes (SizesActivations; layers.costs)."""
     return costs_lib.lm_activation_memory(self, rows, seq_len)
+
+  def adapters_only(self) -> bool:
+    """Whether only the LoRA adapters train (Adapted)."""
+    return self.lora is not None
 
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)
@@ -180,7 +187,7 @@ class TransformerLm(nn.Module):
                 context_attention=self.context_attention,
                 context_score_block=self.context_score_block,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping)
+                asplit=self.activation_split_dims_mapping, lora=self.lora)
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
@@ -211,19 +218,20 @@ class TransformerLm(nn.Module):
     order = None if cache is not None or zigzagged else _zigzag_order(self, tokens.shape[1])
     tokens, positions, segment_ids = _reordered(order, a.heads[:2], tokens, positions,
                                                 segment_ids)
-    emb = weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
-                 nn.initializers.normal(1.0))
+    emb = lora_lib.weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
+                          nn.initializers.normal(1.0), self.lora)
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
     x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
-    x = RmsNorm(self.d_model, self.norm_eps, w.norm, name="final_norm")(x)
+    x = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
+                name="final_norm")(x)
     if order is not None:  # back to the row's own order
       x = _reordered(np.argsort(order), a.embed, x)[0]
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
     else:
-      unembed = weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
-                       dense_init(0, 1))
+      unembed = lora_lib.weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
+                                dense_init(0, 1), self.lora)
       scale = 1.0
     if not head:
       return ((x, unembed, scale), stats) if moe_stats else (x, unembed, scale)

@@ -262,7 +262,8 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   micro_train = _micro_train(plan)
   pl, make_eval, eval_loss_fn = _pipelines(task, plan, st, micro_train, devices)
   step_fn = mpmd_step.TrainStep(pl, st.base_tx, task.train.clip_grad_norm or None,
-                                loss_weight=lambda aux: sum(a["loss"].weight for a in aux))
+                                loss_weight=lambda aux: sum(a["loss"].weight for a in aux),
+                                only_adapters=train_state.adapters_only(st.model))
   return _program(task, plan, st, micro_train, pl, make_eval, eval_loss_fn, step_fn,
                   example_local_batch)
 
@@ -271,7 +272,9 @@ def _states(task, plan: mpmd_stages.StagePlan, example_local_batch) -> _States:
   """The models under `plan`'s cuts and their canonical and live state layouts."""
   model, canonical_model = layouts.strategy_models(task, plan.config)
   tp = task.train
-  tx, base_tx = tp.make_optimizer(), tp.optimizer(learning_rate=tp.schedule())
+  only = train_state.adapters_only(model)  # LoRA: adapters alone hold optimizer state
+  tx = train_state.optimizer(tp.make_optimizer(), only)
+  base_tx = train_state.optimizer(tp.optimizer(learning_rate=tp.schedule()), only)
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
   full = mesh_lib.mesh_shape(plan.mesh)
   # `mesh=`, not a mesh context: optax's eager bits must not run on compile-only devices

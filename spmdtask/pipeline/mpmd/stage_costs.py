@@ -20,7 +20,7 @@ import types
 
 from jax.sharding import NamedSharding
 
-from spmdtask.core import layouts
+from spmdtask.core import layouts, train_state
 from spmdtask.plan import planner, roofline as plan_roofline, stage_roofline
 from spmdtask.pipeline.mpmd import pipeline, parts, report, stages, step as mpmd_step
 from spmdtask.pipeline.schedules import simulate
@@ -36,7 +36,8 @@ def on_target(program, task, devices) -> types.SimpleNamespace:
   # Compile-only devices: no stage is this process's, so nothing is placed on them.
   pl = pipeline.Pipeline(loss_fn, params, microbatch, specs, src.schedule, has_aux=True,
                      rows_are_sums=True, compile_only=True)
-  step = mpmd_step.TrainStep(pl, program.base_tx, task.train.clip_grad_norm or None)
+  step = mpmd_step.TrainStep(pl, program.base_tx, task.train.clip_grad_norm or None,
+                             only_adapters=train_state.adapters_only(program.model))
   return types.SimpleNamespace(pipeline=pl, step_fn=step, shapes=program.shapes)
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask.core import sharding, steps
+from spmdtask.core import sharding, steps, train_state
 from spmdtask.pipeline.mpmd.pipeline import Pipeline
 
 
@@ -58,8 +58,11 @@ class TrainStep:
 
   def __init__(self, pipeline: Pipeline, tx: optax.GradientTransformation,
                max_grad_norm: float | None = None,
-               loss_weight: Callable[[tuple], jax.Array] | None = None):
+               loss_weight: Callable[[tuple], jax.Array] | None = None,
+               only_adapters: bool = False):
+    # only_adapters (LoRA; `tx` from train_state.optimizer): frozen params kept bitwise.
     self.pipeline, self.tx, self.max_grad_norm = pipeline, tx, max_grad_norm
+    self.only_adapters = only_adapters
     pl = pipeline
     shapes = dict(zip(pl.paths, pl.param_shapes))
     owner = {k: where[0] for k, where in pl.tied.items()}
@@ -105,7 +108,7 @@ class TrainStep:
       if max_norm is not None:
         grads = clip_by_norm(grads, norm, max_norm)
       updates, opt_state = self.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+      return train_state.apply_updates(params, updates, self.only_adapters), opt_state
 
     update_p = steps.partition(update, mesh, (pspecs, ospecs, pspecs, P()),
                                (pspecs, ospecs), donate_argnums=(0, 1))

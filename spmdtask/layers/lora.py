@@ -1,0 +1,138 @@
+"""LoRA: low-rank adapters beside a model's frozen base weights (`TransformerLm.lora`).
+
+A weight W named X (q, k, v, o, wi, wg, wo) gets two params beside it in the module that
+owns it: `X_lora_a` [*in_dims, r] and `X_lora_b` [r, *out_dims], in-dims those W contracts
+with the activation. The layer computes `x·W + (alpha / r) · dropout(x)·A·B`, the adapter
+in the compute dtype; the effective weight is W + (alpha / r) · A·B. A's split-dims are the
+base weight's in-dims entries and None for r, B's None and the out-dims entries, so an
+adapter lies on the mesh as its base weight does (GSPMD moves them: they are small, and
+the base weight's FSDP gather in `base.project` is unchanged). Init as PEFT's: A
+kaiming-uniform (±1/sqrt(fan_in), fan_in the in-dims' product), B zero, so a fresh adapter
+changes nothing.
+
+Every other param of a LoRA model is frozen: read through `jax.lax.stop_gradient` (no
+gradient is formed for it) and stored in `base_dtype`; `core.train_state.trainable` is the
+one rule (by param name) that gives adapters alone optimizer state.
+"""
+import dataclasses
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from spmdtask.core.train_state import ADAPTER_SUFFIXES
+from spmdtask.errors import ConfigError
+from spmdtask.layers import base
+from spmdtask.layers.base import SplitDims
+
+FIELD = "task.model.lora"
+ATTENTION = ("q", "k", "v", "o")
+MLP = ("wi", "wg", "wo")
+TARGETS = ATTENTION + MLP + ("experts",)  # experts: an MoE's routed wi/wg/wo
+BASE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """LoRA of a TransformerLm (module doc). `targets` name the adapted weights (TARGETS);
+  `base_dtype` stores the frozen params ('bfloat16' halves them)."""
+  rank: int
+  alpha: float
+  dropout: float = 0.0
+  targets: tuple[str, ...] = ATTENTION
+  base_dtype: str = "float32"
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  def validate(self, weights: tuple[str, ...]) -> None:
+    """ConfigError naming the first field that cannot work; `weights`: the names of the
+    model's weights a target may name (e.g. no 'wg' in a GELU MLP, no 'experts' when dense)."""
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+      raise ConfigError(f"{FIELD}.rank={self.rank!r}: the adapters' rank must be an integer "
+                        "> 0 (e.g. 8 or 16).")
+    if not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+      raise ConfigError(f"{FIELD}.alpha={self.alpha!r}: the adapters' scale is alpha / rank; "
+                        "give alpha > 0 (e.g. 2 x rank, or rank for a scale of 1).")
+    if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f"{FIELD}.dropout={self.dropout!r}: the dropout rate on the adapters' "
+                        "input must be in [0, 1) (0 = off).")
+    targets = self.targets
+    bad = ([t for t in targets if t not in weights]
+           if isinstance(targets, (tuple, list)) and targets else [targets])
+    if bad:
+      raise ConfigError(
+          f"{FIELD}.targets={targets!r}: {bad[0]!r} matches no weight of this model. Name a "
+          f"non-empty tuple of {', '.join(weights)} (of LoRA's {', '.join(TARGETS)}: "
+          "q, k, v, o attention; wi, wg, wo the dense MLP; experts an MoE's routed experts).")
+    if self.base_dtype not in BASE_DTYPES:
+      raise ConfigError(f"{FIELD}.base_dtype={self.base_dtype!r}: the frozen weights are "
+                        f"stored in {' or '.join(BASE_DTYPES)}.")
+
+
+def frozen(cfg: LoraConfig | None) -> bool:
+  """Whether a model with this `lora` field freezes its base weights."""
+  return cfg is not None
+
+
+def dropout_rate(cfg: LoraConfig | None) -> float:
+  """The adapters' input dropout (0 without LoRA)."""
+  return 0.0 if cfg is None else cfg.dropout
+
+
+def base_dtype(cfg: LoraConfig | None):
+  """The dtype base weights are stored in (float32 without LoRA)."""
+  return jnp.float32 if cfg is None else jnp.dtype(cfg.base_dtype)
+
+
+def weight(module: nn.Module, name: str, shape, split: SplitDims, init,
+           cfg: LoraConfig | None) -> jax.Array:
+  """A base weight (`base.weight`), frozen and stored in `base_dtype` under LoRA."""
+  return base.weight(module, name, shape, split, init, base_dtype(cfg), frozen(cfg))
+
+
+class Dropout(NamedTuple):
+  """What an adapter's dropout mask derives from: the layer's key data and the rows'
+  global ids (as `base.dropout`); None where dropout is off."""
+  key: jax.Array
+  row_ids: jax.Array
+
+
+def project(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array,
+            w_split: SplitDims, batch: SplitDims | None, dtype, cfg: LoraConfig | None,
+            drop: Dropout | None = None, **project_kwargs) -> jax.Array:
+  """`base.project(eqn, x, w, ...)` plus, where `cfg` targets `name`, the adapter's
+  `(alpha / r) · dropout(x)·A·B` (its params made here, beside `name`). `eqn`'s weight
+  operand lists W's in-dims (those x has) before its out-dims."""
+  y = base.project(eqn, x, w, w_split, batch, dtype, **project_kwargs)
+  if cfg is None or name not in cfg.targets:
+    return y
+  ins, out = eqn.split("->")
+  x_dims, w_dims = ins.split(",")
+  n_in = sum(c in x_dims for c in w_dims)
+  r = next(c for c in "rzyxw" if c not in eqn)
+  fan_in = math.prod(w.shape[:n_in])
+  bound = 1.0 / math.sqrt(fan_in)
+  a = module.param(f"{name}{ADAPTER_SUFFIXES[0]}",
+                   nn.with_partitioning(_uniform(bound), tuple(w_split[:n_in]) + (None,)),
+                   tuple(w.shape[:n_in]) + (cfg.rank,), jnp.float32)
+  b = module.param(f"{name}{ADAPTER_SUFFIXES[1]}",
+                   nn.with_partitioning(nn.initializers.zeros,
+                                        (None,) + tuple(w_split[n_in:])),
+                   (cfg.rank,) + tuple(w.shape[n_in:]), jnp.float32)
+  xd = x.astype(dtype)
+  if drop is not None and cfg.dropout:
+    xd = base.dropout(xd, cfg.dropout, drop.key, drop.row_ids, 2 + TARGETS.index(name))
+  mid = "".join(c for c in x_dims if c not in w_dims[:n_in]) + r
+  h = jnp.einsum(f"{x_dims},{w_dims[:n_in]}{r}->{mid}", xd, a.astype(dtype))
+  delta = jnp.einsum(f"{mid},{r}{w_dims[n_in:]}->{out}", h, b.astype(dtype))
+  return y + (delta * jnp.asarray(cfg.scale, dtype)).astype(y.dtype)
+
+
+def _uniform(bound: float):
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return init
