@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from tools import hf_models
+from tools import hf_lora, hf_models
 
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
@@ -60,14 +60,18 @@ IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoin
 EXP = hf_models.EXPERIMENTS["llama"]  # the Llama experiment (the documented command's)
 
 
-def experiment(cfg: dict) -> str:
-  """The experiment (`configs/`) whose model the overrides of this HF config set."""
+def experiment(cfg: dict, lora: dict | None = None) -> str:
+  """The experiment (`configs/`) whose model the overrides of this HF config set (with
+  `lora`, LoraConfig fields, the family's LoRA experiment)."""
+  if lora is not None:
+    return hf_models.lora_experiment(cfg)
   return hf_models.EXPERIMENTS[hf_models.family(cfg)]
 
 
-def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
-  """`--fdl_set` values that make `experiment(cfg)` build this model (its synthetic data in
-  vocab); `tokenizer`, a tokenizer.json path, gives the decode output its text."""
+def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None) -> list[str]:
+  """`--fdl_set` values that make `experiment(cfg, lora)` build this model (its synthetic
+  data in vocab); `tokenizer`, a tokenizer.json path, gives the decode output its text;
+  `lora` (LoraConfig fields) sets the adapters' rank, alpha, dropout and targets."""
   fields = hf_models.model_fields(cfg)
   scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
   lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
@@ -82,6 +86,8 @@ def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
     lines.append(f"task.decode.eos_id={cfg['eos_token_id']}")
   if tokenizer:
     lines.append(f"decode_datasets['prompts'].tokenizer={'hf:' + tokenizer!r}")
+  lines += [f"task.model.lora.{k}={tuple(v) if k == 'targets' else v!r}"
+            for k, v in (lora or {}).items()]
   return lines
 
 
@@ -229,8 +235,12 @@ def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, exp: str 
   """A step-0 train state with `params` (logical) and a fresh optimizer state, via spmdtask's
   checkpoint module: the one place that knows the checkpoint layout."""
   from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
   program = _program(lines, exp)
   canonical = program.to_canonical(program.init())
+  # In the model's dtypes (a LoRA model may store its frozen base in bfloat16).
+  params = jax.tree.map(lambda new, old: np.asarray(new).astype(old.dtype), params,
+                        jax.device_get(canonical.params))
   state = program.from_canonical(canonical._replace(params=params))
   ckpt = checkpoints.Checkpointer(job_log_dir, program, 1, None,
                                   {"config": "\n".join(lines) + "\n"})
@@ -248,44 +258,79 @@ def read_checkpoint(job_log_dir: str, lines: list[str], exp: str = EXP) -> dict:
   return jax.device_get(program.to_canonical(state).params)
 
 
-def from_hf(hf_dir: str, job_log_dir: str) -> list[str]:
+def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None) -> list[str]:
   """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
-  hf_source.json; returns the override lines."""
+  hf_source.json; returns the override lines. With `adapter` (--adapter, a PEFT LoRA
+  dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it. Every
+  input is read and checked before anything is written."""
   cfg, tensors = read_hf(hf_dir)
   has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
   tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
-  lines = overrides(cfg, tokenizer if has_tokenizer else None)
-  params = to_params(cfg, tensors)
+  params, lora = to_params(cfg, tensors), None
+  base_name = cfg.get("_name_or_path") or fs.absolute(hf_dir)
+  if adapter is not None:
+    where = fs.join(adapter, hf_lora.CONFIG_FILE)
+    peft_cfg, peft_tensors = hf_lora.read(adapter)
+    lora = hf_lora.lora_fields(peft_cfg, where)
+    hf_models.lora_experiment(cfg)  # a family with LoRA, or a ConfigError now
+    for path, x in hf_lora.to_params(cfg, lora, peft_tensors, where).items():
+      hf_lora.set_leaf(params, path, x)
+    warning = hf_lora.base_mismatch(peft_cfg, hf_dir, cfg)
+    if warning:
+      print(warning, file=sys.stderr)
+    base_name = peft_cfg.get("base_model_name_or_path") or base_name
+  lines = overrides(cfg, tokenizer if has_tokenizer else None, lora)
   fs.makedirs(job_log_dir)
   for name in TOKENIZER_FILES if has_tokenizer else ():
     if fs.isfile(fs.join(hf_dir, name)):
       fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
-  write_checkpoint(job_log_dir, lines, params, experiment(cfg))
+  write_checkpoint(job_log_dir, lines, params, experiment(cfg, lora))
   fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
                 "".join(f"--fdl_set={line}\n" for line in lines))
-  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(
-      {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, indent=1))
+  source = {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
+            "base_model_name_or_path": base_name}
+  if lora is not None:
+    source["lora"] = {**lora, "targets": list(lora["targets"])}
+  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(source, indent=1))
   return lines
 
 
-def to_hf(job_log_dir: str, hf_dir: str) -> None:
-  """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir."""
+def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False) -> list[str]:
+  """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir;
+  of a LoRA job (hf_source.json names its LoRA), the adapter in PEFT's format
+  (adapter_model.safetensors, adapter_config.json), or with `merge_lora` the merged model
+  (W + (alpha / r)·A·B) as a plain checkpoint. Returns the names of the files written."""
   source = fs.join(job_log_dir, SOURCE_FILE)
   if not fs.isfile(source):
     raise ConfigError(f"--job_log_dir={job_log_dir!r} has no {SOURCE_FILE}; --to_hf converts "
                       "back a job made by --from_hf (it holds the HF config).")
   src = json.loads(fs.read_text(source))
-  params = read_checkpoint(job_log_dir, overrides(src["config"]),  # tokenizer: not needed
-                           experiment(src["config"]))
+  cfg, lora = src["config"], src.get("lora")
+  if merge_lora and lora is None:
+    raise ConfigError(f"--merge_lora: the job {job_log_dir!r} has no LoRA adapters (its "
+                      f"{SOURCE_FILE} names none); drop --merge_lora to export its model.")
+  params = read_checkpoint(job_log_dir, overrides(cfg, lora=lora),  # tokenizer: not needed
+                           experiment(cfg, lora))
+  if lora is None or merge_lora:
+    params = params if lora is None else hf_lora.merged(cfg, lora, params)
+    files = {"model.safetensors": from_params(cfg, params, src["dtypes"]),
+             "config.json": json.dumps(cfg, indent=2)}
+  else:
+    files = {hf_lora.ADAPTER_FILE: hf_lora.from_params(cfg, lora, params),
+             hf_lora.CONFIG_FILE: json.dumps(hf_lora.adapter_config(
+                 lora, src.get("base_model_name_or_path")), indent=2)}
   staged = fs.Staged(hf_dir, "spmdtask_hf_")  # safetensors writes a local file
   try:
-    st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
-                       os.path.join(staged.local, "model.safetensors"), metadata={"format": "pt"})
-    fs.write_text(os.path.join(staged.local, "config.json"), json.dumps(src["config"], indent=2))
+    for name, content in files.items():
+      if isinstance(content, str):
+        fs.write_text(os.path.join(staged.local, name), content)
+      else:
+        st_numpy.save_file(content, os.path.join(staged.local, name), metadata={"format": "pt"})
   except BaseException:
     staged.close(upload=False)
     raise
   staged.close()
+  return sorted(files)
 
 
 def main():
@@ -294,20 +339,29 @@ def main():
   group = parser.add_mutually_exclusive_group(required=True)
   group.add_argument("--from_hf", help="a Hugging Face model directory to read")
   group.add_argument("--to_hf", help="a directory to write the Hugging Face model into")
+  parser.add_argument("--adapter", help="with --from_hf: a PEFT LoRA adapter directory "
+                      "(adapter_config.json + adapter_model.safetensors) of that model")
+  parser.add_argument("--merge_lora", action="store_true", help="with --to_hf of a LoRA job: "
+                      "write the merged model (base + alpha/r A B), not the PEFT adapter")
   args = parser.parse_args()
   try:
+    if args.adapter and not args.from_hf or args.merge_lora and not args.to_hf:
+      raise ConfigError("--adapter goes with --from_hf (an adapter of that model), "
+                        "--merge_lora with --to_hf (of a LoRA job).")
     if args.from_hf:
-      from_hf(args.from_hf, args.job_log_dir)
+      from_hf(args.from_hf, args.job_log_dir, args.adapter)
       cfg = json.loads(fs.read_text(fs.join(args.from_hf, "config.json")))
-      published = published_experiment(cfg)
-      print(f"wrote {args.job_log_dir}: checkpoint step 0, {OVERRIDES_FILE} "
-            f"(--exp={experiment(cfg)} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
+      exp = hf_models.lora_experiment(cfg) if args.adapter else experiment(cfg)
+      published = None if args.adapter else published_experiment(cfg)
+      print(f"wrote {args.job_log_dir}: checkpoint step 0"
+            f"{' (base + LoRA adapter)' if args.adapter else ''}, {OVERRIDES_FILE} "
+            f"(--exp={exp} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
       if published:
         print(f"the architecture of --exp={published}, which decodes or trains it as it is "
               "(its mesh and batch; add the --flagfile for the tokenizer's text)")
     else:
-      to_hf(args.job_log_dir, args.to_hf)
-      print(f"wrote {args.to_hf}: config.json, model.safetensors")
+      files = to_hf(args.job_log_dir, args.to_hf, args.merge_lora)
+      print(f"wrote {args.to_hf}: {', '.join(files)}")
   except ConfigError as e:
     print(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: config error: {e}",
           file=sys.stderr)
