@@ -119,8 +119,8 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
 
   Metrics are replicated scalars: loss, every model metric (sum / weight over the
   batch), grad_norm, param_norm (of the params the step started from), learning_rate
-  (the step's) and target_tokens (the loss's weight: the global batch's target count). Dropout's rng is fold_in(seed, step), so it depends on
-  neither the mesh nor a restart.
+  (the step's) and target_tokens (the loss's weight: the global batch's target count).
+  Dropout's rng is fold_in(seed, step), so it depends on neither the mesh nor a restart.
   """
   def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
     state = sharding.unpad(padded, layout.logical)
