@@ -21,6 +21,11 @@ text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf 
 config.json and model.safetensors from the latest checkpoint. Converting in and out gives
 bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
 
+LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
+`--lora_rank=R` makes fresh ones, onto the base: the step-0 checkpoint and overrides of
+`llama.LlamaLoraImport`; hf_source.json then names the LoRA. `--to_hf` of such a job writes
+the adapter in PEFT's format, `--merge_lora` the merged model as a plain checkpoint.
+
 Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
 rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
 rope_type 'default' and 'llama3' are supported. Anything this converter cannot express
@@ -238,9 +243,9 @@ def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, exp: str 
   import jax  # pylint: disable=g-import-not-at-top
   program = _program(lines, exp)
   canonical = program.to_canonical(program.init())
-  # In the model's dtypes (a LoRA model may store its frozen base in bfloat16).
-  params = jax.tree.map(lambda new, old: np.asarray(new).astype(old.dtype), params,
-                        jax.device_get(canonical.params))
+  # In the model's dtypes (a LoRA model may store its frozen base in bfloat16); adapters
+  # `params` lacks (a new LoRA) keep their fresh init (PEFT's: B = 0, the base unchanged).
+  params = hf_lora.filled(params, jax.device_get(canonical.params))
   state = program.from_canonical(canonical._replace(params=params))
   ckpt = checkpoints.Checkpointer(job_log_dir, program, 1, None,
                                   {"config": "\n".join(lines) + "\n"})
@@ -258,10 +263,12 @@ def read_checkpoint(job_log_dir: str, lines: list[str], exp: str = EXP) -> dict:
   return jax.device_get(program.to_canonical(state).params)
 
 
-def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None) -> list[str]:
+def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
+            new_lora: dict | None = None) -> list[str]:
   """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
   hf_source.json; returns the override lines. With `adapter` (--adapter, a PEFT LoRA
-  dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it. Every
+  dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it; with
+  `new_lora` (PEFT adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every
   input is read and checked before anything is written."""
   cfg, tensors = read_hf(hf_dir)
   has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
@@ -279,6 +286,9 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None) -> list[s
     if warning:
       print(warning, file=sys.stderr)
     base_name = peft_cfg.get("base_model_name_or_path") or base_name
+  elif new_lora is not None:
+    lora = hf_lora.lora_fields({"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
+    hf_models.lora_experiment(cfg)
   lines = overrides(cfg, tokenizer if has_tokenizer else None, lora)
   fs.makedirs(job_log_dir)
   for name in TOKENIZER_FILES if has_tokenizer else ():
@@ -341,20 +351,29 @@ def main():
   group.add_argument("--to_hf", help="a directory to write the Hugging Face model into")
   parser.add_argument("--adapter", help="with --from_hf: a PEFT LoRA adapter directory "
                       "(adapter_config.json + adapter_model.safetensors) of that model")
+  parser.add_argument("--lora_rank", type=int, help="with --from_hf: add fresh LoRA adapters "
+                      "of this rank to every attention and MLP weight (PEFT's init: B = 0)")
+  parser.add_argument("--lora_alpha", type=float, help="with --lora_rank (default 2 x rank)")
   parser.add_argument("--merge_lora", action="store_true", help="with --to_hf of a LoRA job: "
                       "write the merged model (base + alpha/r A B), not the PEFT adapter")
   args = parser.parse_args()
   try:
-    if args.adapter and not args.from_hf or args.merge_lora and not args.to_hf:
-      raise ConfigError("--adapter goes with --from_hf (an adapter of that model), "
-                        "--merge_lora with --to_hf (of a LoRA job).")
+    lora = args.adapter or args.lora_rank is not None
+    if (lora and not args.from_hf or args.merge_lora and not args.to_hf
+        or args.adapter and args.lora_rank is not None):
+      raise ConfigError("--adapter (an adapter of that model) or else --lora_rank (new "
+                        "adapters), not both, goes with --from_hf; --merge_lora with --to_hf "
+                        "(of a LoRA job).")
     if args.from_hf:
-      from_hf(args.from_hf, args.job_log_dir, args.adapter)
+      new = None if args.lora_rank is None else {
+          "r": args.lora_rank, "target_modules": "all-linear",
+          "lora_alpha": 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha}
+      from_hf(args.from_hf, args.job_log_dir, args.adapter, new)
       cfg = json.loads(fs.read_text(fs.join(args.from_hf, "config.json")))
-      exp = hf_models.lora_experiment(cfg) if args.adapter else experiment(cfg)
-      published = None if args.adapter else published_experiment(cfg)
+      exp = hf_models.lora_experiment(cfg) if lora else experiment(cfg)
+      published = None if lora else published_experiment(cfg)
       print(f"wrote {args.job_log_dir}: checkpoint step 0"
-            f"{' (base + LoRA adapter)' if args.adapter else ''}, {OVERRIDES_FILE} "
+            f"{' (base + LoRA adapters)' if lora else ''}, {OVERRIDES_FILE} "
             f"(--exp={exp} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
       if published:
         print(f"the architecture of --exp={published}, which decodes or trains it as it is "

@@ -18,8 +18,11 @@ import os
 import numpy as np
 
 from spmdtask import fs
+from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
 from tools import hf_models
+
+A_SUFFIX, B_SUFFIX = ADAPTER_SUFFIXES  # our adapter params beside base weight X: X_lora_a, ...
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -104,8 +107,8 @@ def to_params(cfg: dict, lora: dict, tensors: dict[str, np.ndarray], where: str)
         used.add(key)
         dest.append(x.astype(np.float32))
     path = hf_models.lora_modules(cfg, 0, (t,))[t][0]
-    out[path + "_lora_a"] = np.stack([a.T.reshape(*ins, r) for a in a_s])
-    out[path + "_lora_b"] = np.stack([b.T.reshape(r, *outs) for b in b_s])
+    out[path + A_SUFFIX] = np.stack([a.T.reshape(*ins, r) for a in a_s])
+    out[path + B_SUFFIX] = np.stack([b.T.reshape(r, *outs) for b in b_s])
   extra = sorted(set(tensors) - used)
   if extra:
     raise ConfigError(f"{where}: tensors this model has no place for: {extra[:5]}"
@@ -120,7 +123,7 @@ def from_params(cfg: dict, lora: dict, params: dict) -> dict[str, np.ndarray]:
   out = {}
   for t in lora["targets"]:
     path = hf_models.lora_modules(cfg, 0, (t,))[t][0]
-    a, b = _leaf(params, path + "_lora_a"), _leaf(params, path + "_lora_b")
+    a, b = _leaf(params, path + A_SUFFIX), _leaf(params, path + B_SUFFIX)
     for i in range(m["num_layers"]):
       module = hf_models.lora_modules(cfg, i, (t,))[t][1]
       out[_key(module, "A")] = np.ascontiguousarray(
@@ -137,7 +140,7 @@ def merged(cfg: dict, lora: dict, params: dict) -> dict:
   for t in lora["targets"]:
     path = hf_models.lora_modules(cfg, 0, (t,))[t][0]
     parent, leaf = _node(out, path)
-    a, b = parent.pop(leaf + "_lora_a"), parent.pop(leaf + "_lora_b")
+    a, b = parent.pop(leaf + A_SUFFIX), parent.pop(leaf + B_SUFFIX)
     w = np.asarray(parent[leaf], np.float32)
     L, r = w.shape[0], lora["rank"]
     delta = np.einsum("lir,lro->lio", np.asarray(a, np.float32).reshape(L, -1, r),
@@ -187,6 +190,22 @@ def _leaf(tree: dict, path: str):
   for key in path.split("/"):
     tree = tree[key]
   return tree
+
+
+def filled(params: dict, init: dict) -> dict:
+  """`params` cast to `init`'s dtypes, with the adapters it lacks taken from `init` (a
+  model's fresh params); KeyError for any other missing param."""
+  out = {}
+  for key, value in init.items():
+    if isinstance(value, dict):
+      out[key] = filled(params.get(key, {}), value)
+    elif key in params:
+      out[key] = np.asarray(params[key]).astype(value.dtype)
+    elif key.endswith(ADAPTER_SUFFIXES):
+      out[key] = np.asarray(value)
+    else:
+      raise KeyError(f"no value for param {key!r}")
+  return out
 
 
 def set_leaf(tree: dict, path: str, value) -> None:

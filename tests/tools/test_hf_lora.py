@@ -137,3 +137,23 @@ def test_the_command_line_exits_2_and_only_warns_of_another_base_name(tmp_path):
   cfg = {"base_model_name_or_path": "someone/other-llama"}
   assert "warning" in hf_lora.base_mismatch(cfg, BASE, {})
   assert hf_lora.base_mismatch({"base_model_name_or_path": "x/llama"}, BASE, {}) is None
+
+
+def test_new_adapters_start_as_peft_does_and_export(tmp_path):
+  """--lora_rank: fresh adapters on the imported base (B = 0: the base model's logits),
+  exported as a PEFT adapter; rank 0 is refused before anything is written."""
+  job, out = str(tmp_path / "job"), str(tmp_path / "adapter")
+  new = {"r": 2, "lora_alpha": 4.0, "target_modules": "all-linear"}
+  lines = convert_hf.from_hf(BASE, job, new_lora=new)
+  params = convert_hf.read_checkpoint(job, lines, "llama.LlamaLoraImport")
+  attn = params["layers"]["block"]["attn"]
+  assert attn["q_lora_a"].shape == (2, 32, 2) and not attn["q_lora_b"].any()
+  assert np.abs(attn["q_lora_a"]).max() > 0
+  plain = convert_hf.to_params(*convert_hf.read_hf(BASE))
+  np.testing.assert_array_equal(attn["q"], plain["layers"]["block"]["attn"]["q"])
+  convert_hf.to_hf(job, out)
+  cfg, tensors = hf_lora.read(out)
+  assert cfg["r"] == 2 and cfg["lora_alpha"] == 4.0 and len(tensors) == 2 * 7 * 2
+  with pytest.raises(ConfigError, match=r"r=0"):
+    convert_hf.from_hf(BASE, str(tmp_path / "bad"), new_lora={**new, "r": 0})
+  assert not os.path.exists(tmp_path / "bad")
