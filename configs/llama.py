@@ -25,7 +25,6 @@ from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
-from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
 from spmdtask.pipeline.mpmd.config import MpmdConfig
@@ -380,16 +379,3 @@ class LlamaImport(Llama32_1B):
     cfg.fprop_dtype = "float32"
     return cfg
 
-
-@register
-class LlamaLoraImport(LlamaImport):
-  """LlamaImport with LoRA adapters on every attention and MLP weight (rank 8, alpha 16):
-  the experiment of `tools/convert_hf.py --from_hf=... --adapter=PEFT_DIR` (its
-  model_overrides.txt sets the adapter's rank, alpha, dropout and targets), whose step-0
-  checkpoint holds the base and the adapter; only the adapters train."""
-
-  def model(self):
-    cfg = super().model()
-    cfg.lora = fdl.Config(LoraConfig, rank=8, alpha=16.0,
-                          targets=("q", "k", "v", "o", "wi", "wg", "wo"))
-    return cfg

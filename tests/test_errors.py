@@ -68,6 +68,13 @@ CASES = [
     ("TinyMoe", [f"{M}.moe.first_moe_layer=4"], [f"{M}.moe.first_moe_layer=4"]),
     ("TinyMoe", [f"{M}.activation_split_dims_mapping.embed=(('data', 'fsdp'), None, None)"],
      ["expert_in[0]='expert'", "do not split the batch"]),
+    # LoRA (TinyLmLora: every attention and MLP weight adapted).
+    ("lm.TinyLmLora", [f"{M}.lora.rank=0"], [f"{M}.lora.rank=0", "> 0"]),
+    ("lm.TinyLmLora", [f"{M}.lora.alpha=-1.0"], [f"{M}.lora.alpha=-1.0", "alpha > 0"]),
+    ("lm.TinyLmLora", [f"{M}.lora.dropout=1.0"], [f"{M}.lora.dropout=1.0", "[0, 1)"]),
+    ("lm.TinyLmLora", [f"{M}.lora.targets=('q', 'experts')"],
+     ["'experts' matches no weight", "q, k, v, o, wi, wg, wo"]),
+    ("lm.TinyLmLora", [f"{M}.lora.targets=('q_proj',)"], ["'q_proj' matches no weight"]),
 ]
 
 
@@ -119,6 +126,16 @@ def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):
   (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
   assert needle in line
   assert not (tmp_path / "job" / "config.txt").exists()
+  assert not (tmp_path / "job" / "checkpoints").exists()
+
+
+def test_a_lora_mistake_exits_2_with_one_paragraph(tmp_path):
+  out = subproc.run(subproc.main_cmd("lm.TinyLmLora", str(tmp_path / "job"), f"{M}.lora.rank=0"),
+                    timeout=200)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+  (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+  assert f"{M}.lora.rank=0" in line
   assert not (tmp_path / "job" / "checkpoints").exists()
 
 

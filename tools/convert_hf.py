@@ -23,7 +23,7 @@ bit-identical tensors (float32, bfloat16 and float16 weights are exact in float3
 
 LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
 `--lora_rank=R` makes fresh ones, onto the base: the step-0 checkpoint and overrides of
-`llama.LlamaLoraImport`; hf_source.json then names the LoRA. `--to_hf` of such a job writes
+`finetune.LlamaLoraImport`; hf_source.json then names the LoRA. `--to_hf` of such a job writes
 the adapter in PEFT's format, `--merge_lora` the merged model as a plain checkpoint.
 
 Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,

@@ -19,7 +19,7 @@ from spmdtask.errors import ConfigError
 EXPERIMENTS = {"llama": "llama.LlamaImport", "mixtral": "moe.MoeImport",
                "qwen3_moe": "moe.MoeImport"}
 # model_type -> the experiment of that model with LoRA adapters (a PEFT adapter's import).
-LORA_EXPERIMENTS = {"llama": "llama.LlamaLoraImport"}
+LORA_EXPERIMENTS = {"llama": "finetune.LlamaLoraImport"}
 # LoRA targets (layers.lora) -> the HF Linear module each adapts (PEFT's target_modules).
 LORA_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                 "wg": "gate_proj", "wi": "up_proj", "wo": "down_proj"}

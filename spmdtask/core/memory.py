@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import sharding
-from spmdtask.core.train_state import StateLayout
+from spmdtask.core.train_state import StateLayout, is_adapter_name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +58,21 @@ def state_rows(layout: StateLayout, mesh_shape: sharding.MeshShape) -> list[Arra
   return rows
 
 
-def totals(rows: list[ArrayRow]) -> dict[str, Any]:
-  """Bytes of the state in all (logical) and on the largest device, by kind."""
+def totals(rows: list[ArrayRow], only_adapters: bool = False) -> dict[str, Any]:
+  """Bytes of the state in all (logical) and on the largest device, by kind; params split
+  into trainable and frozen (`only_adapters`: a LoRA model's, `train_state.adapters_only`)."""
   out = {"state_bytes_total": sum(r.bytes_total for r in rows),
          "state_bytes_per_device": sum(r.bytes_per_device for r in rows)}
   for kind in ("params", "opt_state"):
     out[f"{kind}_bytes_total"] = sum(r.bytes_total for r in rows if r.kind == kind)
     out[f"{kind}_bytes_per_device"] = sum(r.bytes_per_device for r in rows if r.kind == kind)
   out["num_params"] = sum(math.prod(r.logical_shape) for r in rows if r.kind == "params")
+  frozen = [r for r in rows if r.kind == "params" and only_adapters
+            and not is_adapter_name(r.path)]
+  out["num_frozen_params"] = sum(math.prod(r.logical_shape) for r in frozen)
+  out["num_trainable_params"] = out["num_params"] - out["num_frozen_params"]
+  out["frozen_params_bytes_per_device"] = sum(r.bytes_per_device for r in frozen)
+  out["trainable_params_bytes_per_device"] = (out["params_bytes_per_device"]
+                                              - out["frozen_params_bytes_per_device"])
   return out
 

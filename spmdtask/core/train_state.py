@@ -86,10 +86,15 @@ def adapters_only(model) -> bool:
   return isinstance(model, Adapted) and model.adapters_only()
 
 
+def is_adapter_name(name: str) -> bool:
+  """Whether a param of this name or path ('a/b/q_lora_a', or MPMD's flat keys
+  "['a']['q_lora_a']") is an adapter: trainable."""
+  return name.rstrip("]'\"").endswith(ADAPTER_SUFFIXES)
+
+
 def _is_adapter(path) -> bool:
   last = path[-1]
-  name = last.key if isinstance(last, jax.tree_util.DictKey) else str(last)
-  return str(name).endswith(ADAPTER_SUFFIXES)
+  return is_adapter_name(str(last.key if isinstance(last, jax.tree_util.DictKey) else last))
 
 
 def trainable_mask(params, only_adapters: bool):

@@ -38,7 +38,7 @@ import jax
 from spmdtask import console, fs
 from spmdtask.plan import (buffers, hlo, oom, overlap, owners, printout, remat_cost, roofline,
                            stage_roofline, targets, xla_cost, xla_log)
-from spmdtask.core import memory, sharding
+from spmdtask.core import memory, sharding, train_state
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.core import global_batch
@@ -305,7 +305,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "batch_shape": list(batch_shape),
           "batch_shards": sharding.shards(task.batch_axes() or None, mesh_shape),
           "num_microbatches": task.train.num_microbatches,
-          **memory.totals(rows),
+          **memory.totals(rows, train_state.adapters_only(program.model)),
           # what the model FLOPs (hence MFU, tokens/s) count: a mixture of experts' are fewer
           "num_active_params": program.work.active_params or memory.totals(rows)["num_params"],
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,

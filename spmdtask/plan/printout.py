@@ -77,6 +77,12 @@ def format_plan(plan: dict) -> list[str]:
       f"{mb(plan['state_bytes_per_device'])} (params "
       f"{mb(plan['params_bytes_per_device'])}, optimizer {mb(plan['opt_state_bytes_per_device'])})"
       f"; total / devices = {mb(plan['state_bytes_total_over_devices'])}")
+  if "num_trainable_params" in plan:
+    lines.append(
+        f"trainable params {plan['num_trainable_params']:,} "
+        f"({mb(plan['trainable_params_bytes_per_device'])} per device), frozen "
+        f"{plan['num_frozen_params']:,} ({mb(plan['frozen_params_bytes_per_device'])} per "
+        f"device); optimizer state {mb(plan['opt_state_bytes_per_device'])} per device")
   if "compiler_out_of_memory" in plan:
     return lines + ["compiled step: XLA refused it, out of memory (its line is below)"]
   c, f = plan["compiled"], plan["flops_per_step"]

@@ -34,9 +34,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from spmdtask import console, fs
-from spmdtask.core import sharding
+from spmdtask.core import sharding, train_state
 from spmdtask.errors import ConfigError
-from spmdtask.run import checkpoint_check, fingerprints
+from spmdtask.run import checkpoint_check, fingerprints, lora_base
 from spmdtask.core.train_state import TrainState
 
 ARRAY_ITEMS = ("params", "opt_state")
@@ -141,20 +141,20 @@ def _pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
 
 
 def _restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_ITEMS,
-             own: bool = True, resume: bool = False) -> dict[str, Any]:
-  """The items of checkpoint `step`, checked (`_checked_read`); CheckpointUnreadable
-  (ConfigError if not `own`, i.e. another job's) when it is damaged."""
-  got, why = _checked_read(mngr, directory, program, step, items)
+             own: bool = True, resume: bool = False, params_targets=None) -> dict[str, Any]:
+  """The items of checkpoint `step` (`params_targets`: what params to read, else the
+  program's), checked; CheckpointUnreadable (ConfigError if not `own`) when damaged."""
+  got, why = _checked_read(mngr, directory, program, step, items, params_targets)
   if why:
-    intact = next((s for s in sorted(complete_steps(directory), reverse=True)
-                   if s < step and _checked_read(mngr, directory, program, s, items)[1] is None),
+    intact = next((s for s in sorted(complete_steps(directory), reverse=True) if s < step and
+                   _checked_read(mngr, directory, program, s, items, params_targets)[1] is None),
                   None)
     raise checkpoint_check.unreadable(directory, step, why, intact, own, resume)
   return got
 
 
-def _checked_read(mngr, directory: str, program, step: int,
-                  items) -> tuple[dict[str, Any] | None, str | None]:
+def _checked_read(mngr, directory: str, program, step: int, items, params_targets=None
+                  ) -> tuple[dict[str, Any] | None, str | None]:
   """(the items of checkpoint `step` with its `meta`, None), or (None, why) when it is
   damaged: its metadata and file sizes (`checkpoint_check`, before any read), orbax's
   restore, or its arrays' fingerprints (when it has them) say so."""
@@ -164,7 +164,8 @@ def _checked_read(mngr, directory: str, program, step: int,
   # A failure ends the run (in the binary the hooks stay: orbax's reads still in flight report).
   with console.libraries_to_log():
     try:
-      got = _read(mngr, directory, program, step, tuple(dict.fromkeys((*items, "meta"))))
+      got = _read(mngr, directory, program, step, tuple(dict.fromkeys((*items, "meta"))),
+                  params_targets)
     except ConfigError:
       raise
     except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
@@ -178,9 +179,11 @@ def _checked_read(mngr, directory: str, program, step: int,
   return (None, why) if why else (got, None)
 
 
-def _read(mngr, directory: str, program, step: int, items) -> dict[str, Any]:
+def _read(mngr, directory: str, program, step: int, items, params_targets=None) -> dict[str, Any]:
   """orbax's restore of `items` of `step`, after checking the arrays' shapes."""
   targets = program.canonical_targets()
+  if params_targets is not None:
+    targets = targets._replace(params=params_targets)
   metadata = mngr.item_metadata(step)
   for item in ARRAY_ITEMS:
     if item in items:
@@ -231,18 +234,25 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
 
 
 def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
-  """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh."""
+  """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh.
+  A LoRA model takes its frozen params from it (`run.lora_base`), its adapters fresh."""
   fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
   directory = checkpoint_dir(init_dir)
   step = _pick_step(directory, init_dir, None)
   mngr = _manager(directory, read_only=True)
+  lora = train_state.adapters_only(program.model)
   try:
-    params = _restore(mngr, directory, program, step, ("params",), own=False)["params"]
+    targets = lora_base.targets(program.canonical_targets().params,
+                                mngr.item_metadata(step)["params"], init_dir) if lora else None
+    params = _restore(mngr, directory, program, step, ("params",), own=False,
+                      params_targets=targets)["params"]
   finally:
     mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", directory, step)
   fresh = jax.device_get(state.step)
   canonical = program.to_canonical(state)
+  if lora:
+    params = lora_base.merged(canonical.params, params)
   return _live(program, int(fresh), params, canonical.opt_state)
 
 
@@ -290,6 +300,7 @@ class Checkpointer:
       self._move_aside(later)
     self._drop_incomplete()
     got = _restore(self._mngr, self.directory, self.program, step, resume=True)
+    self._meta.update({k: v for k, v in got["meta"].items() if k == lora_base.META_KEY})
     if fingerprints.KEY in got["meta"]:
       self.checked.add(step)
     logging.info("Restored step %d from %s (saved on mesh %s; %s).", step, self.directory,
@@ -382,4 +393,8 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
   state = program.init()
   if init_checkpoint_dir:
     state = warm_start(init_checkpoint_dir, program, state)
+    if ckpt is not None and train_state.adapters_only(program.model):  # its ckpts name the base
+      ckpt._meta[lora_base.META_KEY] = lora_base.record(  # pylint: disable=protected-access
+          init_checkpoint_dir, max(complete_steps(checkpoint_dir(init_checkpoint_dir))),
+          program.canonical.logical.params)
   return state

@@ -3,16 +3,20 @@ weight W + (alpha / r)·A·B, frozen bases (no gradient, no optimizer state, bit
 unchanged) and 1 vs 8 devices."""
 import re
 
+import fiddle as fdl
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from configs import lm
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.transformer import TransformerLm
+from spmdtask.pipeline.mpmd.config import MpmdConfig
+from spmdtask.pipeline.spmd import PipelineConfig
 from tests import util
 
 ALL = ("q", "k", "v", "o", "wi", "wg", "wo")
@@ -30,6 +34,11 @@ def _batch(rows=2, seq=8):
   tokens = jax.random.randint(jax.random.key(1), (rows, seq + 1), 0, 32)
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
           "weights": jnp.ones((rows, seq), jnp.float32)}
+
+
+def _mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                           ("data", "fsdp", "model"))
 
 
 def _boxed(model):
@@ -107,13 +116,25 @@ def test_frozen_weights_get_no_gradient_matmul():
 def test_bad_lora_fields_are_config_errors(field, value, match):
   model = _model(**{field: value})
   with pytest.raises(ConfigError, match=match):
-    model.validate(jax.sharding.get_abstract_mesh(), 2)
+    model.validate(_mesh(), 2)
 
 
 def test_a_gelu_mlp_has_no_wg_to_adapt():
   model = _model().clone(mlp_activation="gelu")
   with pytest.raises(ConfigError, match=r"'wg' matches no weight"):
-    model.validate(jax.sharding.get_abstract_mesh(), 2)
+    model.validate(_mesh(), 2)
+
+
+def test_adapters_on_routed_experts_are_refused():
+  from spmdtask.layers.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+  model = _model(targets=("q", "experts")).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8))
+  with pytest.raises(ConfigError, match=r"'experts'\) are not built yet"):
+    model.validate(_mesh(), 2)
+  # The attention of an MoE model adapts; its routed experts have no dense 'wi'.
+  moe = MoeConfig(num_experts=4, top_k=2, d_ff=8)
+  _model(targets=("q", "o")).clone(moe=moe).validate(_mesh(), 2)
+  with pytest.raises(ConfigError, match=r"'wi' matches no weight"):
+    _model(targets=("wi",)).clone(moe=moe).validate(_mesh(), 2)
 
 
 def test_trainable_mask_is_by_name():
@@ -156,16 +177,65 @@ def test_only_adapters_train_and_hold_optimizer_state(one_device):
       x.size for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("mesh", [
-    "(2, 2, 2)",
-    pytest.param("(1, 8, 1)", marks=pytest.mark.slow),
-    pytest.param("(4, 1, 2)", marks=pytest.mark.slow)], ids=["fsdp_tp", "fsdp", "tp"])
-def test_lora_on_8_devices_equals_one_device(one_device, mesh):
-  (losses, params, _, _), _ = one_device
-  got, got_params, _, _ = util.train_steps(
-      "lm.TinyLmLora", 10, overrides=SMALL + DROPOUT + [f"task.ici_mesh_shape={mesh}"])
-  np.testing.assert_allclose(got, losses, rtol=1e-5)
-  adapters, base = _split(params)
-  got_adapters, got_base = _split(got_params)
+@pytest.mark.parametrize("over", [
+    ["task.ici_mesh_shape=(2, 2, 2)"],
+    pytest.param(["task.ici_mesh_shape=(1, 8, 1)", "task.model.remat_policy='minimal'"],
+                 marks=pytest.mark.slow),
+    pytest.param(["task.ici_mesh_shape=(4, 1, 2)", "task.model.remat_policy='save_qkv_proj'"],
+                 marks=pytest.mark.slow),
+], ids=["fsdp_tp", "fsdp_remat_minimal", "tp_remat_qkv"])
+def test_lora_on_8_devices_equals_one_device(one_device, over):
+  got = util.train_steps("lm.TinyLmLora", 10, overrides=SMALL + DROPOUT + over)
+  _assert_same_training(got, one_device[0])
+
+
+def _assert_same_training(got, want):
+  """Losses and adapters equal at float32 rounding; frozen params bitwise."""
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  adapters, base = _split(want[1])
+  got_adapters, got_base = _split(got[1])
   util.assert_trees_close(got_adapters, adapters, terms=util.TINY_LM_TOKENS)
   jax.tree.map(np.testing.assert_array_equal, got_base, base)
+
+
+def _pipelined(mesh, **pipeline):
+  def edit(cfg):
+    cfg.task.mesh_axis_names = ("stage", "data", "fsdp", "model")
+    cfg.task.ici_mesh_shape = mesh
+    cfg.task.pipeline = fdl.Config(PipelineConfig, **pipeline)
+  return edit
+
+
+@pytest.mark.slow
+def test_lora_in_the_spmd_pipeline_equals_one_device(one_device):
+  got = util.train_steps("lm.TinyLmLora", 10, overrides=SMALL + DROPOUT,
+                         edit=_pipelined((2, 2, 1, 2), num_stages=2, num_microbatches=4))
+  _assert_same_training(got, one_device[0])
+
+
+@pytest.mark.slow
+def test_lora_under_mpmd_and_a_context_axis_equals_one_device():
+  """No adapter dropout: a context split reorders each row's tokens (zig-zag), so masks over
+  positions differ from one device's; MPMD draws per microbatch."""
+  def mpmd(cfg):
+    cfg.task.pipeline = fdl.Config(MpmdConfig, layer_cuts=(1,),
+                                   submesh_shapes=((2, 1, 2), (4, 1, 1)), schedule="1f1b",
+                                   num_microbatches=4)
+
+  def context(cfg):
+    lm.with_context(cfg.task, (2, 1, 4, 1), "ring")
+  want = util.train_steps("lm.TinyLmLora", 4, devices=jax.devices()[:1], overrides=SMALL)
+  for edit in (mpmd, context):
+    _assert_same_training(util.train_steps("lm.TinyLmLora", 4, overrides=SMALL, edit=edit),
+                          want)
+
+
+@pytest.mark.slow
+def test_attention_lora_on_an_expert_parallel_moe_equals_one_device():
+  """TinyMoe (8 experts over the `expert` axis of all 8 devices) with adapters on q, v, o:
+  the router and experts frozen."""
+  def lora(cfg):
+    cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, targets=("q", "v", "o"))
+  want = util.train_steps("TinyMoe", 4, devices=jax.devices()[:1], edit=lora,
+                          overrides=["task.ici_mesh_shape=(1, 1, 1, 1)"])
+  _assert_same_training(util.train_steps("TinyMoe", 4, edit=lora), want)

@@ -40,7 +40,7 @@ def imported(tmp_path_factory):
 
 def test_a_peft_adapter_imported_gives_pefts_logits(imported, capsys):
   job, lines = imported
-  exp = "llama.LlamaLoraImport"
+  exp = "finetune.LlamaLoraImport"
   assert "task.model.lora.rank=4" in lines and "task.model.lora.alpha=8.0" in lines
   params = convert_hf.read_checkpoint(job, lines, exp)
   assert params["layers"]["block"]["attn"]["o_lora_a"].shape == (2, 4, 8, 4)  # [L, h, hd, r]
@@ -145,7 +145,7 @@ def test_new_adapters_start_as_peft_does_and_export(tmp_path):
   job, out = str(tmp_path / "job"), str(tmp_path / "adapter")
   new = {"r": 2, "lora_alpha": 4.0, "target_modules": "all-linear"}
   lines = convert_hf.from_hf(BASE, job, new_lora=new)
-  params = convert_hf.read_checkpoint(job, lines, "llama.LlamaLoraImport")
+  params = convert_hf.read_checkpoint(job, lines, "finetune.LlamaLoraImport")
   attn = params["layers"]["block"]["attn"]
   assert attn["q_lora_a"].shape == (2, 32, 2) and not attn["q_lora_b"].any()
   assert np.abs(attn["q_lora_a"]).max() > 0

@@ -22,6 +22,10 @@ def _is_everything(_) -> bool:
   return True
 
 
+def _masked(x) -> bool:  # optax.masked's frozen param (LoRA): a leaf here, to keep the paths
+  return isinstance(x, optax.MaskedNode)
+
+
 def _mirrors(tx, opt_state) -> tuple[list, list]:
   """(param-mirroring subtrees, other leaves) of an optax state, in tree order."""
   subs, others = [], []
@@ -72,7 +76,7 @@ def scatter(program, live: TrainState) -> tuple:
     here = lambda t, s: t
   flat = dict(zip(pl.paths, jax.tree.leaves(live.params)))
   subs, others = _mirrors(program.base_tx, live.opt_state)
-  flat_subs = [dict(zip(pl.paths, jax.tree.leaves(sub))) for sub in subs]
+  flat_subs = [dict(zip(pl.paths, jax.tree.leaves(sub, is_leaf=_masked))) for sub in subs]
   stages = []
   for s, (keys, prog, spec) in enumerate(zip(pl.stage_keys, program.step_fn.programs,
                                              pl.stages)):
