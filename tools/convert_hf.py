@@ -22,9 +22,9 @@ config.json and model.safetensors from the latest checkpoint. Converting in and 
 bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
 
 LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
-`--lora_rank=R` makes fresh ones, onto the base: the step-0 checkpoint and overrides of
-`finetune.LlamaLoraImport`; hf_source.json then names the LoRA. `--to_hf` of such a job writes
-the adapter in PEFT's format, `--merge_lora` the merged model as a plain checkpoint.
+`--lora_rank=R` makes fresh ones: a step-0 `finetune.LlamaLoraImport` job. `--to_hf` of a
+LoRA job (that one, or with --base_job=IMPORT one warm-started from an import) writes the
+adapter in PEFT's format, `--merge_lora` the merged model as a plain checkpoint.
 
 Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
 rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
@@ -305,17 +305,24 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   return lines
 
 
-def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False) -> list[str]:
+def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
+          base_job: str | None = None) -> list[str]:
   """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir;
-  of a LoRA job (hf_source.json names its LoRA), the adapter in PEFT's format
-  (adapter_model.safetensors, adapter_config.json), or with `merge_lora` the merged model
-  (W + (alpha / r)·A·B) as a plain checkpoint. Returns the names of the files written."""
-  source = fs.join(job_log_dir, SOURCE_FILE)
+  of a LoRA job (hf_source.json names its LoRA), the adapter in PEFT's format, or with
+  `merge_lora` the merged model (W + (alpha / r)·A·B) as a plain checkpoint. `base_job`
+  (--base_job): the --from_hf job a LoRA job elsewhere warm-started from (its
+  hf_source.json; the LoRA job's config.txt gives the adapters). Returns the files' names."""
+  where = f"--base_job={base_job!r}" if base_job else f"--job_log_dir={job_log_dir!r}"
+  source = fs.join(base_job or job_log_dir, SOURCE_FILE)
   if not fs.isfile(source):
-    raise ConfigError(f"--job_log_dir={job_log_dir!r} has no {SOURCE_FILE}; --to_hf converts "
-                      "back a job made by --from_hf (it holds the HF config).")
+    raise ConfigError(f"{where} has no {SOURCE_FILE}; --to_hf converts back a job made by "
+                      "--from_hf (it holds the HF config), or with --base_job=THAT_JOB a LoRA "
+                      "job warm-started from one.")
   src = json.loads(fs.read_text(source))
   cfg, lora = src["config"], src.get("lora")
+  if base_job is not None:
+    text = fs.join(job_log_dir, "config.txt")
+    lora = hf_lora.job_lora(fs.read_text(text) if fs.isfile(text) else "", text)
   if merge_lora and lora is None:
     raise ConfigError(f"--merge_lora: the job {job_log_dir!r} has no LoRA adapters (its "
                       f"{SOURCE_FILE} names none); drop --merge_lora to export its model.")
@@ -356,10 +363,12 @@ def main():
   parser.add_argument("--lora_alpha", type=float, help="with --lora_rank (default 2 x rank)")
   parser.add_argument("--merge_lora", action="store_true", help="with --to_hf of a LoRA job: "
                       "write the merged model (base + alpha/r A B), not the PEFT adapter")
+  parser.add_argument("--base_job", help="with --to_hf of a LoRA job trained elsewhere: the "
+                      "--from_hf job whose checkpoint it warm-started from")
   args = parser.parse_args()
   try:
     lora = args.adapter or args.lora_rank is not None
-    if (lora and not args.from_hf or args.merge_lora and not args.to_hf
+    if (lora and not args.from_hf or (args.merge_lora or args.base_job) and not args.to_hf
         or args.adapter and args.lora_rank is not None):
       raise ConfigError("--adapter (an adapter of that model) or else --lora_rank (new "
                         "adapters), not both, goes with --from_hf; --merge_lora with --to_hf "
@@ -379,7 +388,7 @@ def main():
         print(f"the architecture of --exp={published}, which decodes or trains it as it is "
               "(its mesh and batch; add the --flagfile for the tokenizer's text)")
     else:
-      files = to_hf(args.job_log_dir, args.to_hf, args.merge_lora)
+      files = to_hf(args.job_log_dir, args.to_hf, args.merge_lora, args.base_job)
       print(f"wrote {args.to_hf}: {', '.join(files)}")
   except ConfigError as e:
     print(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: config error: {e}",

@@ -12,14 +12,18 @@ b = Bᵀ, reshaped to those dims. HF's q/k rows need no permutation (tools/conve
 neither do B's. Anything of an adapter spmdtask cannot express exactly (DoRA, rsLoRA, biases,
 per-module ranks, extra trained modules, other target modules or shapes) is a ConfigError.
 """
+import ast
+import dataclasses
 import json
 import os
+import re
 
 import numpy as np
 
 from spmdtask import fs
 from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
+from spmdtask.layers.lora import LoraConfig
 from tools import hf_models
 
 A_SUFFIX, B_SUFFIX = ADAPTER_SUFFIXES  # our adapter params beside base weight X: X_lora_a, ...
@@ -77,6 +81,17 @@ def lora_fields(adapter: dict, where: str) -> dict:
     raise ConfigError(f"{where}: lora_alpha={alpha!r} must be > 0.")
   return {"rank": r, "alpha": float(alpha), "dropout": float(adapter.get("lora_dropout") or 0.0),
           "targets": _targets(adapter, where)}
+
+
+def job_lora(config_text: str, where: str) -> dict:
+  """LoraConfig fields (unset ones at their defaults) of a job's resolved config (its
+  config.txt: one `path = value` a line); ConfigError where the model has no LoRA."""
+  found = dict(re.findall(r"^task\.model\.lora\.(\w+) = (.+)$", config_text, re.M))
+  set_ = {k: ast.literal_eval(v) for k, v in found.items() if not v.startswith("<[unset")}
+  if "rank" not in set_ or "alpha" not in set_:
+    raise ConfigError(f"{where}: the job's model has no LoRA adapters (task.model.lora is "
+                      "not set); export it without --base_job.")
+  return dataclasses.asdict(LoraConfig(**set_))
 
 
 def _key(module: str, which: str) -> str:
