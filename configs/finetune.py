@@ -10,7 +10,7 @@ import functools
 import fiddle as fdl
 import optax
 
-from configs.llama import LLAMA3_VOCAB, LLAMA31_SCALING, _Llama, llama_model
+from configs.llama import LLAMA3_VOCAB, LLAMA31_SCALING, LlamaImport, _Llama, llama_model
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.transformer import TransformerLm
 from spmdtask.registry import register
@@ -98,3 +98,18 @@ class Llama31_70B_Lora(_FineTune):
     return with_lora(llama_model(
         vocab_size=LLAMA3_VOCAB, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
         d_ff=28672, max_seq_len=131072, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING))
+
+
+@register
+class LlamaLoraImport(LlamaImport):
+  """LlamaImport with LoRA adapters on every attention and MLP weight (rank 8, alpha 16,
+  a float32 base): the experiment of `tools/convert_hf.py --from_hf=... --adapter=PEFT_DIR`
+  (or `--lora_rank=R`), whose model_overrides.txt sets the adapters' rank, alpha, dropout
+  and targets and whose step-0 checkpoint holds the base and the adapters; only the
+  adapters train."""
+
+  def model(self):
+    cfg = super().model()
+    cfg.lora = fdl.Config(LoraConfig, rank=8, alpha=16.0,
+                          targets=("q", "k", "v", "o", "wi", "wg", "wo"))
+    return cfg

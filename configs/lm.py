@@ -5,6 +5,8 @@ import fiddle as fdl
 import optax
 
 from configs import llama
+from spmdtask.core import host_input
+from spmdtask.errors import ConfigError
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
@@ -174,6 +176,49 @@ class TextLm(TinyLm):
   def decode_datasets(self) -> dict[str, fdl.Config]:
     return {"prompts": fdl.Config(TextPromptInput, split="eval", batch_size=8, prompt_len=32,
                                   num_examples=8, model=self.task().model)}
+
+
+def sft_data(data_dir: str, synthetic: SyntheticLmInput, packed) -> object:
+  """Supervised fine-tuning data: prepared chat data (`packed(data_dir=data_dir)`, a
+  PackedLmInput partial) where `data_dir` is set (--data_dir sets it), else `synthetic`'s
+  masked rows. ConfigError where the data dir's documents carry no target masks: training
+  on every token there would silently not be fine-tuning."""
+  if not data_dir:
+    return synthetic
+  inputs = packed(data_dir=data_dir)
+  if not host_input.target_masked(inputs):
+    raise ConfigError(f"datasets[...].data_dir={data_dir!r} holds documents without target "
+                      "masks (its meta.json has no \"target_mask\": true), so every token "
+                      "would be a target. Prepare conversations with tools/prepare_chat_data.py "
+                      "for this experiment, or train plain text with --exp=lm.TextLm.")
+  return inputs
+
+
+@register
+class TinyLmSft(TinyLm):
+  """TinyLm fine-tuned on conversations: only the answers' tokens are targets, and the loss
+  is their mean over the global batch (not per row). With no data dir the rows are
+  synthetic conversation-like segments (SyntheticLmInput.target_mask); `--data_dir=DIR`
+  (a prepared chat data dir, tools/prepare_chat_data.py) trains and evaluates on DIR's
+  packed, masked documents instead (set task.model.vocab_size to its meta.json's)."""
+
+  @functools.cache  # one config per instance: the datasets share its model config
+  def task(self) -> fdl.Config[Task]:
+    return super().task()
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    """'train' is endless; 'eval' is 100 held-out rows (synthetic) or 8 batches (data dir)."""
+    sets = super().datasets()
+    model = self.task().model
+    for cfg in sets.values():
+      cfg.target_mask = True
+    return {
+        "train": fdl.Config(sft_data, data_dir="", synthetic=sets["train"], packed=fdl.Partial(
+            PackedLmInput, split="train", batch_size=self.batch_size, seq_len=self.seq_len,
+            model=model)),
+        "eval": fdl.Config(sft_data, data_dir="", synthetic=sets["eval"], packed=fdl.Partial(
+            PackedLmInput, split="eval", batch_size=self.batch_size, seq_len=self.seq_len,
+            repeat=False, num_batches=8, model=model))}
 
 
 @register

@@ -21,6 +21,11 @@ text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf 
 config.json and model.safetensors from the latest checkpoint. Converting in and out gives
 bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
 
+LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
+`--lora_rank=R` makes fresh ones: a step-0 `finetune.LlamaLoraImport` job. `--to_hf` of a
+LoRA job (that one, or with --base_job=IMPORT one warm-started from an import) writes the
+adapter in PEFT's format, `--merge_lora` the merged model as a plain checkpoint.
+
 Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
 rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
 rope_type 'default' and 'llama3' are supported. Anything this converter cannot express
@@ -51,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from tools import hf_models
+from tools import hf_lora, hf_models
 
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
@@ -60,14 +65,18 @@ IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoin
 EXP = hf_models.EXPERIMENTS["llama"]  # the Llama experiment (the documented command's)
 
 
-def experiment(cfg: dict) -> str:
-  """The experiment (`configs/`) whose model the overrides of this HF config set."""
+def experiment(cfg: dict, lora: dict | None = None) -> str:
+  """The experiment (`configs/`) whose model the overrides of this HF config set (with
+  `lora`, LoraConfig fields, the family's LoRA experiment)."""
+  if lora is not None:
+    return hf_models.lora_experiment(cfg)
   return hf_models.EXPERIMENTS[hf_models.family(cfg)]
 
 
-def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
-  """`--fdl_set` values that make `experiment(cfg)` build this model (its synthetic data in
-  vocab); `tokenizer`, a tokenizer.json path, gives the decode output its text."""
+def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None) -> list[str]:
+  """`--fdl_set` values that make `experiment(cfg, lora)` build this model (its synthetic
+  data in vocab); `tokenizer`, a tokenizer.json path, gives the decode output its text;
+  `lora` (LoraConfig fields) sets the adapters' rank, alpha, dropout and targets."""
   fields = hf_models.model_fields(cfg)
   scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
   lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
@@ -82,6 +91,8 @@ def overrides(cfg: dict, tokenizer: str | None = None) -> list[str]:
     lines.append(f"task.decode.eos_id={cfg['eos_token_id']}")
   if tokenizer:
     lines.append(f"decode_datasets['prompts'].tokenizer={'hf:' + tokenizer!r}")
+  lines += [f"task.model.lora.{k}={tuple(v) if k == 'targets' else v!r}"
+            for k, v in (lora or {}).items()]
   return lines
 
 
@@ -229,8 +240,12 @@ def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, exp: str 
   """A step-0 train state with `params` (logical) and a fresh optimizer state, via spmdtask's
   checkpoint module: the one place that knows the checkpoint layout."""
   from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
   program = _program(lines, exp)
   canonical = program.to_canonical(program.init())
+  # In the model's dtypes (a LoRA model may store its frozen base in bfloat16); adapters
+  # `params` lacks (a new LoRA) keep their fresh init (PEFT's: B = 0, the base unchanged).
+  params = hf_lora.filled(params, jax.device_get(canonical.params))
   state = program.from_canonical(canonical._replace(params=params))
   ckpt = checkpoints.Checkpointer(job_log_dir, program, 1, None,
                                   {"config": "\n".join(lines) + "\n"})
@@ -248,44 +263,91 @@ def read_checkpoint(job_log_dir: str, lines: list[str], exp: str = EXP) -> dict:
   return jax.device_get(program.to_canonical(state).params)
 
 
-def from_hf(hf_dir: str, job_log_dir: str) -> list[str]:
+def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
+            new_lora: dict | None = None) -> list[str]:
   """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
-  hf_source.json; returns the override lines."""
+  hf_source.json; returns the override lines. With `adapter` (--adapter, a PEFT LoRA
+  dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it; with
+  `new_lora` (PEFT adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every
+  input is read and checked before anything is written."""
   cfg, tensors = read_hf(hf_dir)
   has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
   tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
-  lines = overrides(cfg, tokenizer if has_tokenizer else None)
-  params = to_params(cfg, tensors)
+  params, lora = to_params(cfg, tensors), None
+  base_name = cfg.get("_name_or_path") or fs.absolute(hf_dir)
+  if adapter is not None:
+    where = fs.join(adapter, hf_lora.CONFIG_FILE)
+    peft_cfg, peft_tensors = hf_lora.read(adapter)
+    lora = hf_lora.lora_fields(peft_cfg, where)
+    hf_models.lora_experiment(cfg)  # a family with LoRA, or a ConfigError now
+    for path, x in hf_lora.to_params(cfg, lora, peft_tensors, where).items():
+      hf_lora.set_leaf(params, path, x)
+    warning = hf_lora.base_mismatch(peft_cfg, hf_dir, cfg)
+    if warning:
+      print(warning, file=sys.stderr)
+    base_name = peft_cfg.get("base_model_name_or_path") or base_name
+  elif new_lora is not None:
+    lora = hf_lora.lora_fields({"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
+    hf_models.lora_experiment(cfg)
+  lines = overrides(cfg, tokenizer if has_tokenizer else None, lora)
   fs.makedirs(job_log_dir)
   for name in TOKENIZER_FILES if has_tokenizer else ():
     if fs.isfile(fs.join(hf_dir, name)):
       fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
-  write_checkpoint(job_log_dir, lines, params, experiment(cfg))
+  write_checkpoint(job_log_dir, lines, params, experiment(cfg, lora))
   fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
                 "".join(f"--fdl_set={line}\n" for line in lines))
-  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(
-      {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()}}, indent=1))
+  source = {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
+            "base_model_name_or_path": base_name}
+  if lora is not None:
+    source["lora"] = {**lora, "targets": list(lora["targets"])}
+  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(source, indent=1))
   return lines
 
 
-def to_hf(job_log_dir: str, hf_dir: str) -> None:
-  """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir."""
-  source = fs.join(job_log_dir, SOURCE_FILE)
+def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
+          base_job: str | None = None) -> list[str]:
+  """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir;
+  of a LoRA job (hf_source.json names its LoRA), the adapter in PEFT's format, or with
+  `merge_lora` the merged model (W + (alpha / r)·A·B) as a plain checkpoint. `base_job`
+  (--base_job): the --from_hf job a LoRA job elsewhere warm-started from (its
+  hf_source.json; the LoRA job's config.txt gives the adapters). Returns the files' names."""
+  where = f"--base_job={base_job!r}" if base_job else f"--job_log_dir={job_log_dir!r}"
+  source = fs.join(base_job or job_log_dir, SOURCE_FILE)
   if not fs.isfile(source):
-    raise ConfigError(f"--job_log_dir={job_log_dir!r} has no {SOURCE_FILE}; --to_hf converts "
-                      "back a job made by --from_hf (it holds the HF config).")
+    raise ConfigError(f"{where} has no {SOURCE_FILE}; --to_hf converts back a job made by "
+                      "--from_hf (it holds the HF config), or with --base_job=THAT_JOB a LoRA "
+                      "job warm-started from one.")
   src = json.loads(fs.read_text(source))
-  params = read_checkpoint(job_log_dir, overrides(src["config"]),  # tokenizer: not needed
-                           experiment(src["config"]))
+  cfg, lora = src["config"], src.get("lora")
+  if base_job is not None:
+    text = fs.join(job_log_dir, "config.txt")
+    lora = hf_lora.job_lora(fs.read_text(text) if fs.isfile(text) else "", text)
+  if merge_lora and lora is None:
+    raise ConfigError(f"--merge_lora: the job {job_log_dir!r} has no LoRA adapters (its "
+                      f"{SOURCE_FILE} names none); drop --merge_lora to export its model.")
+  params = read_checkpoint(job_log_dir, overrides(cfg, lora=lora),  # tokenizer: not needed
+                           experiment(cfg, lora))
+  if lora is None or merge_lora:
+    params = params if lora is None else hf_lora.merged(cfg, lora, params)
+    files = {"model.safetensors": from_params(cfg, params, src["dtypes"]),
+             "config.json": json.dumps(cfg, indent=2)}
+  else:
+    files = {hf_lora.ADAPTER_FILE: hf_lora.from_params(cfg, lora, params),
+             hf_lora.CONFIG_FILE: json.dumps(hf_lora.adapter_config(
+                 lora, src.get("base_model_name_or_path")), indent=2)}
   staged = fs.Staged(hf_dir, "spmdtask_hf_")  # safetensors writes a local file
   try:
-    st_numpy.save_file(from_params(src["config"], params, src["dtypes"]),
-                       os.path.join(staged.local, "model.safetensors"), metadata={"format": "pt"})
-    fs.write_text(os.path.join(staged.local, "config.json"), json.dumps(src["config"], indent=2))
+    for name, content in files.items():
+      if isinstance(content, str):
+        fs.write_text(os.path.join(staged.local, name), content)
+      else:
+        st_numpy.save_file(content, os.path.join(staged.local, name), metadata={"format": "pt"})
   except BaseException:
     staged.close(upload=False)
     raise
   staged.close()
+  return sorted(files)
 
 
 def main():
@@ -294,20 +356,40 @@ def main():
   group = parser.add_mutually_exclusive_group(required=True)
   group.add_argument("--from_hf", help="a Hugging Face model directory to read")
   group.add_argument("--to_hf", help="a directory to write the Hugging Face model into")
+  parser.add_argument("--adapter", help="with --from_hf: a PEFT LoRA adapter directory "
+                      "(adapter_config.json + adapter_model.safetensors) of that model")
+  parser.add_argument("--lora_rank", type=int, help="with --from_hf: add fresh LoRA adapters "
+                      "of this rank to every attention and MLP weight (PEFT's init: B = 0)")
+  parser.add_argument("--lora_alpha", type=float, help="with --lora_rank (default 2 x rank)")
+  parser.add_argument("--merge_lora", action="store_true", help="with --to_hf of a LoRA job: "
+                      "write the merged model (base + alpha/r A B), not the PEFT adapter")
+  parser.add_argument("--base_job", help="with --to_hf of a LoRA job trained elsewhere: the "
+                      "--from_hf job whose checkpoint it warm-started from")
   args = parser.parse_args()
   try:
+    lora = args.adapter or args.lora_rank is not None
+    if (lora and not args.from_hf or (args.merge_lora or args.base_job) and not args.to_hf
+        or args.adapter and args.lora_rank is not None):
+      raise ConfigError("--adapter (an adapter of that model) or else --lora_rank (new "
+                        "adapters), not both, goes with --from_hf; --merge_lora with --to_hf "
+                        "(of a LoRA job).")
     if args.from_hf:
-      from_hf(args.from_hf, args.job_log_dir)
+      new = None if args.lora_rank is None else {
+          "r": args.lora_rank, "target_modules": "all-linear",
+          "lora_alpha": 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha}
+      from_hf(args.from_hf, args.job_log_dir, args.adapter, new)
       cfg = json.loads(fs.read_text(fs.join(args.from_hf, "config.json")))
-      published = published_experiment(cfg)
-      print(f"wrote {args.job_log_dir}: checkpoint step 0, {OVERRIDES_FILE} "
-            f"(--exp={experiment(cfg)} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
+      exp = hf_models.lora_experiment(cfg) if lora else experiment(cfg)
+      published = None if lora else published_experiment(cfg)
+      print(f"wrote {args.job_log_dir}: checkpoint step 0"
+            f"{' (base + LoRA adapters)' if lora else ''}, {OVERRIDES_FILE} "
+            f"(--exp={exp} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
       if published:
         print(f"the architecture of --exp={published}, which decodes or trains it as it is "
               "(its mesh and batch; add the --flagfile for the tokenizer's text)")
     else:
-      to_hf(args.job_log_dir, args.to_hf)
-      print(f"wrote {args.to_hf}: config.json, model.safetensors")
+      files = to_hf(args.job_log_dir, args.to_hf, args.merge_lora, args.base_job)
+      print(f"wrote {args.to_hf}: {', '.join(files)}")
   except ConfigError as e:
     print(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: config error: {e}",
           file=sys.stderr)

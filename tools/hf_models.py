@@ -18,6 +18,11 @@ from spmdtask.errors import ConfigError
 # model_type -> the experiment whose model the overrides set (configs/).
 EXPERIMENTS = {"llama": "llama.LlamaImport", "mixtral": "moe.MoeImport",
                "qwen3_moe": "moe.MoeImport"}
+# model_type -> the experiment of that model with LoRA adapters (a PEFT adapter's import).
+LORA_EXPERIMENTS = {"llama": "finetune.LlamaLoraImport"}
+# LoRA targets (layers.lora) -> the HF Linear module each adapts (PEFT's target_modules).
+LORA_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                "wg": "gate_proj", "wi": "up_proj", "wo": "down_proj"}
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads")
 MOE_REQUIRED = {"mixtral": ("num_local_experts", "num_experts_per_tok"),
@@ -175,3 +180,25 @@ def num_experts(cfg: dict) -> int:
   """Routed experts per layer (0: dense)."""
   fields = model_fields(cfg)
   return fields["moe"]["num_experts"] if "moe" in fields else 0
+
+
+def lora_experiment(cfg: dict) -> str:
+  """The LoRA experiment of this HF config's family; ConfigError for a family without one."""
+  kind = family(cfg)
+  if kind not in LORA_EXPERIMENTS:
+    raise ConfigError(f"config.json: model_type={kind!r}: LoRA adapters in and out of PEFT "
+                      f"are supported for {', '.join(repr(k) for k in LORA_EXPERIMENTS)} "
+                      "models only.")
+  return LORA_EXPERIMENTS[kind]
+
+
+def lora_modules(cfg: dict, i: int, targets) -> dict[str, tuple[str, str, str]]:
+  """Adapter target -> (our stacked base param path, HF module name in layer i without
+  '.weight', layout kind) for each of `targets`."""
+  tensors = layer_tensors(cfg, i)
+  out = {}
+  for t in targets:
+    path = f"layers/block/{'attn' if t in ('q', 'k', 'v', 'o') else 'mlp'}/{t}"
+    name, kind = tensors[path]
+    out[t] = (path, name.removesuffix(".weight"), kind)
+  return out

@@ -97,14 +97,23 @@ def num_batches(inputs) -> int | None:
   return min(counts) if counts else None
 
 
+def target_masked(inputs) -> bool:
+  """Whether a train input's batches weight only target tokens (supervised fine-tuning:
+  `weights` 1 on the tokens to learn, e.g. assistant turns, 0 on prompts): its
+  `target_mask` attribute (False where it has none). Read once at the start of a run."""
+  return bool(getattr(inputs, "target_mask", False))
+
+
 class StepIndexedInput:
   """An input whose batch number `step` is a pure function `batch_at(step)`.
 
   Iteration and its checkpointable position (`get_state` / `set_state`) follow from that.
   Subclasses are dataclasses with `batch_size` (global), `process_index`,
-  `process_count` and optional `num_examples` (rows in all) / `num_batches`.
+  `process_count` and optional `num_examples` (rows in all) / `num_batches`. An input
+  whose weights mark target tokens only sets `target_mask` True (`target_masked`).
   """
   _step = 0
+  target_mask = False
 
   def _where(self) -> tuple[int, int]:
     """(this process's index, the process count)."""

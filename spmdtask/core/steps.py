@@ -98,7 +98,9 @@ def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
 
 
 # What a train step reports besides the model's own metrics (the console prints those apart).
-STEP_METRICS = ("loss", "grad_norm", "param_norm", "learning_rate")
+# target_tokens: the loss's weight summed over the global batch (with target masks, the
+# tokens trained on; the loop's target tokens/s).
+STEP_METRICS = ("loss", "grad_norm", "param_norm", "learning_rate", "target_tokens")
 
 
 def model_metrics(metrics: dict) -> list[tuple[str, float]]:
@@ -116,9 +118,9 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
   the adapters'.
 
   Metrics are replicated scalars: loss, every model metric (sum / weight over the
-  batch), grad_norm, param_norm (of the params the step started from) and
-  learning_rate (the step's). Dropout's rng is fold_in(seed, step), so it depends on
-  neither the mesh nor a restart.
+  batch), grad_norm, param_norm (of the params the step started from), learning_rate
+  (the step's) and target_tokens (the loss's weight: the global batch's target count).
+  Dropout's rng is fold_in(seed, step), so it depends on neither the mesh nor a restart.
   """
   def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
     state = sharding.unpad(padded, layout.logical)
@@ -131,7 +133,8 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
     grad_norm = optax.tree.norm(train_state.trainable(grads, only_adapters))
     out = {**reported(metrics), "loss": loss, "grad_norm": grad_norm,
            "param_norm": optax.tree.norm(state.params),
-           "learning_rate": jnp.asarray(schedule(state.step), jnp.float32)}
+           "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
+           "target_tokens": metrics["loss"].weight}
     new = TrainState(state.step + 1, params, opt_state)
     return sharding.pad(new, layout.padded), out
 

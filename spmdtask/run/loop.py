@@ -13,9 +13,9 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries
+from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries, throughput
 from spmdtask import console, fs
-from spmdtask.core import global_batch, memory, steps
+from spmdtask.core import global_batch, steps
 from spmdtask.core import host_input as inputs_base, program as program_lib
 from spmdtask.errors import Interrupted, TrainingError
 from spmdtask.plan import chips
@@ -28,6 +28,7 @@ class Fetched:
   step: int                     # the last step in `metrics`
   metrics: list[dict]           # one dict of replicated scalars per step, as floats
   rates: dict[str, float]       # steps_per_sec, examples_per_sec, tokens_per_sec, mfu
+  #                               (+ target_tokens_per_sec where the data has target masks)
 
 
 class Hook:
@@ -54,11 +55,14 @@ class ProgressLog(Hook):
   """Every `every` steps process 0 prints step, loss, model metrics, s/step, tokens/s, MFU, ETA.
 
   Times are averaged over the steps since the last line; the first line's include
-  compiling the step, so its ETA is pessimistic. MFU is against `peak` per device.
+  compiling the step, so its ETA is pessimistic. MFU is against `peak` per device and
+  counts every token processed; with `targets` (data with target masks) the line also
+  gives target tokens/s, the tokens the loss trains on.
   """
 
-  def __init__(self, every: int, num_train_steps: int, peak: chips.Peak):
+  def __init__(self, every: int, num_train_steps: int, peak: chips.Peak, targets: bool = False):
     self.every, self.num_steps, self.peak = max(1, every), num_train_steps, peak
+    self.targets = targets
     self._first = True
 
   def wants_metrics(self, step, last):
@@ -68,10 +72,13 @@ class ProgressLog(Hook):
     r = fetched.rates
     step_time = 1.0 / r["steps_per_sec"]
     others = "".join(f"  {k} {v:.4g}" for k, v in steps.model_metrics(fetched.metrics[-1]))
-    console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s  MFU %.1f%% of %s  ETA %s",
+    targets = (f" ({console.human_count(r['target_tokens_per_sec'])} target)" if self.targets
+               else "")
+    console.say("step %d/%d  loss %.4f%s  %.3f s/step%s  %s tokens/s%s  MFU %.1f%% of %s  ETA %s",
                 fetched.step, self.num_steps, fetched.metrics[-1]["loss"], others, step_time,
                 " (incl. compile)" if self._first else "",
-                console.human_count(r["tokens_per_sec"]), 100 * r["mfu"], self.peak.figure(),
+                console.human_count(r["tokens_per_sec"]), targets, 100 * r["mfu"],
+                self.peak.figure(),
                 console.duration((self.num_steps - fetched.step) * step_time))
     self._first = False
 
@@ -229,24 +236,13 @@ class PeriodicEval(Hook):
                               self.job_log_dir)
 
 
-def mfu_peak(program: program_lib.Program) -> chips.Peak:  # the mesh's chip, or the override
-  return chips.mfu_peak(program.mesh.devices.flat[0].device_kind,
-                        program.task.train.peak_flops_per_device)
-
-def rates(program: program_lib.Program, num_steps: int, seconds: float,
-          batch_size: int) -> dict[str, float]:
-  """Throughput of `num_steps` steps in `seconds`; MFU against `mfu_peak`."""
-  examples, peak = num_steps * batch_size / seconds, mfu_peak(program).flops_per_s
-  return {"steps_per_sec": num_steps / seconds, "examples_per_sec": examples,
-          "tokens_per_sec": examples * program.work.tokens,
-          "mfu": examples * program.work.train_flops / (peak * program.mesh.devices.size)}
-
-
 def run_steps(program: program_lib.Program, state, inputs, first: int, last_step: int,
-              batch_size: int, hooks: Sequence[Hook], stop=lambda step: None):
+              batch_size: int, hooks: Sequence[Hook], stop=lambda step: None,
+              targets: bool = False):
   """Runs steps first+1 .. last_step, or until `stop(step)` gives a reason (a step that
-  then counts as the last: metrics fetched, saved). Returns (state, losses of the steps
-  run, the stop reason or None)."""
+  then counts as the last: metrics fetched, saved). `targets`: the data has target masks
+  (the rates then count target tokens). Returns (state, losses of the steps run, the stop
+  reason or None)."""
   losses, pending, reason = [], [], None
   for h in hooks:
     h.begin(first)
@@ -259,8 +255,9 @@ def run_steps(program: program_lib.Program, state, inputs, first: int, last_step
     last = done == last_step or reason is not None
     if any(h.wants_metrics(done, last) for h in hooks):
       values = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
-      fetched = Fetched(done, values, rates(program, len(pending), time.perf_counter() - t0,
-                                            batch_size))
+      fetched = Fetched(done, values, throughput.rates(
+          program, len(pending), time.perf_counter() - t0, batch_size,
+          sum(m["target_tokens"] for m in values) if targets else None))
       losses.extend(m["loss"] for m in values)
       for h in hooks:
         if h.wants_metrics(done, last):
@@ -273,24 +270,6 @@ def run_steps(program: program_lib.Program, state, inputs, first: int, last_step
   return state, losses, reason
 
 
-def start_summary(program: program_lib.Program, name: str, batch_size: int,
-                  job_log_dir: str | None) -> list[str]:
-  """The lines a run starts with: what trains, on what mesh, its state bytes, where it logs."""
-  t = memory.totals(memory.state_rows(program.layout, dict(program.mesh.shape)))
-  devices = program.mesh.devices
-  lines = [f"{name}: {console.params(t['num_params'], program.work.active_params)} on "
-           f"{program_lib.mesh_words(program)} "
-           f"({console.count(devices.size, devices.flat[0].platform + ' device')}); train state "
-           f"{console.human_bytes(t['state_bytes_per_device'])} per device "
-           f"({console.human_bytes(t['state_bytes_total'])} in all); global batch {batch_size} "
-           f"({batch_size * program.work.tokens} tokens/step); MFU against "
-           f"{mfu_peak(program).figure()} per device ({mfu_peak(program).source})"]
-  if job_log_dir is not None:
-    lines.append(f"job dir {fs.absolute(job_log_dir)} (config.txt, checkpoints/, "
-                 "summaries/, logs/)")
-  return lines + program.describe()  # the execution strategy (and its stages)
-
-
 def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -> list[Hook]:
   """The built-in hooks, in the order they must run (the guard before any save)."""
   tp = run.task.train
@@ -298,7 +277,8 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -
       NonFiniteGuard(tp.log_interval_steps,
                      ckpt.should_save if ckpt is not None else (lambda step: False), run.task,
                      ckpt.latest_checked if ckpt else (lambda: (None, False))),
-      ProgressLog(tp.log_interval_steps, tp.num_train_steps, mfu_peak(program)),
+      ProgressLog(tp.log_interval_steps, tp.num_train_steps, throughput.mfu_peak(program),
+                  inputs_base.target_masked(run.datasets["train"])),
       TrainSummaries(job_log_dir, tp.summary_interval_steps)]
   if tp.profile_steps is not None and job_log_dir is not None:
     hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))
@@ -338,7 +318,8 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
   with stop or contextlib.nullcontext():
     try:
       return run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
-                       all_hooks, stop or (lambda step: None))
+                       all_hooks, stop or (lambda step: None),
+                       inputs_base.target_masked(inputs))
     except Exception as e:  # pylint: disable=broad-except  # the hooks' saves would wait for it
       peers.stop_if_lost(e)
       raise
@@ -373,7 +354,7 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   # Each process's inputs read what the program asks of them (e.g. MPMD: its stages' leaves).
   run = dataclasses.replace(run, datasets=inputs_base.reading_all(run.datasets,
                                                                   program.input_share()))
-  for line in start_summary(program, name, batch_size, job_log_dir):
+  for line in throughput.start_summary(program, name, batch_size, job_log_dir):
     console.say("%s", line)
   ckpt = None
   if job_log_dir is not None:

@@ -109,3 +109,19 @@ def test_eval_mode_errors(tmp_path):
   no_eval = dataclasses.replace(run, datasets={"train": run.datasets["train"]})
   with pytest.raises(ConfigError, match="no eval dataset"):
     evaluation.run_eval(no_eval, program, restore, str(tmp_path))
+
+
+def test_eval_reports_the_masked_loss_over_target_tokens():
+  """Masked rows (TinyLmSft's eval data): the loss is the mean over target tokens only, all
+  batches together (the partial last one's padding weighs 0), not a mean of row means."""
+  data = eval_input(num_examples=12, target_mask=True)
+  program, state = program_and_state("TinyLmSft", 1)
+  got = evaluation.evaluate(program, state, data)
+  parts = [data.batch_at(i) for i in range(2)]  # 8 + 4 rows
+  rows = [{k: p[k][r:r + 1] for k in p} for p in parts for r in range(len(p["weights"]))]
+  each = [evaluation.evaluate(program, state, OneBatch(row)) for row in rows]
+  targets = sum(float(p["weights"].sum()) for p in parts)
+  assert got["weight"] == targets == sum(e["weight"] for e in each) < 12 * SEQ
+  want = sum(e["loss"] * e["weight"] for e in each) / targets
+  assert got["loss"] == pytest.approx(want, rel=1e-6)
+  assert abs(np.mean([e["loss"] for e in each]) - got["loss"]) > 1e-4  # not per row

@@ -342,9 +342,11 @@ def _program(task, plan: mpmd_stages.StagePlan, st: _States, micro_train, pl: mp
   last_mesh = plan.meshes[pl.part_stage[-1]]
 
   def finish(step, loss, grad_norm, param_norm, aux):
-    return step + 1, {**steps.reported(_sum_metrics(aux)), "loss": loss,
+    summed = _sum_metrics(aux)
+    return step + 1, {**steps.reported(summed), "loss": loss,
                       "grad_norm": grad_norm, "param_norm": param_norm,
-                      "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32)}
+                      "learning_rate": jnp.asarray(lr_schedule(step), jnp.float32),
+                      "target_tokens": summed["loss"].weight}
 
   aux = (jax.eval_shape(eval_loss_fn, live.logical.params, plan.micro)[1],) * \
       plan.num_microbatches
