@@ -106,7 +106,23 @@ class LlamaLoraImport(LlamaImport):
   a float32 base): the experiment of `tools/convert_hf.py --from_hf=... --adapter=PEFT_DIR`
   (or `--lora_rank=R`), whose model_overrides.txt sets the adapters' rank, alpha, dropout
   and targets and whose step-0 checkpoint holds the base and the adapters; only the
-  adapters train."""
+  adapters train. Or warm-start from a plain import (its model_overrides.txt, and
+  --fdl_set="task.train.init_checkpoint_dir='IMPORT_DIR'"): README's fine-tuning recipe.
+  `--data_dir` must name prepared conversations (target masks; LlamaImport's data)."""
+  require_target_mask = True
+  num_train_steps = 200
+  peak_learning_rate = 1e-3  # adapters of a small rank learn fast (PEFT's examples: 1e-4..1e-3)
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    """A short run: 10 warmup steps, cosine decay over num_train_steps; eval every 50."""
+    cfg = super().task()
+    cfg.train.num_train_steps = self.num_train_steps
+    cfg.train.learning_rate.warmup_steps = 10
+    cfg.train.learning_rate.decay_steps = self.num_train_steps
+    cfg.train.optimizer = fdl.Partial(optax.adamw, b1=0.9, b2=0.999, weight_decay=0.0)
+    cfg.train.eval_interval_steps = 50
+    return cfg
 
   def model(self):
     cfg = super().model()

@@ -20,6 +20,7 @@ import functools
 import fiddle as fdl
 import optax
 
+from configs import chat
 from configs.tpu_flags import V5P_FLAGS, V6E_FLAGS
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
@@ -369,12 +370,22 @@ class LlamaImport(Llama32_1B):
   model_overrides.txt (a --flagfile) sets every model field (rope_scaling to None or its
   sub-fields), the data vocabulary, eos and the tokenizer. Float32 compute (decodes match
   HF's float32 greedy tokens), FSDP over the local devices, a small synthetic batch
-  (8 × 128) so that a decode or a short fine-tune runs on one host."""
+  (8 × 128) so that a decode or a short fine-tune runs on one host. `--data_dir=DIR` trains
+  and evaluates on a prepared dir (chat data: masked rows); `--mode=decode --chat_prompts=F
+  --data_dir=DIR` decodes F's conversations rendered with DIR's chat template."""
   batch_size = 8
   seq_len = 128
   max_decode_len = 64
+  require_target_mask = False  # datasets[...].require_target_mask: plain text trains too
 
   def model(self):
     cfg = super().model()
     cfg.fprop_dtype = "float32"
     return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    return chat.with_data_dir(super().datasets(), self.task().model, self.batch_size,
+                              self.seq_len, self.require_target_mask)
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    return chat.with_chat_prompts(super().decode_datasets(), self.task().model)

@@ -5,8 +5,7 @@ import fiddle as fdl
 import optax
 
 from configs import llama
-from spmdtask.core import host_input
-from spmdtask.errors import ConfigError
+from configs.chat import sft_data
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
@@ -176,22 +175,6 @@ class TextLm(TinyLm):
   def decode_datasets(self) -> dict[str, fdl.Config]:
     return {"prompts": fdl.Config(TextPromptInput, split="eval", batch_size=8, prompt_len=32,
                                   num_examples=8, model=self.task().model)}
-
-
-def sft_data(data_dir: str, synthetic: SyntheticLmInput, packed) -> object:
-  """Supervised fine-tuning data: prepared chat data (`packed(data_dir=data_dir)`, a
-  PackedLmInput partial) where `data_dir` is set (--data_dir sets it), else `synthetic`'s
-  masked rows. ConfigError where the data dir's documents carry no target masks: training
-  on every token there would silently not be fine-tuning."""
-  if not data_dir:
-    return synthetic
-  inputs = packed(data_dir=data_dir)
-  if not host_input.target_masked(inputs):
-    raise ConfigError(f"datasets[...].data_dir={data_dir!r} holds documents without target "
-                      "masks (its meta.json has no \"target_mask\": true), so every token "
-                      "would be a target. Prepare conversations with tools/prepare_chat_data.py "
-                      "for this experiment, or train plain text with --exp=lm.TextLm.")
-  return inputs
 
 
 @register

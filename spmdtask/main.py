@@ -83,13 +83,17 @@ _PROMPT = flags.DEFINE_multi_string(
 _PROMPTS_FILE = flags.DEFINE_string(
     "prompts_file", None, "--mode=decode: a text file of prompts, one per line (with or "
     "instead of --prompt).")
+_CHAT_PROMPTS = flags.DEFINE_string(
+    "chat_prompts", None, "--mode=decode: a JSONL file of conversations ({\"messages\": [...]} "
+    "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
+    "its end-of-turn token.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
-def resolved_config(exp_name: str, overrides: list[str],
-                    data_dir: str | None = None) -> fdl.Config:
-  """The experiment's root config with `data_dir` (--data_dir) and every `--fdl_set`
-  override applied, in that order."""
+def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
+                    chat_prompts: str | None = None) -> fdl.Config:
+  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override
+  and `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) applied, in order."""
   cfg = experiment.run_config(registry.get(exp_name)())
   if data_dir is not None:
     overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
@@ -106,6 +110,8 @@ def resolved_config(exp_name: str, overrides: list[str],
           "starts at task, datasets or decode_datasets (see the resolved config in "
           "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
           "(quote strings).") from None
+  if chat_prompts is not None:
+    overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
   return cfg
 
 
@@ -216,15 +222,16 @@ def run(argv) -> None:
                       "give one (a TPU topology, or N emulated CPU devices).")
   if (_PLAN_TOPOLOGY.value or _PLAN_DEVICES.value) and _MODE.value != "plan":
     raise ConfigError("--plan_topology / --plan_devices only apply to --mode=plan.")
-  if (_PROMPT.value or _PROMPTS_FILE.value) and _MODE.value != "decode":
-    raise ConfigError("--prompt / --prompts_file only apply to --mode=decode.")
+  if (_PROMPT.value or _PROMPTS_FILE.value or _CHAT_PROMPTS.value) and _MODE.value != "decode":
+    raise ConfigError("--prompt / --prompts_file / --chat_prompts only apply to --mode=decode.")
   if _MODE.value == "plan" and _PLAN_TOPOLOGY.value:
     # JAX itself stays on the CPU (no TPU client, even where libtpu finds no chip): the
     # topology's devices are compile-only, from libtpu loaded as a plugin.
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
-  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value)
+  cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
+                        _CHAT_PROMPTS.value)
   xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()

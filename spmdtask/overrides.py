@@ -73,6 +73,46 @@ def set_data_dirs(cfg: fdl.Config, data_dir: str, exp: str) -> list[str]:
   return hits
 
 
+def set_chat_prompts(cfg: fdl.Config, prompts_file: str, exp: str) -> list[str]:
+  """`--chat_prompts`: sets `prompts_file` on every decode dataset that has that field, and
+  task.decode.eos_id to the end-of-turn id of their chat template (the meta.json of their
+  `data_dir`, a tools/prepare_chat_data.py dir), so a reply stops where its turn ends; one
+  such dataset becomes the only one, named as --prompt's. Returns the paths set. ConfigError if no decode dataset takes one, or its data dir is
+  not prepared chat data."""
+  from spmdtask.inputs import tokenizers  # pylint: disable=g-import-not-at-top
+  hits, ends, chats = [], set(), []
+  for name, node in (cfg.decode_datasets or {}).items():
+    if not (isinstance(node, fdl.Buildable)
+            and {"prompts_file", "data_dir"} <= set(node.__signature_info__.parameters)):
+      continue
+    node.prompts_file = prompts_file
+    field = f"decode_datasets[{name!r}].data_dir"
+    hits.append(field)
+    chats.append(node)
+    if not node.data_dir:
+      raise ConfigError(f"--chat_prompts renders each conversation with the chat template of "
+                        f"a prepared chat data dir, and {field} is empty: add --data_dir=DIR, "
+                        "the dir tools/prepare_chat_data.py wrote (the one the job trained on).")
+    meta = tokenizers.read_meta(node.data_dir, field)
+    if "chat" not in meta:
+      raise ConfigError(f"--chat_prompts: {field}={node.data_dir!r} holds no chat template "
+                        "(it was not prepared from conversations); give --data_dir=DIR, a "
+                        "dir tools/prepare_chat_data.py wrote.")
+    ends.add(int(meta["chat"]["end_of_turn_id"]))
+  if not hits:
+    raise ConfigError(f"--chat_prompts={prompts_file!r}: no decode dataset of --exp={exp} "
+                      "reads conversations (none has a `prompts_file` field). Use an "
+                      "experiment that does, e.g. --exp=finetune.LlamaLoraImport.")
+  if len(ends) > 1:
+    raise ConfigError(f"--chat_prompts: the decode datasets' chat data dirs end a turn with "
+                      f"different tokens {sorted(ends)}; give them one --data_dir.")
+  cfg.task.decode.eos_id = ends.pop()
+  if len(hits) == 1:  # the user's own prompts: written and printed in full as --prompt's
+    from spmdtask.run.decoding import OWN_PROMPTS  # pylint: disable=g-import-not-at-top
+    cfg.decode_datasets = {OWN_PROMPTS: chats[0]}
+  return hits
+
+
 _CONTEXT = re.compile(r"\n\nFiddle context: failed to construct or call (\S+) at "
                       r"<root>(\S*) with", re.S)
 

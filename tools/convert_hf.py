@@ -6,9 +6,7 @@
         --flagfile=/tmp/llama/model_overrides.txt
     python tools/convert_hf.py --job_log_dir=/tmp/llama --to_hf=/models/llama_out
 
-(`tools/convert_llama.py`, the older name, runs this same command.)
-
---from_hf reads config.json and model.safetensors (or the shards listed in
+(`tools/convert_llama.py`, the older name, runs this same command.) --from_hf reads config.json and model.safetensors (or the shards listed in
 model.safetensors.index.json) and writes, into --job_log_dir: a step-0 checkpoint (the
 params, a fresh optimizer state) that --mode=decode, --mode=train and
 task.train.init_checkpoint_dir accept on any mesh; model_overrides.txt, one
@@ -23,25 +21,24 @@ bit-identical tensors (float32, bfloat16 and float16 weights are exact in float3
 
 LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
 `--lora_rank=R` makes fresh ones: a step-0 `finetune.LlamaLoraImport` job. `--to_hf` of a
-LoRA job (that one, or with --base_job=IMPORT one warm-started from an import) writes the
-adapter in PEFT's format, `--merge_lora` the merged model as a plain checkpoint.
+LoRA job (that one, or one warm-started from an import: --base_job, default its
+task.train.init_checkpoint_dir) writes the adapter in PEFT's format, `--merge_lora` the
+merged model as a plain checkpoint.
 
 Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
 rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
-rope_type 'default' and 'llama3' are supported. Anything this converter cannot express
-exactly (another rope_type, unknown RoPE keys, biases, a non-SiLU activation, sliding
-windows, another model_type) is refused by name (exit 2), never replaced by a default
-(tools/hf_models.py: each family's fields and tensor names).
+rope_type 'default' and 'llama3'. Anything this converter cannot express exactly (another
+rope_type, unknown RoPE keys, biases, a non-SiLU activation, sliding windows, another
+model_type) is refused by name (exit 2), never a default (tools/hf_models.py).
 
 Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] ->
 q [d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
 gate/up/down_proj -> mlp wg/wi/wo transposed, per-layer tensors stacked on a leading
 [num_layers] dim; a MoE router [E, d] -> moe/router [d, E], each expert's gate/up/down
 (Mixtral's w1/w3/w2) -> moe/wg, wi, wo stacked [num_layers, E, ...]. No permutation of q/k
-rows is needed: HF applies rotary embeddings in rotate-half form (pairs (i, i + hd/2),
-HF's checkpoint conversion already permuted Meta's interleaved rows), which is the form of
-`spmdtask.layers.attention.rope`, with the same frequencies theta^(-2i/hd). A tied HF
-head is unscaled: scale_tied_logits=False.
+rows is needed: HF applies RoPE in rotate-half form (pairs (i, i + hd/2); HF's conversion
+permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.rope`, with the
+same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
 """
 import argparse
 import json
@@ -75,8 +72,9 @@ def experiment(cfg: dict, lora: dict | None = None) -> str:
 
 def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None) -> list[str]:
   """`--fdl_set` values that make `experiment(cfg, lora)` build this model (its synthetic
-  data in vocab); `tokenizer`, a tokenizer.json path, gives the decode output its text;
-  `lora` (LoraConfig fields) sets the adapters' rank, alpha, dropout and targets."""
+  data, used without --data_dir, in vocab); `tokenizer`, a tokenizer.json path, gives the
+  decode output its text; `lora` (LoraConfig fields) sets the adapters' rank, alpha,
+  dropout and targets."""
   fields = hf_models.model_fields(cfg)
   scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
   lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
@@ -85,12 +83,12 @@ def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None)
     lines.append("task.model.rope_scaling=None")
   else:  # EXP's model has a Llama3Scaling config: its fields are set one by one
     lines += [f"task.model.rope_scaling.{k}={v!r}" for k, v in scaling.items()]
-  lines += [f"datasets['{s}'].vocab_size={cfg['vocab_size']}" for s in ("train", "eval")]
-  lines.append(f"decode_datasets['prompts'].vocab_size={cfg['vocab_size']}")
+  lines += [f"datasets['{s}'].synthetic.vocab_size={cfg['vocab_size']}" for s in ("train", "eval")]
+  lines.append(f"decode_datasets['prompts'].default.vocab_size={cfg['vocab_size']}")
   if isinstance(cfg.get("eos_token_id"), int):
     lines.append(f"task.decode.eos_id={cfg['eos_token_id']}")
   if tokenizer:
-    lines.append(f"decode_datasets['prompts'].tokenizer={'hf:' + tokenizer!r}")
+    lines.append(f"decode_datasets['prompts'].default.tokenizer={'hf:' + tokenizer!r}")
   lines += [f"task.model.lora.{k}={tuple(v) if k == 'targets' else v!r}"
             for k, v in (lora or {}).items()]
   return lines
@@ -309,9 +307,12 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
           base_job: str | None = None) -> list[str]:
   """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir;
   of a LoRA job (hf_source.json names its LoRA), the adapter in PEFT's format, or with
-  `merge_lora` the merged model (W + (alpha / r)·A·B) as a plain checkpoint. `base_job`
-  (--base_job): the --from_hf job a LoRA job elsewhere warm-started from (its
-  hf_source.json; the LoRA job's config.txt gives the adapters). Returns the files' names."""
+  `merge_lora` the merged model (W + (alpha / r)·A·B) as a plain checkpoint. `base_job`: the
+  --from_hf job a LoRA job elsewhere warm-started from (default: its init_checkpoint_dir;
+  its config.txt gives the adapters). Returns the files' names."""
+  text = fs.join(job_log_dir, "config.txt")
+  if base_job is None and not fs.isfile(fs.join(job_log_dir, SOURCE_FILE)) and fs.isfile(text):
+    base_job = hf_lora.warm_start_job(fs.read_text(text))
   where = f"--base_job={base_job!r}" if base_job else f"--job_log_dir={job_log_dir!r}"
   source = fs.join(base_job or job_log_dir, SOURCE_FILE)
   if not fs.isfile(source):
@@ -321,7 +322,6 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
   src = json.loads(fs.read_text(source))
   cfg, lora = src["config"], src.get("lora")
   if base_job is not None:
-    text = fs.join(job_log_dir, "config.txt")
     lora = hf_lora.job_lora(fs.read_text(text) if fs.isfile(text) else "", text)
   if merge_lora and lora is None:
     raise ConfigError(f"--merge_lora: the job {job_log_dir!r} has no LoRA adapters (its "
@@ -364,7 +364,7 @@ def main():
   parser.add_argument("--merge_lora", action="store_true", help="with --to_hf of a LoRA job: "
                       "write the merged model (base + alpha/r A B), not the PEFT adapter")
   parser.add_argument("--base_job", help="with --to_hf of a LoRA job trained elsewhere: the "
-                      "--from_hf job whose checkpoint it warm-started from")
+                      "--from_hf job it warm-started from (default: its init_checkpoint_dir)")
   args = parser.parse_args()
   try:
     lora = args.adapter or args.lora_rank is not None

@@ -94,6 +94,14 @@ def job_lora(config_text: str, where: str) -> dict:
   return dataclasses.asdict(LoraConfig(**set_))
 
 
+def warm_start_job(config_text: str) -> str | None:
+  """The job a job warm-started from: task.train.init_checkpoint_dir of its resolved config
+  (config.txt), or None."""
+  found = re.search(r"^task\.train\.init_checkpoint_dir = (.+)$", config_text, re.M)
+  value = ast.literal_eval(found.group(1)) if found and found.group(1) != "None" else None
+  return value if isinstance(value, str) else None
+
+
 def _key(module: str, which: str) -> str:
   return f"{PREFIX}{module}.lora_{which}.weight"
 
