@@ -31,6 +31,10 @@ def _logits(exp, lines, params):
   return np.asarray(jax.jit(model.apply)({"params": params}, tokens))
 
 
+def _read_bytes(directory):
+  return {f: open(os.path.join(directory, f), "rb").read() for f in sorted(os.listdir(directory))}
+
+
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
   """(job dir, override lines) of the fixture base + adapter through --from_hf --adapter."""
@@ -162,7 +166,8 @@ def test_new_adapters_start_as_peft_does_and_export(tmp_path):
 @pytest.mark.slow
 def test_a_lora_job_warm_started_from_an_import_exports_with_base_job(tmp_path):
   """The other LoRA flow: a plain --from_hf import, a LoRA job in its own dir warm-started
-  from it (task.train.init_checkpoint_dir), exported with --base_job=the import."""
+  from it (task.train.init_checkpoint_dir), exported with its base found from that field
+  (as --base_job=the import gives)."""
   import fiddle as fdl  # pylint: disable=g-import-not-at-top
   from fiddle import printing  # pylint: disable=g-import-not-at-top
   from spmdtask import main  # pylint: disable=g-import-not-at-top
@@ -175,9 +180,9 @@ def test_a_lora_job_warm_started_from_an_import_exports_with_base_job(tmp_path):
       "task.train.learning_rate=0.01", f"task.train.init_checkpoint_dir={imp!r}"])
   loop.train(fdl.build(cfg), job_log_dir=job,
              config_text=printing.as_str_flattened(cfg, include_types=False) + "\n")
-  with pytest.raises(ConfigError, match="has no hf_source.json.*--base_job"):
-    convert_hf.to_hf(job, out)
-  convert_hf.to_hf(job, out, base_job=imp)
+  convert_hf.to_hf(job, out)
+  convert_hf.to_hf(job, str(tmp_path / "given"), base_job=imp)
+  assert _read_bytes(out) == _read_bytes(str(tmp_path / "given"))
   peft_cfg, tensors = hf_lora.read(out)
   assert peft_cfg["r"] == 2 and peft_cfg["lora_alpha"] == 4.0
   assert np.abs(tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]).max() > 0
