@@ -86,7 +86,8 @@ class ChatPromptInput(StepIndexedInput):
   tools/prepare_chat_data.py) and its generation prompt, one row each in order.
 
   Batches are like `SyntheticPromptInput`'s, `prompt_len` the longest prompt's tokens;
-  `tokenizer` turns output ids back into text. `end_of_turn_id` is the template's: decoding
+  `tokenizer` turns output ids back into text, special tokens kept (the prompt as rendered,
+  a reply's end-of-turn token). `end_of_turn_id` is the template's: decoding
   stops a row there when task.decode.eos_id is set to it (prepare_chat_data prints the flag).
   """
   data_dir: str = ""
@@ -102,7 +103,8 @@ class ChatPromptInput(StepIndexedInput):
     if self.model is not None:
       tokenizers.check_vocab(meta, self.model.vocab_size, self.data_dir)
     conv = chat.Chat.from_data_dir(self.data_dir, meta, field)
-    self.tokenizer, self.end_of_turn_id = conv.tokenizer, conv.end_of_turn_id
+    self.tokenizer = conv.tokenizer.with_special_tokens()
+    self.end_of_turn_id = conv.end_of_turn_id
     if not self.prompts_file or not fs.glob(self.prompts_file):
       raise ConfigError(f"decode_datasets[...].prompts_file={self.prompts_file!r} names no "
                         'file; give a JSONL file of {"messages": [...]} a line.')

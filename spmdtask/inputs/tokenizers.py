@@ -10,6 +10,7 @@ A prepared data dir (see tools/prepare_text_data.py) holds `meta.json`:
 and the tokenizer file: `tokenizer.model` (SentencePiece) or `tokenizer.json` (hf).
 A tokenizer spec names one outside a data dir: 'bytes', 'sentencepiece:PATH' or 'hf:PATH'.
 """
+import copy
 import json
 from typing import Iterable
 
@@ -61,10 +62,11 @@ class HfTokenizer:
   """A Hugging Face `tokenizer.json` (the `tokenizers` library), e.g. an imported Llama's.
 
   `encode` applies the tokenizer's own post-processor (Llama's adds its begin-of-text id);
-  `decode` drops special tokens. The end-of-document id is `eod_token`'s, else the
+  `decode` drops special tokens (keeps them: `with_special_tokens()`). The end-of-document id is `eod_token`'s, else the
   `eos_token` of a tokenizer_config.json beside the file, else None (decode-only use).
   """
   kind = "hf"
+  skip_special = True
 
   def __init__(self, path: str, eod_token: str | None = None, eod_id: int | None = None):
     if not fs.isfile(path):
@@ -86,7 +88,14 @@ class HfTokenizer:
     return self._tok.encode(text).ids
 
   def decode(self, ids) -> str:
-    return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+    return self._tok.decode([int(i) for i in ids], skip_special_tokens=self.skip_special)
+
+  def with_special_tokens(self) -> "HfTokenizer":
+    """This tokenizer, its `decode` keeping special tokens (a chat template's headers and
+    end-of-turn tokens then read as the template rendered them)."""
+    out = copy.copy(self)
+    out.skip_special = False
+    return out
 
   def encoding(self, text: str):
     """The `tokenizers` Encoding of `text` without the post-processor's special tokens (as

@@ -47,7 +47,8 @@ def test_data_dir_trains_on_masked_rows_and_chat_prompts_stop_at_end_of_turn(cha
   assert isinstance(train, PackedLmInput) and train.target_mask
   assert isinstance(prompts, ChatPromptInput) and prompts.num_examples == 4
   first = prompts.tokenizer.decode(prompts.token_ids[0])
-  assert first.startswith("user") and "What is 1 + 2?" in first and first.endswith("assistant\n\n")
+  assert first == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 1 + "
+                   "2?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
   # Without the flags: synthetic rows and prompts, as before.
   plain = _build(LORA, model_lines)
   assert isinstance(plain.decode_datasets["prompts"], SyntheticPromptInput)

@@ -70,9 +70,12 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
       os.path.join(h.REPO, "examples", "tiny_chat", "prompts.jsonl"))]
   assert [r["id"] for r in rows] == [0, 1, 2, 3]
   for r, asked in zip(rows, prompts):
-    assert asked in r["prompt_text"] and r["prompt_text"].endswith("assistant\n\n"), r
-    ids = r["output_ids"]
-    assert EOT not in ids[:-1] and (ids[-1] == EOT or len(r["prompt_ids"]) + len(ids) == 64), r
+    assert r["prompt_text"] == (f"<|begin_of_text|><|start_header_id|>user<|end_header_id|>"
+                                f"\n\n{asked}<|eot_id|><|start_header_id|>assistant"
+                                "<|end_header_id|>\n\n"), r
+    ids, stopped = r["output_ids"], r["output_text"].endswith("<|eot_id|>")
+    assert EOT not in ids[:-1] and (ids[-1] == EOT) == stopped, r
+    assert stopped or len(r["prompt_ids"]) + len(ids) == 64, r
     assert asked in stdout[3]  # the console shows each prompt and its answer
   assert stdout[3].count("  prompt ") == 4
 
