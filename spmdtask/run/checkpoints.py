@@ -122,7 +122,8 @@ def _warm_start(init_dir: str, program, state: TrainState
     step = io.pick_step(directory, init_dir, None)
     mngr = io.manager(directory, read_only=True)
     try:
-      params = io.restore(mngr, directory, program, step, ("params",), own=False)["params"]
+      params = io.restore(mngr, directory, program, step, ("params",), own=False,
+                          params_targets=program.canonical_targets().params)["params"]
     finally:
       mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir, step)

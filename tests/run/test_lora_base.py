@@ -38,21 +38,19 @@ def _lora_overrides(base: str, steps: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def lora(base_job, tmp_path_factory):
-  """A LoRA job warm-started from a copy of base_job (tests may damage the copy): 2 steps,
-  then resumed to 4; and the same 4 steps uninterrupted in another job."""
+  """A LoRA job warm-started from a copy of base_job (tests may damage the copy), 4 steps
+  uninterrupted (`straight`); and `job`: its checkpoint of step 2, resumed to 4."""
   root = tmp_path_factory.mktemp("lora")
   base, job, straight = (str(root / n) for n in ("base", "job", "straight"))
   shutil.copytree(base_job, base)
-  _, _, first = loop.train(util.build_run("lm.TinyLmLora", _lora_overrides(base, 2)),
-                           job_log_dir=job)
-  meta_at_2 = checkpoints.read_meta(job)
-  state, program, resumed = loop.train(util.build_run("lm.TinyLmLora", _lora_overrides(base, 4)),
-                                       job_log_dir=job)
-  ref, _, ref_losses = loop.train(util.build_run("lm.TinyLmLora", _lora_overrides(base, 4)),
-                                  job_log_dir=straight)
+  run = lambda: util.build_run("lm.TinyLmLora", _lora_overrides(base, 4))  # pylint: disable=unnecessary-lambda-assignment
+  ref, program, ref_losses = loop.train(run(), job_log_dir=straight)
+  # A job stopped after step 2 (its checkpoint names the base, not its job).
+  shutil.copytree(os.path.join(straight, "checkpoints", "2"), os.path.join(job, "checkpoints", "2"))
+  state, _, resumed = loop.train(run(), job_log_dir=job)
   canonical = lambda s: jax.device_get(program.to_canonical(s))  # pylint: disable=unnecessary-lambda-assignment
-  return types.SimpleNamespace(base=base, job=job, meta_at_2=meta_at_2, losses=first + resumed,
-                               ref_losses=ref_losses, state=canonical(state),
+  return types.SimpleNamespace(base=base, job=job, meta_at_2=checkpoints.read_meta(job, 2),
+                               resumed=resumed, ref_losses=ref_losses, state=canonical(state),
                                ref=canonical(ref))
 
 
@@ -71,7 +69,7 @@ def test_lora_job_starts_from_its_base_saves_only_adapters_and_resumes_bitwise(b
   assert {x.dtype.name for x in jax.tree.leaves(frozen)} == {"bfloat16", "float32"}  # norms
   # Resumed at step 2 (adapters + opt state from the job, the base from its base): the same
   # losses and bitwise the same state as 4 uninterrupted steps.
-  assert lora.losses == lora.ref_losses and len(lora.losses) == 4
+  assert lora.resumed == lora.ref_losses[2:] and len(lora.ref_losses) == 4
   util.assert_trees_equal(lora.state, lora.ref)
   # The checkpoints hold only the adapters (7 targets x A, B, layers stacked) and name the base.
   for meta in (lora.meta_at_2, checkpoints.read_meta(lora.job)):
@@ -139,3 +137,8 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
   with pytest.raises(ConfigError, match="job's checkpoints hold only the adapters|does not match"):
     checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.d_ff=256"))
   assert checkpoints.restore_state(lora.job, program)[1] == 4
+  # A LoRA job's adapter-only checkpoint is not a whole model to warm-start from.
+  plain = _program("lm.TinyLm")
+  with pytest.raises(ConfigError, match=r"holds only a LoRA job's adapters .*"
+                     f"in its base, {lora.base!r}"):
+    checkpoints.warm_start(lora.job, plain, plain.init())
