@@ -111,11 +111,10 @@ def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
 def _warm_start(init_dir: str, program, state: TrainState
                 ) -> tuple[TrainState, lora_base.Base | None]:
   """(warm_start's state, the base a LoRA model's checkpoints then name, else None)."""
-  canonical = program.to_canonical(state)
   base = None
   if train_state.adapters_only(program.model):
-    base, frozen = lora_base.read(init_dir, program)
-    params, step = lora_base.merged(canonical.params, frozen), base.step
+    base, params = lora_base.read(init_dir, program)
+    step = base.step
   else:
     fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
     directory = checkpoint_dir(init_dir)
@@ -127,6 +126,9 @@ def _warm_start(init_dir: str, program, state: TrainState
     finally:
       mngr.close()
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir, step)
+  canonical = program.to_canonical(state)
+  if base is not None:  # the frozen params the base's, the adapters fresh
+    params = lora_base.merged(canonical.params, params)
   return _live(program, int(jax.device_get(state.step)), params, canonical.opt_state), base
 
 
