@@ -133,7 +133,10 @@ def _warm_start(init_dir: str, program, state: TrainState
 
 
 class Checkpointer:
-  """Saves and restores one job's train state, input position and metadata.
+  """Saves and restores one job's train state, input position and metadata. A LoRA job
+  warm-started from a base (`base`, set by `initial_state` or by the restored checkpoint's
+  meta) saves only the adapters with their optimizer state; restores read the frozen params
+  from the base (`lora_base.whole_params`).
 
   Args:
     job_log_dir: checkpoints go to `job_log_dir/checkpoints/`.
@@ -267,7 +270,8 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
   """The padded state a train run starts from, with `inputs` positioned to match.
 
   Resumes from this job's checkpoint (`restore_step`, else the latest complete one) when
-  there is one; else a fresh init, with params from `init_checkpoint_dir` when given.
+  there is one; else a fresh init, with params from `init_checkpoint_dir` when given (a
+  LoRA model's frozen params: then `ckpt`'s saves hold only the adapters and name that base).
   """
   if ckpt is not None and (restore_step is not None or ckpt.latest_step() is not None):
     state, _, input_state = ckpt.restore(restore_step)
