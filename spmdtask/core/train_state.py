@@ -103,6 +103,16 @@ def trainable_mask(params, only_adapters: bool):
       lambda path, _: not only_adapters or _is_adapter(path), params)
 
 
+def adapters(tree):
+  """A params tree (nested dicts) with only its adapters' leaves (what a LoRA job's
+  checkpoints hold); subtrees with no adapter left out."""
+  if not isinstance(tree, dict):
+    return tree
+  kept = {k: v if is_adapter_name(str(k)) else adapters(v) for k, v in tree.items()
+          if is_adapter_name(str(k)) or isinstance(v, dict)}
+  return {k: v for k, v in kept.items() if is_adapter_name(str(k)) or v}
+
+
 def trainable(tree, only_adapters: bool):
   """`tree` (params or grads) with its frozen leaves None (e.g. for a gradient norm)."""
   if not only_adapters:

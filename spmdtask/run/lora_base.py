@@ -1,21 +1,31 @@
 """A LoRA job's base checkpoint: the warm start that fills the frozen params from it (the
-adapters stay fresh), and the record of it the job's own checkpoints keep in their `meta`.
+adapters stay fresh), and the `Base` its own checkpoints name, from which every restore
+reads the frozen params back.
 
 The base is any job's checkpoint (e.g. tools/convert_hf.py --from_hf) whose params are the
 LoRA model's frozen params, by name and shape; it may store them in another dtype (a
 float32 base for a bfloat16 `base_dtype`): they are read as stored, then cast.
+
+A LoRA job warm-started from a base saves only what it trains: the adapters, their optimizer
+state, the step and input position, and its `meta` names the base (META_KEY: dir, step, the
+frozen params' shapes fingerprint and the base arrays' stored fingerprints). A LoRA job with
+no base (a fresh init, or a tools/convert_hf.py --from_hf --lora_rank/--adapter import whose
+step-0 checkpoint is itself base + adapters) saves its whole params.
 """
+import dataclasses
 import hashlib
 import json
 
 import jax
 
+from spmdtask import fs
 from spmdtask.core import sharding
 from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
+from spmdtask.run import checkpoint_io, fingerprints
 
 FIELD = "task.train.init_checkpoint_dir"
-META_KEY = "lora_base"  # in a LoRA job's checkpoint meta: {dir, step, shapes_fingerprint}
+META_KEY = "lora_base"  # in a LoRA job's checkpoint meta: Base.record()
 
 
 def without_adapters(tree):
@@ -30,10 +40,37 @@ def _flat(tree) -> dict:
   return {sharding.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _hash(obj) -> str:
+  return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def fingerprint(params) -> str:
   """A short hash of the frozen params' names and shapes (what a base must match)."""
-  shapes = sorted((k, list(x.shape)) for k, x in _flat(without_adapters(params)).items())
-  return hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+  return _hash(sorted((k, list(x.shape)) for k, x in _flat(without_adapters(params)).items()))
+
+
+def _values_fingerprint(meta: dict) -> str | None:
+  """A hash of a base checkpoint's stored params fingerprints: its values (None: it has none)."""
+  stored = {k: v for k, v in meta.get(fingerprints.KEY, {}).items() if k.startswith("params/")}
+  return _hash(stored) if stored else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+  """The base checkpoint a LoRA job's checkpoints hold their adapters against."""
+  dir: str
+  step: int
+  shapes_fingerprint: str
+  values_fingerprint: str | None = None
+
+  def record(self) -> dict:
+    """What the job's checkpoints' `meta` say of it (META_KEY)."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+  @classmethod
+  def of(cls, meta: dict) -> "Base | None":
+    """The base a checkpoint's `meta` names; None for a job without one."""
+    return cls(**meta[META_KEY]) if META_KEY in meta else None
 
 
 def targets(model_params, saved, init_dir: str):
@@ -60,15 +97,74 @@ def targets(model_params, saved, init_dir: str):
       without_adapters(model_params))
 
 
-def merged(fresh, base):
-  """`fresh` params (a LoRA model's, nested dicts) with every frozen leaf taken from `base`
-  (`targets`' tree) and cast to the model's dtype; the adapters stay fresh."""
-  if isinstance(fresh, dict):
-    return {k: v if str(k).endswith(ADAPTER_SUFFIXES) else merged(v, base[k])
-            for k, v in fresh.items()}
-  return base.astype(fresh.dtype)
+def merged(model, base, adapters=None):
+  """`model`'s params tree (nested dicts of arrays or ShapeDtypeStructs) with every frozen
+  leaf taken from `base` (`targets`' tree) cast to the model's dtype, and every adapter from
+  `adapters` (a tree of the adapters alone), else `model`'s own."""
+  if isinstance(model, dict):
+    return {k: ((model[k] if adapters is None else adapters[k])
+                if str(k).endswith(ADAPTER_SUFFIXES)
+                else merged(v, base[k], None if adapters is None else adapters.get(k, {})))
+            for k, v in model.items()}
+  return base.astype(model.dtype)
 
 
-def record(init_dir: str, step: int, params) -> dict:
-  """What a LoRA job's checkpoints say of their base (META_KEY)."""
-  return {"dir": init_dir, "step": int(step), "shapes_fingerprint": fingerprint(params)}
+def read(init_dir: str, program, step: int | None = None, expected: Base | None = None
+         ) -> tuple[Base, dict]:
+  """(the Base, its frozen params in the stored dtypes, on `program.mesh`) of job
+  `init_dir`'s checkpoint `step` (None: its latest). With `expected` (what a LoRA job's
+  checkpoint names), ConfigError naming FIELD and the base dir when it is gone or is not that
+  base. Every process calls it."""
+  model_params = program.canonical_targets().params
+  shapes = fingerprint(model_params)
+  if expected is not None:
+    _check_expected(expected, shapes)
+  else:
+    fs.check_reachable(init_dir, FIELD)
+  directory = checkpoint_io.checkpoint_dir(init_dir)
+  step = checkpoint_io.pick_step(directory, init_dir, step)
+  mngr = checkpoint_io.manager(directory, read_only=True)
+  try:
+    want = targets(model_params, mngr.item_metadata(step)["params"], init_dir)
+    got = checkpoint_io.restore(mngr, directory, program, step, ("params",), own=False,
+                                params_targets=want)
+  finally:
+    mngr.close()
+  base = Base(init_dir, step, shapes, _values_fingerprint(got["meta"]))
+  if expected is not None and None not in (expected.values_fingerprint, base.values_fingerprint) \
+      and expected.values_fingerprint != base.values_fingerprint:
+    raise _mismatch(expected, f"its checkpoint at step {step} holds other values than the "
+                    "base this job started from (its stored fingerprints differ)")
+  return base, got["params"]
+
+
+def _check_expected(expected: Base, shapes: str) -> None:
+  """ConfigError when the base a checkpoint names is gone or cannot be this model's."""
+  if shapes != expected.shapes_fingerprint:
+    raise _mismatch(expected, "this model's frozen params do not have the shapes the base had "
+                    "(shapes fingerprint "
+                    f"{shapes}, base {expected.shapes_fingerprint}): the model config changed")
+  directory = checkpoint_io.checkpoint_dir(expected.dir)
+  if not fs.isdir(directory) or expected.step not in checkpoint_io.complete_steps(directory):
+    raise _mismatch(expected, f"there is no complete checkpoint at step {expected.step} in "
+                    f"{directory} any more")
+
+
+def _mismatch(base: Base, why: str) -> ConfigError:
+  return ConfigError(
+      f"This LoRA job's checkpoints hold only the adapters; the frozen params are read from "
+      f"the base it was warm-started from ({FIELD}={base.dir!r}, step {base.step}), but {why}. "
+      f"Put that base checkpoint back at {base.dir} (e.g. rerun the same tools/convert_hf.py "
+      "--from_hf into it), or restore with the model config the job was trained with (its "
+      "config.txt); nothing was changed.")
+
+
+def whole_params(program, got: dict):
+  """The whole canonical params of a restored checkpoint (`got`: its items and `meta`): as
+  read, or, for one that holds only the adapters, with the frozen params read from the base
+  its `meta` names (ConfigError naming FIELD when that base is gone or differs)."""
+  if got["meta"].get(checkpoint_io.HELD_KEY) != checkpoint_io.ADAPTERS:
+    return got["params"]
+  base = Base.of(got["meta"])
+  _, frozen = read(base.dir, program, base.step, expected=base)
+  return merged(program.canonical_targets().params, frozen, got["params"])

@@ -47,3 +47,10 @@ def test_fsdp_state_bytes_per_device():
   print(f"FSDP x{n}: per-device {worst} B, total/N {total / n:.0f} B, ratio {worst * n / total:.4f}")
   assert worst <= 1.02 * total / n
   assert len(per_device) == n
+
+
+def test_adapters_keeps_only_the_adapter_leaves():
+  from spmdtask.core import train_state  # pylint: disable=g-import-not-at-top
+  params = {"embed": 1, "layers": {"attn": {"q": 2, "q_lora_a": 3, "q_lora_b": 4},
+                                   "norm": {"scale": 5}}}
+  assert train_state.adapters(params) == {"layers": {"attn": {"q_lora_a": 3, "q_lora_b": 4}}}

@@ -1,65 +1,144 @@
 """run/lora_base.py: a LoRA job warm-starts its frozen params from a base checkpoint (in
-another dtype too) with fresh adapters; its checkpoints name the base and resume; a base
-that is not the model's is a ConfigError naming task.train.init_checkpoint_dir."""
+another dtype too) with fresh adapters; its checkpoints hold only the adapters and their
+optimizer state and name the base, from which every restore (resume, another mesh) reads
+the frozen params; a base that is gone, changed or not the model's is a ConfigError naming
+task.train.init_checkpoint_dir (exit 2)."""
+import os
+import shutil
+import types
+
 import jax
 import numpy as np
 import pytest
 
+from spmdtask.core import program as program_lib
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
-from spmdtask.run import checkpoints, loop, lora_base
+from spmdtask.run import checkpoint_check, checkpoint_io, checkpoints, loop, lora_base
+from tests import subproc as h
 from tests import util
 
-SMALL = ["task.model.num_layers=2", "task.ici_mesh_shape=(2, 2, 2)"]
+SMALL = ["task.model.num_layers=2", "task.ici_mesh_shape=(2, 2, 2)",
+         "task.train.save_interval_steps=1"]
 
 
 @pytest.fixture(scope="module")
 def base_job(tmp_path_factory):
-  """TinyLm (2 layers) trained 3 steps, its checkpoint at step 3."""
+  """TinyLm (2 layers) trained 3 steps, its checkpoints at steps 1, 2, 3."""
   job = str(tmp_path_factory.mktemp("base"))
   run = util.build_run("lm.TinyLm", SMALL + ["task.train.num_train_steps=3"])
   loop.train(run, job_log_dir=job)
   return job
 
 
-def test_lora_job_starts_from_its_base_names_it_and_resumes(base_job, tmp_path):
-  job = str(tmp_path / "lora")
-  over = SMALL + [f"task.train.init_checkpoint_dir={base_job!r}",
-                  "task.model.lora.base_dtype='bfloat16'", "task.train.num_train_steps=2"]
-  state, program, _ = loop.train(util.build_run("lm.TinyLmLora", over), job_log_dir=job)
-  params = jax.device_get(program.to_canonical(state).params)
-  base, _ = checkpoints.restore_state(base_job, _base_program(base_job))
+def _lora_overrides(base: str, steps: int) -> list[str]:
+  return SMALL + [f"task.train.init_checkpoint_dir={base!r}",
+                  "task.model.lora.base_dtype='bfloat16'", f"task.train.num_train_steps={steps}"]
+
+
+@pytest.fixture(scope="module")
+def lora(base_job, tmp_path_factory):
+  """A LoRA job warm-started from a copy of base_job (tests may damage the copy), 4 steps
+  uninterrupted (`straight`); and `job`: its checkpoint of step 2, resumed to 4."""
+  root = tmp_path_factory.mktemp("lora")
+  base, job, straight = (str(root / n) for n in ("base", "job", "straight"))
+  shutil.copytree(base_job, base)
+  run = lambda: util.build_run("lm.TinyLmLora", _lora_overrides(base, 4))  # pylint: disable=unnecessary-lambda-assignment
+  ref, program, ref_losses = loop.train(run(), job_log_dir=straight)
+  # A job stopped after step 2 (its checkpoint names the base, not its job).
+  shutil.copytree(os.path.join(straight, "checkpoints", "2"), os.path.join(job, "checkpoints", "2"))
+  state, _, resumed = loop.train(run(), job_log_dir=job)
+  canonical = lambda s: jax.device_get(program.to_canonical(s))  # pylint: disable=unnecessary-lambda-assignment
+  return types.SimpleNamespace(base=base, job=job, meta_at_2=checkpoints.read_meta(job, 2),
+                               resumed=resumed, ref_losses=ref_losses, state=canonical(state),
+                               ref=canonical(ref))
+
+
+def _du(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_lora_job_starts_from_its_base_saves_only_adapters_and_resumes_bitwise(base_job, lora):
+  params = lora.state.params
+  base, _ = checkpoints.restore_state(base_job, _program("lm.TinyLm"))
   base = jax.device_get(base.params)
-  # Every frozen param is the base's (cast to bfloat16), after 2 LoRA steps.
+  # Every frozen param is the base's (cast to bfloat16), after 4 LoRA steps.
   frozen = lora_base.without_adapters(params)
   jax.tree.map(lambda got, want: np.testing.assert_array_equal(
       got, want.astype(got.dtype)), frozen, base)
   assert {x.dtype.name for x in jax.tree.leaves(frozen)} == {"bfloat16", "float32"}  # norms
-  meta = checkpoints.read_meta(job)
-  assert meta[lora_base.META_KEY] == {"dir": base_job, "step": 3,
-                                      "shapes_fingerprint": lora_base.fingerprint(params)}
-  # Resumed to step 4: the base stays, the record is kept.
-  over[-1] = "task.train.num_train_steps=4"
-  state, program, losses = loop.train(util.build_run("lm.TinyLmLora", over), job_log_dir=job)
-  assert len(losses) == 2
-  again = jax.device_get(program.to_canonical(state).params)
-  jax.tree.map(np.testing.assert_array_equal, lora_base.without_adapters(again), frozen)
-  assert checkpoints.read_meta(job)[lora_base.META_KEY]["step"] == 3
-  mask = train_state.trainable_mask(again, True)
-  assert sum(m for m in jax.tree.leaves(mask)) == 2 * 7 * 1  # 7 targets x (A, B), stacked
+  # Resumed at step 2 (adapters + opt state from the job, the base from its base): the same
+  # losses and bitwise the same state as 4 uninterrupted steps.
+  assert lora.resumed == lora.ref_losses[2:] and len(lora.ref_losses) == 4
+  util.assert_trees_equal(lora.state, lora.ref)
+  # The checkpoints hold only the adapters (7 targets x A, B, layers stacked) and name the base.
+  for meta in (lora.meta_at_2, checkpoints.read_meta(lora.job)):
+    assert meta[lora_base.META_KEY] == {
+        "dir": lora.base, "step": 3, "shapes_fingerprint": lora_base.fingerprint(params),
+        "values_fingerprint": meta[lora_base.META_KEY]["values_fingerprint"]}
+    assert meta[checkpoint_io.HELD_KEY] == checkpoint_io.ADAPTERS
+  mngr = checkpoint_io.manager(checkpoints.checkpoint_dir(lora.job), read_only=True)
+  try:
+    stored = {k: v.shape for k, v in lora_base._flat(mngr.item_metadata(4)["params"]).items()}  # pylint: disable=protected-access
+  finally:
+    mngr.close()
+  assert sorted(stored) == sorted(k for k in lora_base._flat(params)  # pylint: disable=protected-access
+                                  if train_state.is_adapter_name(k))
+  assert len(stored) == 14 and stored["layers/block/attn/q_lora_a"] == (2, 128, 4)
+  job_bytes = _du(os.path.join(lora.job, "checkpoints", "4"))
+  base_bytes = _du(os.path.join(lora.base, "checkpoints", "3"))
+  print(f"checkpoint bytes: LoRA job step 4 {job_bytes}, base step 3 {base_bytes}")
+  assert job_bytes * 10 < base_bytes
+  # checkpoint_check's cut-short detection reads adapter-only checkpoints too.
+  ck = os.path.join(lora.job, "checkpoints", "4")
+  assert checkpoint_check.problem(ck) is None
 
 
-def _base_program(job):
-  from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
-  run = util.build_run("lm.TinyLm", SMALL)
-  return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+def _program(exp, *overrides, devices=None):
+  run = util.build_run(exp, SMALL + list(overrides))
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0), devices)
+
+
+def test_restore_onto_one_device_equals_eight(lora):
+  one = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'",
+                 "task.ici_mesh_shape=(1, 1, 1)", devices=jax.devices()[:1])
+  state, step = checkpoints.restore_state(lora.job, one)
+  assert step == 4
+  util.assert_trees_equal(jax.device_get(one.to_canonical(state)), lora.state)
 
 
 def test_a_base_of_another_model_is_a_config_error(base_job):
-  from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
-  run = util.build_run("lm.TinyLmLora", SMALL + ["task.model.d_ff=256"])
-  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  program = _program("lm.TinyLmLora", "task.model.d_ff=256")
   want = (r"task.train.init_checkpoint_dir=.* is not the base of this LoRA model.*"
           r"layers/block/mlp/wi: checkpoint \(2, 128, 512\), model \(2, 128, 256\)")
   with pytest.raises(ConfigError, match=want):
     checkpoints.warm_start(base_job, program, program.init())
+
+
+def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
+  program = _program("lm.TinyLmLora")
+  step3 = os.path.join(lora.base, "checkpoints", "3")
+  field = f"task.train.init_checkpoint_dir={lora.base!r}, step 3"
+  shutil.move(step3, tmp_path / "3")
+  try:
+    with pytest.raises(ConfigError, match=f"{field}.*no complete checkpoint at step 3"):
+      checkpoints.restore_state(lora.job, program)
+    r = h.run(h.main_cmd("lm.TinyLmLora", lora.job, *_lora_overrides(lora.base, 5)))
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and field in r.stderr, r.stderr[-3000:]
+    # Another checkpoint of the same shapes in its place: other values.
+    shutil.copytree(os.path.join(lora.base, "checkpoints", "2"), step3)
+    with pytest.raises(ConfigError, match=f"{field}.*holds other values"):
+      checkpoints.restore_state(lora.job, program)
+  finally:
+    shutil.rmtree(step3, ignore_errors=True)
+    shutil.move(tmp_path / "3", step3)
+  # The model config changed: its frozen shapes are not the base's.
+  with pytest.raises(ConfigError, match="job's checkpoints hold only the adapters|does not match"):
+    checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.d_ff=256"))
+  assert checkpoints.restore_state(lora.job, program)[1] == 4
+  # A LoRA job's adapter-only checkpoint is not a whole model to warm-start from.
+  plain = _program("lm.TinyLm")
+  with pytest.raises(ConfigError, match=r"holds only a LoRA job's adapters .*"
+                     f"in its base, {lora.base!r}"):
+    checkpoints.warm_start(lora.job, plain, plain.init())

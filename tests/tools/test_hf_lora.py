@@ -171,7 +171,7 @@ def test_a_lora_job_warm_started_from_an_import_exports_with_base_job(tmp_path):
   import fiddle as fdl  # pylint: disable=g-import-not-at-top
   from fiddle import printing  # pylint: disable=g-import-not-at-top
   from spmdtask import main  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import loop  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints, loop  # pylint: disable=g-import-not-at-top
   imp, job, out, again = (str(tmp_path / n) for n in ("import", "job", "adapter", "again"))
   exp = "finetune.LlamaLoraImport"
   lines = convert_hf.from_hf(BASE, imp)
@@ -180,6 +180,8 @@ def test_a_lora_job_warm_started_from_an_import_exports_with_base_job(tmp_path):
       "task.train.learning_rate=0.01", f"task.train.init_checkpoint_dir={imp!r}"])
   loop.train(fdl.build(cfg), job_log_dir=job,
              config_text=printing.as_str_flattened(cfg, include_types=False) + "\n")
+  # Its checkpoints hold only the adapters; the export reads the frozen base from the import.
+  assert checkpoints.read_meta(job)["params_held"] == "adapters"
   convert_hf.to_hf(job, out)
   convert_hf.to_hf(job, str(tmp_path / "given"), base_job=imp)
   assert _read_bytes(out) == _read_bytes(str(tmp_path / "given"))

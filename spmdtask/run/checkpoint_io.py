@@ -1,0 +1,171 @@
+"""One checkpoint dir's orbax manager and checked reads (used by `checkpoints` and
+`lora_base`): which steps are complete, which step to restore, and a read of a step's items
+that checks its files, its arrays' shapes and their fingerprints.
+
+What a step's `params` item holds is in its `meta`: the whole params, or (HELD_KEY =
+ADAPTERS, a LoRA job warm-started from a base: `lora_base`) the adapters alone; a read
+takes the model's targets for what it holds.
+"""
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from spmdtask import console, fs
+from spmdtask.core import sharding, train_state
+from spmdtask.errors import ConfigError
+from spmdtask.run import checkpoint_check, fingerprints
+
+ARRAY_ITEMS = ("params", "opt_state")
+JSON_ITEMS = ("inputs", "meta")
+COMMIT_FILE = "commit_success.txt"
+HELD_KEY, ADAPTERS = "params_held", "adapters"  # meta[HELD_KEY]; absent: the whole params
+
+
+def checkpoint_dir(job_log_dir: str) -> str:
+  return fs.join(fs.absolute(job_log_dir), "checkpoints")
+
+
+def manager(directory: str, save_interval_steps: int = 1, max_to_keep: int | None = None,
+            read_only: bool = False) -> ocp.CheckpointManager:
+  handlers = {**{k: ocp.StandardCheckpointHandler() for k in ARRAY_ITEMS},
+              **{k: ocp.JsonCheckpointHandler() for k in JSON_ITEMS}}
+  options = ocp.CheckpointManagerOptions(
+      save_interval_steps=0 if read_only else max(1, save_interval_steps),
+      max_to_keep=max_to_keep,
+      create=not read_only, read_only=read_only, cleanup_tmp_directories=not read_only,
+      enable_async_checkpointing=True)
+  with console.libraries_to_log():  # orbax logs a damaged step's metadata bytes
+    return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def is_complete(step_dir: str) -> bool:
+  names = set(fs.listdir(step_dir))
+  return COMMIT_FILE in names and all(k in names for k in ARRAY_ITEMS + JSON_ITEMS)
+
+
+def step_dirs(directory: str) -> dict[int, str]:
+  return {int(n): fs.join(directory, n) for n in fs.listdir(directory) if n.isdigit()}
+
+
+def complete_steps(directory: str) -> list[int]:
+  """Sorted steps of committed checkpoints; warns about each incomplete step dir."""
+  steps = []
+  for step, path in sorted(step_dirs(directory).items()):
+    if is_complete(path):
+      steps.append(step)
+    else:
+      logging.warning("Checkpoint %s is incomplete (never committed, e.g. the job died during "
+                      "its save); it is skipped.", path)
+  return steps
+
+
+def pick_step(directory: str, job_log_dir: str, step: int | None) -> int:
+  steps = complete_steps(directory)
+  if not steps:
+    raise ConfigError(f"There is no complete checkpoint in job_log_dir={job_log_dir!r} (looked in "
+                      f"{directory}). Train first (--mode=train), or pass the job_log_dir of a job "
+                      "that saved checkpoints.")
+  if step is None:
+    latest = max(steps)
+    if max(step_dirs(directory)) > latest:
+      logging.warning("Restoring the latest complete checkpoint, step %d, in %s.", latest,
+                      directory)
+    return latest
+  if step not in steps:
+    raise ConfigError(f"--restore_step={step}: there is no complete checkpoint at step {step} in "
+                      f"{directory}. Available steps: {steps}.")
+  return step
+
+
+def read_meta(mngr, step: int) -> dict:
+  return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _flat_shapes(tree) -> dict[str, tuple]:
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {sharding.path_str(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
+
+
+def _check_shapes(item: str, saved_metadata, expected, where: str) -> None:
+  """ConfigError listing every variable whose shape/dtype differs, is missing or is extra."""
+  saved = _flat_shapes(saved_metadata.tree if hasattr(saved_metadata, "tree")
+                       else saved_metadata)
+  want = _flat_shapes(expected)
+  bad = [f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, model {want[k][0]} {want[k][1]}"
+         for k in sorted(saved.keys() & want.keys()) if saved[k] != want[k]]
+  bad += [f"{k}: missing from the checkpoint" for k in sorted(want.keys() - saved.keys())]
+  bad += [f"{k}: in the checkpoint, not in the model" for k in sorted(saved.keys() - want.keys())]
+  if bad:
+    shown = "; ".join(bad[:20]) + (f"; ... ({len(bad) - 20} more)" if len(bad) > 20 else "")
+    raise ConfigError(
+        f"The checkpoint at {where} does not match this model's {item}: {len(bad)} mismatched "
+        f"variable(s): {shown}. Restore it with the model config it was trained with (see its "
+        "config.txt), or point task.train.init_checkpoint_dir / --job_log_dir elsewhere.")
+
+
+def restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_ITEMS,
+            own: bool = True, resume: bool = False, params_targets=None) -> dict[str, Any]:
+  """The items of checkpoint `step` with its `meta` (`params_targets`: the params a warm
+  start reads, whole ones; else what the step holds of the program's), checked;
+  CheckpointUnreadable (ConfigError if not `own`) when damaged."""
+  got, why = checked_read(mngr, directory, program, step, items, params_targets)
+  if why:
+    intact = next((s for s in sorted(complete_steps(directory), reverse=True) if s < step and
+                   checked_read(mngr, directory, program, s, items, params_targets)[1] is None),
+                  None)
+    raise checkpoint_check.unreadable(directory, step, why, intact, own, resume)
+  return got
+
+
+def checked_read(mngr, directory: str, program, step: int, items, params_targets=None
+                 ) -> tuple[dict[str, Any] | None, str | None]:
+  """(the items of checkpoint `step` with its `meta`, None), or (None, why) when it is
+  damaged: its metadata and file sizes (`checkpoint_check`, before any read), orbax's
+  restore, or its arrays' fingerprints (when it has them) say so."""
+  why = checkpoint_check.problem(fs.join(directory, str(step)))
+  if why:
+    return None, why
+  # A failure ends the run (in the binary the hooks stay: orbax's reads still in flight report).
+  with console.libraries_to_log():
+    try:
+      got = _read(mngr, directory, program, step, tuple(k for k in items if k != "meta"),
+                  params_targets)
+    except ConfigError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
+      logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
+      return None, checkpoint_check.read_failure(e)
+  stored = got["meta"].get(fingerprints.KEY)
+  if stored is None:  # written before checkpoints carried fingerprints: unchecked
+    return got, None
+  why = fingerprints.mismatch(stored, fingerprints.of(
+      {k: got[k] for k in ARRAY_ITEMS if k in items}, program.mesh))
+  return (None, why) if why else (got, None)
+
+
+def _read(mngr, directory: str, program, step: int, items, params_targets=None) -> dict[str, Any]:
+  """orbax's restore of `items` (and `meta`, read first: it says what the params hold) of
+  `step`, after checking the arrays' shapes."""
+  meta = read_meta(mngr, step)
+  targets = program.canonical_targets()
+  if meta.get(HELD_KEY) == ADAPTERS:
+    if params_targets is not None:  # a warm start's, which needs whole params
+      raise ConfigError(
+          f"The checkpoint at {directory}/{step} holds only a LoRA job's adapters (its frozen "
+          f"params are in its base, {meta.get('lora_base', {}).get('dir')!r}): a warm start "
+          "(task.train.init_checkpoint_dir) needs whole params. Point "
+          "task.train.init_checkpoint_dir at that base, or export the job merged "
+          "(tools/convert_hf.py --to_hf=DIR --merge_lora) and import that (--from_hf=DIR).")
+    params_targets = train_state.adapters(targets.params)
+  if params_targets is not None:
+    targets = targets._replace(params=params_targets)
+  metadata = mngr.item_metadata(step)
+  for item in ARRAY_ITEMS:
+    if item in items:
+      _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
+  args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
+  args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
+  got = mngr.restore(step, args=ocp.args.Composite(**args)) if args else {}
+  return {**{k: got[k] for k in args}, "meta": meta}
