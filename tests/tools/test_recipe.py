@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from spmdtask.run import checkpoints
 from tests import subproc as h
 from tools import convert_hf, hf_lora
 
@@ -85,7 +86,10 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
   assert {k: v.shape for k, v in tensors.items()} == _peft_shapes()
   assert all(np.abs(v).max() > 0 for k, v in tensors.items() if "lora_B" in k)
 
-  # The base in the LoRA job's last checkpoint is the import's, bit for bit.
+  # The LoRA job's checkpoints hold only the adapters and name the import as their base;
+  # restored, its frozen params are the import's, bit for bit.
+  meta = checkpoints.read_meta(lora)
+  assert meta["params_held"] == "adapters" and meta["lora_base"]["dir"].endswith("base"), meta
   hf_cfg = convert_hf.read_hf(MODEL)[0]
   imported = convert_hf.read_checkpoint(base, convert_hf.overrides(hf_cfg), "llama.LlamaImport")
   trained = convert_hf.read_checkpoint(lora, convert_hf.overrides(
