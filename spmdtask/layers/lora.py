@@ -10,10 +10,14 @@ the base weight's FSDP gather in `base.project` is unchanged). Init as PEFT's: A
 kaiming-uniform (±1/sqrt(fan_in), fan_in the in-dims' product), B zero, so a fresh adapter
 changes nothing.
 
-The target `experts` adapts an MoE's routed wi, wg and wo (all three; `expert_adapters`):
-per expert e, A [e, *in, r] and B [e, r, *out] (e a batch dim, split as the base weight's
-expert dim), applied to each expert's rows in the same grouped (or batched) matmuls as the
-base weights (`layers.moe`).
+The target `experts` adapts an MoE's routed wi, wg and wo, all three (`expert_adapters`):
+per expert e, A [e, in, r] and B [e, r, out] (e a batch dim, split as W's expert entry;
+A's in and B's out as W's), applied to each expert's rows in the dispatch's own grouped
+(dropless) or batched (capacity) matmuls, under its shard_map (expert parallelism: the
+adapters keep their expert shard and are gathered over FSDP axes like W), inside the
+experts' gates and checkpoint names (remat) and their ff slices (`ff_chunks`). Dropout on
+their inputs draws per assignment from (row id, token, choice), which travels with the
+token, so any layout draws the same masks. PEFT export of expert adapters is not built.
 
 Every other param of a LoRA model is frozen: read through `jax.lax.stop_gradient` (no
 gradient is formed for it) and stored in `base_dtype`; `core.train_state.trainable` is the
