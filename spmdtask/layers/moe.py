@@ -260,6 +260,10 @@ class MoeFfn(nn.Module):
     logits = project("btd,de->bte", x.astype(jnp.float32), router, self.router_split, batch,
                      jnp.float32)
     gates, experts, scores = route(logits, cfg)
+    # At init the adapters' term is skipped (B = 0: it adds nothing): a stacked layer's init
+    # under nn.vmap has B unbatched (zeros use no key), and ragged_dot's batching rule needs
+    # every operand batched (jax 0.10.2: "ragged_dot vmap over any dim but 0 - NYI").
+    adapters = None if self.is_initializing() else adapters
     drop = lora_drop if adapters is not None and lora.dropout else None
     y, dropped = self._experts(x, experts, gates, (wi, wg, wo), adapters, drop)
     y = checkpoint_name(constrain(y, batch), remat.MLP_OUT)
