@@ -17,7 +17,6 @@ import pytest
 from spmdtask import registry
 from spmdtask.layers import moe
 from spmdtask.layers.block import num_params
-from spmdtask.layers.lora import LoraConfig
 from tests import subproc as h
 from tests import util
 
@@ -126,28 +125,6 @@ def test_total_and_active_parameter_counts_are_the_published_ones(name):
   # 6·N_active·T + causal attention (6·L·heads·head_dim·T², half of the unmasked 12·).
   width = model.num_heads * model.head_dim
   assert work.train_flops == 6 * active * T + 6 * model.num_layers * width * T * T
-
-
-def test_mixtral_with_expert_lora_counts_its_adapters_and_their_active_share():
-  """LoRA rank 16 on q, k, v, o and the routed experts of Mixtral 8x7B: every expert's
-  wi, wg, wo adapted ([8, in, 16], [8, 16, out]); a token uses 2 of the 8 experts'
-  adapters; the frozen base costs 4·N·T, the adapters 6·N·T (layers.costs)."""
-  cfg = registry.get("moe.Mixtral_8x7B")().task().model
-  cfg.lora = fdl.Config(LoraConfig, rank=16, alpha=32.0, targets=("q", "k", "v", "o", "experts"))
-  model = fdl.build(cfg)
-  row = {"inputs": np.zeros((T,), np.int32), "targets": np.zeros((T,), np.int32),
-         "weights": np.ones((T,), np.float32)}
-  attention = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024))
-  experts = 8 * 3 * 16 * (4096 + 14336)
-  total, active = PUBLISHED["Mixtral_8x7B"]
-  assert num_params(model, row) == total + 32 * (attention + experts)
-  work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape, v.dtype)
-                                 for k, v in row.items()})
-  adapters = 32 * (attention + experts * 2 // 8)
-  assert work.active_params == active + adapters
-  width = model.num_heads * model.head_dim
-  assert work.train_flops == (6 * adapters * T + 4 * active * T
-                              + 6 * model.num_layers * width * T * T)
 
 
 # The published config.json fields (Mixtral-8x7B-v0.1, Qwen3-30B-A3B) that the converter reads.
