@@ -325,6 +325,24 @@ def test_train_flops_count_top_k_of_the_expert_adapters():
   assert work.active_params == full.active_params + adapters
 
 
+def _moe_layer(cls, cfg, lora):
+  none = (None, None, None)
+  return cls(16, cfg, jnp.float32, (None, None), none, none, (None, None), (None, None), None,
+             None, lora=lora)
+
+
+def test_expert_adapters_init_under_nn_vmap():
+  """The SPMD pipeline inits its layers under nn.vmap (a dim per stage, repeat, layer),
+  where B's zeros are unbatched: the init (no adapter term: B = 0) still makes A and B."""
+  from spmdtask.layers import moe  # pylint: disable=g-import-not-at-top
+  stacked = nn.vmap(moe.MoeFfn, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(None,), axis_size=2, metadata_params={nn.PARTITION_NAME: None})
+  lora = LoraConfig(rank=2, alpha=4.0, targets=("experts",))
+  layer = _moe_layer(stacked, moe.MoeConfig(num_experts=4, top_k=2, d_ff=8), lora)
+  params = jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((2, 3, 16)))["params"]
+  assert params["wo_lora_b"].value.shape == (2, 4, 2, 16)
+
+
 def test_expert_adapter_grads_equal_over_ff_slices_and_remat():
   """An MoE layer's expert adapters (dropless): value and grads of A and B equal with the ff
   dim in 2 slices, and, with adapter dropout 0.1, under full remat of the layer (the masks
@@ -333,9 +351,7 @@ def test_expert_adapter_grads_equal_over_ff_slices_and_remat():
   from spmdtask.layers import lora as lora_lib, moe  # pylint: disable=g-import-not-at-top
   cfg = moe.MoeConfig(num_experts=4, top_k=2, d_ff=8)
   lora = LoraConfig(rank=2, alpha=4.0, dropout=0.1, targets=("experts",))
-  none = (None, None, None)
-  layer = lambda c: moe.MoeFfn(16, c, jnp.float32, (None, None), none, none, (None, None),
-                               (None, None), None, None, lora=lora)
+  layer = lambda c: _moe_layer(moe.MoeFfn, c, lora)
   x = jax.random.normal(jax.random.key(1), (4, 6, 16))
   drop = lora_lib.Dropout(jax.random.key_data(jax.random.key(3)), jnp.arange(4) + 10)
   params = nn.unbox(layer(cfg).init(jax.random.key(0), x)["params"])
