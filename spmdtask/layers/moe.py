@@ -13,6 +13,10 @@ those axes: expert weights keep their shard of the expert dim (axes of `expert_i
 their other dims are all-gathered over manual (FSDP) axes like `layers.base.project`, and
 tokens travel by all-to-all (`layers.moe_dispatch`). A `model` axis on the ff dim stays
 automatic (GSPMD).
+
+LoRA (`layers.lora`, target `experts`): each routed weight's per-expert adapters run beside
+it on the same rows (`ExpertLora`), gathered and split as it is; the router and the experts
+are frozen.
 """
 import dataclasses
 import functools
