@@ -11,6 +11,7 @@ import fiddle as fdl
 import optax
 
 from configs.llama import LLAMA3_VOCAB, LLAMA31_SCALING, LlamaImport, _Llama, llama_model
+from configs.moe import Mixtral_8x7B
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.transformer import TransformerLm
 from spmdtask.registry import register
@@ -98,6 +99,21 @@ class Llama31_70B_Lora(_FineTune):
     return with_lora(llama_model(
         vocab_size=LLAMA3_VOCAB, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
         d_ff=28672, max_seq_len=131072, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING))
+
+
+@register
+class Mixtral_8x7B_Lora(_FineTune, Mixtral_8x7B):
+  """Mixtral 8x7B with LoRA rank 16 on q, k, v, o and the routed experts (`experts`: every
+  expert's wi, wg and wo, 240M adapters), the frozen base in bfloat16, on moe.Mixtral_8x7B's
+  slice and batch (v5p-128, `--plan_topology=v5p:4x4x4`: FSDP 16 x 4, 256 rows x 4096
+  tokens, full remat, megablox)."""
+  peak_learning_rate = 2e-4
+
+  def model(self):
+    cfg = super().model()
+    cfg.lora = fdl.Config(LoraConfig, rank=16, alpha=32.0, base_dtype="bfloat16",
+                          targets=("q", "k", "v", "o", "experts"))
+    return cfg
 
 
 @register

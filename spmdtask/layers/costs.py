@@ -18,18 +18,25 @@ VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole
 ROUTED = ("wi", "wg", "wo")  # a block's routed experts' weights, under its `moe`: [E, ...]
 
 
-def active_params(params, top_k: int, num_experts: int) -> int:
+def active_params(params, top_k: int, num_experts: int, adapters_only: bool = False) -> int:
   """The params one token uses, counted from `params` (shapes suffice, boxed or not): all
   of them but the routed experts' weights (`.../moe/{wi,wg,wo}`, each holding all
-  `num_experts` experts), of which a token uses `top_k`. The router and the shared experts
-  (`moe/shared`) count whole, as do attention, norms, embedding and head."""
+  `num_experts` experts) and their LoRA adapters (`.../moe/wi_lora_a` etc., per expert
+  too), of which a token uses `top_k`. The router and the shared experts (`moe/shared`)
+  count whole, as do attention, norms, embedding and head. `adapters_only`: count only the
+  LoRA adapters (`core.train_state.is_adapter_name`)."""
   total = 0
   # Unboxed by hand: flax's unbox would constrain each shape to its sharding in a mesh.
   plain = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x, params,
                        is_leaf=lambda x: isinstance(x, nn.Partitioned))
   for path, x in jax.tree_util.tree_flatten_with_path(plain)[0]:
     keys = sharding.path_keys(path)
-    routed = "moe" in keys[:-1] and keys[-1] in ROUTED and "shared" not in keys
+    adapter = train_state.is_adapter_name(keys[-1])
+    if adapters_only and not adapter:
+      continue
+    weight = keys[-1].removesuffix(train_state.ADAPTER_SUFFIXES[0]).removesuffix(
+        train_state.ADAPTER_SUFFIXES[1])
+    routed = "moe" in keys[:-1] and weight in ROUTED and "shared" not in keys
     total += x.size * top_k // num_experts if routed else x.size
   return total
 
@@ -50,10 +57,9 @@ def lm_work(model, example) -> Work:
   width = model.num_heads * model.head_dim
   flops = train_flops(n, model.num_layers, width, t, causal=True)
   if model.lora is not None:  # frozen weights (layers.lora): no weight gradient, 4·N not 6·N
-    boxes = jax.tree_util.tree_leaves_with_path(  # (no nn.unbox: it constrains in a mesh)
-        shapes, is_leaf=lambda x: isinstance(x, nn.Partitioned))
-    adapters = sum(x.value.size for p, x in boxes
-                   if train_state.is_adapter_name(sharding.path_str(p)))
+    # The adapters a token uses: with `moe`, top_k of each routed expert's (layers.lora).
+    adapters = (active_params(shapes, model.moe.top_k, model.moe.num_experts, True)
+                if model.moe else active_params(shapes, 1, 1, True))
     flops -= 2.0 * (n - adapters) * t
   return Work(flops, t, active_params=active,
               attention_flops=attention_flops(model.num_layers, width, t, causal=True))

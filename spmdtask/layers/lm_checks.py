@@ -48,11 +48,6 @@ def _validate_lora(model) -> None:
   dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
   weights = lora_lib.ATTENTION + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
   model.lora.validate(weights)
-  if "experts" in model.lora.targets:
-    raise ConfigError(
-        f"{lora_lib.FIELD}.targets={model.lora.targets!r}: adapters on the routed experts "
-        "('experts') are not built yet (their grouped matmuls run per expert shard); adapt "
-        "the attention (q, k, v, o) and any dense or shared MLP (wi, wg, wo) instead.")
 
 
 def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:

@@ -10,6 +10,15 @@ the base weight's FSDP gather in `base.project` is unchanged). Init as PEFT's: A
 kaiming-uniform (±1/sqrt(fan_in), fan_in the in-dims' product), B zero, so a fresh adapter
 changes nothing.
 
+The target `experts` adapts an MoE's routed wi, wg and wo, all three (`expert_adapters`):
+per expert e, A [e, in, r] and B [e, r, out] (e a batch dim, split as W's expert entry;
+A's in and B's out as W's), applied to each expert's rows in the dispatch's own grouped
+(dropless) or batched (capacity) matmuls, under its shard_map (expert parallelism: the
+adapters keep their expert shard and are gathered over FSDP axes like W), inside the
+experts' gates and checkpoint names (remat) and their ff slices (`ff_chunks`). Dropout on
+their inputs draws per assignment from (row id, token, choice), which travels with the
+token, so any layout draws the same masks. PEFT export of expert adapters is not built.
+
 Every other param of a LoRA model is frozen: read through `jax.lax.stop_gradient` (no
 gradient is formed for it) and stored in `base_dtype`; `core.train_state.trainable` is the
 one rule (by param name) that gives adapters alone optimizer state.
@@ -140,6 +149,46 @@ def project(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array,
     h = base.constrain(h, (rows,) + (None,) * (h.ndim - 1))
   delta = jnp.einsum(f"{mid},{r}{w_dims[n_in:]}->{out}", h, b)
   return y + (delta * jnp.asarray(cfg.scale, dtype)).astype(y.dtype)
+
+
+class ExpertAdapters(NamedTuple):
+  """An MoE's routed-expert adapters (target `experts`), (A, B) per base weight: wi, wg
+  A [e, d, r], B [e, r, f]; wo A [e, f, r], B [e, r, d] (their scale: `LoraConfig.scale`)."""
+  wi: tuple[jax.Array, jax.Array]
+  wg: tuple[jax.Array, jax.Array]
+  wo: tuple[jax.Array, jax.Array]
+
+
+EXPERT_WEIGHTS = ("wi", "wg", "wo")  # what the target `experts` adapts, in ExpertAdapters order
+
+
+def expert_adapters(module: nn.Module, weights: dict[str, tuple[jax.Array, SplitDims]],
+                    cfg: LoraConfig | None) -> ExpertAdapters | None:
+  """The adapters of an MoE's routed `weights` (name -> (W [e, in, out], its split-dims)),
+  made beside them in `module` where `cfg` targets `experts` (else None): A [e, in, r] split
+  (W's e entry, W's in entry, None), kaiming-uniform over fan_in = in; B [e, r, out] split
+  (W's e entry, None, W's out entry), zero."""
+  if cfg is None or "experts" not in cfg.targets:
+    return None
+  pairs = []
+  for name in EXPERT_WEIGHTS:
+    w, split = weights[name]
+    e, n_in, n_out = w.shape
+    a = module.param(f"{name}{ADAPTER_SUFFIXES[0]}",
+                     nn.with_partitioning(_uniform(1.0 / math.sqrt(n_in)),
+                                          (split[0], split[1], None)),
+                     (e, n_in, cfg.rank), jnp.float32)
+    b = module.param(f"{name}{ADAPTER_SUFFIXES[1]}",
+                     nn.with_partitioning(nn.initializers.zeros, (split[0], None, split[2])),
+                     (e, cfg.rank, n_out), jnp.float32)
+    pairs.append((a, b))
+  return ExpertAdapters(*pairs)
+
+
+def expert_dropout_stream(name: str) -> int:
+  """`base.dropout`'s `which` for the input of expert weight `name`'s adapter (after the
+  dense targets' 2 + TARGETS.index)."""
+  return 2 + len(TARGETS) + EXPERT_WEIGHTS.index(name)
 
 
 def _without(split: SplitDims, axes: tuple[str, ...]) -> SplitDims:

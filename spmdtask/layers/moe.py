@@ -13,10 +13,14 @@ those axes: expert weights keep their shard of the expert dim (axes of `expert_i
 their other dims are all-gathered over manual (FSDP) axes like `layers.base.project`, and
 tokens travel by all-to-all (`layers.moe_dispatch`). A `model` axis on the ff dim stays
 automatic (GSPMD).
+
+LoRA (`layers.lora`, target `experts`): each routed weight's per-expert adapters run beside
+it on the same rows (`ExpertLora`), gathered and split as it is; the router and the experts
+are frozen.
 """
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -146,22 +150,44 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, sizes: jax.Array, kernel: str
              interpret=kernel == "megablox_interpret")
 
 
-def _swiglu(x, gates, wi, wg, wo, matmul):
+class ExpertLora(NamedTuple):
+  """The routed experts' adapters as `experts_ffn` applies them (layers.lora target
+  `experts`): `adapters` whole (gathered, in the compute dtype), the rows' `x_in` (wi's and
+  wg's adapter inputs: the rows, or their dropout), `scale` alpha / r, `matmul(rows, w)`
+  (the adapters' grouped or batched matmul), `drop_h(h, i)` (wo's adapter input from ff
+  slice i's hidden: identity, or its dropout)."""
+  adapters: lora_lib.ExpertAdapters
+  x_in: tuple[jax.Array, jax.Array]
+  scale: float
+  matmul: Callable
+  drop_h: Callable
+
+
+def _swiglu(x, gates, wi, wg, wo, matmul, lora: ExpertLora | None = None, part=0):
   """Expert SwiGLU with the MLP's checkpoint names (every remat preset applies), each
-  output row scaled by its gate."""
-  h = checkpoint_name(matmul(x, wi), remat.MLP_UP)
-  gate = checkpoint_name(matmul(x, wg), remat.MLP_GATE)
+  output row scaled by its gate; with `lora` each weight's adapter term
+  (alpha / r)·x_in·A·B added to its product (`part`: the ff slice, for wo's dropout)."""
+  def lin(i, inp, w, lora_in):
+    y = matmul(inp, w)
+    if lora is None:
+      return y
+    a, b = lora.adapters[i]
+    return y + lora.matmul(lora.matmul(lora_in, a), b) * jnp.asarray(lora.scale, y.dtype)
+
+  x_in = (None, None) if lora is None else lora.x_in
+  h = checkpoint_name(lin(0, x, wi, x_in[0]), remat.MLP_UP)
+  gate = checkpoint_name(lin(1, x, wg, x_in[1]), remat.MLP_GATE)
   h = checkpoint_name(jax.nn.silu(gate) * h, remat.MLP_HIDDEN)
-  out = matmul(h, wo)
+  out = lin(2, h, wo, None if lora is None else lora.drop_h(h, part))
   return out * gates[..., None].astype(out.dtype)
 
 
 def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul: Callable,
-                chunks: int) -> jax.Array:
+                chunks: int, lora: ExpertLora | None = None) -> jax.Array:
   """x [..., d] through the routed experts' SwiGLU, each row times its gate (`gates` [...]);
   `weights` (wi, wg [E, d, f], wo [E, f, d]) as this device holds them, `whole(w, i)` the
   i-th of them whole (gathered over FSDP axes, in the compute dtype), `matmul(rows, w)` one
-  expert matmul.
+  expert matmul; `lora`: their adapters (`ExpertLora`), or None.
 
   chunks > 1: the ff dim runs in `chunks` slices (hidden units j, j + chunks, ...: a
   `model` split of f holds every slice's share), one after another in a `lax.scan`: each
@@ -170,12 +196,16 @@ def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul
   preset's MLP names are not kept across slices; each slice's weight gradients are its
   own, never summed over steps). The gates are applied inside, so the gates' gradient
   comes from each slice's backward and a remat'd layer need not rerun the slices for it.
-  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1."""
-  def run(x, gates, wi, wg, wo):
-    return _swiglu(x, gates, whole(wi, 0), whole(wg, 1), whole(wo, 2), matmul)
+  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1. The
+  adapters' f-dim factors (wi's and wg's B, wo's A) are sliced alike; the others and
+  `lora.x_in` are every slice's (x·A is recomputed per slice: r columns, cheap)."""
+  def run(x, gates, wi, wg, wo, adapters, part):
+    ad = None if lora is None else lora._replace(adapters=adapters)
+    return _swiglu(x, gates, whole(wi, 0), whole(wg, 1), whole(wo, 2), matmul, ad, part)
 
+  ads = None if lora is None else lora.adapters
   if chunks == 1:
-    return run(x, gates, *weights)
+    return run(x, gates, *weights, ads, 0)
 
   def sliced(w, axis):  # [..., f, ...] -> [chunks, ..., f / chunks, ...], strided
     shape = w.shape[:axis] + (w.shape[axis] // chunks, chunks) + w.shape[axis + 1:]
@@ -183,12 +213,18 @@ def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul
 
   wi, wg, wo = weights
   step = jax.checkpoint(run)
+  per_slice = None if ads is None else (sliced(ads.wi[1], 2), sliced(ads.wg[1], 2),
+                                         sliced(ads.wo[0], 1))
 
-  def body(total, ws):  # the sum stays outside the checkpoint: no per-step copy of it
-    return total + step(x, gates, *ws).astype(jnp.float32), None
+  def body(total, xs):  # the sum stays outside the checkpoint: no per-step copy of it
+    ws, lora_xs, part = xs
+    adapters = None if ads is None else lora_lib.ExpertAdapters(
+        (ads.wi[0], lora_xs[0]), (ads.wg[0], lora_xs[1]), (lora_xs[2], ads.wo[1]))
+    return total + step(x, gates, *ws, adapters, part).astype(jnp.float32), None
 
   zero = jnp.zeros_like(x, jnp.float32)  # varying over the manual axes x varies over
-  total, _ = jax.lax.scan(body, zero, (sliced(wi, 2), sliced(wg, 2), sliced(wo, 1)))
+  total, _ = jax.lax.scan(body, zero, ((sliced(wi, 2), sliced(wg, 2), sliced(wo, 1)),
+                                       per_slice, jnp.arange(chunks)))
   return total.astype(x.dtype)
 
 
@@ -205,7 +241,8 @@ class MoeFfn(nn.Module):
   ff_act_split: SplitDims | None
   embed_split: SplitDims | None
   kernel: str = "auto"      # grouped_matmul's kernel (dropless)
-  # Frozen router and experts (no 'experts' adapters yet); the shared experts' Mlp adapted.
+  # Frozen router and experts; with the target `experts` the routed wi, wg, wo adapted
+  # (layers.lora.expert_adapters); the shared experts' Mlp adapted as a dense MLP.
   lora: lora_lib.LoraConfig | None = None
 
   @nn.compact
@@ -220,19 +257,30 @@ class MoeFfn(nn.Module):
     wi = lora_lib.weight(self, "wi", (e, d, f), self.in_split, init, lora)
     wg = lora_lib.weight(self, "wg", (e, d, f), self.in_split, init, lora)
     wo = lora_lib.weight(self, "wo", (e, f, d), self.out_split, init, lora)
+    adapters = lora_lib.expert_adapters(
+        self, dict(wi=(wi, self.in_split), wg=(wg, self.in_split), wo=(wo, self.out_split)),
+        lora)
     batch = self.embed_split
     logits = project("btd,de->bte", x.astype(jnp.float32), router, self.router_split, batch,
                      jnp.float32)
     gates, experts, scores = route(logits, cfg)
-    y, dropped = self._experts(x, experts, gates, wi, wg, wo)
+    # At init the adapters' term is skipped (B = 0: it adds nothing): a stacked layer's init
+    # under nn.vmap has B unbatched (zeros use no key), and ragged_dot's batching rule needs
+    # every operand batched (jax 0.10.2: "ragged_dot vmap over any dim but 0 - NYI").
+    adapters = None if self.is_initializing() else adapters
+    drop = lora_drop if adapters is not None and lora.dropout else None
+    y, dropped = self._experts(x, experts, gates, (wi, wg, wo), adapters, drop)
     y = checkpoint_name(constrain(y, batch), remat.MLP_OUT)
     if cfg.shared_ff:
       y = y + Mlp(d, cfg.shared_ff, "swiglu", self.dtype, self.shared_in_split,
                   self.shared_out_split, self.ff_act_split, lora=lora, name="shared")(x, lora_drop)
     return y, row_stats(logits, scores, experts, dropped, cfg)
 
-  def _experts(self, x, experts, gates, wi, wg, wo):
-    """The dispatch, per device under a shard_map manual over the batch's axes (module doc)."""
+  def _experts(self, x, experts, gates, weights, adapters, drop):
+    """The dispatch, per device under a shard_map manual over the batch's axes (module doc);
+    `adapters` (lora.ExpertAdapters or None) gathered and applied beside the weights, `drop`
+    (lora.Dropout or None) their inputs' dropout, per assignment from its global id (row id
+    · t·k + token · k + choice), which travels with the token."""
     cfg, dt = self.cfg, self.dtype
     mesh = jax.sharding.get_abstract_mesh()
     manual = base.batch_axes(mesh, self.embed_split, x.shape[0])
@@ -241,37 +289,82 @@ class MoeFfn(nn.Module):
     # Per dim, the manual (FSDP) axes to gather over; the expert dim stays split.
     gathered = [((),) + tuple(tuple(a for a in entry_axes(s) if a in manual) for s in split[1:])
                 for split in (self.in_split, self.in_split, self.out_split)]
+    # An adapter's dims: A (e, in, r), B (e, r, out): the base weight's in / out entries.
+    ad_gathered = [(((), g[1], ()), ((), (), g[2])) for g in gathered]
 
     def whole(w, i):  # weight i's local shard whole over the manual FSDP axes, in dt
       return base.gather(w.astype(base.moved_dtype(dt)), gathered[i]).astype(dt)
 
-    def local(x, experts, gates, *ws):
+    def local(x, experts, gates, ws, ads, ids, key):
+      """One device's dispatch; `ads` its adapter shards, `ids` its assignments' global ids
+      and `key` the dropout's key data (None without adapters / dropout)."""
       x = x.astype(dt)
+
+      def lora_for(rows, row_ids, matmul):  # the adapters' ExpertLora for these rows
+        if ads is None:
+          return None
+        whole_ads = lora_lib.ExpertAdapters(*[
+            tuple(base.gather(w.astype(base.moved_dtype(dt)), axes).astype(dt)
+                  for w, axes in zip(pair, ad_gathered[i])) for i, pair in enumerate(ads)])
+        if row_ids is None:
+          return ExpertLora(whole_ads, (rows, rows), self.lora.scale, matmul, lambda h, _: h)
+
+        def dropped(v, which):  # v [..., n], a row per assignment: its mask from its id
+          flat = v.reshape(-1, v.shape[-1])
+          return base.dropout(flat, self.lora.dropout, key, row_ids.reshape(-1),
+                              which).reshape(v.shape)
+        wo, n = lora_lib.expert_dropout_stream("wo"), len(lora_lib.EXPERT_WEIGHTS)
+        return ExpertLora(  # ff slice `part` of wo's input draws from stream wo + n·part
+            whole_ads, tuple(dropped(rows, lora_lib.expert_dropout_stream(w))
+                             for w in ("wi", "wg")),
+            self.lora.scale, matmul, lambda h, part: dropped(h, wo + n * part))
+
       if cfg.dispatch == "dropless":
-        ffn = lambda rows, row_gates, sizes: experts_ffn(
-            rows, row_gates, ws, whole, lambda h, w: grouped_matmul(h, w, sizes, self.kernel),
-            cfg.ff_chunks)
-        return moe_dispatch.dropless(x, experts, gates, cfg.num_experts // n_ep, ep, n_ep, ffn)
+        def ffn(rows, row_gates, row_ids, sizes):
+          mm = lambda h, w: grouped_matmul(h, w, sizes, self.kernel)
+          # The adapters' rank is far below megablox's tile: plain ragged_dot.
+          small = lambda h, w: grouped_matmul(h, w, sizes, "ragged_dot")
+          return experts_ffn(rows, row_gates, ws, whole, mm, cfg.ff_chunks,
+                             lora_for(rows, row_ids, small))
+        return moe_dispatch.dropless(x, experts, gates, cfg.num_experts // n_ep, ep, n_ep, ffn,
+                                     ids)
       cap = moe_dispatch.capacity(x.shape[1], cfg.top_k, cfg.num_experts,
                                   cfg.capacity_factor)
-      ffn = lambda buf, buf_gates: experts_ffn(
-          buf, buf_gates, ws, whole, lambda h, w: jnp.einsum("emd,edf->emf", h, w),
-          cfg.ff_chunks)
+      mm = lambda h, w: jnp.einsum("emd,edf->emf", h, w)
+      ffn = lambda buf, buf_gates, buf_ids: experts_ffn(
+          buf, buf_gates, ws, whole, mm, cfg.ff_chunks, lora_for(buf, buf_ids, mm))
       return moe_dispatch.capacity_dispatch(x, experts, gates, cfg.num_experts, cap, ep, n_ep,
-                                            ffn)
+                                            ffn, ids)
 
+    ids = key = None
+    if drop is not None:
+      t, k = experts.shape[1:]
+      ids = (drop.row_ids.astype(jnp.int32)[:, None, None] * (t * k)
+             + jnp.arange(t * k, dtype=jnp.int32).reshape(t, k))
+      key = drop.key
     # A Pallas kernel (megablox gmm, TPU) has no partitioning rule: its shard_map is manual
     # over every mesh axis (those that do not split an input replicate it), and unchecked:
     # gmm's group metadata (jnp.histogram) fails to trace with manual-axis types (jax 0.10.2).
     megablox = cfg.dispatch == "dropless" and platform() == "tpu" and not mesh.empty
     if not manual and not megablox:
-      return local(x, experts, gates, wi, wg, wo)
+      return local(x, experts, gates, weights, adapters, ids, key)
     names = set(mesh.axis_names) - set(mesh.manual_axes) if megablox else set(manual)
     rows = P(manual or None)
-    w_specs = tuple(P(ep or None, *[a or None for a in axes[1:]]) for axes in gathered)
-    return jax.shard_map(local, in_specs=(rows, rows, rows) + w_specs,
-                         out_specs=(rows, rows), axis_names=names,
-                         check_vma=not megablox)(x, experts, gates, wi, wg, wo)
+    spec = lambda axes: P(ep or None, *[a or None for a in axes])
+    w_specs = tuple(spec(axes[1:]) for axes in gathered)
+    ad_specs = None if adapters is None else lora_lib.ExpertAdapters(
+        *[tuple(spec(axes[1:]) for axes in pair) for pair in ad_gathered])
+    # Optional inputs (None) pass outside the shard_map: `given` says which go in.
+    opt = {"ads": (adapters, ad_specs), "ids": (ids, rows), "key": (key, P())}
+    given = [n for n, (v, _) in opt.items() if v is not None]
+
+    def manual_local(x, experts, gates, ws, *rest):
+      got = dict(zip(given, rest))
+      return local(x, experts, gates, ws, got.get("ads"), got.get("ids"), got.get("key"))
+    return jax.shard_map(manual_local,
+                         in_specs=(rows, rows, rows, w_specs) + tuple(opt[n][1] for n in given),
+                         out_specs=(rows, rows), axis_names=names, check_vma=not megablox)(
+                             x, experts, gates, weights, *[opt[n][0] for n in given])
 
 
 class MoeBlock(Block):

@@ -43,11 +43,13 @@ def _exchange(x: jax.Array, ep: tuple[str, ...], axis: int) -> jax.Array:
 
 
 def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
-             ep: tuple[str, ...], n_ep: int, ffn: Callable) -> tuple[jax.Array, jax.Array]:
+             ep: tuple[str, ...], n_ep: int, ffn: Callable, ids: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
   """(output [g, t, d], dropped assignments per row [g] (zeros)) (module doc).
 
-  `ffn(rows [m, d], row_gates [m], group_sizes [num_local]) -> [m, d]` runs rows sorted by
-  local expert, each output row times its gate.
+  `ffn(rows [m, d], row_gates [m], row_ids [m] | None, group_sizes [num_local]) -> [m, d]`
+  runs rows sorted by local expert, each output row times its gate; `row_ids` are `ids`
+  [g, t, k] (int32, one per assignment) travelling with their rows, or None.
   """
   g, t, d = x.shape
   k = experts.shape[-1]
@@ -57,8 +59,9 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
   sorted_e = flat[order]
   rows = x.reshape(g * t, d)[order // k]
   row_gates = gates.reshape(m)[order]
+  row_ids = None if ids is None else ids.reshape(m)[order]
   if not ep:  # every expert here: one grouped matmul, then each assignment back in place
-    out = ffn(rows, row_gates, jnp.bincount(flat, length=num_local).astype(jnp.int32))
+    out = ffn(rows, row_gates, row_ids, jnp.bincount(flat, length=num_local).astype(jnp.int32))
     return (jnp.sum(out[jnp.argsort(order)].reshape(g, t, k, d), axis=2),
             jnp.zeros((g,), jnp.float32))
   dest = sorted_e // num_local
@@ -70,13 +73,15 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
   send_g = jnp.zeros((n_ep, m), gates.dtype).at[dest, slot].set(row_gates)
   recv, recv_e = _exchange(send, ep, 0), _exchange(send_e, ep, 0)
   recv_g = _exchange(send_g, ep, 0).reshape(n_ep * m)
+  recv_i = None if ids is None else _exchange(
+      jnp.zeros((n_ep, m), jnp.int32).at[dest, slot].set(row_ids), ep, 0).reshape(n_ep * m)
   # The receiver runs what arrived grouped by its local expert; padding (id num_local) last.
   recv_e = recv_e.reshape(n_ep * m)
   local_order = jnp.argsort(recv_e, stable=True)
   sizes = jnp.bincount(recv_e, length=num_local).astype(jnp.int32)
   valid = (recv_e[local_order] < num_local)[:, None]
   out = jnp.where(valid, ffn(recv.reshape(n_ep * m, d)[local_order], recv_g[local_order],
-                             sizes), 0)
+                             None if ids is None else recv_i[local_order], sizes), 0)
   back = jnp.zeros_like(out).at[local_order].set(out).reshape(n_ep, m, d)
   back = _exchange(back, ep, 0)[dest, slot]                 # [m, d], sorted order
   y = jnp.zeros_like(back).at[order].set(back).reshape(g, t, k, d)
@@ -84,12 +89,13 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
 
 
 def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_experts: int,
-                      cap: int, ep: tuple[str, ...], n_ep: int, ffn: Callable
-                      ) -> tuple[jax.Array, jax.Array]:
+                      cap: int, ep: tuple[str, ...], n_ep: int, ffn: Callable,
+                      ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(output [g, t, d], dropped assignments per row [g]) (module doc).
 
-  `ffn(buffers [E_local, rows, d], gates [E_local, rows]) -> [E_local, rows, d]` runs each
-  local expert's slots, each output row times its gate (0 in an empty slot).
+  `ffn(buffers [E_local, rows, d], gates [E_local, rows], ids [E_local, rows] | None)
+  -> [E_local, rows, d]` runs each local expert's slots, each output row times its gate (0
+  in an empty slot); `ids` are `ids` [g, t, k] (int32) travelling with their slots, or None.
   """
   g, t, d = x.shape
   k = experts.shape[-1]
@@ -109,8 +115,14 @@ def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_ex
       gates, mode="drop")
   buf = _exchange(buf.reshape(g, n_ep, e_loc, cap, d), ep, 1)  # [g, src dev, E_local, C, d]
   buf_g = _exchange(buf_g.reshape(g, n_ep, e_loc, cap), ep, 1)
+  buf_i = None
+  if ids is not None:
+    buf_i = jnp.zeros((g, num_experts, cap), jnp.int32).at[rows, experts, slot].set(
+        ids, mode="drop")
+    buf_i = _exchange(buf_i.reshape(g, n_ep, e_loc, cap), ep, 1).transpose(2, 0, 1, 3)
+    buf_i = buf_i.reshape(e_loc, g * n_ep * cap)
   out = ffn(buf.transpose(2, 0, 1, 3, 4).reshape(e_loc, g * n_ep * cap, d),
-            buf_g.transpose(2, 0, 1, 3).reshape(e_loc, g * n_ep * cap))
+            buf_g.transpose(2, 0, 1, 3).reshape(e_loc, g * n_ep * cap), buf_i)
   out = out.reshape(e_loc, g, n_ep, cap, d).transpose(1, 2, 0, 3, 4)
   out = _exchange(out, ep, 1).reshape(g, num_experts, cap, d)
   y = out.at[rows, experts, slot].get(mode="fill", fill_value=0)  # [g, t, k, d], gated

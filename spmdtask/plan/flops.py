@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import jax
 from jax.extend import core
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public API
 
 
 def _dot_flops(eqn) -> float:
@@ -121,7 +122,14 @@ def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
   return total
 
 
+def needed(jaxpr: core.Jaxpr) -> core.Jaxpr:
+  """`jaxpr` without the equations no output needs, as the compiled program drops them:
+  e.g. megablox's custom VJP forms the weight gradient (tgmm) of a frozen (LoRA) expert
+  weight, which nothing reads."""
+  return pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))[0]
+
+
 def traced_flops(fn: Callable, *args, kernels_only: bool = False) -> float:
   """Matmul FLOPs of one call `fn(*args)` (args may be ShapeDtypeStructs), all devices;
   with `kernels_only`, those inside Pallas kernels."""
-  return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr, kernels_only)
+  return jaxpr_flops(needed(jax.make_jaxpr(fn)(*args).jaxpr), kernels_only)

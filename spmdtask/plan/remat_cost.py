@@ -38,7 +38,7 @@ def step_flops(lowering) -> tuple[float, float]:
   """Matmul FLOPs of one train step (a `layouts.Lowering` with its fn and abstract args),
   all devices, and those of them inside Pallas kernels."""
   with jax.set_mesh(lowering.mesh):
-    jaxpr = jax.make_jaxpr(lowering.fn)(*lowering.args).jaxpr
+    jaxpr = flops.needed(jax.make_jaxpr(lowering.fn)(*lowering.args).jaxpr)
   return flops.jaxpr_flops(jaxpr), flops.jaxpr_flops(jaxpr, kernels_only=True)
 
 

@@ -1,6 +1,7 @@
 """configs/finetune.py: the fine-tunes' parameter counts (the published base + the adapters)
 and their plans on the slices they are sized for (TPU ahead-of-time compile)."""
 import fiddle as fdl
+import jax
 import numpy as np
 import pytest
 
@@ -26,6 +27,27 @@ def test_parameter_count_is_the_base_plus_the_adapters(name):
   row = {"inputs": np.zeros((8,), np.int32), "targets": np.zeros((8,), np.int32),
          "weights": np.ones((8,), np.float32)}
   assert num_params(model, row) == BASE[name] + ADAPTERS[name]
+
+
+def test_mixtral_lora_counts_its_expert_adapters_and_their_active_share():
+  """Mixtral_8x7B_Lora: rank 16 on q, k, v, o and every routed expert's wi, wg, wo ([8, in,
+  16], [8, 16, out]); a token uses 2 of the 8 experts' adapters; the frozen base costs
+  4·N·T, the adapters 6·N·T (layers.costs)."""
+  model = fdl.build(registry.get("finetune.Mixtral_8x7B_Lora")().task().model)
+  t = 8
+  row = {"inputs": np.zeros((t,), np.int32), "targets": np.zeros((t,), np.int32),
+         "weights": np.ones((t,), np.float32)}
+  attention = 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024))
+  experts = 8 * 3 * 16 * (4096 + 14336)
+  total, active = 46_702_792_704, 12_879_925_248  # Mixtral 8x7B's (tests/configs/test_moe.py)
+  assert num_params(model, row) == total + 32 * (attention + experts)
+  work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+                                 for k, v in row.items()})
+  adapters = 32 * (attention + experts * 2 // 8)
+  assert work.active_params == active + adapters
+  width = model.num_heads * model.head_dim
+  assert work.train_flops == (6 * adapters * t + 4 * active * t
+                              + 6 * model.num_layers * width * t * t)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """layers/lora.py: the adapters' params (names, shapes, splits, PEFT init), the effective
 weight W + (alpha / r)·A·B, frozen bases (no gradient, no optimizer state, bitwise
-unchanged) and 1 vs 8 devices."""
+unchanged) and 1 vs 8 devices; the same for an MoE's routed experts (target `experts`)."""
 import re
 
 import fiddle as fdl
@@ -109,7 +109,8 @@ def test_frozen_weights_get_no_gradient_matmul():
 
 @pytest.mark.parametrize("field,value,match", [
     ("rank", 0, r"lora.rank=0"), ("alpha", 0.0, r"lora.alpha=0.0"),
-    ("dropout", 1.0, r"lora.dropout=1.0"), ("targets", ("q", "experts"), r"'experts' matches no"),
+    ("dropout", 1.0, r"lora.dropout=1.0"),
+    ("targets", ("q", "experts"), r"lora.targets=\('q', 'experts'\): 'experts' matches no"),
     ("targets", ("query",), r"'query' matches no weight.*q, k, v, o, wi, wg, wo"),
     ("base_dtype", "float16", r"lora.base_dtype"),
 ])
@@ -125,16 +126,54 @@ def test_a_gelu_mlp_has_no_wg_to_adapt():
     model.validate(_mesh(), 2)
 
 
-def test_adapters_on_routed_experts_are_refused():
+def test_experts_are_a_target_of_moe_models_only():
   from spmdtask.layers.moe import MoeConfig  # pylint: disable=g-import-not-at-top
-  model = _model(targets=("q", "experts")).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8))
-  with pytest.raises(ConfigError, match=r"'experts'\) are not built yet"):
-    model.validate(_mesh(), 2)
-  # The attention of an MoE model adapts; its routed experts have no dense 'wi'.
   moe = MoeConfig(num_experts=4, top_k=2, d_ff=8)
-  _model(targets=("q", "o")).clone(moe=moe).validate(_mesh(), 2)
+  _model(targets=("q", "experts")).clone(moe=moe).validate(_mesh(), 2)
+  with pytest.raises(ConfigError, match=r"task.model.lora.targets=.*'experts' matches no"):
+    _model(targets=("experts",)).validate(_mesh(), 2)
+  # An MoE's routed experts have no dense 'wi' (only a shared expert or dense layer would).
   with pytest.raises(ConfigError, match=r"'wi' matches no weight"):
     _model(targets=("wi",)).clone(moe=moe).validate(_mesh(), 2)
+
+
+@pytest.mark.parametrize("dispatch,ff_chunks", [("dropless", 1), ("capacity", 2)])
+def test_expert_adapters_add_alpha_over_rank_times_a_b_per_expert(dispatch, ff_chunks):
+  """Random adapters on the routed experts (and q): the LoRA MoE's loss equals the plain
+  MoE's with each expert's W_e + (alpha / r)·A_e·B_e; A [L, e, in, r], B [L, e, r, out]
+  split as W's expert, in and out entries."""
+  from spmdtask.layers.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+  moe = MoeConfig(num_experts=4, top_k=2, d_ff=8, dispatch=dispatch, ff_chunks=ff_chunks,
+                  capacity_factor=0.75)  # capacity: some assignments dropped
+  model = _model(alpha=3.0, targets=("q", "experts")).clone(moe=moe)
+  boxed = _boxed(model)
+  experts = boxed["layers"]["block"]["moe"]
+  assert experts["wi_lora_a"].value.shape == (2, 4, 16, 4)
+  assert experts["wi_lora_a"].names == (None, None, "fsdp", None)
+  assert experts["wg_lora_b"].value.shape == (2, 4, 4, 8)
+  assert experts["wg_lora_b"].names == (None, None, None, "model")
+  assert experts["wo_lora_a"].names == (None, None, "model", None)
+  assert experts["wo_lora_b"].names == (None, None, None, "fsdp")
+  assert not np.any(np.asarray(experts["wo_lora_b"].value))
+  a = np.asarray(experts["wo_lora_a"].value)  # fan_in: d_ff
+  assert np.abs(a).max() <= 1 / np.sqrt(8) and not np.array_equal(a[:, 0], a[:, 1])
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: jax.random.normal(jax.random.key(7), x.shape)
+      if p[-1].key.endswith("_lora_b") else x, nn.unbox(boxed))
+  merged = jax.tree.map(lambda x: x, params)  # new dicts, same arrays
+  sub = merged["layers"]["block"]["moe"]
+  for n in ("wi", "wg", "wo"):
+    a, b = sub.pop(f"{n}_lora_a"), sub.pop(f"{n}_lora_b")
+    sub[n] = sub[n] + (3.0 / 4) * jnp.einsum("leir,lero->leio", a, b)
+  sub = merged["layers"]["block"]["attn"]
+  a, b = sub.pop("q_lora_a"), sub.pop("q_lora_b")
+  sub["q"] = sub["q"] + (3.0 / 4) * jnp.einsum("lir,lrhk->lihk", a, b)
+  batch = _batch()
+  loss = lambda m: jax.jit(lambda p: m.apply({"params": p}, batch, method=m.loss)[0])
+  lora_loss = loss(model)
+  got, want = lora_loss(params), loss(model.clone(lora=None))(merged)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  assert abs(got - lora_loss(nn.unbox(boxed))) > 1e-2  # the adapters matter
 
 
 def test_trainable_mask_is_by_name():
@@ -230,15 +269,34 @@ def test_lora_under_mpmd_and_a_context_axis_equals_one_device():
                           want)
 
 
+def _moe_lora(dispatch="dropless", ff_chunks=1, remat=None):
+  def edit(cfg):
+    cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, dropout=0.1,
+                                     targets=("q", "v", "o", "experts"))
+    cfg.task.model.moe.dispatch = dispatch
+    cfg.task.model.moe.ff_chunks = ff_chunks
+    cfg.task.model.remat_policy = remat
+  return edit
+
+
 @pytest.mark.slow
-def test_attention_lora_on_an_expert_parallel_moe_equals_one_device():
-  """TinyMoe (8 experts over the `expert` axis of all 8 devices) with adapters on q, v, o:
-  the router and experts frozen."""
-  def lora(cfg):
-    cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, targets=("q", "v", "o"))
-  want = util.train_steps("TinyMoe", 4, devices=jax.devices()[:1], edit=lora,
-                          overrides=["task.ici_mesh_shape=(1, 1, 1, 1)"])
-  _assert_same_training(util.train_steps("TinyMoe", 4, edit=lora), want)
+@pytest.mark.parametrize("moe,mesh", [
+    (dict(), (1, 4, 2, 1)),
+    (dict(dispatch="capacity", ff_chunks=2, remat="minimal"), (2, 2, 2, 1)),
+], ids=["dropless_expert_fsdp", "capacity_ff_chunks_remat_data_expert_fsdp"])
+def test_expert_lora_on_an_expert_parallel_moe_equals_one_device(moe, mesh):
+  """TinyMoe with adapters on q, v, o and the routed experts, adapter dropout 0.1: the
+  experts over `expert` (all-to-all), their d over `fsdp`; the router and experts frozen
+  (bitwise unchanged), the expert adapters trained."""
+  edit, one = _moe_lora(**moe), ["task.ici_mesh_shape=(1, 1, 1, 1)"]
+  want = util.train_steps("TinyMoe", 4, devices=jax.devices()[:1], edit=edit, overrides=one)
+  init = util.train_steps("TinyMoe", 0, devices=jax.devices()[:1], edit=edit, overrides=one)
+  got = util.train_steps("TinyMoe", 4, edit=edit,
+                         overrides=[f"task.ici_mesh_shape={mesh}"])
+  _assert_same_training(got, want)
+  jax.tree.map(np.testing.assert_array_equal, _split(want[1])[1], _split(init[1])[1])
+  moe_params = want[1]["layers"]["block"]["moe"]
+  assert np.any(moe_params["wo_lora_b"]) and np.any(moe_params["wi_lora_b"])
 
 
 def test_train_flops_count_no_weight_gradient_for_frozen_params():
@@ -250,3 +308,67 @@ def test_train_flops_count_no_weight_gradient_for_frozen_params():
   frozen = (full.train_flops - full.attention_flops) / (6 * 8)
   assert model.work_per_example(example).train_flops == (
       full.attention_flops + 6 * 8 * adapters + 4 * 8 * frozen)
+
+
+def test_train_flops_count_top_k_of_the_expert_adapters():
+  """With `experts` adapted, a token uses top_k of E experts' adapters (6·N·T) and of
+  their frozen weights (4·N·T)."""
+  from spmdtask.layers.moe import MoeConfig  # pylint: disable=g-import-not-at-top
+  model = _model(targets=("experts",)).clone(moe=MoeConfig(num_experts=4, top_k=2, d_ff=8))
+  example = {k: jax.ShapeDtypeStruct((8,), v.dtype) for k, v in _batch().items()}
+  full = model.clone(lora=None).work_per_example(example)
+  # layers x (wi, wg, wo) x top_k experts x r·(16 + 8)
+  adapters = 2 * 3 * 2 * 4 * (16 + 8)
+  frozen = (full.train_flops - full.attention_flops) / (6 * 8)
+  work = model.work_per_example(example)
+  assert work.train_flops == full.attention_flops + 6 * 8 * adapters + 4 * 8 * frozen
+  assert work.active_params == full.active_params + adapters
+
+
+def _moe_layer(cls, cfg, lora):
+  none = (None, None, None)
+  return cls(16, cfg, jnp.float32, (None, None), none, none, (None, None), (None, None), None,
+             None, lora=lora)
+
+
+def test_expert_adapters_init_under_nn_vmap():
+  """The SPMD pipeline inits its layers under nn.vmap (a dim per stage, repeat, layer),
+  where B's zeros are unbatched: the init (no adapter term: B = 0) still makes A and B."""
+  from spmdtask.layers import moe  # pylint: disable=g-import-not-at-top
+  stacked = nn.vmap(moe.MoeFfn, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(None,), axis_size=2, metadata_params={nn.PARTITION_NAME: None})
+  lora = LoraConfig(rank=2, alpha=4.0, targets=("experts",))
+  layer = _moe_layer(stacked, moe.MoeConfig(num_experts=4, top_k=2, d_ff=8), lora)
+  params = jax.eval_shape(layer.init, jax.random.key(0), jnp.zeros((2, 3, 16)))["params"]
+  assert params["wo_lora_b"].value.shape == (2, 4, 2, 16)
+
+
+def test_expert_adapter_grads_equal_over_ff_slices_and_remat():
+  """An MoE layer's expert adapters (dropless): value and grads of A and B equal with the ff
+  dim in 2 slices, and, with adapter dropout 0.1, under full remat of the layer (the masks
+  redrawn alike in the recompute); the frozen experts and router get none."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from spmdtask.layers import lora as lora_lib, moe  # pylint: disable=g-import-not-at-top
+  cfg = moe.MoeConfig(num_experts=4, top_k=2, d_ff=8)
+  lora = LoraConfig(rank=2, alpha=4.0, dropout=0.1, targets=("experts",))
+  layer = lambda c: _moe_layer(moe.MoeFfn, c, lora)
+  x = jax.random.normal(jax.random.key(1), (4, 6, 16))
+  drop = lora_lib.Dropout(jax.random.key_data(jax.random.key(3)), jnp.arange(4) + 10)
+  params = nn.unbox(layer(cfg).init(jax.random.key(0), x)["params"])
+  params = {k: jax.random.normal(jax.random.key(7), v.shape) if k.endswith("_lora_b") else v
+            for k, v in params.items()}
+  probe = jax.random.normal(jax.random.key(2), x.shape)
+  loss = lambda c, d: lambda p: jnp.sum(layer(c).apply({"params": p}, x, d)[0] * probe)
+  two = dataclasses.replace(cfg, ff_chunks=2)
+  # (want, got) pairs: slices without dropout (wo's adapter draws its mask per slice), and
+  # full remat with dropout, all at once and in slices.
+  pairs = [(loss(cfg, None), loss(two, None))] + [
+      (loss(c, drop), jax.checkpoint(loss(c, drop))) for c in (cfg, two)]
+  got = jax.jit(lambda p: [[jax.value_and_grad(f)(p) for f in pair] for pair in pairs])(params)
+  grads = got[1][0][1]
+  assert not np.any(np.asarray(grads["wi"])) and not np.any(np.asarray(grads["router"]))
+  assert np.any(np.asarray(grads["wo_lora_a"])) and np.any(np.asarray(grads["wi_lora_b"]))
+  assert abs(got[1][0][0] - got[0][0][0]) > 1e-3  # the dropout is on
+  for (want_value, want), (value, grads) in got:
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    util.assert_trees_close(grads, want, terms=48)

@@ -99,3 +99,18 @@ def test_grouped_matmuls_count_each_row_once():
   gmm = lambda x, w, sizes: megablox.gmm(x, w, sizes, tiling=(128, 128, 128), interpret=True)
   assert flops.traced_flops(_grouped_loss(gmm), x, w, sizes) == 3 * dense
   assert flops.traced_flops(_grouped_loss(gmm), x, w, sizes, kernels_only=True) == 3 * dense
+
+
+def test_a_frozen_weight_costs_no_gradient_kernel():
+  """megablox gmm's custom VJP forms the weight gradient (tgmm) too; with the weight frozen
+  (stop_gradient, as LoRA's base experts) nothing reads it and it is not counted: 2 kernel
+  matmuls (forward, input gradient), not 3."""
+  from spmdtask.layers import moe  # pylint: disable=import-outside-toplevel
+  m, d, f, e = 256, 128, 128, 2
+  sizes = jnp.array([128, 128], jnp.int32)
+  loss = lambda w, x: jnp.sum(moe.grouped_matmul(x, w, sizes, "megablox_interpret") ** 2)
+  args = (jnp.ones((e, d, f)), jnp.ones((m, d)))
+  full = flops.traced_flops(jax.grad(loss, (0, 1)), *args, kernels_only=True)
+  frozen = flops.traced_flops(
+      jax.grad(lambda w, x: loss(jax.lax.stop_gradient(w), x), 1), *args, kernels_only=True)
+  assert (full, frozen) == (3 * 2 * m * d * f, 2 * 2 * m * d * f)

@@ -193,3 +193,13 @@ def test_a_lora_job_warm_started_from_an_import_exports_with_base_job(tmp_path):
       convert_hf.read_hf(BASE)[0], lora=lora), exp)
   back = convert_hf.read_checkpoint(again, convert_hf.from_hf(BASE, again, out), exp)
   util.assert_trees_close(back, trained, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_peft_adapters_of_an_moe_are_refused(model_type):
+  """Expert adapters (layers.lora target `experts`) have no PEFT layout here: an MoE's LoRA
+  neither comes in (--adapter, --lora_rank) nor goes out (--to_hf) in PEFT's format."""
+  from tools import hf_models  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=rf"model_type='{model_type}': LoRA adapters in and "
+                     r"out of PEFT are supported for 'llama' models only"):
+    hf_models.lora_experiment({"model_type": model_type})
