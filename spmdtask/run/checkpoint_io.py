@@ -92,17 +92,25 @@ def _check_shapes(item: str, saved_metadata, expected, where: str) -> None:
   """ConfigError listing every variable whose shape/dtype differs, is missing or is extra."""
   saved = _flat_shapes(saved_metadata.tree if hasattr(saved_metadata, "tree")
                        else saved_metadata)
-  want = _flat_shapes(expected)
-  bad = [f"{k}: checkpoint {saved[k][0]} {saved[k][1]}, model {want[k][0]} {want[k][1]}"
+  count, shown = differences(saved, _flat_shapes(expected), 20)
+  if count:
+    raise ConfigError(
+        f"The checkpoint at {where} does not match this model's {item}: {count} mismatched "
+        f"variable(s): {shown}. Restore it with the model config it was trained with (see its "
+        "config.txt), or point task.train.init_checkpoint_dir / --job_log_dir elsewhere.")
+
+
+def differences(saved: dict[str, tuple], want: dict[str, tuple], most: int) -> tuple[int, str]:
+  """(how many variables differ, the first `most` of them in words) between a checkpoint's
+  and a model's {path: (shape, ...)} tables: another shape or dtype, missing, or extra."""
+  def words(v):
+    return " ".join(str(x) for x in v)
+  bad = [f"{k}: checkpoint {words(saved[k])}, model {words(want[k])}"
          for k in sorted(saved.keys() & want.keys()) if saved[k] != want[k]]
   bad += [f"{k}: missing from the checkpoint" for k in sorted(want.keys() - saved.keys())]
   bad += [f"{k}: in the checkpoint, not in the model" for k in sorted(saved.keys() - want.keys())]
-  if bad:
-    shown = "; ".join(bad[:20]) + (f"; ... ({len(bad) - 20} more)" if len(bad) > 20 else "")
-    raise ConfigError(
-        f"The checkpoint at {where} does not match this model's {item}: {len(bad)} mismatched "
-        f"variable(s): {shown}. Restore it with the model config it was trained with (see its "
-        "config.txt), or point task.train.init_checkpoint_dir / --job_log_dir elsewhere.")
+  more = f"; ... ({len(bad) - most} more)" if len(bad) > most else ""
+  return len(bad), "; ".join(bad[:most]) + more
 
 
 def restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_ITEMS,

@@ -78,17 +78,14 @@ def targets(model_params, saved, init_dir: str):
   ShapeDtypeStructs, adapters included) in the dtypes the checkpoint (`saved`: its params'
   metadata tree) holds. ConfigError naming FIELD when its params are not this base."""
   want, have = _flat(without_adapters(model_params)), _flat(saved)
-  bad = [f"{k}: checkpoint {tuple(have[k].shape)}, model {tuple(want[k].shape)}"
-         for k in sorted(want.keys() & have.keys())
-         if tuple(have[k].shape) != tuple(want[k].shape)]
-  bad += [f"{k}: missing from the checkpoint" for k in sorted(want.keys() - have.keys())]
-  bad += [f"{k}: in the checkpoint, not in the model" for k in sorted(have.keys() - want.keys())]
-  if bad:
-    shown = "; ".join(bad[:10]) + (f"; ... ({len(bad) - 10} more)" if len(bad) > 10 else "")
+  count, shown = checkpoint_io.differences(
+      {k: (tuple(x.shape),) for k, x in have.items()},
+      {k: (tuple(x.shape),) for k, x in want.items()}, 10)
+  if count:
     raise ConfigError(
         f"{FIELD}={init_dir!r} is not the base of this LoRA model: its params must be the "
         f"model's frozen params (every param but the *_lora_a / *_lora_b adapters), by name "
-        f"and shape; {len(bad)} differ: {shown}. Point {FIELD} at a checkpoint of this model "
+        f"and shape; {count} differ: {shown}. Point {FIELD} at a checkpoint of this model "
         "without LoRA (e.g. made by tools/convert_hf.py --from_hf), or set task.model to the "
         "base's architecture.")
   return jax.tree_util.tree_map_with_path(

@@ -51,8 +51,9 @@ def test_mixtral_lora_counts_its_expert_adapters_and_their_active_share():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,topology", [("Llama31_8B_Lora", "v5e:2x4"),
-                                           ("Llama31_70B_Lora", "v5e:8x8")])
+# The 70B alone keeps the suite's time (Llama31_8B_Lora on v5e:2x4 plans the same way:
+# 83 s on 2 cores; its figures are README's LoRA table).
+@pytest.mark.parametrize("name,topology", [("Llama31_70B_Lora", "v5e:8x8")])
 def test_lora_plans_fit_their_slices(name, topology):
   """Compiled for the TPU slice on this CPU machine: the step fits the chip's HBM; only the
   adapters are trainable and hold (AdamW's two) optimizer moments."""

@@ -31,10 +31,6 @@ def _logits(exp, lines, params):
   return np.asarray(jax.jit(model.apply)({"params": params}, tokens))
 
 
-def _read_bytes(directory):
-  return {f: open(os.path.join(directory, f), "rb").read() for f in sorted(os.listdir(directory))}
-
-
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
   """(job dir, override lines) of the fixture base + adapter through --from_hf --adapter."""
@@ -161,38 +157,6 @@ def test_new_adapters_start_as_peft_does_and_export(tmp_path):
   with pytest.raises(ConfigError, match=r"r=0"):
     convert_hf.from_hf(BASE, str(tmp_path / "bad"), new_lora={**new, "r": 0})
   assert not os.path.exists(tmp_path / "bad")
-
-
-@pytest.mark.slow
-def test_a_lora_job_warm_started_from_an_import_exports_with_base_job(tmp_path):
-  """The other LoRA flow: a plain --from_hf import, a LoRA job in its own dir warm-started
-  from it (task.train.init_checkpoint_dir), exported with its base found from that field
-  (as --base_job=the import gives)."""
-  import fiddle as fdl  # pylint: disable=g-import-not-at-top
-  from fiddle import printing  # pylint: disable=g-import-not-at-top
-  from spmdtask import main  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import checkpoints, loop  # pylint: disable=g-import-not-at-top
-  imp, job, out, again = (str(tmp_path / n) for n in ("import", "job", "adapter", "again"))
-  exp = "finetune.LlamaLoraImport"
-  lines = convert_hf.from_hf(BASE, imp)
-  cfg = main.resolved_config(exp, lines + [
-      "task.model.lora.rank=2", "task.model.lora.alpha=4.0", "task.train.num_train_steps=2",
-      "task.train.learning_rate=0.01", f"task.train.init_checkpoint_dir={imp!r}"])
-  loop.train(fdl.build(cfg), job_log_dir=job,
-             config_text=printing.as_str_flattened(cfg, include_types=False) + "\n")
-  # Its checkpoints hold only the adapters; the export reads the frozen base from the import.
-  assert checkpoints.read_meta(job)["params_held"] == "adapters"
-  convert_hf.to_hf(job, out)
-  convert_hf.to_hf(job, str(tmp_path / "given"), base_job=imp)
-  assert _read_bytes(out) == _read_bytes(str(tmp_path / "given"))
-  peft_cfg, tensors = hf_lora.read(out)
-  assert peft_cfg["r"] == 2 and peft_cfg["lora_alpha"] == 4.0
-  assert np.abs(tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]).max() > 0
-  lora = hf_lora.lora_fields(peft_cfg, "x")
-  trained = convert_hf.read_checkpoint(job, convert_hf.overrides(
-      convert_hf.read_hf(BASE)[0], lora=lora), exp)
-  back = convert_hf.read_checkpoint(again, convert_hf.from_hf(BASE, again, out), exp)
-  util.assert_trees_close(back, trained, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])

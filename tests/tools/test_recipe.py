@@ -99,6 +99,12 @@ def test_the_readme_recipe_runs_as_written(tmp_path):
   assert set(flat_base) < set(flat_lora)
   for path, value in flat_base.items():
     assert flat_lora[path].dtype == value.dtype and flat_lora[path].tobytes() == value.tobytes(), path
+  # The exported adapter read back (--from_hf --adapter) is the trained one.
+  again = os.path.join(out, "again")
+  back = convert_hf.read_checkpoint(again, convert_hf.from_hf(MODEL, again, adapter),
+                                    "finetune.LlamaLoraImport")
+  for path, value in _flatten(back):
+    np.testing.assert_allclose(value, flat_lora[path], rtol=0, atol=1e-6, err_msg=path)
 
 
 def _flatten(tree, prefix=""):
