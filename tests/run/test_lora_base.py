@@ -85,12 +85,15 @@ def test_lora_job_starts_from_its_base_saves_only_adapters_and_resumes_bitwise(b
   assert sorted(stored) == sorted(k for k in lora_base._flat(params)  # pylint: disable=protected-access
                                   if train_state.is_adapter_name(k))
   assert len(stored) == 14 and stored["layers/block/attn/q_lora_a"] == (2, 128, 4)
-  # On disk, the job's params item is the adapters' bytes, not the base's (the whole step
-  # also holds orbax's per-item files, whose size varies with its write buffers).
+  # On disk, the job's params item is the adapters (4% of the params' bytes here), not the
+  # base: orbax adds its own files to each item (~100 KB, varying with its write buffers),
+  # so the item is bounded by the adapters' bytes plus that, a quarter of the base's item.
+  adapter_bytes = sum(4 * np.prod(s) for s in stored.values())
+  assert adapter_bytes < 0.05 * sum(x.nbytes for x in jax.tree.leaves(base))
   job_bytes = _du(os.path.join(lora.job, "checkpoints", "4", "params"))
   base_bytes = _du(os.path.join(lora.base, "checkpoints", "3", "params"))
   print(f"params bytes: LoRA job step 4 {job_bytes}, base step 3 {base_bytes}")
-  assert job_bytes * 10 < base_bytes
+  assert job_bytes * 4 < base_bytes
   # checkpoint_check's cut-short detection reads adapter-only checkpoints too.
   ck = os.path.join(lora.job, "checkpoints", "4")
   assert checkpoint_check.problem(ck) is None
