@@ -32,7 +32,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import chat, chat_template, text, tokenizers
-from tools.prepare_text_data import split_documents
+from tools.prepare_text_data import split_documents, write_staged
 
 
 def encode_all(pattern: str, conv: chat.Chat, max_len: int, overlong: str) -> dict:
@@ -77,16 +77,8 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int, overlon
     raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs'])} conversation(s) after "
                       f"--max_len={max_len} (--overlong={overlong}); a train and an eval split "
                       "need at least 2. Raise --max_len or add conversations.")
-  fs.check_reachable(output_dir, "--output_dir")
-  staged = fs.Staged(output_dir, "spmdtask_data_")
-  try:
-    meta = _write(staged.local, enc, conv, pattern, model_dir, max_len, overlong,
-                  eval_fraction, num_shards, seed)
-  except BaseException:
-    staged.close(upload=False)
-    raise
-  staged.close()
-  return meta
+  return write_staged(output_dir, lambda local: _write(
+      local, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction, num_shards, seed))
 
 
 def _write(output_dir, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction,

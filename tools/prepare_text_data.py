@@ -108,11 +108,18 @@ def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = N
   if len(texts) < 2:
     raise SystemExit(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train and "
                      "an eval split need at least 2 documents.")
+  return write_staged(output_dir, lambda local: _write(
+      local, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards, seed,
+      eod_token))
+
+
+def write_staged(output_dir: str, write) -> dict:
+  """`write(local_dir)` into `output_dir` (a gs:// dir: written locally, uploaded, the local
+  copy deleted; nothing uploaded when it fails); returns what `write` returns."""
   fs.check_reachable(output_dir, "--output_dir")
   staged = fs.Staged(output_dir, "spmdtask_data_")
   try:
-    meta = _write(staged.local, paths, texts, pattern, kind, vocab_size, eval_fraction,
-                  num_shards, seed, eod_token)
+    meta = write(staged.local)
   except BaseException:
     staged.close(upload=False)
     raise
