@@ -25,7 +25,7 @@ import jax
 
 from spmdtask import main as main_lib
 from spmdtask.core import program as program_lib
-from spmdtask.layers import fused_attention
+from spmdtask.layers.attention import fused as fused_attention
 from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.plan import chips

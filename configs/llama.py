@@ -259,7 +259,7 @@ class Llama31_8B_V6e256(_Llama):
 class Llama31_8B_128k(_Llama):
   """Llama 3.1 8B trained on rows of 131,072 tokens (its full context) on v5p-128 (64
   chips): each row's sequence split over a 16-chip `context` axis (8192 tokens per chip,
-  zig-zag for causal balance), ring attention (layers.context_attention: K/V blocks passed
+  zig-zag for causal balance), ring attention (layers.attention.context: K/V blocks passed
   round the 16 chips, each attended by splash on TPU, flash-style backward), 4 rows a step
   over fsdp 4; the weights FSDP
   over fsdp x context (64 shards). Plan it: `--mode=plan --plan_topology=v5p:4x4x4`."""

@@ -37,7 +37,7 @@ gate/up/down_proj -> mlp wg/wi/wo transposed, per-layer tensors stacked on a lea
 [num_layers] dim; a MoE router [E, d] -> moe/router [d, E], each expert's gate/up/down
 (Mixtral's w1/w3/w2) -> moe/wg, wi, wo stacked [num_layers, E, ...]. No permutation of q/k
 rows is needed: HF applies RoPE in rotate-half form (pairs (i, i + hd/2); HF's conversion
-permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.rope`, with the
+permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.rope`, with the
 same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
 """
 import argparse

@@ -12,9 +12,9 @@ from jax.ad_checkpoint import checkpoint_name
 from spmdtask.core import remat
 from spmdtask.errors import ConfigError
 from spmdtask.layers import base
-from spmdtask.layers import context_attention as context_attention_lib
+from spmdtask.layers.attention import context as context_attention_lib
 from spmdtask.layers import lora as lora_lib
-from spmdtask.layers.attention import Attention, KvCache
+from spmdtask.layers.attention.mha import Attention, KvCache
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 
@@ -79,7 +79,7 @@ class Block(nn.Module):
   dim). Dropout runs where a `dropout_key` (uint32 key data) is given: row i's mask comes
   from (key, row_ids[i]), so it does not depend on how the batch is split into
   microbatches. `causal=False` makes an encoder block; `rope_theta=None` turns rotary
-  positions off; `attention_impl` is the attention kernel (`layers.fused_attention`);
+  positions off; `attention_impl` is the attention kernel (`layers.attention.fused`);
   `qk_norm` RMS-normalizes q and k per head (Qwen3); `lora` (layers.lora) freezes the
   weights and adapts its targets, its dropout drawn the same way (streams 2 + the target's
   index in `lora.TARGETS`).
@@ -100,7 +100,7 @@ class Block(nn.Module):
   causal: bool = True
   attention_impl: str = "auto"
   qk_norm: bool = False
-  context_attention: str = "all_gather"  # across a split sequence (layers.context_attention)
+  context_attention: str = "all_gather"  # across a split sequence (layers.attention.context)
   context_score_block: int = context_attention_lib.SCORE_BLOCK
   lora: lora_lib.LoraConfig | None = None
 

@@ -6,8 +6,8 @@ from spmdtask.core import checks, sharding
 from spmdtask.core.strategy import StackFacts
 from spmdtask.errors import ConfigError
 from spmdtask.layers import block
-from spmdtask.layers import context_attention as context_lib
-from spmdtask.layers import fused_attention
+from spmdtask.layers.attention import context as context_lib
+from spmdtask.layers.attention import fused as fused_attention
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers.rope import Llama3Scaling
 

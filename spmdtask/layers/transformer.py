@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdtask.core import sharding
-from spmdtask.layers import context_attention as context_lib
+from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
-from spmdtask.layers.attention import KvCache
+from spmdtask.layers.attention.mha import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
 from spmdtask.layers.rope import Llama3Scaling
@@ -51,7 +51,7 @@ class ActivationSplit:
 
   The seq dim (dim 1) is whole by default; naming a mesh axis there (e.g. 'context', in
   every field alike) splits the sequence over it: context parallelism. Attention then runs
-  across the shards as `TransformerLm.context_attention` says (layers.context_attention),
+  across the shards as `TransformerLm.context_attention` says (layers.attention.context),
   and the loss reorders each row's tokens zig-zag (with their targets, weights, positions
   and segment ids) so that every shard does the same causal work.
   """
@@ -90,10 +90,10 @@ class TransformerLm(nn.Module):
   qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
   dropout_rate: float = 0.0
   fprop_dtype: str = "float32"
-  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
+  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.attention.fused)
   context_attention: str = "all_gather"  # all_gather | ring: across a split sequence
   # (query, key) pairs per head in one chunk of float32 scores inside a context shard (the
-  # xla kernel; layers.xla_blocks.SCORE_BLOCK says how it was chosen)
+  # xla kernel; layers.attention.xla_blocks.SCORE_BLOCK says how it was chosen)
   context_score_block: int = context_lib.SCORE_BLOCK
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
@@ -207,7 +207,7 @@ class TransformerLm(nn.Module):
     head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
     `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None.
     Where the activations split the sequence over mesh axes, the layers see each row in
-    zig-zag order (layers.context_attention) and the outputs come back in the row's own
+    zig-zag order (layers.attention.context) and the outputs come back in the row's own
     order; `zigzagged=True` says the rows are in zig-zag order already (the loss orders
     them with their targets) and keeps that order.
     """
@@ -304,7 +304,7 @@ def _moe_losses(cfg: moe_lib.MoeConfig | None, stats, token_xent, weights):
 
 
 def _zigzag(model: TransformerLm, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """`batch` with each row's tokens in zig-zag order (layers.context_attention.zigzag)
+  """`batch` with each row's tokens in zig-zag order (layers.attention.context.zigzag)
   where the activations split the sequence over mesh axes, positions made explicit (each
   token keeps its true position); else `batch` itself. Runs on the devices: the input
   arrives as the host read it, and the constraint splits it over the sequence axes."""

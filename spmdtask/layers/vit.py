@@ -13,7 +13,7 @@ import numpy as np
 
 from spmdtask.core import checks, sharding
 from spmdtask.errors import ConfigError
-from spmdtask.layers import fused_attention
+from spmdtask.layers.attention import fused as fused_attention
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent as xent_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, weight
@@ -64,7 +64,7 @@ class VisionTransformer(nn.Module):
   d_ff: int
   norm_eps: float = 1e-6
   fprop_dtype: str = "float32"
-  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.fused_attention)
+  attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.attention.fused)
   remat_policy: str | None = "nothing_saveable"
   weight_split_dims_mapping: VitWeightSplit = VitWeightSplit()
   activation_split_dims_mapping: VitActivationSplit = VitActivationSplit()

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import program as program_lib, sharding
 from spmdtask.errors import ConfigError
-from spmdtask.layers import fused_attention as fa
-from spmdtask.layers.attention import attend
+from spmdtask.layers.attention import fused as fa
+from spmdtask.layers.attention.mha import attend
 from spmdtask.layers.transformer import TransformerLm
 from tests import util
 

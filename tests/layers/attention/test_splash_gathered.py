@@ -1,4 +1,4 @@
-"""Splash for the all_gather method (spmdtask.layers.splash_gathered), in Pallas interpret
+"""Splash for the all_gather method (spmdtask.layers.attention.splash_gathered), in Pallas interpret
 mode: one call per shard against the gathered row equals all_gather with xla and one
 device's attention, values and grads, causal and not, packed rows."""
 import jax
@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from spmdtask.layers import context_attention, splash_gathered
-from tests.layers import test_splash_blocks
+from spmdtask.layers.attention import context as context_attention, splash_gathered
+from tests.layers.attention import test_splash_blocks
 
 
 def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():

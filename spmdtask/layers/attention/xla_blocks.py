@@ -1,5 +1,5 @@
 """One shard's queries against one K/V block by einsums (the xla block kernel of
-`layers.context_attention`): masks from true positions and segment ids, float32 scores,
+`layers.attention.context`): masks from true positions and segment ids, float32 scores,
 queries taken in chunks so that only one chunk's scores live at a time."""
 import dataclasses
 

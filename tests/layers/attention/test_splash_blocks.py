@@ -1,4 +1,4 @@
-"""Splash as the ring's block kernel (spmdtask.layers.splash_blocks), in Pallas interpret
+"""Splash as the ring's block kernel (spmdtask.layers.attention.splash_blocks), in Pallas interpret
 mode: a block's gradients against the whole row's softmax equal the xla kernel's, and the
 ring with splash equals the ring with xla and one device's attention, values and grads."""
 import functools
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spmdtask.layers import attention, context_attention, splash_blocks, xla_blocks
+from spmdtask.layers.attention import context as context_attention, mha as attention, splash_blocks, xla_blocks
 from tests import util
-from tests.layers import test_context_attention
+from tests.layers.attention import test_context as test_context_attention
 
 # float32 sums over <= 2048 keys and 32 head dims, in other orders than the dense
 # reference's: ~eps · sqrt(n) ≈ 1.2e-7 · 45 relative; atol for elements near zero.

@@ -1,4 +1,4 @@
-"""Context parallelism (spmdtask.layers.context_attention): the sequence split over a
+"""Context parallelism (spmdtask.layers.attention.context): the sequence split over a
 'context' mesh axis trains like one device, with both attentions, alone and with fsdp and
 tp, packed rows, every remat preset, the SPMD pipeline and MPMD; and its config errors."""
 import functools
@@ -13,7 +13,7 @@ import pytest
 
 from configs import lm
 from spmdtask.errors import ConfigError
-from spmdtask.layers import attention, context_attention
+from spmdtask.layers.attention import context as context_attention, mha as attention
 from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from tests import util

@@ -1,11 +1,11 @@
-"""layers/attention.py: QK-norm (Qwen3) against a float64 numpy transcription of attention
+"""layers/attention/mha.py: QK-norm (Qwen3) against a float64 numpy transcription of attention
 with q and k RMS-normalized per head before the rotary positions."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spmdtask.layers.attention import Attention
+from spmdtask.layers.attention.mha import Attention
 
 D, H, KV, HD, T, EPS, THETA = 32, 4, 2, 16, 8, 1e-6, 10000.0
 

@@ -14,7 +14,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.core.sharding import shards
-from spmdtask.layers import context_attention, fused_attention, lora as lora_lib, rope
+from spmdtask.layers import lora as lora_lib, rope
+from spmdtask.layers.attention import context as context_attention, fused as fused_attention
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform
 
 
@@ -82,10 +83,10 @@ class Attention(nn.Module):
   Rotary positions unless `rope_theta` is None; causal unless `causal=False`. With
   `qk_norm` (Qwen3), q and k are RMS-normalized over head_dim (a [head_dim] scale each,
   shared by the heads, eps `norm_eps`) before the rotary positions.
-  `impl` is the kernel of full-sequence attention (`layers.fused_attention`: auto, xla,
+  `impl` is the kernel of full-sequence attention (`layers.attention.fused`: auto, xla,
   splash, cudnn); with a KV cache (decoding) attention is always `attend` (xla). Where
   `heads_act_split` splits the sequence over mesh axes, `context` says how attention runs
-  across the shards (`layers.context_attention`: all_gather or ring; `impl` then picks the
+  across the shards (`layers.attention.context`: all_gather or ring; `impl` then picks the
   ring's block kernel, `context_attention.choose`).
   With `lora` (layers.lora) the weights are frozen and its targets among q, k, v, o get
   adapters; `lora_drop` gives their dropout masks' source.
@@ -108,7 +109,7 @@ class Attention(nn.Module):
   impl: str = "xla"
   qk_norm: bool = False
   norm_eps: float = 1e-6
-  context: str = "all_gather"  # across a split sequence (layers.context_attention)
+  context: str = "all_gather"  # across a split sequence (layers.attention.context)
   score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
   at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (transformer.WeightSplit)
   lora: lora_lib.LoraConfig | None = None

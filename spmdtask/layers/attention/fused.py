@@ -1,7 +1,7 @@
 """Fused attention kernels, and the choice among them: `xla`, `splash`, `cudnn`, or `auto`.
 
 `task.model.attention_impl` picks how `softmax(q·kᵀ/√d + mask)·v` is computed on full
-sequences (training, eval, a no-cache forward) by `layers.attention.Attention`; every
+sequences (training, eval, a no-cache forward) by `layers.attention.mha.Attention`; every
 choice computes the same function:
   xla     `attention.attend`: einsum + softmax, the [t, s] scores materialized; any backend.
   splash  the Pallas splash-attention kernel from jax (`jax.experimental.pallas.ops.tpu.

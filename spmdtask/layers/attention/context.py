@@ -41,7 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
-from spmdtask.layers import fused_attention, splash_blocks, splash_gathered, xla_blocks
+from spmdtask.layers.attention import fused as fused_attention, splash_blocks, splash_gathered, xla_blocks
 from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.context_attention"

@@ -1,4 +1,4 @@
-"""Splash attention for the all_gather method (`layers.context_attention`): one splash call
+"""Splash attention for the all_gather method (`layers.attention.context`): one splash call
 per layer on a shard's queries against the whole row's gathered keys.
 
 The mask is the row's causal mask seen from zig-zag order: the query at index i of the row
@@ -35,7 +35,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core.sharding import shards
-from spmdtask.layers import splash_blocks
+from spmdtask.layers.attention import splash_blocks
 
 
 DKV_KEYS = 4096  # keys a step of the fused backward (module doc)

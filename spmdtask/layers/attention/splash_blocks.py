@@ -1,4 +1,4 @@
-"""Splash attention as the ring's block kernel (`layers.context_attention`, `ring`).
+"""Splash attention as the ring's block kernel (`layers.attention.context`, `ring`).
 
 Splash takes its mask from token indices, and in the ring every block pair's mask is static
 in local index order because the rows are in zig-zag order (shard i holds chunks i and
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-from spmdtask.layers import fused_attention
+from spmdtask.layers.attention import fused as fused_attention
 
 # Tokens per shard a ring of splash blocks needs: its half blocks (t/2) must be multiples of
 # splash's 128-lane block.
@@ -81,7 +81,7 @@ def _global_grads(kernel, q, k, v, segment_ids, o, lse, do):
   gradient of the block's softmax alone. Its residual tuple is (q, k, v, segment_ids,
   sinks, o, logsumexp, dq_mask_info, dkv_mask_info), as `_splash_attention_fwd` builds it
   (static masks: their partial mask blocks need no collapse). Pinned by
-  tests/layers/test_splash_blocks.py against the xla block's gradients.
+  tests/layers/attention/test_splash_blocks.py against the xla block's gradients.
   """
   res = (q, k, v, segment_ids, None, o, lse, kernel.dq_mask_info, kernel.dkv_mask_info)
   # pylint: disable-next=protected-access
