@@ -41,5 +41,7 @@ setuptools.setup(
         # The tests plan TPU topologies too, and run a job in a local GCS emulator.
         "test": ["pytest>=8", "pytest-xdist>=3.5", "jax[tpu]>=0.10.2,<0.11",
                  "gcp-storage-emulator>=2024.8"],
+        # The docs site (mkdocs.yml, docs/): `mkdocs build --strict`, as .ci/run does.
+        "docs": ["mkdocs>=1.6.1,<1.7", "mkdocs-material>=9.8,<9.9"],
     },
 )
