@@ -81,6 +81,9 @@ def test_every_block_names_flags_experiments_and_files_that_exist():
       found += problems(b)
       listing.append(f"{b.page}:{b.line}: " + (f"MARKED (needs: {' '.join(b.needs)})"
                                                  if b.needs else "RUN"))
+    text = open(os.path.join(h.REPO, page), encoding="utf-8").read()
+    found += [f"{page}: names {p}, which does not exist in the repo"
+              for p in docs_check.missing_repo_paths(text, h.REPO)]
   print("\n".join(listing))
   assert not found, "\n".join(found)
   assert any(not b.needs for p in PAGES for b in blocks(p))
@@ -126,7 +129,7 @@ def run_page(page: str, tmp: str) -> list[tuple[int, float, str]]:
   os.makedirs(bin_dir)
   os.symlink(sys.executable, os.path.join(bin_dir, "python"))  # `python` is this interpreter
   env = h.env(1, PATH=bin_dir + os.pathsep + os.environ["PATH"])
-  ran = []
+  ran, before = [], _tree()
   for b in blocks(page):
     if b.needs:
       continue
@@ -137,7 +140,13 @@ def run_page(page: str, tmp: str) -> list[tuple[int, float, str]]:
     assert r.returncode == 0, (f"{page}:{b.line} exited {r.returncode}:\n{b.text}\n"
                                f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     ran.append((b.line, time.time() - start, r.stdout))
+  assert _tree() == before, f"{page}'s commands wrote into the repo (write under /tmp)"
   return ran
+
+
+def _tree() -> str:
+  return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], cwd=h.REPO,
+                        capture_output=True, text=True, check=False).stdout  # no git: ""
 
 
 RUN_PAGES = [p for p in PAGES if any(not b.needs for b in blocks(p))]
