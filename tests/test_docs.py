@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -123,8 +124,8 @@ def test_every_page_is_in_the_readme_index_and_the_nav():
     assert re.search(rf":\s*{re.escape(rel)}\s*$", nav, re.M), f"{rel} is not in mkdocs.yml's nav"
 
 
-def run_page(page: str, tmp: str) -> list[tuple[int, float, str]]:
-  """Runs the page's unmarked blocks in order; returns (line, seconds, stdout) of each."""
+def run_page(page: str, tmp: str) -> list[tuple[int, float, float, str]]:
+  """Runs the page's unmarked blocks in order; returns (line, wall s, CPU s, stdout) of each."""
   bin_dir = os.path.join(tmp, "bin")
   os.makedirs(bin_dir)
   os.symlink(sys.executable, os.path.join(bin_dir, "python"))  # `python` is this interpreter
@@ -133,15 +134,20 @@ def run_page(page: str, tmp: str) -> list[tuple[int, float, str]]:
   for b in blocks(page):
     if b.needs:
       continue
-    start = time.time()
+    start, cpu = time.time(), _children_cpu()
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", b.text.replace("/tmp/", f"{tmp}/")],
                        env=env, cwd=h.REPO, capture_output=True, text=True, timeout=300,
                        check=False)
     assert r.returncode == 0, (f"{page}:{b.line} exited {r.returncode}:\n{b.text}\n"
                                f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    ran.append((b.line, time.time() - start, r.stdout))
+    ran.append((b.line, time.time() - start, _children_cpu() - cpu, r.stdout))
   assert _tree() == before, f"{page}'s commands wrote into the repo (write under /tmp)"
   return ran
+
+
+def _children_cpu() -> float:
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
 
 
 def _tree() -> str:
@@ -156,9 +162,10 @@ RUN_PAGES = [p for p in PAGES if any(not b.needs for b in blocks(p))]
 @pytest.mark.parametrize("page", RUN_PAGES)
 def test_the_unmarked_blocks_run_as_written(page, tmp_path):
   ran = run_page(page, str(tmp_path))
-  print("\n".join(f"{page}:{line}: ran in {s:.1f} s" for line, s, _ in ran))
+  print("\n".join(f"{page}:{line}: ran in {s:.1f} s ({cpu:.1f} s CPU)"
+                  for line, s, cpu, _ in ran))
   if page in AFTER:
-    AFTER[page](str(tmp_path), "".join(out for _, _, out in ran))
+    AFTER[page](str(tmp_path), "".join(out for *_, out in ran))
 
 
 def _recipe(tmp: str, stdout: str) -> None:
