@@ -141,7 +141,8 @@ def run_page(page: str, tmp: str) -> list[tuple[int, float, float, str]]:
     assert r.returncode == 0, (f"{page}:{b.line} exited {r.returncode}:\n{b.text}\n"
                                f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     ran.append((b.line, time.time() - start, _children_cpu() - cpu, r.stdout))
-  assert _tree() == before, f"{page}'s commands wrote into the repo (write under /tmp)"
+  assert _tree() == before, (f"{page}'s commands wrote into the repo (write under /tmp), or "
+                             "the tree changed while they ran")
   return ran
 
 
