@@ -146,7 +146,7 @@ class TextLm(TinyLm):
   """TinyLm's model on a prepared text corpus (tools/prepare_text_data.py), packed rows.
 
   Set the data dir of 'train', 'eval' and the decode 'prompts' and the vocabulary of its
-  meta.json (README); each input checks task.model.vocab_size against meta.json (the
+  meta.json (docs/data.md); each input checks task.model.vocab_size against meta.json (the
   inputs share the model's config, so an override of task.model reaches them).
   """
   batch_size = 16

@@ -14,7 +14,7 @@ its end-of-document id the --eod_token's, else the eos_token of the tokenizer_co
 beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
 `*_index.npz`, the tokenizer (`tokenizer.model` or `tokenizer.json`; none for bytes) and
 `meta.json` (see spmdtask.inputs.tokenizers).
-Train on it with `--exp=lm.TextLm` (README).
+Train on it with `--exp=lm.TextLm` (docs/data.md).
 """
 import argparse
 import json

@@ -45,7 +45,7 @@ MEGABLOX_TILE = 128  # megablox gmm's default (tm, tk, tn): every dim a multiple
 
 @dataclasses.dataclass(frozen=True)
 class MoeConfig:
-  """The MoE fields of a TransformerLm (`moe`; None = dense). See /README for each."""
+  """The MoE fields of a TransformerLm (`moe`; None = dense). See docs/parallelism.md for each."""
   num_experts: int
   top_k: int
   d_ff: int
