@@ -123,7 +123,8 @@ class LlamaLoraImport(LlamaImport):
   (or `--lora_rank=R`), whose model_overrides.txt sets the adapters' rank, alpha, dropout
   and targets and whose step-0 checkpoint holds the base and the adapters; only the
   adapters train. Or warm-start from a plain import (its model_overrides.txt, and
-  --fdl_set="task.train.init_checkpoint_dir='IMPORT_DIR'"): the fine-tuning recipe (docs/fine_tuning.md).
+  --fdl_set="task.train.init_checkpoint_dir='IMPORT_DIR'"): the fine-tuning recipe
+  (docs/fine_tuning.md).
   `--data_dir` must name prepared conversations (target masks; LlamaImport's data)."""
   require_target_mask = True
   num_train_steps = 200
