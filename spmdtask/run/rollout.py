@@ -1,0 +1,157 @@
+"""GRPO's loop side: each batch of prompts is sampled, rewarded and trained on μ times.
+
+Chosen once by the task's objective (`feed_for`): the LM feed reads a batch per step; the
+`Rollout` feed, every μ steps (μ = `objective.num_iterations`), takes B prompts from the
+train input (`inputs.answers`: prompts with answers), samples G completions each with
+`run.decoding`'s KV-cache programs on the same mesh and the train state's own params (no
+copy; the decode programs compile once), scores them with the objective's rewards,
+normalizes the advantages per group, computes the sampling policy's log-probs when μ > 1
+(one forward), and trains μ optimizer steps on that batch. One loop step is one optimizer
+step, as for the LM loss, so checkpoints, logs and summaries count alike.
+
+A sample's draws depend on (objective.seed, its id, position): id = prompt row · G + g,
+the prompt row counting the train input's rows (`ids`), so every mesh samples the same.
+Metrics added to each step's: reward, reward_std (over the global batch), each reward's
+mean (`reward/<name>`), completion_len (tokens), samples_per_sec (of the sampling
+phase), sample_seconds and train_seconds (the last rollout's sampling, and the μ updates
+before it; their ratio is the time split).
+"""
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from spmdtask.core import sharding, steps as steps_lib
+from spmdtask.core.host_input import process_slice
+from spmdtask.objectives import grpo_loss, rewards as rewards_lib
+from spmdtask.run import decoding
+from spmdtask.task import DecodeParams
+
+PROMPT_KEYS = ("prompts", "prompt_lens", "ids")
+
+
+def decode_params(objective, prompt_len: int) -> DecodeParams:
+  """The sampling phase's decode params: room for max_new_tokens after the longest prompt."""
+  return DecodeParams(max_decode_len=prompt_len + objective.max_new_tokens,
+                      temperature=objective.temperature, top_k=objective.top_k,
+                      top_p=objective.top_p, seed=objective.seed, eos_id=objective.eos_id)
+
+
+def repeat_prompts(local: dict, group: int) -> dict:
+  """Each prompt row G times (adjacent), ids -> sample ids row · G + g."""
+  out = {k: np.repeat(np.asarray(local[k]), group, axis=0) for k in PROMPT_KEYS}
+  out["ids"] = (out["ids"] * group + np.tile(np.arange(group), len(local["ids"]))).astype(
+      np.int32)
+  return out
+
+
+def lm_rows(samples: list[dict], seq_len: int, max_new_tokens: int) -> dict[str, np.ndarray]:
+  """Samples (decoding's rows: prompt_ids, output_ids) -> LM rows [n, seq_len]: inputs the
+  prompt then the completion (at most max_new_tokens), targets the next token, weights 1
+  where the target is a completion token."""
+  n = len(samples)
+  tokens = np.zeros((n, seq_len + 1), np.int32)
+  weights = np.zeros((n, seq_len), np.float32)
+  for r, s in enumerate(samples):
+    p, out = len(s["prompt_ids"]), s["output_ids"][:max_new_tokens]
+    tokens[r, :p], tokens[r, p:p + len(out)] = s["prompt_ids"], out
+    weights[r, p - 1:p - 1 + len(out)] = 1.0
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+def example_batch(objective, local_prompt_rows: int, prompt_len: int) -> dict[str, np.ndarray]:
+  """Zeros shaped like a process's train batch (for setting up the program)."""
+  n, t = local_prompt_rows * objective.num_generations, prompt_len + objective.max_new_tokens
+  batch = {"inputs": np.zeros((n, t), np.int32), "targets": np.zeros((n, t), np.int32),
+           "weights": np.zeros((n, t), np.float32), "advantages": np.zeros((n,), np.float32)}
+  if objective.num_iterations > 1:
+    batch["old_logp"] = np.zeros((n, t), np.float32)
+  return batch
+
+
+class Sampler:
+  """G completions per prompt of a batch, with the decode programs of `program`."""
+
+  def __init__(self, program, objective, prompts_per_step: int, local_prompts: int,
+               prompt_len: int):
+    self.objective, self.group = objective, objective.num_generations
+    self.decoder = decoding.build(program, decode_params(objective, prompt_len),
+                                  prompts_per_step * self.group, prompt_len)
+    self.local_rows = local_prompts * self.group
+
+  def sample(self, padded_params, local: dict) -> list[dict]:
+    """This process's samples of `local` prompts, in row order (prompt-major)."""
+    rows = repeat_prompts(local, self.group)
+    results = decoding.decode_batch(self.decoder, padded_params, rows, self.local_rows)
+    by_id = {r["id"]: r for r in results}
+    return [by_id[int(i)] for i in rows["ids"]]
+
+
+def _scorer(program, objective):
+  """Jitted `(padded_params, batch) -> [n, t]` token log-probs of the current policy."""
+  model, logical = program.model, program.layout.logical.params
+  specs = {k: program.batch_specs[k] for k in objective.model_batch(program.batch_specs)}
+
+  def score(padded_params, rows):
+    params = sharding.unpad(padded_params, logical)
+    return model.apply({"params": params}, rows, method=model.token_logprobs)
+  return steps_lib.partition(score, program.mesh, (program.layout.split.params, specs),
+                             program.batch_specs["targets"])
+
+
+@dataclasses.dataclass
+class Rollout:
+  """The GRPO feed: `step(state) -> (state, metrics)` (module doc)."""
+  program: Any
+  inputs: Any            # the train input: prompts with answers
+  sampler: Sampler
+  tokenizer: Any
+  scorer: Any = None
+  _batch: Any = None
+  _extra: dict = dataclasses.field(default_factory=dict)
+  _left: int = 0
+  _t_train: float | None = None
+
+  def step(self, state):
+    obj = self.sampler.objective
+    if self._left == 0:
+      self._batch, self._extra = self._rollout(state)
+      self._left = obj.num_iterations
+    self._left -= 1
+    state, metrics = self.program.train(state, self._batch)
+    return state, {**metrics, **self._extra}
+
+  def _rollout(self, state):
+    obj = self.sampler.objective
+    jax.block_until_ready(state.params)
+    t0 = time.perf_counter()
+    train_seconds = 0.0 if self._t_train is None else t0 - self._t_train
+    local = next(self.inputs)
+    samples = self.sampler.sample(state.params, local)
+    t1 = time.perf_counter()
+    rows = lm_rows(samples, self.sampler.decoder.params.max_decode_len, obj.max_new_tokens)
+    texts = [self.tokenizer.decode(s["output_ids"][:obj.max_new_tokens]) for s in samples]
+    prompts = [self.tokenizer.decode(s["prompt_ids"]) for s in samples]
+    answers = list(np.repeat(local["answers"], obj.num_generations))
+    local_r, means = rewards_lib.combine(obj.rewards, obj.reward_weights, prompts, texts, answers)
+    all_r = np.asarray(multihost_utils.process_allgather(np.asarray(local_r, np.float32)))
+    all_r = all_r.reshape(-1)
+    adv = np.asarray(grpo_loss.advantages(jnp.asarray(all_r), obj.num_generations,
+                                          obj.scale_rewards))
+    lo, hi = process_slice(len(all_r))
+    rows["advantages"] = adv[lo:hi].astype(np.float32)
+    batch = self.program.global_batch(rows)
+    if obj.num_iterations > 1:
+      batch["old_logp"] = self.scorer(state.params, obj.model_batch(batch))
+    lengths = rows["weights"].sum(-1)
+    extra = {"reward": float(all_r.mean()), "reward_std": float(all_r.std()),
+             **{f"reward/{k}": v for k, v in means.items()},
+             "completion_len": float(lengths.mean()),
+             "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
+             "sample_seconds": t1 - t0, "train_seconds": train_seconds}
+    self._t_train = time.perf_counter()
+    return batch, extra
