@@ -115,3 +115,31 @@ class SumPrompts(_AnswerRows):
     self.answers = [str(a + b) for a, b in pairs]
     self.num_examples = None
     self.prompt_len = max(map(len, self.token_ids))
+
+
+@dataclasses.dataclass
+class SumSft(StepIndexedInput):
+  """Supervised rows for warm-starting a model on `SumPrompts`' task: 'a+b=' then the sum
+  and the end-of-document byte id (256) as targets, `weights` 1 on those only; a and b drawn
+  per (seed, row) in [0, max_operand], rows 0-padded to `seq_len`."""
+  batch_size: int = 16
+  seq_len: int = 8
+  max_operand: int = 9
+  seed: int = 1
+  num_examples: int | None = None
+  process_index: int | None = None
+  process_count: int | None = None
+  target_mask = True
+
+  def batch_at(self, step: int) -> dict[str, np.ndarray]:
+    rows = self.local_rows(step)
+    tok = tokenizers.ByteTokenizer()
+    tokens = np.zeros((len(rows), self.seq_len + 1), np.int32)
+    weights = np.zeros((len(rows), self.seq_len), np.float32)
+    for i, row in enumerate(rows):
+      a, b = np.random.default_rng((self.seed, int(row))).integers(0, self.max_operand + 1, 2)
+      prompt, answer = tok.encode(f"{a}+{b}="), tok.encode(str(a + b)) + [tok.eod_id]
+      ids = (prompt + answer)[:self.seq_len + 1]
+      tokens[i, :len(ids)] = ids
+      weights[i, len(prompt) - 1:len(ids) - 1] = 1.0
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}

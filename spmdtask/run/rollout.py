@@ -18,7 +18,7 @@ before it; their ratio is the time split).
 """
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -155,3 +155,46 @@ class Rollout:
              "sample_seconds": t1 - t0, "train_seconds": train_seconds}
     self._t_train = time.perf_counter()
     return batch, extra
+
+
+@runtime_checkable
+class Samples(Protocol):
+  """An objective trained on the model's own samples (GRPO): the loop then feeds `Rollout`."""
+  num_generations: int
+  max_new_tokens: int
+  num_iterations: int
+
+  def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
+    """ConfigError when a prompt leaves no room for the completion."""
+
+
+class LmFeed(NamedTuple):
+  """The default feed: one batch of the train input per step."""
+  program: Any
+  inputs: Any
+
+  def step(self, state):
+    return self.program.train(state, self.program.global_batch(next(self.inputs)))
+
+
+def example(run) -> dict:
+  """The process-local example batch the program is set up with: the train input's first
+  batch, or with a `Samples` objective the shape of a rollout's train batch (after checking
+  that the prompts leave room for the completions)."""
+  obj, inputs = run.task.objective, run.datasets["train"]
+  if not isinstance(obj, Samples):
+    return inputs.batch_at(0)
+  obj.check_room(int(inputs.prompt_len), int(run.task.model.max_seq_len), "datasets['train']")
+  return example_batch(obj, int(inputs.local_batch_size), int(inputs.prompt_len))
+
+
+def feed(run, program):
+  """What the loop calls each step (`.step(state) -> (state, metrics)`), chosen once from
+  the task's objective."""
+  obj, inputs = run.task.objective, run.datasets["train"]
+  if not isinstance(obj, Samples):
+    return LmFeed(program, inputs)
+  sampler = Sampler(program, obj, int(inputs.batch_size),
+                    int(inputs.local_batch_size), int(inputs.prompt_len))
+  return Rollout(program, inputs, sampler, inputs.tokenizer,
+                 _scorer(program, obj) if obj.num_iterations > 1 else None)
