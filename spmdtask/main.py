@@ -9,6 +9,7 @@ if __name__ == "__main__":
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import shlex
@@ -270,8 +271,12 @@ def run_mode(run_cfg, config_text: str) -> None:
     return
   if _MODE.value == "plan":
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
+    from spmdtask.run import rollout  # pylint: disable=g-import-not-at-top
     plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
-                  _DEVICE_MEMORY_GIB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
+                  _DEVICE_MEMORY_GIB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value,
+                  rollout.example(run_cfg),
+                  functools.partial(rollout.sampling_lowerings, run_cfg)
+                  if rollout.samples(run_cfg.task) else None)
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)

@@ -249,13 +249,19 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   return report
 
 
-def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None = None) -> dict:
-  """The plan of `run_cfg.task`'s train step on `target` (default: the devices present)."""
+def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None = None,
+              example=None, phases=None) -> dict:
+  """The plan of `run_cfg.task`'s train step on `target` (default: the devices present).
+
+  `example`: the process-local train batch to set up with (default: the train input's
+  first); `phases(program) -> [Lowering]`: programs a step runs besides the train step
+  (GRPO's sampling), each compiled and its memory reported under `phases`.
+  """
   task = run_cfg.task
   target = target or targets.present()
   if target.topology is not None:
     targets.check_mesh(target, task.dcn_mesh_shape)
-  example = run_cfg.datasets["train"].batch_at(0)
+  example = run_cfg.datasets["train"].batch_at(0) if example is None else example
   program = program_lib.setup(task, example, devices=list(target.devices))
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
@@ -322,6 +328,11 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     plan["programs"] = programs
     plan["stage_plans"] = stage_plans
   plan["describe"] = program.describe()  # after stage_report: MPMD stage costs measured
+  if phases is not None and compiled is not None:
+    plan["phases"] = [{"name": "training", "calls_per_step": 1,
+                       "compiled": compiled_memory(compiled)}] + [
+        {"name": lw.name, "calls_per_step": lw.calls_per_step,
+         "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
   return plan
 
 
@@ -361,6 +372,14 @@ def check_fits(plan: dict, budget: float, budget_name: str | None = None,
           f"{budget_name}. Move layers off it "
           "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
           "or use a schedule that holds fewer sets (task.pipeline.schedule).")
+  for ph in plan.get("phases", [])[1:]:
+    if ph["compiled"]["peak_estimate_bytes"] > budget:
+      raise PlanExceeded(
+          f"the {ph['name']} program does not fit: its estimated peak per device, "
+          f"{console.human_bytes(ph['compiled']['peak_estimate_bytes'])}, exceeds "
+          f"{budget_name}. Sample fewer rows at once (fewer prompts per step, "
+          "task.objective.num_generations) or shorter completions "
+          "(task.objective.max_new_tokens).")
   if ("compiler_out_of_memory" not in plan
       and plan["compiled"]["peak_estimate_bytes"] <= budget):
     return
@@ -371,7 +390,7 @@ def check_fits(plan: dict, budget: float, budget_name: str | None = None,
 
 def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = None,
              device_memory_gib: float | None = None, topology: str | None = None,
-             num_slices: int = 1) -> dict:
+             num_slices: int = 1, example=None, phases=None) -> dict:
   """--mode=plan: prints the plan, writes job_log_dir/plan.json (and what XLA / libtpu
   printed, a refusal's whole message included, to job_log_dir/logs/plan_xla.log), checks
   the memory budget: `device_memory_gib` (GiB, 2**30 bytes), else with a topology the
@@ -379,7 +398,7 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
   if plan_devices is not None and jax.device_count() != plan_devices:
     raise RuntimeError(f"expected {plan_devices} emulated devices, have {jax.device_count()}")
   target = targets.topology(topology, num_slices) if topology else targets.present()
-  plan = make_plan(run_cfg, name, target)
+  plan = make_plan(run_cfg, name, target, example, phases)
   xla_log = plan.pop("xla_log")
   for line in printout.format_plan(plan):
     console.say("%s", line)

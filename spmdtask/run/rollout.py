@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from spmdtask.core import sharding, steps as steps_lib
+from spmdtask.core import layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
 from spmdtask.objectives import grpo_loss, rewards as rewards_lib
 from spmdtask.run import decoding
@@ -198,3 +198,32 @@ def feed(run, program):
                     int(inputs.local_batch_size), int(inputs.prompt_len))
   return Rollout(program, inputs, sampler, inputs.tokenizer,
                  _scorer(program, obj) if obj.num_iterations > 1 else None)
+
+
+def sampling_lowerings(run, program) -> list:
+  """The sampling phase's programs (decode prefill and per-token step for B·G rows) as
+  `Lowering`s from shapes, for the plan; [] without a `Samples` objective."""
+  obj, inputs = run.task.objective, run.datasets["train"]
+  if not isinstance(obj, Samples):
+    return []
+  rows, plen = int(inputs.batch_size) * obj.num_generations, int(inputs.prompt_len)
+  dec = decoding.build(program, decode_params(obj, plen), rows, plen)
+  mesh, specs = program.mesh, dec.specs
+  params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
+  prompts = layouts.sharded_structs(
+      mesh, (jax.ShapeDtypeStruct((rows, plen), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+             jax.ShapeDtypeStruct((rows,), jnp.int32)), (specs.tokens, specs.pos, specs.ids))
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(dec.prefill.jitted, params, *prompts)[0]
+  state = layouts.sharded_structs(mesh, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), state), specs)
+  new = obj.max_new_tokens
+  return [layouts.Lowering("sampling prefill", None, mesh, lambda: dec.prefill.lower(params, *prompts),
+                           fn=dec.prefill.jitted, args=(params, *prompts)),
+          layouts.Lowering("sampling step", None, mesh, lambda: dec.step.lower(params, state),
+                           calls_per_step=new - 1, fn=dec.step.jitted, args=(params, state))]
+
+
+def samples(task) -> bool:
+  """Whether the task's objective trains on its own samples (the loop feeds `Rollout`)."""
+  return isinstance(task.objective, Samples)
