@@ -8,6 +8,7 @@ import optax
 from configs import lm
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.answers import SumPrompts, SumSft
+from spmdtask.objectives.grpo import Grpo
 from spmdtask.registry import register
 from spmdtask.task import Task
 
@@ -36,3 +37,26 @@ class TinyLmSumSft(lm.TinyLm):
 
   def decode_datasets(self) -> dict[str, fdl.Config]:
     return {}
+
+
+@register
+class TinyLmGrpo(TinyLmSumSft):
+  """TinyLmSumSft's model learning to add by GRPO: 16 prompts 'a+b=' (a, b in 0..9) a step,
+  8 samples each (temperature 1, at most 4 new tokens, stopping at the end byte 256),
+  rewarded 1 when the completion's number is a+b (`final_answer`). Warm-start it from a
+  short TinyLmSumSft run: --fdl_set=task.train.init_checkpoint_dir=DIR (docs/grpo.md)."""
+  batch_size = 16
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.train.num_train_steps = 40
+    cfg.train.learning_rate = 1e-3
+    cfg.train.log_interval_steps = 5
+    cfg.train.summary_interval_steps = 1
+    cfg.train.save_interval_steps = 40
+    cfg.objective = fdl.Config(Grpo, rewards=("final_answer",), num_generations=8,
+                               max_new_tokens=4, temperature=1.0, eos_id=256)
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    return {"train": fdl.Config(SumPrompts, batch_size=self.batch_size)}
