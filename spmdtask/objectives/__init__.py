@@ -1,0 +1,1 @@
+"""Objectives besides the model's own LM loss (`spmdtask.core.objective.Objective`): DPO."""
