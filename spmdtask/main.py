@@ -286,7 +286,7 @@ def run_mode(run_cfg, config_text: str) -> None:
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
   # pylint: disable-next=g-import-not-at-top
-  from spmdtask.run import checkpoints, decoding, evaluation
+  from spmdtask.run import checkpoints, decoding, evaluation, reference
   from spmdtask.core import program as program_lib
   from spmdtask.core import host_input as inputs_base  # pylint: disable=g-import-not-at-top
   task = run_cfg.task
@@ -297,6 +297,7 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
       from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
       run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
   program = program_lib.setup(task, run_cfg.datasets["train"].batch_at(0))
+  program = reference.attach(task, program) if _MODE.value == "eval" else program
 
   def restore(step):
     return checkpoints.restore_state(job_log_dir, program, step)

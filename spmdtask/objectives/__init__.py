@@ -1,4 +1,2 @@
-"""What a step minimizes besides the LM loss (DPO, GRPO), and GRPO's rewards.
-
-Imports: core and the top-level shared modules only.
-"""
+"""Objectives besides the model's own LM loss (`spmdtask.core.objective.Objective`): DPO,
+GRPO (with its rewards, registered by name). Imports: core and the shared modules only."""

@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries, throughput
+from spmdtask.run import (checkpoints, evaluation, interrupts, peers, reference, summaries,
+                          throughput)
 from spmdtask import console, fs
 from spmdtask.core import global_batch, steps
 from spmdtask.core import host_input as inputs_base, program as program_lib
@@ -349,7 +350,8 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   t_start = time.perf_counter()
   task, tp = run.task, run.task.train
   example = run.datasets["train"].batch_at(0)
-  program = program_lib.setup(task, example, devices)
+  # An objective's frozen reference (e.g. DPO's) is fixed by the config, never the state.
+  program = reference.attach(task, program_lib.setup(task, example, devices))
   batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
   # Each process's inputs read what the program asks of them (e.g. MPMD: its stages' leaves).
   run = dataclasses.replace(run, datasets=inputs_base.reading_all(run.datasets,
