@@ -117,6 +117,14 @@ class Grpo:
           f"(task.model.max_seq_len={max_seq_len}). Lower max_new_tokens to at most "
           f"{max_seq_len - prompt_len}, shorten the prompts, or raise max_seq_len.")
 
+  def score(self, prompts, completions, answers) -> tuple[list[float], dict[str, float]]:
+    """(each sample's weighted reward sum, each reward's mean by name): the rollout's."""
+    return rewards.combine(self.rewards, self.reward_weights, prompts, completions, answers)
+
+  def advantages(self, all_rewards: jax.Array) -> jax.Array:
+    """The global batch's rewards [B·G] -> group-normalized advantages [B·G]."""
+    return grpo_loss.advantages(all_rewards, self.num_generations, self.scale_rewards)
+
   def reference_kind(self, model) -> Reference:
     if not self.beta:
       return Reference.NONE

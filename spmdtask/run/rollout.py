@@ -27,7 +27,6 @@ from jax.experimental import multihost_utils
 
 from spmdtask.core import layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
-from spmdtask.objectives import grpo_loss, rewards as rewards_lib
 from spmdtask.run import decoding
 from spmdtask.task import DecodeParams
 
@@ -137,11 +136,10 @@ class Rollout:
     texts = [self.tokenizer.decode(s["output_ids"][:obj.max_new_tokens]) for s in samples]
     prompts = [self.tokenizer.decode(s["prompt_ids"]) for s in samples]
     answers = list(np.repeat(local["answers"], obj.num_generations))
-    local_r, means = rewards_lib.combine(obj.rewards, obj.reward_weights, prompts, texts, answers)
+    local_r, means = obj.score(prompts, texts, answers)
     all_r = np.asarray(multihost_utils.process_allgather(np.asarray(local_r, np.float32)))
     all_r = all_r.reshape(-1)
-    adv = np.asarray(grpo_loss.advantages(jnp.asarray(all_r), obj.num_generations,
-                                          obj.scale_rewards))
+    adv = np.asarray(obj.advantages(jnp.asarray(all_r)))
     lo, hi = process_slice(len(all_r))
     rows["advantages"] = adv[lo:hi].astype(np.float32)
     batch = self.program.global_batch(rows)
@@ -166,6 +164,16 @@ class Samples(Protocol):
 
   def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
     """ConfigError when a prompt leaves no room for the completion."""
+
+  def score(self, prompts: list[str], completions: list[str],
+            answers: list[str]) -> tuple[list[float], dict[str, float]]:
+    """(each sample's reward, each reward function's mean by name)."""
+
+  def advantages(self, rewards: jax.Array) -> jax.Array:
+    """The global batch's rewards [B·G] (groups adjacent) -> advantages [B·G]."""
+
+  def model_batch(self, batch: dict) -> dict:
+    """The batch's LM rows (`Objective.model_batch`)."""
 
 
 class LmFeed(NamedTuple):
