@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from spmdtask.core import layouts, sharding, steps as steps_lib
+from spmdtask.core import global_batch, layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
 from spmdtask.run import decoding
 from spmdtask.task import DecodeParams
@@ -142,7 +142,9 @@ class Rollout:
     adv = np.asarray(obj.advantages(jnp.asarray(all_r)))
     lo, hi = process_slice(len(all_r))
     rows["advantages"] = adv[lo:hi].astype(np.float32)
-    batch = self.program.global_batch(rows)
+    # the rows' leaves only: old_logp (μ > 1) is computed on the devices
+    batch = global_batch.to_global(rows, {k: self.program.batch_specs[k] for k in rows},
+                                   self.program.mesh)
     if obj.num_iterations > 1:
       batch["old_logp"] = self.scorer(state.params, obj.model_batch(batch))
     lengths = rows["weights"].sum(-1)
