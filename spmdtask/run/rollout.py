@@ -234,6 +234,9 @@ def sampling_lowerings(run, program) -> list:
                            calls_per_step=new - 1, fn=dec.step.jitted, args=(params, state))]
 
 
-def samples(task) -> bool:
-  """Whether the task's objective trains on its own samples (the loop feeds `Rollout`)."""
-  return isinstance(task.objective, Samples)
+def plan_inputs(run) -> tuple:
+  """(example batch, sampling phase's lowerings `program -> [Lowering]` or None) for
+  `plan.planner.run_plan`."""
+  lowerings = ((lambda program: sampling_lowerings(run, program))
+               if isinstance(run.task.objective, Samples) else None)
+  return example(run), lowerings
