@@ -99,11 +99,13 @@ def _parse(line: str, where: str):
 @dataclasses.dataclass
 class SumPrompts(_AnswerRows):
   """Synthetic prompts 'a+b=' (bytes) with the answer a+b, a and b in [0, max_operand],
-  `num_examples` distinct draws from `seed`, repeated."""
+  `num_examples_per_epoch` draws from `seed`, repeated; rows padded to at least
+  `min_prompt_len` (a plan's prompt shape)."""
   batch_size: int = 8
   max_operand: int = 9
   num_examples_per_epoch: int = 256
   seed: int = 0
+  min_prompt_len: int = 0
   process_index: int | None = None
   process_count: int | None = None
 
@@ -114,7 +116,7 @@ class SumPrompts(_AnswerRows):
     self.token_ids = [self.tokenizer.encode(f"{a}+{b}=") for a, b in pairs]
     self.answers = [str(a + b) for a, b in pairs]
     self.num_examples = None
-    self.prompt_len = max(map(len, self.token_ids))
+    self.prompt_len = max(self.min_prompt_len, *map(len, self.token_ids))
 
 
 @dataclasses.dataclass
