@@ -150,9 +150,10 @@ class Grpo:
                                   self.beta, self.epsilon_low, self.epsilon_high)
     total = grpo_loss.reduce(terms.loss, mask, self.loss_type, self.max_new_tokens)
     tokens = jnp.sum(mask)
-    metrics = {"loss": total, "kl": grpo_loss.masked_mean(terms.kl, mask),
-               "clip_ratio": grpo_loss.masked_mean(terms.clipped, mask),
+    metrics = {"loss": total, "clip_ratio": grpo_loss.masked_mean(terms.clipped, mask),
                TARGET_TOKENS: Weighted(tokens, tokens)}
+    if self.beta:
+      metrics["kl"] = grpo_loss.masked_mean(terms.kl, mask)
     return total.sum / jnp.maximum(total.weight, 1e-9), metrics
 
 

@@ -62,6 +62,12 @@ def lm_rows(samples: list[dict], seq_len: int, max_new_tokens: int) -> dict[str,
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
 
+def _completion(sample: dict, objective) -> list[int]:
+  """A sample's completion ids as the rewards read them: the stop token left out."""
+  out = sample["output_ids"][:objective.max_new_tokens]
+  return out[:-1] if out and out[-1] == objective.eos_id else out
+
+
 def example_batch(objective, local_prompt_rows: int, prompt_len: int) -> dict[str, np.ndarray]:
   """Zeros shaped like a process's train batch (for setting up the program)."""
   n, t = local_prompt_rows * objective.num_generations, prompt_len + objective.max_new_tokens
@@ -133,7 +139,7 @@ class Rollout:
     samples = self.sampler.sample(state.params, local)
     t1 = time.perf_counter()
     rows = lm_rows(samples, self.sampler.decoder.params.max_decode_len, obj.max_new_tokens)
-    texts = [self.tokenizer.decode(s["output_ids"][:obj.max_new_tokens]) for s in samples]
+    texts = [self.tokenizer.decode(_completion(s, obj)) for s in samples]
     prompts = [self.tokenizer.decode(s["prompt_ids"]) for s in samples]
     answers = list(np.repeat(local["answers"], obj.num_generations))
     local_r, means = obj.score(prompts, texts, answers)
@@ -149,7 +155,7 @@ class Rollout:
       batch["old_logp"] = self.scorer(state.params, obj.model_batch(batch))
     lengths = rows["weights"].sum(-1)
     extra = {"reward": float(all_r.mean()), "reward_std": float(all_r.std()),
-             **{f"reward/{k}": v for k, v in means.items()},
+             **({f"reward/{k}": v for k, v in means.items()} if len(means) > 1 else {}),
              "completion_len": float(lengths.mean()),
              "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
              "sample_seconds": t1 - t0, "train_seconds": train_seconds}
