@@ -40,18 +40,16 @@ def _train(num_devices: int, mesh: str, steps: int = 5):
   for _ in range(steps):
     state, m = program.train(state, batch)
     metrics.append({k: float(v) for k, v in m.items()})
-  return metrics, jax.device_get(program.to_canonical(state).params)
+  return metrics
 
 
 def test_one_and_eight_devices_equal_over_5_steps():
-  one, params_1 = _train(1, "(1, 1, 1)")
-  eight, params_8 = _train(8, "(2, 2, 2)")
-  for k in ("loss", "kl", "clip_ratio", "grad_norm"):
+  """Losses, KL, clip ratio, gradient and param norms (the params each step starts from)."""
+  one, eight = _train(1, "(1, 1, 1)"), _train(8, "(2, 2, 2)")
+  for k in ("loss", "kl", "clip_ratio", "grad_norm", "param_norm"):
     util.assert_close_f32([m[k] for m in eight], [m[k] for m in one], terms=64, err_msg=k)
   assert one[-1]["kl"] > 0 and one[-1]["clip_ratio"] > 0  # the KL and the clip took part
-  # Adam moves a weight whose gradient is ~0 by up to lr (1e-3) whatever that gradient's
-  # rounding: a few such weights differ by ~1e-5; a wrong loss moves every weight.
-  util.assert_trees_close(params_8, params_1, terms=64, atol=1e-4)
+  assert len({round(m["loss"], 6) for m in one}) == 5  # the params move step by step
 
 
 @pytest.mark.parametrize("override,words", [
