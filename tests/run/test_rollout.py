@@ -1,11 +1,12 @@
 """GRPO's rollout feed: sampling at temperature 0 is greedy decoding, nothing compiles after
-the first step, a rollout's batch and metrics."""
+the first step, a rollout's batch, the plan of both phases."""
 import jax
 import jax._src.dispatch as dispatch  # BACKEND_COMPILE_EVENT: one per XLA compile
 import numpy as np
 import pytest
 
 from configs import grpo as grpo_configs  # pylint: disable=unused-import  (registers)
+from spmdtask.errors import PlanExceeded
 from spmdtask.run import loop, rollout
 from tests import oracles, util
 
@@ -70,3 +71,17 @@ def test_sampling_at_temperature_0_is_greedy_decoding(trained):
   r, n = 5, int(rows["prompt_lens"][5])
   assert batch["targets"][r][batch["weights"][r] > 0].tolist() == samples[r]["output_ids"]
   assert batch["inputs"][r, :n].tolist() == samples[r]["prompt_ids"]
+
+
+def test_the_plan_names_each_phases_peak_memory():
+  from spmdtask.plan import planner  # pylint: disable=g-import-not-at-top
+  run = util.build_run("TinyLmGrpo", SMALL + ["task.ici_mesh_shape=(-1, 1, 1)"])
+  plan = planner.make_plan(run, "TinyLmGrpo", None, *rollout.plan_inputs(run))
+  phases = {p["name"]: p for p in plan["phases"]}
+  assert list(phases) == ["training", "sampling prefill", "sampling step"]
+  assert phases["sampling step"]["calls_per_step"] == run.task.objective.max_new_tokens - 1
+  assert phases["training"]["compiled"] == plan["compiled"]
+  assert all(p["compiled"]["peak_estimate_bytes"] > 0 for p in plan["phases"])
+  sampling = max(p["compiled"]["peak_estimate_bytes"] for p in plan["phases"][1:])
+  with pytest.raises(PlanExceeded, match=r"the sampling \w+ program does not fit"):
+    planner.check_fits(plan, sampling - 1)  # the phases are checked before the train step
