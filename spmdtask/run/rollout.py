@@ -1,6 +1,6 @@
 """GRPO's loop side: each batch of prompts is sampled, rewarded and trained on μ times.
 
-Chosen once by the task's objective (`feed_for`): the LM feed reads a batch per step; the
+Chosen once by the task's objective (`feed`; a `Samples` objective, e.g. GRPO's): the LM feed reads a batch per step; the
 `Rollout` feed, every μ steps (μ = `objective.num_iterations`), takes B prompts from the
 train input (`inputs.answers`: prompts with answers), samples G completions each with
 `run.decoding`'s KV-cache programs on the same mesh and the train state's own params (no
@@ -11,10 +11,12 @@ step, as for the LM loss, so checkpoints, logs and summaries count alike.
 
 A sample's draws depend on (objective.seed, its id, position): id = prompt row · G + g,
 the prompt row counting the train input's rows (`ids`), so every mesh samples the same.
-Metrics added to each step's: reward, reward_std (over the global batch), each reward's
-mean (`reward/<name>`), completion_len (tokens), samples_per_sec (of the sampling
-phase), sample_seconds and train_seconds (the last rollout's sampling, and the μ updates
-before it; their ratio is the time split).
+Metrics added to each step's: reward and reward_std (over the global batch), each reward's
+mean (`reward/<name>`, with several rewards; this process's rows), completion_len (tokens,
+this process's rows), samples_per_sec (of the sampling phase), sample_seconds and
+train_seconds (the last rollout's sampling, and the μ updates before it: the time split).
+The batch's `advantages` and `old_logp` are the keys the objective's loss reads
+(`objectives.grpo`).
 """
 import dataclasses
 import time
