@@ -262,7 +262,7 @@ def run(argv) -> None:
 def run_mode(run_cfg, config_text: str) -> None:
   """--mode's work, once the console is set up (and, for train, the job dir locked)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import loop  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import loop, rollout  # pylint: disable=g-import-not-at-top
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
@@ -271,7 +271,8 @@ def run_mode(run_cfg, config_text: str) -> None:
   if _MODE.value == "plan":
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
     plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
-                  _DEVICE_MEMORY_GIB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value)
+                  _DEVICE_MEMORY_GIB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value,
+                  *rollout.plan_inputs(run_cfg))  # GRPO: its batch, its sampling programs
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)
@@ -281,9 +282,8 @@ def run_mode(run_cfg, config_text: str) -> None:
 def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   """--mode=eval / --mode=decode on the checkpoints of `job_log_dir`."""
   # pylint: disable-next=g-import-not-at-top
-  from spmdtask.run import checkpoints, decoding, evaluation
-  from spmdtask.core import program as program_lib
-  from spmdtask.core import host_input as inputs_base  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints, decoding, evaluation, reference, rollout
+  from spmdtask.core import host_input as inputs_base, program as program_lib
   task = run_cfg.task
   if _MODE.value == "decode":
     task = decoding.decode_task(task)
@@ -291,7 +291,8 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
     if texts:
       from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
       run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
-  program = program_lib.setup(task, run_cfg.datasets["train"].batch_at(0))
+  program = program_lib.setup(task, rollout.example(run_cfg))  # GRPO: a rollout's batch
+  program = reference.attach(task, program) if _MODE.value == "eval" else program
 
   def restore(step):
     return checkpoints.restore_state(job_log_dir, program, step)

@@ -7,8 +7,8 @@ from spmdtask.errors import ConfigError
 # name -> Experiment class. Filled by `@register` when a config module is imported.
 _EXPERIMENTS: dict[str, type] = {}
 # Config packages imported before a lookup, so their experiments are listed.
-DEFAULT_MODULES = ("configs.lm", "configs.vit", "configs.llama", "configs.moe",
-                   "configs.finetune")
+DEFAULT_MODULES = ("configs.lm", "configs.vit", "configs.llama", "configs.moe", "configs.align",
+                   "configs.finetune", "configs.grpo")
 
 
 def register(cls: type) -> type:

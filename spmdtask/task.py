@@ -7,6 +7,7 @@ import optax
 
 from spmdtask.core import checks
 from spmdtask.errors import ConfigError
+from spmdtask.core.objective import Objective
 from spmdtask.core.strategy import Strategy
 
 # A split-dims mapping: one entry per tensor dim; None, a mesh axis, or a tuple of axes.
@@ -189,6 +190,9 @@ class Task:
       strategy starts from the same initial weights; checkpoints do not depend on it.
     train: TrainParams.
     decode: DecodeParams, for --mode=decode.
+    objective: what the train and eval steps minimize (`spmdtask.core.objective`): None =
+      the model's own LM loss; `spmdtask.objectives.dpo.Dpo` = DPO on preference pairs.
+      Chosen once here; the step, the program and the loop follow it.
     xla_flags: the compiler flags this task's numbers rest on, per target kind: 'tpu'
       (libtpu's flags, e.g. '--xla_tpu_scoped_vmem_limit_kib=98304') and 'gpu' (XLA's, e.g.
       '--xla_gpu_enable_latency_hiding_scheduler=true'). `spmdtask.main` sets them before
@@ -204,12 +208,15 @@ class Task:
   pipeline: Strategy | None = None
   train: TrainParams = dataclasses.field(default_factory=TrainParams)
   decode: DecodeParams = dataclasses.field(default_factory=DecodeParams)
+  objective: Objective | None = None
   xla_flags: dict[str, str] | None = None
 
   def validate(self) -> None:
     """Checks the train and decode fields (the model checks its own in `Model.validate`)."""
     self.train.validate()
     self.decode.validate()
+    if self.objective is not None:
+      self.objective.validate(self)
     check_xla_flags(self.xla_flags)
 
   def batch_axes(self) -> tuple[str, ...]:

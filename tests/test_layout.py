@@ -17,13 +17,14 @@ MAY_IMPORT = {
     "layers": {SHARED, "core"},
     "inputs": {SHARED, "core"},
     "task": {SHARED, "core"},
+    "objectives": {SHARED, "core"},  # what a step minimizes besides the LM loss
     "pipeline.schedules": {SHARED},
     "plan": {SHARED, "core", "task"},
     "pipeline": {SHARED, "core"},
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
     "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
     "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
-              "pipeline.mpmd", "run"},
+              "pipeline.mpmd", "run", "objectives"},
 }
 TOP = {"errors": SHARED, "fs": SHARED, "console": SHARED, "native_output": SHARED,
        "task": "task", "main": "entry", "registry": "entry", "experiment": "entry",

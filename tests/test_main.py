@@ -68,6 +68,9 @@ def test_train_writes_config_and_logs(tmp_path):
     # Checked before JAX starts (jax.distributed.initialize raises a ValueError).
     (["--coordinator_address=127.0.0.1:1234", "--num_processes=2", "--process_id=5"],
      "lm.TinyLm", ["--process_id=5 is not an index of --num_processes=2", "from 0 to 1"]),
+    # GRPO: a prompt that leaves no room for the completion (found before anything compiles)
+    (["--fdl_set=task.model.max_seq_len=6"], "TinyLmGrpo",
+     ["task.objective.max_new_tokens=4", "task.model.max_seq_len=6", "at most 2"]),
     (["--mode=decode", "--fdl_set=decode_datasets['prompts'].tokenizer="
       "'sentencepiece:/nonexistent/tokenizer.model'"], "lm.TinyLm",
      ["decode_datasets['prompts'].tokenizer=", "no file '/nonexistent/tokenizer.model'"]),

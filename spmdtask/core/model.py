@@ -22,6 +22,8 @@ Optional protocols:
   - `LayerCosts`: per-layer train costs, for balancing pipeline stages.
   - `SizesActivations`: the train step's largest activations and the config changes that
     shrink them, for the plan's out-of-memory paragraph.
+  - `ScoresTokens`: per-token target log-probabilities (`token_logprobs`), for objectives
+    that score sequences (DPO, GRPO: `spmdtask.core.objective`).
   - `Stacked`: a model with a stack of identical layers that can run under an execution
     strategy chosen on the Task (`task.pipeline`), and that maps its on-device parameter
     layout to the canonical one checkpoints hold (stacked layers `[L, ...]`).
@@ -92,6 +94,20 @@ class ChecksBatch(Protocol):
   """
 
   def check_batch(self, batch: dict[str, Any]) -> None:
+    ...
+
+
+@runtime_checkable
+class ScoresTokens(Protocol):
+  """A model that gives each target token's log-probability (sequence-scoring objectives).
+
+  `token_logprobs(batch) -> [b, t] float32`: log p(targets[i, j] | the row's tokens up to
+  j), in the rows' own order; `batch` is like `Model.loss`'s (`inputs`, `targets`,
+  `weights`, optional `positions` / `segment_ids`). It adds no auxiliary losses (an MoE's
+  router losses are the LM loss's, not part of a sequence's score).
+  """
+
+  def token_logprobs(self, batch: dict[str, jax.Array]) -> jax.Array:
     ...
 
 

@@ -46,6 +46,15 @@ class Program(Protocol):
   def eval(self, state: Any, batch: Any) -> Metrics:
     """Weighted metric sums of one global batch."""
 
+  @property
+  def needs_reference(self) -> bool:
+    """Whether `task.objective` needs frozen reference params (`Reference.PARAMS`): then
+    `with_reference` must give them before `train` / `eval` run."""
+
+  def with_reference(self, canonical_params: Any) -> "Program":
+    """This program with its reference params (a canonical params tree on `mesh`; the
+    `run.reference` module finds them), held live for every step."""
+
   def input_share(self) -> Share:
     """The rows and leaves of each global batch this process reads (`inputs.base.reading`
     makes an input read them): SPMD, its 1/N share of the rows; multi-process MPMD, every

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from spmdtask.core import sharding
+from spmdtask.core import objective as objective_lib, sharding
 from spmdtask.core.model import Metrics
+from spmdtask.core.objective import Objective, Reference
 from spmdtask.core import train_state
 from spmdtask.core.train_state import StateLayout, TrainState, create
 
@@ -62,15 +63,20 @@ def reported(metrics: Metrics) -> dict[str, jax.Array]:
 
 
 def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
-                   num_microbatches: int = 1) -> tuple[jax.Array, Metrics, Any]:
+                   num_microbatches: int = 1, objective: Objective | None = None,
+                   reference=None) -> tuple[jax.Array, Metrics, Any]:
   """(loss, metrics, grads) of the whole batch, accumulating over microbatches in a scan.
 
+  `objective` (None: the model's own loss) gives the loss; `reference` is what its
+  `loss` takes (`objective.step_reference`: the same for every microbatch).
   With M > 1 the gradient of each microbatch's `loss · weight` (its loss sum) is
   accumulated, then divided by the total weight: exactly the whole batch's gradient.
   Microbatch i's dropout rng is fold_in(rng, i).
   """
+  objective = objective or objective_lib.ModelLoss()
+
   def loss_fn(p, b, key):
-    return model.apply({"params": p}, b, method=model.loss, rngs={"dropout": key})
+    return objective.loss(model, p, b, key, reference)
 
   if num_microbatches == 1:
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
@@ -108,10 +114,28 @@ def model_metrics(metrics: dict) -> list[tuple[str, float]]:
   return [(k, v) for k, v in metrics.items() if k not in STEP_METRICS]
 
 
+def target_tokens(metrics: Metrics) -> jax.Array:
+  """The step's target-token count: the `target_tokens` metric's weight where the objective
+  gives one (e.g. DPO, whose loss weight counts pairs), else the loss's weight."""
+  return metrics.get(objective_lib.TARGET_TOKENS, metrics["loss"]).weight
+
+
+def _reference_arg(kind: Reference, layout: StateLayout, padded_reference):
+  """The reference params as a step's `reference` argument: unpadded (PARAMS), else None."""
+  if kind is not Reference.PARAMS:
+    return None
+  return sharding.unpad(padded_reference, layout.logical.params)
+
+
 def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: Callable,
                   layout: StateLayout, seed: int, num_microbatches: int = 1,
-                  only_adapters: bool = False) -> Callable:
-  """The pure train step `(padded_state, batch) -> (padded_state, metrics)`.
+                  only_adapters: bool = False, objective: Objective | None = None) -> Callable:
+  """The pure train step `(padded_state, batch[, padded_reference]) -> (padded_state,
+  metrics)`.
+
+  `objective` (None: the model's loss) gives the loss; where it needs a frozen params tree
+  (`Reference.PARAMS`) the step takes it as a third argument (padded like the params,
+  never donated), otherwise it takes two.
 
   `only_adapters` (a LoRA model, `train_state.adapters_only`; `tx` then made by
   `train_state.optimizer`): frozen params come back bitwise unchanged, and grad_norm is
@@ -122,10 +146,16 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
   (the step's) and target_tokens (the loss's weight: the global batch's target count).
   Dropout's rng is fold_in(seed, step), so it depends on neither the mesh nor a restart.
   """
-  def step(padded: TrainState, batch) -> tuple[TrainState, dict]:
+  objective = objective or objective_lib.ModelLoss()
+  kind = objective.reference_kind(model)
+
+  def step(padded: TrainState, batch, padded_reference=None) -> tuple[TrainState, dict]:
     state = sharding.unpad(padded, layout.logical)
     rng = jax.random.fold_in(jax.random.key(seed), state.step)
-    loss, metrics, grads = loss_and_grads(model, state.params, batch, rng, num_microbatches)
+    reference = objective_lib.step_reference(
+        kind, state.params, _reference_arg(kind, layout, padded_reference))
+    loss, metrics, grads = loss_and_grads(model, state.params, batch, rng, num_microbatches,
+                                          objective, reference)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = train_state.apply_updates(state.params, updates, only_adapters)
     # optax.tree.norm is what clip_by_global_norm computes, so XLA shares the work; the
@@ -134,18 +164,25 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
     out = {**reported(metrics), "loss": loss, "grad_norm": grad_norm,
            "param_norm": optax.tree.norm(state.params),
            "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
-           "target_tokens": metrics["loss"].weight}
+           "target_tokens": target_tokens(metrics)}
     new = TrainState(state.step + 1, params, opt_state)
     return sharding.pad(new, layout.padded), out
 
   return step
 
 
-def eval_step_fn(model: nn.Module, layout: StateLayout) -> Callable:
-  """The pure eval step `(padded_state, batch) -> Metrics` (sums and weights, to aggregate)."""
-  def step(padded: TrainState, batch) -> Metrics:
+def eval_step_fn(model: nn.Module, layout: StateLayout,
+                 objective: Objective | None = None) -> Callable:
+  """The pure eval step `(padded_state, batch[, padded_reference]) -> Metrics` (sums and
+  weights, to aggregate); the reference as in `train_step_fn`."""
+  objective = objective or objective_lib.ModelLoss()
+  kind = objective.reference_kind(model)
+
+  def step(padded: TrainState, batch, padded_reference=None) -> Metrics:
     params = sharding.unpad(padded.params, layout.logical.params)
-    return model.apply({"params": params}, batch, method=model.loss)[1]
+    reference = objective_lib.step_reference(
+        kind, params, _reference_arg(kind, layout, padded_reference))
+    return objective.loss(model, params, batch, None, reference)[1]
   return step
 
 

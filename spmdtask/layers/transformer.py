@@ -62,7 +62,8 @@ class ActivationSplit:
 
 
 class TransformerLm(nn.Module):
-  """Decoder-only LM: implements spmdtask.core.model's `Model`, `Decodable` and `Stacked`.
+  """Decoder-only LM: implements spmdtask.core.model's `Model`, `Decodable`, `ScoresTokens`
+  and `Stacked`.
 
   `loss(batch)` is the training objective; `__call__` gives logits. The layers are a
   `LayerStack` (one compiled layer body whatever the depth, rematerialized under
@@ -247,16 +248,36 @@ class TransformerLm(nn.Module):
     `segment_ids` and per-segment `positions` [b, t] int32. Where the activations split the
     sequence, the loss runs on the zig-zag order (`_zigzag`): a sum, so the same value."""
     batch = _zigzag(self, batch)
-    inputs, targets, tiles = batch["inputs"], batch["targets"], self.loss_vocab_tiles
-    out, stats = self(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                      head=tiles == 1, moe_stats=True, zigzagged=True)
-    token_xent = (_tiled_loss(self, *out, targets) if tiles > 1
-                  else xent.cross_entropy(out, targets))
+    token_xent, stats = _token_xent(self, batch)
     weights = batch["weights"].astype(jnp.float32)
     token_xent, metrics = _moe_losses(self.moe, stats, token_xent, weights)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
             {"loss": Weighted(loss_sum, num_tokens), **metrics})
+
+  def token_logprobs(self, batch: dict[str, jax.Array]) -> jax.Array:
+    """log p(target) per token [b, t] float32 in the rows' own order (ScoresTokens): the
+    loss's path, without weights or an MoE's router losses."""
+    return -_row_order(self, _token_xent(self, _zigzag(self, batch))[0])
+
+
+def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
+  """Per-token values [b, t] of a batch `_zigzag` ordered, back in the rows' own order."""
+  order = _zigzag_order(model, x.shape[1])
+  if order is None:
+    return x
+  return _reordered(np.argsort(order), model.activation_split_dims_mapping.heads[:2], x)[0]
+
+
+def _token_xent(model: TransformerLm, batch: dict[str, jax.Array]):
+  """(per-token cross entropy [b, t] of a batch already in zig-zag order where the sequence
+  is split, the MoE stats or None): the head and loss, vocab-tiled or not."""
+  inputs, targets, tiles = batch["inputs"], batch["targets"], model.loss_vocab_tiles
+  out, stats = model(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
+                     head=tiles == 1, moe_stats=True, zigzagged=True)
+  token_xent = (_tiled_loss(model, *out, targets) if tiles > 1
+                else xent.cross_entropy(out, targets))
+  return token_xent, stats
 
 
 def _moe_layers(model: TransformerLm) -> int:

@@ -10,8 +10,10 @@ its optimized program instead). Each is named by what it is where that is known:
 activation the model sizes itself (`core.model.SizesActivations`), a param's shape (a
 gathered weight), else the JAX op that made it. Sizes are GiB (2**30 bytes) throughout.
 """
+from spmdtask import console
 from spmdtask.console import human_bytes as gib
 from spmdtask.core.model import ActivationMemory, SizesActivations
+from spmdtask.errors import PlanExceeded
 from spmdtask.plan import buffers, chips
 
 TOP = 4  # the largest arrays named
@@ -151,3 +153,38 @@ def paragraph(plan: dict, task, budget: float, budget_name: str, rows_per_device
                   plan.get("target", {}).get("chip"))
   return (f"{head}. {fills} Fixes that apply: " + "; ".join(options) + "."
           if options else f"{head}. {fills}")
+
+
+def check_fits(plan: dict, budget: float, budget_name: str | None = None,
+               task=None) -> None:
+  """PlanExceeded saying what fills a device and the fixes that apply (`plan.oom`) when the
+  peak estimate exceeds `budget` bytes or XLA refused the step (for an MPMD plan: the first
+  pipeline stage that does not fit). `budget_name` says where the budget comes from
+  (default: --device_memory_gib)."""
+  budget_name = budget_name or f"--device_memory_gib={budget / 2**30:g}"
+  for st in plan.get("stage_plans", []):
+    if st["peak_estimate_bytes"] > budget:
+      raise PlanExceeded(
+          f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
+          f"{console.human_bytes(st['peak_estimate_bytes'])} (state "
+          f"{console.human_bytes(st['state_bytes_per_device'])}, live activations "
+          f"{console.human_bytes(st['peak_activation_bytes'])} at "
+          f"{st['peak_activation_sets']:g} sets, temporaries "
+          f"{console.human_bytes(st['compiled_temp_bytes'])}), exceeds "
+          f"{budget_name}. Move layers off it "
+          "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
+          "or use a schedule that holds fewer sets (task.pipeline.schedule).")
+  for ph in plan.get("phases", [])[1:]:
+    if ph["compiled"]["peak_estimate_bytes"] > budget:
+      raise PlanExceeded(
+          f"the {ph['name']} program does not fit: its estimated peak per device, "
+          f"{console.human_bytes(ph['compiled']['peak_estimate_bytes'])}, exceeds "
+          f"{budget_name}. Sample fewer rows at once (fewer prompts per step, "
+          "task.objective.num_generations) or shorter completions "
+          "(task.objective.max_new_tokens).")
+  if ("compiler_out_of_memory" not in plan
+      and plan["compiled"]["peak_estimate_bytes"] <= budget):
+    return
+  batch_shape = plan["batch_shape"]
+  rows = batch_shape[0] / max(1, plan["batch_shards"] * plan["num_microbatches"])
+  raise PlanExceeded(paragraph(plan, task, budget, budget_name, rows, batch_shape))

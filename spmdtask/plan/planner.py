@@ -41,6 +41,7 @@ from spmdtask.plan import (buffers, hlo, oom, overlap, owners, printout, remat_c
 from spmdtask.core import memory, sharding, train_state
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
+from spmdtask.plan.oom import check_fits  # (re-exported: the budget check is oom's)
 from spmdtask.core import global_batch
 
 LARGEST = 8  # the largest arrays of each compiled program the plan lists
@@ -249,13 +250,19 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
   return report
 
 
-def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None = None) -> dict:
-  """The plan of `run_cfg.task`'s train step on `target` (default: the devices present)."""
+def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None = None,
+              example=None, phases=None) -> dict:
+  """The plan of `run_cfg.task`'s train step on `target` (default: the devices present).
+
+  `example`: the process-local train batch to set up with (default: the train input's
+  first); `phases(program) -> [Lowering]`: programs a step runs besides the train step
+  (GRPO's sampling), each compiled and its memory reported under `phases`.
+  """
   task = run_cfg.task
   target = target or targets.present()
   if target.topology is not None:
     targets.check_mesh(target, task.dcn_mesh_shape)
-  example = run_cfg.datasets["train"].batch_at(0)
+  example = run_cfg.datasets["train"].batch_at(0) if example is None else example
   program = program_lib.setup(task, example, devices=list(target.devices))
   mesh_shape = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh_shape)
@@ -322,6 +329,11 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     plan["programs"] = programs
     plan["stage_plans"] = stage_plans
   plan["describe"] = program.describe()  # after stage_report: MPMD stage costs measured
+  if phases is not None and compiled is not None:
+    plan["phases"] = [{"name": "training", "calls_per_step": 1,
+                       "compiled": compiled_memory(compiled)}] + [
+        {"name": lw.name, "calls_per_step": lw.calls_per_step,
+         "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
   return plan
 
 
@@ -342,36 +354,9 @@ def stage_report(rows, mesh_shape, axis: str) -> list[dict]:
           for i in range(s)]
 
 
-def check_fits(plan: dict, budget: float, budget_name: str | None = None,
-               task=None) -> None:
-  """PlanExceeded saying what fills a device and the fixes that apply (`plan.oom`) when the
-  peak estimate exceeds `budget` bytes or XLA refused the step (for an MPMD plan: the first
-  pipeline stage that does not fit). `budget_name` says where the budget comes from
-  (default: --device_memory_gib)."""
-  budget_name = budget_name or f"--device_memory_gib={budget / 2**30:g}"
-  for st in plan.get("stage_plans", []):
-    if st["peak_estimate_bytes"] > budget:
-      raise PlanExceeded(
-          f"pipeline stage {st['stage']} does not fit: its estimated peak per device, "
-          f"{console.human_bytes(st['peak_estimate_bytes'])} (state "
-          f"{console.human_bytes(st['state_bytes_per_device'])}, live activations "
-          f"{console.human_bytes(st['peak_activation_bytes'])} at "
-          f"{st['peak_activation_sets']:g} sets, temporaries "
-          f"{console.human_bytes(st['compiled_temp_bytes'])}), exceeds "
-          f"{budget_name}. Move layers off it "
-          "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
-          "or use a schedule that holds fewer sets (task.pipeline.schedule).")
-  if ("compiler_out_of_memory" not in plan
-      and plan["compiled"]["peak_estimate_bytes"] <= budget):
-    return
-  batch_shape = plan["batch_shape"]
-  rows = batch_shape[0] / max(1, plan["batch_shards"] * plan["num_microbatches"])
-  raise PlanExceeded(oom.paragraph(plan, task, budget, budget_name, rows, batch_shape))
-
-
 def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = None,
              device_memory_gib: float | None = None, topology: str | None = None,
-             num_slices: int = 1) -> dict:
+             num_slices: int = 1, example=None, phases=None) -> dict:
   """--mode=plan: prints the plan, writes job_log_dir/plan.json (and what XLA / libtpu
   printed, a refusal's whole message included, to job_log_dir/logs/plan_xla.log), checks
   the memory budget: `device_memory_gib` (GiB, 2**30 bytes), else with a topology the
@@ -379,7 +364,7 @@ def run_plan(run_cfg, job_log_dir: str, name: str, plan_devices: int | None = No
   if plan_devices is not None and jax.device_count() != plan_devices:
     raise RuntimeError(f"expected {plan_devices} emulated devices, have {jax.device_count()}")
   target = targets.topology(topology, num_slices) if topology else targets.present()
-  plan = make_plan(run_cfg, name, target)
+  plan = make_plan(run_cfg, name, target, example, phases)
   xla_log = plan.pop("xla_log")
   for line in printout.format_plan(plan):
     console.say("%s", line)

@@ -113,6 +113,10 @@ def format_plan(plan: dict) -> list[str]:
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "
                  f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
+  for p in plan.get("phases", []):  # GRPO: the sampling programs beside the train step
+    lines.append(f"phase {p['name']} (x{p['calls_per_step']} a step): peak estimate "
+                 f"{mb(p['compiled']['peak_estimate_bytes'])} per device (temporaries "
+                 f"{mb(p['compiled']['temp_size_in_bytes'])})")
   for p in plan.get("programs", []):
     lines.append(f"program {p['name']} on {p['devices']} devices (x{p['calls_per_step']} a step): "
                  f"temporaries {mb(p['compiled']['temp_size_in_bytes'])}, peak estimate "

@@ -13,7 +13,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
-from spmdtask.run import checkpoints, evaluation, interrupts, peers, summaries, throughput
+from spmdtask.run import (checkpoints, evaluation, interrupts, peers, reference, rollout,
+                          summaries, throughput)
 from spmdtask import console, fs
 from spmdtask.core import global_batch, steps
 from spmdtask.core import host_input as inputs_base, program as program_lib
@@ -236,19 +237,20 @@ class PeriodicEval(Hook):
                               self.job_log_dir)
 
 
-def run_steps(program: program_lib.Program, state, inputs, first: int, last_step: int,
+def run_steps(program: program_lib.Program, state, feed, first: int, last_step: int,
               batch_size: int, hooks: Sequence[Hook], stop=lambda step: None,
               targets: bool = False):
   """Runs steps first+1 .. last_step, or until `stop(step)` gives a reason (a step that
-  then counts as the last: metrics fetched, saved). `targets`: the data has target masks
-  (the rates then count target tokens). Returns (state, losses of the steps run, the stop
-  reason or None)."""
+  then counts as the last: metrics fetched, saved). `feed.step(state) -> (state, metrics)`
+  runs one step (`rollout.feed`: a batch of the train input, or GRPO's rollout).
+  `targets`: the data has target masks (the rates then count target tokens). Returns
+  (state, losses of the steps run, the stop reason or None)."""
   losses, pending, reason = [], [], None
   for h in hooks:
     h.begin(first)
   t0 = time.perf_counter()
   for step in range(first, last_step):
-    state, metrics = program.train(state, program.global_batch(next(inputs)))
+    state, metrics = feed.step(state)
     pending.append(metrics)
     done = step + 1
     reason = stop(done)
@@ -317,8 +319,8 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
           if ckpt is not None else None)
   with stop or contextlib.nullcontext():
     try:
-      return run_steps(program, state, inputs, first, tp.num_train_steps, batch_size,
-                       all_hooks, stop or (lambda step: None),
+      return run_steps(program, state, rollout.feed(run, program), first, tp.num_train_steps,
+                       batch_size, all_hooks, stop or (lambda step: None),
                        inputs_base.target_masked(inputs))
     except Exception as e:  # pylint: disable=broad-except  # the hooks' saves would wait for it
       peers.stop_if_lost(e)
@@ -348,8 +350,9 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   """
   t_start = time.perf_counter()
   task, tp = run.task, run.task.train
-  example = run.datasets["train"].batch_at(0)
-  program = program_lib.setup(task, example, devices)
+  example = rollout.example(run)  # GRPO: the shape of a rollout's batch
+  # An objective's frozen reference (e.g. DPO's) is fixed by the config, never the state.
+  program = reference.attach(task, program_lib.setup(task, example, devices))
   batch_size = jax.tree.leaves(global_batch.global_shapes(example))[0].shape[0]
   # Each process's inputs read what the program asks of them (e.g. MPMD: its stages' leaves).
   run = dataclasses.replace(run, datasets=inputs_base.reading_all(run.datasets,

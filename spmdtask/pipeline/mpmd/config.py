@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask.core.model import LayoutMap
+from spmdtask.errors import ConfigError
 from spmdtask.pipeline.mpmd import auto_cuts, program, stages
 from spmdtask.pipeline.mpmd.split import stage_boundary
 from spmdtask.core.strategy import StackFacts
@@ -89,6 +90,11 @@ class MpmdConfig:
     return (LayoutMap(tuple(path), join_groups, lambda tree: split_groups(tree, self.layer_cuts)),)
 
   def build_program(self, task, example_local_batch, devices):
+    if task.objective is not None:
+      raise ConfigError(
+          f"task.objective={type(task.objective).__name__} cannot run under the MPMD "
+          "pipeline (task.pipeline=MpmdConfig): its per-stage programs compute only the "
+          "model's own LM loss. Set task.pipeline=None (the scan) for this objective.")
     return program.setup(task, self, example_local_batch, devices)
 
   def facts(self) -> dict:

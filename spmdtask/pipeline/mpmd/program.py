@@ -137,6 +137,10 @@ class MpmdProgram:
     return self.plan.cut_costs
 
   # ---- the Program interface ------------------------------------------------------------
+  needs_reference = False  # only the LM loss runs here (MpmdConfig refuses an objective)
+
+  def with_reference(self, canonical_params) -> "MpmdProgram":
+    return self
 
   def init(self) -> MpmdState:
     """The canonical fresh state (the same values as every other strategy's), placed."""

@@ -1,0 +1,98 @@
+"""GRPO experiments: `TinyLmGrpo` (a tiny LM learning to add, rewarded by the exact sum)
+after its supervised warm start `TinyLmSumSft`, and `Llama31_8B_Grpo` (LoRA) to plan."""
+import functools
+
+import fiddle as fdl
+import optax
+
+from configs import lm
+from configs.finetune import _FineTune, llama31_8b, with_lora
+from configs.llama import LLAMA3_EOS
+from spmdtask.experiment import Experiment
+from spmdtask.inputs.answers import SumPrompts, SumSft
+from spmdtask.objectives.grpo import Grpo
+from spmdtask.registry import register
+from spmdtask.task import Task
+
+BYTES_VOCAB = 264  # the byte tokenizer's 257 ids (256 = end of document), rounded up to 8
+
+
+@register
+class TinyLmSumSft(lm.TinyLm):
+  """TinyLm (byte vocabulary) fine-tuned briefly on 'a+b=' -> the sum and an end byte
+  (only those tokens are targets): TinyLmGrpo's warm start."""
+  batch_size = 32
+  seq_len = 8
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.model.vocab_size = BYTES_VOCAB
+    cfg.train.num_train_steps = 60
+    cfg.train.learning_rate = 3e-3
+    cfg.train.save_interval_steps = 60
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    return {"train": fdl.Config(SumSft, batch_size=self.batch_size, seq_len=self.seq_len),
+            "eval": fdl.Config(SumSft, batch_size=self.batch_size, seq_len=self.seq_len,
+                               seed=2, num_examples=128)}
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    return {}
+
+
+@register
+class TinyLmGrpo(TinyLmSumSft):
+  """TinyLmSumSft's model learning to add by GRPO: 16 prompts 'a+b=' (a, b in 0..9) a step,
+  8 samples each (temperature 1, at most 4 new tokens, stopping at the end byte 256),
+  rewarded 1 when the completion's number is a+b (`final_answer`). Warm-start it from a
+  short TinyLmSumSft run: --fdl_set=task.train.init_checkpoint_dir=DIR (docs/grpo.md)."""
+  batch_size = 16
+
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.train.num_train_steps = 40
+    cfg.train.learning_rate = 1e-3
+    cfg.train.log_interval_steps = 5
+    cfg.train.summary_interval_steps = 1
+    cfg.train.save_interval_steps = 40
+    cfg.objective = fdl.Config(Grpo, rewards=("final_answer",), num_generations=8,
+                               max_new_tokens=4, temperature=1.0, eos_id=256)
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    return {"train": fdl.Config(SumPrompts, batch_size=self.batch_size)}
+
+
+@register
+class Llama31_8B_Grpo(_FineTune):
+  """Llama 3.1 8B with LoRA rank 16 (Llama31_8B_Lora's model) trained by GRPO on one v5e host
+  (`--plan_topology=v5e:2x4`, 8 chips of 16 GiB, FSDP over 8): 8 prompts of up to 256 tokens
+  a step, 8 samples each of up to 512 new tokens (64 rows of 768 tokens), the KL reference
+  the base with the adapters off (beta 0.04: no second copy of the weights), the train step
+  over 8 microbatches (1 row per chip at once). The plan compiles both phases: sampling (the
+  KV-cache prefill and per-token step over the 64 rows) and training, and names each one's
+  peak memory. The prompts here are synthetic sums (shapes for the plan); for real training
+  set datasets['train'] to an AnswerPrompts (a JSONL of prompts and answers, the model's
+  tokenizer) and warm-start the base (task.train.init_checkpoint_dir)."""
+  batch_size = 8
+  prompt_len = 256
+  peak_learning_rate = 1e-5
+  num_microbatches = 8
+
+  def model(self):
+    return with_lora(llama31_8b())
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.objective = fdl.Config(Grpo, rewards=("final_answer",), num_generations=8,
+                               max_new_tokens=512, temperature=1.0, eos_id=LLAMA3_EOS, beta=0.04)
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    return {"train": fdl.Config(SumPrompts, batch_size=self.batch_size,
+                                max_operand=10**6, min_prompt_len=self.prompt_len)}
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    return {}

@@ -1,0 +1,161 @@
+"""Group Relative Policy Optimization (`task.objective = Grpo(...)`): an `Objective`.
+
+Each step's batch is made by the rollout loop (`spmdtask.run.rollout`), not read: B prompts,
+G sampled completions each (rows p·G .. p·G+G-1 are prompt p's group), as LM rows
+`inputs`, `targets`, `weights` [B·G, t] (weights 1 on the completion's tokens), with
+`advantages` [B·G] (group-normalized rewards, `grpo_loss.advantages`) and, with μ > 1,
+`old_logp` [B·G, t] (the sampling policy's log-probs, one forward before the μ updates).
+The loss is `grpo_loss`'s (TRL's math); the KL term's reference log-probs come from the
+reference model in the step (its params, or with LoRA the policy with its adapters off),
+recomputed at each of the μ updates. With beta = 0 no reference runs.
+
+Metrics: `kl` (mean k3 over completion tokens), `clip_ratio` (share of tokens clipped);
+the rollout loop adds the rewards, lengths and timings. An MoE's router losses are not
+added (`ScoresTokens` scores tokens alone).
+"""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spmdtask.core import checks
+from spmdtask.core.model import Adapted, ScoresTokens, Weighted
+from spmdtask.core.objective import TARGET_TOKENS, Reference
+from spmdtask.errors import ConfigError
+from spmdtask.objectives import grpo_loss, rewards
+
+MODEL_KEYS = ("inputs", "targets", "weights")
+ADVANTAGES, OLD_LOGP = "advantages", "old_logp"
+
+
+@dataclasses.dataclass
+class Grpo:
+  """GRPO's fields (names and defaults as TRL's GRPOConfig where it has them).
+
+  Attributes:
+    rewards: names of registered reward functions (`spmdtask.objectives.rewards`), summed.
+    reward_weights: one weight per reward; None = all 1.
+    num_generations: G, completions sampled per prompt (>= 2: advantages compare a group).
+    max_new_tokens: the longest completion (TRL's max_completion_length); prompt length +
+      max_new_tokens must fit task.model.max_seq_len.
+    temperature, top_p, top_k: sampling (top_k 0 = off); temperature 0 = greedy.
+    eos_id: the token that ends a completion (included in it); None = run to max_new_tokens.
+    seed: the sampling seed (a sample's draws depend on it, its id and position only).
+    beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
+    epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high].
+    loss_type: 'grpo', 'dr_grpo' or 'dapo' (TRL's token normalizations).
+    scale_rewards: 'group', 'batch' or 'none': what the advantages are divided by.
+    num_iterations: μ, optimizer updates on each batch of samples.
+    reference_checkpoint_dir: a job dir whose latest params are the KL reference; None =
+      the policy's starting params. Not with LoRA (its reference is the base).
+  """
+  rewards: tuple[str, ...] = ("final_answer",)
+  reward_weights: tuple[float, ...] | None = None
+  num_generations: int = 8
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  eos_id: int | None = None
+  seed: int = 0
+  beta: float = 0.0
+  epsilon_low: float = 0.2
+  epsilon_high: float = 0.2
+  loss_type: str = "dapo"
+  scale_rewards: str = "group"
+  num_iterations: int = 1
+  reference_checkpoint_dir: str | None = None
+
+  # ------------------------------------------------------------------ the Objective contract
+
+  def validate(self, task) -> None:
+    """ConfigError naming the first field that cannot work with `task`."""
+    rewards.lookup(self.rewards)
+    rewards.check_weights(self.rewards, self.reward_weights)
+    n = self.num_generations
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+      raise ConfigError(
+          f"task.objective.num_generations={n!r}: GRPO compares each completion with the "
+          "others of its prompt's group, so a group needs at least 2 (TRL's default is 8). "
+          "Set num_generations >= 2.")
+    checks.positive("task.objective", max_new_tokens=self.max_new_tokens,
+                    num_iterations=self.num_iterations)
+    checks.in_range("task.objective.temperature", self.temperature, 0.0, float("inf"),
+                    "0 = greedy.")
+    checks.in_range("task.objective.top_p", self.top_p, 1e-9, 1.0, "1.0 = off.")
+    checks.in_range("task.objective.top_k", self.top_k, 0, float("inf"), "0 = off.")
+    checks.in_range("task.objective.beta", self.beta, 0.0, float("inf"), "0 = no KL term.")
+    for name in ("epsilon_low", "epsilon_high"):
+      checks.in_range(f"task.objective.{name}", getattr(self, name), 0.0, float("inf"),
+                      "TRL's default: 0.2.")
+    if self.loss_type not in grpo_loss.LOSS_TYPES:
+      raise ConfigError(f"task.objective.loss_type={self.loss_type!r} is not one of "
+                        f"{grpo_loss.LOSS_TYPES} (TRL's token normalizations).")
+    if self.scale_rewards not in grpo_loss.SCALE_REWARDS:
+      raise ConfigError(f"task.objective.scale_rewards={self.scale_rewards!r} is not one of "
+                        f"{grpo_loss.SCALE_REWARDS}.")
+    if task.pipeline is not None:
+      raise ConfigError(
+          "task.objective=Grpo runs under the scan only: sampling decodes the unpipelined "
+          f"stack and the pipelines (task.pipeline={type(task.pipeline).__name__}) compute the "
+          "model's own LM loss. Set task.pipeline=None.")
+    if not isinstance(task.model, ScoresTokens):
+      raise ConfigError(f"task.objective=Grpo needs a model that scores tokens "
+                        f"(token_logprobs); task.model is a {type(task.model).__name__}.")
+    if self.reference_checkpoint_dir is not None and _lora(task.model):
+      raise ConfigError(
+          f"task.objective.reference_checkpoint_dir={self.reference_checkpoint_dir!r} with a "
+          "LoRA model: its reference is the base with the adapters off. Leave it None.")
+
+  def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
+    """ConfigError when the longest prompt leaves no room for max_new_tokens."""
+    if prompt_len + self.max_new_tokens > max_seq_len:
+      raise ConfigError(
+          f"The longest prompt of {field} is {prompt_len} tokens; with "
+          f"task.objective.max_new_tokens={self.max_new_tokens} a sample needs "
+          f"{prompt_len + self.max_new_tokens} tokens, more than the KV cache holds "
+          f"(task.model.max_seq_len={max_seq_len}). Lower max_new_tokens to at most "
+          f"{max_seq_len - prompt_len}, shorten the prompts, or raise max_seq_len.")
+
+  def score(self, prompts, completions, answers) -> tuple[list[float], dict[str, float]]:
+    """(each sample's weighted reward sum, each reward's mean by name): the rollout's."""
+    return rewards.combine(self.rewards, self.reward_weights, prompts, completions, answers)
+
+  def advantages(self, all_rewards: jax.Array) -> jax.Array:
+    """The global batch's rewards [B·G] -> group-normalized advantages [B·G]."""
+    return grpo_loss.advantages(all_rewards, self.num_generations, self.scale_rewards)
+
+  def reference_kind(self, model) -> Reference:
+    if not self.beta:
+      return Reference.NONE
+    return Reference.ADAPTERS_OFF if _lora(model) else Reference.PARAMS
+
+  def reference_dir(self) -> tuple[str, str | None]:
+    """`run.reference.HasReferenceDir`."""
+    return "task.objective.reference_checkpoint_dir", self.reference_checkpoint_dir
+
+  def model_batch(self, batch) -> dict:
+    return {k: v for k, v in batch.items() if k in MODEL_KEYS}
+
+  def loss(self, model, params, batch, rng, reference):
+    rows = self.model_batch(batch)
+    rngs = None if rng is None else {"dropout": rng}
+    logp = model.apply({"params": params}, rows, method=model.token_logprobs, rngs=rngs)
+    ref = None
+    if reference is not None:
+      ref = jax.lax.stop_gradient(
+          model.apply({"params": reference}, rows, method=model.token_logprobs))
+    mask = rows["weights"].astype(jnp.float32)
+    terms = grpo_loss.token_terms(logp, batch.get(OLD_LOGP), ref, batch[ADVANTAGES],
+                                  self.beta, self.epsilon_low, self.epsilon_high)
+    total = grpo_loss.reduce(terms.loss, mask, self.loss_type, self.max_new_tokens)
+    tokens = jnp.sum(mask)
+    metrics = {"loss": total, "clip_ratio": grpo_loss.masked_mean(terms.clipped, mask),
+               TARGET_TOKENS: Weighted(tokens, tokens)}
+    if self.beta:
+      metrics["kl"] = grpo_loss.masked_mean(terms.kl, mask)
+    return total.sum / jnp.maximum(total.weight, 1e-9), metrics
+
+
+def _lora(model) -> bool:
+  return isinstance(model, Adapted) and model.lora is not None

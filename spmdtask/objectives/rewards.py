@@ -1,0 +1,100 @@
+"""GRPO's rewards: plain Python functions registered by name, chosen by a config field.
+
+A reward function takes the batch's prompts, completions (decoded text) and reference
+answers, one entry per sample, and returns one float per sample:
+
+    from spmdtask.objectives import rewards
+
+    @rewards.register("ends_politely")
+    def ends_politely(prompts, completions, answers):
+      return [1.0 if c.rstrip().endswith("please") else 0.0 for c in completions]
+
+A module that registers rewards must be imported before the task is built (e.g. by the
+experiment's module). `combine(names, weights)` is what the loop calls: the weighted sum
+of the named functions.
+"""
+import re
+from typing import Callable, Sequence
+
+from spmdtask.errors import ConfigError
+
+RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]
+
+_REGISTRY: dict[str, RewardFn] = {}
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+  """Decorator: registers `fn` under `name` (a second function under a taken name is a bug)."""
+  def add(fn: RewardFn) -> RewardFn:
+    if name in _REGISTRY and _REGISTRY[name] is not fn:
+      raise ValueError(f"reward {name!r} is already registered ({_REGISTRY[name].__qualname__})")
+    _REGISTRY[name] = fn
+    return fn
+  return add
+
+
+def registered() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+def lookup(names: Sequence[str], field: str = "task.objective.rewards") -> list[RewardFn]:
+  """The functions of `names`; ConfigError naming the field and every registered name."""
+  if not names:
+    raise ConfigError(f"{field}=() names no reward. Name at least one of: "
+                      f"{', '.join(registered())}.")
+  missing = [n for n in names if n not in _REGISTRY]
+  if missing:
+    raise ConfigError(
+        f"{field} names {', '.join(map(repr, missing))}, which is not a registered reward. "
+        f"Registered: {', '.join(registered())}. Register your own with "
+        "@spmdtask.objectives.rewards.register('name') on a function (prompts, completions, "
+        "answers) -> list[float], in a module the experiment imports.")
+  return [_REGISTRY[n] for n in names]
+
+
+def check_weights(names: Sequence[str], weights: Sequence[float] | None,
+                  field: str = "task.objective.reward_weights") -> None:
+  if weights is not None and len(weights) != len(names):
+    raise ConfigError(f"{field} has {len(weights)} weights for {len(names)} rewards "
+                      f"({', '.join(names)}). Give one weight per reward, or None for all 1.")
+
+
+def combine(names: Sequence[str], weights: Sequence[float] | None, prompts: Sequence[str],
+            completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], dict]:
+  """(the weighted sum per sample, each reward's mean by name) of the named rewards."""
+  weights = weights or [1.0] * len(names)
+  total = [0.0] * len(completions)
+  means = {}
+  for name, fn, w in zip(names, lookup(names), weights):
+    values = [float(v) for v in fn(prompts, completions, answers)]
+    if len(values) != len(completions):
+      raise ValueError(f"reward {name!r} gave {len(values)} values for {len(completions)} "
+                       "completions")
+    total = [t + w * v for t, v in zip(total, values)]
+    means[name] = sum(values) / max(len(values), 1)
+  return total, means
+
+
+def _as_number(text: str) -> float | None:
+  try:
+    return float(text)
+  except ValueError:
+    return None
+
+
+@register("final_answer")
+def final_answer(prompts, completions, answers) -> list[float]:
+  """1.0 when the completion's last number equals the reference answer (as numbers), else 0."""
+  out = []
+  for completion, answer in zip(completions, answers):
+    found = _NUMBER.findall(completion)
+    want = _as_number(str(answer).strip())
+    out.append(1.0 if found and want is not None and float(found[-1]) == want else 0.0)
+  return out
+
+
+@register("number_format")
+def number_format(prompts, completions, answers) -> list[float]:
+  """1.0 when the completion is one number and nothing else (surrounding space allowed)."""
+  return [1.0 if _NUMBER.fullmatch(c.strip()) else 0.0 for c in completions]

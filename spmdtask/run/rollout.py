@@ -1,0 +1,250 @@
+"""GRPO's loop side: each batch of prompts is sampled, rewarded and trained on μ times.
+
+Chosen once by the task's objective (`feed`; a `Samples` objective, e.g. GRPO's): the LM feed reads a batch per step; the
+`Rollout` feed, every μ steps (μ = `objective.num_iterations`), takes B prompts from the
+train input (`inputs.answers`: prompts with answers), samples G completions each with
+`run.decoding`'s KV-cache programs on the same mesh and the train state's own params (no
+copy; the decode programs compile once), scores them with the objective's rewards,
+normalizes the advantages per group, computes the sampling policy's log-probs when μ > 1
+(one forward), and trains μ optimizer steps on that batch. One loop step is one optimizer
+step, as for the LM loss, so checkpoints, logs and summaries count alike.
+
+A sample's draws depend on (objective.seed, its id, position): id = prompt row · G + g,
+the prompt row counting the train input's rows (`ids`), so every mesh samples the same.
+Metrics added to each step's: reward and reward_std (over the global batch), each reward's
+mean (`reward/<name>`, with several rewards; this process's rows), completion_len (tokens,
+this process's rows), samples_per_sec (of the sampling phase), sample_seconds and
+train_seconds (the last rollout's sampling, and the μ updates before it: the time split).
+The batch's `advantages` and `old_logp` are the keys the objective's loss reads
+(`objectives.grpo`).
+"""
+import dataclasses
+import time
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from spmdtask.core import global_batch, layouts, sharding, steps as steps_lib
+from spmdtask.core.host_input import process_slice
+from spmdtask.run import decoding
+from spmdtask.task import DecodeParams
+
+PROMPT_KEYS = ("prompts", "prompt_lens", "ids")
+
+
+def decode_params(objective, prompt_len: int) -> DecodeParams:
+  """The sampling phase's decode params: room for max_new_tokens after the longest prompt."""
+  return DecodeParams(max_decode_len=prompt_len + objective.max_new_tokens,
+                      temperature=objective.temperature, top_k=objective.top_k,
+                      top_p=objective.top_p, seed=objective.seed, eos_id=objective.eos_id)
+
+
+def repeat_prompts(local: dict, group: int) -> dict:
+  """Each prompt row G times (adjacent), ids -> sample ids row · G + g."""
+  out = {k: np.repeat(np.asarray(local[k]), group, axis=0) for k in PROMPT_KEYS}
+  out["ids"] = (out["ids"] * group + np.tile(np.arange(group), len(local["ids"]))).astype(
+      np.int32)
+  return out
+
+
+def lm_rows(samples: list[dict], seq_len: int, max_new_tokens: int) -> dict[str, np.ndarray]:
+  """Samples (decoding's rows: prompt_ids, output_ids) -> LM rows [n, seq_len]: inputs the
+  prompt then the completion (at most max_new_tokens), targets the next token, weights 1
+  where the target is a completion token."""
+  n = len(samples)
+  tokens = np.zeros((n, seq_len + 1), np.int32)
+  weights = np.zeros((n, seq_len), np.float32)
+  for r, s in enumerate(samples):
+    p, out = len(s["prompt_ids"]), s["output_ids"][:max_new_tokens]
+    tokens[r, :p], tokens[r, p:p + len(out)] = s["prompt_ids"], out
+    weights[r, p - 1:p - 1 + len(out)] = 1.0
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+def _completion(sample: dict, objective) -> list[int]:
+  """A sample's completion ids as the rewards read them: the stop token left out."""
+  out = sample["output_ids"][:objective.max_new_tokens]
+  return out[:-1] if out and out[-1] == objective.eos_id else out
+
+
+def example_batch(objective, local_prompt_rows: int, prompt_len: int) -> dict[str, np.ndarray]:
+  """Zeros shaped like a process's train batch (for setting up the program)."""
+  n, t = local_prompt_rows * objective.num_generations, prompt_len + objective.max_new_tokens
+  batch = {"inputs": np.zeros((n, t), np.int32), "targets": np.zeros((n, t), np.int32),
+           "weights": np.zeros((n, t), np.float32), "advantages": np.zeros((n,), np.float32)}
+  if objective.num_iterations > 1:
+    batch["old_logp"] = np.zeros((n, t), np.float32)
+  return batch
+
+
+class Sampler:
+  """G completions per prompt of a batch, with the decode programs of `program`."""
+
+  def __init__(self, program, objective, prompts_per_step: int, local_prompts: int,
+               prompt_len: int):
+    self.objective, self.group = objective, objective.num_generations
+    self.decoder = decoding.build(program, decode_params(objective, prompt_len),
+                                  prompts_per_step * self.group, prompt_len)
+    self.local_rows = local_prompts * self.group
+
+  def sample(self, padded_params, local: dict) -> list[dict]:
+    """This process's samples of `local` prompts, in row order (prompt-major)."""
+    rows = repeat_prompts(local, self.group)
+    results = decoding.decode_batch(self.decoder, padded_params, rows, self.local_rows)
+    by_id = {r["id"]: r for r in results}
+    return [by_id[int(i)] for i in rows["ids"]]
+
+
+def _scorer(program, objective):
+  """Jitted `(padded_params, batch) -> [n, t]` token log-probs of the current policy."""
+  model, logical = program.model, program.layout.logical.params
+  specs = {k: program.batch_specs[k] for k in objective.model_batch(program.batch_specs)}
+
+  def score(padded_params, rows):
+    params = sharding.unpad(padded_params, logical)
+    return model.apply({"params": params}, rows, method=model.token_logprobs)
+  return steps_lib.partition(score, program.mesh, (program.layout.split.params, specs),
+                             program.batch_specs["targets"])
+
+
+@dataclasses.dataclass
+class Rollout:
+  """The GRPO feed: `step(state) -> (state, metrics)` (module doc)."""
+  program: Any
+  inputs: Any            # the train input: prompts with answers
+  sampler: Sampler
+  tokenizer: Any
+  scorer: Any = None
+  _batch: Any = None
+  _extra: dict = dataclasses.field(default_factory=dict)
+  _left: int = 0
+  _t_train: float | None = None
+
+  def step(self, state):
+    obj = self.sampler.objective
+    if self._left == 0:
+      self._batch, self._extra = self._rollout(state)
+      self._left = obj.num_iterations
+    self._left -= 1
+    state, metrics = self.program.train(state, self._batch)
+    return state, {**metrics, **self._extra}
+
+  def _rollout(self, state):
+    obj = self.sampler.objective
+    jax.block_until_ready(state.params)
+    t0 = time.perf_counter()
+    train_seconds = 0.0 if self._t_train is None else t0 - self._t_train
+    local = next(self.inputs)
+    samples = self.sampler.sample(state.params, local)
+    t1 = time.perf_counter()
+    rows = lm_rows(samples, self.sampler.decoder.params.max_decode_len, obj.max_new_tokens)
+    texts = [self.tokenizer.decode(_completion(s, obj)) for s in samples]
+    prompts = [self.tokenizer.decode(s["prompt_ids"]) for s in samples]
+    answers = list(np.repeat(local["answers"], obj.num_generations))
+    local_r, means = obj.score(prompts, texts, answers)
+    all_r = np.asarray(multihost_utils.process_allgather(np.asarray(local_r, np.float32)))
+    all_r = all_r.reshape(-1)
+    adv = np.asarray(obj.advantages(jnp.asarray(all_r)))
+    lo, hi = process_slice(len(all_r))
+    rows["advantages"] = adv[lo:hi].astype(np.float32)
+    # the rows' leaves only: old_logp (μ > 1) is computed on the devices
+    batch = global_batch.to_global(rows, {k: self.program.batch_specs[k] for k in rows},
+                                   self.program.mesh)
+    if obj.num_iterations > 1:
+      batch["old_logp"] = self.scorer(state.params, obj.model_batch(batch))
+    lengths = rows["weights"].sum(-1)
+    extra = {"reward": float(all_r.mean()), "reward_std": float(all_r.std()),
+             **({f"reward/{k}": v for k, v in means.items()} if len(means) > 1 else {}),
+             "completion_len": float(lengths.mean()),
+             "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
+             "sample_seconds": t1 - t0, "train_seconds": train_seconds}
+    self._t_train = time.perf_counter()
+    return batch, extra
+
+
+@runtime_checkable
+class Samples(Protocol):
+  """An objective trained on the model's own samples (GRPO): the loop then feeds `Rollout`."""
+  num_generations: int
+  max_new_tokens: int
+  num_iterations: int
+
+  def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
+    """ConfigError when a prompt leaves no room for the completion."""
+
+  def score(self, prompts: list[str], completions: list[str],
+            answers: list[str]) -> tuple[list[float], dict[str, float]]:
+    """(each sample's reward, each reward function's mean by name)."""
+
+  def advantages(self, rewards: jax.Array) -> jax.Array:
+    """The global batch's rewards [B·G] (groups adjacent) -> advantages [B·G]."""
+
+  def model_batch(self, batch: dict) -> dict:
+    """The batch's LM rows (`Objective.model_batch`)."""
+
+
+class LmFeed(NamedTuple):
+  """The default feed: one batch of the train input per step."""
+  program: Any
+  inputs: Any
+
+  def step(self, state):
+    return self.program.train(state, self.program.global_batch(next(self.inputs)))
+
+
+def example(run) -> dict:
+  """The process-local example batch the program is set up with: the train input's first
+  batch, or with a `Samples` objective the shape of a rollout's train batch (after checking
+  that the prompts leave room for the completions)."""
+  obj, inputs = run.task.objective, run.datasets["train"]
+  if not isinstance(obj, Samples):
+    return inputs.batch_at(0)
+  obj.check_room(int(inputs.prompt_len), int(run.task.model.max_seq_len), "datasets['train']")
+  return example_batch(obj, int(inputs.local_batch_size), int(inputs.prompt_len))
+
+
+def feed(run, program):
+  """What the loop calls each step (`.step(state) -> (state, metrics)`), chosen once from
+  the task's objective."""
+  obj, inputs = run.task.objective, run.datasets["train"]
+  if not isinstance(obj, Samples):
+    return LmFeed(program, inputs)
+  sampler = Sampler(program, obj, int(inputs.batch_size),
+                    int(inputs.local_batch_size), int(inputs.prompt_len))
+  return Rollout(program, inputs, sampler, inputs.tokenizer,
+                 _scorer(program, obj) if obj.num_iterations > 1 else None)
+
+
+def sampling_lowerings(run, program) -> list:
+  """The sampling phase's programs (decode prefill and per-token step for B·G rows) as
+  `Lowering`s from shapes, for the plan; [] without a `Samples` objective."""
+  obj, inputs = run.task.objective, run.datasets["train"]
+  if not isinstance(obj, Samples):
+    return []
+  rows, plen = int(inputs.batch_size) * obj.num_generations, int(inputs.prompt_len)
+  dec = decoding.build(program, decode_params(obj, plen), rows, plen)
+  mesh, specs = program.mesh, dec.specs
+  params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
+  prompts = layouts.sharded_structs(
+      mesh, (jax.ShapeDtypeStruct((rows, plen), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+             jax.ShapeDtypeStruct((rows,), jnp.int32)), (specs.tokens, specs.pos, specs.ids))
+  with jax.set_mesh(mesh):
+    state = jax.eval_shape(dec.prefill.jitted, params, *prompts)[0]
+  state = layouts.sharded_structs(mesh, jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), state), specs)
+  new = obj.max_new_tokens
+  return [layouts.Lowering("sampling prefill", None, mesh, lambda: dec.prefill.lower(params, *prompts),
+                           fn=dec.prefill.jitted, args=(params, *prompts)),
+          layouts.Lowering("sampling step", None, mesh, lambda: dec.step.lower(params, state),
+                           calls_per_step=new - 1, fn=dec.step.jitted, args=(params, state))]
+
+
+def plan_inputs(run) -> tuple:
+  """(example batch, sampling phase's lowerings `program -> [Lowering]` or None) for
+  `plan.planner.run_plan`."""
+  lowerings = ((lambda program: sampling_lowerings(run, program))
+               if isinstance(run.task.objective, Samples) else None)
+  return example(run), lowerings
