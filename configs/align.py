@@ -1,23 +1,34 @@
 """Alignment experiments: DPO on preference pairs (`spmdtask.objectives.dpo`)."""
+import functools
+
 import fiddle as fdl
 import optax
 
 from configs.lm import tiny_model
 from spmdtask.experiment import Experiment
-from spmdtask.inputs.preferences import SyntheticPairInput
+from spmdtask.inputs.preferences import PreferenceInput, SyntheticPairInput
 from spmdtask.objectives.dpo import Dpo
 from spmdtask.registry import register
 from spmdtask.task import Task, TrainParams
 
 
+def pair_data(data_dir: str, synthetic, prepared) -> object:
+  """Preference pairs: `prepared(data_dir=data_dir)` (a PreferenceInput partial) where
+  `data_dir` is set (--data_dir sets it), else `synthetic` (a built input)."""
+  return prepared(data_dir=data_dir) if data_dir else synthetic
+
+
 @register
 class TinyLmDpo(Experiment):
-  """TinyLm (1.05M params) trained with DPO (sigmoid, beta 0.1) on synthetic pairs: the
-  chosen completion counts on from the prompt, the rejected one is random. The reference is
-  the policy's starting params (the fresh init, or task.train.init_checkpoint_dir's)."""
+  """TinyLm (1.05M params) trained with DPO (sigmoid, beta 0.1). With no data dir the pairs
+  are synthetic (the chosen completion counts on from the prompt, the rejected one is
+  random); `--data_dir=DIR` (tools/prepare_pref_data.py) reads DIR's pairs (set
+  task.model.vocab_size to its meta.json's). The reference is the policy's starting params
+  (the fresh init, or task.train.init_checkpoint_dir's)."""
   batch_size = 8  # pairs
   seq_len = 32
 
+  @functools.cache  # one config per instance: the datasets share its model config
   def task(self) -> fdl.Config[Task]:
     train = fdl.Config(TrainParams, num_train_steps=20, learning_rate=1e-3,
                        optimizer=fdl.Partial(optax.adamw, b2=0.95, weight_decay=0.0),
@@ -26,16 +37,24 @@ class TinyLmDpo(Experiment):
                       objective=fdl.Config(Dpo, beta=0.1))
 
   def datasets(self) -> dict[str, fdl.Config]:
-    return {"train": fdl.Config(SyntheticPairInput, batch_size=self.batch_size,
-                                seq_len=self.seq_len, vocab_size=256, seed=1),
-            "eval": fdl.Config(SyntheticPairInput, batch_size=self.batch_size,
-                               seq_len=self.seq_len, vocab_size=256, seed=2, num_batches=2)}
+    """'train' is endless; 'eval' 2 batches."""
+    model = self.task().model
+    return {split: fdl.Config(
+        pair_data, data_dir="",
+        synthetic=fdl.Config(SyntheticPairInput, batch_size=self.batch_size,
+                             seq_len=self.seq_len, vocab_size=256, seed=seed,
+                             num_batches=None if split == "train" else 2),
+        prepared=fdl.Partial(PreferenceInput, split=split, batch_size=self.batch_size,
+                             seq_len=self.seq_len, model=model,
+                             num_batches=None if split == "train" else 2))
+        for split, seed in (("train", 1), ("eval", 2))}
 
 
 @register
 class TinyLmDpoFsdpTp(TinyLmDpo):
   """TinyLmDpo on 8 devices: data 2 x fsdp 2 x model 2."""
 
+  @functools.cache
   def task(self) -> fdl.Config[Task]:
     cfg = super().task()
     cfg.ici_mesh_shape = (2, 2, 2)
