@@ -46,6 +46,7 @@ class TinyLmDpo(Experiment):
                              num_batches=None if split == "train" else 2),
         prepared=fdl.Partial(PreferenceInput, split=split, batch_size=self.batch_size,
                              seq_len=self.seq_len, model=model,
+                             objective=self.task().objective,
                              num_batches=None if split == "train" else 2))
         for split, seed in (("train", 1), ("eval", 2))}
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from spmdtask import fs
 from spmdtask.core.host_input import StepIndexedInput
+from spmdtask.core.objective import Objective, Reference
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import tokenizers
 from spmdtask.inputs.text import DocumentReader
@@ -52,8 +53,10 @@ class PreferenceInput(StepIndexedInput):
     seq_len: tokens per sequence; every prepared sequence must fit (its --max_len <=
       seq_len + 1).
     model: the model fed (share task.model's config); its vocab_size must be the data's.
-    reference_logps: add `ref_logps` [pairs, 2] from `<split>_ref_logps.npy` (DPO's
-      task.objective.reference='precomputed').
+    objective: the task's objective (share task.objective's config): where it reads the
+      reference's log-probs from the batch (`Reference.PRECOMPUTED`, DPO's
+      reference='precomputed'), batches add `ref_logps` [pairs, 2] from
+      `<split>_ref_logps.npy`.
     num_batches: None = endless; else this many batches.
   """
   data_dir: str = ""
@@ -61,7 +64,7 @@ class PreferenceInput(StepIndexedInput):
   batch_size: int = 8
   seq_len: int = 256
   model: object | None = None
-  reference_logps: bool = False
+  objective: Objective | None = None
   num_batches: int | None = None
   process_index: int | None = None
   process_count: int | None = None
@@ -83,7 +86,8 @@ class PreferenceInput(StepIndexedInput):
                         f"datasets[...].seq_len to at least {longest - 1}.")
     self.num_pairs = len(self._reader.lengths) // 2
     self._ref = None
-    if self.reference_logps:
+    if self.objective is not None and self.objective.reference_kind(
+        self.model) is Reference.PRECOMPUTED:
       path = fs.join(self.data_dir, ref_logps_name(self.split))
       if not fs.isfile(path):
         raise ConfigError(f"{FIELD}={self.data_dir!r} has no {ref_logps_name(self.split)}: "

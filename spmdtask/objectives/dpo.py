@@ -112,6 +112,12 @@ class Dpo:
     rngs = None if rng is None else {"dropout": rng}
     logps = sequence_logps(model, params, rows, rngs).reshape(pairs, 2)
     if reference is None:
+      if REF_LOGPS not in batch:
+        raise ConfigError(
+            "task.objective.reference='precomputed' but the batches hold no reference "
+            f"log-probs ({REF_LOGPS}): give the input the objective (PreferenceInput's "
+            "`objective` field, as TinyLmDpo does) and write them with "
+            "tools/precompute_ref_logps.py, or set task.objective.reference='in_step'.")
       ref = batch[REF_LOGPS].astype(jnp.float32)
     else:
       ref = jax.lax.stop_gradient(sequence_logps(model, reference, rows).reshape(pairs, 2))
