@@ -4,6 +4,7 @@ import functools
 import fiddle as fdl
 import optax
 
+from configs.finetune import Llama31_8B_Lora
 from configs.lm import tiny_model
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.preferences import PreferenceInput, SyntheticPairInput
@@ -60,3 +61,40 @@ class TinyLmDpoFsdpTp(TinyLmDpo):
     cfg = super().task()
     cfg.ici_mesh_shape = (2, 2, 2)
     return cfg
+
+
+@register
+class Llama31_8B_Dpo(Llama31_8B_Lora):
+  """Llama 3.1 8B aligned with DPO (sigmoid, beta 0.1) on one v5e host
+  (`--plan_topology=v5e:2x4`): LoRA rank 16 on Llama31_8B_Lora's layout (FSDP over 8, full
+  remat, the frozen base in bfloat16), 8 pairs of 1024-token sequences a step (16 rows, 2
+  per chip). The reference is the base with the adapters off: no second copy of the
+  weights, one more forward a step. Warm-start the base (the SFT'd model) with
+  --fdl_set=task.train.init_checkpoint_dir=DIR; --data_dir=DIR reads prepared pairs
+  (tools/prepare_pref_data.py with the model's tokenizer, --max_len=1025)."""
+  batch_size = 8  # pairs
+  seq_len = 1024
+  peak_learning_rate = 5e-5
+  num_train_steps = 500
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.objective = fdl.Config(Dpo, beta=0.1)
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    model = self.task().model
+    return {split: fdl.Config(
+        pair_data, data_dir=self.data_dir or "",
+        synthetic=fdl.Config(SyntheticPairInput, batch_size=self.batch_size,
+                             seq_len=self.seq_len, vocab_size=model.vocab_size, seed=seed,
+                             num_batches=None if split == "train" else 4),
+        prepared=fdl.Partial(PreferenceInput, split=split, batch_size=self.batch_size,
+                             seq_len=self.seq_len, model=model,
+                             objective=self.task().objective,
+                             num_batches=None if split == "train" else 4))
+        for split, seed in (("train", 1), ("eval", 2))}
+
+  def decode_datasets(self) -> dict[str, fdl.Config]:
+    return {}
