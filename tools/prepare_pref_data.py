@@ -152,7 +152,7 @@ def train_command(output_dir: str, meta: dict) -> str:
   return " ".join([f"python -m spmdtask.main --exp=TinyLmDpo --data_dir={shlex.quote(output_dir)}",
                    f"--job_log_dir={shlex.quote(output_dir.rstrip('/') + '_dpo')}",
                    f"--fdl_set=task.model.vocab_size={meta['vocab_size']}"] +
-                  [shlex.quote(f"--fdl_set=datasets['{s}'].prepared.seq_len={seq}")
+                  [f"--fdl_set=\"datasets['{s}'].prepared.seq_len={seq}\""
                    for s in ("train", "eval")])
 
 

@@ -8,7 +8,7 @@ precomputed reference the batch adds `ref_logps` [pairs, 2] float32.
 Each sequence's score is its summed target log-probability (`ScoresTokens.token_logprobs`
 times `weights`) under the policy and under the frozen reference; with
 Δ = (logp_c - ref_c) - (logp_r - ref_r):
-  sigmoid  -(1 - ε) log σ(βΔ) - ε log σ(-βΔ)   (ε = label_smoothing; ε = 0 is TRL's sigmoid)
+  sigmoid  -(1 - ε) log σ(βΔ) - ε log σ(-βΔ)  (ε = label_smoothing; 0: TRL's sigmoid)
   ipo      ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2β))²  (n: completion
            tokens; TRL's length-normalized IPO)
 averaged over the global batch's pairs (the loss's weight is the pair count). Rewards are
