@@ -98,16 +98,32 @@ def test_ipo_and_label_smoothing_formulas():
   np.testing.assert_allclose(smooth, want, rtol=1e-6)
 
 
-def test_a_reference_checkpoint_of_another_model_is_one_paragraph(tmp_path):
-  from spmdtask.core import program as program_lib
-  from spmdtask.run import reference
-  ref_job = str(tmp_path / "job")
-  convert_hf.from_hf(os.path.join(DATA, "dpo", "reference"), ref_job)  # a tiny Llama's
-  run = util.build_run("TinyLmDpo", [
-      f"task.objective.reference_checkpoint_dir='{ref_job}'"])
+def test_the_reference_checkpoint_is_read_and_one_of_another_model_is_one_paragraph(tmp_path):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from spmdtask.core import program as program_lib, sharding  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import checkpoints, reference  # pylint: disable=g-import-not-at-top
+  run = util.build_run("TinyLmDpo")
   program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+
+  def with_dir(job):
+    return dataclasses.replace(run.task, objective=dataclasses.replace(
+        run.task.objective, reference_checkpoint_dir=job))
+
+  # A checkpoint of this model: its params (not the fresh init) are the reference.
+  canonical = program.to_canonical(program.init())
+  moved = jax.tree.map(lambda x: x + 0.5, canonical.params)
+  ckpt = checkpoints.Checkpointer(str(tmp_path / "ref"), program, 1, None, {"config": ""})
+  ckpt.save(0, program.from_canonical(canonical._replace(params=moved)), None)
+  ckpt.close()
+  got = reference.attach(with_dir(str(tmp_path / "ref")), program).reference
+  util.assert_trees_equal(jax.device_get(sharding.unpad(got, program.layout.logical.params)),
+                          jax.device_get(moved))
+  # The same checkpoint as the reference of another model (2 layers, not 4): one paragraph.
+  small = util.build_run("TinyLmDpo", ["task.model.num_layers=2"])
+  small_program = program_lib.setup(small.task, small.datasets["train"].batch_at(0))
   with pytest.raises(ConfigError) as e:
-    reference.attach(run.task, program)
+    reference.attach(dataclasses.replace(small.task, objective=with_dir(
+        str(tmp_path / "ref")).objective), small_program)
   msg = str(e.value)
   assert "\n" not in msg and "task.objective.reference_checkpoint_dir" in msg, msg
   assert "not a reference for this model" in msg and "differ" in msg, msg

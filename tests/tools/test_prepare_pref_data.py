@@ -70,19 +70,18 @@ def test_precomputed_reference_logps_equal_the_in_step_ones(prepared):
       f"datasets['{s}'].prepared.seq_len={SEQ}" for s in ("train", "eval")]
   got = precompute_ref_logps.precompute("TinyLmDpo", out, sets)
   assert {k: v.shape for k, v in got.items()} == {"train": (3, 2), "eval": (2, 2)}
-  # What the step would compute: the fresh init (the reference without a checkpoint).
+  # What the step would compute: under the fresh init (the reference without a checkpoint).
   import fiddle as fdl  # pylint: disable=g-import-not-at-top
-  from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from spmdtask.core import train_state  # pylint: disable=g-import-not-at-top
   run = fdl.build(main.resolved_config(
       "TinyLmDpo", sets + ["task.objective.reference='precomputed'"], out))
   batch = run.datasets["train"].batch_at(0)  # reads train_ref_logps.npy
   np.testing.assert_array_equal(batch["ref_logps"], got["train"][[0, 1, 2, 0, 1, 2, 0, 1]])
-  program = program_lib.setup(run.task, batch)
-  params = program.to_canonical(program.init()).params
-  model = run.task.model
-  want = jax.jit(lambda p, b: dpo.sequence_logps(
-      model, p, run.task.objective.model_batch(b)).reshape(-1, 2))(params, batch)
-  np.testing.assert_allclose(got["train"][[0, 1, 2, 0, 1, 2, 0, 1]], want, rtol=1e-5, atol=1e-4)
+  model, rows = run.task.model, run.task.objective.model_batch(batch)
+  params = nn.unbox(train_state.init_params(model, jax.random.key(run.task.train.seed), rows))
+  want = jax.jit(lambda p, r: dpo.sequence_logps(model, p, r).reshape(-1, 2))(params, rows)
+  np.testing.assert_allclose(got["train"][[0, 1, 2, 0, 1, 2, 0, 1]], want, rtol=1e-5)
 
 
 def test_identical_chosen_and_rejected_exit_2_naming_the_line(tmp_path, capsys):
