@@ -141,3 +141,23 @@ def test_8_devices_with_microbatches_train_like_one_device():
   # Adam moves a weight whose gradient is ~0 (rounding noise) by up to lr = 1e-3 whatever
   # its size: a few such elements differ by ~1e-4; everything else to float32 rounding.
   util.assert_trees_close(params, want_params, atol=2.5e-4)
+
+
+def test_token_logprobs_come_back_in_row_order_under_a_context_split():
+  """TinyLmContext splits each row zig-zag over 4 'context' devices; the per-token
+  log-probs (not only their sums) equal the unsplit model's, token for token."""
+  from configs import lm  # pylint: disable=g-import-not-at-top
+  split = util.build_run("lm.TinyLmContext").task.model
+  plain = split.clone(activation_split_dims_mapping=util.build_run("lm.TinyLm").task.model
+                      .activation_split_dims_mapping)
+  batch = util.build_run("lm.TinyLm").datasets["train"].batch_at(0)
+  batch = {k: v[:4] for k, v in batch.items()}
+  params = plain.init(jax.random.key(0), batch, method=plain.loss)["params"]
+  want = jax.jit(lambda p, b: plain.apply({"params": p}, b, method=plain.token_logprobs))(
+      params, batch)
+  mesh = jax.make_mesh((2, 1, 4, 1), lm.CONTEXT_AXES,
+                       axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:8])
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda p, b: split.apply({"params": p}, b, method=split.token_logprobs))(
+        params, batch)
+  util.assert_close_f32(got, want, terms=64)
