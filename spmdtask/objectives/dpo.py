@@ -8,7 +8,7 @@ precomputed reference the batch adds `ref_logps` [pairs, 2] float32.
 Each sequence's score is its summed target log-probability (`ScoresTokens.token_logprobs`
 times `weights`) under the policy and under the frozen reference; with
 Δ = (logp_c - ref_c) - (logp_r - ref_r):
-  sigmoid  -(1 - ε) log σ(βΔ) - ε log σ(-βΔ)   (ε = label_smoothing; ε = 0 is TRL's sigmoid)
+  sigmoid  -(1 - ε) log σ(βΔ) - ε log σ(-βΔ)  (ε = label_smoothing; 0: TRL's sigmoid)
   ipo      ((logp_c - ref_c) / n_c - (logp_r - ref_r) / n_r - 1 / (2β))²  (n: completion
            tokens; TRL's length-normalized IPO)
 averaged over the global batch's pairs (the loss's weight is the pair count). Rewards are
@@ -112,6 +112,12 @@ class Dpo:
     rngs = None if rng is None else {"dropout": rng}
     logps = sequence_logps(model, params, rows, rngs).reshape(pairs, 2)
     if reference is None:
+      if REF_LOGPS not in batch:
+        raise ConfigError(
+            "task.objective.reference='precomputed' but the batches hold no reference "
+            f"log-probs ({REF_LOGPS}): give the input the objective (PreferenceInput's "
+            "`objective` field, as TinyLmDpo does) and write them with "
+            "tools/precompute_ref_logps.py, or set task.objective.reference='in_step'.")
       ref = batch[REF_LOGPS].astype(jnp.float32)
     else:
       ref = jax.lax.stop_gradient(sequence_logps(model, reference, rows).reshape(pairs, 2))

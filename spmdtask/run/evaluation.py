@@ -21,6 +21,7 @@ from spmdtask import console, fs
 from spmdtask.run import summaries
 from spmdtask.errors import ConfigError
 from spmdtask.core.host_input import num_batches
+from spmdtask.core.objective import TARGET_TOKENS  # a count by its weight: 1.0 as a mean
 
 EVAL_METRICS_FILE = "eval_metrics.jsonl"
 
@@ -97,7 +98,7 @@ def write(job_log_dir: str | None, name: str, step: int, metrics: dict[str, floa
 def readable(name: str, step: int, metrics: dict[str, float]) -> str:
   """One console line: the dataset, the step, the model's metrics, then the counts."""
   shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                    if k not in ("weight", "num_batches"))
+                    if k not in ("weight", "num_batches", TARGET_TOKENS))
   return (f"eval dataset {name!r}, step {step}: {shown}  "
           f"({console.count(metrics.get('num_batches', 0), 'batch')}, "
           f"weight {metrics.get('weight', 0):.0f})")

@@ -1,0 +1,184 @@
+"""Turns JSONL preference pairs into a prepared data dir for DPO (spmdtask.objectives.dpo).
+
+    python tools/prepare_pref_data.py --input='/data/prefs/*.jsonl' \\
+        --tokenizer=/models/Llama-3.1-8B-Instruct --output_dir=/data/prefs_l31 --max_len=1024
+
+Each line is one pair in one of TRL's preference formats:
+  conversational  {"prompt": [messages], "chosen": [messages], "rejected": [messages]}: the
+                  prompt rendered with the --tokenizer dir's chat template and its generation
+                  prompt, each completion's assistant turns (text and end-of-turn token) the
+                  targets (spmdtask.inputs.chat);
+  implicit prompt {"chosen": [messages], "rejected": [messages]}: two whole conversations;
+                  the messages they share from the start are the prompt;
+  plain text      {"prompt": "...", "chosen": "...", "rejected": "..."}: prompt + completion
+                  with the tokenizer's special tokens, closed by eos; the completion and eos
+                  are the targets.
+A pair whose chosen or rejected sequence is longer than --max_len tokens is dropped. Pairs are
+shuffled once (--seed), the first --eval_fraction become the eval split.
+
+The output dir has prepare_chat_data.py's layout, pair p being documents 2p (chosen) and
+2p + 1 (rejected), and meta.json's "preferences": true (spmdtask.inputs.preferences reads
+it). Any bad line (a pair whose chosen and rejected are the same tokens among them) stops
+the tool (exit 2) before anything is written; an existing prepared dir is never overwritten.
+"""
+import argparse
+import json
+import os
+import shlex
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # C++ libraries print as they load: keep them off the console
+  from spmdtask import console  # pylint: disable=wrong-import-position
+  console.start_tool()
+
+# pylint: disable=wrong-import-position
+from spmdtask import fs
+from spmdtask.errors import ConfigError
+from spmdtask.inputs import chat, chat_template, text, tokenizers
+from tools.prepare_text_data import split_documents, write_staged
+
+
+def parse(line: str, where: str) -> tuple[chat.Example, chat.Example]:
+  """(chosen, rejected) `chat.Example`s of one JSONL line; ConfigError naming `where`."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
+  if not isinstance(record, dict) or not {"chosen", "rejected"} <= set(record):
+    raise ConfigError(f"{where}has no 'chosen' and 'rejected'; write {{\"prompt\": ..., "
+                      "\"chosen\": ..., \"rejected\": ...}} (TRL's preference format).")
+  if "prompt" in record:
+    return tuple(chat.parse(json.dumps({"prompt": record["prompt"], "completion": record[k]}),
+                            f"{where}{k}: ") for k in ("chosen", "rejected"))
+  if isinstance(record["chosen"], str):
+    raise ConfigError(f"{where}gives plain-text chosen and rejected without a 'prompt'; add "
+                      "the prompt they share as \"prompt\".")
+  chosen, rejected = (chat.parse(json.dumps({"messages": record[k]}), f"{where}{k}: ").messages
+                      for k in ("chosen", "rejected"))
+  shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b),
+                min(len(chosen), len(rejected)))
+  if shared == 0:
+    raise ConfigError(f"{where}chosen and rejected share no first message, so they have no "
+                      "common prompt; give the prompt as \"prompt\".")
+  return tuple(chat.parse(json.dumps({"prompt": list(m[:shared]),
+                                      "completion": list(m[shared:])}), f"{where}{k}: ")
+               for k, m in (("chosen", chosen), ("rejected", rejected)))
+
+
+def encode_all(pattern: str, conv: chat.Chat, max_len: int) -> dict:
+  """Every line as two (ids, mask) documents, over-long pairs dropped; ConfigError (naming
+  FILE:LINE) for the first bad line. Returns {'docs', 'masks', 'dropped'}."""
+  lines = chat.read_jsonl(pattern)
+  if not lines:
+    raise ConfigError(f"--input={pattern!r} matches no non-empty JSONL line; give files of "
+                      'one pair a line ({"prompt": ..., "chosen": ..., "rejected": ...}).')
+  out = {"docs": [], "masks": [], "dropped": 0}
+  for where, line in lines:
+    (c_ids, c_mask), (r_ids, r_mask) = (e.encode(conv, where) for e in parse(line, where))
+    if c_ids.tolist() == r_ids.tolist():
+      raise ConfigError(
+          f"{where}chosen and rejected are identical ({len(c_ids)} tokens): DPO learns "
+          "nothing from such a pair (its two log-ratios cancel) and it usually means a "
+          "broken export. Fix the line's rejected completion or drop the line.")
+    if max(len(c_ids), len(r_ids)) > max_len:
+      out["dropped"] += 1
+      continue
+    out["docs"] += [c_ids.tolist(), r_ids.tolist()]
+    out["masks"] += [c_mask.tolist(), r_mask.tolist()]
+  return out
+
+
+def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int,
+            eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0,
+            end_of_turn_token: str | None = None) -> dict:
+  """Writes the data dir (local, or gs:// through a local stage); returns meta.json's
+  contents. Everything is read and checked before the first file is written."""
+  if fs.isfile(fs.join(output_dir, tokenizers.META_FILE)):
+    raise ConfigError(f"--output_dir={output_dir!r} already holds a prepared data dir "
+                      f"({tokenizers.META_FILE}); give a new dir, or delete that one first.")
+  if max_len < 2:
+    raise ConfigError(f"--max_len={max_len}: a sequence needs at least 2 tokens; give the "
+                      "sequence length you will train with plus one (e.g. --max_len=1025).")
+  conv = chat.Chat.from_model_dir(model_dir, end_of_turn_token)
+  enc = encode_all(pattern, conv, max_len)
+  if len(enc["docs"]) < 4:
+    raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs']) // 2} pair(s) after "
+                      f"--max_len={max_len}; a train and an eval split need at least 2. Raise "
+                      "--max_len or add pairs.")
+  return write_staged(output_dir, lambda local: _write(
+      local, enc, conv, pattern, max_len, eval_fraction, num_shards, seed, model_dir))
+
+
+def _write(output_dir, enc, conv, pattern, max_len, eval_fraction, num_shards, seed,
+           model_dir) -> dict:
+  train_ids, eval_ids = split_documents(len(enc["docs"]) // 2, eval_fraction, seed)
+  splits = {}
+  for name, ids in (("train", train_ids), ("eval", eval_ids)):
+    docs = [i for p in ids for i in (2 * int(p), 2 * int(p) + 1)]
+    files = text.write_split(output_dir, name, [enc["docs"][i] for i in docs],
+                             num_shards if name == "train" else max(1, num_shards // 4),
+                             [enc["masks"][i] for i in docs])
+    # Shards hold whole documents in order, so a pair's two stay adjacent by number.
+    splits[name] = {"files": files, "num_documents": len(docs), "num_pairs": len(ids),
+                    "num_tokens": int(sum(len(enc["docs"][i]) for i in docs)),
+                    "num_target_tokens": int(sum(sum(enc["masks"][i][1:]) for i in docs))}
+  fs.write_bytes(os.path.join(output_dir, tokenizers.HF_FILE),
+                 fs.read_bytes(fs.join(model_dir, tokenizers.HF_FILE)))
+  with open(os.path.join(output_dir, chat_template.TEMPLATE_FILE), "w", encoding="utf-8") as f:
+    f.write(conv.template.source)
+  eod = conv.eos_id if conv.eos_id is not None else conv.end_of_turn_id
+  meta = {"tokenizer": "hf", "vocab_size": conv.tokenizer.vocab_size, "eod_id": int(eod),
+          "input": pattern, "seed": seed, "eval_fraction": eval_fraction, "splits": splits,
+          "target_mask": True, "preferences": True,
+          "chat": {"end_of_turn_id": conv.end_of_turn_id, "template_source": conv.template.origin,
+                   "special_tokens": conv.template.special_tokens},
+          "max_len": max_len, "dropped": enc["dropped"]}
+  with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
+    json.dump(meta, f, indent=1)
+  return meta
+
+
+def report(output_dir: str, meta: dict) -> str:
+  counts = ", ".join(f"{k}: {v['num_pairs']} pairs, {v['num_tokens']} tokens "
+                     f"({v['num_target_tokens']} targets)" for k, v in meta["splits"].items())
+  return (f"{output_dir}: vocab_size={meta['vocab_size']}; {counts}; {meta['dropped']} pairs "
+          f"over --max_len={meta['max_len']} dropped")
+
+
+def train_command(output_dir: str, meta: dict) -> str:
+  """A TinyLmDpo command on `output_dir` (its vocabulary, rows long enough for every pair)."""
+  seq = meta["max_len"] - 1
+  return " ".join([f"python -m spmdtask.main --exp=TinyLmDpo --data_dir={shlex.quote(output_dir)}",
+                   f"--job_log_dir={shlex.quote(output_dir.rstrip('/') + '_dpo')}",
+                   f"--fdl_set=task.model.vocab_size={meta['vocab_size']}"] +
+                  [f"--fdl_set=\"datasets['{s}'].prepared.seq_len={seq}\""
+                   for s in ("train", "eval")])
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser.add_argument("--input", required=True, help="glob of JSONL files, a pair a line")
+  parser.add_argument("--tokenizer", required=True,
+                      help="a Hugging Face model dir: tokenizer.json and its chat template")
+  parser.add_argument("--output_dir", required=True)
+  parser.add_argument("--max_len", type=int, required=True,
+                      help="the longest sequence (prompt + completion) kept, in tokens")
+  parser.add_argument("--end_of_turn_token", default=None,
+                      help="the token ending an assistant turn (default: found in the template)")
+  parser.add_argument("--eval_fraction", type=float, default=0.05)
+  parser.add_argument("--num_shards", type=int, default=4, help="train shards")
+  parser.add_argument("--seed", type=int, default=0, help="pair shuffle seed")
+  args = parser.parse_args(argv)
+  try:
+    meta = prepare(args.input, args.tokenizer, args.output_dir, args.max_len,
+                   args.eval_fraction, args.num_shards, args.seed, args.end_of_turn_token)
+  except ConfigError as e:
+    print(f"prepare_pref_data: config error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(report(args.output_dir, meta))
+  print("Train on it:\n  " + train_command(args.output_dir, meta))
+
+
+if __name__ == "__main__":
+  main()
