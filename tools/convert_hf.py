@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out of spmdtask: Llama, Mixtral and Qwen3-MoE
-(safetensors, numpy; no torch).
+"""Hugging Face checkpoints in and out of spmdtask: Llama, Qwen3, Gemma 3 (text), Mixtral
+and Qwen3-MoE (safetensors, numpy; no torch).
 
     python tools/convert_hf.py --from_hf=/models/llama --job_log_dir=/tmp/llama
     python -m spmdtask.main --exp=llama.LlamaImport --job_log_dir=/tmp/llama --mode=decode \
@@ -41,6 +41,7 @@ permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.ro
 same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -53,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from tools import hf_lora, hf_models
+from tools import hf_gemma3, hf_lora, hf_models
 
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
@@ -107,7 +108,7 @@ def published_experiment(cfg: dict) -> str | None:
     model = fdl.build(registry.get(name)().task().model)
     got = {k: getattr(model, k) for k in want}
     if got["rope_scaling"] is not None:
-      got["rope_scaling"] = {k: getattr(got["rope_scaling"], k) for k in hf_models.LLAMA3_KEYS}
+      got["rope_scaling"] = dataclasses.asdict(got["rope_scaling"])
     if "moe" in want and got["moe"] is not None:
       got["moe"] = {k: getattr(got["moe"], k) for k in want["moe"]}
     if got == want:
@@ -268,7 +269,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it; with
   `new_lora` (PEFT adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every
   input is read and checked before anything is written."""
-  cfg, tensors = read_hf(hf_dir)
+  cfg, tensors = hf_gemma3.text_half(*read_hf(hf_dir))  # a multimodal Gemma 3: its text
   has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
   tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
   params, lora = to_params(cfg, tensors), None

@@ -17,7 +17,8 @@ from spmdtask.layers import xent
 from spmdtask.layers.attention.mha import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
-from spmdtask.layers.rope import Llama3Scaling
+from spmdtask.layers.attention import window as window_lib
+from spmdtask.layers.rope import Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
@@ -85,7 +86,7 @@ class TransformerLm(nn.Module):
   tie_embeddings: bool = False
   scale_tied_logits: bool = True  # tied head times d_model**-0.5; Llama's is unscaled (False)
   rope_theta: float = 10000.0
-  rope_scaling: Llama3Scaling | None = None  # Llama 3.1 / 3.2 frequency scaling
+  rope_scaling: Scaling | None = None  # Llama 3.1 / 3.2's, or linear (Gemma 3's global)
   norm_eps: float = 1e-6
   qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
   dropout_rate: float = 0.0
@@ -101,6 +102,18 @@ class TransformerLm(nn.Module):
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
+  # Local (sliding-window) attention (layers.attention.window): the kinds of the layers,
+  # repeated over the stack (Gemma 3: ('local',) * 5 + ('global',)); a local layer sees its
+  # last `sliding_window` keys, its RoPE base `local_rope_theta` (None: rope_theta) unscaled.
+  attention_pattern: tuple[str, ...] = ("global",)
+  sliding_window: int | None = None
+  local_rope_theta: float | None = None
+  attention_scale: float | None = None  # the scores' scale; None: head_dim**-0.5
+  # Gemma: every norm scales by 1 + w (norm_offset=1.0), a norm after each sublayer too
+  # (sandwich_norms), the embedding times sqrt(d_model) (scale_embedding).
+  norm_offset: float = 0.0
+  sandwich_norms: bool = False
+  scale_embedding: bool = False
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -187,11 +200,22 @@ class TransformerLm(nn.Module):
                 context_attention=self.context_attention,
                 context_score_block=self.context_score_block,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping, lora=self.lora)
+                asplit=self.activation_split_dims_mapping, lora=self.lora,
+                sliding_window=self.sliding_window if "local" in self.attention_pattern else None,
+                local_rope_theta=self.local_rope_theta, attention_scale=self.attention_scale,
+                norm_offset=self.norm_offset, sandwich_norms=self.sandwich_norms)
+
+  def layer_flags(self) -> tuple[bool, ...] | None:
+    """Per layer: whether it is local, where the pattern mixes kinds; else None (every
+    layer alike: `block_kwargs` says which)."""
+    if len(set(self.attention_pattern)) < 2:
+      return None
+    return window_lib.layer_flags(tuple(self.attention_pattern), self.num_layers)
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
-                                self.scan_unroll, self.execution, name="layers")
+                                self.scan_unroll, self.execution, self.layer_flags(),
+                                name="layers")
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -222,9 +246,11 @@ class TransformerLm(nn.Module):
                           nn.initializers.normal(1.0), self.lora)
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
+    if self.scale_embedding:  # Gemma: in the compute dtype, as HF's
+      x = x * jnp.asarray(self.d_model ** 0.5, dt)
     x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
-                name="final_norm")(x)
+                self.norm_offset, name="final_norm")(x)
     if order is not None:  # back to the row's own order
       x = _reordered(np.argsort(order), a.embed, x)[0]
     if self.tie_embeddings:
