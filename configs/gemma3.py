@@ -73,7 +73,7 @@ class Gemma3_1B(_Gemma3):
 
 @register
 class Gemma3_4B(_Gemma3):
-  """Gemma 3 4B, text (3,880,099,328 params) on v5e-64: FSDP over 64 chips, 1 row × 8192
+  """Gemma 3 4B, text (3,880,263,168 params) on v5e-64: FSDP over 64 chips, 1 row × 8192
   tokens per chip (global 64 rows), full remat."""
   batch_size = 64
 
@@ -84,7 +84,7 @@ class Gemma3_4B(_Gemma3):
 
 @register
 class Gemma3_12B(_Gemma3):
-  """Gemma 3 12B, text (11,765,788,416 params) on v5p-128 (64 chips): FSDP over 64, 1 row ×
+  """Gemma 3 12B, text (11,766,034,176 params) on v5p-128 (64 chips): FSDP over 64, 1 row ×
   8192 tokens per chip (global 64 rows), full remat."""
   batch_size = 64
 
@@ -95,7 +95,7 @@ class Gemma3_12B(_Gemma3):
 
 @register
 class Gemma3_27B(_Gemma3):
-  """Gemma 3 27B, text (27,009,002,240 params; query scale 168 ** -0.5) on v6e-256: FSDP
+  """Gemma 3 27B, text (27,009,346,304 params; query scale 168 ** -0.5) on v6e-256: FSDP
   over 16 × 16 chips (each gradient reduce-scatter within 16), 1 row × 8192 tokens per chip
   (global 256 rows), full remat."""
   batch_size = 256

@@ -35,18 +35,26 @@ def text_half(cfg: dict, tensors: dict) -> tuple[dict, dict]:
   multimodal checkpoint; any other checkpoint unchanged."""
   if cfg.get("model_type") != "gemma3":
     return cfg, tensors
+  prefix = next((p for p in LANGUAGE_PREFIXES if any(k.startswith(p) for k in tensors)), None)
+  if prefix is None:
+    raise ConfigError(f"config.json says model_type='gemma3' but the checkpoint has no "
+                      f"tensor under {' or '.join(LANGUAGE_PREFIXES)} (its language model).")
+  out = {"model." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+  return text_config(cfg), out
+
+
+def text_config(cfg: dict) -> dict:
+  """The gemma3_text config of a `gemma3` multimodal one (its text_config, with the
+  top-level tie and token ids it inherits); any other config unchanged."""
+  if cfg.get("model_type") != "gemma3":
+    return cfg
   text = {**cfg.get("text_config", {}), "model_type": "gemma3_text",
           "architectures": ["Gemma3ForCausalLM"]}
   text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
   for key in ("eos_token_id", "bos_token_id", "pad_token_id"):
     if key not in text and key in cfg:
       text[key] = cfg[key]
-  prefix = next((p for p in LANGUAGE_PREFIXES if any(k.startswith(p) for k in tensors)), None)
-  if prefix is None:
-    raise ConfigError(f"config.json says model_type='gemma3' but the checkpoint has no "
-                      f"tensor under {' or '.join(LANGUAGE_PREFIXES)} (its language model).")
-  out = {"model." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-  return text, out
+  return text
 
 
 def field(cfg: dict, key: str):

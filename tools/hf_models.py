@@ -128,8 +128,7 @@ def model_fields(cfg: dict) -> dict:
   """TransformerLm fields of a HF config; ConfigError naming an unsupported key."""
   kind = family(cfg)
   if kind in GEMMA:
-    return hf_gemma3.model_fields(hf_gemma3.text_half(cfg, {})[0] if kind == "gemma3" else cfg,
-                                  rope_fields)
+    return hf_gemma3.model_fields(hf_gemma3.text_config(cfg), rope_fields)
   for key in REQUIRED:
     if key not in cfg:
       raise ConfigError(f"config.json has no {key!r}, which a {kind} config needs.")
@@ -219,4 +218,27 @@ def lora_modules(cfg: dict, i: int, targets) -> dict[str, tuple[str, str, str]]:
     path = f"layers/block/{'attn' if t in ('q', 'k', 'v', 'o') else 'mlp'}/{t}"
     name, kind = tensors[path]
     out[t] = (path, name.removesuffix(".weight"), kind)
+  return out
+
+
+# Layout kinds: HF Linear [out, in] -> spmdtask's [in, ...] (and back).
+def layouts(m: dict):
+  """(to ours, back to HF) by layout kind, for TransformerLm fields `m`."""
+  d, h, kv, hd = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"]
+  to = {"heads_in": lambda w: w.T.reshape(d, h, hd), "kv_in": lambda w: w.T.reshape(d, kv, hd),
+        "heads_out": lambda w: w.T.reshape(h, hd, d), "t": lambda w: w.T, "same": lambda w: w}
+  back = {"heads_in": lambda w: w.reshape(d, -1).T, "kv_in": lambda w: w.reshape(d, -1).T,
+          "heads_out": lambda w: w.reshape(h * hd, d).T, "t": lambda w: w.T,
+          "same": lambda w: w}
+  return to, back
+
+
+def stacked_paths(cfg: dict, m: dict):
+  """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked param."""
+  layers, experts = range(m["num_layers"]), range(num_experts(cfg))
+  out = [(path, [layer_tensors(cfg, i)[path][0] for i in layers], kind)
+         for path, (_, kind) in layer_tensors(cfg, 0).items()]
+  out += [(path, [[expert_tensors(cfg, i, j)[path][0] for j in experts]
+                  for i in layers], kind)
+          for path, (_, kind) in expert_tensors(cfg, 0, 0).items()]
   return out
