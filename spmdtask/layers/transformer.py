@@ -23,6 +23,11 @@ from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
+# TransformerLm fields a layer (layers.block.Block) has under the same name.
+BLOCK_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "mlp_activation",
+                "rope_theta", "rope_scaling", "norm_eps", "qk_norm", "dropout_rate",
+                "attention_impl", "context_attention", "context_score_block", "lora",
+                "local_rope_theta", "attention_scale", "norm_offset", "sandwich_norms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,14 +107,14 @@ class TransformerLm(nn.Module):
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
-  # Local (sliding-window) attention (layers.attention.window): the kinds of the layers,
-  # repeated over the stack (Gemma 3: ('local',) * 5 + ('global',)); a local layer sees its
-  # last `sliding_window` keys, its RoPE base `local_rope_theta` (None: rope_theta) unscaled.
+  # Local attention (layers.attention.window): layer kinds repeated over the stack (Gemma 3:
+  # ('local',) * 5 + ('global',)); local: the last `sliding_window` keys, RoPE θ
+  # `local_rope_theta` (None: rope_theta) unscaled.
   attention_pattern: tuple[str, ...] = ("global",)
   sliding_window: int | None = None
   local_rope_theta: float | None = None
   attention_scale: float | None = None  # the scores' scale; None: head_dim**-0.5
-  # Gemma: every norm scales by 1 + w (norm_offset=1.0), a norm after each sublayer too
+  # Gemma: norms scale by 1 + w (norm_offset 1), a norm after each sublayer too
   # (sandwich_norms), the embedding times sqrt(d_model) (scale_embedding).
   norm_offset: float = 0.0
   sandwich_norms: bool = False
@@ -156,18 +161,7 @@ class TransformerLm(nn.Module):
 
   def split_dims_fields(self) -> dict[str, tuple[SplitDims, tuple[int, ...]]]:
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
-    d, v, h, kv, hd, ff = (self.d_model, self.vocab_size, self.num_heads, self.num_kv_heads,
-                           self.head_dim, self.d_ff)
-    shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
-                  mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
-    shapes.update(self.moe.weight_shapes(d) if self.moe else {})
-    acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
-                logits=("b", "t", v))
-    out = {f"task.model.weight_split_dims_mapping.{k}":
-           (getattr(self.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
-    out.update({f"task.model.activation_split_dims_mapping.{k}":
-                (getattr(self.activation_split_dims_mapping, k), s) for k, s in acts.items()})
-    return out
+    return lm_checks.split_dims_fields(self)
 
   # ------------------------------------------------------------------ decoding (Decodable)
 
@@ -192,29 +186,15 @@ class TransformerLm(nn.Module):
 
   def block_kwargs(self) -> dict:
     """The fields of one layer (`layers.block.Block`)."""
-    return dict(d_model=self.d_model, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
-                dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
-                context_attention=self.context_attention,
-                context_score_block=self.context_score_block,
-                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping, lora=self.lora,
-                sliding_window=self.sliding_window if "local" in self.attention_pattern else None,
-                local_rope_theta=self.local_rope_theta, attention_scale=self.attention_scale,
-                norm_offset=self.norm_offset, sandwich_norms=self.sandwich_norms)
-
-  def layer_flags(self) -> tuple[bool, ...] | None:
-    """Per layer: whether it is local, where the pattern mixes kinds; else None (every
-    layer alike: `block_kwargs` says which)."""
-    if len(set(self.attention_pattern)) < 2:
-      return None
-    return window_lib.layer_flags(tuple(self.attention_pattern), self.num_layers)
+    return dict({k: getattr(self, k) for k in BLOCK_FIELDS}, dtype=jnp.dtype(self.fprop_dtype),
+                wsplit=self.weight_split_dims_mapping,
+                asplit=self.activation_split_dims_mapping,
+                sliding_window=self.sliding_window if "local" in self.attention_pattern else None)
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
-                                self.scan_unroll, self.execution, self.layer_flags(),
+                                self.scan_unroll, self.execution,
+                                window_lib.mixed_flags(self.attention_pattern, self.num_layers),
                                 name="layers")
 
   @nn.compact

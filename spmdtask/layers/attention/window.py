@@ -27,6 +27,12 @@ def layer_flags(pattern: tuple[str, ...], num_layers: int) -> tuple[bool, ...]:
   return tuple(pattern[i % len(pattern)] == "local" for i in range(num_layers))
 
 
+def mixed_flags(pattern, num_layers: int) -> tuple[bool, ...] | None:
+  """`layer_flags` where the pattern mixes kinds; None where every layer is alike (the
+  layer's window then says which, statically)."""
+  return layer_flags(tuple(pattern), num_layers) if len(set(pattern)) > 1 else None
+
+
 def check(pattern, window, num_layers: int, where: str = "task.model") -> None:
   """ConfigError naming the field where the pattern or the window does not fit the model."""
   if (not isinstance(pattern, (tuple, list)) or not pattern
