@@ -129,6 +129,8 @@ class TinyGemma3(lm.TinyLm):
     cfg = super().task()
     gemma3_layer(cfg.model, 8, 24)
     cfg.model.attention_pattern = ("local", "local", "global")
-    cfg.model.tie_embeddings, cfg.model.scale_tied_logits = True, False
+    # A fresh tied head times d_model**-0.5: unscaled (HF's), logits of a random init have a
+    # std of ~sqrt(d_model) (converted checkpoints keep HF's: Gemma3Import).
+    cfg.model.tie_embeddings, cfg.model.scale_tied_logits = True, True
     cfg.model.rope_scaling = fdl.Config(LinearScaling, factor=8.0)
     return cfg

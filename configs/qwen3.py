@@ -80,9 +80,10 @@ class Qwen3Import(llama.LlamaImport):
 
 @register
 class TinyQwen3(lm.TinyLm):
-  """TinyLm's model as a Qwen3: QK-norm, tied (unscaled) embeddings."""
+  """TinyLm's model as a Qwen3: QK-norm, tied embeddings."""
 
   def task(self):
     cfg = super().task()
-    cfg.model.qk_norm, cfg.model.tie_embeddings, cfg.model.scale_tied_logits = True, True, False
+    # A fresh tied head times d_model**-0.5 (configs/gemma3.py TinyGemma3 says why).
+    cfg.model.qk_norm, cfg.model.tie_embeddings, cfg.model.scale_tied_logits = True, True, True
     return cfg
