@@ -21,22 +21,22 @@ from tools import convert_hf, hf_gemma3
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_tiny_hf_gemma3_gives_hf_logits_and_round_trips_bit_identically(tmp_path):
+def test_tiny_hf_gemma3_gives_hf_logits_and_round_trips_bit_identically():
+  """In memory (tests/tools/test_convert_hf.py runs the files' path: checkpoint, hf_source,
+  --to_hf)."""
   hf, cfg, tokens, want = _fixture("gemma3")
-  out, back = str(tmp_path / "job"), str(tmp_path / "back")
-  lines = convert_hf.from_hf(hf, out)
+  lines = convert_hf.overrides(cfg)
   assert "task.model.attention_pattern=('local', 'local', 'global')" in lines  # 4 layers
   assert {"task.model.sliding_window=5", "task.model.rope_scaling.factor=8.0",
           "task.model.local_rope_theta=10000.0", f"task.model.attention_scale={12 ** -0.5!r}",
           "task.model.norm_offset=1.0", "task.model.sandwich_norms=True"} <= set(lines)
-  exp = convert_hf.experiment(cfg)
-  model = util.build_run(exp, lines).task.model
-  params = convert_hf.read_checkpoint(out, lines, exp)  # through the step-0 checkpoint
+  assert convert_hf.experiment(cfg) == "gemma3.Gemma3Import"
+  model = util.build_run(convert_hf.experiment(cfg), lines).task.model
+  tensors = convert_hf.read_hf(hf)[1]
+  params = convert_hf.to_params(cfg, tensors)
   _assert_hf_logits(model, params, tokens, want)
-  convert_hf.to_hf(out, back)
-  got_cfg, got = convert_hf.read_hf(back)
-  assert got_cfg == cfg
-  _assert_bit_identical(got, convert_hf.read_hf(hf)[1])
+  dtypes = {k: str(v.dtype) for k, v in tensors.items()}
+  _assert_bit_identical(convert_hf.from_params(cfg, params, dtypes), tensors)
 
 
 def test_the_language_model_of_a_multimodal_gemma3_converts(tmp_path):
