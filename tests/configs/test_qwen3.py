@@ -1,8 +1,8 @@
 """configs/qwen3.py: each Qwen3 has its published parameter count (abstract params, nothing
 allocated). Qwen3's layer is TinyLm's with QK-norm and a tied head: 8 devices against one
 (fsdp, tp; 10 steps) runs both in tests/configs/test_gemma3.py (TinyGemma3 has them, with
-Gemma's own parts), one compile-heavy equivalence test for the two families (suite time);
-tests/run/test_decoding.py decodes TinyQwen3 with the cache."""
+Gemma's own parts), one compile-heavy equivalence test for the two families (suite time); its cached decode
+(tests/run/test_decoding.py) likewise."""
 import fiddle as fdl
 import numpy as np
 import pytest
