@@ -18,7 +18,11 @@ Configs (`--config`, or `all`):
                       attention=flash megablox=True sparse_matmul=True`;
   llama31_8b_128k_v5p128  Llama-3.1-8B on rows of 131,072 tokens on v5p-128:
                       `llama.Llama31_8B_128k` (context 16 x fsdp 4, ring attention) against
-                      MaxText's `ici_context_parallelism=16 ici_fsdp_parallelism=-1` (4 rows).
+                      MaxText's `ici_context_parallelism=16 ici_fsdp_parallelism=-1` (4 rows);
+  gemma3_27b_v6e256   Gemma 3 27B (text) on v6e-256: `gemma3.Gemma3_27B` (FSDP 16 x 16,
+                      1 x 8192 tokens per chip) against MaxText's `model_name=gemma3-27b
+                      per_device_batch_size=1 max_target_length=8192 ici_fsdp_parallelism=-1`
+                      (its defaults else; its vocabulary 262144, the HF checkpoint's 262208).
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
@@ -90,6 +94,11 @@ CONFIGS = {
          "per_device_batch_size=0.0625", "max_target_length=131072",
          "ici_context_parallelism=16", "ici_fsdp_parallelism=-1", "remat_policy=full",
          "attention=flash", "dataset_type=synthetic")),
+    "gemma3_27b_v6e256": Config(
+        "gemma3.Gemma3_27B", "v6e:16x16",
+        ("compile_topology=v6e-256", "compile_topology_num_slices=1", "model_name=gemma3-27b",
+         "per_device_batch_size=1", "max_target_length=8192", "ici_fsdp_parallelism=-1",
+         "dataset_type=synthetic")),
 }
 
 

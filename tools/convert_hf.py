@@ -1,17 +1,18 @@
-"""Hugging Face checkpoints in and out of spmdtask: Llama, Mixtral and Qwen3-MoE
-(safetensors, numpy; no torch).
+"""Hugging Face checkpoints in and out of spmdtask: Llama, Qwen3, Gemma 3 (text), Mixtral
+and Qwen3-MoE (safetensors, numpy; no torch).
 
     python tools/convert_hf.py --from_hf=/models/llama --job_log_dir=/tmp/llama
     python -m spmdtask.main --exp=llama.LlamaImport --job_log_dir=/tmp/llama --mode=decode \
         --flagfile=/tmp/llama/model_overrides.txt
     python tools/convert_hf.py --job_log_dir=/tmp/llama --to_hf=/models/llama_out
 
-(`tools/convert_llama.py`, the older name, runs this same command.) --from_hf reads config.json and model.safetensors (or the shards listed in
-model.safetensors.index.json) and writes, into --job_log_dir: a step-0 checkpoint (the
-params, a fresh optimizer state) that --mode=decode, --mode=train and
-task.train.init_checkpoint_dir accept on any mesh; model_overrides.txt, one
-`--fdl_set=...` per line (an absl --flagfile) that makes the family's import experiment
-(`llama.LlamaImport`; `moe.MoeImport` for Mixtral and Qwen3-MoE) build the matching
+(`tools/convert_llama.py`, the older name, runs this same command.) --from_hf reads
+config.json and model.safetensors (or the shards listed in model.safetensors.index.json) and
+writes, into --job_log_dir: a step-0 checkpoint (the params, a fresh optimizer state) that
+--mode=decode, --mode=train and task.train.init_checkpoint_dir accept on any mesh;
+model_overrides.txt, one `--fdl_set=...` per line (an absl --flagfile) that makes the
+family's import experiment (hf_models.EXPERIMENTS: `llama.LlamaImport`, `qwen3.Qwen3Import`,
+`gemma3.Gemma3Import`, `moe.MoeImport` for Mixtral and Qwen3-MoE) build the matching
 TransformerLm (and, when the architecture is a published one, the name of the configs/
 experiment that has it: that experiment decodes the checkpoint as it is); the model's
 tokenizer.json (and tokenizer_config.json), when the HF directory has one, for decode
@@ -26,10 +27,13 @@ task.train.init_checkpoint_dir) writes the adapter in PEFT's format, `--merge_lo
 merged model as a plain checkpoint.
 
 Config layouts: RoPE is read from transformers >= 5's `rope_parameters` ({rope_theta,
-rope_type, factor, ...}) or from the older top-level `rope_theta` / `rope_scaling`;
-rope_type 'default' and 'llama3'. Anything this converter cannot express exactly (another
-rope_type, unknown RoPE keys, biases, a non-SiLU activation, sliding windows, another
-model_type) is refused by name (exit 2), never a default (tools/hf_models.py).
+rope_type, factor, ...}; Gemma 3's per layer type) or from the older top-level
+`rope_theta` / `rope_scaling`; rope_type 'default' and 'llama3' (Gemma 3's global layers:
+'linear'). Anything this converter cannot express exactly (another rope_type, unknown RoPE
+keys, biases, another activation, sliding windows outside Gemma 3, softcapping, another
+model_type) is refused by name (exit 2), never a default (tools/hf_models.py). A `gemma3`
+(multimodal) checkpoint converts its language model alone; --to_hf writes it back as a
+`gemma3_text` one (tools/hf_gemma3.py).
 
 Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] ->
 q [d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
@@ -41,6 +45,7 @@ permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.ro
 same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -53,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from tools import hf_lora, hf_models
+from tools import hf_gemma3, hf_lora, hf_models
 
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
@@ -75,6 +80,7 @@ def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None)
   data, used without --data_dir, in vocab); `tokenizer`, a tokenizer.json path, gives the
   decode output its text; `lora` (LoraConfig fields) sets the adapters' rank, alpha,
   dropout and targets."""
+  cfg = hf_gemma3.text_config(cfg)  # a multimodal Gemma 3: its language model's
   fields = hf_models.model_fields(cfg)
   scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
   lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
@@ -107,7 +113,7 @@ def published_experiment(cfg: dict) -> str | None:
     model = fdl.build(registry.get(name)().task().model)
     got = {k: getattr(model, k) for k in want}
     if got["rope_scaling"] is not None:
-      got["rope_scaling"] = {k: getattr(got["rope_scaling"], k) for k in hf_models.LLAMA3_KEYS}
+      got["rope_scaling"] = dataclasses.asdict(got["rope_scaling"])
     if "moe" in want and got["moe"] is not None:
       got["moe"] = {k: getattr(got["moe"], k) for k in want["moe"]}
     if got == want:
@@ -137,28 +143,6 @@ def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
   return cfg, tensors
 
 
-# Layout kinds: HF Linear [out, in] -> spmdtask's [in, ...] (and back).
-def _layouts(m: dict):
-  d, h, kv, hd = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"]
-  to = {"heads_in": lambda w: w.T.reshape(d, h, hd), "kv_in": lambda w: w.T.reshape(d, kv, hd),
-        "heads_out": lambda w: w.T.reshape(h, hd, d), "t": lambda w: w.T, "same": lambda w: w}
-  back = {"heads_in": lambda w: w.reshape(d, -1).T, "kv_in": lambda w: w.reshape(d, -1).T,
-          "heads_out": lambda w: w.reshape(h * hd, d).T, "t": lambda w: w.T,
-          "same": lambda w: w}
-  return to, back
-
-
-def _paths(cfg: dict, m: dict):
-  """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked param."""
-  layers, experts = range(m["num_layers"]), range(hf_models.num_experts(cfg))
-  out = [(path, [hf_models.layer_tensors(cfg, i)[path][0] for i in layers], kind)
-         for path, (_, kind) in hf_models.layer_tensors(cfg, 0).items()]
-  out += [(path, [[hf_models.expert_tensors(cfg, i, j)[path][0] for j in experts]
-                  for i in layers], kind)
-          for path, (_, kind) in hf_models.expert_tensors(cfg, 0, 0).items()]
-  return out
-
-
 def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
   """spmdtask's logical params (float32, layers stacked [L, ...], routed experts
   [L, E, ...]) from HF tensors."""
@@ -171,7 +155,7 @@ def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
     used.add(name)
     return np.asarray(tensors[name]).astype(np.float32)
 
-  layout = _layouts(m)[0]
+  layout = hf_models.layouts(m)[0]
   flat = {"embedding": take("model.embed_tokens.weight"),
           "final_norm/scale": take("model.norm.weight")}
   if not m["tie_embeddings"]:
@@ -180,7 +164,7 @@ def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
     used.add("lm_head.weight")  # a tied head's copy; HF ignores it too
   stack = lambda names, kind: np.stack([stack(n, kind) if isinstance(n, list)
                                         else layout[kind](take(n)) for n in names])
-  for path, names, kind in _paths(cfg, m):
+  for path, names, kind in hf_models.stacked_paths(cfg, m):
     flat[path] = stack(names, kind)
   extra = sorted(k for k in set(tensors) - used if not k.endswith(IGNORED_TENSORS))
   if extra:
@@ -205,7 +189,7 @@ def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np
          "model.norm.weight": params["final_norm"]["scale"]}
   if not m["tie_embeddings"]:
     out["lm_head.weight"] = params["unembed"].T
-  inverse = _layouts(m)[1]
+  inverse = hf_models.layouts(m)[1]
 
   def put(names, stacked, kind):
     for name, x in zip(names, stacked):
@@ -213,7 +197,7 @@ def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np
         put(name, x, kind)
       else:
         out[name] = inverse[kind](np.asarray(x))
-  for path, names, kind in _paths(cfg, m):
+  for path, names, kind in hf_models.stacked_paths(cfg, m):
     leaf = params
     for key in path.split("/"):
       leaf = leaf[key]
@@ -268,7 +252,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it; with
   `new_lora` (PEFT adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every
   input is read and checked before anything is written."""
-  cfg, tensors = read_hf(hf_dir)
+  cfg, tensors = hf_gemma3.text_half(*read_hf(hf_dir))  # a multimodal Gemma 3: its text
   has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
   tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
   params, lora = to_params(cfg, tensors), None

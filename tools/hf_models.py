@@ -1,7 +1,9 @@
 """Hugging Face model families as spmdtask TransformerLm fields and param paths. Pure.
 
-Families, by config.json `model_type`: `llama` (LlamaForCausalLM), `mixtral`
-(MixtralForCausalLM) and `qwen3_moe` (Qwen3MoeForCausalLM). Each gives the TransformerLm
+Families, by config.json `model_type`: `llama` (LlamaForCausalLM), `qwen3`
+(Qwen3ForCausalLM: Llama's layer with QK-norm), `mixtral` (MixtralForCausalLM),
+`qwen3_moe` (Qwen3MoeForCausalLM) and `gemma3_text` (Gemma3ForCausalLM; `gemma3`, the
+multimodal model, for its language model: tools/hf_gemma3.py). Each gives the TransformerLm
 fields of a config (`model_fields`: a Mixture of Experts' as a `moe` dict of MoeConfig
 fields) and where each HF tensor goes (`layer_tensors`, `expert_tensors`: our param path
 -> (HF name, layout kind)). Anything a family's config sets that spmdtask cannot express
@@ -14,10 +16,14 @@ the gate, w3 / up_proj the up projection, w2 / down_proj the down one), with no 
 Qwen3's attention RMS-normalizes q and k per head before RoPE (TransformerLm.qk_norm).
 """
 from spmdtask.errors import ConfigError
+from tools import hf_gemma3
 
 # model_type -> the experiment whose model the overrides set (configs/).
-EXPERIMENTS = {"llama": "llama.LlamaImport", "mixtral": "moe.MoeImport",
-               "qwen3_moe": "moe.MoeImport"}
+EXPERIMENTS = {"llama": "llama.LlamaImport", "qwen3": "qwen3.Qwen3Import",
+               "mixtral": "moe.MoeImport", "qwen3_moe": "moe.MoeImport",
+               "gemma3_text": "gemma3.Gemma3Import", "gemma3": "gemma3.Gemma3Import"}
+DENSE = ("llama", "qwen3")  # Llama's layer (qwen3: with QK-norm)
+GEMMA = ("gemma3_text", "gemma3")
 # model_type -> the experiment of that model with LoRA adapters (a PEFT adapter's import).
 LORA_EXPERIMENTS = {"llama": "finetune.LlamaLoraImport"}
 # LoRA targets (layers.lora) -> the HF Linear module each adapts (PEFT's target_modules).
@@ -30,6 +36,7 @@ MOE_REQUIRED = {"mixtral": ("num_local_experts", "num_experts_per_tok"),
 # HF config fields whose other values this converter cannot express: (key, the one value).
 UNSUPPORTED = {
     "llama": {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False},
+    "qwen3": {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
     "mixtral": {"hidden_act": "silu", "sliding_window": None},
     "qwen3_moe": {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False,
                   "decoder_sparse_step": 1, "mlp_only_layers": []},
@@ -75,17 +82,18 @@ def _rope_parameters(cfg: dict) -> tuple[dict, str]:
   return dict(params), "rope_parameters"
 
 
-def rope_fields(cfg: dict) -> dict:
-  """TransformerLm's rope_theta and rope_scaling (None or the llama3 fields) of a HF config."""
+def rope_fields(cfg: dict, rope_types: dict = ROPE_TYPES) -> dict:
+  """TransformerLm's rope_theta and rope_scaling (None or the scaling's fields) of a HF
+  config, whose rope_type must be one of `rope_types` (name -> its keys)."""
   params, where = _rope_parameters(cfg)
   rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
   params.pop("type", None)
   theta = params.pop("rope_theta")
-  if rope_type not in ROPE_TYPES:
+  if rope_type not in rope_types:
     raise ConfigError(f"config.json: {where} rope_type={rope_type!r} is not supported (only "
-                      f"{sorted(ROPE_TYPES)}); spmdtask's RoPE cannot express it, so the "
+                      f"{sorted(rope_types)}); spmdtask's RoPE cannot express it, so the "
                       "conversion would not be exact.")
-  keys = ROPE_TYPES[rope_type]
+  keys = rope_types[rope_type]
   unknown, missing = sorted(set(params) - set(keys)), [k for k in keys if k not in params]
   if unknown or missing:
     raise ConfigError(f"config.json: {where} (rope_type={rope_type!r}) "
@@ -119,6 +127,8 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
 def model_fields(cfg: dict) -> dict:
   """TransformerLm fields of a HF config; ConfigError naming an unsupported key."""
   kind = family(cfg)
+  if kind in GEMMA:
+    return hf_gemma3.model_fields(hf_gemma3.text_config(cfg), rope_fields)
   for key in REQUIRED:
     if key not in cfg:
       raise ConfigError(f"config.json has no {key!r}, which a {kind} config needs.")
@@ -137,28 +147,35 @@ def model_fields(cfg: dict) -> dict:
              mlp_activation="swiglu", **rope_fields(cfg),
              norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), tie_embeddings=tied,
              scale_tied_logits=False)  # HF's tied head is unscaled
+  if kind == "qwen3" and "sliding_attention" in (cfg.get("layer_types") or ()):
+    raise ConfigError(f"config.json: layer_types={cfg['layer_types']!r}: sliding-window "
+                      "layers in a qwen3 config are not supported (use_sliding_window=false).")
   if kind != "llama":
-    out.update(qk_norm=kind == "qwen3_moe", moe=_moe_fields(cfg, kind))
+    out.update(qk_norm=kind in ("qwen3", "qwen3_moe"))
+  if kind not in DENSE:
+    out.update(moe=_moe_fields(cfg, kind))
   return out
 
 
 def layer_tensors(cfg: dict, i: int) -> dict[str, tuple[str, str]]:
   """Our stacked param path -> (HF name in layer i, layout kind), routed experts aside."""
   kind, p = family(cfg), f"model.layers.{i}."
+  if kind in GEMMA:
+    return hf_gemma3.layer_tensors(i)
   out = {"layers/block/attn/q": (p + "self_attn.q_proj.weight", "heads_in"),
          "layers/block/attn/k": (p + "self_attn.k_proj.weight", "kv_in"),
          "layers/block/attn/v": (p + "self_attn.v_proj.weight", "kv_in"),
          "layers/block/attn/o": (p + "self_attn.o_proj.weight", "heads_out"),
          "layers/block/attn_norm/scale": (p + "input_layernorm.weight", "same"),
          "layers/block/mlp_norm/scale": (p + "post_attention_layernorm.weight", "same")}
-  if kind == "llama":
+  if kind in ("qwen3", "qwen3_moe"):
+    out.update({"layers/block/attn/q_norm/scale": (p + "self_attn.q_norm.weight", "same"),
+                "layers/block/attn/k_norm/scale": (p + "self_attn.k_norm.weight", "same")})
+  if kind in DENSE:
     out.update({"layers/block/mlp/wg": (p + "mlp.gate_proj.weight", "t"),
                 "layers/block/mlp/wi": (p + "mlp.up_proj.weight", "t"),
                 "layers/block/mlp/wo": (p + "mlp.down_proj.weight", "t")})
     return out
-  if kind == "qwen3_moe":
-    out.update({"layers/block/attn/q_norm/scale": (p + "self_attn.q_norm.weight", "same"),
-                "layers/block/attn/k_norm/scale": (p + "self_attn.k_norm.weight", "same")})
   out["layers/block/moe/router"] = (p + _EXPERTS[kind][0] + ".gate.weight", "t")  # [E, d]
   return out
 
@@ -201,4 +218,27 @@ def lora_modules(cfg: dict, i: int, targets) -> dict[str, tuple[str, str, str]]:
     path = f"layers/block/{'attn' if t in ('q', 'k', 'v', 'o') else 'mlp'}/{t}"
     name, kind = tensors[path]
     out[t] = (path, name.removesuffix(".weight"), kind)
+  return out
+
+
+# Layout kinds: HF Linear [out, in] -> spmdtask's [in, ...] (and back).
+def layouts(m: dict):
+  """(to ours, back to HF) by layout kind, for TransformerLm fields `m`."""
+  d, h, kv, hd = m["d_model"], m["num_heads"], m["num_kv_heads"], m["head_dim"]
+  to = {"heads_in": lambda w: w.T.reshape(d, h, hd), "kv_in": lambda w: w.T.reshape(d, kv, hd),
+        "heads_out": lambda w: w.T.reshape(h, hd, d), "t": lambda w: w.T, "same": lambda w: w}
+  back = {"heads_in": lambda w: w.reshape(d, -1).T, "kv_in": lambda w: w.reshape(d, -1).T,
+          "heads_out": lambda w: w.reshape(h * hd, d).T, "t": lambda w: w.T,
+          "same": lambda w: w}
+  return to, back
+
+
+def stacked_paths(cfg: dict, m: dict):
+  """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked param."""
+  layers, experts = range(m["num_layers"]), range(num_experts(cfg))
+  out = [(path, [layer_tensors(cfg, i)[path][0] for i in layers], kind)
+         for path, (_, kind) in layer_tensors(cfg, 0).items()]
+  out += [(path, [[expert_tensors(cfg, i, j)[path][0] for j in experts]
+                  for i in layers], kind)
+          for path, (_, kind) in expert_tensors(cfg, 0, 0).items()]
   return out

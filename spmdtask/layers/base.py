@@ -195,16 +195,18 @@ def dense_init(in_axis, out_axis) -> Callable:
 
 
 class RmsNorm(nn.Module):
-  """RMSNorm over the last dim, computed in float32."""
+  """RMSNorm over the last dim, computed in float32, times `offset + scale` (offset 0: the
+  Llama convention, scale initialised to 1; 1.0: Gemma's `1 + w`, w initialised to 0)."""
   dim: int
   eps: float = 1e-6
   split: SplitDims = (None,)
   frozen: bool = False  # a LoRA model's (layers.lora): no gradient; kept in float32
+  offset: float = 0.0
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    scale = weight(self, "scale", (self.dim,), self.split, nn.initializers.ones,
-                   frozen=self.frozen)
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    scale = weight(self, "scale", (self.dim,), self.split, init, frozen=self.frozen)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * scale).astype(x.dtype)
+    return (y * (scale + self.offset if self.offset else scale)).astype(x.dtype)

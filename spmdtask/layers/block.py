@@ -15,9 +15,13 @@ from spmdtask.layers import base
 from spmdtask.layers.attention import context as context_attention_lib
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers.attention.mha import Attention, KvCache
-from spmdtask.layers.rope import Llama3Scaling
+from spmdtask.layers.rope import Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 
+
+# Gated MLP activations: name -> the gate's nonlinearity.
+GATED = {"swiglu": jax.nn.silu, "geglu": lambda g: jax.nn.gelu(g, approximate=True)}
+MLP_ACTIVATIONS = (*GATED, "gelu")
 
 # The weights whose FSDP gather a weight split's `gather_at_once` may ask for at once.
 GATHER_AT_ONCE = ("q", "kv", "o", "mlp_in", "mlp_out")
@@ -33,7 +37,8 @@ def check_gather_at_once(field: str, names) -> None:
 
 
 class Mlp(nn.Module):
-  """Gated SwiGLU (`swiglu`) or plain GELU (`gelu`) feed-forward; with `lora`
+  """Gated SwiGLU (`swiglu`), gated GELU (`geglu`: tanh-approximated GELU of the gate times
+  the up projection, Gemma's) or plain GELU (`gelu`) feed-forward; with `lora`
   (layers.lora) its weights frozen and its targets among wi, wg, wo adapted."""
   d_model: int
   d_ff: int
@@ -55,11 +60,11 @@ class Mlp(nn.Module):
         at_once="mlp_in" in self.at_once), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     h = checkpoint_name(up("wi", w_in), remat.MLP_UP)
-    if self.activation == "swiglu":
+    if self.activation in GATED:
       w_gate = lora_lib.weight(self, "wg", (self.d_model, self.d_ff), self.in_split,
                                dense_init(0, 1), lora)
       gate = checkpoint_name(up("wg", w_gate), remat.MLP_GATE)
-      h = jax.nn.silu(gate) * h
+      h = GATED[self.activation](gate) * h
     else:
       h = jax.nn.gelu(h)
     h = checkpoint_name(h, remat.MLP_HIDDEN)
@@ -83,6 +88,11 @@ class Block(nn.Module):
   `qk_norm` RMS-normalizes q and k per head (Qwen3); `lora` (layers.lora) freezes the
   weights and adapts its targets, its dropout drawn the same way (streams 2 + the target's
   index in `lora.TARGETS`).
+  Gemma 3: `sliding_window`, `local_rope_theta`, `attention_scale` (the attention's
+  `window`, `local_rope_theta`, `scale`; a stack mixing local and global layers passes each
+  layer's `is_local` flag, scanned, after the dropout key), `norm_offset` (every norm's
+  `offset + w`), `sandwich_norms` (a norm after each sublayer too, before its residual add:
+  `attn_post_norm`, `mlp_post_norm`).
   """
   d_model: int
   num_heads: int
@@ -96,13 +106,26 @@ class Block(nn.Module):
   dtype: jnp.dtype
   wsplit: object
   asplit: object
-  rope_scaling: Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
+  rope_scaling: Scaling | None = None  # rescaled RoPE frequencies (global layers)
   causal: bool = True
   attention_impl: str = "auto"
   qk_norm: bool = False
   context_attention: str = "all_gather"  # across a split sequence (layers.attention.context)
   context_score_block: int = context_attention_lib.SCORE_BLOCK
   lora: lora_lib.LoraConfig | None = None
+  sliding_window: int | None = None
+  local_rope_theta: float | None = None
+  attention_scale: float | None = None
+  norm_offset: float = 0.0
+  sandwich_norms: bool = False
+
+  def _norm(self, name: str):
+    return RmsNorm(self.d_model, self.norm_eps, self.wsplit.norm, lora_lib.frozen(self.lora),
+                   self.norm_offset, name=name)
+
+  def _post_norm(self, h, name: str):
+    """h through the sublayer's post norm (sandwich norms), else h itself."""
+    return self._norm(name)(h) if self.sandwich_norms else h
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -115,31 +138,35 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                row_ids: jax.Array | None = None, cache: KvCache | None = None,
-               dropout_key: jax.Array | None = None):
+               dropout_key: jax.Array | None = None, is_local: jax.Array | None = None):
     w, a = self.wsplit, self.asplit
-    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
-    frozen = lora_lib.frozen(self.lora)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, frozen, name="mlp_norm")(x)
+    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key,
+                               is_local)
+    h = self._norm("mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
             w.gather_at_once, self.lora, name="mlp")(h, self._lora_drop(dropout_key, row_ids))
+    h = self._post_norm(h, "mlp_post_norm")
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
-  def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key):
+  def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key, is_local=None):
     """x + attn(norm(x)) and the new cache (called from a compact `__call__`)."""
     w, a = self.wsplit, self.asplit
     # Every use of the input goes through its name, so an offloading remat preset can move
     # it to the host instead of keeping the raw input (the scan's carry) for the backward.
     x = checkpoint_name(x, remat.LAYER_INPUT)
-    h = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
-                name="attn_norm")(x)
+    h = self._norm("attn_norm")(x)
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,
                          impl=self.attention_impl, qk_norm=self.qk_norm,
                          norm_eps=self.norm_eps, context=self.context_attention,
                          score_block=self.context_score_block, at_once=w.gather_at_once,
-                         lora=self.lora, name="attn")(h, positions, segment_ids, cache,
-                                                      self._lora_drop(dropout_key, row_ids))
+                         lora=self.lora, window=self.sliding_window,
+                         local_rope_theta=self.local_rope_theta, scale=self.attention_scale,
+                         norm_offset=self.norm_offset,
+                         name="attn")(h, positions, segment_ids, cache,
+                                      self._lora_drop(dropout_key, row_ids), is_local)
+    h = self._post_norm(h, "attn_post_norm")
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 

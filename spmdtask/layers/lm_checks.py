@@ -9,7 +9,8 @@ from spmdtask.layers import block
 from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers.attention import fused as fused_attention
 from spmdtask.layers import lora as lora_lib
-from spmdtask.layers.rope import Llama3Scaling
+from spmdtask.layers.attention import window as window_lib
+from spmdtask.layers.rope import SCALINGS
 
 
 def _validate_moe(model, mesh_shape) -> None:
@@ -65,14 +66,16 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   if model.head_dim % 2:
     raise ConfigError(f"task.model.head_dim={model.head_dim} must be even: rotary positions "
                       "rotate pairs of dims. Use an even head_dim.")
-  if model.mlp_activation not in ("swiglu", "gelu"):
-    raise ConfigError(f"task.model.mlp_activation={model.mlp_activation!r}: use 'swiglu' or "
-                      "'gelu'.")
+  if model.mlp_activation not in block.MLP_ACTIVATIONS:
+    raise ConfigError(f"task.model.mlp_activation={model.mlp_activation!r}: use one of "
+                      f"{', '.join(block.MLP_ACTIVATIONS)}.")
+  _validate_window(model)
   _validate_lora(model)
   if model.rope_scaling is not None:
-    if not isinstance(model.rope_scaling, Llama3Scaling):
+    if not isinstance(model.rope_scaling, SCALINGS):
       raise ConfigError(f"task.model.rope_scaling={model.rope_scaling!r} is not a "
-                        "Llama3Scaling: set it to fdl.Config(Llama3Scaling, ...) or None.")
+                        "Llama3Scaling or LinearScaling: set it to fdl.Config(Llama3Scaling, "
+                        "...), fdl.Config(LinearScaling, factor=...) or None.")
     model.rope_scaling.validate("task.model.rope_scaling")
   checks.in_range("task.model.dropout_rate", model.dropout_rate, 0.0, 0.99)
   checks.dtype("task.model.fprop_dtype", model.fprop_dtype)
@@ -108,3 +111,31 @@ def check_batch(model, batch) -> None:
           f"The data's {key!r} hold token ids in [{x.min()}, {x.max()}], outside "
           f"task.model.vocab_size={model.vocab_size}. Set vocab_size to the tokenizer's "
           "vocabulary size (or more), or fix the dataset's vocab_size / tokenizer.")
+
+
+def _validate_window(model) -> None:
+  """The local/global pattern and the window fit the model (layers.attention.window)."""
+  window_lib.check(model.attention_pattern, model.sliding_window, model.num_layers)
+  if model.moe is not None and len(set(model.attention_pattern)) > 1:
+    raise ConfigError("task.model.attention_pattern mixes local and global layers, which a "
+                      "Mixture-of-Experts model (task.model.moe) does not support yet: use a "
+                      "uniform pattern or a dense model.")
+  if model.attention_scale is not None and not model.attention_scale > 0:
+    raise ConfigError(f"task.model.attention_scale={model.attention_scale!r} must be > 0 "
+                      "(Gemma 3: query_pre_attn_scalar ** -0.5), or None for head_dim ** -0.5.")
+
+
+def split_dims_fields(model) -> dict:
+  """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
+  d, v, h, kv, hd, ff = (model.d_model, model.vocab_size, model.num_heads, model.num_kv_heads,
+                         model.head_dim, model.d_ff)
+  shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
+                mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
+  shapes.update(model.moe.weight_shapes(d) if model.moe else {})
+  acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
+              logits=("b", "t", v))
+  out = {f"task.model.weight_split_dims_mapping.{k}":
+         (getattr(model.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
+  out.update({f"task.model.activation_split_dims_mapping.{k}":
+              (getattr(model.activation_split_dims_mapping, k), s) for k, s in acts.items()})
+  return out

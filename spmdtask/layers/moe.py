@@ -374,10 +374,11 @@ class MoeBlock(Block):
 
   @nn.compact
   def __call__(self, carry, positions, segment_ids=None, row_ids=None, cache=None,
-               dropout_key=None):
+               dropout_key=None, is_local=None):
     x, stats = carry
     w, a = self.wsplit, self.asplit
-    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key)
+    x, cache = self._attention(x, positions, segment_ids, row_ids, cache, dropout_key,
+                               is_local)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
                 name="mlp_norm")(x)
     h, layer_stats = MoeFfn(self.d_model, self.moe, self.dtype, w.router, w.expert_in,

@@ -11,6 +11,14 @@ arguments (positions, segment ids: `[b, ...]` per example) and the rows' global 
 the same for every layer; the cache and the dropout key are per layer (scanned). Dropout
 draws its mask from (the layer's key, the row's id), so a strategy that splits the batch
 into microbatches draws the masks the whole batch would.
+
+`layer_flags` (one bool per layer, or None) reach the block as one more scanned argument
+after the dropout key: what differs between otherwise identical layers (Gemma 3's local
+and global attention, layers.attention.window). Scanned data rather than a scan over
+groups of layers: the canonical layout stays [num_layers, ...] and the depth need not be
+a multiple of the pattern (Gemma 3 27B: 62 layers, a pattern of 6). The scan and the MPMD
+pipeline (which scans its parts, `scan_layers`) pass them; the SPMD pipeline's
+`block_fn` does not take them yet (a ConfigError).
 """
 from typing import Any
 
@@ -19,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from spmdtask.core import remat
+from spmdtask.errors import ConfigError
 from spmdtask.layers import base
 from spmdtask.layers import lora as lora_lib
 from spmdtask.core.model import LayoutMap
@@ -38,10 +47,12 @@ class LayerStack(nn.Module):
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
   execution: Any = None  # a spmdtask.core.strategy.Strategy; None = scan
+  layer_flags: tuple[bool, ...] | None = None  # per layer, scanned to the block (module doc)
 
   def _scan(self, block, num_bcast: int, length: int):
+    scanned = 2 if self.layer_flags is None else 3
     return nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                   in_axes=(nn.broadcast,) * num_bcast + (0, 0), length=length,
+                   in_axes=(nn.broadcast,) * num_bcast + (0,) * scanned, length=length,
                    unroll=self.scan_unroll, metadata_params={nn.PARTITION_NAME: None})
 
   @nn.compact
@@ -52,7 +63,8 @@ class LayerStack(nn.Module):
                          "(checkpoints are canonical, so the same weights load).")
       # Decoding: no gradients, so no remat; the cache is scanned over the layer dim.
       stack = self._scan(self.block_cls, len(side) + 1, self.num_layers)
-      return stack(**self.block_kwargs, name=BLOCK)(x, *side, None, cache, None)
+      return stack(**self.block_kwargs, name=BLOCK)(x, *side, None, cache, None,
+                                                    *self._flags(0, self.num_layers))
     side = side + (self._row_ids(x),)
     keys = self.layer_keys()
     if self.execution is None:
@@ -88,11 +100,23 @@ class LayerStack(nn.Module):
     length = self.num_layers - start if length is None else length
     keys = None if keys is None else keys[start:start + length]
     stack = self._scan(self.remat_block(), len(side), length)
-    x, _ = stack(**self.block_kwargs, name=name)(x, *side, None, keys)
+    x, _ = stack(**self.block_kwargs, name=name)(x, *side, None, keys,
+                                                 *self._flags(start, length))
     return x
+
+  def _flags(self, start: int, length: int) -> tuple:
+    """(the layer flags of layers [start, start + length) as a bool array,) or ()."""
+    if self.layer_flags is None:
+      return ()
+    return (jnp.asarray(self.layer_flags[start:start + length]),)
 
   def block_fn(self):
     """`(params, h, key, *side) -> h`: one layer, pure (StackRunner)."""
+    if self.layer_flags is not None:
+      raise ConfigError(
+          "task.pipeline: the SPMD pipeline runs identical layers, but task.model."
+          "attention_pattern mixes local and global layers; use task.pipeline=None (the "
+          "scan) or an MPMD pipeline, or a uniform attention_pattern.")
     block = self.block_cls(**self.block_kwargs)
 
     def layer_fn(p, h, key, *side):

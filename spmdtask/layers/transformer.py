@@ -17,11 +17,17 @@ from spmdtask.layers import xent
 from spmdtask.layers.attention.mha import KvCache
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
-from spmdtask.layers.rope import Llama3Scaling
+from spmdtask.layers.attention import window as window_lib
+from spmdtask.layers.rope import Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
+# TransformerLm fields a layer (layers.block.Block) has under the same name.
+BLOCK_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "mlp_activation",
+                "rope_theta", "rope_scaling", "norm_eps", "qk_norm", "dropout_rate",
+                "attention_impl", "context_attention", "context_score_block", "lora",
+                "local_rope_theta", "attention_scale", "norm_offset", "sandwich_norms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +92,7 @@ class TransformerLm(nn.Module):
   tie_embeddings: bool = False
   scale_tied_logits: bool = True  # tied head times d_model**-0.5; Llama's is unscaled (False)
   rope_theta: float = 10000.0
-  rope_scaling: Llama3Scaling | None = None  # Llama 3.1 / 3.2 frequency scaling
+  rope_scaling: Scaling | None = None  # Llama 3.1 / 3.2's, or linear (Gemma 3's global)
   norm_eps: float = 1e-6
   qk_norm: bool = False  # q and k RMS-normalized per head before RoPE (Qwen3)
   dropout_rate: float = 0.0
@@ -102,6 +108,18 @@ class TransformerLm(nn.Module):
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
+  # Local attention (layers.attention.window): layer kinds repeated over the stack (Gemma 3:
+  # ('local',) * 5 + ('global',)); local: the last `sliding_window` keys, RoPE θ
+  # `local_rope_theta` (None: rope_theta) unscaled.
+  attention_pattern: tuple[str, ...] = ("global",)
+  sliding_window: int | None = None
+  local_rope_theta: float | None = None
+  attention_scale: float | None = None  # the scores' scale; None: head_dim**-0.5
+  # Gemma: norms scale by 1 + w (norm_offset 1), a norm after each sublayer too
+  # (sandwich_norms), the embedding times sqrt(d_model) (scale_embedding).
+  norm_offset: float = 0.0
+  sandwich_norms: bool = False
+  scale_embedding: bool = False
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -144,18 +162,7 @@ class TransformerLm(nn.Module):
 
   def split_dims_fields(self) -> dict[str, tuple[SplitDims, tuple[int, ...]]]:
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
-    d, v, h, kv, hd, ff = (self.d_model, self.vocab_size, self.num_heads, self.num_kv_heads,
-                           self.head_dim, self.d_ff)
-    shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
-                  mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
-    shapes.update(self.moe.weight_shapes(d) if self.moe else {})
-    acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
-                logits=("b", "t", v))
-    out = {f"task.model.weight_split_dims_mapping.{k}":
-           (getattr(self.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
-    out.update({f"task.model.activation_split_dims_mapping.{k}":
-                (getattr(self.activation_split_dims_mapping, k), s) for k, s in acts.items()})
-    return out
+    return lm_checks.split_dims_fields(self)
 
   # ------------------------------------------------------------------ decoding (Decodable)
 
@@ -180,19 +187,16 @@ class TransformerLm(nn.Module):
 
   def block_kwargs(self) -> dict:
     """The fields of one layer (`layers.block.Block`)."""
-    return dict(d_model=self.d_model, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
-                dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
-                context_attention=self.context_attention,
-                context_score_block=self.context_score_block,
-                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping, lora=self.lora)
+    return dict({k: getattr(self, k) for k in BLOCK_FIELDS}, dtype=jnp.dtype(self.fprop_dtype),
+                wsplit=self.weight_split_dims_mapping,
+                asplit=self.activation_split_dims_mapping,
+                sliding_window=self.sliding_window if "local" in self.attention_pattern else None)
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
-                                self.scan_unroll, self.execution, name="layers")
+                                self.scan_unroll, self.execution,
+                                window_lib.mixed_flags(self.attention_pattern, self.num_layers),
+                                name="layers")
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -223,9 +227,11 @@ class TransformerLm(nn.Module):
                           nn.initializers.normal(1.0), self.lora)
     # Cast before the lookup: the rows cross the mesh in the compute dtype.
     x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
+    if self.scale_embedding:  # Gemma: in the compute dtype, as HF's
+      x = x * jnp.asarray(self.d_model ** 0.5, dt)
     x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
-                name="final_norm")(x)
+                self.norm_offset, name="final_norm")(x)
     if order is not None:  # back to the row's own order
       x = _reordered(np.argsort(order), a.embed, x)[0]
     if self.tie_embeddings:

@@ -66,3 +66,12 @@ def test_bad_scaling_fields_are_named():
         "task.model.rope_scaling")
   with pytest.raises(ConfigError, match=r"rope_scaling.factor=0 must be a number > 0"):
     rope.Llama3Scaling(factor=0).validate("task.model.rope_scaling")
+  with pytest.raises(ConfigError, match=r"rope_scaling.factor=-8.0 must be a number > 0"):
+    rope.LinearScaling(factor=-8.0).validate("task.model.rope_scaling")
+
+
+def test_linear_scaling_divides_every_frequency():
+  """HF's rope_type 'linear' (Gemma 3's global layers): inv_freq / factor."""
+  plain = rope.inverse_frequencies(128, 1e6)
+  np.testing.assert_array_equal(rope.inverse_frequencies(128, 1e6, rope.LinearScaling(8.0)),
+                                plain / 8.0)

@@ -96,3 +96,19 @@ def test_tiny_hf_qwen3_moe_gives_hf_logits():
   _assert_hf_logits(model, params, tokens, want)
   dtypes = {k: str(v.dtype) for k, v in tensors.items()}
   _assert_bit_identical(convert_hf.from_params(cfg, params, dtypes), tensors)
+
+
+def test_tiny_hf_qwen3_gives_hf_logits_and_round_trips_bit_identically():
+  """Qwen3 dense: Llama's layer with QK-norm, tied (unscaled) embeddings."""
+  hf, cfg, tokens, want = _fixture("qwen3")
+  lines = convert_hf.overrides(cfg)
+  assert convert_hf.experiment(cfg) == "qwen3.Qwen3Import"
+  assert {"task.model.qk_norm=True", "task.model.tie_embeddings=True",
+          "task.model.scale_tied_logits=False"} <= set(lines)
+  model = util.build_run(convert_hf.experiment(cfg), lines).task.model
+  tensors = convert_hf.read_hf(hf)[1]
+  params = convert_hf.to_params(cfg, tensors)
+  assert "unembed" not in params
+  _assert_hf_logits(model, params, tokens, want)
+  dtypes = {k: str(v.dtype) for k, v in tensors.items()}
+  _assert_bit_identical(convert_hf.from_params(cfg, params, dtypes), tensors)

@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
+from spmdtask.layers.attention import window as window_lib
 from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.attention_impl"
@@ -174,17 +175,19 @@ def splash_block_sizes(seq: int, block: int | None = None):
                        block_kv_dkv=b, block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
 
 
-def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool, block: int | None):
-  """One device's splash call: q [b, t, h, hd], k/v [b, t, kv, hd], segment_ids [b, t] | None."""
+def _splash_local(q, k, v, segment_ids, causal: bool, interpret: bool, block: int | None,
+                  window: int | None = None, scale: float | None = None):
+  """One device's splash call: q [b, t, h, hd], k/v [b, t, kv, hd], segment_ids [b, t] | None;
+  `window` a local layer's (layers.attention.window), `scale` q's (default hd**-0.5)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
   _, t, h, hd = q.shape
-  head_mask = sm.CausalMask((t, t)) if causal else sm.FullMask((t, t))
+  head_mask = window_lib.splash_mask(t, window, causal)
   kernel = sk.make_splash_mha(sm.MultiHeadMask([head_mask] * h),
                               block_sizes=splash_block_sizes(t, block), head_shards=1,
                               q_seq_shards=1, interpret=interpret)
   # The kernel wants [heads, seq, hd] per example and does not scale q itself.
-  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(hd ** -0.5, q.dtype), k, v))
+  q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(scale or hd ** -0.5, q.dtype), k, v))
   if segment_ids is None:
     out = jax.vmap(kernel)(q, k, v)
   else:
@@ -214,7 +217,8 @@ def splash_layout(q, k, v, heads_split: SplitDims, mesh):
 
 
 def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
-           interpret: bool, block: int | None = None):
+           interpret: bool, block: int | None = None, window: int | None = None,
+           scale: float | None = None):
   """Splash attention on [b, t, heads, hd] arrays, per device inside a mesh context.
 
   `block`: the kernel's q and kv block size (a multiple of 128 dividing t); by default
@@ -225,7 +229,8 @@ def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
   whole sequences; `choose` checked that the heads divide). KV heads that do not divide
   over the heads' axes are repeated to one per query head first.
   """
-  local = functools.partial(_splash_local, causal=causal, interpret=interpret, block=block)
+  local = functools.partial(_splash_local, causal=causal, interpret=interpret, block=block,
+                            window=window, scale=scale)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or heads_split is None:
     return local(q, k, v, segment_ids)
@@ -240,23 +245,30 @@ def splash(q, k, v, segment_ids, causal: bool, heads_split: SplitDims | None,
   return fn(q, k, v, segment_ids)
 
 
-def cudnn(q, k, v, segment_ids, causal: bool):
-  """cuDNN fused attention (GPU). Packed rows pass their segment mask [b, 1, t, s]."""
+def cudnn(q, k, v, segment_ids, causal: bool, window: int | None = None,
+          scale: float | None = None):
+  """cuDNN fused attention (GPU). Packed rows pass their segment mask [b, 1, t, s]; a
+  local layer its window (layers.attention.window)."""
   mask = None
   if segment_ids is not None:
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal,
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, scale=scale,
+                                      local_window_size=window_lib.cudnn_window(window, causal),
                                       implementation="cudnn")
 
 
 def fused(impl: str, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
-          causal: bool, heads_split: SplitDims | None, backend: str) -> jax.Array:
+          causal: bool, heads_split: SplitDims | None, backend: str,
+          window: int | None = None, scale: float | None = None,
+          is_local: jax.Array | None = None) -> jax.Array:
   """Self-attention over full sequences by the fused kernel `impl` ('splash' or 'cudnn', as
   `choose` returned it): q [b, t, heads, hd], k/v [b, t, kv_heads, hd], segment_ids [b, t]
-  or None -> [b, t, heads, hd]."""
+  or None -> [b, t, heads, hd]. `window`, `is_local`: a local layer's window and, in a
+  stack that mixes kinds, the layer's traced flag (`window.select`); `scale`: q's scale
+  (default head_dim**-0.5)."""
   kernels: dict[str, Callable] = {
-      "splash": lambda: splash(q, k, v, segment_ids, causal, heads_split,
-                               interpret=backend != "tpu"),
-      "cudnn": lambda: cudnn(q, k, v, segment_ids, causal),
+      "splash": lambda w: splash(q, k, v, segment_ids, causal, heads_split,
+                                 interpret=backend != "tpu", window=w, scale=scale),
+      "cudnn": lambda w: cudnn(q, k, v, segment_ids, causal, w, scale),
   }
-  return kernels[impl]()
+  return window_lib.select(is_local, window, kernels[impl])

@@ -14,14 +14,17 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
 from spmdtask.core.sharding import shards
+from spmdtask.errors import ConfigError
 from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention import context as context_attention, fused as fused_attention
+from spmdtask.layers.attention import window as window_lib
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
            kv_pos: jax.Array, causal: bool = True, q_seg: jax.Array | None = None,
-           kv_seg: jax.Array | None = None) -> jax.Array:
+           kv_seg: jax.Array | None = None, window=None,
+           scale: float | None = None) -> jax.Array:
   """Grouped-query attention, causal unless `causal=False` (an encoder), optionally
   within segments (packed rows).
 
@@ -32,6 +35,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     q_seg: [b, t] and kv_seg: [b, s] segment ids, or None: query i then also sees only
       keys with kv_seg == q_seg[i]. Positions restart per segment, so causality holds
       within each segment.
+    window: None, or an int (or traced int scalar): query i then sees only keys with
+      kv_pos > q_pos[i] - window (a local layer, layers.attention.window).
+    scale: the scores' scale; None: hd**-0.5.
   Returns:
     [b, t, heads, hd].
   """
@@ -39,10 +45,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * (hd ** -0.5)
+  scores = scores * (scale or hd ** -0.5)
   mask = None
+  qp, kp = q_pos[:, None, None, :, None], kv_pos[:, None, None, None, :]
   if causal:
-    mask = kv_pos[:, None, None, None, :] <= q_pos[:, None, None, :, None]
+    mask = kp <= qp
+  if window is not None:
+    near = window_lib.visible(qp, kp, window) & (causal or window_lib.visible(kp, qp, window))
+    mask = near if mask is None else mask & near
   if q_seg is not None:
     same = kv_seg[:, None, None, None, :] == q_seg[:, None, None, :, None]
     mask = same if mask is None else mask & same
@@ -90,9 +100,15 @@ class Attention(nn.Module):
   ring's block kernel, `context_attention.choose`).
   With `lora` (layers.lora) the weights are frozen and its targets among q, k, v, o get
   adapters; `lora_drop` gives their dropout masks' source.
-  Called as `(x, positions, segment_ids=None, cache=None, lora_drop=None) -> (out,
-  new_cache)`; new_cache is None without a cache. `segment_ids` [b, t] (packed rows) keep
-  attention within a segment.
+  `window` makes the layer local (layers.attention.window: each query sees its last
+  `window` keys), with RoPE base `local_rope_theta` (unscaled) where that is set; called
+  with a traced `is_local` flag (a stack mixing local and global layers), the layer is
+  local where it is True and global (`rope_theta`, `rope_scaling`, every key) elsewhere.
+  `scale` is the scores' scale (None: head_dim**-0.5; Gemma: query_pre_attn_scalar**-0.5);
+  `norm_offset` the q/k norms' (1.0: Gemma's 1 + w).
+  Called as `(x, positions, segment_ids=None, cache=None, lora_drop=None, is_local=None)
+  -> (out, new_cache)`; new_cache is None without a cache. `segment_ids` [b, t] (packed
+  rows) keep attention within a segment.
   """
   d_model: int
   num_heads: int
@@ -104,7 +120,7 @@ class Attention(nn.Module):
   kv_split: SplitDims
   o_split: SplitDims
   heads_act_split: SplitDims | None
-  rope_scaling: rope.Llama3Scaling | None = None  # rescaled RoPE frequencies (Llama 3.1)
+  rope_scaling: rope.Scaling | None = None  # rescaled RoPE frequencies (global layers)
   causal: bool = True
   impl: str = "xla"
   qk_norm: bool = False
@@ -113,13 +129,34 @@ class Attention(nn.Module):
   score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
   at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (transformer.WeightSplit)
   lora: lora_lib.LoraConfig | None = None
+  window: int | None = None  # a local layer's (layers.attention.window); None: global
+  local_rope_theta: float | None = None  # local layers' RoPE base; None: rope_theta
+  scale: float | None = None  # the scores' scale; None: head_dim**-0.5
+  norm_offset: float = 0.0  # q/k norms: scale = offset + w
 
-  def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
+  def _rope(self, x, positions, is_local):
+    """x with rotary positions at this layer's base (a local layer's, a global one's, or,
+    with a traced `is_local`, the one it selects)."""
+    hd = x.shape[-1]
+    global_freq = lambda: rope.frequencies(hd, self.rope_theta, self.rope_scaling)
+    if self.window is None or self.local_rope_theta is None:
+      return rope.apply_frequencies(x, positions, global_freq())
+    local_freq = rope.frequencies(hd, self.local_rope_theta)
+    freq = local_freq if is_local is None else jnp.where(is_local, local_freq, global_freq())
+    return rope.apply_frequencies(x, positions, freq)
+
+  def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool,
+              is_local=None) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
     mesh axes, `context_attention`; decoding (a KV cache): `attend`."""
     mesh = jax.sharding.get_abstract_mesh()
     seq_axes = () if decoding else context_attention.seq_axes(
         self.heads_act_split, dict(mesh.shape), () if mesh.empty else mesh.manual_axes)
+    if seq_axes and self.window is not None:
+      raise ConfigError(
+          "task.model.sliding_window: local attention over a sequence split across mesh "
+          f"axes {seq_axes} (task.model.activation_split_dims_mapping.heads) is not "
+          "supported: split batch and heads only, or drop the local layers.")
     if seq_axes:
       backend = platform()
       impl = context_attention.choose(
@@ -137,12 +174,15 @@ class Attention(nn.Module):
           fused_attention.gpu_compute_capability() if backend == "gpu" else (0, 0))
       if impl != "xla":
         return fused_attention.fused(impl, q, k, v, segment_ids, self.causal,
-                                     self.heads_act_split, backend)
-    return attend(q, k, v, q_pos, kv_pos, self.causal, segment_ids, segment_ids)
+                                     self.heads_act_split, backend, self.window, self.scale,
+                                     is_local)
+    return attend(q, k, v, q_pos, kv_pos, self.causal, segment_ids, segment_ids,
+                  window_lib.effective(self.window, is_local), self.scale)
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-               cache: KvCache | None = None, lora_drop: lora_lib.Dropout | None = None):
+               cache: KvCache | None = None, lora_drop: lora_lib.Dropout | None = None,
+               is_local: jax.Array | None = None):
     d, h, kv, hd, lora = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.lora
     wq = lora_lib.weight(self, "q", (d, h, hd), self.q_split, dense_init(0, (1, 2)), lora)
     wk = lora_lib.weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)), lora)
@@ -160,11 +200,10 @@ class Attention(nn.Module):
     v = checkpoint_name(proj("v", wv, self.kv_split, remat.V_WEIGHT, "kv"), remat.V_PROJ)
     if self.qk_norm:
       frozen = lora_lib.frozen(lora)
-      q = RmsNorm(hd, self.norm_eps, (None,), frozen, name="q_norm")(q)
-      k = RmsNorm(hd, self.norm_eps, (None,), frozen, name="k_norm")(k)
+      q = RmsNorm(hd, self.norm_eps, (None,), frozen, self.norm_offset, name="q_norm")(q)
+      k = RmsNorm(hd, self.norm_eps, (None,), frozen, self.norm_offset, name="k_norm")(k)
     if self.rope_theta is not None:
-      q = rope.apply(q, positions, self.rope_theta, self.rope_scaling)
-      k = rope.apply(k, positions, self.rope_theta, self.rope_scaling)
+      q, k = self._rope(q, positions, is_local), self._rope(k, positions, is_local)
     if cache is None:
       kv_pos = positions
     else:
@@ -174,8 +213,8 @@ class Attention(nn.Module):
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     if cache is not None and segment_ids is not None:
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
-    out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None),
-                    self.heads_act_split)
+    out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None,
+                                 is_local), self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
     out = lora_lib.project(self, "o", "bthk,hkd->btd", out, wo, self.o_split, heads, dt, lora,
                            lora_drop, at_once="o" in self.at_once)

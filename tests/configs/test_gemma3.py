@@ -1,0 +1,45 @@
+"""configs/gemma3.py: each Gemma 3 (text) has its published parameter count (abstract
+params, nothing allocated); TinyGemma3 (local and global layers, a window shorter than the
+row, sandwich norms, GeGLU) trains the same on 8 devices (data 2 x fsdp 2 x model 2) as on
+one over 10 steps (QK-norm and the tied head: Qwen3's parts too); a pattern or window that does not fit the model is a config error."""
+import fiddle as fdl
+import numpy as np
+import pytest
+
+from spmdtask import registry
+from spmdtask.core import program as program_lib
+from spmdtask.errors import ConfigError
+from spmdtask.layers.block import num_params
+from tests import util
+from tests.configs import test_moe
+
+# Text model of each Hugging Face config.json (configs/gemma3.py says where each came from).
+PUBLISHED = {"Gemma3_1B": 999_885_952, "Gemma3_4B": 3_880_263_168,
+             "Gemma3_12B": 11_766_034_176, "Gemma3_27B": 27_009_346_304}
+ROW = {"inputs": np.zeros((8,), np.int32), "targets": np.zeros((8,), np.int32),
+       "weights": np.ones((8,), np.float32)}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_count_is_the_published_one(name):
+  model = fdl.build(registry.get(f"gemma3.{name}")().task().model)
+  assert num_params(model, ROW) == PUBLISHED[name]
+
+
+def test_fsdp_and_tensor_parallel_on_8_devices_equal_one_device():
+  want = test_moe.run("TinyGemma3", ("task.ici_mesh_shape=(1, 1, 1)",), 1)
+  test_moe.assert_same_training(test_moe.run("TinyGemma3", ("task.ici_mesh_shape=(2, 2, 2)",)),
+                                want)
+  assert want[0][-1] < want[0][0]  # it learns
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["task.model.attention_pattern=('local', 'local', 'local', 'local', 'global')"],
+     "attention_pattern has 5"),  # TinyGemma3 has 4 layers
+    (["task.model.sliding_window=0"], "sliding_window=0"),
+    (["task.model.sliding_window=-3"], "sliding_window=-3"),
+])
+def test_a_pattern_or_window_that_does_not_fit_the_model_is_a_config_error(overrides, field):
+  run = util.build_run("TinyGemma3", overrides)
+  with pytest.raises(ConfigError, match=f"task.model.{field}"):
+    program_lib.setup(run.task, run.datasets["train"].batch_at(0))
