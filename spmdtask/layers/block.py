@@ -15,6 +15,7 @@ from spmdtask.layers import base
 from spmdtask.layers.attention import context as context_attention_lib
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers.attention.mha import Attention, KvCache
+from spmdtask.layers.attention.mla import Mla, MlaConfig
 from spmdtask.layers.rope import Llama3Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 
@@ -82,7 +83,8 @@ class Block(nn.Module):
   positions off; `attention_impl` is the attention kernel (`layers.attention.fused`);
   `qk_norm` RMS-normalizes q and k per head (Qwen3); `lora` (layers.lora) freezes the
   weights and adapts its targets, its dropout drawn the same way (streams 2 + the target's
-  index in `lora.TARGETS`).
+  index in `lora.TARGETS`). `mla` (layers.attention.mla) makes the attention multi-head
+  latent attention (DeepSeek) in place of `Attention`.
   """
   d_model: int
   num_heads: int
@@ -103,6 +105,7 @@ class Block(nn.Module):
   context_attention: str = "all_gather"  # across a split sequence (layers.attention.context)
   context_score_block: int = context_attention_lib.SCORE_BLOCK
   lora: lora_lib.LoraConfig | None = None
+  mla: MlaConfig | None = None
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -132,6 +135,10 @@ class Block(nn.Module):
     x = checkpoint_name(x, remat.LAYER_INPUT)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
                 name="attn_norm")(x)
+    if self.mla is not None:
+      h, cache = Mla(self.d_model, self.num_heads, self.mla, self.rope_theta, self.dtype, w,
+                     a.heads, name="attn")(h, positions, segment_ids, cache)
+      return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,

@@ -50,6 +50,21 @@ def _validate_lora(model) -> None:
   model.lora.validate(weights)
 
 
+def _validate_mla(model, mesh_shape) -> None:
+  """The MLA fields (layers.attention.mla), and what MLA does not combine with."""
+  if model.mla is None:
+    return
+  model.mla.validate(model.weight_split_dims_mapping, mesh_shape)
+  if model.lora is not None:
+    raise ConfigError("task.model.lora with task.model.mla: LoRA adapters on multi-head "
+                      "latent attention are not supported yet; set task.model.lora=None.")
+  heads = model.activation_split_dims_mapping.heads
+  if context_lib.seq_axes(heads, mesh_shape, ()):
+    raise ConfigError(f"task.model.activation_split_dims_mapping.heads={heads!r} splits the "
+                      "sequence, but task.model.mla (multi-head latent attention) has no "
+                      "context-parallel kernel: keep the seq dim (dim 1) whole.")
+
+
 def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   """TransformerLm.validate: dims, dtypes, remat, attention, every split-dims field, the
   MoE fields, and the pipeline over the `stack_layers` layers the strategy runs."""
@@ -87,6 +102,7 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   block.check_gather_at_once("task.model.weight_split_dims_mapping.gather_at_once",
                              model.weight_split_dims_mapping.gather_at_once)
   _validate_moe(model, mesh_shape)
+  _validate_mla(model, mesh_shape)
   if model.execution is not None:
     model.execution.validate(StackFacts(stack_layers, global_batch_size, mesh))
 

@@ -15,6 +15,7 @@ from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention.mha import KvCache
+from spmdtask.layers.attention.mla import MlaCache, MlaConfig
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
 from spmdtask.layers.rope import Llama3Scaling
@@ -40,6 +41,12 @@ class WeightSplit:
   router: SplitDims = (None, None)                # [d_model, experts]
   expert_in: SplitDims = (None, "fsdp", "model")  # [experts, d_model, expert d_ff]
   expert_out: SplitDims = (None, "model", "fsdp") # [experts, expert d_ff, d_model]
+  # Multi-head latent attention (layers.attention.mla; `q` maps its direct query
+  # [d_model, heads, qk_head_dim] and `o` its output [heads, v_head_dim, d_model]).
+  mla_q_down: SplitDims = ("fsdp", None)          # [d_model, q_lora_rank]
+  mla_q_up: SplitDims = (None, "model", None)     # [q_lora_rank, heads, qk_head_dim]
+  mla_kv_down: SplitDims = ("fsdp", None)         # [d_model, kv_lora_rank + rope dim]
+  mla_kv_up: SplitDims = (None, "model", None)    # [kv_lora_rank, heads, nope + v dims]
   # Of block.GATHER_AT_ONCE: weights FSDP gathers by one all-gather over all the axes that
   # split a dim, not one at a time (layers.base.gather_at_once); gradients still per axis.
   gather_at_once: tuple[str, ...] = ()
@@ -99,6 +106,9 @@ class TransformerLm(nn.Module):
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
+  # Multi-head latent attention (layers.attention.mla; DeepSeek) in place of multi-head
+  # attention; its RoPE uses rope_theta and its own rope_scaling. None: `Attention`.
+  mla: MlaConfig | None = None
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
   weight_split_dims_mapping: WeightSplit = WeightSplit()
@@ -148,6 +158,10 @@ class TransformerLm(nn.Module):
     shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
                   mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
     shapes.update(self.moe.weight_shapes(d) if self.moe else {})
+    if self.mla:
+      for k in ("q", "kv"):
+        shapes.pop(k)
+      shapes.update(self.mla.weight_shapes(d, h))
     acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
                 logits=("b", "t", v))
     out = {f"task.model.weight_split_dims_mapping.{k}":
@@ -158,11 +172,20 @@ class TransformerLm(nn.Module):
 
   # ------------------------------------------------------------------ decoding (Decodable)
 
-  def cache_shape(self, batch_size: int, max_len: int) -> KvCache:
-    """ShapeDtypeStructs of an empty decode cache: [num_layers, batch, max_len, kv_heads, hd]."""
-    shape = (self.num_layers, batch_size, max_len, self.num_kv_heads, self.head_dim)
-    leaf = jax.ShapeDtypeStruct(shape, jnp.dtype(self.fprop_dtype))
+  def cache_shape(self, batch_size: int, max_len: int) -> KvCache | MlaCache:
+    """ShapeDtypeStructs of an empty decode cache: [num_layers, batch, max_len, kv_heads, hd]
+    keys and values; with `mla`, [num_layers, batch, max_len, kv_lora_rank] latents and
+    [..., qk_rope_head_dim] RoPE keys."""
+    dt, lead = jnp.dtype(self.fprop_dtype), (self.num_layers, batch_size, max_len)
+    if self.mla:
+      return MlaCache(jax.ShapeDtypeStruct(lead + (self.mla.kv_lora_rank,), dt),
+                      jax.ShapeDtypeStruct(lead + (self.mla.qk_rope_head_dim,), dt))
+    leaf = jax.ShapeDtypeStruct(lead + (self.num_kv_heads, self.head_dim), dt)
     return KvCache(leaf, leaf)
+
+  def cache_bytes_per_token(self) -> int:
+    """Decode cache bytes per token over all layers (`cache_shape`'s leaves / slots)."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.cache_shape(1, 1)))
 
   def cache_split_dims(self, mesh_shape) -> KvCache:
     """PartitionSpecs [layers, *activation_split_dims_mapping.heads]; KV heads that do not
@@ -170,6 +193,9 @@ class TransformerLm(nn.Module):
     decoding needs no context split."""
     heads = list(self.activation_split_dims_mapping.heads)
     context_lib.check_decode(heads, mesh_shape)
+    if self.mla:  # [layers, batch, slots, latent]: one latent per token, split by batch
+      spec = jax.sharding.PartitionSpec(None, heads[0], None, None)
+      return MlaCache(spec, spec)
     if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
       heads[2] = None
     spec = jax.sharding.PartitionSpec(None, *heads)
@@ -187,7 +213,7 @@ class TransformerLm(nn.Module):
                 context_attention=self.context_attention,
                 context_score_block=self.context_score_block,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping, lora=self.lora)
+                asplit=self.activation_split_dims_mapping, lora=self.lora, mla=self.mla)
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
