@@ -8,7 +8,7 @@ from spmdtask.errors import ConfigError
 _EXPERIMENTS: dict[str, type] = {}
 # Config packages imported before a lookup, so their experiments are listed.
 DEFAULT_MODULES = ("configs.lm", "configs.vit", "configs.llama", "configs.moe",
-                   "configs.finetune")
+                   "configs.finetune", "configs.deepseek")
 
 
 def register(cls: type) -> type:

@@ -1,23 +1,23 @@
-"""Hugging Face checkpoints in and out of spmdtask: Llama, Mixtral and Qwen3-MoE
-(safetensors, numpy; no torch).
+"""Hugging Face checkpoints in and out of spmdtask: Llama, Mixtral, Qwen3-MoE, DeepSeek-V2
+and V3 (tools/hf_deepseek.py) (safetensors, numpy; no torch).
 
     python tools/convert_hf.py --from_hf=/models/llama --job_log_dir=/tmp/llama
     python -m spmdtask.main --exp=llama.LlamaImport --job_log_dir=/tmp/llama --mode=decode \
         --flagfile=/tmp/llama/model_overrides.txt
     python tools/convert_hf.py --job_log_dir=/tmp/llama --to_hf=/models/llama_out
 
-(`tools/convert_llama.py`, the older name, runs this same command.) --from_hf reads config.json and model.safetensors (or the shards listed in
-model.safetensors.index.json) and writes, into --job_log_dir: a step-0 checkpoint (the
-params, a fresh optimizer state) that --mode=decode, --mode=train and
-task.train.init_checkpoint_dir accept on any mesh; model_overrides.txt, one
-`--fdl_set=...` per line (an absl --flagfile) that makes the family's import experiment
-(`llama.LlamaImport`; `moe.MoeImport` for Mixtral and Qwen3-MoE) build the matching
-TransformerLm (and, when the architecture is a published one, the name of the configs/
-experiment that has it: that experiment decodes the checkpoint as it is); the model's
-tokenizer.json (and tokenizer_config.json), when the HF directory has one, for decode
-text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf writes
-config.json and model.safetensors from the latest checkpoint. Converting in and out gives
-bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
+(`tools/convert_llama.py`, the older name, runs this same command.) --from_hf reads
+config.json and model.safetensors (or the shards listed in model.safetensors.index.json) and
+writes, into --job_log_dir: a step-0 checkpoint (the params, a fresh optimizer state) that
+--mode=decode, --mode=train and task.train.init_checkpoint_dir accept on any mesh;
+model_overrides.txt, one `--fdl_set=...` per line (an absl --flagfile) that makes the
+family's import experiment (`llama.LlamaImport`; `moe.MoeImport` for Mixtral and Qwen3-MoE)
+build the matching TransformerLm (and, when the architecture is a published one, the name of
+the configs/ experiment that has it: that experiment decodes the checkpoint as it is); the
+model's tokenizer.json (and tokenizer_config.json), when the HF directory has one, for
+decode text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf
+writes config.json and model.safetensors from the latest checkpoint. Converting in and out
+gives bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
 
 LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
 `--lora_rank=R` makes fresh ones: a step-0 `finetune.LlamaLoraImport` job. `--to_hf` of a
@@ -31,14 +31,14 @@ rope_type 'default' and 'llama3'. Anything this converter cannot express exactly
 rope_type, unknown RoPE keys, biases, a non-SiLU activation, sliding windows, another
 model_type) is refused by name (exit 2), never a default (tools/hf_models.py).
 
-Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] ->
-q [d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
+Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] -> q
+[d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
 gate/up/down_proj -> mlp wg/wi/wo transposed, per-layer tensors stacked on a leading
 [num_layers] dim; a MoE router [E, d] -> moe/router [d, E], each expert's gate/up/down
 (Mixtral's w1/w3/w2) -> moe/wg, wi, wo stacked [num_layers, E, ...]. No permutation of q/k
 rows is needed: HF applies RoPE in rotate-half form (pairs (i, i + hd/2); HF's conversion
-permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.rope`, with the
-same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
+permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.rope`, with
+the same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
 """
 import argparse
 import json
@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from tools import hf_lora, hf_models
+from tools import hf_deepseek, hf_lora, hf_models
 
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
@@ -76,9 +76,9 @@ def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None)
   decode output its text; `lora` (LoraConfig fields) sets the adapters' rank, alpha,
   dropout and targets."""
   fields = hf_models.model_fields(cfg)
-  scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
+  scaling, moe, mla = fields.pop("rope_scaling"), fields.pop("moe", {}), fields.pop("mla", None)
   lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
-  lines += [f"task.model.moe.{k}={v!r}" for k, v in moe.items()]
+  lines += [f"task.model.moe.{k}={v!r}" for k, v in moe.items()] + hf_deepseek.override_lines(mla)
   if scaling is None:
     lines.append("task.model.rope_scaling=None")
   else:  # EXP's model has a Llama3Scaling config: its fields are set one by one
@@ -108,8 +108,7 @@ def published_experiment(cfg: dict) -> str | None:
     got = {k: getattr(model, k) for k in want}
     if got["rope_scaling"] is not None:
       got["rope_scaling"] = {k: getattr(got["rope_scaling"], k) for k in hf_models.LLAMA3_KEYS}
-    if "moe" in want and got["moe"] is not None:
-      got["moe"] = {k: getattr(got["moe"], k) for k in want["moe"]}
+    got.update(hf_deepseek.sub_fields(got, want))  # moe and mla as dicts
     if got == want:
       return name.removeprefix("configs.")
   return None
@@ -145,11 +144,12 @@ def _layouts(m: dict):
   back = {"heads_in": lambda w: w.reshape(d, -1).T, "kv_in": lambda w: w.reshape(d, -1).T,
           "heads_out": lambda w: w.reshape(h * hd, d).T, "t": lambda w: w.T,
           "same": lambda w: w}
-  return to, back
+  return {**to, **hf_deepseek.layouts(m)[0]}, {**back, **hf_deepseek.layouts(m)[1]}
 
 
 def _paths(cfg: dict, m: dict):
   """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked param."""
+  if hf_models.family(cfg) in hf_models.DEEPSEEK: return hf_deepseek.stacked(cfg)  # noqa
   layers, experts = range(m["num_layers"]), range(hf_models.num_experts(cfg))
   out = [(path, [hf_models.layer_tensors(cfg, i)[path][0] for i in layers], kind)
          for path, (_, kind) in hf_models.layer_tensors(cfg, 0).items()]

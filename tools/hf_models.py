@@ -17,7 +17,10 @@ from spmdtask.errors import ConfigError
 
 # model_type -> the experiment whose model the overrides set (configs/).
 EXPERIMENTS = {"llama": "llama.LlamaImport", "mixtral": "moe.MoeImport",
-               "qwen3_moe": "moe.MoeImport"}
+               "qwen3_moe": "moe.MoeImport",
+               # DeepSeek's mapping: tools/hf_deepseek.py
+               "deepseek_v2": "deepseek.DeepSeekImport", "deepseek_v3": "deepseek.DeepSeekImport"}
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 # model_type -> the experiment of that model with LoRA adapters (a PEFT adapter's import).
 LORA_EXPERIMENTS = {"llama": "finetune.LlamaLoraImport"}
 # LoRA targets (layers.lora) -> the HF Linear module each adapts (PEFT's target_modules).
@@ -119,6 +122,9 @@ def _moe_fields(cfg: dict, kind: str) -> dict:
 def model_fields(cfg: dict) -> dict:
   """TransformerLm fields of a HF config; ConfigError naming an unsupported key."""
   kind = family(cfg)
+  if kind in DEEPSEEK:
+    from tools import hf_deepseek  # pylint: disable=g-import-not-at-top  (it imports this)
+    return hf_deepseek.model_fields(cfg)
   for key in REQUIRED:
     if key not in cfg:
       raise ConfigError(f"config.json has no {key!r}, which a {kind} config needs.")

@@ -99,7 +99,8 @@ def build(task, strategy, example_local_batch, devices=None) -> SpmdProgram:
   num_mb = layouts.check_microbatches(task, global_size, mesh_shape)
   model.validate(mesh, global_size // num_mb)
   only_adapters = train_state.adapters_only(model)
-  tx = train_state.optimizer(task.train.make_optimizer(), only_adapters)
+  tx = train_state.optimizer(task.train.make_optimizer(), only_adapters,
+                             train_state.has_buffers(model))
   schedule = task.train.schedule()
   # Init traces on one row: params do not depend on the batch size.
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)

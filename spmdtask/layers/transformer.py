@@ -145,6 +145,20 @@ class TransformerLm(nn.Module):
     """Whether only the LoRA adapters train (Adapted)."""
     return self.lora is not None
 
+  def has_buffers(self) -> bool:
+    """Whether the params hold the MoE balancing bias (Buffered; layers.moe_router)."""
+    return self.moe is not None and self.moe.score_bias
+
+  def update_buffers(self, params, grads):
+    """Each MoE layer's balancing bias moved by the step's expert loads, which its
+    gradient slot holds (Buffered; `layers.moe_router.update_bias`)."""
+    rate = self.moe.bias_update_rate if self.has_buffers() else 0.0
+    if not rate:
+      return params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, p, g: moe_lib.update_bias(p, g, rate) if sharding.path_keys(path)[-1]
+        == moe_lib.BIAS else p, params, grads)
+
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)
 
