@@ -152,7 +152,7 @@ def optimizer(tx: optax.GradientTransformation, only_adapters: bool, buffers: bo
   with the others). Pair with `apply_updates`."""
   if not only_adapters and not buffers:
     return tx
-  return optax.masked(tx, lambda params: trainable_mask(params, True))
+  return optax.masked(tx, lambda params: trainable_mask(params, only_adapters))
 
 
 def apply_updates(params, updates, only_adapters: bool):
