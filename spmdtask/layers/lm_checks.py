@@ -65,6 +65,27 @@ def _validate_mla(model, mesh_shape) -> None:
                       "context-parallel kernel: keep the seq dim (dim 1) whole.")
 
 
+def split_dims_fields(model) -> dict:
+  """TransformerLm.split_dims_fields: config field -> (split-dims mapping, the shape of the
+  tensor it maps); MLA's weights in place of q and kv with `mla`."""
+  d, v, h, kv, hd, ff = (model.d_model, model.vocab_size, model.num_heads, model.num_kv_heads,
+                         model.head_dim, model.d_ff)
+  shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
+                mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
+  shapes.update(model.moe.weight_shapes(d) if model.moe else {})
+  if model.mla:
+    for k in ("q", "kv"):
+      shapes.pop(k)
+    shapes.update(model.mla.weight_shapes(d, h))
+  acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
+              logits=("b", "t", v))
+  out = {f"task.model.weight_split_dims_mapping.{k}":
+         (getattr(model.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
+  out.update({f"task.model.activation_split_dims_mapping.{k}":
+              (getattr(model.activation_split_dims_mapping, k), s) for k, s in acts.items()})
+  return out
+
+
 def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   """TransformerLm.validate: dims, dtypes, remat, attention, every split-dims field, the
   MoE fields, and the pipeline over the `stack_layers` layers the strategy runs."""

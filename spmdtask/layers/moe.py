@@ -36,7 +36,7 @@ from spmdtask.layers.block import Block, Mlp
 # The config and router live in moe_router; re-exported: configs and layers name them here.
 from spmdtask.layers.moe_router import (  # pylint: disable=unused-import
     BIAS, DISPATCHES, FIELD, SCORES, STATS, MoeConfig, _load_tap, route, row_stats,
-    update_bias)
+    update_bias, update_buffers)
 
 MEGABLOX_TILE = 128  # megablox gmm's default (tm, tk, tn): every dim a multiple of it
 

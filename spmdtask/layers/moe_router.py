@@ -183,3 +183,13 @@ def row_stats(logits, scores, experts, dropped, cfg: MoeConfig) -> jax.Array:
   z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
   imbalance = jnp.max(load, axis=-1) / (t * k / e)
   return jnp.stack([aux, z, imbalance, dropped / (t * k)], axis=-1)
+
+
+def update_buffers(cfg: MoeConfig, params, grads):
+  """`params` with every MoE layer's balancing bias (`BIAS`) moved by `update_bias` at
+  cfg.bias_update_rate, the loads read from its slot in `grads` (`_load_tap`)."""
+  if not cfg.bias_update_rate:
+    return params
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p, g: update_bias(p, g, cfg.bias_update_rate)
+      if str(getattr(path[-1], "key", path[-1])) == BIAS else p, params, grads)

@@ -106,9 +106,7 @@ class TransformerLm(nn.Module):
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
-  # Multi-head latent attention (layers.attention.mla; DeepSeek) in place of multi-head
-  # attention; its RoPE uses rope_theta and its own rope_scaling. None: `Attention`.
-  mla: MlaConfig | None = None
+  mla: MlaConfig | None = None  # multi-head latent attention (layers.attention.mla); None: MHA
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
   weight_split_dims_mapping: WeightSplit = WeightSplit()
@@ -150,14 +148,8 @@ class TransformerLm(nn.Module):
     return self.moe is not None and self.moe.score_bias
 
   def update_buffers(self, params, grads):
-    """Each MoE layer's balancing bias moved by the step's expert loads, which its
-    gradient slot holds (Buffered; `layers.moe_router.update_bias`)."""
-    rate = self.moe.bias_update_rate if self.has_buffers() else 0.0
-    if not rate:
-      return params
-    return jax.tree_util.tree_map_with_path(
-        lambda path, p, g: moe_lib.update_bias(p, g, rate) if sharding.path_keys(path)[-1]
-        == moe_lib.BIAS else p, params, grads)
+    """The MoE balancing biases moved by the step's loads (Buffered; layers.moe_router)."""
+    return moe_lib.update_buffers(self.moe, params, grads) if self.has_buffers() else params
 
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)
@@ -167,39 +159,18 @@ class TransformerLm(nn.Module):
 
   def split_dims_fields(self) -> dict[str, tuple[SplitDims, tuple[int, ...]]]:
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
-    d, v, h, kv, hd, ff = (self.d_model, self.vocab_size, self.num_heads, self.num_kv_heads,
-                           self.head_dim, self.d_ff)
-    shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
-                  mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
-    shapes.update(self.moe.weight_shapes(d) if self.moe else {})
-    if self.mla:
-      for k in ("q", "kv"):
-        shapes.pop(k)
-      shapes.update(self.mla.weight_shapes(d, h))
-    acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
-                logits=("b", "t", v))
-    out = {f"task.model.weight_split_dims_mapping.{k}":
-           (getattr(self.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
-    out.update({f"task.model.activation_split_dims_mapping.{k}":
-                (getattr(self.activation_split_dims_mapping, k), s) for k, s in acts.items()})
-    return out
+    return lm_checks.split_dims_fields(self)
 
   # ------------------------------------------------------------------ decoding (Decodable)
 
   def cache_shape(self, batch_size: int, max_len: int) -> KvCache | MlaCache:
     """ShapeDtypeStructs of an empty decode cache: [num_layers, batch, max_len, kv_heads, hd]
-    keys and values; with `mla`, [num_layers, batch, max_len, kv_lora_rank] latents and
-    [..., qk_rope_head_dim] RoPE keys."""
+    keys and values; with `mla` latents and RoPE keys (`MlaConfig.cache_shape`)."""
     dt, lead = jnp.dtype(self.fprop_dtype), (self.num_layers, batch_size, max_len)
     if self.mla:
-      return MlaCache(jax.ShapeDtypeStruct(lead + (self.mla.kv_lora_rank,), dt),
-                      jax.ShapeDtypeStruct(lead + (self.mla.qk_rope_head_dim,), dt))
+      return self.mla.cache_shape(lead, dt)
     leaf = jax.ShapeDtypeStruct(lead + (self.num_kv_heads, self.head_dim), dt)
     return KvCache(leaf, leaf)
-
-  def cache_bytes_per_token(self) -> int:
-    """Decode cache bytes per token over all layers (`cache_shape`'s leaves / slots)."""
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self.cache_shape(1, 1)))
 
   def cache_split_dims(self, mesh_shape) -> KvCache:
     """PartitionSpecs [layers, *activation_split_dims_mapping.heads]; KV heads that do not
@@ -208,8 +179,7 @@ class TransformerLm(nn.Module):
     heads = list(self.activation_split_dims_mapping.heads)
     context_lib.check_decode(heads, mesh_shape)
     if self.mla:  # [layers, batch, slots, latent]: one latent per token, split by batch
-      spec = jax.sharding.PartitionSpec(None, heads[0], None, None)
-      return MlaCache(spec, spec)
+      return MlaCache(*[jax.sharding.PartitionSpec(None, heads[0], None, None)] * 2)
     if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
       heads[2] = None
     spec = jax.sharding.PartitionSpec(None, *heads)
@@ -297,6 +267,12 @@ class TransformerLm(nn.Module):
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
             {"loss": Weighted(loss_sum, num_tokens), **metrics})
+
+
+def cache_bytes_per_token(model: TransformerLm) -> int:
+  """Decode cache bytes per token over all layers (`cache_shape`'s leaves / slots): with
+  `mla` (kv_lora_rank + qk_rope_head_dim) · dtype bytes · layers."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.cache_shape(1, 1)))
 
 
 def _moe_layers(model: TransformerLm) -> int:

@@ -75,6 +75,12 @@ class MlaConfig:
       out["q"] = (d_model, heads, self.qk_head_dim)
     return out
 
+  def cache_shape(self, lead: tuple[int, ...], dtype) -> "MlaCache":
+    """ShapeDtypeStructs of an empty cache: `lead` (e.g. [layers, batch, slots]) + [latent]
+    and + [rope dim]."""
+    return MlaCache(jax.ShapeDtypeStruct(lead + (self.kv_lora_rank,), dtype),
+                    jax.ShapeDtypeStruct(lead + (self.qk_rope_head_dim,), dtype))
+
   def validate(self, wsplit, mesh_shape: dict[str, int]) -> None:
     """ConfigError naming the field: ranks and dims positive, the RoPE dim even, and each
     latent rank dividing over the mesh axes its weights split it over (an uneven latent
