@@ -137,7 +137,7 @@ class Block(nn.Module):
                 name="attn_norm")(x)
     if self.mla is not None:
       h, cache = Mla(self.d_model, self.num_heads, self.mla, self.rope_theta, self.dtype, w,
-                     a.heads, name="attn")(h, positions, segment_ids, cache)
+                     a.heads, self.attention_impl, name="attn")(h, positions, segment_ids, cache)
       return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,

@@ -15,7 +15,9 @@ mapped into latent space (q·W_uk), scores are taken against the cached latents 
 and the weighted latents are mapped out by W_uv: per step the work grows with the cache
 length times kv_lora_rank, never with heads × head_dim, and no per-head key or value is
 ever materialized. Full sequences (training, prefill) expand the latent instead: there
-the t × s score matrix dominates and the expanded heads are cheaper (192 vs 512 wide).
+the t × s score matrix dominates and the expanded heads are cheaper (192 vs 512 wide), and
+the fused kernels (`impl`: splash on TPU, cuDNN on GPU) run them, v padded to the query's
+width.
 
 RoPE: DeepSeek's rotary dims are interleaved pairs (2i, 2i+1) (`rope_interleave`, what
 HF's V2 and V3 with rope_interleave do); they are de-interleaved into the rotate-half form
@@ -33,7 +35,8 @@ from spmdtask.core import remat, sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers import rope
 from spmdtask.layers.attention.mha import write_cache
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, project
+from spmdtask.layers.attention import fused as fused_attention
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform, project
 
 FIELD = "task.model.mla"
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm use the RMSNorm default
@@ -169,6 +172,24 @@ class Mla(nn.Module):
   dtype: jnp.dtype
   wsplit: object
   heads_split: SplitDims | None
+  impl: str = "xla"  # full sequences' kernel (layers.attention.fused: auto, xla, splash, cudnn)
+
+  def _full(self, q, k, v, positions, segment_ids):
+    """Attention over full sequences: `attend`, or the fused kernel `impl` resolves to (q
+    rescaled so the kernel's qk_head_dim^-0.5 gives MLA's scale, v zero-padded to
+    qk_head_dim and the output cut back to v_head_dim)."""
+    backend, c = platform(), self.cfg
+    impl = fused_attention.choose(
+        self.impl, backend, q.shape[1], q.shape[2], q.shape[3], q.dtype, segment_ids is not None,
+        self.heads_split, dict(jax.sharding.get_abstract_mesh().shape),
+        fused_attention.gpu_compute_capability() if backend == "gpu" else (0, 0))
+    if impl == "xla":
+      return attend(q, k, v, positions, positions, c.softmax_scale, segment_ids, segment_ids)
+    q = q * jnp.asarray(c.softmax_scale * c.qk_head_dim ** 0.5, q.dtype)
+    v = jnp.pad(v, ((0, 0),) * 3 + ((0, c.qk_head_dim - c.v_head_dim),))
+    out = fused_attention.fused(impl, q, k, constrain(v, self.heads_split), segment_ids, True,
+                                self.heads_split, backend)
+    return out[..., :c.v_head_dim]
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
@@ -209,8 +230,7 @@ class Mla(nn.Module):
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3]
                                                     + (c.qk_rope_head_dim,))], axis=-1)
       q = constrain(jnp.concatenate([q_nope, q_rope], axis=-1), heads)
-      out = attend(q, constrain(k, heads), constrain(v, heads), positions, positions,
-                   c.softmax_scale, segment_ids, segment_ids)
+      out = self._full(q, constrain(k, heads), constrain(v, heads), positions, segment_ids)
     else:
       if segment_ids is not None:
         raise ValueError("segment_ids are for packed training rows, not for a KV cache.")

@@ -12,7 +12,8 @@ from configs import deepseek
 from spmdtask import registry
 from spmdtask.errors import ConfigError
 from spmdtask.layers import transformer
-from spmdtask.layers.attention.mla import MlaConfig
+from spmdtask.layers.attention.mla import Mla, MlaConfig
+from spmdtask.layers.rope import YarnScaling
 from spmdtask.layers.transformer import WeightSplit
 
 
@@ -71,3 +72,18 @@ def test_ranks_that_do_not_divide_their_axes_are_config_errors(field, split):
   with pytest.raises(ConfigError, match=f"weight_split_dims_mapping.{field}"):
     cfg.validate(WeightSplit(**{field: split}), mesh)
   cfg.validate(WeightSplit(**{field: split}), {"fsdp": 2, "model": 1})  # 2 divides all
+
+
+def test_splash_kernel_equals_xla():
+  """On TPU `auto` runs MLA through splash (q rescaled, v padded to the query's width);
+  here in interpret mode, one layer: the same output as the xla kernel."""
+  cfg = MlaConfig(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                  v_head_dim=8, rope_scaling=YarnScaling(factor=4.0, mscale_all_dim=0.7,
+                                                         original_max_position_embeddings=32))
+  layer = Mla(32, 2, cfg, 10000.0, jnp.float32, WeightSplit(), None, "xla")
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 128, 32)), jnp.float32)
+  pos = jnp.arange(128)[None]
+  params = jax.jit(layer.init)(jax.random.key(0), x, pos)
+  want = jax.jit(lambda p: layer.apply(p, x, pos)[0])(params)
+  got = jax.jit(lambda p: layer.clone(impl="splash").apply(p, x, pos)[0])(params)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
