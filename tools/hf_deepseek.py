@@ -106,7 +106,7 @@ def model_fields(cfg: dict) -> dict:
              routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
              n_group=(cfg.get("n_group") or 1) if grouped else 1,
              topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
-             group_score="top2_sum" if v3 else "max", score_bias=v3)
+             group_score="max" if grouped and not v3 else "top2_sum", score_bias=v3)
   return dict(vocab_size=cfg["vocab_size"], d_model=cfg["hidden_size"],
               num_layers=cfg["num_hidden_layers"], num_heads=heads, num_kv_heads=heads,
               head_dim=qk, d_ff=cfg["intermediate_size"],

@@ -39,6 +39,40 @@ def test_total_and_active_parameter_counts(name):
   assert costs.active_params(shapes, model.moe.top_k, model.moe.num_experts) == active
 
 
+# The published config.json fields (deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V3) the converter reads.
+HUB_YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707}
+V2L = {"model_type": "deepseek_v2", "vocab_size": 102400, "hidden_size": 2048,
+       "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+       "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2,
+       "n_routed_experts": 64, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
+       "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+       "qk_rope_head_dim": 64, "v_head_dim": 128, "routed_scaling_factor": 1.0,
+       "topk_method": "greedy", "n_group": 1, "topk_group": 1, "norm_topk_prob": False,
+       "scoring_func": "softmax", "rope_theta": 10000, "rope_scaling": HUB_YARN,
+       "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+       "hidden_act": "silu", "attention_bias": False, "bos_token_id": 100000,
+       "eos_token_id": 100001}
+V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+      "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+      "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
+      "n_routed_experts": 256, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+      "moe_layer_freq": 1, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+      "qk_rope_head_dim": 64, "v_head_dim": 128, "routed_scaling_factor": 2.5,
+      "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "norm_topk_prob": True,
+      "scoring_func": "sigmoid", "rope_theta": 10000,
+      "rope_scaling": dict(HUB_YARN, mscale=1.0, mscale_all_dim=1.0),
+      "max_position_embeddings": 163840, "rms_norm_eps": 1e-06, "tie_word_embeddings": False,
+      "hidden_act": "silu", "attention_bias": False, "num_nextn_predict_layers": 1,
+      "bos_token_id": 0, "eos_token_id": 1}
+
+
+def test_the_converter_names_the_experiment_of_each_published_hf_config():
+  from tools import convert_hf  # pylint: disable=import-outside-toplevel
+  assert convert_hf.published_experiment(V2L) == "deepseek.DeepSeekV2Lite"
+  assert convert_hf.published_experiment(V3) == "deepseek.DeepSeekV3"
+
+
 SMALL = ("datasets['train'].batch_size=8", "datasets['train'].seq_len=32")
 STEPS = 10
 
@@ -59,6 +93,7 @@ def train(exp: str, devices: int):
   return np.asarray(losses), params, run
 
 
+@pytest.mark.slow
 def test_8_devices_equal_one_device_over_10_steps():
   losses, params, _ = train("TinyDeepSeekV3Split", 8)
   want_losses, want, _ = train("TinyDeepSeekV3", 1)
