@@ -147,5 +147,6 @@ class DeepSeekImport(llama.LlamaImport):
     cfg = super().model()
     cfg.moe = fdl.Config(MoeConfig, num_experts=8, top_k=2, d_ff=cfg.d_ff)
     cfg.mla = fdl.Config(MlaConfig, rope_scaling=fdl.Config(YarnScaling))
+    cfg.rope_scaling = None  # MLA's RoPE scaling is its own (mla.rope_scaling)
     cfg.weight_split_dims_mapping = fdl.Config(WeightSplit, **llama.WEIGHTS, **MLA_WEIGHTS)
     return cfg

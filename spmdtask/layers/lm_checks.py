@@ -55,6 +55,10 @@ def _validate_mla(model, mesh_shape) -> None:
   if model.mla is None:
     return
   model.mla.validate(model.weight_split_dims_mapping, mesh_shape)
+  if model.qk_norm or model.rope_scaling is not None:
+    raise ConfigError("task.model.mla has its own latent norms and RoPE scaling "
+                      "(task.model.mla.rope_scaling): set task.model.qk_norm=False and "
+                      "task.model.rope_scaling=None.")
   if model.lora is not None:
     raise ConfigError("task.model.lora with task.model.mla: LoRA adapters on multi-head "
                       "latent attention are not supported yet; set task.model.lora=None.")
