@@ -9,11 +9,6 @@ class OtherLm(lm.TinyLm):
 
 
 @register
-class TinyLm(lm.TinyLm):  # a second 'TinyLm': the bare suffix becomes ambiguous
-  pass
-
-
-@register
 class TinyLmRecords(lm.TinyLm):
   """TinyLm trained on TFRecord files (datasets['train'].file_pattern, set per run)."""
 

@@ -23,8 +23,12 @@ def test_unknown_lists_close_matches():
     registry.get("TinyLmFsdTp")
 
 
-def test_ambiguous_suffix_lists_candidates():
-  registry.get("tests.registered_exps.OtherLm")  # registers a second 'TinyLm'
+def test_ambiguous_suffix_lists_candidates(monkeypatch):
+  registry.get("lm.TinyLm")  # every default module imported, into the real registry
+  # A second 'TinyLm', registered in a copy only: other tests in this process use the bare name.
+  monkeypatch.setattr(registry, "_EXPERIMENTS", dict(registry._EXPERIMENTS))  # pylint: disable=protected-access
+  second = type("TinyLm", (registry.get("lm.TinyLm"),), {"__module__": "tests.registered_exps"})
+  registry.register(second)
   with pytest.raises(ConfigError, match="ambiguous: it matches configs.lm.TinyLm, "
                      "tests.registered_exps.TinyLm"):
     registry.get("TinyLm")

@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints in and out of spmdtask: Llama, Qwen3, Gemma 3 (text), Mixtral
-and Qwen3-MoE (safetensors, numpy; no torch).
+"""Hugging Face checkpoints in and out of spmdtask: Llama, Qwen3, Gemma 3 (text), Mixtral,
+Qwen3-MoE, DeepSeek-V2 and V3 (safetensors, numpy; no torch).
 
     python tools/convert_hf.py --from_hf=/models/llama --job_log_dir=/tmp/llama
     python -m spmdtask.main --exp=llama.LlamaImport --job_log_dir=/tmp/llama --mode=decode \
@@ -12,13 +12,13 @@ writes, into --job_log_dir: a step-0 checkpoint (the params, a fresh optimizer s
 --mode=decode, --mode=train and task.train.init_checkpoint_dir accept on any mesh;
 model_overrides.txt, one `--fdl_set=...` per line (an absl --flagfile) that makes the
 family's import experiment (hf_models.EXPERIMENTS: `llama.LlamaImport`, `qwen3.Qwen3Import`,
-`gemma3.Gemma3Import`, `moe.MoeImport` for Mixtral and Qwen3-MoE) build the matching
-TransformerLm (and, when the architecture is a published one, the name of the configs/
-experiment that has it: that experiment decodes the checkpoint as it is); the model's
-tokenizer.json (and tokenizer_config.json), when the HF directory has one, for decode
-text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf writes
-config.json and model.safetensors from the latest checkpoint. Converting in and out gives
-bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
+`gemma3.Gemma3Import`, `moe.MoeImport` for Mixtral and Qwen3-MoE, `deepseek.DeepSeekImport`)
+build the matching TransformerLm (and, when the architecture is a published one, the name of
+the configs/ experiment that has it: that experiment decodes the checkpoint as it is); the
+model's tokenizer.json (and tokenizer_config.json), when the HF directory has one, for
+decode text; and hf_source.json (the HF config and tensor dtypes) for --to_hf. --to_hf
+writes config.json and model.safetensors from the latest checkpoint. Converting in and out
+gives bit-identical tensors (float32, bfloat16 and float16 weights are exact in float32).
 
 LoRA (Llama): `--from_hf --adapter=DIR` loads a PEFT adapter (tools/hf_lora.py), or
 `--lora_rank=R` makes fresh ones: a step-0 `finetune.LlamaLoraImport` job. `--to_hf` of a
@@ -35,14 +35,14 @@ model_type) is refused by name (exit 2), never a default (tools/hf_models.py). A
 (multimodal) checkpoint converts its language model alone; --to_hf writes it back as a
 `gemma3_text` one (tools/hf_gemma3.py).
 
-Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] ->
-q [d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
+Layouts. HF Linear weights are [out, in]; spmdtask's are [in, ...]. q_proj [h·hd, d] -> q
+[d, h, hd], k/v_proj [kv·hd, d] -> [d, kv, hd], o_proj [d, h·hd] -> o [h, hd, d],
 gate/up/down_proj -> mlp wg/wi/wo transposed, per-layer tensors stacked on a leading
 [num_layers] dim; a MoE router [E, d] -> moe/router [d, E], each expert's gate/up/down
 (Mixtral's w1/w3/w2) -> moe/wg, wi, wo stacked [num_layers, E, ...]. No permutation of q/k
 rows is needed: HF applies RoPE in rotate-half form (pairs (i, i + hd/2); HF's conversion
-permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.rope`, with the
-same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
+permuted Meta's interleaved rows), the form of `spmdtask.layers.attention.mha.rope`, with
+the same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logits=False.
 """
 import argparse
 import dataclasses
@@ -58,7 +58,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from tools import hf_gemma3, hf_lora, hf_models
+from tools import hf_deepseek, hf_gemma3, hf_lora, hf_models
 
 OVERRIDES_FILE = "model_overrides.txt"
 SOURCE_FILE = "hf_source.json"
@@ -82,9 +82,9 @@ def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None)
   dropout and targets."""
   cfg = hf_gemma3.text_config(cfg)  # a multimodal Gemma 3: its language model's
   fields = hf_models.model_fields(cfg)
-  scaling, moe = fields.pop("rope_scaling"), fields.pop("moe", {})
+  scaling, moe, mla = fields.pop("rope_scaling"), fields.pop("moe", {}), fields.pop("mla", None)
   lines = [f"task.model.{k}={v!r}" for k, v in fields.items()]
-  lines += [f"task.model.moe.{k}={v!r}" for k, v in moe.items()]
+  lines += [f"task.model.moe.{k}={v!r}" for k, v in moe.items()] + hf_deepseek.override_lines(mla)
   if scaling is None:
     lines.append("task.model.rope_scaling=None")
   else:  # EXP's model has a Llama3Scaling config: its fields are set one by one
@@ -114,8 +114,7 @@ def published_experiment(cfg: dict) -> str | None:
     got = {k: getattr(model, k) for k in want}
     if got["rope_scaling"] is not None:
       got["rope_scaling"] = dataclasses.asdict(got["rope_scaling"])
-    if "moe" in want and got["moe"] is not None:
-      got["moe"] = {k: getattr(got["moe"], k) for k in want["moe"]}
+    got.update(hf_deepseek.sub_fields(got, want))  # moe and mla as dicts
     if got == want:
       return name.removeprefix("configs.")
   return None

@@ -21,9 +21,12 @@ from tools import hf_gemma3
 # model_type -> the experiment whose model the overrides set (configs/).
 EXPERIMENTS = {"llama": "llama.LlamaImport", "qwen3": "qwen3.Qwen3Import",
                "mixtral": "moe.MoeImport", "qwen3_moe": "moe.MoeImport",
-               "gemma3_text": "gemma3.Gemma3Import", "gemma3": "gemma3.Gemma3Import"}
+               "gemma3_text": "gemma3.Gemma3Import", "gemma3": "gemma3.Gemma3Import",
+               # DeepSeek's mapping: tools/hf_deepseek.py
+               "deepseek_v2": "deepseek.DeepSeekImport", "deepseek_v3": "deepseek.DeepSeekImport"}
 DENSE = ("llama", "qwen3")  # Llama's layer (qwen3: with QK-norm)
 GEMMA = ("gemma3_text", "gemma3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 # model_type -> the experiment of that model with LoRA adapters (a PEFT adapter's import).
 LORA_EXPERIMENTS = {"llama": "finetune.LlamaLoraImport"}
 # LoRA targets (layers.lora) -> the HF Linear module each adapts (PEFT's target_modules).
@@ -129,6 +132,9 @@ def model_fields(cfg: dict) -> dict:
   kind = family(cfg)
   if kind in GEMMA:
     return hf_gemma3.model_fields(hf_gemma3.text_config(cfg), rope_fields)
+  if kind in DEEPSEEK:
+    from tools import hf_deepseek  # pylint: disable=g-import-not-at-top  (it imports this)
+    return hf_deepseek.model_fields(cfg)
   for key in REQUIRED:
     if key not in cfg:
       raise ConfigError(f"config.json has no {key!r}, which a {kind} config needs.")
@@ -230,11 +236,16 @@ def layouts(m: dict):
   back = {"heads_in": lambda w: w.reshape(d, -1).T, "kv_in": lambda w: w.reshape(d, -1).T,
           "heads_out": lambda w: w.reshape(h * hd, d).T, "t": lambda w: w.T,
           "same": lambda w: w}
-  return to, back
+  from tools import hf_deepseek  # pylint: disable=g-import-not-at-top  (it imports this)
+  mla_to, mla_back = hf_deepseek.layouts(m)  # MLA's kinds
+  return {**to, **mla_to}, {**back, **mla_back}
 
 
 def stacked_paths(cfg: dict, m: dict):
   """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked param."""
+  if family(cfg) in DEEPSEEK:
+    from tools import hf_deepseek  # pylint: disable=g-import-not-at-top  (it imports this)
+    return hf_deepseek.stacked(cfg)
   layers, experts = range(m["num_layers"]), range(num_experts(cfg))
   out = [(path, [layer_tensors(cfg, i)[path][0] for i in layers], kind)
          for path, (_, kind) in layer_tensors(cfg, 0).items()]

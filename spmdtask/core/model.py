@@ -144,6 +144,21 @@ class Adapted(Protocol):
 
 
 @runtime_checkable
+class Buffered(Protocol):
+  """A model with buffers: params no optimizer trains (named `*_buffer`,
+  `core.train_state.BUFFER_SUFFIX`), set after each step's update by `update_buffers`
+  from their gradient slot, into which the model's backward puts a statistic of the step
+  (e.g. an MoE's expert loads: `layers.moe`). They live in the train state and the
+  checkpoints like any param, so they survive a restore onto any mesh."""
+
+  def has_buffers(self) -> bool:
+    """Whether the params hold buffers (the optimizer then masks them out)."""
+
+  def update_buffers(self, params: Any, grads: Any) -> Any:
+    """`params` with every buffer set from its gradient slot in `grads` (same tree)."""
+
+
+@runtime_checkable
 class LayerCosts(Protocol):
   """A model that measures what its parts cost to train, for balancing pipeline stages."""
 

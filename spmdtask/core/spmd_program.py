@@ -128,7 +128,8 @@ def build(task, strategy, example_local_batch, devices=None) -> SpmdProgram:
   num_mb = layouts.check_microbatches(task, global_size, mesh_shape)
   model.validate(mesh, global_size // num_mb)
   only_adapters = train_state.adapters_only(model)
-  tx = train_state.optimizer(task.train.make_optimizer(), only_adapters)
+  tx = train_state.optimizer(task.train.make_optimizer(), only_adapters,
+                             train_state.has_buffers(model))
   schedule = task.train.schedule()
   # Init traces on one row: params do not depend on the batch size.
   # The objective's example as the model's batch (e.g. DPO: a pair, two rows).

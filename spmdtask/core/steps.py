@@ -139,7 +139,8 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
 
   `only_adapters` (a LoRA model, `train_state.adapters_only`; `tx` then made by
   `train_state.optimizer`): frozen params come back bitwise unchanged, and grad_norm is
-  the adapters'.
+  the adapters'. A model's buffers (`core.model.Buffered`) are set after the update from
+  their gradient slot (not with LoRA: its checkpoints keep only the adapters).
 
   Metrics are replicated scalars: loss, every model metric (sum / weight over the
   batch), grad_norm, param_norm (of the params the step started from), learning_rate
@@ -158,6 +159,8 @@ def train_step_fn(model: nn.Module, tx: optax.GradientTransformation, schedule: 
                                           objective, reference)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = train_state.apply_updates(state.params, updates, only_adapters)
+    if train_state.has_buffers(model) and not only_adapters:  # a LoRA job's stay as loaded
+      params = model.update_buffers(params, grads)
     # optax.tree.norm is what clip_by_global_norm computes, so XLA shares the work; the
     # param norm is of the params the step started from, off the update's critical path.
     grad_norm = optax.tree.norm(train_state.trainable(grads, only_adapters))

@@ -11,11 +11,14 @@ from absl import logging
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import sharding
-from spmdtask.core.model import Adapted
+from spmdtask.core.model import Adapted, Buffered
 
 # The one rule of what a LoRA model trains (layers.lora names its adapters so): params
 # whose name ends so are trainable; every other param is frozen.
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+# Buffers (core.model.Buffered): params whose name ends so never train; the model sets
+# them after each step from their gradient slot.
+BUFFER_SUFFIX = "_buffer"
 
 
 class TrainState(NamedTuple):
@@ -86,6 +89,18 @@ def adapters_only(model) -> bool:
   return isinstance(model, Adapted) and model.adapters_only()
 
 
+def has_buffers(model) -> bool:
+  """Whether `model`'s params hold buffers (the `Buffered` protocol)."""
+  return isinstance(model, Buffered) and model.has_buffers()
+
+
+def is_buffer(path) -> bool:
+  """Whether the param at this tree path is a buffer (its name ends in BUFFER_SUFFIX)."""
+  last = path[-1]
+  return str(last.key if isinstance(last, jax.tree_util.DictKey) else last).rstrip(
+      "]'\"").endswith(BUFFER_SUFFIX)
+
+
 def is_adapter_name(name: str) -> bool:
   """Whether a param of this name or path ('a/b/q_lora_a', or MPMD's flat keys
   "['a']['q_lora_a']") is an adapter: trainable."""
@@ -97,10 +112,18 @@ def _is_adapter(path) -> bool:
   return is_adapter_name(str(last.key if isinstance(last, jax.tree_util.DictKey) else last))
 
 
+def _trains(path, only_adapters: bool) -> bool:
+  return not is_buffer(path) and (not only_adapters or _is_adapter(path))
+
+
 def trainable_mask(params, only_adapters: bool):
-  """Per param leaf (nested or flat path-keyed dicts alike): True where it trains."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: not only_adapters or _is_adapter(path), params)
+  """Per param leaf (nested or flat path-keyed dicts alike): True where it trains (never
+  a buffer)."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: _trains(path, only_adapters), params)
+
+
+def _any_buffer(tree) -> bool:
+  return any(is_buffer(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
 
 
 def adapters(tree):
@@ -114,26 +137,29 @@ def adapters(tree):
 
 
 def trainable(tree, only_adapters: bool):
-  """`tree` (params or grads) with its frozen leaves None (e.g. for a gradient norm)."""
-  if not only_adapters:
+  """`tree` (params or grads) with its frozen leaves and buffers None (e.g. for a
+  gradient norm)."""
+  if not only_adapters and not _any_buffer(tree):
     return tree
-  return jax.tree_util.tree_map_with_path(lambda path, x: x if _is_adapter(path) else None,
-                                          tree)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: x if _trains(path, only_adapters) else None, tree)
 
 
-def optimizer(tx: optax.GradientTransformation, only_adapters: bool
+def optimizer(tx: optax.GradientTransformation, only_adapters: bool, buffers: bool = False
               ) -> optax.GradientTransformation:
-  """`tx` over the trainable params alone: frozen ones hold no optimizer state (and their
-  gradients, zero, are not clipped with the others). Pair with `apply_updates`."""
-  if not only_adapters:
+  """`tx` over the trainable params alone: frozen ones and buffers (`buffers`: the model
+  has some, `has_buffers`) hold no optimizer state (and their gradients are not clipped
+  with the others). Pair with `apply_updates`."""
+  if not only_adapters and not buffers:
     return tx
-  return optax.masked(tx, lambda params: trainable_mask(params, True))
+  return optax.masked(tx, lambda params: trainable_mask(params, only_adapters))
 
 
 def apply_updates(params, updates, only_adapters: bool):
-  """`optax.apply_updates`, frozen params returned as they were (bitwise, not p + 0)."""
+  """`optax.apply_updates`, frozen params and buffers returned as they were (bitwise,
+  not p + 0)."""
   new = optax.apply_updates(params, updates)
-  if not only_adapters:
+  if not only_adapters and not _any_buffer(params):
     return new
   return jax.tree_util.tree_map_with_path(
-      lambda path, p, n: n if _is_adapter(path) else p, params, new)
+      lambda path, p, n: n if _trains(path, only_adapters) else p, params, new)

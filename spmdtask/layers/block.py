@@ -15,6 +15,7 @@ from spmdtask.layers import base
 from spmdtask.layers.attention import context as context_attention_lib
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers.attention.mha import Attention, KvCache
+from spmdtask.layers.attention.mla import Mla, MlaConfig
 from spmdtask.layers.rope import Scaling
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 
@@ -87,7 +88,8 @@ class Block(nn.Module):
   positions off; `attention_impl` is the attention kernel (`layers.attention.fused`);
   `qk_norm` RMS-normalizes q and k per head (Qwen3); `lora` (layers.lora) freezes the
   weights and adapts its targets, its dropout drawn the same way (streams 2 + the target's
-  index in `lora.TARGETS`).
+  index in `lora.TARGETS`). `mla` (layers.attention.mla) makes the attention multi-head
+  latent attention (DeepSeek) in place of `Attention`.
   Gemma 3: `sliding_window`, `local_rope_theta`, `attention_scale` (the attention's
   `window`, `local_rope_theta`, `scale`; a stack mixing local and global layers passes each
   layer's `is_local` flag, scanned, after the dropout key), `norm_offset` (every norm's
@@ -113,6 +115,7 @@ class Block(nn.Module):
   context_attention: str = "all_gather"  # across a split sequence (layers.attention.context)
   context_score_block: int = context_attention_lib.SCORE_BLOCK
   lora: lora_lib.LoraConfig | None = None
+  mla: MlaConfig | None = None
   sliding_window: int | None = None
   local_rope_theta: float | None = None
   attention_scale: float | None = None
@@ -155,6 +158,11 @@ class Block(nn.Module):
     # it to the host instead of keeping the raw input (the scan's carry) for the backward.
     x = checkpoint_name(x, remat.LAYER_INPUT)
     h = self._norm("attn_norm")(x)
+    if self.mla is not None:
+      h, cache = Mla(self.d_model, self.num_heads, self.mla, self.rope_theta, self.dtype, w,
+                     a.heads, self.attention_impl, name="attn")(h, positions, segment_ids, cache)
+      h = self._post_norm(h, "attn_post_norm")
+      return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,
                          self.rope_theta, self.dtype, w.q, w.kv, w.o, a.heads,
                          rope_scaling=self.rope_scaling, causal=self.causal,

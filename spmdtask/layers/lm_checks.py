@@ -51,6 +51,46 @@ def _validate_lora(model) -> None:
   model.lora.validate(weights)
 
 
+def _validate_mla(model, mesh_shape) -> None:
+  """The MLA fields (layers.attention.mla), and what MLA does not combine with."""
+  if model.mla is None:
+    return
+  model.mla.validate(model.weight_split_dims_mapping, mesh_shape)
+  if model.qk_norm or model.rope_scaling is not None:
+    raise ConfigError("task.model.mla has its own latent norms and RoPE scaling "
+                      "(task.model.mla.rope_scaling): set task.model.qk_norm=False and "
+                      "task.model.rope_scaling=None.")
+  if model.lora is not None:
+    raise ConfigError("task.model.lora with task.model.mla: LoRA adapters on multi-head "
+                      "latent attention are not supported yet; set task.model.lora=None.")
+  heads = model.activation_split_dims_mapping.heads
+  if context_lib.seq_axes(heads, mesh_shape, ()):
+    raise ConfigError(f"task.model.activation_split_dims_mapping.heads={heads!r} splits the "
+                      "sequence, but task.model.mla (multi-head latent attention) has no "
+                      "context-parallel kernel: keep the seq dim (dim 1) whole.")
+
+
+def split_dims_fields(model) -> dict:
+  """TransformerLm.split_dims_fields: config field -> (split-dims mapping, the shape of the
+  tensor it maps); MLA's weights in place of q and kv with `mla`."""
+  d, v, h, kv, hd, ff = (model.d_model, model.vocab_size, model.num_heads, model.num_kv_heads,
+                         model.head_dim, model.d_ff)
+  shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
+                mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
+  shapes.update(model.moe.weight_shapes(d) if model.moe else {})
+  if model.mla:
+    for k in ("q", "kv"):
+      shapes.pop(k)
+    shapes.update(model.mla.weight_shapes(d, h))
+  acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
+              logits=("b", "t", v))
+  out = {f"task.model.weight_split_dims_mapping.{k}":
+         (getattr(model.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
+  out.update({f"task.model.activation_split_dims_mapping.{k}":
+              (getattr(model.activation_split_dims_mapping, k), s) for k, s in acts.items()})
+  return out
+
+
 def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   """TransformerLm.validate: dims, dtypes, remat, attention, every split-dims field, the
   MoE fields, and the pipeline over the `stack_layers` layers the strategy runs."""
@@ -90,6 +130,7 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   block.check_gather_at_once("task.model.weight_split_dims_mapping.gather_at_once",
                              model.weight_split_dims_mapping.gather_at_once)
   _validate_moe(model, mesh_shape)
+  _validate_mla(model, mesh_shape)
   if model.execution is not None:
     model.execution.validate(StackFacts(stack_layers, global_batch_size, mesh))
 

@@ -18,7 +18,6 @@ LoRA (`layers.lora`, target `experts`): each routed weight's per-expert adapters
 it on the same rows (`ExpertLora`), gathered and split as it is; the router and the experts
 are frozen.
 """
-import dataclasses
 import functools
 from typing import Callable, NamedTuple
 
@@ -31,99 +30,15 @@ from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import remat
 from spmdtask.core.sharding import entry_axes, shards
-from spmdtask.errors import ConfigError
 from spmdtask.layers import base, lora as lora_lib, moe_dispatch
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project
 from spmdtask.layers.block import Block, Mlp
+# The config and router live in moe_router; re-exported: configs and layers name them here.
+from spmdtask.layers.moe_router import (  # pylint: disable=unused-import
+    BIAS, DISPATCHES, FIELD, SCORES, STATS, MoeConfig, _load_tap, route, row_stats,
+    update_bias, update_buffers)
 
-SCORES = ("softmax", "sigmoid")
-DISPATCHES = ("dropless", "capacity")
-STATS = ("moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped")
-FIELD = "task.model.moe"
 MEGABLOX_TILE = 128  # megablox gmm's default (tm, tk, tn): every dim a multiple of it
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig:
-  """The MoE fields of a TransformerLm (`moe`; None = dense). See docs/parallelism.md for each."""
-  num_experts: int
-  top_k: int
-  d_ff: int
-  num_shared_experts: int = 0
-  shared_d_ff: int | None = None
-  first_moe_layer: int = 0
-  score: str = "softmax"
-  renormalize: bool = True
-  dispatch: str = "dropless"
-  capacity_factor: float = 1.25
-  aux_loss_coef: float = 0.01
-  z_loss_coef: float = 0.001
-  ff_chunks: int = 1
-
-  @property
-  def shared_ff(self) -> int:
-    """The fused shared experts' hidden size (0: none)."""
-    return self.num_shared_experts * (self.shared_d_ff or self.d_ff)
-
-  def weight_shapes(self, d_model: int) -> dict[str, tuple[int, ...]]:
-    """WeightSplit field -> the shape of the weights it maps."""
-    e, f = self.num_experts, self.d_ff
-    return dict(router=(d_model, e), expert_in=(e, d_model, f), expert_out=(e, f, d_model))
-
-  def validate(self, num_layers: int, expert_shards: int) -> None:
-    """ConfigError naming the field; `expert_shards`: how many ways expert_in[0] splits E."""
-    if self.num_experts < 1 or self.d_ff < 1 or self.num_shared_experts < 0:
-      raise ConfigError(f"{FIELD}: num_experts={self.num_experts}, d_ff={self.d_ff} must be "
-                        f"positive and num_shared_experts={self.num_shared_experts} >= 0.")
-    if not 1 <= self.top_k <= self.num_experts:
-      raise ConfigError(f"{FIELD}.top_k={self.top_k}: each token picks top_k of the "
-                        f"num_experts={self.num_experts} experts, so 1 <= top_k <= "
-                        f"{self.num_experts}. Set top_k in that range.")
-    if self.score not in SCORES:
-      raise ConfigError(f"{FIELD}.score={self.score!r}: use one of {', '.join(SCORES)}.")
-    if self.dispatch not in DISPATCHES:
-      raise ConfigError(f"{FIELD}.dispatch={self.dispatch!r}: use 'dropless' (grouped "
-                        "matmul, no token dropped) or 'capacity' (GShard capacity factor).")
-    if not self.capacity_factor > 0:
-      raise ConfigError(f"{FIELD}.capacity_factor={self.capacity_factor}: each expert takes "
-                        "ceil(capacity_factor * tokens * top_k / num_experts) tokens per row, "
-                        "so it must be > 0 (1.0 = an even share; 1.25 is usual).")
-    if self.ff_chunks < 1 or self.d_ff % self.ff_chunks:
-      raise ConfigError(f"{FIELD}.ff_chunks={self.ff_chunks}: the routed experts' ff dim "
-                        f"(d_ff={self.d_ff}) runs in ff_chunks equal slices, so it must be a "
-                        f"positive divisor of {self.d_ff} (1: all at once).")
-    if not 0 <= self.first_moe_layer < num_layers:
-      raise ConfigError(f"{FIELD}.first_moe_layer={self.first_moe_layer}: layers [0, "
-                        f"first_moe_layer) are dense, so it must lie in [0, task.model."
-                        f"num_layers={num_layers}).")
-    if self.num_experts % expert_shards:
-      raise ConfigError(
-          f"{FIELD}.num_experts={self.num_experts} does not divide over the {expert_shards} "
-          "shards of the expert dim (task.model.weight_split_dims_mapping.expert_in[0] / "
-          "expert_out[0], the `expert` mesh axis): each device must hold whole experts. "
-          "Make num_experts a multiple of the expert axis size, or shrink that axis.")
-
-
-def route(logits: jax.Array, cfg: MoeConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """float32 router logits [..., E] -> (gates [..., k], experts [..., k] int32, scores)."""
-  scores = (jax.nn.softmax(logits) if cfg.score == "softmax" else jax.nn.sigmoid(logits))
-  gates, experts = jax.lax.top_k(scores, cfg.top_k)
-  if cfg.renormalize:
-    gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-  return gates, experts.astype(jnp.int32), scores
-
-
-def row_stats(logits, scores, experts, dropped, cfg: MoeConfig) -> jax.Array:
-  """[g, len(STATS)] per row: Switch aux loss E·Σ_e f_e·P_e (f_e: share of the row's
-  assignments to e, P_e: e's mean normalized score), z-loss mean_t logsumexp², imbalance
-  max_e/mean_e of assignments, dropped share of assignments."""
-  t, e, k = logits.shape[1], cfg.num_experts, cfg.top_k
-  load = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=(1, 2))  # [g, E]
-  prob = jnp.mean(scores / jnp.sum(scores, -1, keepdims=True), axis=1)
-  aux = e * jnp.sum(load / (t * k) * prob, axis=-1)
-  z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
-  imbalance = jnp.max(load, axis=-1) / (t * k / e)
-  return jnp.stack([aux, z, imbalance, dropped / (t * k)], axis=-1)
 
 
 @functools.cache
@@ -263,7 +178,16 @@ class MoeFfn(nn.Module):
     batch = self.embed_split
     logits = project("btd,de->bte", x.astype(jnp.float32), router, self.router_split, batch,
                      jnp.float32)
-    gates, experts, scores = route(logits, cfg)
+    bias = tap = None
+    if cfg.score_bias:  # read without gradient; its gradient slot gets the loads instead
+      bias = self.param(BIAS, nn.with_partitioning(nn.initializers.zeros, (None,)), (e,),
+                        jnp.float32)
+    gates, experts, scores = route(logits, cfg, None if bias is None else
+                                   jax.lax.stop_gradient(bias))
+    if bias is not None:
+      load = jnp.sum(jax.nn.one_hot(experts, e, dtype=jnp.float32), axis=tuple(
+          range(experts.ndim)))
+      tap = _load_tap(bias, jax.lax.stop_gradient(load))
     # At init the adapters' term is skipped (B = 0: it adds nothing): a stacked layer's init
     # under nn.vmap has B unbatched (zeros use no key), and ragged_dot's batching rule needs
     # every operand batched (jax 0.10.2: "ragged_dot vmap over any dim but 0 - NYI").
@@ -271,6 +195,8 @@ class MoeFfn(nn.Module):
     drop = lora_drop if adapters is not None and lora.dropout else None
     y, dropped = self._experts(x, experts, gates, (wi, wg, wo), adapters, drop)
     y = checkpoint_name(constrain(y, batch), remat.MLP_OUT)
+    if tap is not None:
+      y = y + tap.astype(y.dtype)
     if cfg.shared_ff:
       y = y + Mlp(d, cfg.shared_ff, "swiglu", self.dtype, self.shared_in_split,
                   self.shared_out_split, self.ff_act_split, lora=lora, name="shared")(x, lora_drop)

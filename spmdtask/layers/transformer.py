@@ -14,7 +14,9 @@ from spmdtask.layers import lora as lora_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
+from spmdtask.layers.attention import cache as cache_lib
 from spmdtask.layers.attention.mha import KvCache
+from spmdtask.layers.attention.mla import MlaCache, MlaConfig
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
 from spmdtask.layers.attention import window as window_lib
@@ -27,7 +29,7 @@ BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
 BLOCK_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "mlp_activation",
                 "rope_theta", "rope_scaling", "norm_eps", "qk_norm", "dropout_rate",
                 "attention_impl", "context_attention", "context_score_block", "lora",
-                "local_rope_theta", "attention_scale", "norm_offset", "sandwich_norms")
+                "local_rope_theta", "attention_scale", "norm_offset", "sandwich_norms", "mla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,12 @@ class WeightSplit:
   router: SplitDims = (None, None)                # [d_model, experts]
   expert_in: SplitDims = (None, "fsdp", "model")  # [experts, d_model, expert d_ff]
   expert_out: SplitDims = (None, "model", "fsdp") # [experts, expert d_ff, d_model]
+  # Multi-head latent attention (layers.attention.mla; `q` maps its direct query
+  # [d_model, heads, qk_head_dim] and `o` its output [heads, v_head_dim, d_model]).
+  mla_q_down: SplitDims = ("fsdp", None)          # [d_model, q_lora_rank]
+  mla_q_up: SplitDims = (None, "model", None)     # [q_lora_rank, heads, qk_head_dim]
+  mla_kv_down: SplitDims = ("fsdp", None)         # [d_model, kv_lora_rank + rope dim]
+  mla_kv_up: SplitDims = (None, "model", None)    # [kv_lora_rank, heads, nope + v dims]
   # Of block.GATHER_AT_ONCE: weights FSDP gathers by one all-gather over all the axes that
   # split a dim, not one at a time (layers.base.gather_at_once); gradients still per axis.
   gather_at_once: tuple[str, ...] = ()
@@ -106,6 +114,7 @@ class TransformerLm(nn.Module):
   scan_unroll: int | bool = 1
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
+  mla: MlaConfig | None = None  # multi-head latent attention (layers.attention.mla); None: MHA
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
   # Local attention (layers.attention.window): layer kinds repeated over the stack (Gemma 3:
@@ -154,6 +163,14 @@ class TransformerLm(nn.Module):
     """Whether only the LoRA adapters train (Adapted)."""
     return self.lora is not None
 
+  def has_buffers(self) -> bool:
+    """Whether the params hold the MoE balancing bias (Buffered; layers.moe_router)."""
+    return self.moe is not None and self.moe.score_bias
+
+  def update_buffers(self, params, grads):
+    """The MoE balancing biases moved by the step's loads (Buffered; layers.moe_router)."""
+    return moe_lib.update_buffers(self.moe, params, grads) if self.has_buffers() else params
+
   def with_pipeline(self, pipeline):
     return self.clone(execution=pipeline)
 
@@ -166,22 +183,15 @@ class TransformerLm(nn.Module):
 
   # ------------------------------------------------------------------ decoding (Decodable)
 
-  def cache_shape(self, batch_size: int, max_len: int) -> KvCache:
-    """ShapeDtypeStructs of an empty decode cache: [num_layers, batch, max_len, kv_heads, hd]."""
-    shape = (self.num_layers, batch_size, max_len, self.num_kv_heads, self.head_dim)
-    leaf = jax.ShapeDtypeStruct(shape, jnp.dtype(self.fprop_dtype))
-    return KvCache(leaf, leaf)
+  def cache_shape(self, batch_size: int, max_len: int) -> KvCache | MlaCache:
+    """An empty decode cache's ShapeDtypeStructs (`layers.attention.cache.shapes`)."""
+    return cache_lib.shapes(self.num_layers, batch_size, max_len, self.num_kv_heads,
+                            self.head_dim, jnp.dtype(self.fprop_dtype), self.mla)
 
-  def cache_split_dims(self, mesh_shape) -> KvCache:
-    """PartitionSpecs [layers, *activation_split_dims_mapping.heads]; KV heads that do not
-    divide their axes stay whole. ConfigError where the mapping splits the sequence:
-    decoding needs no context split."""
-    heads = list(self.activation_split_dims_mapping.heads)
-    context_lib.check_decode(heads, mesh_shape)
-    if self.num_kv_heads % sharding.shards(heads[2], mesh_shape):
-      heads[2] = None
-    spec = jax.sharding.PartitionSpec(None, *heads)
-    return KvCache(spec, spec)
+  def cache_split_dims(self, mesh_shape) -> KvCache | MlaCache:
+    """The cache's PartitionSpecs (`layers.attention.cache.specs`)."""
+    return cache_lib.specs(self.activation_split_dims_mapping.heads, self.num_kv_heads,
+                           mesh_shape, self.mla)
 
   # ------------------------------------------------------------------ the network
 
@@ -284,6 +294,12 @@ def _token_xent(model: TransformerLm, batch: dict[str, jax.Array]):
   token_xent = (_tiled_loss(model, *out, targets) if tiles > 1
                 else xent.cross_entropy(out, targets))
   return token_xent, stats
+
+
+def cache_bytes_per_token(model: TransformerLm) -> int:
+  """Decode cache bytes per token over all layers (`cache_shape`'s leaves / slots): with
+  `mla` (kv_lora_rank + qk_rope_head_dim) · dtype bytes · layers."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.cache_shape(1, 1)))
 
 
 def _moe_layers(model: TransformerLm) -> int:

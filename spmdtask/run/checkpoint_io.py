@@ -92,12 +92,26 @@ def _check_shapes(item: str, saved_metadata, expected, where: str) -> None:
   """ConfigError listing every variable whose shape/dtype differs, is missing or is extra."""
   saved = _flat_shapes(saved_metadata.tree if hasattr(saved_metadata, "tree")
                        else saved_metadata)
-  count, shown = differences(saved, _flat_shapes(expected), 20)
+  want = _flat_shapes(expected)
+  count, shown = differences(saved, want, 20)
   if count:
     raise ConfigError(
         f"The checkpoint at {where} does not match this model's {item}: {count} mismatched "
-        f"variable(s): {shown}. Restore it with the model config it was trained with (see its "
-        "config.txt), or point task.train.init_checkpoint_dir / --job_log_dir elsewhere.")
+        f"variable(s): {shown}.{_attention_kind(saved, want)} Restore it with the model config "
+        "it was trained with (see its config.txt), or point task.train.init_checkpoint_dir / "
+        "--job_log_dir elsewhere.")
+
+
+def _attention_kind(saved: dict, want: dict) -> str:
+  """A sentence where one side's attention is multi-head latent attention (a DeepSeek
+  model's `attn/kv_up`) and the other's is not; else ''."""
+  mla = [any(k.endswith("attn/kv_up") for k in t) for t in (saved, want)]
+  if mla[0] == mla[1]:
+    return ""
+  ckpt, model = ("multi-head latent attention (DeepSeek: task.model.mla)", "multi-head "
+                 "attention") if mla[0] else ("multi-head attention", "multi-head latent "
+                                              "attention (DeepSeek: task.model.mla)")
+  return f" The checkpoint's attention is {ckpt}, the model's {model}: another model family."
 
 
 def differences(saved: dict[str, tuple], want: dict[str, tuple], most: int) -> tuple[int, str]:

@@ -73,7 +73,8 @@ class KvCache(NamedTuple):
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """Puts `new` [b, t, kv, hd] into `cache` [b, S, kv, hd] at slots `positions` [b, t].
+  """Puts `new` [b, t, ...] into `cache` [b, S, ...] (e.g. [b, S, kv, hd]) at slots
+  `positions` [b, t].
 
   One token (t == 1) is a select over the slots (exact, sharding friendly); a
   longer chunk must hold consecutive positions from `positions[:, 0]` per row.
@@ -81,7 +82,7 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
   new = new.astype(cache.dtype)
   if new.shape[1] == 1:
     hit = positions[:, 0][:, None] == jnp.arange(cache.shape[1])[None, :]
-    return jnp.where(hit[:, :, None, None], new, cache)
+    return jnp.where(hit.reshape(hit.shape + (1,) * (cache.ndim - 2)), new, cache)
   return jax.vmap(lambda c, n, p: jax.lax.dynamic_update_slice_in_dim(c, n, p, axis=0))(
       cache, new, positions[:, 0])
 

@@ -277,8 +277,11 @@ def _states(task, plan: mpmd_stages.StagePlan, example_local_batch) -> _States:
   model, canonical_model = layouts.strategy_models(task, plan.config)
   tp = task.train
   only = train_state.adapters_only(model)  # LoRA: adapters alone hold optimizer state
-  tx = train_state.optimizer(tp.make_optimizer(), only)
-  base_tx = train_state.optimizer(tp.optimizer(learning_rate=tp.schedule()), only)
+  # A model's buffers (an MoE's balancing bias) hold no optimizer state; MPMD keeps them
+  # as they are (their per-step update runs in the SPMD step only).
+  buffers = train_state.has_buffers(model)
+  tx = train_state.optimizer(tp.make_optimizer(), only, buffers)
+  base_tx = train_state.optimizer(tp.optimizer(learning_rate=tp.schedule()), only, buffers)
   init_batch = jax.tree.map(lambda x: np.zeros((1,) + x.shape[1:], x.dtype), example_local_batch)
   full = mesh_lib.mesh_shape(plan.mesh)
   # `mesh=`, not a mesh context: optax's eager bits must not run on compile-only devices
