@@ -44,6 +44,7 @@ class Mlp(nn.Module):
   ff_act_split: SplitDims | None
   at_once: tuple[str, ...] = ()  # of 'mlp_in', 'mlp_out': FSDP gathers (WeightSplit)
   lora: lora_lib.LoraConfig | None = None
+  quant: base.Quantizer | None = None  # quantized projections (layers.quant)
 
   @nn.compact
   def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None) -> jax.Array:
@@ -52,7 +53,7 @@ class Mlp(nn.Module):
                            dense_init(0, 1), lora)
     up = lambda name, w: constrain(lora_lib.project(
         self, name, "btd,df->btf", x, w, self.in_split, batch, dt, lora, lora_drop,
-        at_once="mlp_in" in self.at_once), batch)
+        at_once="mlp_in" in self.at_once, quant=self.quant), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     h = checkpoint_name(up("wi", w_in), remat.MLP_UP)
     if self.activation == "swiglu":
@@ -67,7 +68,8 @@ class Mlp(nn.Module):
                             dense_init(0, 1), lora)
     return checkpoint_name(lora_lib.project(self, "wo", "btf,fd->btd", h, w_out, self.out_split,
                                             batch, dt, lora, lora_drop,
-                                            at_once="mlp_out" in self.at_once), remat.MLP_OUT)
+                                            at_once="mlp_out" in self.at_once,
+                                            quant=self.quant), remat.MLP_OUT)
 
 
 class Block(nn.Module):
@@ -103,6 +105,7 @@ class Block(nn.Module):
   context_attention: str = "all_gather"  # across a split sequence (layers.attention.context)
   context_score_block: int = context_attention_lib.SCORE_BLOCK
   lora: lora_lib.LoraConfig | None = None
+  quant: base.Quantizer | None = None  # quantized projections (layers.quant)
 
   def _dropout(self, x: jax.Array, key, row_ids, which: int) -> jax.Array:
     if self.dropout_rate == 0.0 or key is None:
@@ -121,7 +124,7 @@ class Block(nn.Module):
     frozen = lora_lib.frozen(self.lora)
     h = RmsNorm(self.d_model, self.norm_eps, w.norm, frozen, name="mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            w.gather_at_once, self.lora, name="mlp")(h, self._lora_drop(dropout_key, row_ids))
+            w.gather_at_once, self.lora, self.quant, name="mlp")(h, self._lora_drop(dropout_key, row_ids))
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
   def _attention(self, x, positions, segment_ids, row_ids, cache, dropout_key):
@@ -138,7 +141,7 @@ class Block(nn.Module):
                          impl=self.attention_impl, qk_norm=self.qk_norm,
                          norm_eps=self.norm_eps, context=self.context_attention,
                          score_block=self.context_score_block, at_once=w.gather_at_once,
-                         lora=self.lora, name="attn")(h, positions, segment_ids, cache,
+                         lora=self.lora, quant=self.quant, name="attn")(h, positions, segment_ids, cache,
                                                       self._lora_drop(dropout_key, row_ids))
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 

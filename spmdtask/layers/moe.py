@@ -244,6 +244,8 @@ class MoeFfn(nn.Module):
   # Frozen router and experts; with the target `experts` the routed wi, wg, wo adapted
   # (layers.lora.expert_adapters); the shared experts' Mlp adapted as a dense MLP.
   lora: lora_lib.LoraConfig | None = None
+  # Quantized shared experts (layers.quant); the routed experts' grouped matmuls stay float.
+  quant: base.Quantizer | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None
@@ -273,7 +275,8 @@ class MoeFfn(nn.Module):
     y = checkpoint_name(constrain(y, batch), remat.MLP_OUT)
     if cfg.shared_ff:
       y = y + Mlp(d, cfg.shared_ff, "swiglu", self.dtype, self.shared_in_split,
-                  self.shared_out_split, self.ff_act_split, lora=lora, name="shared")(x, lora_drop)
+                  self.shared_out_split, self.ff_act_split, lora=lora, quant=self.quant,
+                  name="shared")(x, lora_drop)
     return y, row_stats(logits, scores, experts, dropped, cfg)
 
   def _experts(self, x, experts, gates, weights, adapters, drop):
@@ -382,6 +385,6 @@ class MoeBlock(Block):
                 name="mlp_norm")(x)
     h, layer_stats = MoeFfn(self.d_model, self.moe, self.dtype, w.router, w.expert_in,
                             w.expert_out, w.mlp_in, w.mlp_out, a.ff, a.embed, lora=self.lora,
-                            name="moe")(h, self._lora_drop(dropout_key, row_ids))
+                            quant=self.quant, name="moe")(h, self._lora_drop(dropout_key, row_ids))
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed)
     return (x, stats + layer_stats), cache

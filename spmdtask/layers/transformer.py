@@ -11,6 +11,7 @@ from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
 from spmdtask.layers import lora as lora_lib
+from spmdtask.layers import quant as quant_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
@@ -101,6 +102,9 @@ class TransformerLm(nn.Module):
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
   lora: lora_lib.LoraConfig | None = None
+  # Projections in None (float) | 'int8' | 'fp8', fp8 scaled 'current' (layers.quant).
+  quantization: str | None = None
+  quantization_scaling: str = "current"
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -187,7 +191,8 @@ class TransformerLm(nn.Module):
                 context_attention=self.context_attention,
                 context_score_block=self.context_score_block,
                 dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping, lora=self.lora)
+                asplit=self.activation_split_dims_mapping, lora=self.lora,
+                quant=quant_lib.from_fields(self.quantization, self.quantization_scaling))
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,

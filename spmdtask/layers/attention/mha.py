@@ -16,7 +16,8 @@ from spmdtask.core import remat
 from spmdtask.core.sharding import shards
 from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention import context as context_attention, fused as fused_attention
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform
+from spmdtask.layers.base import (Quantizer, RmsNorm, SplitDims, constrain, dense_init,
+                                  platform)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -113,6 +114,7 @@ class Attention(nn.Module):
   score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
   at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (transformer.WeightSplit)
   lora: lora_lib.LoraConfig | None = None
+  quant: Quantizer | None = None  # quantized projections (layers.quant)
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -153,7 +155,8 @@ class Attention(nn.Module):
     def proj(name, w, split, w_name, field):
       return constrain(lora_lib.project(self, name, "btd,dhk->bthk", x, w, split, heads, dt,
                                         lora, lora_drop, gathered_name=w_name,
-                                        at_once=field in self.at_once), heads)
+                                        at_once=field in self.at_once, quant=self.quant),
+                       heads)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     q = checkpoint_name(proj("q", wq, self.q_split, remat.Q_WEIGHT, "q"), remat.Q_PROJ)
     k = checkpoint_name(proj("k", wk, self.kv_split, remat.K_WEIGHT, "kv"), remat.K_PROJ)
@@ -178,5 +181,5 @@ class Attention(nn.Module):
                     self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
     out = lora_lib.project(self, "o", "bthk,hkd->btd", out, wo, self.o_split, heads, dt, lora,
-                           lora_drop, at_once="o" in self.at_once)
+                           lora_drop, at_once="o" in self.at_once, quant=self.quant)
     return checkpoint_name(out, remat.ATTN_OUT), cache
