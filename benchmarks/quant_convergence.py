@@ -2,6 +2,7 @@
 same steps in bf16, int8 and fp8 (`task.model.quantization`), final eval losses side by side.
 
     python benchmarks/quant_convergence.py [--data_dir=/tmp/pylib_sp] [--steps=300]
+        [--batch_size=16 --seq_len=256]
 
 Prepares the README's corpus (Python's own sources, SentencePiece vocab 2048) into
 `--data_dir` where it is missing, then trains each run with `spmdtask.main` on one CPU
@@ -41,6 +42,8 @@ def train(name: str, quantization: str | None, args) -> float:
                f"task.train.eval_interval_steps={args.steps}",
                f"task.train.save_interval_steps={args.steps}",
                "task.model.fprop_dtype='bfloat16'"]
+  overrides += [f"datasets['{split}'].{field}={value}" for split in ("train", "eval")
+                for field, value in (("batch_size", args.batch_size), ("seq_len", args.seq_len))]
   if quantization:
     overrides.append(f"task.model.quantization={quantization}")
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
@@ -57,11 +60,14 @@ def main():
   parser.add_argument("--job_root", default="/tmp/quant_convergence")
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--runs", default=",".join(RUNS))
+  parser.add_argument("--batch_size", type=int, default=16)  # TextLm's
+  parser.add_argument("--seq_len", type=int, default=256)
   args = parser.parse_args()
   prepare(args.data_dir)
   losses = {name: train(name, RUNS[name], args) for name in args.runs.split(",")}
   base = losses.get("bf16")
-  print(f"TextLm, {args.steps} steps, final eval loss:")
+  print(f"TextLm, {args.steps} steps of {args.batch_size} x {args.seq_len} tokens, final eval "
+        "loss:")
   for name, loss in losses.items():
     ratio = f"{loss / base:.4f}" if base else "-"
     print(f"  {name:5s} {loss:.4f}  (/ bf16: {ratio})")

@@ -82,18 +82,14 @@ class _Program:
       return 2.0 * out * math.prod(rhs) / max(o, 1)
     return sum(self.flops(c) for c in ins.called)
 
-  def low_flops(self, ins: hlo.Instruction) -> dict[str, float]:
-    """FLOPs of the int8 / fp8 matmuls in one run of `ins`, by operand element type (the
-    dots' and convolutions' own, those of the computations that run inside it)."""
+  def low_kind(self, ins: hlo.Instruction) -> str | None:
+    """The operand element type ('s8', 'f8e4m3fn', ...) of an int8 / fp8 matmul that `ins`
+    is or runs inside it (a fusion's), else None: what rate its FLOPs are charged at."""
     if ins.op in ("dot", "convolution") and ins.operands:
       kind = self.shapes.get(ins.operands[0], "").split("[")[0]
-      return {kind: self.instruction_flops(ins)} if _LOW.match(kind) else {}
-    out: dict[str, float] = {}
-    for comp in ins.called:
-      for i in self.instrs.get(comp, ()):
-        for kind, f in self.low_flops(i).items():
-          out[kind] = out.get(kind, 0.0) + f
-    return out
+      return kind if _LOW.match(kind) else None
+    return next((k for c in ins.called for i in self.instrs.get(c, ())
+                 if (k := self.low_kind(i))), None)
 
   def _fused_io(self, comp: str) -> tuple[dict[int, float], float]:
     """(parameter number -> bytes read, bytes written) of a fused computation: a parameter
@@ -240,8 +236,9 @@ def estimate(text: str, chip: Chip, flops: float, hbm_bytes: float, kernel_flops
         t = max(t, end)
         continue
       f = f_scale * prog.instruction_flops(ins) + per_call * prog.kernel_calls(ins)
-      tf, tb = roofline.compute_seconds(chip, f, {k: f_scale * v for k, v in prog.low_flops(ins).items()}
-                               ), b_scale * prog.instruction_bytes(ins) / chip.hbm_bytes_per_s
+      kind = prog.low_kind(ins)
+      tf = f / (chip.peak_for(kind) if kind else chip.peak_bf16_flops_per_s)
+      tb = b_scale * prog.instruction_bytes(ins) / chip.hbm_bytes_per_s
       t += max(tf, tb)
       busy_f, busy_b = busy_f + (tf if tf >= tb else 0.0), busy_b + (tb if tb > tf else 0.0)
     for end, rec in pending.values():  # a start with no done found: waited for at the end
@@ -296,13 +293,17 @@ def _op_name(ins: hlo.Instruction, prog: _Program) -> str:
 
 
 def low_precision_flops(text: str) -> dict[str, float]:
-  """Per step, the FLOPs of the program's int8 / fp8 matmuls by operand element type
-  ('s8', 'f8e4m3fn', ...), loop bodies weighted by their trips (`hlo.multipliers`)."""
+  """Per step, the FLOPs (XLA's, as `flops` counts them) of the instructions that are or
+  run an int8 / fp8 matmul, by its operand element type, loop bodies weighted by their
+  trips (`hlo.multipliers`)."""
   prog, mult = _Program(text), hlo.multipliers(text)
+  inner = {c for instrs in prog.instrs.values() for i in instrs for c in i.called}
   out: dict[str, float] = {}
   for comp, instrs in prog.instrs.items():
+    if comp in inner:
+      continue
     for ins in instrs:
-      if ins.op in ("dot", "convolution"):
-        for kind, f in prog.low_flops(ins).items():
-          out[kind] = out.get(kind, 0.0) + f * mult.get(comp, 1)
+      kind = prog.low_kind(ins)
+      if kind:
+        out[kind] = out.get(kind, 0.0) + prog.instruction_flops(ins) * mult.get(comp, 1)
   return out
