@@ -28,6 +28,9 @@ setuptools.setup(
         "fsspec>=2024.6",
         "gcsfs>=2024.6",
         "google-cloud-storage>=2.14",
+        # int8 / fp8 projections (spmdtask/layers/quant.py): its quantizer, private helpers
+        # pinned by the range.
+        "qwix>=0.1.8,<0.2",
     ],
     extras_require={
         # XLA:TPU (libtpu): train on Cloud TPU, and --mode=plan --plan_topology=v5e:16x16

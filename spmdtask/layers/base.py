@@ -1,6 +1,6 @@
 """What every spmdtask layer shares: weights with split-dims metadata, activation constraints."""
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import flax.linen as nn
 import jax
@@ -55,9 +55,18 @@ def platform() -> str:
   return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
 
 
+class Quantizer(Protocol):
+  """A quantized einsum (layers.quant.Quantization): inside a shard_map manual over `rows`
+  it quantizes w's shard, `gather`s it whole and `scatter`s w's gradient."""
+
+  def einsum(self, eqn: str, x: jax.Array, w: jax.Array, out_dtype=None,
+             rows: tuple[str, ...] = (), w_axes=None, gather=None, scatter=None) -> jax.Array:
+    ...
+
+
 def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
             dtype, out_dtype=None, gathered_name: str | None = None,
-            at_once: bool = False) -> jax.Array:
+            at_once: bool = False, quant: Quantizer | None = None) -> jax.Array:
   """`jnp.einsum(eqn, x, w)` in `dtype` (the result in `out_dtype`, default `dtype`), x's
   dim 0 its batch (split over the axes of the entry `batch`), the result's dim 0 the same
   batch.
@@ -75,6 +84,8 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
 
   `at_once` gathers the weight with one all-gather over all its axes (`gather_at_once`);
   its gradient still reduce-scatters one axis at a time.
+  `quant` (layers.quant) makes the product quantized (int8 / fp8): under FSDP each device
+  quantizes its shard and the gather moves the quantized values and their scales.
   `gathered_name` names the gathered whole weight (`checkpoint_name`) for the remat presets
   (spmdtask.core.remat): a preset that keeps it spares the backward its gather, as FSDP's
   "no reshard after forward" does, for the weight's size in memory. GSPMD's path gathers
@@ -84,14 +95,24 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   manual = batch_axes(mesh, batch, x.shape[0])
   w_axes = fsdp_axes(w.shape, w_split, manual)
   product = lambda x, w: jnp.einsum(eqn, x, w.astype(dtype), preferred_element_type=out_dtype)
+  if quant is not None:
+    product = lambda x, w: quant.einsum(eqn, x, w, out_dtype or dtype)
   if w_axes is None:
     return product(x, w)
   moved = moved_dtype(dtype)
   rows = P(manual, *[None] * (x.ndim - 1))
   out_ndim = len(eqn.split("->")[1])
-  def gathered(w):
-    whole = (gather_at_once if at_once else gather)(w.astype(moved), w_axes)
-    return checkpoint_name(whole, gathered_name) if gathered_name else whole
+  if quant is not None:
+    # Quantized before the gather (in `moved`, as the float path, so w's gradient is
+    # reduce-scattered in it): int8 / fp8 and scales cross the links.
+    gather_q = (lambda a, axes: gather_at_once(a, axes)) if at_once else gather
+    product = lambda x, w: quant.einsum(eqn, x, w.astype(moved), out_dtype or dtype,
+                                        manual, w_axes, gather_q, scatter)
+    gathered = lambda w: w
+  else:
+    def gathered(w):
+      whole = (gather_at_once if at_once else gather)(w.astype(moved), w_axes)
+      return checkpoint_name(whole, gathered_name) if gathered_name else whole
   return jax.shard_map(lambda x, w: product(x, gathered(w)),
                        in_specs=(rows, P(*[a or None for a in w_axes])),
                        out_specs=P(manual, *[None] * (out_ndim - 1)),

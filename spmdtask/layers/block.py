@@ -50,6 +50,7 @@ class Mlp(nn.Module):
   ff_act_split: SplitDims | None
   at_once: tuple[str, ...] = ()  # of 'mlp_in', 'mlp_out': FSDP gathers (WeightSplit)
   lora: lora_lib.LoraConfig | None = None
+  quant: base.Quantizer | None = None  # quantized projections (layers.quant)
 
   @nn.compact
   def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None) -> jax.Array:
@@ -58,7 +59,7 @@ class Mlp(nn.Module):
                            dense_init(0, 1), lora)
     up = lambda name, w: constrain(lora_lib.project(
         self, name, "btd,df->btf", x, w, self.in_split, batch, dt, lora, lora_drop,
-        at_once="mlp_in" in self.at_once), batch)
+        at_once="mlp_in" in self.at_once, quant=self.quant), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     h = checkpoint_name(up("wi", w_in), remat.MLP_UP)
     if self.activation in GATED:
@@ -73,7 +74,8 @@ class Mlp(nn.Module):
                             dense_init(0, 1), lora)
     return checkpoint_name(lora_lib.project(self, "wo", "btf,fd->btd", h, w_out, self.out_split,
                                             batch, dt, lora, lora_drop,
-                                            at_once="mlp_out" in self.at_once), remat.MLP_OUT)
+                                            at_once="mlp_out" in self.at_once,
+                                            quant=self.quant), remat.MLP_OUT)
 
 
 class Block(nn.Module):
@@ -121,6 +123,7 @@ class Block(nn.Module):
   attention_scale: float | None = None
   norm_offset: float = 0.0
   sandwich_norms: bool = False
+  quant: base.Quantizer | None = None  # quantized projections (layers.quant)
 
   def _norm(self, name: str):
     return RmsNorm(self.d_model, self.norm_eps, self.wsplit.norm, lora_lib.frozen(self.lora),
@@ -147,7 +150,8 @@ class Block(nn.Module):
                                is_local)
     h = self._norm("mlp_norm")(x)
     h = Mlp(self.d_model, self.d_ff, self.mlp_activation, self.dtype, w.mlp_in, w.mlp_out, a.ff,
-            w.gather_at_once, self.lora, name="mlp")(h, self._lora_drop(dropout_key, row_ids))
+            w.gather_at_once, self.lora, self.quant, name="mlp")(
+                h, self._lora_drop(dropout_key, row_ids))
     h = self._post_norm(h, "mlp_post_norm")
     return constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed), cache
 
@@ -171,7 +175,7 @@ class Block(nn.Module):
                          score_block=self.context_score_block, at_once=w.gather_at_once,
                          lora=self.lora, window=self.sliding_window,
                          local_rope_theta=self.local_rope_theta, scale=self.attention_scale,
-                         norm_offset=self.norm_offset,
+                         norm_offset=self.norm_offset, quant=self.quant,
                          name="attn")(h, positions, segment_ids, cache,
                                       self._lora_drop(dropout_key, row_ids), is_local)
     h = self._post_norm(h, "attn_post_norm")

@@ -63,6 +63,10 @@ def _validate_mla(model, mesh_shape) -> None:
   if model.lora is not None:
     raise ConfigError("task.model.lora with task.model.mla: LoRA adapters on multi-head "
                       "latent attention are not supported yet; set task.model.lora=None.")
+  if model.quantization is not None:
+    raise ConfigError(f"task.model.quantization={model.quantization!r} with task.model.mla: "
+                      "multi-head latent attention's projections are not quantized yet; set "
+                      "task.model.quantization=None for an MLA model.")
   heads = model.activation_split_dims_mapping.heads
   if context_lib.seq_axes(heads, mesh_shape, ()):
     raise ConfigError(f"task.model.activation_split_dims_mapping.heads={heads!r} splits the "

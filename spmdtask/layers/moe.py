@@ -29,6 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import remat
+from spmdtask.core.model import Weighted
 from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.layers import base, lora as lora_lib, moe_dispatch
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project
@@ -159,6 +160,8 @@ class MoeFfn(nn.Module):
   # Frozen router and experts; with the target `experts` the routed wi, wg, wo adapted
   # (layers.lora.expert_adapters); the shared experts' Mlp adapted as a dense MLP.
   lora: lora_lib.LoraConfig | None = None
+  # Quantized shared experts (layers.quant); the routed experts' grouped matmuls stay float.
+  quant: base.Quantizer | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None
@@ -199,7 +202,8 @@ class MoeFfn(nn.Module):
       y = y + tap.astype(y.dtype)
     if cfg.shared_ff:
       y = y + Mlp(d, cfg.shared_ff, "swiglu", self.dtype, self.shared_in_split,
-                  self.shared_out_split, self.ff_act_split, lora=lora, name="shared")(x, lora_drop)
+                  self.shared_out_split, self.ff_act_split, lora=lora, quant=self.quant,
+                  name="shared")(x, lora_drop)
     return y, row_stats(logits, scores, experts, dropped, cfg)
 
   def _experts(self, x, experts, gates, weights, adapters, drop):
@@ -309,6 +313,19 @@ class MoeBlock(Block):
                 name="mlp_norm")(x)
     h, layer_stats = MoeFfn(self.d_model, self.moe, self.dtype, w.router, w.expert_in,
                             w.expert_out, w.mlp_in, w.mlp_out, a.ff, a.embed, lora=self.lora,
-                            name="moe")(h, self._lora_drop(dropout_key, row_ids))
+                            quant=self.quant, name="moe")(h, self._lora_drop(dropout_key, row_ids))
     x = constrain(x + self._dropout(h, dropout_key, row_ids, 1), a.embed)
     return (x, stats + layer_stats), cache
+
+
+def add_router_losses(cfg: MoeConfig | None, stats, token_xent, weights):
+  """Each row's `aux_loss_coef · aux + z_loss_coef · z` (means over the MoE layers) added to
+  its tokens' losses, and `STATS` as token-weighted means over rows; a dense
+  model's (stats None) unchanged, no metrics."""
+  if stats is None:
+    return token_xent, {}
+  row_tokens = jnp.sum(weights, axis=1)
+  extra = cfg.aux_loss_coef * stats[:, 0] + cfg.z_loss_coef * stats[:, 1]
+  metrics = {name: Weighted(jnp.sum(stats[:, i] * row_tokens), jnp.sum(row_tokens))
+             for i, name in enumerate(STATS)}
+  return token_xent + extra[:, None], metrics

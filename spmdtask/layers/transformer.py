@@ -1,4 +1,14 @@
-"""A decoder-only Transformer LM (Llama-style) whose weights carry split-dims mappings."""
+"""A decoder-only Transformer LM (Llama-style) whose weights carry split-dims mappings.
+
+`TransformerLm.loss(batch)` is the training objective; `__call__` gives logits. The layers
+are a `LayerStack` (one compiled layer body whatever the depth, rematerialized under
+`remat_policy`: a preset of spmdtask.core.remat such as 'minimal' or 'minimal_offloaded', a
+`jax.checkpoint_policies` policy name, or None); the framework sets `execution` from
+`task.pipeline` to pipeline them. Params stay float32; compute runs in `fprop_dtype`. With
+`loss_vocab_tiles` > 1 the loss never holds the whole [tokens, vocab] logits: the head and
+the cross entropy run over that many vocabulary tiles (`layers.xent`; one more head matmul
+in the backward), the head weight gathered once.
+"""
 import dataclasses
 
 import flax.linen as nn
@@ -11,6 +21,7 @@ from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
 from spmdtask.layers import lora as lora_lib
+from spmdtask.layers import quant as quant_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
@@ -76,18 +87,8 @@ class ActivationSplit:
 
 
 class TransformerLm(nn.Module):
-  """Decoder-only LM: implements spmdtask.core.model's `Model`, `Decodable`, `ScoresTokens`
-  and `Stacked`.
-
-  `loss(batch)` is the training objective; `__call__` gives logits. The layers are a
-  `LayerStack` (one compiled layer body whatever the depth, rematerialized under
-  `remat_policy`: a preset of spmdtask.core.remat such as 'minimal' or
-  'minimal_offloaded', a `jax.checkpoint_policies` policy name, or None); the framework sets
-  `execution` from `task.pipeline` to pipeline them. Params stay float32; compute runs
-  in `fprop_dtype`. With `loss_vocab_tiles` > 1 the loss never holds the whole
-  [tokens, vocab] logits: the head and the cross entropy run over that many vocabulary
-  tiles (`layers.xent`; one more head matmul in the backward), the head weight gathered once.
-  """
+  """Decoder-only LM (module doc): implements spmdtask.core.model's `Model`, `Decodable`,
+  `ScoresTokens`, `Adapted`, `Buffered` and `Stacked`."""
   vocab_size: int
   d_model: int
   num_layers: int
@@ -107,8 +108,7 @@ class TransformerLm(nn.Module):
   fprop_dtype: str = "float32"
   attention_impl: str = "auto"  # auto | xla | splash | cudnn (layers.attention.fused)
   context_attention: str = "all_gather"  # all_gather | ring: across a split sequence
-  # (query, key) pairs per head in one chunk of float32 scores inside a context shard (the
-  # xla kernel; layers.attention.xla_blocks.SCORE_BLOCK says how it was chosen)
+  # (query, key) pairs per head in a chunk of scores in a context shard (xla_blocks.SCORE_BLOCK)
   context_score_block: int = context_lib.SCORE_BLOCK
   remat_policy: str | None = "nothing_saveable"
   scan_unroll: int | bool = 1
@@ -124,17 +124,17 @@ class TransformerLm(nn.Module):
   sliding_window: int | None = None
   local_rope_theta: float | None = None
   attention_scale: float | None = None  # the scores' scale; None: head_dim**-0.5
-  # Gemma: norms scale by 1 + w (norm_offset 1), a norm after each sublayer too
-  # (sandwich_norms), the embedding times sqrt(d_model) (scale_embedding).
+  # Gemma: norms 1 + w (norm_offset 1), post-sublayer norms too, embedding times sqrt(d_model).
   norm_offset: float = 0.0
   sandwich_norms: bool = False
   scale_embedding: bool = False
+  # Projections in None (float) | 'int8' | 'fp8', fp8 scaled 'current' (layers.quant).
+  quantization: str | None = None
+  quantization_scaling: str = "current"
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
   execution: Strategy | None = None
-
-  # ------------------------------------------------------------------ the model contract
 
   def validate(self, mesh, global_batch_size: int) -> None:
     """Checks dims, dtypes, remat and every split-dims field, and the pipeline."""
@@ -181,8 +181,6 @@ class TransformerLm(nn.Module):
     """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
     return lm_checks.split_dims_fields(self)
 
-  # ------------------------------------------------------------------ decoding (Decodable)
-
   def cache_shape(self, batch_size: int, max_len: int) -> KvCache | MlaCache:
     """An empty decode cache's ShapeDtypeStructs (`layers.attention.cache.shapes`)."""
     return cache_lib.shapes(self.num_layers, batch_size, max_len, self.num_kv_heads,
@@ -201,6 +199,16 @@ class TransformerLm(nn.Module):
                 wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping,
                 sliding_window=self.sliding_window if "local" in self.attention_pattern else None)
+    return dict(d_model=self.d_model, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
+                mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
+                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
+                dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
+                context_attention=self.context_attention,
+                context_score_block=self.context_score_block,
+                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
+                asplit=self.activation_split_dims_mapping, lora=self.lora,
+                quant=quant_lib.from_fields(self.quantization, self.quantization_scaling))
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
@@ -258,7 +266,7 @@ class TransformerLm(nn.Module):
     return (logits, stats) if moe_stats else logits if cache is None else (logits, cache)
 
   def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    """Weighted mean next-token cross entropy (+ an MoE's router losses: `_moe_losses`):
+    """Weighted mean next-token cross entropy (+ an MoE's router losses: `moe.add_router_losses`):
     (loss, {'loss': Weighted(sum of token losses, tokens), MoE metrics}). batch: `inputs`,
     `targets` [b, t] int32, `weights` [b, t] float (0 = padding); packed rows add
     `segment_ids` and per-segment `positions` [b, t] int32. Where the activations split the
@@ -266,7 +274,7 @@ class TransformerLm(nn.Module):
     batch = _zigzag(self, batch)
     token_xent, stats = _token_xent(self, batch)
     weights = batch["weights"].astype(jnp.float32)
-    token_xent, metrics = _moe_losses(self.moe, stats, token_xent, weights)
+    token_xent, metrics = moe_lib.add_router_losses(self.moe, stats, token_xent, weights)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
             {"loss": Weighted(loss_sum, num_tokens), **metrics})
@@ -331,19 +339,6 @@ def _layer_stacks(model: TransformerLm, x, positions, segment_ids, cache):
     cache = moe_cache if not k else jax.tree.map(
         lambda a, b: jnp.concatenate([a, b]), dense_cache, moe_cache)
   return x, cache, stats / n
-
-
-def _moe_losses(cfg: moe_lib.MoeConfig | None, stats, token_xent, weights):
-  """Each row's `aux_loss_coef · aux + z_loss_coef · z` (means over the MoE layers) added to
-  its tokens' losses, and `layers.moe.STATS` as token-weighted means over rows; a dense
-  model's (stats None) unchanged, no metrics."""
-  if stats is None:
-    return token_xent, {}
-  row_tokens = jnp.sum(weights, axis=1)
-  extra = cfg.aux_loss_coef * stats[:, 0] + cfg.z_loss_coef * stats[:, 1]
-  metrics = {name: Weighted(jnp.sum(stats[:, i] * row_tokens), jnp.sum(row_tokens))
-             for i, name in enumerate(moe_lib.STATS)}
-  return token_xent + extra[:, None], metrics
 
 
 def _zigzag(model: TransformerLm, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:

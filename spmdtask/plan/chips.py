@@ -30,6 +30,17 @@ class Chip:
   host_link_bytes_per_s: float | None = None  # host <-> HBM (PCIe) one way; None: unknown
   gpu_target_config: str | None = None  # GPUs: XLA's GpuTargetConfigProto (text)
   other_device_kinds: tuple[str, ...] = ()  # other names JAX has reported for it
+  # Dense int8 / fp8 matmul peaks (ops/s); None: not documented (such a matmul is charged
+  # at the bf16 peak).
+  peak_int8_ops_per_s: float | None = None
+  peak_fp8_flops_per_s: float | None = None
+
+  def peak_for(self, operand_type: str) -> float:
+    """The matmul peak for operands of HLO element type `operand_type` ('s8', 'f8e4m3fn',
+    'bf16', ...): the int8 or fp8 rate where the chip documents one, else bf16's."""
+    low = (self.peak_int8_ops_per_s if operand_type in ("s8", "u8") else
+           self.peak_fp8_flops_per_s if operand_type.startswith("f8") else None)
+    return low or self.peak_bf16_flops_per_s
 
   @property
   def ici_ingress_bytes_per_s(self) -> float:
@@ -51,21 +62,25 @@ CHIPS = {c.name: c for c in (
     Chip("v4", "TPU v4", 275e12, 32 * GIB, 1200 * GB, 600 * GB, None,
          "cloud.google.com/tpu/docs/v4; ICI: the TPU v4 paper (ISCA 2023)"),
     # https://cloud.google.com/tpu/docs/v5e (197 TFLOPs bf16, HBM2 16 GiB at 819 GBps,
-    # bidirectional ICI 400 GBps per chip; 2 x 100 Gbps NICs per 8-chip host = 25 Gbps/chip).
+    # bidirectional ICI 400 GBps per chip; 2 x 100 Gbps NICs per 8-chip host = 25 Gbps/chip;
+    # int8 394 TOPs).
     # HBM: 16 GiB, as libtpu's compiler counts it (15.75 GiB of it usable by a program).
     # Host link: Google's pages give none; 1.5e10 B/s per chip is the PCIe figure of "How to
     # Scale Your Model" (jax-ml.github.io/scaling-book/tpus), third-party, used for offload.
     Chip("v5e", "TPU v5 lite", 197e12, 16 * GIB, 819 * GB, 400 * GB, 25e9 / 8,
          "cloud.google.com/tpu/docs/v5e; host link: jax-ml.github.io/scaling-book/tpus",
-         host_link_bytes_per_s=1.5e10, other_device_kinds=("TPU v5e",)),
+         host_link_bytes_per_s=1.5e10, other_device_kinds=("TPU v5e",),
+         peak_int8_ops_per_s=394e12),
     # https://cloud.google.com/tpu/docs/v5p (459 TFLOPs bf16, HBM 95 GiB at 2765 GBps,
-    # bidirectional ICI 1200 GBps per chip, DCN 50 Gbps per chip).
+    # bidirectional ICI 1200 GBps per chip, DCN 50 Gbps per chip; int8 918 TOPs).
     Chip("v5p", "TPU v5", 459e12, 95 * GIB, 2765 * GB, 1200 * GB, 50e9 / 8,
-         "cloud.google.com/tpu/docs/v5p", other_device_kinds=("TPU v5p",)),
+         "cloud.google.com/tpu/docs/v5p", other_device_kinds=("TPU v5p",),
+         peak_int8_ops_per_s=918e12),
     # https://cloud.google.com/tpu/docs/v6e (918 TFLOPs bf16, HBM 32 GiB at 1638 GBps,
-    # bidirectional ICI 800 GBps per chip; no per-chip DCN figure).
+    # bidirectional ICI 800 GBps per chip; no per-chip DCN figure; int8 1836 TOPs).
     Chip("v6e", "TPU v6 lite", 918e12, 32 * GIB, 1638 * GB, 800 * GB, None,
-         "cloud.google.com/tpu/docs/v6e", other_device_kinds=("TPU v6e",)),
+         "cloud.google.com/tpu/docs/v6e", other_device_kinds=("TPU v6e",),
+         peak_int8_ops_per_s=1836e12),
 )}
 
 
@@ -93,13 +108,15 @@ GPUS = {c.name: c for c in (
     # (both ways). The hosts' network: a DGX H100 has 8 ConnectX-7 ports of 400 Gb/s (NDR
     # InfiniBand), one per GPU (NVIDIA DGX H100 user guide, hardware overview): each GPU's
     # share is its port, 50 GB/s one way, what a plan charges bytes between hosts at.
+    # FP8: 3958 TFLOPS with sparsity, 1979 dense.
     Chip("h100", "NVIDIA H100 80GB HBM3", 989e12, 80 * GIB, 3350 * GB, 900 * GB, 400e9 / 8,
          "NVIDIA H100 datasheet (SXM); DGX H100 networking",
-         gpu_target_config=_H100_SXM_TARGET),
+         gpu_target_config=_H100_SXM_TARGET, peak_fp8_flops_per_s=1979e12),
     # NVIDIA H200 datasheet (nvidia.com/en-us/data-center/h200), SXM: the H100's 1979
-    # TFLOPS sparse bf16 (989 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+    # TFLOPS sparse bf16 (989 dense), 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s; FP8 3958
+    # TFLOPS sparse (1979 dense).
     Chip("h200", "NVIDIA H200", 989e12, 141 * GIB, 4800 * GB, 900 * GB, 400e9 / 8,
-         "NVIDIA H200 datasheet (SXM); DGX H200 networking"),
+         "NVIDIA H200 datasheet (SXM); DGX H200 networking", peak_fp8_flops_per_s=1979e12),
     # NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100), SXM4: BF16 312 TFLOPS
     # dense, 80 GB HBM2e at 2039 GB/s (40 GB HBM2 at 1555 GB/s), NVLink 600 GB/s;
     # DGX A100: one 200 Gb/s HDR InfiniBand port per GPU.

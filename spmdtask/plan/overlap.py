@@ -43,6 +43,7 @@ _FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "iota
 _LABELS = re.compile(r"dim_labels=\w*_(\w+)->")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 _OP_NAME = re.compile(r'\bop_name="([^"]*)"')
+_LOW = re.compile(r"^(s8|u8|f8\w*)$")  # int8 / fp8 element types: the quantized matmuls'
 _KERNEL = re.compile(r'custom_call_target="(?:tpu_custom_call|__cudnn\$fmha)')
 
 
@@ -80,6 +81,15 @@ class _Program:
       o = rhs[labels.group(1).index("o")] if labels and len(rhs) == len(labels.group(1)) else 1
       return 2.0 * out * math.prod(rhs) / max(o, 1)
     return sum(self.flops(c) for c in ins.called)
+
+  def low_kind(self, ins: hlo.Instruction) -> str | None:
+    """The operand element type ('s8', 'f8e4m3fn', ...) of an int8 / fp8 matmul that `ins`
+    is or runs inside it (a fusion's), else None: what rate its FLOPs are charged at."""
+    if ins.op in ("dot", "convolution") and ins.operands:
+      kind = self.shapes.get(ins.operands[0], "").split("[")[0]
+      return kind if _LOW.match(kind) else None
+    return next((k for c in ins.called for i in self.instrs.get(c, ())
+                 if (k := self.low_kind(i))), None)
 
   def _fused_io(self, comp: str) -> tuple[dict[int, float], float]:
     """(parameter number -> bytes read, bytes written) of a fused computation: a parameter
@@ -226,7 +236,9 @@ def estimate(text: str, chip: Chip, flops: float, hbm_bytes: float, kernel_flops
         t = max(t, end)
         continue
       f = f_scale * prog.instruction_flops(ins) + per_call * prog.kernel_calls(ins)
-      tf, tb = f / chip.peak_bf16_flops_per_s, b_scale * prog.instruction_bytes(ins) / chip.hbm_bytes_per_s
+      kind = prog.low_kind(ins)
+      tf = f / (chip.peak_for(kind) if kind else chip.peak_bf16_flops_per_s)
+      tb = b_scale * prog.instruction_bytes(ins) / chip.hbm_bytes_per_s
       t += max(tf, tb)
       busy_f, busy_b = busy_f + (tf if tf >= tb else 0.0), busy_b + (tb if tb > tf else 0.0)
     for end, rec in pending.values():  # a start with no done found: waited for at the end
@@ -278,3 +290,20 @@ def _op_name(ins: hlo.Instruction, prog: _Program) -> str:
     if m:
       return m.group(1)
   return ""
+
+
+def low_precision_flops(text: str) -> dict[str, float]:
+  """Per step, the FLOPs (XLA's, as `flops` counts them) of the instructions that are or
+  run an int8 / fp8 matmul, by its operand element type, loop bodies weighted by their
+  trips (`hlo.multipliers`)."""
+  prog, mult = _Program(text), hlo.multipliers(text)
+  inner = {c for instrs in prog.instrs.values() for i in instrs for c in i.called}
+  out: dict[str, float] = {}
+  for comp, instrs in prog.instrs.items():
+    if comp in inner:
+      continue
+    for ins in instrs:
+      kind = prog.low_kind(ins)
+      if kind:
+        out[kind] = out.get(kind, 0.0) + prog.instruction_flops(ins) * mult.get(comp, 1)
+  return out

@@ -242,7 +242,8 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
       flops = max(flops, model_flops / n)
     report["estimate"] = est = roofline.estimate(
         target.chip, flops, step["bytes accessed"], traffic["ici"], traffic["dcn"],
-        model_flops / n, tokens, remat_cost.host_transfer_bytes(compiled.memory_analysis()))
+        model_flops / n, tokens, remat_cost.host_transfer_bytes(compiled.memory_analysis()),
+        low_flops=overlap.low_precision_flops(text) if text is not None else None)
     if text is not None:  # the schedule's estimate: what the compute hides (plan.overlap)
       report["step_estimate"] = overlap.estimate(
           text, target.chip, flops, step["bytes accessed"], kernel_flops or 0.0,

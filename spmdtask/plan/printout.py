@@ -7,7 +7,8 @@ def format_estimate(plan: dict) -> list[str]:
   est, chip = plan.get("estimate"), plan["target"]["chip"]
   if est is None:
     return []
-  terms = ", ".join(f"{k} {console.human_seconds(v)}" for k, v in est["seconds"].items())
+  terms = ", ".join(f"{k} {console.human_seconds(v)}" + (low_line(est) if k == "compute" else "")
+                    for k, v in est["seconds"].items())
   return [
       f"chip {chip['name']}: peak {chip['peak_bf16_flops_per_s'] / 1e12:.0f} TFLOP/s bf16, HBM "
       f"{console.human_bytes(chip['hbm_bytes'])} at {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s, "
@@ -18,6 +19,14 @@ def format_estimate(plan: dict) -> list[str]:
       f"{console.human_count(est['tokens_per_second_upper_bound'])}, MFU <= "
       f"{100 * est['mfu_upper_bound']:.1f}%"] + (
           [] if "stage" in est else step_line(plan.get("step_estimate"), est))
+
+
+def low_line(est: dict) -> str:
+  """The compute term's quantized share: the int8 / fp8 matmuls charged at their rate."""
+  low = est.get("low_precision_flops") or {}
+  parts = [f"{v['flops'] / 1e12:.3g} TFLOP of {k} matmuls at {v['peak'] / 1e12:.0f} TOP/s"
+           for k, v in low.items()]
+  return f" ({', '.join(parts)}; the rest at bf16's)" if parts else ""
 
 
 def step_line(step: dict | None, roof: dict) -> list[str]:

@@ -97,12 +97,22 @@ def kernel_note(calls: str, amount: str, kernel_flops: float, flops: float) -> s
           f"{kernel_flops / 2 / flops:.0%} high.")
 
 
+def compute_seconds(chip: Chip, flops: float, low: dict[str, float]) -> float:
+  """`flops` of which `low` (by operand type, `low_precision_flops`) are int8 / fp8 matmuls,
+  each charged at the chip's rate for its type (`Chip.peak_for`), the rest at bf16's."""
+  rest = max(0.0, flops - sum(low.values()))
+  return rest / chip.peak_bf16_flops_per_s + sum(f / chip.peak_for(k) for k, f in low.items())
+
+
+
 def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_bytes: float,
              model_flops: float, tokens: float, host_bytes: float = 0.0,
-             transfer_bytes: float = 0.0) -> dict:
+             transfer_bytes: float = 0.0, low_flops: dict[str, float] | None = None) -> dict:
   """The roofline of one step; every argument is per chip per step but `tokens` (the
-  step's tokens over all chips) and `model_flops` (the model formula's, per chip)."""
-  terms = {"compute": flops / chip.peak_bf16_flops_per_s,
+  step's tokens over all chips) and `model_flops` (the model formula's, per chip);
+  `low_flops` of `flops` are int8 / fp8 matmuls (by operand type), charged at their rate."""
+  low = low_flops or {}
+  terms = {"compute": compute_seconds(chip, flops, low),
            "hbm": hbm_bytes / chip.hbm_bytes_per_s,
            "ici": ici_bytes / chip.ici_ingress_bytes_per_s}
   if transfer_bytes:
@@ -125,4 +135,6 @@ def estimate(chip: Chip, flops: float, hbm_bytes: float, ici_bytes: float, dcn_b
   return {"seconds": terms, "bound": bound, "step_seconds_lower_bound": step,
           "tokens_per_second_upper_bound": tokens / step if step else None,
           "mfu_upper_bound": model_flops / (step * chip.peak_bf16_flops_per_s) if step else None,
+          "low_precision_flops": {k: {"flops": f, "peak": chip.peak_for(k)}
+                                  for k, f in low.items()},
           "notes": notes}

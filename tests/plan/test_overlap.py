@@ -52,6 +52,26 @@ def test_an_all_gather_behind_a_matmul_is_hidden_one_before_it_exposed(hidden):
   assert [r["kind"] for r in got["top_exposed"]] == ([] if hidden else ["all-gather"])
 
 
+def test_an_int8_matmul_is_charged_at_the_int8_rate():
+  """The same 34 GFLOP matmul with s8 operands (a quantized projection): the roofline and
+  the schedule charge it at v5e's 394 TOP/s int8 rate, half the bf16 time, and say so."""
+  text = scheduled(True).replace("bf16[1024,4096]{1,0} parameter(1)",
+                                 "s8[1024,4096]{1,0} parameter(1)").replace(
+      "bf16[4096,4096]{1,0} parameter(2)", "s8[4096,4096]{1,0} parameter(2)").replace(
+      "%d = bf16[1024,4096]", "%d = s32[1024,4096]")
+  flops = 2 * 1024 * 4096 * 4096
+  assert overlap.low_precision_flops(text) == {"s8": flops}
+  cost = xla_cost.per_step(text)
+  bound = roofline.estimate(V5E, cost["flops"], 0.0, 0.0, 0.0, 0.0, 1.0,
+                            low_flops=overlap.low_precision_flops(text))
+  assert bound["seconds"]["compute"] == pytest.approx(flops / 394e12, rel=1e-12)
+  assert bound["low_precision_flops"] == {"s8": {"flops": flops, "peak": 394e12}}
+  got = overlap.estimate(text, V5E, cost["flops"], 0.0)
+  assert got["compute_seconds"] == pytest.approx(flops / 394e12, rel=1e-12)
+  assert chips.CHIPS["v5e"].peak_for("bf16") == V5E.peak_bf16_flops_per_s
+  assert chips.GPUS["h100"].peak_for("f8e4m3fn") == 1979e12
+  assert chips.GPUS["h100"].peak_for("s8") == chips.GPUS["h100"].peak_bf16_flops_per_s
+
 # XLA:TPU's own switches for its async collectives (libtpu reads them when it starts).
 SYNC = ("--xla_tpu_enable_async_collective_fusion=false --xla_enable_async_all_gather=false "
         "--xla_enable_async_all_reduce=false --xla_enable_async_collective_permute=false "

@@ -18,7 +18,8 @@ from spmdtask.errors import ConfigError
 from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention import context as context_attention, fused as fused_attention
 from spmdtask.layers.attention import window as window_lib
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform
+from spmdtask.layers.base import (Quantizer, RmsNorm, SplitDims, constrain, dense_init,
+                                  platform)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
@@ -134,6 +135,7 @@ class Attention(nn.Module):
   local_rope_theta: float | None = None  # local layers' RoPE base; None: rope_theta
   scale: float | None = None  # the scores' scale; None: head_dim**-0.5
   norm_offset: float = 0.0  # q/k norms: scale = offset + w
+  quant: Quantizer | None = None  # quantized projections (layers.quant)
 
   def _rope(self, x, positions, is_local):
     """x with rotary positions at this layer's base (a local layer's, a global one's, or,
@@ -194,7 +196,8 @@ class Attention(nn.Module):
     def proj(name, w, split, w_name, field):
       return constrain(lora_lib.project(self, name, "btd,dhk->bthk", x, w, split, heads, dt,
                                         lora, lora_drop, gathered_name=w_name,
-                                        at_once=field in self.at_once), heads)
+                                        at_once=field in self.at_once, quant=self.quant),
+                       heads)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     q = checkpoint_name(proj("q", wq, self.q_split, remat.Q_WEIGHT, "q"), remat.Q_PROJ)
     k = checkpoint_name(proj("k", wk, self.kv_split, remat.K_WEIGHT, "kv"), remat.K_PROJ)
@@ -218,5 +221,5 @@ class Attention(nn.Module):
                                  is_local), self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
     out = lora_lib.project(self, "o", "bthk,hkd->btd", out, wo, self.o_split, heads, dt, lora,
-                           lora_drop, at_once="o" in self.at_once)
+                           lora_drop, at_once="o" in self.at_once, quant=self.quant)
     return checkpoint_name(out, remat.ATTN_OUT), cache

@@ -1,0 +1,186 @@
+"""Quantized training matmuls (int8, fp8) for `base.project`, on qwix's quantizer.
+
+The model field `quantization` (None | 'int8' | 'fp8') makes every projection that goes
+through `base.project` (attention q/k/v/o, the dense MLP) a quantized product; the
+router, norms, embedding, the head with its loss, and the experts' grouped matmuls stay
+in float (the experts: not yet, see docs/quantization.md).
+
+- int8: x per row (token) and w per output channel, dynamic absmax scales (symmetric,
+  bound 127.5, qwix's); the backward quantizes the incoming gradient to int8 too, per
+  channel, with the forward operand's scale shifted onto it (AQT's and qwix's scheme), so
+  all three matmuls of a projection run int8 x int8 -> int32.
+- fp8: e4m3 operands forward, e5m2 gradients backward, one scale per tensor, computed from
+  the current step's absmax ('current' scaling). 'delayed' (a scale from past steps' amax
+  history) is not built: it raises a ConfigError.
+
+Why qwix and not AQT (aqtp): both install beside jax 0.10.2 / flax 0.12; qwix is the one
+MaxText moved to, is maintained, exposes its quantizer as plain functions (calibrate,
+scale, quantize, a QArray-aware dot_general) that a custom VJP can call around our own
+FSDP collectives, and supports fp8 e4m3/e5m2 with the same calls. Its pieces are used
+as-is; what this module adds is the sharding: under FSDP the weight's shard is quantized
+BEFORE its all-gather (its absmax reduced over the axes that split its contracted dims
+first, a few floats), so int8/fp8 values and their scales cross the links, not bf16
+copies. Every scale that reduces over a split dim is reduced over the axes that split it
+(`pmax`), so a sharded program computes the scales a one-device program would: the same
+math on any layout.
+"""
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from qwix._src.core import dot_general as qdot
+from qwix._src.core import einsum_info
+from qwix._src.core import qarray
+# qwix's own helpers for its quantized backward (pinned: setup.py's qwix range).
+from qwix._src.core.dot_general_qt import (_apply_rhs_scale_to_lhs,
+                                          _update_dimension_numbers_for_backward)
+
+from spmdtask.errors import ConfigError
+
+KINDS = ("int8", "fp8")
+SCALINGS = ("current", "delayed")
+
+Axes = tuple[tuple[str, ...], ...]  # per dim of an operand, the manual axes that split it
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization:
+  """How projections are quantized: `kind` int8 | fp8, `scaling` (fp8) current."""
+  kind: str
+  scaling: str = "current"
+
+  @property
+  def forward_dtype(self):
+    return jnp.int8 if self.kind == "int8" else jnp.float8_e4m3fn
+
+  @property
+  def gradient_dtype(self):
+    return jnp.int8 if self.kind == "int8" else jnp.float8_e5m2
+
+  @property
+  def per_tensor(self) -> bool:
+    return self.kind == "fp8"
+
+  def einsum(self, eqn: str, x: jax.Array, w: jax.Array, out_dtype=None,
+             rows: tuple[str, ...] = (), w_axes: Axes | None = None,
+             gather=None, scatter=None) -> jax.Array:
+    """`jnp.einsum(eqn, x, w)` quantized (`out_dtype`, default x's). Inside a shard_map
+    manual over `rows` (the axes splitting x's dim 0) with `w` a shard split per dim over
+    `w_axes`: `gather(a, axes)` makes the quantized shard whole, `scatter(g, axes)` (its
+    transpose) sums w's gradient into the shard. Outside one, defaults: no collectives."""
+    info = einsum_info.EinsumInfo.parse(eqn)
+    if info.batch_chars or info.lhs[0] in info.contract_chars:
+      raise ValueError(f"quantized einsum {eqn!r}: x's dim 0 must be a free dim, no batch dims")
+    spec = _Spec(info.dimension_numbers, info.output_perm, self, out_dtype or x.dtype,
+                 tuple(rows), w_axes or ((),) * w.ndim, gather or _identity,
+                 scatter or _identity, x.dtype, w.dtype)
+    return _product(x, w, spec)
+
+
+def from_fields(quantization: str | None, scaling: str = "current") -> Quantization | None:
+  """The model fields `quantization` and `quantization_scaling` as a Quantization (None:
+  float matmuls); a ConfigError naming the field for anything else."""
+  if quantization is None:
+    return None
+  if quantization not in KINDS:
+    raise ConfigError(
+        f"model.quantization={quantization!r}: the projections' matmul type, one of None "
+        "(float), 'int8' (per-channel dynamic scales) or 'fp8' (e4m3 forward, e5m2 gradients); "
+        "e.g. --fdl_set=task.model.quantization=\"'int8'\".")
+  if scaling != "current":
+    raise ConfigError(
+        f"model.quantization_scaling={scaling!r}: only 'current' (scales from this step's "
+        "absmax) is built; delayed scaling (an amax history) is not: set it to 'current'.")
+  return Quantization(quantization, scaling)
+
+
+def _identity(a, axes):
+  return a
+
+
+class _Spec(NamedTuple):
+  dims: tuple  # dot_general dimension numbers
+  perm: tuple | None  # dot_general's output -> the einsum's
+  quant: Quantization
+  out_dtype: object
+  rows: tuple[str, ...]
+  w_axes: Axes
+  gather: object
+  scatter: object
+  x_dtype: object
+  w_dtype: object
+
+
+def _how(dims, ndims, for_lhs: bool, qtype, per_tensor: bool) -> qarray.HowToQuantize:
+  how = qdot.get_how_to_quantize(dimension_numbers=dims, ndims=ndims, for_lhs=for_lhs,
+                                 qtype=qtype, tile_size=None, calibration_method="absmax")
+  return dataclasses.replace(how, channelwise_axes=[]) if per_tensor else how
+
+
+def _quantize(a: jax.Array, how: qarray.HowToQuantize, axes: Axes) -> qarray.QArray:
+  """qwix's absmax quantization of `a`, its absmax reduced over the axes of each dim it
+  reduces that is split (so the scale is the whole array's); channel dims keep theirs."""
+  absmax = qarray.calibrate(a, how)["absmax"]
+  reduced = tuple(ax for d, ax in enumerate(axes) if absmax.shape[d] == 1 and a.shape[d] > 1
+                  for ax in ax)
+  if reduced:
+    absmax = jax.lax.pmax(absmax, reduced)
+  scale, zero = qarray.compute_scale_zero_point({"absmax": absmax}, how.qtype)
+  return qarray.quantize_with_scale_zero_point(a, how.qtype, scale, zero)
+
+
+def _whole(w: qarray.QArray, spec: _Spec) -> qarray.QArray:
+  """The quantized weight's shard gathered whole: its values (int8 / fp8) and the scales
+  of its split channel dims (a per-tensor or contracted-dim scale is whole already)."""
+  scale_axes = tuple(ax if w.scale.shape[d] > 1 else () for d, ax in enumerate(spec.w_axes))
+  return qarray.QArray(spec.gather(w.qvalue, spec.w_axes),
+                       spec.gather(w.scale, scale_axes), None, w.qtype)
+
+
+def _forward(x, w, spec: _Spec):
+  q, ndims = spec.quant, (x.ndim, w.ndim)
+  x_axes = (spec.rows,) + ((),) * (x.ndim - 1)
+  xq = _quantize(x, _how(spec.dims, ndims, True, q.forward_dtype, q.per_tensor), x_axes)
+  wq = _quantize(w, _how(spec.dims, ndims, False, q.forward_dtype, q.per_tensor), spec.w_axes)
+  y = qdot.dot_general(xq, _whole(wq, spec), spec.dims, preferred_element_type=spec.out_dtype)
+  y = y if spec.perm is None else y.transpose(spec.perm)
+  return y, (xq, wq)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _product(x, w, spec: _Spec):
+  return _forward(x, w, spec)[0]
+
+
+def _backward(spec: _Spec, res, g):
+  """qwix's quantized backward (dot_general_qt_bwd's scheme: the residual's scale shifted
+  onto the gradient, the gradient quantized per channel, quantized x quantized dot), with
+  every gradient scale reduced over the axes that split its reduced dims."""
+  xq, wq = res
+  q, ndims = spec.quant, (xq.qvalue.ndim, wq.qvalue.ndim)
+  if spec.perm is not None:
+    g = g.transpose(np.argsort(spec.perm))
+  # The product's dims: x's free dims (dim 0 the rows), then w's.
+  g_axes = (spec.rows,) + ((),) * (g.ndim - 1)
+
+  def grad(y: qarray.QArray, for_x: bool):
+    dims, perm = _update_dimension_numbers_for_backward(spec.dims, ndims, for_dlhs=for_x)
+    gs = _apply_rhs_scale_to_lhs(g, y.scale, dims)
+    how = _how(dims, (g.ndim, y.qvalue.ndim), True, q.gradient_dtype, q.per_tensor)
+    out = qdot.dot_general(_quantize(gs, how, g_axes), y.qvalue, dims,
+                           preferred_element_type=jnp.float32)
+    return jax.lax.transpose(out, perm)
+
+  dx = grad(_whole(wq, spec), True).astype(spec.x_dtype)
+  dw = grad(xq, False).astype(spec.w_dtype)
+  # Rows split over axes that do not split w (data parallelism): w's gradient sums there.
+  replicated = tuple(a for a in spec.rows if not any(a in ax for ax in spec.w_axes))
+  if replicated:
+    dw = jax.lax.psum(dw, replicated)
+  return dx, spec.scatter(dw, spec.w_axes)
+
+
+_product.defvjp(lambda x, w, spec: _forward(x, w, spec), _backward)
