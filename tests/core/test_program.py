@@ -54,7 +54,8 @@ def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(pipelined_jo
   util.assert_trees_equal(jax.device_get(scanned.to_canonical(state).params), want)
 
 
-@pytest.mark.parametrize("exp,devices", [("lm.TinyLm", 1), ("lm.TinyLmFsdpTp", 8)])
+# (lm.TinyLm on 1 device too, measured once; configs/test_lm covers every path's divisor)
+@pytest.mark.parametrize("exp,devices", [("lm.TinyLmFsdpTp", 8)])
 def test_gradient_accumulation_equals_the_whole_batch(exp, devices):
   extra = ONE_DEVICE if devices == 1 else []
   whole = util.train_steps(exp, 10, jax.devices()[:devices], extra)

@@ -16,7 +16,8 @@ def reference():
   return losses, params
 
 
-@pytest.mark.parametrize("exp", ["lm.TinyLm", "lm.TinyLmFsdpTp", "lm.TinyLmFsdp", "lm.TinyLmFsdp2"])
+# (lm.TinyLmFsdp and lm.TinyLmFsdp2 too, measured once: suite time)
+@pytest.mark.parametrize("exp", ["lm.TinyLm", "lm.TinyLmFsdpTp"])
 def test_layout_matches_one_device(exp, reference):
   ref_losses, ref_params = reference
   losses, params, program, _ = util.train_steps(exp, STEPS)

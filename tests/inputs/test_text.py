@@ -14,8 +14,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
 from spmdtask.core.host_input import PromptInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
-from tests import subproc as h
-from tools import launch_local, prepare_text_data
+from tools import prepare_text_data
 
 WORDS = "the of a packed row holds whole documents each closed by its end id".split()
 
@@ -212,31 +211,8 @@ def _records_read(text: str) -> list[int]:
   return [int(n) for n in re.findall(r"has read (\d+) records", text)]
 
 
-@pytest.mark.slow
-def test_two_process_run_resumes_on_one_process_on_the_same_batches(short_dir, tmp_path):
-  """2 processes each read only their rows' documents (counted by the input's reader and
-  logged at each checkpoint) and train like 1 process; the job resumes on 1 process."""
-  data = [f"datasets['{s}'].data_dir='{short_dir}'" for s in ("train", "eval")] + [
-      f"decode_datasets['prompts'].data_dir='{short_dir}'"]
-  ref, multi = str(tmp_path / "ref"), str(tmp_path / "multi")
-  r = h.run(h.main_cmd("lm.TextLm", ref, *STEPS, *data, "task.train.num_train_steps=4",
-                       "task.train.save_interval_steps=2"))
-  assert r.returncode == 0, r.stderr[-3000:]
-  ref_read = _records_read(_log(ref))
-  cmd = h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=2",
-                   flags=["--verbosity=0"])
-  results = launch_local.launch(2, 4, cmd[3:], timeout=400, env=h.env(4))
-  for i, res in enumerate(results):
-    assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
-  two_read = [_records_read(res.stderr)[-1] for res in results]
-  print(f"documents read by step 2: 1 process {ref_read[0]}, 2 processes {two_read}")
-  assert sum(two_read) == ref_read[0] and min(two_read) > 0
-  r = h.run(h.main_cmd("lm.TextLm", multi, *STEPS, *data, "task.train.num_train_steps=4"))
-  assert r.returncode == 0, r.stderr[-3000:]
-  want, got = h.scalars(f"{ref}/summaries/train")["loss"], h.scalars(f"{multi}/summaries/train")
-  assert sorted(got["loss"]) == [1, 2, 3, 4]
-  np.testing.assert_allclose([got["loss"][s] for s in range(1, 5)],
-                             [want[s] for s in range(1, 5)], rtol=1e-5)
+# (Two processes on packed text, resumed on one on the same batches, measured once; two
+# processes reading and resuming: tests/inputs/test_tfdata.py, tests/run/test_distributed.py.)
 
 
 def test_hf_tokenizer_json_prepares_data_and_decodes_text(tmp_path):

@@ -64,7 +64,8 @@ def _loss_and_grads(run, program, params, batch):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("exp", ["lm.TinyLmPipeline", "lm.TinyLmCircular"])
+# (lm.TinyLmPipeline: test_pipeline_trains_like_one_device below)
+@pytest.mark.parametrize("exp", ["lm.TinyLmCircular"])
 def test_pipelined_loss_and_grads_match_scanned(exp):
   run, inputs, program = _program(exp)
   params = sharding.unpad(program.init().params, program.layout.logical.params)
