@@ -32,7 +32,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import chat, chat_template, text, tokenizers
-from tools.prepare_text_data import split_documents, write_staged
+from tools.prepare_text_data import check_new_output_dir, split_documents, write_staged
 
 
 def encode_all(pattern: str, conv: chat.Chat, max_len: int, overlong: str) -> dict:
@@ -65,9 +65,7 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int, overlon
             end_of_turn_token: str | None = None) -> dict:
   """Writes the data dir (local, or gs:// through a local stage); returns meta.json's
   contents. Everything is read and checked before the first file is written."""
-  if fs.isfile(fs.join(output_dir, tokenizers.META_FILE)):
-    raise ConfigError(f"--output_dir={output_dir!r} already holds a prepared data dir "
-                      f"({tokenizers.META_FILE}); give a new dir, or delete that one first.")
+  check_new_output_dir(output_dir)
   if max_len < 2:
     raise ConfigError(f"--max_len={max_len}: a conversation needs at least 2 tokens; give "
                       "the row length you will train with (e.g. --max_len=2048).")

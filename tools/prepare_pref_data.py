@@ -36,7 +36,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import chat, chat_template, text, tokenizers
-from tools.prepare_text_data import split_documents, write_staged
+from tools.prepare_text_data import check_new_output_dir, split_documents, write_staged
 
 
 def parse(line: str, where: str) -> tuple[chat.Example, chat.Example]:
@@ -94,9 +94,7 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int,
             end_of_turn_token: str | None = None) -> dict:
   """Writes the data dir (local, or gs:// through a local stage); returns meta.json's
   contents. Everything is read and checked before the first file is written."""
-  if fs.isfile(fs.join(output_dir, tokenizers.META_FILE)):
-    raise ConfigError(f"--output_dir={output_dir!r} already holds a prepared data dir "
-                      f"({tokenizers.META_FILE}); give a new dir, or delete that one first.")
+  check_new_output_dir(output_dir)
   if max_len < 2:
     raise ConfigError(f"--max_len={max_len}: a sequence needs at least 2 tokens; give the "
                       "sequence length you will train with plus one (e.g. --max_len=1025).")

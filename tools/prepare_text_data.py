@@ -113,6 +113,13 @@ def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = N
       eod_token))
 
 
+def check_new_output_dir(output_dir: str) -> None:
+  """ConfigError where `output_dir` already holds a prepared data dir (never overwritten)."""
+  if fs.isfile(fs.join(output_dir, tokenizers.META_FILE)):
+    raise ConfigError(f"--output_dir={output_dir!r} already holds a prepared data dir "
+                      f"({tokenizers.META_FILE}); give a new dir, or delete that one first.")
+
+
 def write_staged(output_dir: str, write) -> dict:
   """`write(local_dir)` into `output_dir` (a gs:// dir: written locally, uploaded, the local
   copy deleted; nothing uploaded when it fails); returns what `write` returns."""

@@ -168,19 +168,3 @@ def _validate_window(model) -> None:
   if model.attention_scale is not None and not model.attention_scale > 0:
     raise ConfigError(f"task.model.attention_scale={model.attention_scale!r} must be > 0 "
                       "(Gemma 3: query_pre_attn_scalar ** -0.5), or None for head_dim ** -0.5.")
-
-
-def split_dims_fields(model) -> dict:
-  """Config field -> (split-dims mapping, shape of the tensor it maps), for validation."""
-  d, v, h, kv, hd, ff = (model.d_model, model.vocab_size, model.num_heads, model.num_kv_heads,
-                         model.head_dim, model.d_ff)
-  shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
-                mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
-  shapes.update(model.moe.weight_shapes(d) if model.moe else {})
-  acts = dict(embed=("b", "t", d), heads=("b", "t", h, hd), ff=("b", "t", ff),
-              logits=("b", "t", v))
-  out = {f"task.model.weight_split_dims_mapping.{k}":
-         (getattr(model.weight_split_dims_mapping, k), s) for k, s in shapes.items()}
-  out.update({f"task.model.activation_split_dims_mapping.{k}":
-              (getattr(model.activation_split_dims_mapping, k), s) for k, s in acts.items()})
-  return out
