@@ -90,21 +90,27 @@ def _write(output_dir, enc, conv, pattern, model_dir, max_len, overlong, eval_fr
     splits[name] = {"files": files, "num_documents": len(docs),
                     "num_tokens": int(sum(map(len, docs))),
                     "num_target_tokens": int(sum(sum(m[1:]) for m in masks))}
-  fs.write_bytes(os.path.join(output_dir, tokenizers.HF_FILE),
-                 fs.read_bytes(fs.join(model_dir, tokenizers.HF_FILE)))
-  with open(os.path.join(output_dir, chat_template.TEMPLATE_FILE), "w", encoding="utf-8") as f:
-    f.write(conv.template.source)
-  eod = conv.eos_id if conv.eos_id is not None else conv.end_of_turn_id
-  meta = {"tokenizer": "hf", "vocab_size": conv.tokenizer.vocab_size, "eod_id": int(eod),
+  meta = {**write_chat_files(output_dir, conv, model_dir),
           "input": pattern, "seed": seed, "eval_fraction": eval_fraction, "splits": splits,
-          "target_mask": True,
-          "chat": {"end_of_turn_id": conv.end_of_turn_id, "template_source": conv.template.origin,
-                   "special_tokens": conv.template.special_tokens},
           "max_len": max_len, "overlong": overlong, "dropped": enc["dropped"],
           "truncated": enc["truncated"], "no_target_after_cut": enc["no_target_after_cut"]}
   with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
     json.dump(meta, f, indent=1)
   return meta
+
+
+def write_chat_files(output_dir: str, conv: chat.Chat, model_dir: str) -> dict:
+  """Copies the model's tokenizer and writes the chat template into `output_dir`; returns
+  the meta.json fields every chat data dir has (tokenizer, vocabulary, end ids, template)."""
+  fs.write_bytes(os.path.join(output_dir, tokenizers.HF_FILE),
+                 fs.read_bytes(fs.join(model_dir, tokenizers.HF_FILE)))
+  with open(os.path.join(output_dir, chat_template.TEMPLATE_FILE), "w", encoding="utf-8") as f:
+    f.write(conv.template.source)
+  eod = conv.eos_id if conv.eos_id is not None else conv.end_of_turn_id
+  return {"tokenizer": "hf", "vocab_size": conv.tokenizer.vocab_size, "eod_id": int(eod),
+          "target_mask": True,
+          "chat": {"end_of_turn_id": conv.end_of_turn_id, "template_source": conv.template.origin,
+                   "special_tokens": conv.template.special_tokens}}
 
 
 def train_command(output_dir: str, meta: dict) -> str:

@@ -33,9 +33,9 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   console.start_tool()
 
 # pylint: disable=wrong-import-position
-from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat, chat_template, text, tokenizers
+from spmdtask.inputs import chat, text, tokenizers
+from tools.prepare_chat_data import write_chat_files
 from tools.prepare_text_data import check_new_output_dir, split_documents, write_staged
 
 
@@ -121,16 +121,8 @@ def _write(output_dir, enc, conv, pattern, max_len, eval_fraction, num_shards, s
     splits[name] = {"files": files, "num_documents": len(docs), "num_pairs": len(ids),
                     "num_tokens": int(sum(len(enc["docs"][i]) for i in docs)),
                     "num_target_tokens": int(sum(sum(enc["masks"][i][1:]) for i in docs))}
-  fs.write_bytes(os.path.join(output_dir, tokenizers.HF_FILE),
-                 fs.read_bytes(fs.join(model_dir, tokenizers.HF_FILE)))
-  with open(os.path.join(output_dir, chat_template.TEMPLATE_FILE), "w", encoding="utf-8") as f:
-    f.write(conv.template.source)
-  eod = conv.eos_id if conv.eos_id is not None else conv.end_of_turn_id
-  meta = {"tokenizer": "hf", "vocab_size": conv.tokenizer.vocab_size, "eod_id": int(eod),
+  meta = {**write_chat_files(output_dir, conv, model_dir), "preferences": True,
           "input": pattern, "seed": seed, "eval_fraction": eval_fraction, "splits": splits,
-          "target_mask": True, "preferences": True,
-          "chat": {"end_of_turn_id": conv.end_of_turn_id, "template_source": conv.template.origin,
-                   "special_tokens": conv.template.special_tokens},
           "max_len": max_len, "dropped": enc["dropped"]}
   with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
     json.dump(meta, f, indent=1)
