@@ -24,8 +24,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spmdtask.core import checks
-from spmdtask.core.model import Adapted, ScoresTokens, Weighted
+from spmdtask.core import checks, train_state
+from spmdtask.core.model import ScoresTokens, Weighted
 from spmdtask.core.objective import TARGET_TOKENS, Reference
 from spmdtask.errors import ConfigError
 
@@ -82,7 +82,7 @@ class Dpo:
     if not isinstance(task.model, ScoresTokens):
       raise ConfigError(f"task.objective=Dpo needs a model that scores tokens "
                         f"(token_logprobs); task.model is a {type(task.model).__name__}.")
-    if self.reference_checkpoint_dir is not None and _lora(task.model):
+    if self.reference_checkpoint_dir is not None and train_state.adapters_only(task.model):
       raise ConfigError(
           f"task.objective.reference_checkpoint_dir={self.reference_checkpoint_dir!r} with a "
           "LoRA model (task.model.lora): its reference is the base with the adapters off "
@@ -92,7 +92,7 @@ class Dpo:
   def reference_kind(self, model) -> Reference:
     if self.reference == "precomputed":
       return Reference.PRECOMPUTED
-    if _lora(model):
+    if train_state.adapters_only(model):
       return Reference.ADAPTERS_OFF
     return Reference.PARAMS
 
@@ -153,7 +153,3 @@ def sequence_logps(model, params, rows, rngs=None) -> jax.Array:
   """Each row's summed target log-probability over its weighted tokens [rows] float32."""
   lp = model.apply({"params": params}, rows, method=model.token_logprobs, rngs=rngs)
   return jnp.sum(lp * rows["weights"].astype(jnp.float32), axis=-1)
-
-
-def _lora(model) -> bool:
-  return isinstance(model, Adapted) and model.adapters_only()

@@ -18,8 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spmdtask.core import checks
-from spmdtask.core.model import Adapted, ScoresTokens, Weighted
+from spmdtask.core import checks, train_state
+from spmdtask.core.model import ScoresTokens, Weighted
 from spmdtask.core.objective import TARGET_TOKENS, Reference
 from spmdtask.errors import ConfigError
 from spmdtask.objectives import grpo_loss, rewards
@@ -102,7 +102,7 @@ class Grpo:
     if not isinstance(task.model, ScoresTokens):
       raise ConfigError(f"task.objective=Grpo needs a model that scores tokens "
                         f"(token_logprobs); task.model is a {type(task.model).__name__}.")
-    if self.reference_checkpoint_dir is not None and _lora(task.model):
+    if self.reference_checkpoint_dir is not None and train_state.adapters_only(task.model):
       raise ConfigError(
           f"task.objective.reference_checkpoint_dir={self.reference_checkpoint_dir!r} with a "
           "LoRA model: its reference is the base with the adapters off. Leave it None.")
@@ -128,7 +128,7 @@ class Grpo:
   def reference_kind(self, model) -> Reference:
     if not self.beta:
       return Reference.NONE
-    return Reference.ADAPTERS_OFF if _lora(model) else Reference.PARAMS
+    return Reference.ADAPTERS_OFF if train_state.adapters_only(model) else Reference.PARAMS
 
   def reference_dir(self) -> tuple[str, str | None]:
     """`run.reference.HasReferenceDir`."""
@@ -155,7 +155,3 @@ class Grpo:
     if self.beta:
       metrics["kl"] = grpo_loss.masked_mean(terms.kl, mask)
     return total.sum / jnp.maximum(total.weight, 1e-9), metrics
-
-
-def _lora(model) -> bool:
-  return isinstance(model, Adapted) and model.lora is not None
