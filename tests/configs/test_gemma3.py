@@ -1,7 +1,7 @@
 """configs/gemma3.py: each Gemma 3 (text) has its published parameter count (abstract
 params, nothing allocated); TinyGemma3 (local and global layers, a window shorter than the
 row, sandwich norms, GeGLU) trains the same on 8 devices (data 2 x fsdp 2 x model 2) as on
-one over 10 steps (QK-norm and the tied head: Qwen3's parts too); a pattern or window that does not fit the model is a config error."""
+one over 10 steps; a pattern or window that does not fit the model is a config error."""
 import fiddle as fdl
 import numpy as np
 import pytest
