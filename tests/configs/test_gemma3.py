@@ -1,7 +1,7 @@
 """configs/gemma3.py: each Gemma 3 (text) has its published parameter count (abstract
 params, nothing allocated); TinyGemma3 (local and global layers, a window shorter than the
 row, sandwich norms, GeGLU) trains the same on 8 devices (data 2 x fsdp 2 x model 2) as on
-one over 10 steps; a pattern or window that does not fit the model is a config error."""
+one over 10 steps; its model FLOPs count a local layer's attention within its window; a pattern or window that does not fit the model is a config error."""
 import fiddle as fdl
 import numpy as np
 import pytest
@@ -31,6 +31,20 @@ def test_fsdp_and_tensor_parallel_on_8_devices_equal_one_device():
   test_moe.assert_same_training(test_moe.run("TinyGemma3", ("task.ici_mesh_shape=(2, 2, 2)",)),
                                 want)
   assert want[0][-1] < want[0][0]  # it learns
+
+
+def test_model_flops_count_a_local_layers_attention_within_its_window():
+  """TinyGemma3 (layers local, local, global, local; window 8) on 64-token rows: a local
+  layer's query i sees min(i + 1, 8) keys, a global one's i + 1."""
+  model = fdl.build(registry.get("gemma3.TinyGemma3")().task().model)
+  row = {k: np.zeros((64,), v.dtype) for k, v in ROW.items()}
+  work = model.work_per_example(row)
+  local = sum(range(1, 9)) + (64 - 8) * 8  # 36 + 448 = 484 pairs
+  back = np.subtract.outer(np.arange(64), np.arange(64))  # query position - key position
+  assert local == ((back >= 0) & (back < 8)).sum()  # the causal window mask's ones
+  width = 4 * 32  # heads x head_dim
+  assert work.attention_flops == 12 * width * (3 * local + 64 * 65 // 2)
+  assert work.train_flops == 6 * num_params(model, row) * 64 + work.attention_flops
 
 
 @pytest.mark.parametrize("overrides,field", [
