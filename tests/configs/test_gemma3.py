@@ -1,7 +1,8 @@
 """configs/gemma3.py: each Gemma 3 (text) has its published parameter count (abstract
 params, nothing allocated); TinyGemma3 (local and global layers, a window shorter than the
 row, sandwich norms, GeGLU) trains the same on 8 devices (data 2 x fsdp 2 x model 2) as on
-one over 10 steps; its model FLOPs count a local layer's attention within its window; a pattern or window that does not fit the model is a config error."""
+one over 10 steps; its model FLOPs count a local layer's attention within its window; a
+pattern, window or attention scale that does not fit the model is a config error."""
 import fiddle as fdl
 import numpy as np
 import pytest
@@ -52,6 +53,10 @@ def test_model_flops_count_a_local_layers_attention_within_its_window():
      "attention_pattern has 5"),  # TinyGemma3 has 4 layers
     (["task.model.sliding_window=0"], "sliding_window=0"),
     (["task.model.sliding_window=-3"], "sliding_window=-3"),
+    (["task.model.sliding_window=None"], "sliding_window=None: the attention_pattern has local"),
+    (["task.model.attention_pattern=('local', 'sliding')"], "attention_pattern=.* must be"),
+    (["task.model.attention_pattern=('global',)"], "sliding_window=8 is set"),  # no local layer
+    (["task.model.attention_scale=0.0"], "attention_scale=0.0"),
 ])
 def test_a_pattern_or_window_that_does_not_fit_the_model_is_a_config_error(overrides, field):
   run = util.build_run("TinyGemma3", overrides)
