@@ -10,6 +10,7 @@ import pytest
 from spmdtask import registry
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
+from spmdtask.layers import transformer
 from spmdtask.layers.block import num_params
 from tests import util
 from tests.configs import test_moe
@@ -46,6 +47,13 @@ def test_model_flops_count_a_local_layers_attention_within_its_window():
   width = 4 * 32  # heads x head_dim
   assert work.attention_flops == 12 * width * (3 * local + 64 * 65 // 2)
   assert work.train_flops == 6 * num_params(model, row) * 64 + work.attention_flops
+
+
+def test_decode_cache_holds_every_position_in_every_layer():
+  """docs/families/gemma3.md's figure: Gemma3_27B's cache per token is its 62 layers' keys
+  and values (16 KV heads of 128, bfloat16), local layers included (no ring)."""
+  model = fdl.build(registry.get("gemma3.Gemma3_27B")().task().model)
+  assert transformer.cache_bytes_per_token(model) == 62 * 2 * 16 * 128 * 2 == 507_904
 
 
 @pytest.mark.parametrize("overrides,field", [
