@@ -182,11 +182,27 @@ class Block(nn.Module):
     return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
 
 
-def attention_flops(num_layers: int, width: int, tokens: int, causal: bool) -> float:
+def attended_pairs(tokens: int, causal: bool, window: int | None = None) -> int:
+  """The (query, key) pairs attention computes on one row of `tokens`: causal, query i sees
+  min(i + 1, window) keys (window None: i + 1), T·(T+1)/2 in all without a window; not
+  causal, every key (T²), or with a window the keys less than `window` away on either side."""
+  w = tokens if window is None else min(window, tokens)
+  one_side = w * (w + 1) // 2 + (tokens - w) * w  # sum over i of min(i + 1, w)
+  if causal:
+    return one_side
+  return tokens * tokens if window is None else 2 * one_side - tokens
+
+
+def attention_flops(num_layers: int, width: int, tokens: int, causal: bool,
+                    window: int | None = None, local_layers: int = 0) -> float:
   """Train FLOPs of attention's two matmuls (scores, weighted sum; forward and backward) on
-  one example: 12·L·w·T², w the query width (heads × head_dim; d_model in most models),
-  halved when causal (the masked half of the keys is no work)."""
-  return (6.0 if causal else 12.0) * num_layers * width * tokens * tokens
+  one example: 12·w per pair the mask leaves (`attended_pairs`), w the query width (heads ×
+  head_dim); causal, about half of 12·L·w·T². `local_layers` of the `num_layers` attend
+  within `window` keys (sliding-window layers: min(i + 1, window) keys at position i), the
+  rest over the whole row."""
+  pairs = ((num_layers - local_layers) * attended_pairs(tokens, causal)
+           + local_layers * attended_pairs(tokens, causal, window))
+  return 12.0 * width * pairs
 
 
 def train_flops(num_params: int, num_layers: int, width: int, tokens: int,

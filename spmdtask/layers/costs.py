@@ -12,7 +12,8 @@ import jax.numpy as jnp
 from spmdtask.core import remat, sharding, train_state
 from spmdtask.core.model import ActivationMemory, Held, MemoryFix, Work
 from spmdtask.layers import moe as moe_lib
-from spmdtask.layers.block import Block, attention_flops, param_shapes, train_flops
+from spmdtask.layers.attention import window as window_lib
+from spmdtask.layers.block import Block, attention_flops, param_shapes
 
 VOCAB_TILES = 8  # the vocab tiles a fix suggests where the loss holds the whole logits
 ROUTED = ("wi", "wg", "wo")  # a block's routed experts' weights, under its `moe`: [E, ...]
@@ -42,8 +43,9 @@ def active_params(params, top_k: int, num_experts: int, adapters_only: bool = Fa
 
 
 def lm_work(model, example) -> Work:
-  """A TransformerLm's work per example (`work_per_example`): 6·N·T + 6·L·(heads·
-  head_dim)·T² train FLOPs for T tokens (causal attention: the visible half of 12·L·w·T²),
+  """A TransformerLm's work per example (`work_per_example`): 6·N·T + 12·(heads·head_dim)
+  per (query, key) pair the causal mask leaves, T·(T+1)/2 per layer (about half of
+  12·L·w·T²), a local layer's within its window (`block.attended_pairs`), for T tokens;
   N the params a token uses: with `model.moe`, the router, top_k of the routed experts and
   the shared experts of each MoE layer (`active_params`), not all of them; then
   `Work.active_params` says N, and `Work.attention_flops` the attention term. With `lora`,
@@ -55,14 +57,18 @@ def lm_work(model, example) -> Work:
   else:
     n = active = active_params(shapes, model.moe.top_k, model.moe.num_experts)
   width = model.num_heads * model.head_dim
-  flops = train_flops(n, model.num_layers, width, t, causal=True)
+  # Local layers attend within their window: min(i + 1, window) keys at position i.
+  local = sum(window_lib.layer_flags(model.attention_pattern, model.num_layers))
+  window = model.sliding_window if local else None
+  attention = attention_flops(model.num_layers, width, t, True, window, local)
+  flops = 6.0 * n * t + attention
   if model.lora is not None:  # frozen weights (layers.lora): no weight gradient, 4·N not 6·N
     # The adapters a token uses: with `moe`, top_k of each routed expert's (layers.lora).
     adapters = (active_params(shapes, model.moe.top_k, model.moe.num_experts, True)
                 if model.moe else active_params(shapes, 1, 1, True))
     flops -= 2.0 * (n - adapters) * t
   return Work(flops, t, active_params=active,
-              attention_flops=attention_flops(model.num_layers, width, t, causal=True))
+              attention_flops=attention)
 
 
 def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:

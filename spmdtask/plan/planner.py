@@ -228,7 +228,9 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
           "note": "XLA's cost analysis of the optimized program per device x devices, each "
                   "loop body (scanned layers, microbatches) weighted by its trips, plus the "
                   "traced FLOPs of its Pallas kernels (forward, backward, recompute); the "
-                  "model's is 6·N·T + attention."},
+                  "model's is 6·N·T + 12·(heads·head_dim) per (query, key) pair the mask "
+                  "leaves (causal: position i sees i + 1 keys, a sliding-window layer's "
+                  "min(i + 1, window))."},
       "hbm_bytes_per_step_per_device": step["bytes accessed"],
       "loops": step["loops"],
       "collectives": hlo.by_kind(ops),

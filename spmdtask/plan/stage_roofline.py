@@ -170,7 +170,9 @@ def step_report(costs: list[ProgramCost], stage_rows: list[dict], chip, model_fl
                   "each optimized program per device x its devices x its calls per step, loop "
                   "bodies counted per trip, plus its Pallas kernels' traced FLOPs (forward, "
                   "backward, recompute). Per-device figures are stage "
-                  f"{s}'s (the busiest); the model's is 6·N·T + attention."},
+                  f"{s}'s (the busiest); the model's is 6·N·T + 12·(heads·head_dim) per "
+                  "(query, key) pair the mask leaves (causal: position i sees i + 1 keys, a "
+                  "sliding-window layer's min(i + 1, window))."},
       "hbm_bytes_per_step_per_device": sums[s]["hbm_bytes"],
       "collectives": sums[s]["collectives"],
       "collective_bytes_received_per_device": {"ici": sums[s]["ici_bytes"],

@@ -45,7 +45,7 @@ def test_mixtral_lora_counts_its_expert_adapters_and_their_active_share():
   assert work.active_params == active + adapters
   width = model.num_heads * model.head_dim
   assert work.train_flops == (6 * adapters * t + 4 * active * t
-                              + 6 * model.num_layers * width * t * t)
+                              + 6 * model.num_layers * width * t * (t + 1))
 
 
 # The LoRA plans (Llama31_8B_Lora on v5e:2x4, Llama31_70B_Lora on v5e:8x8) were measured

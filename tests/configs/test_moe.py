@@ -123,9 +123,9 @@ def test_total_and_active_parameter_counts_are_the_published_ones(name):
   work = model.work_per_example({k: jax.ShapeDtypeStruct(v.shape, v.dtype)
                                  for k, v in row.items()})
   assert work.active_params == active
-  # 6·N_active·T + causal attention (6·L·heads·head_dim·T², half of the unmasked 12·).
+  # 6·N_active·T + causal attention: 12·heads·head_dim per (query, key) pair, T·(T+1)/2.
   width = model.num_heads * model.head_dim
-  assert work.train_flops == 6 * active * T + 6 * model.num_layers * width * T * T
+  assert work.train_flops == 6 * active * T + 6 * model.num_layers * width * T * (T + 1)
 
 
 # The published config.json fields (Mixtral-8x7B-v0.1, Qwen3-30B-A3B) that the converter reads.

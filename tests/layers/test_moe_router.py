@@ -75,7 +75,9 @@ def test_update_bias_moves_each_expert_towards_the_mean_load():
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(n_group=3), "n_group=3"), (dict(n_group=4, topk_group=5), "topk_group=5"),
+    (dict(n_group=3), "n_group=3"), (dict(n_group=0), "n_group=0"),
+    (dict(n_group=4, topk_group=5), "topk_group=5"),
+    (dict(n_group=4, topk_group=0), "topk_group=0"),
     (dict(n_group=4, topk_group=1, top_k=5), "top_k=5"),
     (dict(bias_update_rate=0.1), "bias_update_rate")])
 def test_group_fields_that_do_not_fit_are_config_errors(fields, match):

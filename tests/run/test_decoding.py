@@ -49,12 +49,14 @@ GREEDY = DecodeParams(max_decode_len=MAX_LEN)
 SAMPLED = DecodeParams(max_decode_len=MAX_LEN, temperature=0.9, top_k=40, top_p=0.95, seed=7)
 
 
-@pytest.mark.parametrize("exp,num_devices", [("TinyLm", 1), ("TinyLm", 8), ("TinyLmFsdpTp", 8),
+# TinyQwen3 on 1 device is TinyLm's model with QK-norm and a tied head: it stands for TinyLm
+# on 1 device too (suite time), which TinyLm on 8 devices and TinyLmFsdpTp cover besides.
+@pytest.mark.parametrize("exp,num_devices", [("TinyQwen3", 1), ("TinyLm", 8), ("TinyLmFsdpTp", 8),
                                              ("TinyLmUneven", 8), ("TinyMoe", 8),
                                              ("TinyGemma3", 1)])
 def test_cache_matches_repeated_full_forward(exp, num_devices):
-  """TinyGemma3: local layers (window 8 of 20 positions) and global ones, QK-norm and the
-  tied head (Qwen3's parts: one decode test for the two families, suite time)."""
+  """TinyQwen3: QK-norm and the tied head; TinyGemma3: local layers (window 8 of 20
+  positions) and global ones, sandwich norms, GeGLU, the scaled embedding."""
   program, params = program_and_params(exp, num_devices)
   out = decode(exp, num_devices, GREEDY)
   ref = oracles.greedy_without_cache(program, params, PROMPTS["prompts"],

@@ -3,7 +3,8 @@ tools/convert_hf.py): a tiny random DeepSeek-V3 (MLA with a q latent and YaRN, g
 routing with the balancing bias, a dense first layer, a shared expert) and DeepSeek-V2
 (a direct q projection, softmax routing, two shared experts) give HF's own logits and go
 back out bit-identically; fields the converter cannot express exit 2 naming them; a
-DeepSeek checkpoint restored by a Llama experiment is a config error saying so.
+DeepSeek checkpoint restored by a Llama experiment (converted back, or a warm start) is a
+config error saying so.
 
 The fixtures (tests/tools/data/deepseek_v{2,3}/) were written by transformers 5.23's
 DeepseekV3ForCausalLM / DeepseekV2ForCausalLM in float32 (tests/tools/data/make_deepseek.py,
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from spmdtask.errors import ConfigError
+from spmdtask.run import loop
 from tests import util
 from tests.tools.test_convert_hf import _assert_bit_identical, _assert_hf_logits, _fixture
 from tools import convert_hf
@@ -42,9 +44,15 @@ def test_tiny_v3_gives_hf_logits_round_trips_and_is_no_llama(tmp_path):
   _assert_bit_identical(got, convert_hf.read_hf(hf)[1])
   # Restored by a Llama experiment of the same dims: one paragraph naming the attention.
   llama = [l for l in lines if not l.startswith(("task.model.moe.", "task.model.mla."))]
-  with pytest.raises(ConfigError, match=r"(?s)does not match this model's params.*The "
-                     r"checkpoint's attention is multi-head latent attention \(DeepSeek"):
+  no_llama = (r"(?s)does not match this model's params.*The checkpoint's attention is "
+              r"multi-head latent attention \(DeepSeek")
+  with pytest.raises(ConfigError, match=no_llama):
     convert_hf.read_checkpoint(out, llama, convert_hf.EXP)
+  # The same as a Llama job's warm start (task.train.init_checkpoint_dir), in the loop.
+  run = util.build_run(convert_hf.EXP, llama + [f"task.train.init_checkpoint_dir={out!r}",
+                                                "task.train.num_train_steps=0"])
+  with pytest.raises(ConfigError, match=no_llama):
+    loop.train(run, job_log_dir=str(tmp_path / "warm"))
 
 
 def test_tiny_v2_gives_hf_logits_and_round_trips_bit_identically():
