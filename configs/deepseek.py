@@ -14,7 +14,8 @@ DeepseekV2Config / DeepseekV3Config defaults give them:
     2048 (top-8 of sigmoid scores within the 4 best of 8 groups, a balancing bias,
     renormalized, times 2.5) beside 1 shared; vocab 129280; YaRN factor 40, mscale 1.0.
     Its multi-token-prediction layer (the 62nd of the hub checkpoint: 671B + 14B = 685B)
-    is not in the model: the counts are the 671B main model's.
+    is not in the model: the counts are the 671B main model's. `DeepSeekV3Mtp` adds it
+    (layers.mtp: depth 1, loss weight 0.1), sharing the main embedding and head.
 Float32 params, bfloat16 compute, full remat, the loss over 8 vocab tiles, FSDP over the
 slice (configs/llama.py's `_Llama`).
 """
@@ -94,6 +95,20 @@ class DeepSeekV3(llama._Llama):  # pylint: disable=protected-access
                         bias_update_rate=0.001),
         vocab_size=129280, d_model=7168, num_layers=61, num_heads=128, d_ff=18432,
         max_seq_len=163840, rope_theta=10000.0)
+
+
+@register
+class DeepSeekV3Mtp(DeepSeekV3):
+  """DeepSeekV3 with its multi-token-prediction layer (682,636,487,424 params, 38,240,398,080
+  active; the layer 11,610,068,224, embedding and head shared): depth 1 (an MLA + MoE
+  block), loss weight 0.1, DeepSeek-V3's for the last 4.8T of its 14.8T pre-training tokens
+  (0.3 before): the phase the released checkpoint ends in, which training from it continues."""
+
+  def model(self):
+    cfg = super().model()
+    cfg.mtp_depth, cfg.mtp_loss_weight = 1, 0.1
+    cfg.weight_split_dims_mapping.mtp_proj = (llama.FSDP, None)
+    return cfg
 
 
 def tiny_v3(vocab_size: int = 256) -> fdl.Config:
