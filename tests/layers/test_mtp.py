@@ -1,0 +1,105 @@
+"""layers/mtp.py: the MTP loss of a tiny DeepSeek-V3 (MLA + MoE blocks, two depths) on
+packed rows with a loss mask equals a hand computation from the formula (shifts, segment
+and row ends, norms, concat, projection, shared head and cross entropy in numpy; the
+transformer block the model's own); the logits (what decode reads) ignore the MTP layers;
+a bad depth or weight, or MTP with layers it does not support, is a config error."""
+import jax
+from flax.core import meta
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spmdtask.core import program as program_lib
+from spmdtask.errors import ConfigError
+from spmdtask.layers.moe import MoeBlock, STATS
+from tests import util
+
+ONE = "task.ici_mesh_shape=(1, 1, 1, 1)"
+DEPTH, WEIGHT = 2, 0.3
+B, T = 2, 16
+
+
+def _batch(vocab: int) -> dict[str, np.ndarray]:
+  """Row 0: two packed documents (9 + 7 tokens); row 1: one of 12 (its first 3 targets
+  masked: a prompt) and 4 padding tokens."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab, (B, T + 1)).astype(np.int32)
+  seg = np.array([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4], np.int32)
+  pos = np.array([list(range(9)) + list(range(7)), list(range(12)) + [0] * 4], np.int32)
+  weights = (seg > 0).astype(np.float32)
+  weights[0, 8] = weights[0, 15] = weights[1, 11] = 0.0  # a document's last token: no target
+  weights[1, :3] = 0.0
+  return {"inputs": tokens[:, :T], "targets": tokens[:, 1:], "weights": weights,
+          "segment_ids": seg, "positions": pos}
+
+
+def _norm(x, scale, eps):
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * np.asarray(scale)
+
+
+def _xent(logits, labels):
+  logits = np.asarray(logits, np.float64)
+  top = logits.max(-1, keepdims=True)
+  lse = np.log(np.sum(np.exp(logits - top), -1)) + top[..., 0]
+  return lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+
+
+def test_mtp_loss_equals_a_hand_computation_and_decode_ignores_it():
+  run = util.build_run("TinyDeepSeekV3", [ONE, f"task.model.mtp_depth={DEPTH}",
+                                          f"task.model.mtp_loss_weight={WEIGHT}"])
+  model = run.task.model
+  batch = _batch(model.vocab_size)
+  params = meta.unbox(jax.jit(lambda b: model.init(jax.random.key(0), b,
+                                                  method=model.loss))(batch))
+  loss, metrics = jax.jit(lambda p, b: model.apply(p, b, method=model.loss))(params, batch)
+  metric = {k: float(v.sum / v.weight) for k, v in metrics.items()}
+  p = params["params"]
+  h = model.apply(params, batch["inputs"], batch["positions"], segment_ids=batch["segment_ids"],
+                  head=False)[0]  # the main model's final-norm features
+  mtp, eps, seg = p["mtp"], model.norm_eps, batch["segment_ids"]
+  total = 0.0
+  for k in range(1, DEPTH + 1):
+    i = np.arange(T)
+    ahead = np.minimum(i + k, T - 1)  # position i + k (clipped; masked below where past T)
+    valid = (i + k < T)[None] & (seg[:, ahead] == seg)
+    weights = np.where(valid, batch["weights"][:, ahead], 0.0)
+    emb = np.asarray(p["embedding"])[batch["inputs"][:, ahead]]
+    layer = jax.tree.map(lambda a, k=k: a[k - 1], mtp)
+    both = np.concatenate([_norm(emb, layer["enorm"]["scale"], eps),
+                           _norm(h, layer["hnorm"]["scale"], eps)], -1)
+    x = jnp.asarray(both @ np.asarray(layer["eh_proj"], np.float64), jnp.float32)
+    stats = jnp.zeros((B, len(STATS)))
+    (h, _), _ = MoeBlock(**model.block_kwargs(), moe=model.moe).apply(
+        {"params": layer["block"]}, (x, stats), batch["positions"], seg)
+    logits = _norm(h, layer["head_norm"]["scale"], eps) @ np.asarray(p["unembed"], np.float64)
+    total += np.sum(_xent(logits, batch["targets"][:, ahead]) * weights)
+  want = total / DEPTH / batch["weights"].sum()
+  np.testing.assert_allclose(metric["mtp_loss"], want, rtol=1e-5)
+  main_logits = model.apply(params, batch["inputs"], batch["positions"],
+                            segment_ids=seg)  # what decode reads
+  main = np.sum(_xent(main_logits, batch["targets"]) * batch["weights"]) / batch["weights"].sum()
+  np.testing.assert_allclose(metric["main_loss"], main, rtol=1e-5)
+  router = model.moe.aux_loss_coef * metric["moe_aux_loss"] + \
+      model.moe.z_loss_coef * metric["moe_z_loss"]
+  np.testing.assert_allclose(float(loss), main + router + WEIGHT * want, rtol=1e-5)
+  # Decode ignores MTP: the same logits without the MTP layers.
+  plain = model.clone(mtp_depth=0)
+  without = {"params": {k: v for k, v in p.items() if k != "mtp"}}
+  np.testing.assert_array_equal(plain.apply(without, batch["inputs"], batch["positions"],
+                                            segment_ids=seg), main_logits)
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (["task.model.mtp_depth=-1"], "task.model.mtp_depth=-1"),
+    (["task.model.mtp_depth=1", "task.model.mtp_loss_weight=-0.1"],
+     "task.model.mtp_loss_weight=-0.1"),
+    (["task.model.mtp_depth=1", "task.model.dropout_rate=0.1"], "task.model.dropout_rate"),
+    (["task.model.mtp_depth=1", "task.model.attention_pattern=('local', 'global')",
+      "task.model.sliding_window=8"], "task.model.attention_pattern"),
+])
+def test_a_bad_depth_or_weight_or_unsupported_layers_are_config_errors(overrides, named):
+  exp = "TinyDeepSeekV3" if "sliding" not in overrides[-1] else "TinyLm"
+  run = util.build_run(exp, overrides)
+  with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
+    program_lib.setup(run.task, run.datasets["train"].batch_at(0))
