@@ -31,9 +31,10 @@ from spmdtask.registry import register
 from spmdtask.task import Task
 
 # MLA's weights FSDP-split like the others: d_model, and the latent ranks of the
-# up-projections, over both FSDP axes; heads over `model`.
+# up-projections, over both FSDP axes; heads over `model`. The MTP projection's 2·d_model too.
 MLA_WEIGHTS = dict(mla_q_down=(llama.FSDP, None), mla_q_up=(llama.FSDP, "model", None),
-                   mla_kv_down=(llama.FSDP, None), mla_kv_up=(llama.FSDP, "model", None))
+                   mla_kv_down=(llama.FSDP, None), mla_kv_up=(llama.FSDP, "model", None),
+                   mtp_proj=(llama.FSDP, None))
 V3_YARN = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
@@ -107,7 +108,6 @@ class DeepSeekV3Mtp(DeepSeekV3):
   def model(self):
     cfg = super().model()
     cfg.mtp_depth, cfg.mtp_loss_weight = 1, 0.1
-    cfg.weight_split_dims_mapping.mtp_proj = (llama.FSDP, None)
     return cfg
 
 
@@ -156,12 +156,14 @@ class TinyDeepSeekV3Split(TinyDeepSeekV3):
 class DeepSeekImport(llama.LlamaImport):
   """The experiment of a DeepSeek-V2 / V3 checkpoint converted by tools/convert_hf.py: its
   model_overrides.txt sets every model field, the MLA ones (`task.model.mla.*`) and the
-  MoE ones (`task.model.moe.*`)."""
+  MoE ones (`task.model.moe.*`) and a V3's MTP depth (`task.model.mtp_depth`; its loss
+  weight 0.1, DeepSeekV3Mtp's)."""
 
   def model(self):
     cfg = super().model()
     cfg.moe = fdl.Config(MoeConfig, num_experts=8, top_k=2, d_ff=cfg.d_ff)
     cfg.mla = fdl.Config(MlaConfig, rope_scaling=fdl.Config(YarnScaling))
     cfg.rope_scaling = None  # MLA's RoPE scaling is its own (mla.rope_scaling)
+    cfg.mtp_loss_weight = 0.1
     cfg.weight_split_dims_mapping = fdl.Config(WeightSplit, **llama.WEIGHTS, **MLA_WEIGHTS)
     return cfg

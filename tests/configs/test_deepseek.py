@@ -74,7 +74,9 @@ V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
 def test_the_converter_names_the_experiment_of_each_published_hf_config():
   from tools import convert_hf  # pylint: disable=import-outside-toplevel
   assert convert_hf.published_experiment(V2L) == "deepseek.DeepSeekV2Lite"
-  assert convert_hf.published_experiment(V3) == "deepseek.DeepSeekV3"
+  assert convert_hf.published_experiment(V3) == "deepseek.DeepSeekV3Mtp"  # its MTP layer
+  assert convert_hf.published_experiment(dict(V3, num_nextn_predict_layers=0)) == \
+      "deepseek.DeepSeekV3"
 
 
 # With an MTP head (layers.mtp; depth 1 at DeepSeek's first weight): the 8-device run covers it.
