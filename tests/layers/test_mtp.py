@@ -103,3 +103,16 @@ def test_a_bad_depth_or_weight_or_unsupported_layers_are_config_errors(overrides
   run = util.build_run(exp, overrides)
   with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(")", r"\)")):
     program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+
+
+def test_work_counts_the_mtp_layers_and_the_heads_reuse():
+  """6·(N + D·vocab·d)·T + 6·(L + D)·width·T² (causal attention), N the active params
+  with the MTP layers'."""
+  model = util.build_run("TinyDeepSeekV3", [f"task.model.mtp_depth={DEPTH}"]).task.model
+  row = {k: jax.ShapeDtypeStruct((T,), v.dtype) for k, v in _batch(8).items()
+         if k in ("inputs", "targets", "weights")}
+  work = model.work_per_example(row)
+  n, width = work.active_params, model.num_heads * model.head_dim
+  assert n > model.clone(mtp_depth=0).work_per_example(row).active_params
+  head = DEPTH * model.vocab_size * model.d_model
+  assert work.train_flops == 6.0 * (n + head) * T + 6.0 * (model.num_layers + DEPTH) * width * T * T
