@@ -76,8 +76,9 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
   and of its input), with `moe` one `MoeBlock`'s for the MoE layers (and one `Block`'s for
   the dense ones before `moe.first_moe_layer`); the head (final norm, unembedding, cross
   entropy; with `mtp_depth` the MTP layers too, which run after the stack) as the one-block
-  model's loss-and-grad minus those two, so that it follows the model's own head code. Remat, vocab tiling (a loop that cost analysis counts once) and
-  pipelining are turned off: they do not change what a layer costs to train.
+  model's loss-and-grad minus those two, so that it follows the model's own head code.
+  Remat, vocab tiling (a loop that cost analysis counts once) and pipelining are turned
+  off: they do not change what a layer costs to train.
   """
   num_layers, moe = model.num_layers, model.moe
   dense_layers = moe.first_moe_layer if moe else num_layers
