@@ -1,7 +1,7 @@
 """layers/mtp.py: the MTP loss of a tiny DeepSeek-V3 (MLA + MoE blocks, two depths) on
 packed rows with a loss mask equals a hand computation from the formula (shifts, segment
 and row ends, norms, concat, projection, shared head and cross entropy in numpy; the
-transformer block the model's own); the logits (what decode reads) ignore the MTP layers;
+transformer block the model's own); the forward (what decode runs) needs no MTP params;
 a bad depth or weight, or MTP with layers it does not support, is a config error."""
 import jax
 from flax.core import meta
@@ -45,22 +45,23 @@ def _xent(logits, labels):
   return lse - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
 
 
-def test_mtp_loss_equals_a_hand_computation_and_decode_ignores_it():
+def test_mtp_loss_equals_a_hand_computation_and_the_forward_ignores_it():
   run = util.build_run("TinyDeepSeekV3", [ONE, f"task.model.mtp_depth={DEPTH}",
                                           f"task.model.mtp_loss_weight={WEIGHT}"])
   model = run.task.model
   batch = _batch(model.vocab_size)
-  params = meta.unbox(jax.jit(lambda b: model.init(jax.random.key(0), b,
-                                                  method=model.loss))(batch))
-  loss, metrics = jax.jit(lambda p, b: model.apply(p, b, method=model.loss))(params, batch)
+  seg = batch["segment_ids"]
+
+  def run(b):  # one program: params, the loss, the main model's final-norm features
+    params = meta.unbox(model.init(jax.random.key(0), b, method=model.loss))
+    # Without the MTP layers' params: the forward (what decode runs) does not read them.
+    without = {"params": {k: v for k, v in params["params"].items() if k != "mtp"}}
+    return (params["params"], model.apply(params, b, method=model.loss),
+            model.apply(without, b["inputs"], b["positions"], segment_ids=b["segment_ids"],
+                        head=False)[0])
+  p, (loss, metrics), h = jax.jit(run)(batch)
+  main_logits = np.asarray(h, np.float64) @ np.asarray(p["unembed"], np.float64)
   metric = {k: float(v.sum / v.weight) for k, v in metrics.items()}
-  p, seg = params["params"], batch["segment_ids"]
-  # Without the MTP layers' params: the forward (what decode runs) does not read them.
-  without = {"params": {k: v for k, v in p.items() if k != "mtp"}}
-  forward = lambda head: model.apply(without, batch["inputs"], batch["positions"],
-                                     segment_ids=seg, head=head)
-  # The main model's final-norm features and its logits.
-  h, main_logits = jax.jit(lambda: (forward(False)[0], forward(True)))()
   block = jax.jit(lambda p, x: MoeBlock(**model.block_kwargs(), moe=model.moe).apply(
       {"params": p}, (x, jnp.zeros((B, len(STATS)))), batch["positions"], seg)[0][0])
   mtp, eps = p["mtp"], model.norm_eps
