@@ -14,7 +14,8 @@ DeepseekV2Config / DeepseekV3Config defaults give them:
     2048 (top-8 of sigmoid scores within the 4 best of 8 groups, a balancing bias,
     renormalized, times 2.5) beside 1 shared; vocab 129280; YaRN factor 40, mscale 1.0.
     Its multi-token-prediction layer (the 62nd of the hub checkpoint: 671B + 14B = 685B)
-    is not in the model: the counts are the 671B main model's.
+    is not in the model: the counts are the 671B main model's. `DeepSeekV3Mtp` adds it
+    (layers.mtp: depth 1, loss weight 0.1), sharing the main embedding and head.
 Float32 params, bfloat16 compute, full remat, the loss over 8 vocab tiles, FSDP over the
 slice (configs/llama.py's `_Llama`).
 """
@@ -30,9 +31,10 @@ from spmdtask.registry import register
 from spmdtask.task import Task
 
 # MLA's weights FSDP-split like the others: d_model, and the latent ranks of the
-# up-projections, over both FSDP axes; heads over `model`.
+# up-projections, over both FSDP axes; heads over `model`. The MTP projection's 2·d_model too.
 MLA_WEIGHTS = dict(mla_q_down=(llama.FSDP, None), mla_q_up=(llama.FSDP, "model", None),
-                   mla_kv_down=(llama.FSDP, None), mla_kv_up=(llama.FSDP, "model", None))
+                   mla_kv_down=(llama.FSDP, None), mla_kv_up=(llama.FSDP, "model", None),
+                   mtp_proj=(llama.FSDP, None))
 V3_YARN = dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
 
@@ -96,6 +98,19 @@ class DeepSeekV3(llama._Llama):  # pylint: disable=protected-access
         max_seq_len=163840, rope_theta=10000.0)
 
 
+@register
+class DeepSeekV3Mtp(DeepSeekV3):
+  """DeepSeekV3 with its multi-token-prediction layer (682,636,487,424 params, 38,240,398,080
+  active; the layer 11,610,068,224, embedding and head shared): depth 1 (an MLA + MoE
+  block), loss weight 0.1, DeepSeek-V3's for the last 4.8T of its 14.8T pre-training tokens
+  (0.3 before): the phase the released checkpoint ends in, which training from it continues."""
+
+  def model(self):
+    cfg = super().model()
+    cfg.mtp_depth, cfg.mtp_loss_weight = 1, 0.1
+    return cfg
+
+
 def tiny_v3(vocab_size: int = 256) -> fdl.Config:
   """A tiny DeepSeek-V3: 3 layers (the first dense), d 64, 4 heads, MLA (q latent 32, KV
   latent 16, nope 8 / rope 8 / v 8, YaRN), 8 experts of 32 in 4 groups (top-2 of the 2
@@ -141,12 +156,14 @@ class TinyDeepSeekV3Split(TinyDeepSeekV3):
 class DeepSeekImport(llama.LlamaImport):
   """The experiment of a DeepSeek-V2 / V3 checkpoint converted by tools/convert_hf.py: its
   model_overrides.txt sets every model field, the MLA ones (`task.model.mla.*`) and the
-  MoE ones (`task.model.moe.*`)."""
+  MoE ones (`task.model.moe.*`) and a V3's MTP depth (`task.model.mtp_depth`; its loss
+  weight 0.1, DeepSeekV3Mtp's)."""
 
   def model(self):
     cfg = super().model()
     cfg.moe = fdl.Config(MoeConfig, num_experts=8, top_k=2, d_ff=cfg.d_ff)
     cfg.mla = fdl.Config(MlaConfig, rope_scaling=fdl.Config(YarnScaling))
     cfg.rope_scaling = None  # MLA's RoPE scaling is its own (mla.rope_scaling)
+    cfg.mtp_loss_weight = 0.1
     cfg.weight_split_dims_mapping = fdl.Config(WeightSplit, **llama.WEIGHTS, **MLA_WEIGHTS)
     return cfg

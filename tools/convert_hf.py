@@ -165,6 +165,10 @@ def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
                                         else layout[kind](take(n)) for n in names])
   for path, names, kind in hf_models.stacked_paths(cfg, m):
     flat[path] = stack(names, kind)
+  for copy, main in hf_deepseek.mtp_copies(cfg).items():  # shared weights' copies
+    if not np.array_equal(take(copy), take(main)):
+      raise ConfigError(f"The checkpoint's {copy!r} differs from {main!r}: spmdtask's MTP head "
+                        "shares the main model's (DeepSeek-V3's design), so it cannot hold both.")
   extra = sorted(k for k in set(tensors) - used if not k.endswith(IGNORED_TENSORS))
   if extra:
     raise ConfigError(f"The checkpoint has tensors this converter does not map: "
@@ -201,6 +205,7 @@ def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np
     for key in path.split("/"):
       leaf = leaf[key]
     put(names, leaf, kind)
+  out.update({copy: out[main] for copy, main in hf_deepseek.mtp_copies(cfg).items()})
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   def cast(name, x):
     dtype = dtypes.get(name, "float32")
@@ -245,13 +250,18 @@ def read_checkpoint(job_log_dir: str, lines: list[str], exp: str = EXP) -> dict:
 
 
 def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
-            new_lora: dict | None = None) -> list[str]:
+            new_lora: dict | None = None, skip_mtp: bool = False) -> list[str]:
   """--from_hf: writes the checkpoint, model_overrides.txt, the tokenizer files and
   hf_source.json; returns the override lines. With `adapter` (--adapter, a PEFT LoRA
   dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it; with
   `new_lora` (PEFT adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every
-  input is read and checked before anything is written."""
-  cfg, tensors = hf_gemma3.text_half(*read_hf(hf_dir))  # a multimodal Gemma 3: its text
+  input is read and checked before anything is written. `skip_mtp`: a DeepSeek-V3's MTP
+  layers are left out (hf_deepseek.held)."""
+  source_cfg, tensors = hf_gemma3.text_half(*read_hf(hf_dir))  # a multimodal Gemma 3: its text
+  cfg, note = hf_deepseek.held(source_cfg, tensors, skip_mtp)
+  if note:  # said once every input is checked
+    tensors = {k: v for k, v in tensors.items()
+               if not k.startswith(tuple(hf_deepseek.mtp_layers(source_cfg).values()))}
   has_tokenizer = fs.isfile(fs.join(hf_dir, TOKENIZER_FILES[0]))
   tokenizer = fs.join(fs.absolute(job_log_dir), TOKENIZER_FILES[0])
   params, lora = to_params(cfg, tensors), None
@@ -271,6 +281,8 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
     lora = hf_lora.lora_fields({"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
     hf_models.lora_experiment(cfg)
   lines = overrides(cfg, tokenizer if has_tokenizer else None, lora)
+  if note:
+    print(note, file=sys.stderr)
   fs.makedirs(job_log_dir)
   for name in TOKENIZER_FILES if has_tokenizer else ():
     if fs.isfile(fs.join(hf_dir, name)):
@@ -278,7 +290,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   write_checkpoint(job_log_dir, lines, params, experiment(cfg, lora))
   fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
                 "".join(f"--fdl_set={line}\n" for line in lines))
-  source = {"config": cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
+  source = {"config": source_cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
             "base_model_name_or_path": base_name}
   if lora is not None:
     source["lora"] = {**lora, "targets": list(lora["targets"])}
@@ -303,7 +315,8 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
                       "--from_hf (it holds the HF config), or with --base_job=THAT_JOB a LoRA "
                       "job warm-started from one.")
   src = json.loads(fs.read_text(source))
-  cfg, lora = src["config"], src.get("lora")
+  lora, source_cfg = src.get("lora"), src["config"]
+  cfg = hf_deepseek.held(source_cfg, src["dtypes"])[0]  # a DeepSeek-V3's MTP layers as read
   if base_job is not None:
     lora = hf_lora.job_lora(fs.read_text(text) if fs.isfile(text) else "", text)
   if merge_lora and lora is None:
@@ -314,7 +327,7 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
   if lora is None or merge_lora:
     params = params if lora is None else hf_lora.merged(cfg, lora, params)
     files = {"model.safetensors": from_params(cfg, params, src["dtypes"]),
-             "config.json": json.dumps(cfg, indent=2)}
+             "config.json": json.dumps(source_cfg, indent=2)}
   else:
     files = {hf_lora.ADAPTER_FILE: hf_lora.from_params(cfg, lora, params),
              hf_lora.CONFIG_FILE: json.dumps(hf_lora.adapter_config(
@@ -346,6 +359,8 @@ def main():
   parser.add_argument("--lora_alpha", type=float, help="with --lora_rank (default 2 x rank)")
   parser.add_argument("--merge_lora", action="store_true", help="with --to_hf of a LoRA job: "
                       "write the merged model (base + alpha/r A B), not the PEFT adapter")
+  parser.add_argument("--skip_mtp", action="store_true", help="with --from_hf of a "
+                      "DeepSeek-V3: leave its multi-token-prediction layers out")
   parser.add_argument("--base_job", help="with --to_hf of a LoRA job trained elsewhere: the "
                       "--from_hf job it warm-started from (default: its init_checkpoint_dir)")
   args = parser.parse_args()
@@ -360,8 +375,9 @@ def main():
       new = None if args.lora_rank is None else {
           "r": args.lora_rank, "target_modules": "all-linear",
           "lora_alpha": 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha}
-      from_hf(args.from_hf, args.job_log_dir, args.adapter, new)
-      cfg = json.loads(fs.read_text(fs.join(args.from_hf, "config.json")))
+      from_hf(args.from_hf, args.job_log_dir, args.adapter, new, args.skip_mtp)
+      src = json.loads(fs.read_text(fs.join(args.job_log_dir, SOURCE_FILE)))
+      cfg = hf_deepseek.held(src["config"], src["dtypes"])[0]
       exp = hf_models.lora_experiment(cfg) if lora else experiment(cfg)
       published = None if lora else published_experiment(cfg)
       print(f"wrote {args.job_log_dir}: checkpoint step 0"

@@ -16,8 +16,13 @@ always; V3 with rope_interleave, else rotate-half).
 Layouts, HF Linear [out, in] -> ours: q_a_proj, kv_a_proj_with_mqa -> [d, rank] (.T);
 q_proj / q_b_proj [h·qk, in] -> [in, h, qk]; kv_b_proj [h·(nope + v), r] -> [r, h, nope + v];
 o_proj [d, h·v] -> [h, v, d]; MLPs and experts as Mixtral's (tools/hf_models.py).
-Multi-token-prediction layers (the hub checkpoint's layer num_hidden_layers) are not
-mapped: the converter names them and refuses.
+Multi-token prediction (V3's `num_nextn_predict_layers`, layers.mtp): HF layer
+num_hidden_layers + j is MTP depth j + 1, `mtp/...` stacked [D, ...]: enorm, hnorm,
+eh_proj [d, 2d] (.T), shared_head.norm -> head_norm, the rest its block's as any MoE
+layer's. Its copies of the embedding (`embed_tokens`) and head (`shared_head.head`) must
+equal the main ones (spmdtask shares them) and are written back as copies. A checkpoint
+without those tensors (transformers' DeepseekV3 saves none) or read with --skip_mtp
+imports with mtp_depth 0 (`held`), one line saying so; --to_hf then writes none.
 """
 from spmdtask.errors import ConfigError
 from tools import hf_models
@@ -37,6 +42,42 @@ UNSUPPORTED = {
 }
 YARN_KEYS = {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32.0,
              "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0, "truncate": True}
+
+
+def mtp_layers(cfg: dict) -> dict[int, str]:
+  """HF layer index -> its name prefix, of each MTP layer config.json declares (V3)."""
+  if cfg.get("model_type") != "deepseek_v3":
+    return {}
+  n = cfg["num_hidden_layers"]
+  return {n + j: f"model.layers.{n + j}." for j in range(cfg.get("num_nextn_predict_layers") or 0)}
+
+
+def held(cfg: dict, names, skip_mtp: bool = False) -> tuple[dict, str | None]:
+  """(config.json as the checkpoint's tensor `names` hold it: num_nextn_predict_layers 0
+  where none of its MTP layers' tensors are there or `skip_mtp`, a line saying so, else
+  None); ConfigError where some are there and some not."""
+  layers = mtp_layers(cfg)
+  there = [i for i, p in layers.items() if p + "eh_proj.weight" in names]
+  if not layers or len(there) == len(layers) and not skip_mtp:
+    return cfg, None
+  if there and not skip_mtp:
+    raise ConfigError(f"config.json: num_nextn_predict_layers={len(layers)}, but the "
+                      f"checkpoint holds the tensors of MTP layers {there} only; give all or "
+                      "none (or --skip_mtp to import without them).")
+  why = ("--skip_mtp: the checkpoint's" if there else "the checkpoint holds no tensors of its")
+  return {**cfg, "num_nextn_predict_layers": 0}, (
+      f"{why} multi-token-prediction layer(s) {list(layers)} (config.json "
+      f"num_nextn_predict_layers={len(layers)}): imported without them (task.model.mtp_depth=0).")
+
+
+def mtp_copies(cfg: dict) -> dict[str, str]:
+  """HF name of each MTP layer's copy of the embedding / head -> the main tensor's name."""
+  head = "model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"
+  out = {}
+  for p in mtp_layers(cfg).values():
+    out.update({p + "embed_tokens.weight": "model.embed_tokens.weight",
+                p + "shared_head.head.weight": head})
+  return out
 
 
 def _check(cfg: dict, kind: str) -> None:
@@ -113,7 +154,8 @@ def model_fields(cfg: dict) -> dict:
               max_seq_len=cfg.get("max_position_embeddings", 2048), mlp_activation="swiglu",
               rope_theta=theta, rope_scaling=None, norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
               tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-              scale_tied_logits=False, qk_norm=False, moe=moe, mla=mla)
+              scale_tied_logits=False, qk_norm=False, moe=moe, mla=mla,
+              mtp_depth=len(mtp_layers(cfg)))
 
 
 def override_lines(mla: dict | None) -> list[str]:
@@ -193,9 +235,24 @@ def stacked(cfg: dict) -> list[tuple[str, list, str]]:
       continue
     for path, (_, kind) in _layer(cfg, layers[0]).items():
       out.append((f"{stack}/block/{path}", [_layer(cfg, i)[path][0] for i in layers], kind))
+  mtp = list(mtp_layers(cfg))
+  if mtp:
+    for path, (_, kind) in _mtp_layer(cfg, mtp[0]).items():
+      out.append((f"mtp/{path}", [_mtp_layer(cfg, i)[path][0] for i in mtp], kind))
   experts = range(cfg["n_routed_experts"])
-  for w, name in (("wg", "gate_proj"), ("wi", "up_proj"), ("wo", "down_proj")):
-    out.append((f"layers/block/moe/{w}",
-                [[f"model.layers.{i}.mlp.experts.{j}.{name}.weight" for j in experts]
-                 for i in range(k, n)], "t"))
+  for stack, layers in (("layers", range(k, n)), ("mtp", mtp)):
+    for w, name in (("wg", "gate_proj"), ("wi", "up_proj"), ("wo", "down_proj")):
+      if layers:
+        out.append((f"{stack}/block/moe/{w}",
+                    [[f"model.layers.{i}.mlp.experts.{j}.{name}.weight" for j in experts]
+                     for i in layers], "t"))
   return out
+
+
+def _mtp_layer(cfg: dict, i: int) -> dict[str, tuple[str, str]]:
+  """Our path under `mtp` -> (HF name in MTP layer i, kind), experts aside."""
+  p = f"model.layers.{i}."
+  return {"enorm/scale": (p + "enorm.weight", "same"), "hnorm/scale": (p + "hnorm.weight", "same"),
+          "eh_proj": (p + "eh_proj.weight", "t"),
+          "head_norm/scale": (p + "shared_head.norm.weight", "same"),
+          **{"block/" + k: v for k, v in _layer(cfg, i).items()}}

@@ -49,19 +49,23 @@ def lm_work(model, example) -> Work:
   N the params a token uses: with `model.moe`, the router, top_k of the routed experts and
   the shared experts of each MoE layer (`active_params`), not all of them; then
   `Work.active_params` says N, and `Work.attention_flops` the attention term. With `lora`,
-  the frozen params cost 4·N·T (forward and input gradient; no weight gradient)."""
+  the frozen params cost 4·N·T (forward and input gradient; no weight gradient). With
+  `mtp_depth` D (layers.mtp): N holds the MTP layers' params, the shared head counts D
+  more times (vocab·d_model each) and attention D more layers."""
   t = int(example["inputs"].shape[-1])
   shapes = param_shapes(model, example)
   if model.moe is None:
     n, active = sum(x.size for x in jax.tree.leaves(shapes)), None
   else:
     n = active = active_params(shapes, model.moe.top_k, model.moe.num_experts)
-  width = model.num_heads * model.head_dim
-  # Local layers attend within their window: min(i + 1, window) keys at position i.
+  width, layers = model.num_heads * model.head_dim, model.num_layers + model.mtp_depth
+  head = model.mtp_depth * model.vocab_size * model.d_model  # the head's reuse by MTP
+  # Local layers attend within their window: min(i + 1, window) keys at position i (the MTP
+  # layers are global: layers.mtp refuses a mixed pattern).
   local = sum(window_lib.layer_flags(model.attention_pattern, model.num_layers))
   window = model.sliding_window if local else None
-  attention = attention_flops(model.num_layers, width, t, True, window, local)
-  flops = 6.0 * n * t + attention
+  attention = attention_flops(layers, width, t, True, window, local)
+  flops = 6.0 * (n + head) * t + attention
   if model.lora is not None:  # frozen weights (layers.lora): no weight gradient, 4·N not 6·N
     # The adapters a token uses: with `moe`, top_k of each routed expert's (layers.lora).
     adapters = (active_params(shapes, model.moe.top_k, model.moe.num_experts, True)
@@ -78,9 +82,10 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
   [batch_size, seq_len]: the embedding lookup's vjp; one `Block`'s vjp (grads of its weights
   and of its input), with `moe` one `MoeBlock`'s for the MoE layers (and one `Block`'s for
   the dense ones before `moe.first_moe_layer`); the head (final norm, unembedding, cross
-  entropy) as the one-block model's loss-and-grad minus those two, so that it follows the
-  model's own head code. Remat, vocab tiling (a loop that cost analysis counts once) and
-  pipelining are turned off: they do not change what a layer costs to train.
+  entropy; with `mtp_depth` the MTP layers too, which run after the stack) as the one-block
+  model's loss-and-grad minus those two, so that it follows the model's own head code.
+  Remat, vocab tiling (a loop that cost analysis counts once) and pipelining are turned
+  off: they do not change what a layer costs to train.
   """
   num_layers, moe = model.num_layers, model.moe
   dense_layers = moe.first_moe_layer if moe else num_layers
@@ -114,9 +119,10 @@ def lm_layer_costs(model, batch_size: int, seq_len: int) -> list[float]:
     stats = jax.ShapeDtypeStruct((batch_size, len(moe_lib.STATS)), jnp.float32)
     layers += [layer(moe_lib.MoeBlock(**model.block_kwargs(), moe=model.moe), (x, stats))
                ] * (num_layers - dense_layers)
-  params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
   batch = {"inputs": tokens, "targets": tokens,
            "weights": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
+  params = jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss),
+                          batch)["params"]  # the loss's params (with MTP's)
   whole = flops(jax.value_and_grad(
       lambda p, b: model.apply({"params": p}, b, method=model.loss)[0]), params, batch)
   return [embed] + layers + [whole - embed - layers[-1]]  # the one-layer model's: the last
@@ -130,7 +136,7 @@ def lm_activation_memory(model, rows: float, seq_len: int) -> ActivationMemory:
   remat preset keeps on the device besides; the loss's float32 logits (one vocab tile of
   them with loss_vocab_tiles > 1). The fixes of its own config that lower those: vocab
   tiles, a remat preset that keeps less or offloads it, shorter rows."""
-  r, t, L, dt = rows, seq_len, model.num_layers, model.fprop_dtype
+  r, t, L, dt = rows, seq_len, model.num_layers + model.mtp_depth, model.fprop_dtype
   q, kv, d, ff = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim, \
       model.d_model, model.d_ff
   running = ff  # the MLP's hidden width per token while one layer runs

@@ -9,6 +9,7 @@ from spmdtask.layers import block
 from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers.attention import fused as fused_attention
 from spmdtask.layers import lora as lora_lib
+from spmdtask.layers import mtp as mtp_lib
 from spmdtask.layers.attention import window as window_lib
 from spmdtask.layers.rope import SCALINGS
 
@@ -82,6 +83,7 @@ def split_dims_fields(model) -> dict:
   shapes = dict(embedding=(v, d), unembed=(d, v), q=(d, h, hd), kv=(d, kv, hd), o=(h, hd, d),
                 mlp_in=(d, ff), mlp_out=(ff, d), norm=(d,))
   shapes.update(model.moe.weight_shapes(d) if model.moe else {})
+  shapes.update(dict(mtp_proj=(2 * d, d)) if model.mtp_depth else {})
   if model.mla:
     for k in ("q", "kv"):
       shapes.pop(k)
@@ -135,6 +137,7 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
                              model.weight_split_dims_mapping.gather_at_once)
   _validate_moe(model, mesh_shape)
   _validate_mla(model, mesh_shape)
+  mtp_lib.validate(model, mesh_shape)
   if model.execution is not None:
     model.execution.validate(StackFacts(stack_layers, global_batch_size, mesh))
 

@@ -23,6 +23,7 @@ from spmdtask.layers import lm_checks
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers import quant as quant_lib
 from spmdtask.layers import moe as moe_lib
+from spmdtask.layers import mtp as mtp_lib
 from spmdtask.layers import stack as stack_lib
 from spmdtask.layers import xent
 from spmdtask.layers.attention import cache as cache_lib
@@ -65,6 +66,7 @@ class WeightSplit:
   mla_q_up: SplitDims = (None, "model", None)     # [q_lora_rank, heads, qk_head_dim]
   mla_kv_down: SplitDims = ("fsdp", None)         # [d_model, kv_lora_rank + rope dim]
   mla_kv_up: SplitDims = (None, "model", None)    # [kv_lora_rank, heads, nope + v dims]
+  mtp_proj: SplitDims = ("fsdp", None)            # [2 · d_model, d_model] (layers.mtp)
   # Of block.GATHER_AT_ONCE: weights FSDP gathers by one all-gather over all the axes that
   # split a dim, not one at a time (layers.base.gather_at_once); gradients still per axis.
   gather_at_once: tuple[str, ...] = ()
@@ -131,6 +133,9 @@ class TransformerLm(nn.Module):
   # Projections in None (float) | 'int8' | 'fp8', fp8 scaled 'current' (layers.quant).
   quantization: str | None = None
   quantization_scaling: str = "current"
+  # DeepSeek-V3's multi-token prediction heads and their loss's weight (layers.mtp); 0: none.
+  mtp_depth: int = 0
+  mtp_loss_weight: float = 0.0
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -210,7 +215,8 @@ class TransformerLm(nn.Module):
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
-               head: bool = True, moe_stats: bool = False, zigzagged: bool = False):
+               head: bool = True, moe_stats: bool = False, zigzagged: bool = False,
+               mtp_tokens: jax.Array | None = None):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
     With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
@@ -223,7 +229,8 @@ class TransformerLm(nn.Module):
     Where the activations split the sequence over mesh axes, the layers see each row in
     zig-zag order (layers.attention.context) and the outputs come back in the row's own
     order; `zigzagged=True` says the rows are in zig-zag order already (the loss orders
-    them with their targets) and keeps that order.
+    them with their targets) and keeps that order. `mtp_tokens` [D, b, t] (the loss's,
+    `layers.mtp.shifted`): the D MTP heads' outputs follow the row's along the sequence.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -234,13 +241,15 @@ class TransformerLm(nn.Module):
                                                 segment_ids)
     emb = lora_lib.weight(self, "embedding", (self.vocab_size, self.d_model), w.embedding,
                           nn.initializers.normal(1.0), self.lora)
-    # Cast before the lookup: the rows cross the mesh in the compute dtype.
-    x = constrain(jnp.take(emb.astype(dt), tokens, axis=0), a.embed)
-    if self.scale_embedding:  # Gemma: in the compute dtype, as HF's
-      x = x * jnp.asarray(self.d_model ** 0.5, dt)
-    x, cache, stats = _layer_stacks(self, x, positions, segment_ids, cache)
+    def embed(t):  # cast before the lookup: the rows cross the mesh in the compute dtype;
+      x = constrain(jnp.take(emb.astype(dt), t, axis=0), a.embed)  # Gemma: scaled in it, as HF
+      return x * jnp.asarray(self.d_model ** 0.5, dt) if self.scale_embedding else x
+    x, cache, stats = _layer_stacks(self, embed(tokens), positions, segment_ids, cache)
     x = RmsNorm(self.d_model, self.norm_eps, w.norm, lora_lib.frozen(self.lora),
                 self.norm_offset, name="final_norm")(x)
+    if mtp_tokens is not None:
+      x, stats = mtp_lib.features(self, x, jnp.stack([embed(t) for t in mtp_tokens]),
+                                  positions, segment_ids, stats, _moe_layers(self))
     if order is not None:  # back to the row's own order
       x = _reordered(np.argsort(order), a.embed, x)[0]
     if self.tie_embeddings:
@@ -257,18 +266,21 @@ class TransformerLm(nn.Module):
     return (logits, stats) if moe_stats else logits if cache is None else (logits, cache)
 
   def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, Metrics]:
-    """Weighted mean next-token cross entropy (+ an MoE's router losses: `moe.add_router_losses`):
-    (loss, {'loss': Weighted(sum of token losses, tokens), MoE metrics}). batch: `inputs`,
+    """Weighted mean next-token cross entropy (+ an MoE's router losses: `moe.add_router_losses`;
+    + mtp_loss_weight · the MTP loss: `layers.mtp`): (loss, {'loss': Weighted(sum of token
+    losses, tokens), MoE and MTP metrics}). batch: `inputs`,
     `targets` [b, t] int32, `weights` [b, t] float (0 = padding); packed rows add
     `segment_ids` and per-segment `positions` [b, t] int32. Where the activations split the
     sequence, the loss runs on the zig-zag order (`_zigzag`): a sum, so the same value."""
     batch = _zigzag(self, batch)
-    token_xent, stats = _token_xent(self, batch)
+    token_xent, stats = _token_xent(self, batch, mtp=True)
+    token_xent, mtp_sum, mtp_metrics = mtp_lib.split_loss(self, token_xent, batch)
     weights = batch["weights"].astype(jnp.float32)
     token_xent, metrics = moe_lib.add_router_losses(self.moe, stats, token_xent, weights)
     loss_sum, num_tokens = jnp.sum(token_xent * weights), jnp.sum(weights)
+    loss_sum = loss_sum if mtp_sum is None else loss_sum + self.mtp_loss_weight * mtp_sum
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
-            {"loss": Weighted(loss_sum, num_tokens), **metrics})
+            {"loss": Weighted(loss_sum, num_tokens), **metrics, **mtp_metrics})
 
   def token_logprobs(self, batch: dict[str, jax.Array]) -> jax.Array:
     """log p(target) per token [b, t] float32 in the rows' own order (ScoresTokens): the
@@ -284,12 +296,17 @@ def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
   return _reordered(np.argsort(order), model.activation_split_dims_mapping.heads[:2], x)[0]
 
 
-def _token_xent(model: TransformerLm, batch: dict[str, jax.Array]):
+def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = False):
   """(per-token cross entropy [b, t] of a batch already in zig-zag order where the sequence
-  is split, the MoE stats or None): the head and loss, vocab-tiled or not."""
+  is split, the MoE stats or None): the head and loss, vocab-tiled or not. `mtp` with
+  `model.mtp_depth`: [b, (D+1)·t], the MTP heads' after the row's (`layers.mtp.shifted`)."""
   inputs, targets, tiles = batch["inputs"], batch["targets"], model.loss_vocab_tiles
+  mtp_tokens = None
+  if mtp and model.mtp_depth:
+    mtp_tokens, mtp_targets, _ = mtp_lib.shifted(batch, model.mtp_depth)
+    targets = jnp.concatenate([targets, mtp_targets], axis=1)
   out, stats = model(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                     head=tiles == 1, moe_stats=True, zigzagged=True)
+                     head=tiles == 1, moe_stats=True, zigzagged=True, mtp_tokens=mtp_tokens)
   token_xent = (_tiled_loss(model, *out, targets) if tiles > 1
                 else xent.cross_entropy(out, targets))
   return token_xent, stats

@@ -1,8 +1,8 @@
-"""DeepSeek experiments: the published total and active parameter counts (abstract params,
-the multi-token-prediction layer not counted); TinyDeepSeekV3 (MLA, group routing, the
-balancing bias, a dense first layer, a shared expert) on 8 devices (expert 2 x fsdp 2 x
-model 2) equals one device over 10 steps; its balancing bias equals a hand computation of
-three steps' expert loads."""
+"""DeepSeek experiments: the published total and active parameter counts (abstract params;
+DeepSeekV3Mtp with its multi-token-prediction layer); TinyDeepSeekV3 (MLA, group routing,
+the balancing bias, a dense first layer, a shared expert, an MTP head) on 8 devices
+(expert 2 x fsdp 2 x model 2) equals one device over 10 steps; its balancing bias equals a
+hand computation of three steps' expert loads."""
 import functools
 
 import fiddle as fdl
@@ -20,15 +20,19 @@ from tests import util
 
 ONE = ("task.ici_mesh_shape=(1, 1, 1, 1)",)
 PUBLISHED = {"DeepSeekV2Lite": (15_706_484_224, 2_661_150_208),
-             "DeepSeekV3": (671_026_419_200, 37_552_297_472)}
+             "DeepSeekV3": (671_026_419_200, 37_552_297_472),
+             "DeepSeekV3Mtp": (682_636_487_424, 38_240_398_080)}
 T = 8
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_total_and_active_parameter_counts(name):
   """HF's safetensors of DeepSeek-V2-Lite hold 15,706,484,224 params; DeepSeek-V3's
-  684,531,386,000 = these 671,026,419,200 + the MTP layer's 13,504,966,800 (model card:
-  671B + 14B). Active: every param but 256 - 8 (64 - 6) routed experts per MoE layer."""
+  684,531,386,000 = DeepSeekV3Mtp's 682,636,487,424 (the main 671,026,419,200 + the MTP
+  layer's 11,610,068,224) + the MTP layer's copies of the embedding and head (2 x 129280 x
+  7168 = 1,853,358,080) + the FP8 checkpoint's block scales (one float32 per 128 x 128
+  block of each FP8 projection: 41,540,496). Active: every param but 256 - 8 (64 - 6)
+  routed experts per MoE layer (the MTP layer's too)."""
   model = fdl.build(registry.get(f"deepseek.{name}")().task().model)
   row = {"inputs": np.zeros((T,), np.int32), "targets": np.zeros((T,), np.int32),
          "weights": np.ones((T,), np.float32)}
@@ -70,10 +74,14 @@ V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
 def test_the_converter_names_the_experiment_of_each_published_hf_config():
   from tools import convert_hf  # pylint: disable=import-outside-toplevel
   assert convert_hf.published_experiment(V2L) == "deepseek.DeepSeekV2Lite"
-  assert convert_hf.published_experiment(V3) == "deepseek.DeepSeekV3"
+  assert convert_hf.published_experiment(V3) == "deepseek.DeepSeekV3Mtp"  # its MTP layer
+  assert convert_hf.published_experiment(dict(V3, num_nextn_predict_layers=0)) == \
+      "deepseek.DeepSeekV3"
 
 
-SMALL = ("datasets['train'].batch_size=8", "datasets['train'].seq_len=32")
+# With an MTP head (layers.mtp; depth 1 at DeepSeek's first weight): the 8-device run covers it.
+SMALL = ("datasets['train'].batch_size=8", "datasets['train'].seq_len=32",
+         "task.model.mtp_depth=1", "task.model.mtp_loss_weight=0.3")
 STEPS = 10
 
 
@@ -99,9 +107,13 @@ def test_8_devices_equal_one_device_over_10_steps():
   want_losses, want, _ = train("TinyDeepSeekV3", 1)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   util.assert_trees_close(params[-1], want[-1], rtol=1e-5, atol=1e-6)
-  bias = params[-1]["layers"]["block"]["moe"][BIAS]
-  np.testing.assert_array_equal(bias, want[-1]["layers"]["block"]["moe"][BIAS])  # exact counts
-  assert np.abs(bias).max() > 0 and want_losses[-1] < want_losses[0]
+  for layers in (params[-1]["layers"], params[-1]["mtp"]):  # exact counts, moved
+    bias = layers["block"]["moe"][BIAS]
+    np.testing.assert_array_equal(bias, want[-1]["layers"]["block"]["moe"][BIAS]
+                                  if layers is params[-1]["layers"] else
+                                  want[-1]["mtp"]["block"]["moe"][BIAS])
+    assert np.abs(bias).max() > 0
+  assert want_losses[-1] < want_losses[0]
 
 
 def _loads(model, params, tokens):

@@ -1,14 +1,17 @@
 """DeepSeek checkpoints in the Hugging Face layout (tools/hf_deepseek.py through
 tools/convert_hf.py): a tiny random DeepSeek-V3 (MLA with a q latent and YaRN, group
-routing with the balancing bias, a dense first layer, a shared expert) and DeepSeek-V2
-(a direct q projection, softmax routing, two shared experts) give HF's own logits and go
-back out bit-identically; fields the converter cannot express exit 2 naming them; a
-DeepSeek checkpoint restored by a Llama experiment (converted back, or a warm start) is a
-config error saying so.
+routing with the balancing bias, a dense first layer, a shared expert, a multi-token-
+prediction layer) and DeepSeek-V2 (a direct q projection, softmax routing, two shared
+experts) give HF's own logits and go back out bit-identically; an MTP layer whose copy of
+the head differs is refused, one that is absent or skipped imports without MTP; fields
+the converter cannot express exit 2 naming them; a DeepSeek checkpoint restored by a Llama
+experiment (converted back, or a warm start) is a config error saying so.
 
 The fixtures (tests/tools/data/deepseek_v{2,3}/) were written by transformers 5.23's
 DeepseekV3ForCausalLM / DeepseekV2ForCausalLM in float32 (tests/tools/data/make_deepseek.py,
-README.md); this test needs no torch.
+README.md); this test needs no torch. transformers' DeepseekV3 has no MTP layer (its
+config says num_nextn_predict_layers 1, its checkpoint holds none): `_with_mtp` writes one
+from numpy, in the hub checkpoint's names, beside the fixture's tensors.
 """
 import json
 import os
@@ -18,32 +21,71 @@ import sys
 import numpy as np
 import pytest
 
+from safetensors import numpy as st_numpy
+
 from spmdtask.errors import ConfigError
 from spmdtask.run import loop
 from tests import util
 from tests.tools.test_convert_hf import _assert_bit_identical, _assert_hf_logits, _fixture
-from tools import convert_hf
+from tools import convert_hf, hf_deepseek
+
+
+def _with_mtp(tmp_path) -> str:
+  """The deepseek_v3 fixture with an MTP layer (model.layers.3, an MoE layer) of random
+  float32 tensors; its embed_tokens and shared_head.head copies of the main ones."""
+  hf, cfg, _, _ = _fixture("deepseek_v3")
+  tensors = convert_hf.read_hf(hf)[1]
+  rng, d, p = np.random.default_rng(0), cfg["hidden_size"], "model.layers.3."
+  new = {p + k.removeprefix("model.layers.2."): v for k, v in tensors.items()
+         if k.startswith("model.layers.2.")}
+  new.update({p + "eh_proj.weight": np.zeros((d, 2 * d), np.float32),
+              **{p + n + ".weight": np.ones((d,), np.float32)
+                 for n in ("enorm", "hnorm", "shared_head.norm")},
+              p + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+              p + "shared_head.head.weight": tensors["lm_head.weight"]})
+  new = {k: (v if k.endswith("head.weight") or "embed" in k else
+             v + rng.normal(0, 0.3, v.shape).astype(np.float32)) for k, v in new.items()}
+  out = tmp_path / "deepseek_v3_mtp"
+  shutil.copytree(hf, out)
+  st_numpy.save_file({**tensors, **new}, str(out / "model.safetensors"), {"format": "pt"})
+  return str(out)
 
 
 def test_tiny_v3_gives_hf_logits_round_trips_and_is_no_llama(tmp_path):
-  hf, cfg, tokens, want = _fixture("deepseek_v3")
+  _, cfg, tokens, want = _fixture("deepseek_v3")
+  hf = _with_mtp(tmp_path)
   out, back = str(tmp_path / "job"), str(tmp_path / "back")
   exp = convert_hf.experiment(cfg)
   assert exp == "deepseek.DeepSeekImport"
   lines = convert_hf.from_hf(hf, out)
+  assert "task.model.mtp_depth=1" in lines
   model = util.build_run(exp, lines).task.model
   # The step-0 checkpoint's params: to_hf below reads them back bit-identically.
-  params = convert_hf.to_params(cfg, convert_hf.read_hf(hf)[1])
+  tensors = convert_hf.read_hf(hf)[1]
+  params = convert_hf.to_params(cfg, tensors)
   moe = params["layers"]["block"]["moe"]
   assert moe["wg"].shape == (2, 8, 64, 32) and moe["score_bias_buffer"].shape == (2, 8)
   assert params["dense_layers"]["block"]["attn"]["q_up"].shape == (1, 32, 4, 16)
-  _assert_hf_logits(model, params, tokens, want)
+  mtp = params["mtp"]
+  np.testing.assert_array_equal(mtp["eh_proj"][0], tensors["model.layers.3.eh_proj.weight"].T)
+  assert mtp["block"]["moe"]["wg"].shape == (1, 8, 64, 32)
+  _assert_hf_logits(model, params, tokens, want)  # decode's logits: MTP plays no part
   convert_hf.to_hf(out, back)
   got_cfg, got = convert_hf.read_hf(back)
   assert got_cfg == cfg
-  _assert_bit_identical(got, convert_hf.read_hf(hf)[1])
+  _assert_bit_identical(got, tensors)
+  # A head copy that differs is refused; a checkpoint without the layer (transformers'
+  # fixture), or --skip_mtp, imports without MTP, one line saying so.
+  bad = dict(tensors, **{"model.layers.3.shared_head.head.weight": tensors["lm_head.weight"] + 1})
+  with pytest.raises(ConfigError, match="shared_head.head.weight' differs from 'lm_head"):
+    convert_hf.to_params(cfg, bad)
+  plain = convert_hf.read_hf(_fixture("deepseek_v3")[0])[1]
+  for names, skip in ((plain, False), (tensors, True)):
+    held, note = hf_deepseek.held(cfg, names, skip)
+    assert held["num_nextn_predict_layers"] == 0 and "task.model.mtp_depth=0" in note
   # Restored by a Llama experiment of the same dims: one paragraph naming the attention.
-  llama = [l for l in lines if not l.startswith(("task.model.moe.", "task.model.mla."))]
+  llama = [l for l in lines
+           if not l.startswith(("task.model.moe.", "task.model.mla.", "task.model.mtp_"))]
   no_llama = (r"(?s)does not match this model's params.*The checkpoint's attention is "
               r"multi-head latent attention \(DeepSeek")
   with pytest.raises(ConfigError, match=no_llama):
