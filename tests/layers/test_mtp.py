@@ -104,8 +104,8 @@ def test_a_bad_depth_or_weight_or_unsupported_layers_are_config_errors(overrides
 
 
 def test_work_counts_the_mtp_layers_and_the_heads_reuse():
-  """6·(N + D·vocab·d)·T + 6·(L + D)·width·T² (causal attention), N the active params
-  with the MTP layers'."""
+  """6·(N + D·vocab·d)·T + 6·(L + D)·width·T·(T + 1) (causal attention: 12·width per pair,
+  T(T + 1)/2 pairs), N the active params with the MTP layers'."""
   model = util.build_run("TinyDeepSeekV3", [f"task.model.mtp_depth={DEPTH}"]).task.model
   row = {k: jax.ShapeDtypeStruct((T,), v.dtype) for k, v in _batch(8).items()
          if k in ("inputs", "targets", "weights")}
@@ -113,4 +113,4 @@ def test_work_counts_the_mtp_layers_and_the_heads_reuse():
   n, width = work.active_params, model.num_heads * model.head_dim
   assert n > model.clone(mtp_depth=0).work_per_example(row).active_params
   head = DEPTH * model.vocab_size * model.d_model
-  assert work.train_flops == 6.0 * (n + head) * T + 6.0 * (model.num_layers + DEPTH) * width * T * T
+  assert work.train_flops == 6.0 * (n + head) * T + 6.0 * (model.num_layers + DEPTH) * width * T * (T + 1)
