@@ -1,16 +1,22 @@
 """Splash attention for the all_gather method (`layers.attention.context`): one splash call
 per layer on a shard's queries against the whole row's gathered keys.
 
-The mask is the row's causal mask seen from zig-zag order: the query at index i of the row
-(as the model orders it, `context_attention.zigzag`) has true position zigzag[i], and the
-keys are put back in natural order after the gather (a copy of each chunk), so key j has
-position j and query i sees key j iff zigzag[i] >= j. Splash computes such a mask inside
-the kernel from a per-query sequence (`q_sequence`) and the key index: `ZigzagCausalMask`
-is splash's `CausalMask` whose q_sequence is the zig-zag order. Its mask info (which
-blocks are empty, full or partial) is built over the whole (T, T) mask, in q_seq_shards =
-cp slices; each shard receives its own slice through the shard_map (`spec`) and skips its
-own empty blocks. Without causality the mask is full and the keys stay in gathered order.
-Packed rows pass segment ids: this shard's for q, the gathered ones for kv.
+The mask is the row's causal mask seen from zig-zag order on both sides: the query at
+index i of the row (as the model orders it, `context_attention.zigzag`) has true position
+zigzag[i], and so has the key at index i, as the gather leaves the keys in the shards'
+order (shard s: chunks s, 2cp-1-s). Query i sees key j iff zigzag[i] >= zigzag[j]. Splash
+computes such a mask inside the kernel from a per-query sequence (`q_sequence`) and the key
+index: `ZigzagCausalMask` is splash's `CausalMask` whose q_sequence is the zig-zag order and
+whose mask function maps a key index to its position by shifts (gathered chunk g is chunk
+g/2 or 2cp-1-g/2): no copy of the gathered keys into token order, forward or backward (on
+Llama31_8B_128k's v5p-128 plan that copy and its transpose were 0.27 s of the step's 0.33 s
+HBM-bound time, 32 slices a copy). Where a chunk's length is no power of two the keys are
+put back in token order (a copy of each chunk) and the mask is plain causal on the key
+index. Its mask info (which blocks are empty, full or partial) is built over the whole
+(T, T) mask, in q_seq_shards = cp slices; each shard receives its own slice through the
+shard_map (`spec`) and skips its own empty blocks. Without causality the mask is full and
+the keys stay in gathered order. Packed rows pass segment ids: this shard's for q, the
+gathered ones for kv.
 
 Building the mask info walks every (query block, key block) pair in numpy: at T=131072
 with 512-token blocks, 26 s for the forward's and as long for the backward's, once per
@@ -42,11 +48,36 @@ DKV_KEYS = 4096  # keys a step of the fused backward (module doc)
 
 
 class ZigzagCausalMask(sm.CausalMask):
-  """Causal over a (T, T) mask whose query i has position `order[i]` and key j position j."""
+  """Causal over a (T, T) mask whose query i has position `order[i]` and key j position j,
+  or, with `keys_zigzag`, position `order[j]` too (computed in the kernel by shifts: the
+  zig-zag chunks, T / (2·cp) long, must be a power of two)."""
 
-  def __init__(self, order: np.ndarray):
+  def __init__(self, order: np.ndarray, cp: int = 1, keys_zigzag: bool = False):
     super().__init__((len(order), len(order)))
     self.q_sequence = np.asarray(order, np.int32)  # read by the kernel and the mask info
+    self.key_chunks = 2 * cp if keys_zigzag else 0
+    if keys_zigzag:
+      bits = (len(order) // (2 * cp)).bit_length() - 1
+      last = 2 * cp - 1
+
+      def position(j):  # gathered chunk g = j >> bits is shard g/2's first or second chunk
+        g = j >> bits
+        i = g >> 1
+        return ((i + (g & 1) * (last - 2 * i)) << bits) + (j & ((1 << bits) - 1))
+      self.mask_function = lambda q_ids, kv_ids: q_ids >= position(kv_ids)
+
+  def __eq__(self, other: object):
+    return super().__eq__(other) and self.key_chunks == getattr(other, "key_chunks", 0)
+
+  def __hash__(self):
+    return hash((super().__hash__(), self.key_chunks))
+
+
+def keys_zigzag(seq_len: int, cp: int) -> bool:
+  """Whether the mask can read the gathered keys in zig-zag order: the chunks' length is a
+  power of two (the kernel maps a key index to its position by shifts)."""
+  chunk = seq_len // (2 * cp)
+  return chunk & (chunk - 1) == 0
 
 
 def kernel(order: np.ndarray, group: int, mesh, seq_axes, causal: bool, interpret: bool
@@ -56,7 +87,8 @@ def kernel(order: np.ndarray, group: int, mesh, seq_axes, causal: bool, interpre
   shard_map in_spec (each shard: its slice of the mask info)."""
   t, cp = len(order), shards(seq_axes, mesh.shape)
   if causal:
-    mask, q_shards, q_axes = ZigzagCausalMask(order), cp, seq_axes
+    mask = ZigzagCausalMask(order, cp, keys_zigzag(t, cp))
+    q_shards, q_axes = cp, seq_axes
   else:  # the same full mask on every shard: built for one (splash's mask info of a full
     # mask split over queries fails: it has no partial blocks to pad).
     mask, q_shards, q_axes = sm.FullMask((t // cp, t)), 1, None
@@ -85,7 +117,7 @@ def attend(q, k, v, q_seg, axes, kern: sk.SplashAttentionKernel, causal: bool):
   float32."""
   cp = shards(axes, dict(jax.sharding.get_abstract_mesh().shape))
   row = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
-  if causal:
+  if causal and not keys_zigzag(q.shape[1] * cp, cp):  # the mask reads keys in token order
     row = lambda x, gather=row: _natural(gather(x), cp)
   b, t, kvh, g, hd = q.shape
   # One KV head (and its g query heads) a call, in a loop: the fused backward's dq

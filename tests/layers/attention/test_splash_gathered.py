@@ -14,6 +14,10 @@ def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
   order = context_attention.zigzag(16, 2)
   mask = splash_gathered.ZigzagCausalMask(order)
   np.testing.assert_array_equal(mask[:, :], order[:, None] >= np.arange(16)[None, :])
+  # The keys left in the gather's (zig-zag) order: positions from the index by shifts.
+  mask = splash_gathered.ZigzagCausalMask(order, 2, keys_zigzag=True)
+  np.testing.assert_array_equal(mask[:, :], order[:, None] >= order[None, :])
+  assert not splash_gathered.keys_zigzag(24, 2) and splash_gathered.keys_zigzag(16, 2)
   # 2048 tokens over 2 shards: chunks of 512 = splash's blocks. Shard 0 holds chunks 0 and
   # 3 (1 + 4 visible key blocks), shard 1 chunks 1 and 2 (2 + 3): 5 of 8 each, the rest
   # skipped, each shard reading its own slice of the mask info.
