@@ -102,29 +102,39 @@ def kernel(order: np.ndarray, group: int, mesh, seq_axes, causal: bool, interpre
   return kern, kern.manual_sharding_spec(NamedSharding(sizes, P(None, q_axes)))
 
 
-def _natural(x, cp: int):
-  """A gathered row [b, T, ...] in zig-zag order (shard i's chunks i, 2cp-1-i) put back in
-  token order."""
-  chunks = jnp.split(x, 2 * cp, axis=1)  # gathered chunk 2i is chunk i, 2i+1 is 2cp-1-i
+def _natural(x, cp: int, axis: int):
+  """A gathered row (its tokens on `axis`) in zig-zag order (shard i's chunks i, 2cp-1-i)
+  put back in token order."""
+  chunks = jnp.split(x, 2 * cp, axis=axis)  # gathered chunk 2i is chunk i, 2i+1 is 2cp-1-i
   return jnp.concatenate([chunks[2 * c] for c in range(cp)]
                          + [chunks[2 * (2 * cp - 1 - c) + 1] for c in range(cp, 2 * cp)],
-                         axis=1)
+                         axis=axis)
 
 
 def attend(q, k, v, q_seg, axes, kern: sk.SplashAttentionKernel, causal: bool):
   """Inside the shard_map: this shard's queries q [b, t, kv, g, hd] against the whole row's
   K/V, gathered from k/v [b, t, kv, hd] (segment ids [b, t] or None) -> [b, kv, g, t, hd]
-  float32."""
+  float32.
+
+  One KV head (and its g query heads) a call, in a loop: the fused backward's dq partials
+  are then one KV head's (module doc). Each step gathers the NEXT head's K/V before this
+  head's call, so that the link works while the kernel does (the ring's order), and the
+  backward's reduce-scatter of a head's K/V gradients runs beside the next head's kernel;
+  two heads' gathered K/V are held at a time, not all of them."""
   cp = shards(axes, dict(jax.sharding.get_abstract_mesh().shape))
-  row = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)
+  row = lambda x, axis: jax.lax.all_gather(x, axes, axis=axis, tiled=True)
   if causal and not keys_zigzag(q.shape[1] * cp, cp):  # the mask reads keys in token order
-    row = lambda x, gather=row: _natural(gather(x), cp)
-  b, t, kvh, g, hd = q.shape
-  # One KV head (and its g query heads) a call, in a loop: the fused backward's dq
-  # partials are then one KV head's (module doc).
+    row = lambda x, axis, gather=row: _natural(gather(x, axis), cp, axis)
+  hd = q.shape[-1]
   qh = jnp.transpose(q * jnp.asarray(hd ** -0.5, q.dtype), (2, 0, 3, 1, 4))  # [kv, b, g, t, hd]
-  kh, vh = (jnp.transpose(row(x), (2, 0, 1, 3))[:, :, None] for x in (k, v))  # [kv, b, 1, T, hd]
-  seg = None if q_seg is None else sk.SegmentIds(q_seg, row(q_seg))
+  kh, vh = (jnp.transpose(x, (2, 0, 1, 3))[:, :, None] for x in (k, v))  # [kv, b, 1, t, hd]
+  head_row = lambda k, v: (row(k, 2), row(v, 2))  # one KV head's [b, 1, t, hd] -> [b, 1, T, hd]
+  seg = None if q_seg is None else sk.SegmentIds(q_seg, row(q_seg, 1))
   call = jax.vmap(lambda a, b, c, s: kern(a, b, c, segment_ids=s))
-  _, o = jax.lax.scan(lambda _, x: (None, call(*x, seg)), None, (qh, kh, vh))
+
+  def step(kv, x):
+    q_i, k_next, v_next = x
+    return head_row(k_next, v_next), call(q_i, *kv, seg)
+  kv, o = jax.lax.scan(step, head_row(kh[0], vh[0]), (qh[:-1], kh[1:], vh[1:]))
+  o = jnp.concatenate([o, call(qh[-1], *kv, seg)[None]])
   return jnp.swapaxes(o, 0, 1).astype(jnp.float32)
