@@ -127,15 +127,14 @@ def attend(q, k, v, q_seg, axes, kern: sk.SplashAttentionKernel, causal: bool):
     row = lambda x, axis, gather=row: _natural(gather(x, axis), cp, axis)
   hd = q.shape[-1]
   qh = jnp.transpose(q * jnp.asarray(hd ** -0.5, q.dtype), (2, 0, 3, 1, 4))  # [kv, b, g, t, hd]
-  # K and V of a KV head side by side, [kv, 2, b, 1, t, hd]: one gather a head (and one
-  # reduce-scatter of their gradients), [2, b, 1, t, hd] -> [2, b, 1, T, hd].
-  kvh = jnp.transpose(jnp.stack([k, v]), (3, 0, 1, 2, 4))[:, :, :, None]
+  kh, vh = (jnp.transpose(x, (2, 0, 1, 3))[:, :, None] for x in (k, v))  # [kv, b, 1, t, hd]
+  head_row = lambda k, v: (row(k, 2), row(v, 2))  # one KV head's [b, 1, t, hd] -> [b, 1, T, hd]
   seg = None if q_seg is None else sk.SegmentIds(q_seg, row(q_seg, 1))
-  call = jax.vmap(lambda a, kv, s: kern(a, kv[0], kv[1], segment_ids=s), in_axes=(0, 1, 0))
+  call = jax.vmap(lambda a, b, c, s: kern(a, b, c, segment_ids=s))
 
   def step(kv, x):
-    q_i, kv_next = x
-    return row(kv_next, 3), call(q_i, kv, seg)
-  kv, o = jax.lax.scan(step, row(kvh[0], 3), (qh[:-1], kvh[1:]))
-  o = jnp.concatenate([o, call(qh[-1], kv, seg)[None]])
+    q_i, k_next, v_next = x
+    return head_row(k_next, v_next), call(q_i, *kv, seg)
+  kv, o = jax.lax.scan(step, head_row(kh[0], vh[0]), (qh[:-1], kh[1:], vh[1:]))
+  o = jnp.concatenate([o, call(qh[-1], *kv, seg)[None]])
   return jnp.swapaxes(o, 0, 1).astype(jnp.float32)
