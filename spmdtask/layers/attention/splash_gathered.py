@@ -1,5 +1,5 @@
 """Splash attention for the all_gather method (`layers.attention.context`): one splash call
-per layer on a shard's queries against the whole row's gathered keys.
+per KV head and layer on a shard's queries against the whole row's gathered keys.
 
 The mask is the row's causal mask seen from zig-zag order on both sides: the query at
 index i of the row (as the model orders it, `context_attention.zigzag`) has true position
@@ -8,8 +8,8 @@ order (shard s: chunks s, 2cp-1-s). Query i sees key j iff zigzag[i] >= zigzag[j
 computes such a mask inside the kernel from a per-query sequence (`q_sequence`) and the key
 index: `ZigzagCausalMask` is splash's `CausalMask` whose q_sequence is the zig-zag order and
 whose mask function maps a key index to its position by shifts (gathered chunk g is chunk
-g/2 or 2cp-1-g/2): no copy of the gathered keys into token order, forward or backward (on
-Llama31_8B_128k's v5p-128 plan that copy and its transpose were 0.27 s of the step's 0.33 s
+g/2 for even g, 2cp-1-(g-1)/2 for odd g): no copy of the gathered keys into token order, forward or backward (on
+Llama31_8B_128k's v5p-128 plan that copy and its transpose were 0.26 s of the step's 0.33 s
 HBM-bound time, 32 slices a copy). Where a chunk's length is no power of two the keys are
 put back in token order (a copy of each chunk) and the mask is plain causal on the key
 index. Its mask info (which blocks are empty, full or partial) is built over the whole
