@@ -259,8 +259,10 @@ class Llama31_8B_V6e256(_Llama):
 class Llama31_8B_128k(_Llama):
   """Llama 3.1 8B trained on rows of 131,072 tokens (its full context) on v5p-128 (64
   chips): each row's sequence split over a 16-chip `context` axis (8192 tokens per chip,
-  zig-zag for causal balance), ring attention (layers.attention.context: K/V blocks passed
-  round the 16 chips, each attended by splash on TPU, flash-style backward), 4 rows a step
+  zig-zag for causal balance), all_gather attention (layers.attention.context: each chip's
+  queries against the whole row's K/V, gathered one KV head at a time, one splash call per
+  KV head on TPU, its zig-zag causal mask skipping the masked blocks; the ring,
+  `context_attention='ring'`, makes more HBM passes: docs/parallelism.md), 4 rows a step
   over fsdp 4; the weights FSDP
   over fsdp x context (64 shards). Plan it: `--mode=plan --plan_topology=v5p:4x4x4`."""
   seq_len = 131072
@@ -276,7 +278,7 @@ class Llama31_8B_128k(_Llama):
         k: tuple(fsdp if e == FSDP else e for e in v) for k, v in WEIGHTS.items()})
     cfg.activation_split_dims_mapping = fdl.Config(ActivationSplit, **{
         k: (v[0], "context") + v[2:] for k, v in ACTIVATIONS.items()})
-    cfg.context_attention = "ring"
+    cfg.context_attention = "all_gather"
     return cfg
 
   @functools.cache

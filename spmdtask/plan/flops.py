@@ -10,13 +10,16 @@ explicitly, and a scan says how many times its body runs. This counts 2·M·N·K
 nested jaxpr, times the trip counts of the scans around it, the manual shards of a
 `shard_map` (whose body is traced per shard) and the grid of a Pallas kernel (its body
 works on one block; a kernel's own `cost_estimate` wins where it gives one, e.g. megablox
-gmm's 2·m·k·n); cuDNN's fused
+gmm's 2·m·k·n; splash attention's kernels count only the grid points their block mask
+runs, `_splash_share`); cuDNN's fused
 attention by its shapes (2 matmuls forward, 5 backward). A `while`
 with no static trip count counts once. Elementwise work is not counted: on a
 transformer it is a small share, and remat changes it in proportion.
 """
 import math
 from typing import Any, Callable
+
+import numpy as np
 
 import jax
 from jax.extend import core
@@ -71,12 +74,41 @@ def _attention_flops(eqn) -> float:
 
 
 def _sub_jaxprs(params: dict[str, Any]):
+  """(jaxpr, its closed-over constants as {var: value}) of each jaxpr an equation runs."""
   for value in params.values():
     for v in (value if isinstance(value, (tuple, list)) else (value,)):
       if isinstance(v, core.ClosedJaxpr):
-        yield v.jaxpr
+        yield v.jaxpr, dict(zip(v.jaxpr.constvars, v.consts))
       elif isinstance(v, core.Jaxpr):
-        yield v
+        yield v, {}
+
+
+def _known_inside(eqn, sub: core.Jaxpr, known: dict) -> dict:
+  """The constants among `eqn`'s operands that `sub` (a jaxpr it runs) receives, keyed by
+  `sub`'s input variables: operands in order (a cond's branches after its predicate)."""
+  operands = eqn.invars[1:] if eqn.primitive.name == "cond" else eqn.invars
+  if len(operands) != len(sub.invars):  # e.g. a while's split constants: not followed
+    return {}
+  return {inner: known[outer] for inner, outer in zip(sub.invars, operands)
+          if isinstance(outer, core.Var) and outer in known}
+
+
+def _splash_share(eqn, known: dict) -> float:
+  """The share of a splash attention kernel's grid points that run: its block mask (the
+  second scalar-prefetch operand, [heads or 1, blocks, blocks], 0 where a block is wholly
+  masked) skips the rest, e.g. a causal mask's upper triangle. 1.0 for any other kernel,
+  or where the mask is not a constant of the trace. Over a mask split across shards (a
+  shard_map's operand) the global mask's share is the shards' mean, which is what the
+  shard count multiplies."""
+  name = str(eqn.params.get("name") or "")
+  mask = known.get(eqn.invars[1]) if len(eqn.invars) > 1 and isinstance(
+      eqn.invars[1], core.Var) else None
+  if not name.startswith("splash") or mask is None:
+    return 1.0
+  mask = np.asarray(mask)
+  if mask.ndim != 3 or not np.issubdtype(mask.dtype, np.integer) or not mask.size:
+    return 1.0
+  return float(np.count_nonzero(mask)) / mask.size
 
 
 def _repeats(eqn) -> int:
@@ -93,10 +125,13 @@ def _repeats(eqn) -> int:
   return 1
 
 
-def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
+def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False, known: dict | None = None
+                ) -> float:
   """Matmul FLOPs of one run of `jaxpr` (all devices together); with `kernels_only`, only
   those inside fused kernels, Pallas's (megablox gmm, splash attention) and cuDNN's
-  attention (what XLA's cost analysis cannot see in a custom call)."""
+  attention (what XLA's cost analysis cannot see in a custom call). `known`: the values of
+  its constant variables (a ClosedJaxpr's consts), which splash's block masks are."""
+  known = known or {}
   total = 0.0
   for eqn in jaxpr.eqns:
     count = _COUNTERS.get(eqn.primitive.name)
@@ -114,12 +149,22 @@ def jaxpr_flops(jaxpr: core.Jaxpr, kernels_only: bool = False) -> float:
       # client's HloCostAnalysis of the optimized module) does not: counted as a kernel's.
       total += float(estimate.flops)
       continue
-    subs = [jaxpr_flops(j, kernels_only and not kernel) for j in _sub_jaxprs(eqn.params)]
+    subs = [jaxpr_flops(j, kernels_only and not kernel,
+                        {**consts, **_known_inside(eqn, j, known)})
+            for j, consts in _sub_jaxprs(eqn.params)]
     if eqn.primitive.name == "cond":
       total += max(subs, default=0.0)  # one branch runs
     else:
-      total += _repeats(eqn) * sum(subs)
+      share = _splash_share(eqn, known) if kernel else 1.0
+      total += _repeats(eqn) * share * sum(subs)
   return total
+
+
+def closed_flops(closed: core.ClosedJaxpr, kernels_only: bool = False) -> float:
+  """`jaxpr_flops` of a traced function (`jax.make_jaxpr`'s), its unused equations dropped
+  (`needed`) and its constants known."""
+  return jaxpr_flops(needed(closed.jaxpr), kernels_only,
+                     dict(zip(closed.jaxpr.constvars, closed.consts)))
 
 
 def needed(jaxpr: core.Jaxpr) -> core.Jaxpr:
@@ -132,4 +177,4 @@ def needed(jaxpr: core.Jaxpr) -> core.Jaxpr:
 def traced_flops(fn: Callable, *args, kernels_only: bool = False) -> float:
   """Matmul FLOPs of one call `fn(*args)` (args may be ShapeDtypeStructs), all devices;
   with `kernels_only`, those inside Pallas kernels."""
-  return jaxpr_flops(needed(jax.make_jaxpr(fn)(*args).jaxpr), kernels_only)
+  return closed_flops(jax.make_jaxpr(fn)(*args), kernels_only)

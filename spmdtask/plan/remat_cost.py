@@ -38,8 +38,8 @@ def step_flops(lowering) -> tuple[float, float]:
   """Matmul FLOPs of one train step (a `layouts.Lowering` with its fn and abstract args),
   all devices, and those of them inside Pallas kernels."""
   with jax.set_mesh(lowering.mesh):
-    jaxpr = flops.needed(jax.make_jaxpr(lowering.fn)(*lowering.args).jaxpr)
-  return flops.jaxpr_flops(jaxpr), flops.jaxpr_flops(jaxpr, kernels_only=True)
+    closed = jax.make_jaxpr(lowering.fn)(*lowering.args)
+  return flops.closed_flops(closed), flops.closed_flops(closed, kernels_only=True)
 
 
 def host_transfer_bytes(memory_analysis) -> int:

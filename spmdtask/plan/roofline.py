@@ -91,9 +91,10 @@ def received_by_kind(ops) -> dict[str, float]:
 def kernel_note(calls: str, amount: str, kernel_flops: float, flops: float) -> str:
   """What a compute bound with fused kernels' traced FLOPs (`kernel_flops` of `flops`)
   rests on: `calls` says which kernels, `amount` their FLOPs and over what."""
-  return (f"{calls}: their FLOPs ({amount}: forward, backward, recompute) are traced as if no "
-          "block were skipped; a kernel that skips blocks does less (splash or cuDNN under a "
-          "causal mask: about half), so the compute bound may be up to "
+  return (f"{calls}: their FLOPs ({amount}: forward, backward, recompute) are traced, "
+          "splash's over the blocks its mask runs (a partly masked block counted whole), any "
+          "other kernel's as if no block were skipped; one that skips blocks unseen does less "
+          "(cuDNN under a causal mask: about half), so the compute bound may be up to "
           f"{kernel_flops / 2 / flops:.0%} high.")
 
 

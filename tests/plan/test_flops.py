@@ -114,3 +114,21 @@ def test_a_frozen_weight_costs_no_gradient_kernel():
   frozen = flops.traced_flops(
       jax.grad(lambda w, x: loss(jax.lax.stop_gradient(w), x), 1), *args, kernels_only=True)
   assert (full, frozen) == (3 * 2 * m * d * f, 2 * 2 * m * d * f)
+
+
+def test_splash_counts_only_the_blocks_its_mask_runs():
+  """Splash skips the grid points its block mask marks empty: a causal [512, 512] mask in
+  128-blocks runs 10 of 16, forward (2 matmuls) and fused backward (5) alike; a full mask
+  all 16."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
+      splash_attention_kernel as sk, splash_attention_mask as sm)
+  h, t, d = 2, 512, 64
+  q = jax.ShapeDtypeStruct((h, t, d), jnp.bfloat16)
+  per_matmul = 2.0 * h * t * t * d
+  for mask, share in ((sm.CausalMask((t, t)), 10 / 16), (sm.FullMask((t, t)), 1.0)):
+    kernel = sk.make_splash_mha(
+        sm.MultiHeadMask([mask] * h), head_shards=1, q_seq_shards=1, interpret=True,
+        block_sizes=sk.BlockSizes(*(128,) * 6, use_fused_bwd_kernel=True))
+    loss = lambda q, kernel=kernel: kernel(q, q, q).sum()
+    assert flops.traced_flops(loss, q, kernels_only=True) == 2 * share * per_matmul
+    assert flops.traced_flops(jax.grad(loss), q, kernels_only=True) == 7 * share * per_matmul

@@ -28,8 +28,10 @@ Inside a shard, the kernel is chosen once (`choose`, from task.model.attention_i
 ring attends each block with `xla_blocks.XlaBlocks` (einsums, masks from positions,
 queries in chunks of `score_block`) or `splash_blocks.SplashBlocks` (splash on TPU: the
 zig-zag order makes every block pair's mask static in index order; scores stay on chip).
-all_gather attends with the same xla kernel, or with ONE splash call on the whole gathered
-row (`splash_gathered`: the zig-zag causal mask, its block map split over the shards).
+all_gather attends with the same xla kernel, or with one splash call per KV head on the
+whole gathered row (`splash_gathered`: the zig-zag causal mask over keys left in the
+gather's order, its block map split over the shards; the next head's K/V gathered before
+this head's call).
 cuDNN cannot serve: JAX's wrapper returns no log-sum-exp, which merging blocks needs.
 """
 from typing import Protocol

@@ -14,6 +14,10 @@ def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
   order = context_attention.zigzag(16, 2)
   mask = splash_gathered.ZigzagCausalMask(order)
   np.testing.assert_array_equal(mask[:, :], order[:, None] >= np.arange(16)[None, :])
+  # The keys left in the gather's (zig-zag) order: positions from the index by shifts.
+  mask = splash_gathered.ZigzagCausalMask(order, 2, keys_zigzag=True)
+  np.testing.assert_array_equal(mask[:, :], order[:, None] >= order[None, :])
+  assert not splash_gathered.keys_zigzag(24, 2) and splash_gathered.keys_zigzag(16, 2)
   # 2048 tokens over 2 shards: chunks of 512 = splash's blocks. Shard 0 holds chunks 0 and
   # 3 (1 + 4 visible key blocks), shard 1 chunks 1 and 2 (2 + 3): 5 of 8 each, the rest
   # skipped, each shard reading its own slice of the mask info.
@@ -31,10 +35,12 @@ def test_zigzag_causal_mask_is_causal_by_true_position_and_balanced():
   assert spec.fwd_mask_info.block_mask == P(None, ("context",))
 
 
-@pytest.mark.parametrize("cp,local,causal", [(2, 1024, True), (4, 128, True), (4, 128, False)])
+@pytest.mark.parametrize("cp,local,causal", [(2, 1024, True), (4, 128, True), (4, 128, False),
+                                             (2, 384, True)])
 def test_all_gather_with_splash_equals_xla_and_one_device(cp, local, causal):
   """`local` tokens a shard (cp 2: chunks of 512 = splash's blocks, some skipped; cp 4:
-  a block holds two 64-token chunks), 2 rows, 4 heads on 2 KV heads, packed rows."""
+  a block holds two 64-token chunks; chunks of 192, no power of two: the keys put back in
+  token order), 2 rows, 4 heads on 2 KV heads, packed rows."""
   test_splash_blocks.assert_splash_equals_xla_and_one_device(
       "all_gather", cp, local * cp, kvh=2, g=2, causal=causal)
 
