@@ -1,9 +1,9 @@
 """Quantized training matmuls (int8, fp8) for `base.project`, on qwix's quantizer.
 
 The model field `quantization` (None | 'int8' | 'fp8') makes every projection that goes
-through `base.project` (attention q/k/v/o, the dense MLP) a quantized product; the
-router, norms, embedding, the head with its loss, and the experts' grouped matmuls stay
-in float (the experts: not yet, see docs/quantization.md).
+through `base.project` (attention q/k/v/o, the dense MLP, shared experts) a quantized
+product, and the routed experts' grouped matmuls (`layers.quant_experts`); the router,
+norms, embedding and the head with its loss stay in float.
 
 - int8: x per row (token) and w per output channel, dynamic absmax scales (symmetric,
   bound 127.5, qwix's); the backward quantizes the incoming gradient to int8 too, per
@@ -75,8 +75,8 @@ class Quantization:
     if info.batch_chars or info.lhs[0] in info.contract_chars:
       raise ValueError(f"quantized einsum {eqn!r}: x's dim 0 must be a free dim, no batch dims")
     spec = _Spec(info.dimension_numbers, info.output_perm, self, out_dtype or x.dtype,
-                 tuple(rows), w_axes or ((),) * w.ndim, gather or _identity,
-                 scatter or _identity, x.dtype, w.dtype)
+                 tuple(rows), w_axes or ((),) * w.ndim, gather or identity,
+                 scatter or identity, x.dtype, w.dtype)
     return _product(x, w, spec)
 
 
@@ -97,7 +97,7 @@ def from_fields(quantization: str | None, scaling: str = "current") -> Quantizat
   return Quantization(quantization, scaling)
 
 
-def _identity(a, axes):
+def identity(a, axes):
   return a
 
 
@@ -114,13 +114,13 @@ class _Spec(NamedTuple):
   w_dtype: object
 
 
-def _how(dims, ndims, for_lhs: bool, qtype, per_tensor: bool) -> qarray.HowToQuantize:
+def how_to(dims, ndims, for_lhs: bool, qtype, per_tensor: bool) -> qarray.HowToQuantize:
   how = qdot.get_how_to_quantize(dimension_numbers=dims, ndims=ndims, for_lhs=for_lhs,
                                  qtype=qtype, tile_size=None, calibration_method="absmax")
   return dataclasses.replace(how, channelwise_axes=[]) if per_tensor else how
 
 
-def _quantize(a: jax.Array, how: qarray.HowToQuantize, axes: Axes) -> qarray.QArray:
+def quantize(a: jax.Array, how: qarray.HowToQuantize, axes: Axes) -> qarray.QArray:
   """qwix's absmax quantization of `a`, its absmax reduced over the axes of each dim it
   reduces that is split (so the scale is the whole array's); channel dims keep theirs."""
   absmax = qarray.calibrate(a, how)["absmax"]
@@ -132,20 +132,20 @@ def _quantize(a: jax.Array, how: qarray.HowToQuantize, axes: Axes) -> qarray.QAr
   return qarray.quantize_with_scale_zero_point(a, how.qtype, scale, zero)
 
 
-def _whole(w: qarray.QArray, spec: _Spec) -> qarray.QArray:
-  """The quantized weight's shard gathered whole: its values (int8 / fp8) and the scales
-  of its split channel dims (a per-tensor or contracted-dim scale is whole already)."""
-  scale_axes = tuple(ax if w.scale.shape[d] > 1 else () for d, ax in enumerate(spec.w_axes))
-  return qarray.QArray(spec.gather(w.qvalue, spec.w_axes),
-                       spec.gather(w.scale, scale_axes), None, w.qtype)
+def whole(w: qarray.QArray, w_axes: Axes, gather) -> qarray.QArray:
+  """The quantized weight's shard gathered whole (`gather(a, axes)`, per dim the axes
+  that split it): its values (int8 / fp8) and the scales of its split channel dims (a
+  per-tensor or contracted-dim scale is whole already)."""
+  scale_axes = tuple(ax if w.scale.shape[d] > 1 else () for d, ax in enumerate(w_axes))
+  return qarray.QArray(gather(w.qvalue, w_axes), gather(w.scale, scale_axes), None, w.qtype)
 
 
 def _forward(x, w, spec: _Spec):
   q, ndims = spec.quant, (x.ndim, w.ndim)
   x_axes = (spec.rows,) + ((),) * (x.ndim - 1)
-  xq = _quantize(x, _how(spec.dims, ndims, True, q.forward_dtype, q.per_tensor), x_axes)
-  wq = _quantize(w, _how(spec.dims, ndims, False, q.forward_dtype, q.per_tensor), spec.w_axes)
-  y = qdot.dot_general(xq, _whole(wq, spec), spec.dims, preferred_element_type=spec.out_dtype)
+  xq = quantize(x, how_to(spec.dims, ndims, True, q.forward_dtype, q.per_tensor), x_axes)
+  wq = quantize(w, how_to(spec.dims, ndims, False, q.forward_dtype, q.per_tensor), spec.w_axes)
+  y = qdot.dot_general(xq, whole(wq, spec.w_axes, spec.gather), spec.dims, preferred_element_type=spec.out_dtype)
   y = y if spec.perm is None else y.transpose(spec.perm)
   return y, (xq, wq)
 
@@ -169,12 +169,12 @@ def _backward(spec: _Spec, res, g):
   def grad(y: qarray.QArray, for_x: bool):
     dims, perm = _update_dimension_numbers_for_backward(spec.dims, ndims, for_dlhs=for_x)
     gs = _apply_rhs_scale_to_lhs(g, y.scale, dims)
-    how = _how(dims, (g.ndim, y.qvalue.ndim), True, q.gradient_dtype, q.per_tensor)
-    out = qdot.dot_general(_quantize(gs, how, g_axes), y.qvalue, dims,
+    how = how_to(dims, (g.ndim, y.qvalue.ndim), True, q.gradient_dtype, q.per_tensor)
+    out = qdot.dot_general(quantize(gs, how, g_axes), y.qvalue, dims,
                            preferred_element_type=jnp.float32)
     return jax.lax.transpose(out, perm)
 
-  dx = grad(_whole(wq, spec), True).astype(spec.x_dtype)
+  dx = grad(whole(wq, spec.w_axes, spec.gather), True).astype(spec.x_dtype)
   dw = grad(xq, False).astype(spec.w_dtype)
   # Rows split over axes that do not split w (data parallelism): w's gradient sums there.
   replicated = tuple(a for a in spec.rows if not any(a in ax for ax in spec.w_axes))
