@@ -115,7 +115,7 @@ def _mesh(task) -> jax.sharding.Mesh:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("exp", ["TinyLmContext"])  # (TinyMoe too, measured once: suite time)
+@pytest.mark.parametrize("exp", ["TinyLmContext", "TinyMoe"])
 def test_composes_with_moe_and_context(exp):
   """int8 TinyMoe (experts split over 8 devices, quantized shared expert) and TinyLmContext
   (sequence split over 4): the loss at init on the experiment's 8-device mesh as on one
