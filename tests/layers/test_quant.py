@@ -1,5 +1,7 @@
 """layers.quant: the quantized product's error bound, qwix's own results, FSDP's quantized
 gathers (bytes in the compiled HLO) and 8 devices against 1."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,38 +59,84 @@ def test_int8_equals_qwix_dot_general_qt():
 
 def test_fields_config_errors():
   assert quant.from_fields(None) is None
+  assert quant.from_fields("fp8", "delayed", 4) == quant.Quantization("fp8", "delayed", 4)
   with pytest.raises(ConfigError, match="model.quantization="):
     quant.from_fields("int4")
   with pytest.raises(ConfigError, match="model.quantization_scaling="):
-    quant.from_fields("fp8", "delayed")
+    quant.from_fields("int8", "delayed")
+  with pytest.raises(ConfigError, match="model.quantization_history="):
+    quant.from_fields("fp8", "delayed", 0)
 
 
-def _fsdp(kind, eqn, w, w_split, mesh_shape, at_once=False):
+def _e4m3(a, absmax):
+  """a quantized to e4m3 with the per-tensor scale absmax / 448, back in float32."""
+  scale = absmax / 448.0
+  return np.asarray(jnp.asarray(np.clip(a / scale, -448, 448)).astype(jnp.float8_e4m3fn),
+                    np.float32) * scale
+
+
+def test_delayed_history_and_scale_after_three_steps():
+  """Three steps of a delayed-fp8 projection: the history holds each step's amaxes of x,
+  w and the gradient, newest first (update_histories on its gradient slot); step 4
+  quantizes x with the history's max (x's own amax is larger: it saturates)."""
+  q = quant.Quantization("fp8", "delayed", history=4)
+  probe = jax.random.normal(KEYS[2], (16, 4, 2, 32))
+  f = lambda x, w, h: jnp.sum(q.einsum(EQN, x, w, history=h) * probe)
+  grad = jax.jit(jax.grad(f, 2))
+  params = {"p" + quant.HISTORY: jnp.zeros((3, 4))}
+  xs = [X * c for c in (1.0, 3.0, 0.5, 5.0)]
+  for x in xs[:3]:
+    params = quant.update_histories(params, {"p" + quant.HISTORY: grad(x, W, params["p" + quant.HISTORY])})
+  amax = lambda a: float(jnp.max(jnp.abs(a)))
+  want = np.zeros((3, 4), np.float32)
+  want[0, :3] = [amax(x) for x in xs[2::-1]]
+  want[1, :3] = amax(W)
+  want[2, :3] = amax(probe)  # the product's gradient is the probe
+  history = params["p" + quant.HISTORY]
+  np.testing.assert_array_equal(history, want)
+  # Step 4: x (5x the first) scaled from the history's max (3x), w from its own max.
+  got = jax.jit(lambda x, h: q.einsum(EQN, x, W, history=h))(xs[3], history)
+  xq, wq = _e4m3(np.asarray(xs[3]), want[0].max()), _e4m3(np.asarray(W), want[1].max())
+  util.assert_trees_close(got, np.einsum(EQN, xq, wq), terms=64)
+  assert amax(xq) == pytest.approx(want[0].max(), rel=1e-6)  # saturated at the old max
+
+
+def _fsdp(kind, eqn, w, w_split, mesh_shape, at_once=False, scaling="current"):
   """(y, dx, dw) of base.project on 1 device and jitted on a mesh of 8, and the latter's
-  compiled train HLO."""
-  q = quant.Quantization(kind) if kind else None
+  compiled train HLO (delayed scaling: dw then w's and its amax history's gradients, the
+  history holding a step whose amaxes are below the current ones)."""
+  q = quant.Quantization(kind, scaling, history=2) if kind else None
   x = jax.random.normal(KEYS[2], (16, 4) + w.shape[:eqn.index(",") - 2])
   batch = (("fsdp", "fsdp_b"), None, None)
-  f = lambda x, w: base.project(eqn, x, w, w_split, batch, jnp.float32, at_once=at_once,
-                                quant=q)
+  if scaling == "delayed":
+    history = jnp.asarray([[2.0, 0.0], [0.1, 0.0], [30.0, 0.0]])
+    f = lambda x, w: base.project(eqn, x, w[0], w_split, batch, jnp.float32, at_once=at_once,
+                                  quant=dataclasses.replace(q, amax=w[1]))
+    w = (w, history)
+    w_split = (w_split, ())
+  else:
+    f = lambda x, w: base.project(eqn, x, w, w_split, batch, jnp.float32, at_once=at_once,
+                                  quant=q)
   vg = jax.value_and_grad(lambda x, w: jnp.sum(f(x, w) ** 2), (0, 1))
   mesh = jax.make_mesh(mesh_shape, ("fsdp", "fsdp_b"), axis_types=(AxisType.Auto,) * 2)
   with jax.set_mesh(mesh):
     xs = jax.device_put(x, NamedSharding(mesh, P(("fsdp", "fsdp_b"))))
-    ws = jax.device_put(w, NamedSharding(mesh, P(*w_split)))
+    put = lambda a, s: jax.device_put(a, NamedSharding(mesh, P(*s)))
+    ws = (put(w[0], w_split[0]), put(w[1], ())) if scaling == "delayed" else put(w, w_split)
     compiled = jax.jit(vg).lower(xs, ws).compile()
     got = (jax.jit(f)(xs, ws), compiled(xs, ws)[1])
   return (f(x, w), vg(x, w)[1]), got, compiled.as_text()
 
 
-@pytest.mark.parametrize("kind,eqn,w_split,mesh_shape,at_once", [
-    ("int8", EQN, (("fsdp", "fsdp_b"), None, None), (2, 4), False),  # contracted dim split
-    ("int8", "bthk,hkd->btd", (None, None, ("fsdp", "fsdp_b")), (4, 2), True),  # channels
-    ("fp8", EQN, (("fsdp", "fsdp_b"), None, None), (8, 1), False),  # one scale per tensor
+@pytest.mark.parametrize("kind,eqn,w_split,mesh_shape,at_once,scaling", [
+    ("int8", EQN, (("fsdp", "fsdp_b"), None, None), (2, 4), False, "current"),  # contracted
+    ("int8", "bthk,hkd->btd", (None, None, ("fsdp", "fsdp_b")), (4, 2), True, "current"),
+    ("fp8", EQN, (("fsdp", "fsdp_b"), None, None), (8, 1), False, "delayed"),  # per tensor
 ])
-def test_fsdp_equals_one_device(kind, eqn, w_split, mesh_shape, at_once):
+def test_fsdp_equals_one_device(kind, eqn, w_split, mesh_shape, at_once, scaling):
+  """(delayed: the history's gradient slot, the step's amaxes, as one device's too)"""
   w = W if eqn == EQN else jnp.reshape(W, (2, 32, 64))
-  want, got, _ = _fsdp(kind, eqn, w, w_split, mesh_shape, at_once)
+  want, got, _ = _fsdp(kind, eqn, w, w_split, mesh_shape, at_once, scaling)
   # The same quantized values: int8 products are exact, fp8's sum in float32.
   util.assert_trees_close(got, want, terms=64)
 
