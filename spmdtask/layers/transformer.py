@@ -37,6 +37,11 @@ from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
+def _delayed(model) -> bool:
+  """Whether the model's fp8 scales are delayed (amax histories: layers.quant)."""
+  return model.quantization is not None and model.quantization_scaling == "delayed"
+
+
 _DELAYED_ACCUMULATES = (
     "{} with task.model.quantization_scaling='delayed': a step's amaxes reach the amax "
     "histories through their gradient slots, which microbatches sum (and divide by the "
@@ -171,29 +176,25 @@ class TransformerLm(nn.Module):
     return self.lora is not None
 
   def has_buffers(self) -> bool:
-    """Whether the params hold the MoE balancing bias (Buffered; layers.moe_router) or
-    delayed fp8 scaling's amax histories (layers.quant)."""
-    return (self.moe is not None and self.moe.score_bias) or self._delayed()
+    """Whether the params hold MoE balancing biases or amax histories (Buffered)."""
+    return (self.moe is not None and self.moe.score_bias) or _delayed(self)
 
   def update_buffers(self, params, grads):
     """The MoE balancing biases moved by the step's loads (Buffered; layers.moe_router),
     the amax histories shifted by the step's amaxes (layers.quant)."""
     if self.moe is not None and self.moe.score_bias:
       params = moe_lib.update_buffers(self.moe, params, grads)
-    return quant_lib.update_histories(params, grads) if self._delayed() else params
+    return quant_lib.update_histories(params, grads) if _delayed(self) else params
 
-  def _delayed(self) -> bool:
-    return self.quantization is not None and self.quantization_scaling == "delayed"
 
   def with_pipeline(self, pipeline):
-    if pipeline is not None and self._delayed():
+    if pipeline is not None and _delayed(self):
       raise ConfigError(_DELAYED_ACCUMULATES.format("task.pipeline"))
     return self.clone(execution=pipeline)
 
   def buffers_accumulate(self) -> bool:
-    """Whether the buffers' step statistics survive a sum over microbatches (Buffered): the
-    MoE loads do, an amax history's maxima do not."""
-    return not self._delayed()
+    """Whether a sum over microbatches keeps the buffers' statistics (Buffered): not maxima."""
+    return not _delayed(self)
 
   def layout_maps(self):
     return stack_lib.layout_maps(("layers",), self.execution)
