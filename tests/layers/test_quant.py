@@ -10,8 +10,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from qwix._src.core import dot_general_qt, einsum_info
 
 from spmdtask.errors import ConfigError
-from spmdtask.core import program as program_lib
-from spmdtask.layers import base, quant
+from spmdtask.core import layouts, program as program_lib
+from spmdtask.layers import base, lm_checks, quant
 from spmdtask.plan import hlo
 from tests import util
 
@@ -67,6 +67,21 @@ def test_fields_config_errors():
     quant.from_fields("int8", "delayed")
   with pytest.raises(ConfigError, match="model.quantization_history="):
     quant.from_fields("fp8", "delayed", 0)
+
+
+def test_delayed_config_errors():
+  """Delayed scaling refuses what would lose its maxima or has no history: the routed
+  experts, gradient accumulation, a pipeline (each a ConfigError naming its field)."""
+  delayed = ["task.model.quantization='fp8'", "task.model.quantization_scaling='delayed'"]
+  moe_run = util.build_run("TinyMoe", delayed)
+  mesh = jax.make_mesh((1,) * len(moe_run.task.mesh_axis_names), moe_run.task.mesh_axis_names)
+  with pytest.raises(ConfigError, match="keep no amax history"):
+    lm_checks.validate(moe_run.task.model, mesh, 8, moe_run.task.model.num_layers)
+  run = util.build_run("lm.TinyLm", delayed + ["task.train.num_microbatches=2"])
+  with pytest.raises(ConfigError, match="num_microbatches=2: this model.s buffers"):
+    layouts.check_microbatches(run.task, 8, {"data": 1, "fsdp": 1, "model": 1})
+  with pytest.raises(ConfigError, match="task.pipeline with task.model.quantization_scaling"):
+    run.task.model.with_pipeline(object())
 
 
 def _e4m3(a, absmax):
