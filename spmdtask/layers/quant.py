@@ -235,9 +235,20 @@ def _backward(spec: _Spec, res, g):
     gs = _apply_rhs_scale_to_lhs(g, y.scale, dims)
     how = how_to(dims, (g.ndim, y.qvalue.ndim), True, q.gradient_dtype, q.per_tensor)
     absmax = None if used is None else jnp.reshape(used * jnp.max(y.scale), (1,) * g.ndim)
-    out = qdot.dot_general(quantize(gs, how, g_axes, absmax), y.qvalue, dims,
+    gq = quantize(gs, how, g_axes, absmax)
+    if for_x:
+      out = qdot.dot_general(gq, y.qvalue, dims, preferred_element_type=jnp.float32)
+      return jax.lax.transpose(out, perm)
+    # w's gradient as x^T g (x the lhs, the same products): it comes out in w's dim order.
+    # g^T x then a transpose (qwix's order) left XLA:TPU a dim-0-minor layout whose FSDP
+    # reduce-scatter's second stage it compiled as an all-reduce (docs/quantization.md).
+    (g_c, x_c), (g_b, x_b) = dims
+    out = qdot.dot_general(y.qvalue, gq, ((x_c, g_c), (x_b, g_b)),
                            preferred_element_type=jnp.float32)
-    return jax.lax.transpose(out, perm)
+    nb, ng = len(g_b), g.ndim - len(g_c) - len(g_b)
+    nx = out.ndim - nb - ng  # g^T x's dims: batch, g's free, x's free; here batch, x's, g's
+    where = list(range(nb)) + [nb + nx + j for j in range(ng)] + [nb + k for k in range(nx)]
+    return jax.lax.transpose(out, tuple(where[a] for a in perm))
 
   dx = grad(whole(wq, spec.w_axes, spec.gather), True).astype(spec.x_dtype)
   dw = grad(xq, False).astype(spec.w_dtype)

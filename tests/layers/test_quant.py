@@ -153,8 +153,18 @@ def test_fsdp_equals_one_device(kind, eqn, w_split, mesh_shape, at_once, scaling
   """(delayed: the history's gradient slot, the step's amaxes, as one device's too)"""
   w = W if eqn == EQN else jnp.reshape(W, (2, 32, 64))
   want, got, _ = _fsdp(kind, eqn, w, w_split, mesh_shape, at_once, scaling)
-  # The same quantized values: int8 products are exact, fp8's sum in float32.
-  util.assert_trees_close(got, want, terms=64)
+  # The same quantized values: int8 products are exact, fp8's sum in float32. Except w's
+  # int8 gradient: each channel's absmax element of the scaled gradient lands on qwix's tie
+  # +-127.5 by construction, and one ulp in its division (another fusion on 8 devices)
+  # rounds it to 127 or 128: one step in 255 of one row's term in that channel. Such flips
+  # move the gradient by well under 1% of its norm, a scale over the wrong axes by tens.
+  (y, (dx, dw)), (want_y, (want_dx, want_dw)) = got, want
+  util.assert_trees_close((y, dx), (want_y, want_dx), terms=64)
+  if kind == "int8":
+    dw, want_dw = np.asarray(dw), np.asarray(want_dw)
+    assert np.linalg.norm(dw - want_dw) < 1e-2 * np.linalg.norm(want_dw)
+  else:
+    util.assert_trees_close(dw, want_dw, terms=64)
 
 
 def test_fsdp_gathers_quantized_weights():
