@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from spmdtask.core import sharding
 from spmdtask.errors import ConfigError
-from spmdtask.core.model import LayoutMap, Model, Stacked
+from spmdtask.core.model import Buffered, LayoutMap, Model, Stacked
 
 
 class Lowering(NamedTuple):
@@ -103,6 +103,14 @@ def check_microbatches(task, global_size: int, mesh_shape) -> int:
   against the program's mesh."""
   check_batch_split(global_size, task.train.num_microbatches, "task.train.num_microbatches",
                     task.batch_axes(), [("task.ici_mesh_shape", mesh_shape)])
+  model = task.model
+  if (task.train.num_microbatches > 1 and isinstance(model, Buffered)
+      and model.has_buffers() and not model.buffers_accumulate()):
+    raise ConfigError(
+        f"task.train.num_microbatches={task.train.num_microbatches}: this model's buffers "
+        "(delayed fp8 scaling's amax histories, task.model.quantization_scaling='delayed') "
+        "take a step's maxima through their gradient slots, which microbatches sum; set "
+        "task.train.num_microbatches=1 or task.model.quantization_scaling='current'.")
   return task.train.num_microbatches
 
 

@@ -157,6 +157,10 @@ class Buffered(Protocol):
   def update_buffers(self, params: Any, grads: Any) -> Any:
     """`params` with every buffer set from its gradient slot in `grads` (same tree)."""
 
+  def buffers_accumulate(self) -> bool:
+    """Whether the gradient slots' statistics survive gradient accumulation (a sum over
+    microbatches divided by the tokens): loads do, maxima do not (then one microbatch)."""
+
 
 @runtime_checkable
 class LayerCosts(Protocol):

@@ -57,10 +57,17 @@ def platform() -> str:
 
 class Quantizer(Protocol):
   """A quantized einsum (layers.quant.Quantization): inside a shard_map manual over `rows`
-  it quantizes w's shard, `gather`s it whole and `scatter`s w's gradient."""
+  it quantizes w's shard, `gather`s it whole and `scatter`s w's gradient; `amax` its
+  delayed-scaling history (layers.quant.bound) or None, passed in as `history`."""
+  amax: jax.Array | None
 
   def einsum(self, eqn: str, x: jax.Array, w: jax.Array, out_dtype=None,
-             rows: tuple[str, ...] = (), w_axes=None, gather=None, scatter=None) -> jax.Array:
+             rows: tuple[str, ...] = (), w_axes=None, gather=None, scatter=None,
+             history=None) -> jax.Array:
+    ...
+
+  def bound(self, module, name: str) -> "Quantizer":
+    """Itself with `module`'s projection `name`'s amax history (delayed scaling)."""
     ...
 
 
@@ -95,8 +102,9 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   manual = batch_axes(mesh, batch, x.shape[0])
   w_axes = fsdp_axes(w.shape, w_split, manual)
   product = lambda x, w: jnp.einsum(eqn, x, w.astype(dtype), preferred_element_type=out_dtype)
+  history = None if quant is None else quant.amax
   if quant is not None:
-    product = lambda x, w: quant.einsum(eqn, x, w, out_dtype or dtype)
+    product = lambda x, w: quant.einsum(eqn, x, w, out_dtype or dtype, history=history)
   if w_axes is None:
     return product(x, w)
   moved = moved_dtype(dtype)
@@ -106,6 +114,12 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
     # Quantized before the gather (in `moved`, as the float path, so w's gradient is
     # reduce-scattered in it): int8 / fp8 and scales cross the links.
     gather_q = (lambda a, axes: gather_at_once(a, axes)) if at_once else gather
+    if history is not None:  # the amax history goes in as an argument (replicated)
+      return jax.shard_map(
+          lambda x, w, h: quant.einsum(eqn, x, w.astype(moved), out_dtype or dtype, manual,
+                                       w_axes, gather_q, scatter, h),
+          in_specs=(rows, P(*[a or None for a in w_axes]), P()),
+          out_specs=P(manual, *[None] * (out_ndim - 1)), axis_names=set(manual))(x, w, history)
     product = lambda x, w: quant.einsum(eqn, x, w.astype(moved), out_dtype or dtype,
                                         manual, w_axes, gather_q, scatter)
     gathered = lambda w: w

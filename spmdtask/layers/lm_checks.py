@@ -138,6 +138,11 @@ def validate(model, mesh, global_batch_size: int, stack_layers: int) -> None:
   _validate_moe(model, mesh_shape)
   _validate_mla(model, mesh_shape)
   mtp_lib.validate(model, mesh_shape)
+  if model.moe is not None and model.quantization_scaling == "delayed":
+    raise ConfigError("task.model.quantization_scaling='delayed' with task.model.moe: the "
+                      "routed experts' grouped matmuls keep no amax history (delayed "
+                      "scaling is built for the projections only); set "
+                      "task.model.quantization_scaling='current'.")
   if model.execution is not None:
     model.execution.validate(StackFacts(stack_layers, global_batch_size, mesh))
 

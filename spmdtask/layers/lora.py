@@ -117,6 +117,9 @@ def project(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array,
   """`base.project(eqn, x, w, ...)` plus, where `cfg` targets `name`, the adapter's
   `(alpha / r) · dropout(x)·A·B` (its params made here, beside `name`). `eqn`'s weight
   operand lists W's in-dims (those x has) before its out-dims."""
+  quant = project_kwargs.get("quant")
+  if quant is not None:  # delayed fp8 scaling's amax history lives beside the weight
+    project_kwargs = dict(project_kwargs, quant=quant.bound(module, name))
   y = base.project(eqn, x, w, w_split, batch, dtype, **project_kwargs)
   if cfg is None or name not in cfg.targets:
     return y

@@ -14,6 +14,11 @@ their other dims are all-gathered over manual (FSDP) axes like `layers.base.proj
 tokens travel by all-to-all (`layers.moe_dispatch`). A `model` axis on the ff dim stays
 automatic (GSPMD).
 
+Quantization (`layers.quant_experts`, the model's `quantization`): the routed experts'
+matmuls run int8 / fp8 as `jax.lax.ragged_dot` (capacity's buffers as uniform groups; not
+megablox, whose gmm takes bfloat16 / float32 only), each weight's shard quantized before its
+gather; with `ff_chunks` > 1 each slice has its own scales.
+
 LoRA (`layers.lora`, target `experts`): each routed weight's per-expert adapters run beside
 it on the same rows (`ExpertLora`), gathered and split as it is; the router and the experts
 are frozen.
@@ -31,7 +36,9 @@ from jax.sharding import PartitionSpec as P
 from spmdtask.core import remat
 from spmdtask.core.model import Weighted
 from spmdtask.core.sharding import entry_axes, shards
-from spmdtask.layers import base, lora as lora_lib, moe_dispatch
+from spmdtask.errors import ConfigError
+from spmdtask.layers import base, lora as lora_lib, moe_dispatch, quant as quant_lib
+from spmdtask.layers import quant_experts
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, platform, project
 from spmdtask.layers.block import Block, Mlp
 # The config and router live in moe_router; re-exported: configs and layers name them here.
@@ -84,7 +91,7 @@ def _swiglu(x, gates, wi, wg, wo, matmul, lora: ExpertLora | None = None, part=0
   output row scaled by its gate; with `lora` each weight's adapter term
   (alpha / r)·x_in·A·B added to its product (`part`: the ff slice, for wo's dropout)."""
   def lin(i, inp, w, lora_in):
-    y = matmul(inp, w)
+    y = matmul(inp, w, i)
     if lora is None:
       return y
     a, b = lora.adapters[i]
@@ -102,8 +109,9 @@ def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul
                 chunks: int, lora: ExpertLora | None = None) -> jax.Array:
   """x [..., d] through the routed experts' SwiGLU, each row times its gate (`gates` [...]);
   `weights` (wi, wg [E, d, f], wo [E, f, d]) as this device holds them, `whole(w, i)` the
-  i-th of them whole (gathered over FSDP axes, in the compute dtype), `matmul(rows, w)` one
-  expert matmul; `lora`: their adapters (`ExpertLora`), or None.
+  i-th of them whole (gathered over FSDP axes, in the compute dtype; quantized: the shard,
+  which `matmul` quantizes and gathers), `matmul(rows, w, i)` one expert matmul with
+  weight i; `lora`: their adapters (`ExpertLora`), or None.
 
   chunks > 1: the ff dim runs in `chunks` slices (hidden units j, j + chunks, ...: a
   `model` split of f holds every slice's share), one after another in a `lax.scan`: each
@@ -160,8 +168,8 @@ class MoeFfn(nn.Module):
   # Frozen router and experts; with the target `experts` the routed wi, wg, wo adapted
   # (layers.lora.expert_adapters); the shared experts' Mlp adapted as a dense MLP.
   lora: lora_lib.LoraConfig | None = None
-  # Quantized shared experts (layers.quant); the routed experts' grouped matmuls stay float.
-  quant: base.Quantizer | None = None
+  # Quantized shared experts (layers.quant) and routed experts (layers.quant_experts).
+  quant: quant_lib.Quantization | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None
@@ -212,6 +220,11 @@ class MoeFfn(nn.Module):
     (lora.Dropout or None) their inputs' dropout, per assignment from its global id (row id
     · t·k + token · k + choice), which travels with the token."""
     cfg, dt = self.cfg, self.dtype
+    if self.quant is not None and self.kernel.startswith("megablox"):
+      raise ConfigError(
+          f"MoeFfn.kernel={self.kernel!r} with task.model.quantization="
+          f"{self.quant.kind!r}: megablox gmm multiplies bfloat16 / float32 only; quantized "
+          "experts run as jax.lax.ragged_dot: set kernel='auto' or 'ragged_dot'.")
     mesh = jax.sharding.get_abstract_mesh()
     manual = base.batch_axes(mesh, self.embed_split, x.shape[0])
     ep = tuple(a for a in entry_axes(self.in_split[0]) if a in manual)
@@ -223,7 +236,17 @@ class MoeFfn(nn.Module):
     ad_gathered = [(((), g[1], ()), ((), (), g[2])) for g in gathered]
 
     def whole(w, i):  # weight i's local shard whole over the manual FSDP axes, in dt
+      if self.quant is not None:  # quantized as a shard, gathered in int8 / fp8 (`grouped`)
+        return w.astype(base.moved_dtype(dt))
       return base.gather(w.astype(base.moved_dtype(dt)), gathered[i]).astype(dt)
+
+    same = tuple(a for a in manual if a not in ep)  # devices holding the same experts
+
+    def grouped(h, w, i, sizes):  # the expert matmul h [m, k] x weight i, rows by `sizes`
+      if self.quant is None:
+        return grouped_matmul(h, w, sizes, self.kernel)
+      return quant_experts.grouped(self.quant, h, w, sizes, dt, manual, same, gathered[i],
+                                   base.gather, base.scatter)
 
     def local(x, experts, gates, ws, ads, ids, key):
       """One device's dispatch; `ads` its adapter shards, `ids` its assignments' global ids
@@ -251,7 +274,7 @@ class MoeFfn(nn.Module):
 
       if cfg.dispatch == "dropless":
         def ffn(rows, row_gates, row_ids, sizes):
-          mm = lambda h, w: grouped_matmul(h, w, sizes, self.kernel)
+          mm = lambda h, w, i: grouped(h, w, i, sizes)
           # The adapters' rank is far below megablox's tile: plain ragged_dot.
           small = lambda h, w: grouped_matmul(h, w, sizes, "ragged_dot")
           return experts_ffn(rows, row_gates, ws, whole, mm, cfg.ff_chunks,
@@ -261,8 +284,15 @@ class MoeFfn(nn.Module):
       cap = moe_dispatch.capacity(x.shape[1], cfg.top_k, cfg.num_experts,
                                   cfg.capacity_factor)
       mm = lambda h, w: jnp.einsum("emd,edf->emf", h, w)
+
+      def mm_i(h, w, i):  # quantized: the slots as rows grouped by expert
+        if self.quant is None:
+          return mm(h, w)
+        e_loc, r = h.shape[:2]
+        sizes = jnp.full((e_loc,), r, jnp.int32)
+        return grouped(h.reshape(e_loc * r, -1), w, i, sizes).reshape(e_loc, r, -1)
       ffn = lambda buf, buf_gates, buf_ids: experts_ffn(
-          buf, buf_gates, ws, whole, mm, cfg.ff_chunks, lora_for(buf, buf_ids, mm))
+          buf, buf_gates, ws, whole, mm_i, cfg.ff_chunks, lora_for(buf, buf_ids, mm))
       return moe_dispatch.capacity_dispatch(x, experts, gates, cfg.num_experts, cap, ep, n_ep,
                                             ffn, ids)
 
@@ -275,7 +305,8 @@ class MoeFfn(nn.Module):
     # A Pallas kernel (megablox gmm, TPU) has no partitioning rule: its shard_map is manual
     # over every mesh axis (those that do not split an input replicate it), and unchecked:
     # gmm's group metadata (jnp.histogram) fails to trace with manual-axis types (jax 0.10.2).
-    megablox = cfg.dispatch == "dropless" and platform() == "tpu" and not mesh.empty
+    megablox = (cfg.dispatch == "dropless" and platform() == "tpu" and not mesh.empty
+                and self.quant is None)
     if not manual and not megablox:
       return local(x, experts, gates, weights, adapters, ids, key)
     names = set(mesh.axis_names) - set(mesh.manual_axes) if megablox else set(manual)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spmdtask.core import sharding
+from spmdtask.errors import ConfigError
 from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
@@ -37,6 +38,16 @@ from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
+def _delayed(model) -> bool:
+  """Whether the model's fp8 scales are delayed (amax histories: layers.quant)."""
+  return model.quantization is not None and model.quantization_scaling == "delayed"
+
+
+_DELAYED_ACCUMULATES = (
+    "{} with task.model.quantization_scaling='delayed': a step's amaxes reach the amax "
+    "histories through their gradient slots, which microbatches sum (and divide by the "
+    "tokens), so a max is lost; train in one microbatch or set "
+    "task.model.quantization_scaling='current'.")
 # TransformerLm fields a layer (layers.block.Block) has under the same name.
 BLOCK_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "mlp_activation",
                 "rope_theta", "rope_scaling", "norm_eps", "qk_norm", "dropout_rate",
@@ -130,12 +141,13 @@ class TransformerLm(nn.Module):
   norm_offset: float = 0.0
   sandwich_norms: bool = False
   scale_embedding: bool = False
-  # Projections in None (float) | 'int8' | 'fp8', fp8 scaled 'current' (layers.quant).
+  # Projections in None (float) | 'int8' | 'fp8', fp8 scaled 'current' | 'delayed' (layers.quant).
   quantization: str | None = None
   quantization_scaling: str = "current"
   # DeepSeek-V3's multi-token prediction heads and their loss's weight (layers.mtp); 0: none.
   mtp_depth: int = 0
   mtp_loss_weight: float = 0.0
+  quantization_history: int = 16  # delayed scaling's amax history, in steps
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -169,15 +181,25 @@ class TransformerLm(nn.Module):
     return self.lora is not None
 
   def has_buffers(self) -> bool:
-    """Whether the params hold the MoE balancing bias (Buffered; layers.moe_router)."""
-    return self.moe is not None and self.moe.score_bias
+    """Whether the params hold MoE balancing biases or amax histories (Buffered)."""
+    return (self.moe is not None and self.moe.score_bias) or _delayed(self)
 
   def update_buffers(self, params, grads):
-    """The MoE balancing biases moved by the step's loads (Buffered; layers.moe_router)."""
-    return moe_lib.update_buffers(self.moe, params, grads) if self.has_buffers() else params
+    """The MoE balancing biases moved by the step's loads (Buffered; layers.moe_router),
+    the amax histories shifted by the step's amaxes (layers.quant)."""
+    if self.moe is not None and self.moe.score_bias:
+      params = moe_lib.update_buffers(self.moe, params, grads)
+    return quant_lib.update_histories(params, grads) if _delayed(self) else params
+
 
   def with_pipeline(self, pipeline):
+    if pipeline is not None and _delayed(self):
+      raise ConfigError(_DELAYED_ACCUMULATES.format("task.pipeline"))
     return self.clone(execution=pipeline)
+
+  def buffers_accumulate(self) -> bool:
+    """Whether a sum over microbatches keeps the buffers' statistics (Buffered): not maxima."""
+    return not _delayed(self)
 
   def layout_maps(self):
     return stack_lib.layout_maps(("layers",), self.execution)
@@ -204,7 +226,8 @@ class TransformerLm(nn.Module):
                 wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping,
                 sliding_window=self.sliding_window if "local" in self.attention_pattern else None,
-                quant=quant_lib.from_fields(self.quantization, self.quantization_scaling))
+                quant=quant_lib.from_fields(self.quantization, self.quantization_scaling,
+                                           self.quantization_history))
 
   def _stack(self) -> stack_lib.LayerStack:
     return stack_lib.LayerStack(Block, self.block_kwargs(), self.num_layers, self.remat_policy,
