@@ -26,7 +26,7 @@ from configs import llama
 from spmdtask.layers.attention.mla import MlaConfig
 from spmdtask.layers.moe import MoeConfig
 from spmdtask.layers.rope import YarnScaling
-from spmdtask.layers.transformer import WeightSplit
+from spmdtask.layers.lm_splits import WeightSplit
 from spmdtask.registry import register
 from spmdtask.task import Task
 

@@ -11,7 +11,8 @@ from spmdtask.inputs.prompts import SyntheticPromptInput
 from spmdtask.inputs.synthetic import SyntheticLmInput
 from spmdtask.inputs.text import PackedLmInput, TextPromptInput
 from spmdtask.layers.lora import LoraConfig
-from spmdtask.layers.transformer import ActivationSplit, TransformerLm, WeightSplit
+from spmdtask.layers.lm_splits import ActivationSplit, WeightSplit
+from spmdtask.layers.transformer import TransformerLm
 from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register

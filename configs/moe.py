@@ -11,7 +11,7 @@ import fiddle as fdl
 
 from configs import llama, lm
 from spmdtask.layers.moe import MoeConfig
-from spmdtask.layers.transformer import ActivationSplit, WeightSplit
+from spmdtask.layers.lm_splits import ActivationSplit, WeightSplit
 from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from spmdtask.registry import register

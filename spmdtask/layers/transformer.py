@@ -9,8 +9,6 @@ are a `LayerStack` (one compiled layer body whatever the depth, rematerialized u
 the cross entropy run over that many vocabulary tiles (`layers.xent`; one more head matmul
 in the backward), the head weight gathered once.
 """
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,12 +30,13 @@ from spmdtask.layers.attention.mha import KvCache
 from spmdtask.layers.attention.mla import MlaCache, MlaConfig
 from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init
 from spmdtask.layers.block import Block
+from spmdtask.layers.lm_splits import ActivationSplit, WeightSplit
 from spmdtask.layers.attention import window as window_lib
 from spmdtask.layers.rope import Scaling
 from spmdtask.core.model import Metrics, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
-BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
+
 def _delayed(model) -> bool:
   """Whether the model's fp8 scales are delayed (amax histories: layers.quant)."""
   return model.quantization is not None and model.quantization_scaling == "delayed"
@@ -53,50 +52,6 @@ BLOCK_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "mlp
                 "rope_theta", "rope_scaling", "norm_eps", "qk_norm", "dropout_rate",
                 "attention_impl", "context_attention", "context_score_block", "lora",
                 "local_rope_theta", "attention_scale", "norm_offset", "sandwich_norms", "mla")
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightSplit:
-  """Split-dims mapping of every LM weight (per weight dim, in the order shown)."""
-  embedding: SplitDims = ("model", "fsdp")        # [vocab, d_model]
-  unembed: SplitDims = ("fsdp", "model")          # [d_model, vocab]
-  q: SplitDims = ("fsdp", "model", None)          # [d_model, heads, head_dim]
-  kv: SplitDims = ("fsdp", "model", None)         # [d_model, kv_heads, head_dim]
-  o: SplitDims = ("model", None, "fsdp")          # [heads, head_dim, d_model]
-  mlp_in: SplitDims = ("fsdp", "model")           # [d_model, d_ff]
-  mlp_out: SplitDims = ("model", "fsdp")          # [d_ff, d_model]
-  norm: SplitDims = (None,)                       # [d_model]
-  # Mixture of Experts (layers.moe): no `expert` axis by default (dense meshes have none);
-  # expert parallelism sets e.g. expert_in=("expert", "fsdp", "model").
-  router: SplitDims = (None, None)                # [d_model, experts]
-  expert_in: SplitDims = (None, "fsdp", "model")  # [experts, d_model, expert d_ff]
-  expert_out: SplitDims = (None, "model", "fsdp") # [experts, expert d_ff, d_model]
-  # Multi-head latent attention (layers.attention.mla; `q` maps its direct query
-  # [d_model, heads, qk_head_dim] and `o` its output [heads, v_head_dim, d_model]).
-  mla_q_down: SplitDims = ("fsdp", None)          # [d_model, q_lora_rank]
-  mla_q_up: SplitDims = (None, "model", None)     # [q_lora_rank, heads, qk_head_dim]
-  mla_kv_down: SplitDims = ("fsdp", None)         # [d_model, kv_lora_rank + rope dim]
-  mla_kv_up: SplitDims = (None, "model", None)    # [kv_lora_rank, heads, nope + v dims]
-  mtp_proj: SplitDims = ("fsdp", None)            # [2 · d_model, d_model] (layers.mtp)
-  # Of block.GATHER_AT_ONCE: weights FSDP gathers by one all-gather over all the axes that
-  # split a dim, not one at a time (layers.base.gather_at_once); gradients still per axis.
-  gather_at_once: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class ActivationSplit:
-  """Split-dims mapping of the main activations.
-
-  The seq dim (dim 1) is whole by default; naming a mesh axis there (e.g. 'context', in
-  every field alike) splits the sequence over it: context parallelism. Attention then runs
-  across the shards as `TransformerLm.context_attention` says (layers.attention.context),
-  and the loss reorders each row's tokens zig-zag (with their targets, weights, positions
-  and segment ids) so that every shard does the same causal work.
-  """
-  embed: SplitDims = (BATCH, None, None)          # [batch, seq, d_model]
-  heads: SplitDims = (BATCH, None, "model", None) # [batch, seq, heads, head_dim]
-  ff: SplitDims = (BATCH, None, "model")          # [batch, seq, d_ff]
-  logits: SplitDims = (BATCH, None, "model")      # [batch, seq, vocab]
 
 
 class TransformerLm(nn.Module):
@@ -144,10 +99,9 @@ class TransformerLm(nn.Module):
   # Projections in None (float) | 'int8' | 'fp8', fp8 scaled 'current' | 'delayed' (layers.quant).
   quantization: str | None = None
   quantization_scaling: str = "current"
-  # DeepSeek-V3's multi-token prediction heads and their loss's weight (layers.mtp); 0: none.
-  mtp_depth: int = 0
-  mtp_loss_weight: float = 0.0
   quantization_history: int = 16  # delayed scaling's amax history, in steps
+  mtp_depth: int = 0  # DeepSeek-V3's multi-token prediction heads (layers.mtp); 0: none
+  mtp_loss_weight: float = 0.0  # their loss's weight
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
   # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
@@ -158,13 +112,11 @@ class TransformerLm(nn.Module):
     lm_checks.validate(self, mesh, global_batch_size, _moe_layers(self))
 
   def check_batch(self, batch) -> None:
-    """Rows of at most max_seq_len tokens, ids in [0, vocab_size): an error, never a silent
-    clamp (ChecksBatch)."""
+    """Rows of <= max_seq_len tokens, ids in [0, vocab_size): else an error (ChecksBatch)."""
     lm_checks.check_batch(self, batch)
 
   def work_per_example(self, example) -> Work:
-    """Train FLOPs of the params a token uses (with `moe`: top_k of the routed experts),
-    and tokens, of one example (`layers.costs.lm_work`)."""
+    """One example's train FLOPs of the params a token uses (`layers.costs.lm_work`)."""
     return costs_lib.lm_work(self.clone(execution=None), example)
 
   @nn.nowrap  # builds modules of its own: not a child of this one
@@ -185,12 +137,10 @@ class TransformerLm(nn.Module):
     return (self.moe is not None and self.moe.score_bias) or _delayed(self)
 
   def update_buffers(self, params, grads):
-    """The MoE balancing biases moved by the step's loads (Buffered; layers.moe_router),
-    the amax histories shifted by the step's amaxes (layers.quant)."""
+    """MoE biases moved by the step's loads, amax histories shifted by its amaxes (Buffered)."""
     if self.moe is not None and self.moe.score_bias:
       params = moe_lib.update_buffers(self.moe, params, grads)
     return quant_lib.update_histories(params, grads) if _delayed(self) else params
-
 
   def with_pipeline(self, pipeline):
     if pipeline is not None and _delayed(self):
@@ -218,8 +168,6 @@ class TransformerLm(nn.Module):
     return cache_lib.specs(self.activation_split_dims_mapping.heads, self.num_kv_heads,
                            mesh_shape, self.mla)
 
-  # ------------------------------------------------------------------ the network
-
   def block_kwargs(self) -> dict:
     """The fields of one layer (`layers.block.Block`)."""
     return dict({k: getattr(self, k) for k in BLOCK_FIELDS}, dtype=jnp.dtype(self.fprop_dtype),
@@ -242,18 +190,15 @@ class TransformerLm(nn.Module):
                mtp_tokens: jax.Array | None = None):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
-    With a `cache` (see `cache_shape`), returns `(logits, new_cache)`: the
-    tokens' keys/values are written at `positions` and attention reads the cache.
-    With `segment_ids` [b, t] (packed rows; `positions` then restart per segment),
-    a token attends only to earlier tokens of its own segment. With `head=False`, returns
-    `(x, w, scale)` instead of the logits: the final-norm features x [b, t, d_model], the
-    head weight w [d_model, vocab] float32 and the logits' scale (logits = scale · x @ w).
-    `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None.
-    Where the activations split the sequence over mesh axes, the layers see each row in
-    zig-zag order (layers.attention.context) and the outputs come back in the row's own
-    order; `zigzagged=True` says the rows are in zig-zag order already (the loss orders
-    them with their targets) and keeps that order. `mtp_tokens` [D, b, t] (the loss's,
-    `layers.mtp.shifted`): the D MTP heads' outputs follow the row's along the sequence.
+    `cache` (`cache_shape`): `(logits, new_cache)`, the tokens' keys/values written at
+    `positions`. `segment_ids` [b, t] (packed rows, positions restarting per segment): a
+    token attends within its segment. `head=False`: `(x, w, scale)`, the final-norm features
+    [b, t, d_model], the head weight [d_model, vocab] float32, logits = scale · x @ w.
+    `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None. Where the
+    sequence is split over mesh axes the layers see rows in zig-zag order (layers.attention.
+    context) and outputs come back in row order, unless `zigzagged` (the loss's rows are in
+    zig-zag order already). `mtp_tokens` [D, b, t] (`layers.mtp.shifted`): the D MTP heads'
+    outputs follow the row's along the sequence.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)

@@ -37,7 +37,7 @@ class VitWeightSplit:
   mlp_in: SplitDims = ("fsdp", "model")           # [d_model, d_ff]
   mlp_out: SplitDims = ("model", "fsdp")          # [d_ff, d_model]
   norm: SplitDims = (None,)                       # [d_model]
-  gather_at_once: tuple[str, ...] = ()  # as transformer.WeightSplit's
+  gather_at_once: tuple[str, ...] = ()  # as lm_splits.WeightSplit's
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,8 +34,8 @@ def test_tiny_lm_size_and_causality():
   # Grouped-query attention: 4 query heads share 2 KV heads.
   assert params["layers"]["block"]["attn"]["k"].shape == (4, 128, 2, 32)
   assert params["layers"]["block"]["attn"]["q"].shape == (4, 128, 4, 32)
-  # The model's work: 6·N·T + causal attention, 6·L·d·T² (the visible half of 12·L·d·T²).
-  t, attention = 64, 6.0 * 4 * 128 * 64 * 64
+  # The model's work: 6·N·T + causal attention, 12·L·d per visible pair, T(T + 1)/2 pairs.
+  t, attention = 64, 6.0 * 4 * 128 * 64 * 65
   assert program.work == (6.0 * n * t + attention, t, None, attention)  # every param active
 
 

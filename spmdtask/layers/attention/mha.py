@@ -129,7 +129,7 @@ class Attention(nn.Module):
   norm_eps: float = 1e-6
   context: str = "all_gather"  # across a split sequence (layers.attention.context)
   score_block: int = context_attention.SCORE_BLOCK  # pairs per head in a chunk of scores there
-  at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (transformer.WeightSplit)
+  at_once: tuple[str, ...] = ()  # of 'q', 'kv', 'o': FSDP gathers (lm_splits.WeightSplit)
   lora: lora_lib.LoraConfig | None = None
   window: int | None = None  # a local layer's (layers.attention.window); None: global
   local_rope_theta: float | None = None  # local layers' RoPE base; None: rope_theta

@@ -14,7 +14,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.layers import transformer
 from spmdtask.layers.attention.mla import Mla, MlaConfig
 from spmdtask.layers.rope import YarnScaling
-from spmdtask.layers.transformer import WeightSplit
+from spmdtask.layers.lm_splits import WeightSplit
 
 
 def _tiny(q_lora_rank):
