@@ -96,6 +96,23 @@ class DeepSeekV3(llama._Llama):  # pylint: disable=protected-access
         max_seq_len=163840, rope_theta=10000.0)
 
 
+@register
+class DeepSeekV3_V5p1024(DeepSeekV3):
+  """DeepSeek-V3 doing the work of MaxText's published tuning config for v5p-1024
+  (benchmarks/maxtext_v5p_model_configs.py `deepseek3_671b_v5p_1024`; compare_maxtext's
+  `deepseek3_671b_v5p1024`): 6 rows x 8192 tokens per chip (global 3072 rows = 25M tokens),
+  12 times `DeepSeekV3`'s 1 x 4096. Each layer's input alone is then 672 MiB a chip (43 GiB
+  for 61 layers), so as that config offloads `decoder_layer_input` to the host, every
+  layer's input goes to the host and the rest is recomputed (`full_offloaded`)."""
+  batch_size = 3072
+  seq_len = 8192
+
+  def model(self):
+    cfg = super().model()
+    cfg.remat_policy = "full_offloaded"
+    return cfg
+
+
 def tiny_v3(vocab_size: int = 256) -> fdl.Config:
   """A tiny DeepSeek-V3: 3 layers (the first dense), d 64, 4 heads, MLA (q latent 32, KV
   latent 16, nope 8 / rope 8 / v 8, YaRN), 8 experts of 32 in 4 groups (top-2 of the 2

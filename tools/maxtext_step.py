@@ -22,10 +22,39 @@ MaxText's. OUT_DIR then holds:
   memory.json  every numeric field of `compiled.memory_analysis()`;
   cost.json    `compiled.cost_analysis()` (XLA's, each loop body counted once);
   config.json  the arguments train_compile got and the LIBTPU_INIT_ARGS it ran under.
+
+MaxText asks for Python >= 3.12, but its train step's import graph uses only one 3.12-only
+construct: the `type NAME = ...` alias statement (src/maxtext/kernels/mhc/api.py and
+common.py as of e591f30cb). Under Python 3.11 this process loads MaxText's modules through
+`_Py311Aliases`, which rewrites each such line into the plain assignment `NAME = ...` (the
+same alias for every use there: annotations) before compiling it; MaxText's files on disk are
+not touched.
 """
+import importlib.abc
+import importlib.machinery
 import json
 import os
+import re
 import sys
+
+_TYPE_ALIAS = re.compile(rb"^type (\w+) = ", re.MULTILINE)
+
+
+class _Py311Aliases(importlib.abc.MetaPathFinder):
+  """Finds `maxtext.*` modules as the path finder does, compiling `type X = Y` as `X = Y`."""
+
+  class Loader(importlib.machinery.SourceFileLoader):
+
+    def source_to_code(self, data, path, *, _optimize=-1):  # pylint: disable=arguments-differ
+      return super().source_to_code(_TYPE_ALIAS.sub(rb"\1 = ", data), path)
+
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname.split(".")[0] != "maxtext":
+      return None
+    spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+    if spec and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+      spec.loader = self.Loader(fullname, spec.origin)
+    return spec
 
 
 def _numbers(obj) -> dict:
@@ -57,6 +86,8 @@ def main() -> None:
     print(__doc__.split("\n\n")[1] if len(sys.argv) > 1 else __doc__, file=sys.stderr)
     sys.exit(2)
   out, rest = sys.argv[1], sys.argv[2:]
+  if sys.version_info < (3, 12):
+    sys.meta_path.insert(0, _Py311Aliases())
   if rest and rest[0].startswith("--benchmark="):
     rest = benchmark_args(rest[0].split("=", 1)[1], rest[1:])
   argv = [sys.argv[0]] + rest
