@@ -198,16 +198,7 @@ class TransformerLm(nn.Module):
     return dict({k: getattr(self, k) for k in BLOCK_FIELDS}, dtype=jnp.dtype(self.fprop_dtype),
                 wsplit=self.weight_split_dims_mapping,
                 asplit=self.activation_split_dims_mapping,
-                sliding_window=self.sliding_window if "local" in self.attention_pattern else None)
-    return dict(d_model=self.d_model, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, d_ff=self.d_ff,
-                mlp_activation=self.mlp_activation, rope_theta=self.rope_theta,
-                rope_scaling=self.rope_scaling, norm_eps=self.norm_eps, qk_norm=self.qk_norm,
-                dropout_rate=self.dropout_rate, attention_impl=self.attention_impl,
-                context_attention=self.context_attention,
-                context_score_block=self.context_score_block,
-                dtype=jnp.dtype(self.fprop_dtype), wsplit=self.weight_split_dims_mapping,
-                asplit=self.activation_split_dims_mapping, lora=self.lora,
+                sliding_window=self.sliding_window if "local" in self.attention_pattern else None,
                 quant=quant_lib.from_fields(self.quantization, self.quantization_scaling))
 
   def _stack(self) -> stack_lib.LayerStack:

@@ -132,3 +132,21 @@ def test_composes_with_moe_and_context(exp):
   with jax.set_mesh(_mesh(run.task)):
     many = jax.jit(loss)(params, batch)
   assert abs(float(many) - float(one)) < 1e-2, (float(many), float(one))
+
+
+def test_the_model_field_quantizes():
+  """`task.model.quantization` reaches the blocks: TinyLm's int8 loss at init moves off the
+  float loss (by more than float32 noise, less than the quantizer's error could), and the
+  jaxprs hold int8 and fp8 dots. (A merge once left the field unread: every run was float.)"""
+  losses = {}
+  for q in (None, "int8", "fp8"):
+    run = util.build_run("TinyLm", [f"task.model.quantization={q!r}"])
+    model = run.task.model
+    batch = jax.tree.map(jnp.asarray, dict(run.datasets["train"].batch_at(0)))
+    params = model.init(jax.random.key(0), batch, method=model.loss)
+    fn = lambda p, b, m=model: m.apply(p, b, method=m.loss)[0]
+    text = str(jax.make_jaxpr(fn)(params, batch))
+    assert ("i8[" in text) == (q == "int8") and ("f8_e4m3fn[" in text) == (q == "fp8"), q
+    if q != "fp8":  # (fp8's numbers are the layer tests')
+      losses[q] = float(jax.jit(fn)(params, batch))
+  assert 1e-6 < abs(losses["int8"] - losses[None]) < 5e-2, losses
