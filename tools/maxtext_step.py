@@ -10,7 +10,10 @@ published tuning configs from its `benchmarks/` package (a `MaxTextModel`): its
 `model_type` becomes `model_name=`, each of its `tuning_params` a `key=value` argument (but
 the profiler's and the dataset path's, which a compile does not use), and its `xla_flags`
 go before LIBTPU_INIT_ARGS, as MaxText's benchmark runner sets them; `key=value` arguments
-given after it override its values.
+given after it override its values. A tuning key this MaxText's base.yml no longer has is
+left out and listed in config.json (`deepseek3_671b_v5p_1024`'s tile_batch_seq 512,
+tile_embed_dim 1024, tile_mlp_dim 1024 at e591f30cb: renamed wi_tile_* / wo_tile_*, whose
+defaults are those same 512 / 1024 / 1024).
 
 How the compiled step is taken out without editing MaxText: this process imports
 `maxtext.trainers.pre_train.train_compile`, wraps its module-level `jit_and_compile` (the
@@ -62,6 +65,8 @@ def _numbers(obj) -> dict:
           if not k.startswith("_") and isinstance(getattr(obj, k), (int, float))}
 
 
+DROPPED: list[str] = []  # benchmark tuning keys this MaxText's base.yml no longer has
+
 # Tuning params a compile does not read (the profiler's; a dataset path for synthetic data).
 _NOT_FOR_COMPILE = ("profiler", "skip_first_n_steps_for_profiler", "profiler_steps",
                     "dataset_path")
@@ -69,13 +74,18 @@ _NOT_FOR_COMPILE = ("profiler", "skip_first_n_steps_for_profiler", "profiler_ste
 
 def benchmark_args(spec: str, args: list[str]) -> list[str]:
   """`args` (the config yml first) with MaxText's benchmark config `spec` put before the
-  overrides; its XLA flags prepended to LIBTPU_INIT_ARGS."""
+  overrides; its XLA flags prepended to LIBTPU_INIT_ARGS. A tuning key the config yml does
+  not know (MaxText refuses unknown keys) is left out and named in DROPPED."""
   import importlib  # pylint: disable=import-outside-toplevel
   module, name = spec.split(":")
   model = getattr(importlib.import_module(f"benchmarks.{module}"), name)
   given = {a.split("=", 1)[0] for a in args[1:]}
-  tuned = [f"{k}={v}" for k, v in {"model_name": model.model_type, **model.tuning_params}.items()
-           if k not in _NOT_FOR_COMPILE and k not in given]
+  with open(args[0]) as f:  # the keys MaxText's config (base.yml) accepts
+    known = {m.group(1) for m in re.finditer(r"^(\w+):", f.read(), re.MULTILINE)}
+  params = {"model_name": model.model_type, **model.tuning_params}
+  DROPPED.extend(k for k in params if k not in known and k not in _NOT_FOR_COMPILE)
+  tuned = [f"{k}={v}" for k, v in params.items()
+           if k not in _NOT_FOR_COMPILE and k not in given and k not in DROPPED]
   os.environ["LIBTPU_INIT_ARGS"] = (model.xla_flags + " "
                                     + os.environ.get("LIBTPU_INIT_ARGS", "")).strip()
   return args[:1] + tuned + args[1:]
@@ -93,8 +103,8 @@ def main() -> None:
   argv = [sys.argv[0]] + rest
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "config.json"), "w") as f:
-    json.dump({"argv": rest, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}, f,
-              indent=1)
+    json.dump({"argv": rest, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
+               "dropped_benchmark_keys": DROPPED}, f, indent=1)
   from absl import flags  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
   flags.FLAGS(argv[:1])  # what absl's app.run would have parsed: no flags of its own
