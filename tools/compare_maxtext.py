@@ -30,8 +30,10 @@ Configs (`--config`, or `all`):
                       tests/end_to_end/tpu/deepseek/v2-16b/test_deepseek.sh at those tokens:
                       `model_name=deepseek2-16b per_device_batch_size=4 max_target_length=4096
                       ici_fsdp_parallelism=-1 attention=flash sparse_matmul=True megablox=True
-                      use_tokamax_gmm=True dtype=bfloat16` (full remat, base.yml's default, as
-                      the script; float32 weights, as spmdtask's, where it sets bfloat16);
+                      dtype=bfloat16` (full remat, base.yml's default, as the script; float32
+                      weights, as spmdtask's, where it sets bfloat16; megablox's gmm where it
+                      sets use_tokamax_gmm=True, which an ahead-of-time compile on a CPU host
+                      refuses);
   deepseek3_671b_v5p1024  DeepSeek-V3 on v5p-1024: `deepseek.DeepSeekV3_V5p1024` (6 x 8192
                       tokens per chip) against MaxText's published tuning config
                       `deepseek3_671b_v5p_1024` (benchmarks/maxtext_v5p_model_configs.py).
@@ -117,13 +119,15 @@ CONFIGS = {
          "dataset_type=synthetic")),
     # MaxText's DeepSeek end-to-end script's pre-training run (tests/end_to_end/tpu/deepseek/
     # v2-16b/test_deepseek.sh) at the 4 x 4096 tokens per chip over the whole slice;
-    # float32 weights (base.yml's default, as spmdtask's) where the script sets bfloat16.
+    # float32 weights (base.yml's default, as spmdtask's) where the script sets bfloat16;
+    # megablox's gmm where it sets use_tokamax_gmm=True (tokamax's ragged_dot picks its kernel
+    # by the device it traces on: "Not supported on cpu" in an ahead-of-time compile).
     "deepseek2_16b_v5p128": Config(
         "deepseek.DeepSeekV2Lite", "v5p:4x4x4",
         ("compile_topology=v5p-128", "compile_topology_num_slices=1",
          "model_name=deepseek2-16b", "per_device_batch_size=4", "max_target_length=4096",
          "ici_fsdp_parallelism=-1", "attention=flash", "sparse_matmul=True", "megablox=True",
-         "use_tokamax_gmm=True", "dtype=bfloat16", "dataset_type=synthetic")),
+         "dtype=bfloat16", "dataset_type=synthetic")),
     "deepseek3_671b_v5p1024": Config(
         "deepseek.DeepSeekV3_V5p1024", "v5p:8x8x8",
         ("compile_topology=v5p-1024", "compile_topology_num_slices=1"),
