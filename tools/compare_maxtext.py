@@ -37,6 +37,9 @@ Configs (`--config`, or `all`):
   deepseek3_671b_v5p1024  DeepSeek-V3 on v5p-1024: `deepseek.DeepSeekV3_V5p1024` (6 x 8192
                       tokens per chip) against MaxText's published tuning config
                       `deepseek3_671b_v5p_1024` (benchmarks/maxtext_v5p_model_configs.py).
+MaxText (e591f30cb, which asks for Python >= 3.12) runs unpatched under Python 3.11: its one
+3.12-only construct on the train step's imports, `type X = ...` in kernels/mhc/, is compiled
+as `X = ...` by tools/maxtext_step.py's import hook; docs/plans.md builds that Python.
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
@@ -252,8 +255,8 @@ def main() -> None:
   p.add_argument("--maxtext_dir", required=True, help="a MaxText checkout (its src/ and "
                  "benchmarks/)")
   p.add_argument("--maxtext_python", required=True, help="a Python with MaxText's "
-                 "requirements and jax[tpu] (libtpu); today's MaxText needs Python >= 3.12 "
-                 "and jax, jaxlib and libtpu pinned to spmdtask's versions")
+                 "requirements and jax[tpu] (libtpu): jax, jaxlib and libtpu at spmdtask's "
+                 "versions; Python 3.11 will do (tools/maxtext_step.py; docs/plans.md)")
   p.add_argument("--config", default="all", choices=[*CONFIGS, "all"])
   p.add_argument("--out", default="/tmp/spmdtask_compare_maxtext")
   p.add_argument("--reuse", action="store_true", help="keep compiles already under --out")
