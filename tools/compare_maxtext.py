@@ -22,7 +22,24 @@ Configs (`--config`, or `all`):
   gemma3_27b_v6e256   Gemma 3 27B (text) on v6e-256: `gemma3.Gemma3_27B` (FSDP 16 x 16,
                       1 x 8192 tokens per chip) against MaxText's `model_name=gemma3-27b
                       per_device_batch_size=1 max_target_length=8192 ici_fsdp_parallelism=-1`
-                      (its defaults else; its vocabulary 262144, the HF checkpoint's 262208).
+                      (its defaults else; its vocabulary 262144, the HF checkpoint's 262208);
+  llama3_8b_int8_v5e256  `llama3_8b_v5e256` with int8 matmuls on both sides: spmdtask's
+                      `--fdl_set=task.model.quantization='int8'`, MaxText's `quantization=int8`;
+  deepseek2_16b_v5p128  DeepSeek-V2-Lite on v5p-128: `deepseek.DeepSeekV2Lite` (FSDP over 64
+                      chips, 4 x 4096 tokens per chip) against the pre-training run of MaxText's
+                      tests/end_to_end/tpu/deepseek/v2-16b/test_deepseek.sh at those tokens:
+                      `model_name=deepseek2-16b per_device_batch_size=4 max_target_length=4096
+                      ici_fsdp_parallelism=-1 attention=flash sparse_matmul=True megablox=True
+                      dtype=bfloat16` (full remat, base.yml's default, as the script; float32
+                      weights, as spmdtask's, where it sets bfloat16; megablox's gmm where it
+                      sets use_tokamax_gmm=True, which an ahead-of-time compile on a CPU host
+                      refuses);
+  deepseek3_671b_v5p1024  DeepSeek-V3 on v5p-1024: `deepseek.DeepSeekV3_V5p1024` (6 x 8192
+                      tokens per chip) against MaxText's published tuning config
+                      `deepseek3_671b_v5p_1024` (benchmarks/maxtext_v5p_model_configs.py).
+MaxText (e591f30cb, which asks for Python >= 3.12) runs unpatched under Python 3.11: its one
+3.12-only construct on the train step's imports, `type X = ...` in kernels/mhc/, is compiled
+as `X = ...` by tools/maxtext_step.py's import hook; docs/plans.md builds that Python.
 MaxText's side runs tools/maxtext_step.py under `--maxtext_python` (MaxText's own
 `train_compile`, its compiled step kept; MaxText's benchmark config read from its source,
 its XLA flags set in LIBTPU_INIT_ARGS). spmdtask's side runs `python -m spmdtask.main
@@ -64,14 +81,18 @@ class Config:
   topology: str               # spmdtask's --plan_topology, e.g. 'v5e:16x16'
   maxtext_args: tuple[str, ...]  # train_compile's key=value arguments after base.yml
   benchmark: str | None = None   # MaxText benchmarks/ config 'module:name' (tools/maxtext_step.py)
+  fdl_set: tuple[str, ...] = ()  # spmdtask's --fdl_set overrides of `exp`
 
+
+LLAMA3_8B_V5E256 = ("compile_topology=v5e-256", "compile_topology_num_slices=1",
+                    "model_name=llama3-8b", "per_device_batch_size=1", "max_target_length=8192",
+                    "ici_fsdp_parallelism=-1", "dataset_type=synthetic")
 
 CONFIGS = {
-    "llama3_8b_v5e256": Config(
-        "llama.Llama3_8B", "v5e:16x16",
-        ("compile_topology=v5e-256", "compile_topology_num_slices=1", "model_name=llama3-8b",
-         "per_device_batch_size=1", "max_target_length=8192", "ici_fsdp_parallelism=-1",
-         "dataset_type=synthetic")),
+    "llama3_8b_v5e256": Config("llama.Llama3_8B", "v5e:16x16", LLAMA3_8B_V5E256),
+    "llama3_8b_int8_v5e256": Config(
+        "llama.Llama3_8B", "v5e:16x16", (*LLAMA3_8B_V5E256, "quantization=int8"),
+        fdl_set=("task.model.quantization='int8'",)),
     "llama31_8b_v6e256": Config(
         "llama.Llama31_8B_V6e256", "v6e:16x16",
         ("compile_topology=v6e-256", "compile_topology_num_slices=1"),
@@ -99,6 +120,21 @@ CONFIGS = {
         ("compile_topology=v6e-256", "compile_topology_num_slices=1", "model_name=gemma3-27b",
          "per_device_batch_size=1", "max_target_length=8192", "ici_fsdp_parallelism=-1",
          "dataset_type=synthetic")),
+    # MaxText's DeepSeek end-to-end script's pre-training run (tests/end_to_end/tpu/deepseek/
+    # v2-16b/test_deepseek.sh) at the issue's 4 x 4096 tokens per chip over the whole slice;
+    # float32 weights (base.yml's default, as spmdtask's) where the script sets bfloat16;
+    # megablox's gmm where it sets use_tokamax_gmm=True (tokamax's ragged_dot picks its kernel
+    # by the device it traces on: "Not supported on cpu" in an ahead-of-time compile).
+    "deepseek2_16b_v5p128": Config(
+        "deepseek.DeepSeekV2Lite", "v5p:4x4x4",
+        ("compile_topology=v5p-128", "compile_topology_num_slices=1",
+         "model_name=deepseek2-16b", "per_device_batch_size=4", "max_target_length=4096",
+         "ici_fsdp_parallelism=-1", "attention=flash", "sparse_matmul=True", "megablox=True",
+         "dtype=bfloat16", "dataset_type=synthetic")),
+    "deepseek3_671b_v5p1024": Config(
+        "deepseek.DeepSeekV3_V5p1024", "v5p:8x8x8",
+        ("compile_topology=v5p-1024", "compile_topology_num_slices=1"),
+        "maxtext_v5p_model_configs:deepseek3_671b_v5p_1024"),
 }
 
 
@@ -133,7 +169,7 @@ def stored_compiled(out: str):
 def spmdtask_plan(cfg: Config, out: str) -> dict:
   """spmdtask's plan.json for `cfg` (tools/compare_plans.py), also where XLA refused it."""
   try:
-    return compare_plans.plan(cfg.exp, [], f"tpu:{cfg.topology}", out)
+    return compare_plans.plan(cfg.exp, list(cfg.fdl_set), f"tpu:{cfg.topology}", out)
   except SystemExit:  # exit 4 on XLA's out-of-memory: the plan says so
     path = compare_plans.plan_json(out, f"tpu:{cfg.topology}")
     if not os.path.exists(path):
@@ -219,8 +255,8 @@ def main() -> None:
   p.add_argument("--maxtext_dir", required=True, help="a MaxText checkout (its src/ and "
                  "benchmarks/)")
   p.add_argument("--maxtext_python", required=True, help="a Python with MaxText's "
-                 "requirements and jax[tpu] (libtpu); today's MaxText needs Python >= 3.12 "
-                 "and jax, jaxlib and libtpu pinned to spmdtask's versions")
+                 "requirements and jax[tpu] (libtpu): jax, jaxlib and libtpu at spmdtask's "
+                 "versions; Python 3.11 will do (tools/maxtext_step.py; docs/plans.md)")
   p.add_argument("--config", default="all", choices=[*CONFIGS, "all"])
   p.add_argument("--out", default="/tmp/spmdtask_compare_maxtext")
   p.add_argument("--reuse", action="store_true", help="keep compiles already under --out")

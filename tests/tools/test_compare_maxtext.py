@@ -1,5 +1,7 @@
 """tools/compare_maxtext.py: the side-by-side numbers and their table, from reports alone (no
 compile)."""
+import sys
+
 from tools import compare_maxtext
 
 GIB = 2**30
@@ -32,3 +34,27 @@ def test_quantities_and_table():
   assert "| bound by | compute | compute | - |" in lines
   assert "| all-reduce ops | - | 197 | - |" in lines
   assert len(lines) == 2 + len(theirs)
+
+
+def test_every_config_names_a_registered_experiment():
+  from spmdtask import registry  # pylint: disable=import-outside-toplevel
+  for name, cfg in compare_maxtext.CONFIGS.items():
+    assert registry.get(cfg.exp), name
+  int8 = compare_maxtext.CONFIGS["llama3_8b_int8_v5e256"]
+  assert int8.fdl_set == ("task.model.quantization='int8'",)
+  assert "quantization=int8" in int8.maxtext_args
+
+
+def test_maxtext_step_compiles_py312_type_aliases_under_py311(tmp_path, monkeypatch):
+  """tools/maxtext_step.py's import hook: MaxText's `type X = ...` lines load as `X = ...`."""
+  from tools import maxtext_step  # pylint: disable=import-outside-toplevel
+  (tmp_path / "maxtext").mkdir()
+  (tmp_path / "maxtext" / "__init__.py").write_text("")
+  (tmp_path / "maxtext" / "aliases.py").write_text(
+      "from typing import Literal\ntype Impl = Literal['a', 'b']\nN = 3\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.setattr(sys, "meta_path", [maxtext_step._Py311Aliases(), *sys.meta_path])
+  for m in ("maxtext", "maxtext.aliases"):
+    monkeypatch.delitem(sys.modules, m, raising=False)
+  import maxtext.aliases  # pylint: disable=import-outside-toplevel,import-error
+  assert str(maxtext.aliases.Impl) == "typing.Literal['a', 'b']" and maxtext.aliases.N == 3
