@@ -84,6 +84,12 @@ class Decodable(Protocol):
     """The cache's PartitionSpecs (a tree like `cache_shape`) on this mesh."""
 
 
+def cache_bytes_per_token(model: Decodable) -> int:
+  """Decode cache bytes per token of one row over all layers (`cache_shape`'s leaves per
+  slot): what a row's context costs beside the params, before any split over the mesh."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.cache_shape(1, 1)))
+
+
 @runtime_checkable
 class ChecksBatch(Protocol):
   """A model that checks each host batch before it is fed (e.g. token ids < vocab_size).

@@ -280,12 +280,6 @@ def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = F
   return token_xent, stats
 
 
-def cache_bytes_per_token(model: TransformerLm) -> int:
-  """Decode cache bytes per token over all layers (`cache_shape`'s leaves / slots): with
-  `mla` (kv_lora_rank + qk_rope_head_dim) · dtype bytes · layers."""
-  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(model.cache_shape(1, 1)))
-
-
 def _moe_layers(model: TransformerLm) -> int:
   """Layers of the stack named `layers` (the one the execution strategy runs)."""
   return model.num_layers - (model.moe.first_moe_layer if model.moe else 0)

@@ -39,6 +39,7 @@ from spmdtask import console, fs
 from spmdtask.plan import (buffers, hlo, oom, overlap, owners, printout, remat_cost, roofline,
                            stage_roofline, targets, xla_cost, xla_log)
 from spmdtask.core import memory, sharding, train_state
+from spmdtask.core import model as model_lib
 from spmdtask.core import program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.plan.oom import check_fits  # (re-exported: the budget check is oom's)
@@ -332,6 +333,10 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     plan["programs"] = programs
     plan["stage_plans"] = stage_plans
   plan["describe"] = program.describe()  # after stage_report: MPMD stage costs measured
+  if isinstance(program.model, model_lib.Decodable):  # what decoding holds per row of context
+    plan["decode_cache"] = {
+        "bytes_per_token_per_row": model_lib.cache_bytes_per_token(program.model),
+        "max_seq_len": program.model.max_seq_len}
   if phases is not None and compiled is not None:
     plan["phases"] = [{"name": "training", "calls_per_step": 1,
                        "compiled": compiled_memory(compiled)}] + [

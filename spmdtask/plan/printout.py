@@ -92,6 +92,12 @@ def format_plan(plan: dict) -> list[str]:
         f"({mb(plan['trainable_params_bytes_per_device'])} per device), frozen "
         f"{plan['num_frozen_params']:,} ({mb(plan['frozen_params_bytes_per_device'])} per "
         f"device); optimizer state {mb(plan['opt_state_bytes_per_device'])} per device")
+  if "decode_cache" in plan:  # decoding's, not the train step's memory
+    cache = plan["decode_cache"]
+    per_token, t_max = cache["bytes_per_token_per_row"], cache["max_seq_len"]
+    lines.append(f"decode cache (--mode=decode, not in this step's memory): {per_token:,} B per "
+                 f"token of a row over all layers, {mb(per_token * t_max)} a row at max_seq_len "
+                 f"{t_max:,}, before any split over the mesh")
   if "compiler_out_of_memory" in plan:
     return lines + ["compiled step: XLA refused it, out of memory (its line is below)"]
   c, f = plan["compiled"], plan["flops_per_step"]

@@ -10,7 +10,7 @@ import pytest
 from spmdtask import registry
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
-from spmdtask.layers import transformer
+from spmdtask.core import model as model_lib
 from spmdtask.layers.block import num_params
 from tests import util
 from tests.configs import test_moe
@@ -53,7 +53,7 @@ def test_decode_cache_holds_every_position_in_every_layer():
   """docs/families/gemma3.md's figure: Gemma3_27B's cache per token is its 62 layers' keys
   and values (16 KV heads of 128, bfloat16), local layers included (no ring)."""
   model = fdl.build(registry.get("gemma3.Gemma3_27B")().task().model)
-  assert transformer.cache_bytes_per_token(model) == 62 * 2 * 16 * 128 * 2 == 507_904
+  assert model_lib.cache_bytes_per_token(model) == 62 * 2 * 16 * 128 * 2 == 507_904
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -73,7 +73,13 @@ def test_llama32_1b_plans_from_shapes_alone(tmp_path):
   grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
   n = PUBLISHED["Llama32_1B"]
   assert got["num_params"] == n and got["mesh"] == {"data": 1, "fsdp": 8, "fsdp_b": 1, "model": 1}
-  assert "(1,235,814,400 params)" in printout.format_plan(got)[0]
+  lines = printout.format_plan(got)
+  assert "(1,235,814,400 params)" in lines[0]
+  # Decoding's cache beside it: k and v, 16 layers x 8 KV heads x 64, bfloat16.
+  assert got["decode_cache"] == {"bytes_per_token_per_row": 2 * 16 * 8 * 64 * 2,
+                                 "max_seq_len": 131072}
+  assert any(l.startswith("decode cache (--mode=decode, not in this step's memory): 32,768 B "
+                          "per token of a row over all layers") for l in lines), lines
   # float32 params + Adam's two moments, split 8 ways (a few replicated norms aside).
   assert abs(got["state_bytes_per_device"] - 12 * n / 8) / (12 * n / 8) < 0.01
   assert grown < 2e9, grown

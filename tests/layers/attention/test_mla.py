@@ -11,7 +11,7 @@ import pytest
 from configs import deepseek
 from spmdtask import registry
 from spmdtask.errors import ConfigError
-from spmdtask.layers import transformer
+from spmdtask.core import model as model_lib
 from spmdtask.layers.attention.mla import Mla, MlaConfig
 from spmdtask.layers.rope import YarnScaling
 from spmdtask.layers.lm_splits import WeightSplit
@@ -53,9 +53,9 @@ def test_cache_per_token_is_the_latent_and_the_rope_key():
   v3 = fdl.build(registry.get("deepseek.DeepSeekV3")().task().model)
   cache = v3.cache_shape(3, 16)
   assert cache.latent.shape == (61, 3, 16, 512) and cache.k_rope.shape == (61, 3, 16, 64)
-  assert transformer.cache_bytes_per_token(v3) == (512 + 64) * 2 * 61 == 70_272  # bfloat16
+  assert model_lib.cache_bytes_per_token(v3) == (512 + 64) * 2 * 61 == 70_272  # bfloat16
   tiny = _tiny(32)
-  assert transformer.cache_bytes_per_token(tiny) == (16 + 8) * 4 * 3  # float32, 3 layers
+  assert model_lib.cache_bytes_per_token(tiny) == (16 + 8) * 4 * 3  # float32, 3 layers
   specs = v3.cache_split_dims({"data": 1, "fsdp": 4, "fsdp_b": 2, "model": 2})
   assert specs.latent == jax.sharding.PartitionSpec(None, ("data", "fsdp", "fsdp_b"), None,
                                                     None)
