@@ -17,7 +17,7 @@ Configs (`--config`, or `all`):
                       max_target_length=4096 ici_fsdp_parallelism=-1 remat_policy=full
                       attention=flash megablox=True sparse_matmul=True`;
   llama31_8b_128k_v5p128  Llama-3.1-8B on rows of 131,072 tokens on v5p-128:
-                      `llama.Llama31_8B_128k` (context 16 x fsdp 4, ring attention) against
+                      `llama.Llama31_8B_128k` (context 16 x fsdp 4, all_gather attention) against
                       MaxText's `ici_context_parallelism=16 ici_fsdp_parallelism=-1` (4 rows);
   gemma3_27b_v6e256   Gemma 3 27B (text) on v6e-256: `gemma3.Gemma3_27B` (FSDP 16 x 16,
                       1 x 8192 tokens per chip) against MaxText's `model_name=gemma3-27b
