@@ -185,6 +185,13 @@ def whole(w: qarray.QArray, w_axes: Axes, gather) -> qarray.QArray:
   return qarray.QArray(gather(w.qvalue, w_axes), gather(w.scale, scale_axes), None, w.qtype)
 
 
+def sum_unsplit(dw: jax.Array, axes: tuple[str, ...], w_axes: Axes) -> jax.Array:
+  """w's gradient summed over those of `axes` (devices with rows of their own) that split
+  no dim of w: there each device holds the same shard and made its rows' share of it."""
+  unsplit = tuple(a for a in axes if not any(a in ax for ax in w_axes))
+  return jax.lax.psum(dw, unsplit) if unsplit else dw
+
+
 def _delayed(history: jax.Array | None, current: jax.Array) -> jax.Array:
   """The absmax a scale is made from: `current`, or under delayed scaling the history
   row's max (the current while the history is empty: the first step)."""
@@ -252,10 +259,7 @@ def _backward(spec: _Spec, res, g):
 
   dx = grad(whole(wq, spec.w_axes, spec.gather), True).astype(spec.x_dtype)
   dw = grad(xq, False).astype(spec.w_dtype)
-  # Rows split over axes that do not split w (data parallelism): w's gradient sums there.
-  replicated = tuple(a for a in spec.rows if not any(a in ax for ax in spec.w_axes))
-  if replicated:
-    dw = jax.lax.psum(dw, replicated)
+  dw = sum_unsplit(dw, spec.rows, spec.w_axes)  # rows split where w is not: data parallel
   # The history's gradient slot carries the step's amaxes (x, w, g) in column 0.
   dh = None if seen is None else jnp.zeros_like(seen[0]).at[:, 0].set(
       jnp.stack([seen[1], seen[2], ag]).astype(seen[0].dtype))

@@ -137,10 +137,7 @@ def _backward(spec: _Spec, res, g):
   dw = jax.lax.ragged_dot_general(xq.qvalue, values, sizes, _W_GRAD_DIMS,
                                   preferred_element_type=_accumulator(q))
   dw = (dw.astype(jnp.float32) * scale[:, None, :]).astype(spec.w_dtype)
-  # Devices holding the same experts' shard (not split by w's axes): w's gradient sums there.
-  sums = tuple(a for a in spec.same if not any(a in ax for ax in spec.w_axes))
-  if sums:
-    dw = jax.lax.psum(dw, sums)
+  dw = quant_lib.sum_unsplit(dw, spec.same, spec.w_axes)  # devices holding the same experts
   return dx, spec.scatter(dw, spec.w_axes), None
 
 
