@@ -106,7 +106,8 @@ def _swiglu(x, gates, wi, wg, wo, matmul, lora: ExpertLora | None = None, part=0
 
 
 def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul: Callable,
-                chunks: int, lora: ExpertLora | None = None) -> jax.Array:
+                chunks: int, lora: ExpertLora | None = None,
+                place: moe_dispatch.Placement | None = None) -> jax.Array:
   """x [..., d] through the routed experts' SwiGLU, each row times its gate (`gates` [...]);
   `weights` (wi, wg [E, d, f], wo [E, f, d]) as this device holds them, `whole(w, i)` the
   i-th of them whole (gathered over FSDP axes, in the compute dtype; quantized: the shard,
@@ -120,12 +121,19 @@ def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul
   preset's MLP names are not kept across slices; each slice's weight gradients are its
   own, never summed over steps). The gates are applied inside, so the gates' gradient
   comes from each slice's backward and a remat'd layer need not rerun the slices for it.
-  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1. The
+  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1.
+
+  With `place` (moe_dispatch.Placement) `x` are the tokens [g, t, d]: each slice makes its
+  rows from them and returns its output to them (the result [g, t, d]), so no [m, d] array
+  (m = tokens · top_k) outlives a slice, in the forward or the backward, and the float32
+  sum is over tokens, top_k times smaller than over rows. The
   adapters' f-dim factors (wi's and wg's B, wo's A) are sliced alike; the others and
   `lora.x_in` are every slice's (x·A is recomputed per slice: r columns, cheap)."""
   def run(x, gates, wi, wg, wo, adapters, part):
     ad = None if lora is None else lora._replace(adapters=adapters)
-    return _swiglu(x, gates, whole(wi, 0), whole(wg, 1), whole(wo, 2), matmul, ad, part)
+    rows = x if place is None else place.rows(x)
+    out = _swiglu(rows, gates, whole(wi, 0), whole(wg, 1), whole(wo, 2), matmul, ad, part)
+    return out if place is None else place.tokens(out)
 
   ads = None if lora is None else lora.adapters
   if chunks == 1:
@@ -273,12 +281,14 @@ class MoeFfn(nn.Module):
             self.lora.scale, matmul, lambda h, part: dropped(h, wo + n * part))
 
       if cfg.dispatch == "dropless":
-        def ffn(rows, row_gates, row_ids, sizes):
+        def ffn(rows, row_gates, row_ids, sizes, place):
+          if place is not None and ads is not None:  # the adapters' inputs: rows made once
+            return place.tokens(ffn(place.rows(rows), row_gates, row_ids, sizes, None))
           mm = lambda h, w, i: grouped(h, w, i, sizes)
           # The adapters' rank is far below megablox's tile: plain ragged_dot.
           small = lambda h, w: grouped_matmul(h, w, sizes, "ragged_dot")
           return experts_ffn(rows, row_gates, ws, whole, mm, cfg.ff_chunks,
-                             lora_for(rows, row_ids, small))
+                             lora_for(rows, row_ids, small), place)
         return moe_dispatch.dropless(x, experts, gates, cfg.num_experts // n_ep, ep, n_ep, ffn,
                                      ids)
       cap = moe_dispatch.capacity(x.shape[1], cfg.top_k, cfg.num_experts,

@@ -10,7 +10,9 @@ their experts' devices by all-to-all, and back.
 
 - `dropless`: every assignment is computed. Assignments are sorted by expert and run as one
   grouped matmul (`ffn` gets rows sorted by local expert and the group sizes), then gathered
-  back in token order (no scatter, no buffer besides the sorted rows). With expert
+  back in token order (no scatter, no buffer besides the sorted rows). Without expert
+  parallelism `ffn` gets the tokens and a `Placement` that makes the rows from them and
+  returns its output to them, so that it can do both per ff slice (layers.moe). With expert
   parallelism each device sends every destination a buffer of the worst case (all its
   assignments), padded: XLA:CPU cannot compile `jax.lax.ragged_all_to_all` (jax 0.10.2:
   "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU ThunkEmitter"), so the
@@ -24,7 +26,7 @@ Groups are rows: the capacity and the drops of a row do not depend on how the ba
 split over devices or microbatches, so every layout computes the same function.
 """
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +35,39 @@ import jax.numpy as jnp
 def capacity(tokens: int, top_k: int, num_experts: int, factor: float) -> int:
   """Slots per expert per row: ceil(factor · tokens · k / E)."""
   return max(1, math.ceil(factor * tokens * top_k / num_experts))
+
+
+class Placement(NamedTuple):
+  """Where a dispatch's rows come from and go: `rows(tokens [g, t, d]) -> [m, d]` each
+  assignment's token, sorted by expert; `tokens(out [m, d]) -> [g, t, d]` each token's
+  assignments summed back (`placement`)."""
+  rows: Callable
+  tokens: Callable
+
+
+def placement(order: jax.Array, k: int, g: int, t: int) -> Placement:
+  """The Placement of the m = g·t·k assignments (flat ids token · k + choice) sorted by
+  `order` [m]. Each of its two maps is the other's transpose, and is its backward: both
+  ways run as gathers, never as a scatter-add or a [g, t, k, d] broadcast (what autodiff
+  of the gathers would make: on TPU a slow scatter and a rows-sized buffer more)."""
+  src, back = order // k, jnp.argsort(order)  # each row's token; each assignment's row
+
+  @jax.custom_vjp
+  def rows(tok, src, back):  # [g·t, d] -> [m, d]
+    del back
+    return tok[src]
+
+  @jax.custom_vjp
+  def tokens(out, src, back):  # [m, d] -> [g·t, d]
+    del src
+    return jnp.sum(out[back].reshape(-1, k, out.shape[-1]), axis=1)
+
+  rows.defvjp(lambda tok, s, b: (rows(tok, s, b), (s, b)),
+              lambda res, ct: (tokens(ct, *res), None, None))
+  tokens.defvjp(lambda out, s, b: (tokens(out, s, b), (s, b)),
+                lambda res, ct: (rows(ct, *res), None, None))
+  return Placement(lambda x: rows(x.reshape(g * t, x.shape[-1]), src, back),
+                   lambda out: tokens(out, src, back).reshape(g, t, out.shape[-1]))
 
 
 def _exchange(x: jax.Array, ep: tuple[str, ...], axis: int) -> jax.Array:
@@ -47,9 +82,11 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
              ) -> tuple[jax.Array, jax.Array]:
   """(output [g, t, d], dropped assignments per row [g] (zeros)) (module doc).
 
-  `ffn(rows [m, d], row_gates [m], row_ids [m] | None, group_sizes [num_local]) -> [m, d]`
-  runs rows sorted by local expert, each output row times its gate; `row_ids` are `ids`
-  [g, t, k] (int32, one per assignment) travelling with their rows, or None.
+  `ffn(rows [m, d], row_gates [m], row_ids [m] | None, group_sizes [num_local],
+  place: Placement | None) -> [m, d]` runs rows sorted by local expert, each output row
+  times its gate; `row_ids` are `ids` [g, t, k] (int32, one per assignment) travelling with
+  their rows, or None. Without `ep`, `ffn(x, ..., place) -> [g, t, d]` gets the tokens and
+  their `Placement` instead (module doc).
   """
   g, t, d = x.shape
   k = experts.shape[-1]
@@ -57,13 +94,13 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
   flat = experts.reshape(m)
   order = jnp.argsort(flat, stable=True)  # by expert, hence by destination device
   sorted_e = flat[order]
-  rows = x.reshape(g * t, d)[order // k]
   row_gates = gates.reshape(m)[order]
   row_ids = None if ids is None else ids.reshape(m)[order]
+  place = placement(order, k, g, t)
   if not ep:  # every expert here: one grouped matmul, then each assignment back in place
-    out = ffn(rows, row_gates, row_ids, jnp.bincount(flat, length=num_local).astype(jnp.int32))
-    return (jnp.sum(out[jnp.argsort(order)].reshape(g, t, k, d), axis=2),
-            jnp.zeros((g,), jnp.float32))
+    sizes = jnp.bincount(flat, length=num_local).astype(jnp.int32)
+    return ffn(x, row_gates, row_ids, sizes, place), jnp.zeros((g,), jnp.float32)
+  rows = place.rows(x)
   dest = sorted_e // num_local
   # Slot of each assignment in its destination's buffer: its rank among those going there.
   per_dest = jnp.bincount(dest, length=n_ep)
@@ -81,11 +118,10 @@ def dropless(x: jax.Array, experts: jax.Array, gates: jax.Array, num_local: int,
   sizes = jnp.bincount(recv_e, length=num_local).astype(jnp.int32)
   valid = (recv_e[local_order] < num_local)[:, None]
   out = jnp.where(valid, ffn(recv.reshape(n_ep * m, d)[local_order], recv_g[local_order],
-                             None if ids is None else recv_i[local_order], sizes), 0)
+                             None if ids is None else recv_i[local_order], sizes, None), 0)
   back = jnp.zeros_like(out).at[local_order].set(out).reshape(n_ep, m, d)
   back = _exchange(back, ep, 0)[dest, slot]                 # [m, d], sorted order
-  y = jnp.zeros_like(back).at[order].set(back).reshape(g, t, k, d)
-  return jnp.sum(y, axis=2), jnp.zeros((g,), jnp.float32)
+  return place.tokens(back), jnp.zeros((g,), jnp.float32)
 
 
 def capacity_dispatch(x: jax.Array, experts: jax.Array, gates: jax.Array, num_experts: int,
