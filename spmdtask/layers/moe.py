@@ -89,7 +89,9 @@ class ExpertLora(NamedTuple):
 def _swiglu(x, gates, wi, wg, wo, matmul, lora: ExpertLora | None = None, part=0):
   """Expert SwiGLU with the MLP's checkpoint names (every remat preset applies), each
   output row scaled by its gate; with `lora` each weight's adapter term
-  (alpha / r)·x_in·A·B added to its product (`part`: the ff slice, for wo's dropout)."""
+  (alpha / r)·x_in·A·B added to its product (`part`: the ff slice, for wo's dropout).
+  The gate scales the hidden row before wo (the same product, wo being linear): its
+  gradient is then a sum over d_ff, not d_model, and no d_model-wide row is scaled."""
   def lin(i, inp, w, lora_in):
     y = matmul(inp, w, i)
     if lora is None:
@@ -100,9 +102,9 @@ def _swiglu(x, gates, wi, wg, wo, matmul, lora: ExpertLora | None = None, part=0
   x_in = (None, None) if lora is None else lora.x_in
   h = checkpoint_name(lin(0, x, wi, x_in[0]), remat.MLP_UP)
   gate = checkpoint_name(lin(1, x, wg, x_in[1]), remat.MLP_GATE)
-  h = checkpoint_name(jax.nn.silu(gate) * h, remat.MLP_HIDDEN)
-  out = lin(2, h, wo, None if lora is None else lora.drop_h(h, part))
-  return out * gates[..., None].astype(out.dtype)
+  h = checkpoint_name(jax.nn.silu(gate) * h, remat.MLP_HIDDEN) * gates[..., None].astype(
+      h.dtype)
+  return lin(2, h, wo, None if lora is None else lora.drop_h(h, part))
 
 
 def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul: Callable,
