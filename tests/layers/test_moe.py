@@ -1,7 +1,8 @@
 """The MoE layer: dropless grouped matmul == a dense every-expert reference (value and grads),
 capacity at the busiest load == dropless, expert parallelism with FSDP and tensor parallelism
 == one device, megablox's kernel (interpret mode) == ragged_dot, every remat preset, the ff
-dim in slices (`ff_chunks`) == all at once at the same FLOPs."""
+dim in slices (`ff_chunks`) == all at once at the same FLOPs, the dispatch's placement and
+its gather-only backward."""
 import dataclasses
 import functools
 
@@ -100,6 +101,25 @@ def test_stats_aux_loss_z_loss_and_imbalance():
   uniform = moe.row_stats(jnp.zeros((1, 4, E)), jnp.full((1, 4, E), 1 / E),
                           jnp.asarray([[[0, 1], [2, 3], [0, 1], [2, 3]]]), jnp.zeros(1), CFG)
   np.testing.assert_allclose(uniform[0], [1.0, np.log(E) ** 2, 1.0, 0.0], rtol=1e-6)
+
+
+def test_placement_is_gathers_both_ways_and_its_backward_is_the_other_map():
+  """rows / tokens equal the plain gathers and sum, their vjps equal autodiff's of those,
+  and the backward of rows then tokens has no scatter (each map's transpose is the other)."""
+  g, t, k = 2, 5, 3
+  order = jax.random.permutation(jax.random.key(5), g * t * k)
+  place = moe_dispatch.placement(order, k, g, t)
+  x = jax.random.normal(jax.random.key(6), (g, t, D))
+  out = jax.random.normal(jax.random.key(7), (g * t * k, D))
+  plain_rows = lambda x: x.reshape(g * t, D)[order // k]
+  plain_tokens = lambda o: jnp.sum(o[jnp.argsort(order)].reshape(g, t, k, D), axis=2)
+  for got, want, arg in ((place.rows, plain_rows, x), (place.tokens, plain_tokens, out)):
+    (y, vjp), (y0, vjp0) = jax.vjp(got, arg), jax.vjp(want, arg)
+    ct = jax.random.normal(jax.random.key(8), y.shape)
+    np.testing.assert_allclose(y, y0, rtol=1e-6)
+    np.testing.assert_allclose(vjp(ct)[0], vjp0(ct)[0], rtol=1e-6, atol=1e-6)
+  grad = jax.grad(lambda x: jnp.sum(place.tokens(jnp.sin(place.rows(x)))))
+  assert "scatter" not in str(jax.make_jaxpr(grad)(x))
 
 
 def test_megablox_kernel_in_interpret_mode_equals_ragged_dot():
