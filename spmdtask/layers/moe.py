@@ -123,14 +123,14 @@ def experts_ffn(x: jax.Array, gates: jax.Array, weights, whole: Callable, matmul
   preset's MLP names are not kept across slices; each slice's weight gradients are its
   own, never summed over steps). The gates are applied inside, so the gates' gradient
   comes from each slice's backward and a remat'd layer need not rerun the slices for it.
-  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1.
+  The slices' outputs sum in float32. Same FLOPs and collective bytes as chunks = 1. The
+  adapters' f-dim factors (wi's and wg's B, wo's A) are sliced alike; the others and
+  `lora.x_in` are every slice's (x·A is recomputed per slice: r columns, cheap).
 
   With `place` (moe_dispatch.Placement) `x` are the tokens [g, t, d]: each slice makes its
   rows from them and returns its output to them (the result [g, t, d]), so no [m, d] array
   (m = tokens · top_k) outlives a slice, in the forward or the backward, and the float32
-  sum is over tokens, top_k times smaller than over rows. The
-  adapters' f-dim factors (wi's and wg's B, wo's A) are sliced alike; the others and
-  `lora.x_in` are every slice's (x·A is recomputed per slice: r columns, cheap)."""
+  sum is over tokens, top_k times smaller than over rows."""
   def run(x, gates, wi, wg, wo, adapters, part):
     ad = None if lora is None else lora._replace(adapters=adapters)
     rows = x if place is None else place.rows(x)
