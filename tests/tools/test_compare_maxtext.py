@@ -21,7 +21,7 @@ def test_quantities_and_table():
   ours = compare_maxtext.quantities(_report(7.0, 320, 26.0, 400.0, 50.0, 2.5, 0.7))
   assert ours == {"temporaries GiB": 7.0, "peak GiB": 7.5, "all-gather ops": 320,
                   "all-gather GiB": 26.0, "XLA TFLOP (kernels excl.)": 400.0,
-                  "kernel TFLOP (traced)": 50.0, "step bound s": 2.5, "bound by": "compute",
+                  "kernel TFLOP": 50.0, "step bound s": 2.5, "bound by": "compute",
                   "MFU bound": 0.7}
   theirs = compare_maxtext.quantities(_report(8.0, 321, 26.0, 450.0, 50.0, 2.0, 0.875))
   theirs["all-reduce ops"] = 197  # a kind one side has and the other has not
