@@ -59,8 +59,8 @@ class DeepSeekV2Lite(llama._Llama):  # pylint: disable=protected-access
   """DeepSeek-V2-Lite (15,706,484,224 params, 2,661,150,208 active; module doc) on v5p-128
   (64 chips; --plan_topology=v5p:4x4x4) as MaxText's DeepSeek end-to-end script trains it:
   FSDP over all 64 chips, 4 rows × 4096 tokens per chip (global 256 rows), full remat with
-  each layer's input on the host (`full_offloaded`: 3.6 GiB fewer device temporaries, 6.93
-  against 10.54 GiB, for 3.5 GB a step over the host link; compare_maxtext's
+  each layer's input on the host (`full_offloaded`: 3.6 GiB fewer device temporaries, 6.2
+  against 9.8 GiB, for 3.2 GiB a step over the host link; compare_maxtext's
   `deepseek2_16b_v5p128`, where MaxText keeps them on the device: 11.25 GiB)."""
   batch_size = 256
   seq_len = 4096

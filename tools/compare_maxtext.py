@@ -49,8 +49,10 @@ the same way, by spmdtask's planner (`planner.compiled_report`): memory_analysis
 collectives per step (spmdtask.plan.hlo), XLA's FLOPs with loops counted per trip
 (spmdtask.plan.xla_cost), the roofline (spmdtask.plan.roofline, chips.py's facts) and the
 compiled schedule's step estimate (spmdtask.plan.overlap). MaxText's program hides its Pallas
-kernels' FLOPs from XLA as spmdtask's does; its roofline is charged spmdtask's traced kernel
-FLOPs for the same attention shapes, and the MFU bound of both divides the same model FLOPs
+kernels' FLOPs from XLA as spmdtask's does; its roofline is charged the FLOPs its own kernels
+state (megablox's cost_estimate, per call as its program runs them) and, for kernels that
+state none (splash), spmdtask's traced count for the same attention shapes; the MFU bound
+of both divides the same model FLOPs
 (spmdtask's formula, 6·N·T + attention). `--out`/results.json holds every number (and
 `--out`/CONFIG/results.json each config's).
 """
