@@ -70,7 +70,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   from spmdtask import console  # pylint: disable=wrong-import-position
   console.start_tool()
 
-from spmdtask.plan import chips, hlo, planner, targets  # pylint: disable=wrong-import-position
+from spmdtask.plan import chips, planner, targets, xla_cost  # pylint: disable=wrong-import-position
 from tools import compare_plans  # pylint: disable=wrong-import-position
 
 GIB = 2.0**30
@@ -192,7 +192,7 @@ def maxtext_report(out: str, topology: str, plan: dict) -> dict:
   compiled = stored_compiled(out)
   kernels = flops["kernels_per_device"]
   if kernels:
-    kernels += (hlo.stated_kernel_flops(compiled.as_text())
+    kernels += (xla_cost.stated_kernel_flops(compiled.as_text())
                 - flops.get("kernels_stated_per_device", 0.0))
   tokens = plan["batch_shape"][0] * plan["batch_shape"][1]
   return planner.compiled_report(compiled, target, plan["num_devices"], flops["model"],

@@ -373,28 +373,6 @@ def kernel_calls(text: str) -> int:
   return sum(text.count(k) for k in _KERNELS)
 
 
-_STATED = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
-
-
-def stated_kernel_flops(text: str) -> float:
-  """FLOPs per execution of the program that its fused kernels state themselves: each
-  Pallas call's `cost_estimate` (megablox gmm's 2·m·k·n) times its computation's runs per
-  step (loop trips). Kernels that state none (splash attention) count nothing here."""
-  comps, _ = computations(text)
-  mult = multipliers(text)
-  total = 0
-  for name in scheduled(text):
-    whole = []  # instructions whole: a kernel's attributes may hold newlines (MaxText's do)
-    for line in comps[name]:
-      if _DEF.match(line) or not whole:
-        whole.append(line)
-      else:
-        whole[-1] += line
-    total += sum(mult.get(name, 0) * int(m.group(1)) for ins in whole if _KERNELS[0] in ins
-                 for m in [_STATED.search(ins)] if m)
-  return float(total)
-
-
 def collectives(text: str, num_slices: int = 1) -> dict[str, dict[str, int]]:
   """kind -> {'count': ops executed per step, 'bytes': result bytes per device per step};
   collectives across slices are kinds of their own, e.g. 'all-reduce (dcn)'."""

@@ -228,7 +228,7 @@ def compiled_report(compiled, target: targets.Target, num_devices: int, model_fl
           "kernels_per_device": kernel_flops or 0.0,
           # Of them, what the kernels state themselves (megablox's cost_estimate): another
           # program's kernels can be charged their own count (tools/compare_maxtext.py).
-          "kernels_stated_per_device": hlo.stated_kernel_flops(text) if text else 0.0,
+          "kernels_stated_per_device": xla_cost.stated_kernel_flops(text) if text else 0.0,
           "note": "XLA's cost analysis of the optimized program per device x devices, each "
                   "loop body (scanned layers, microbatches) weighted by its trips, plus the "
                   "traced FLOPs of its Pallas kernels (forward, backward, recompute); the "

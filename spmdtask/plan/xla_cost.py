@@ -103,3 +103,27 @@ def fused_flops(text: str) -> dict[str, float]:
       except jax.errors.JaxRuntimeError:
         continue  # a form jaxlib cannot read back alone: the caller counts shapes instead
   return out
+
+
+_STATED = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
+_PALLAS = 'custom_call_target="tpu_custom_call"'
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = ")
+
+
+def stated_kernel_flops(text: str) -> float:
+  """FLOPs per execution of the program that its fused kernels state themselves: each
+  Pallas call's `cost_estimate` (megablox gmm's 2·m·k·n) times its computation's runs per
+  step (loop trips). Kernels that state none (splash attention) count nothing here."""
+  comps, _ = hlo.computations(text)
+  mult = hlo.multipliers(text)
+  total = 0
+  for name in hlo.scheduled(text):
+    whole = []  # instructions whole: a kernel's attributes may hold newlines (MaxText's do)
+    for line in comps[name]:
+      if _INSTRUCTION.match(line) or not whole:
+        whole.append(line)
+      else:
+        whole[-1] += line
+    total += sum(mult.get(name, 0) * int(m.group(1)) for ins in whole if _PALLAS in ins
+                 for m in [_STATED.search(ins)] if m)
+  return float(total)

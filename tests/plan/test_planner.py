@@ -306,29 +306,3 @@ def test_a_kernel_whose_flops_no_one_counted_is_charged_the_model_formula():
   est = planner.compiled_report(compiled, target, 4, model, 1024.0, 0.0)["estimate"]
   assert est["seconds"]["compute"] < 1e-6
 
-
-STATED_HLO = """HloModule m
-
-%body (p: (s32[], bf16[128,128])) -> (s32[], bf16[128,128]) {
-  %g = bf16[128,128]{1,0} custom-call(bf16[128,128]{1,0} %x), """ \
-  """custom_call_target="tpu_custom_call", frontend_attributes={"meta":"{\\"a\\": 1,
-}"}, backend_config={"custom_call_config":{"cost_estimate":{"flops":"4194304","bytes":"1"}}}
-  %s = bf16[128,128]{1,0} custom-call(bf16[128,128]{1,0} %g), """ \
-  """custom_call_target="tpu_custom_call", backend_config={"custom_call_config":{}}
-}
-
-%cond (p: (s32[], bf16[128,128])) -> pred[] {
-  %c = pred[] constant(true)
-}
-
-ENTRY %main (a: bf16[128,128]) -> bf16[128,128] {
-  %w = (s32[], bf16[128,128]) while(%t), condition=%cond, body=%body, """ \
-  """backend_config={"known_trip_count":{"n":"3"}}
-}
-"""
-
-
-def test_stated_kernel_flops_are_each_calls_cost_estimate_times_its_runs():
-  """megablox's calls state their FLOPs (cost_estimate, here after a newline in another
-  attribute, as MaxText's kernels print); a kernel stating none (splash) adds nothing."""
-  assert hlo.stated_kernel_flops(STATED_HLO) == 3 * 4194304
