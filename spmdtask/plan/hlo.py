@@ -33,6 +33,7 @@ _SCHEDULED = re.compile(r"\b(?:body|condition|branch_computations|true_computati
 _WHILE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .* while\(%([\w.\-]+)\), condition=%([\w.\-]+), "
                     r"body=%([\w.\-]+)")
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+_STARTS = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = ")  # a line that starts an instruction
 _RUNS_INSIDE = re.compile(r"\b(?:calls|to_apply)=\{?%([\w.\-]+)")  # not a schedule of its own
 
 
@@ -46,7 +47,8 @@ def shape_bytes(shape: str) -> int:
 
 
 def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
-  """(computation name -> its instruction lines, the ENTRY computation's name)."""
+  """(computation name -> its instructions, each one line though its text may hold newlines
+  (MaxText's kernels' attributes do), the ENTRY computation's name)."""
   comps, entry, current = {}, None, None
   for line in text.splitlines():
     m = HEADER.match(line)
@@ -56,7 +58,10 @@ def computations(text: str) -> tuple[dict[str, list[str]], str | None]:
       if m.group(1):
         entry = current
     elif current is not None and line.strip() and line.strip() != "}":
-      comps[current].append(line)
+      if comps[current] and not _STARTS.match(line):  # the instruction before, continued
+        comps[current][-1] += line
+      else:
+        comps[current].append(line)
   return comps, entry
 
 

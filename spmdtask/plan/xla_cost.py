@@ -106,8 +106,6 @@ def fused_flops(text: str) -> dict[str, float]:
 
 
 _STATED = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
-_PALLAS = 'custom_call_target="tpu_custom_call"'
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = ")
 
 
 def stated_kernel_flops(text: str) -> float:
@@ -116,14 +114,6 @@ def stated_kernel_flops(text: str) -> float:
   step (loop trips). Kernels that state none (splash attention) count nothing here."""
   comps, _ = hlo.computations(text)
   mult = hlo.multipliers(text)
-  total = 0
-  for name in hlo.scheduled(text):
-    whole = []  # instructions whole: a kernel's attributes may hold newlines (MaxText's do)
-    for line in comps[name]:
-      if _INSTRUCTION.match(line) or not whole:
-        whole.append(line)
-      else:
-        whole[-1] += line
-    total += sum(mult.get(name, 0) * int(m.group(1)) for ins in whole if _PALLAS in ins
-                 for m in [_STATED.search(ins)] if m)
-  return float(total)
+  return float(sum(mult.get(name, 0) * int(m.group(1)) for name in hlo.scheduled(text)
+                   for line in comps[name] if hlo.kernel_calls(line)
+                   for m in [_STATED.search(line)] if m))

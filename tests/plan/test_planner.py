@@ -305,4 +305,3 @@ def test_a_kernel_whose_flops_no_one_counted_is_charged_the_model_formula():
   # With the kernel's FLOPs traced (none here) XLA's own count stands.
   est = planner.compiled_report(compiled, target, 4, model, 1024.0, 0.0)["estimate"]
   assert est["seconds"]["compute"] < 1e-6
-
