@@ -193,7 +193,7 @@ def maxtext_report(out: str, topology: str, plan: dict) -> dict:
   kernels = flops["kernels_per_device"]
   if kernels:
     kernels += (xla_cost.stated_kernel_flops(compiled.as_text())
-                - flops.get("kernels_stated_per_device", 0.0))
+                - flops["kernels_stated_per_device"])
   tokens = plan["batch_shape"][0] * plan["batch_shape"][1]
   return planner.compiled_report(compiled, target, plan["num_devices"], flops["model"],
                                  tokens, kernels or None)
@@ -285,10 +285,13 @@ def main() -> None:
     # user's plan and run do; MaxText's was compiled under MaxText's (config.json).
     os.environ.pop("LIBTPU_INIT_ARGS", None)
     plan_json = compare_plans.plan_json(os.path.join(out, "spmdtask"), f"tpu:{cfg.topology}")
+    plan = {}
     if args.reuse and os.path.exists(plan_json):
       with open(plan_json) as f:
         plan = json.load(f)
-    else:
+    # A plan written before plans listed their kernels' stated FLOPs is compiled again.
+    if not plan or ("compiled" in plan
+                    and "kernels_stated_per_device" not in plan["flops_per_step"]):
       plan = spmdtask_plan(cfg, os.path.join(out, "spmdtask"))
     mt = maxtext_report(mt_out, cfg.topology, plan)
     results[name] = {"spmdtask": quantities(plan), "maxtext": quantities(mt)}
