@@ -18,6 +18,7 @@ import json
 import os
 import re
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -128,7 +129,12 @@ def run_page(page: str, tmp: str) -> list[tuple[int, float, float, str]]:
   """Runs the page's unmarked blocks in order; returns (line, wall s, CPU s, stdout) of each."""
   bin_dir = os.path.join(tmp, "bin")
   os.makedirs(bin_dir)
-  os.symlink(sys.executable, os.path.join(bin_dir, "python"))  # `python` is this interpreter
+  # `python` is this interpreter: a script that execs it by its own path (a symlink to it
+  # outside a venv's bin/ would find no pyvenv.cfg and start the base interpreter instead).
+  wrapper = os.path.join(bin_dir, "python")
+  with open(wrapper, "w") as f:
+    f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+  os.chmod(wrapper, 0o755)
   env = h.env(1, PATH=bin_dir + os.pathsep + os.environ["PATH"])
   ran, before = [], _tree()
   for b in blocks(page):
