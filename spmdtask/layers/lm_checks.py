@@ -46,9 +46,14 @@ def _validate_lora(model) -> None:
   """The LoRA fields against the weights this model has (layers.lora)."""
   if model.lora is None:
     return
-  mlp = lora_lib.MLP if model.mlp_activation == "swiglu" else ("wi", "wo")
+  # A gated MLP (SwiGLU, Gemma's GeGLU) has a gate wg; plain GELU none.
+  mlp = lora_lib.MLP if model.mlp_activation in block.GATED else ("wi", "wo")
   dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
-  weights = lora_lib.ATTENTION + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
+  mla = model.mla
+  attention = (lora_lib.ATTENTION if mla is None else
+               ("q_down", "q_up") if mla.q_lora_rank else ("q",)) + (
+                   () if mla is None else ("kv_down", "kv_up", "o"))
+  weights = attention + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
   model.lora.validate(weights)
 
 
@@ -61,9 +66,6 @@ def _validate_mla(model, mesh_shape) -> None:
     raise ConfigError("task.model.mla has its own latent norms and RoPE scaling "
                       "(task.model.mla.rope_scaling): set task.model.qk_norm=False and "
                       "task.model.rope_scaling=None.")
-  if model.lora is not None:
-    raise ConfigError("task.model.lora with task.model.mla: LoRA adapters on multi-head "
-                      "latent attention are not supported yet; set task.model.lora=None.")
   if model.quantization is not None:
     raise ConfigError(f"task.model.quantization={model.quantization!r} with task.model.mla: "
                       "multi-head latent attention's projections are not quantized yet; set "
