@@ -55,6 +55,32 @@ def _validate_lora(model) -> None:
                    () if mla is None else ("kv_down", "kv_up", "o"))
   weights = attention + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
   model.lora.validate(weights)
+  rank, sizes = model.lora.rank, _lora_sizes(model)
+  for target in model.lora.targets:
+    n_in, n_out = min(sizes[target], key=min)
+    if rank > min(n_in, n_out):
+      raise ConfigError(
+          f"{lora_lib.FIELD}.rank={rank}: rank {rank} > {min(n_in, n_out)}, the smaller dim "
+          f"of {target} in this model ({n_in} in x {n_out} out): A·B of a larger rank is no "
+          f"more than a full-rank update. Give a rank <= {min(n_in, n_out)} (e.g. 8 or 16).")
+
+
+def _lora_sizes(model) -> dict[str, list[tuple[int, int]]]:
+  """LoRA target -> (in, out) sizes of each weight it adapts (dims flattened)."""
+  d, h, kv, hd, moe, mla = (model.d_model, model.num_heads, model.num_kv_heads,
+                            model.head_dim, model.moe, model.mla)
+  ffs = [model.d_ff] if moe is None or moe.first_moe_layer > 0 else []
+  ffs += [moe.shared_ff] if moe is not None and moe.shared_ff else []
+  out = {"q": [(d, h * hd)], "k": [(d, kv * hd)], "v": [(d, kv * hd)], "o": [(h * hd, d)],
+         "wi": [(d, f) for f in ffs], "wg": [(d, f) for f in ffs], "wo": [(f, d) for f in ffs],
+         "experts": [] if moe is None else [(d, moe.d_ff), (moe.d_ff, d)]}
+  if mla is not None:
+    q = mla.q_lora_rank
+    out.update(q=[(d, h * mla.qk_head_dim)], o=[(h * mla.v_head_dim, d)],
+               kv_down=[(d, mla.kv_lora_rank + mla.qk_rope_head_dim)],
+               kv_up=[(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim))],
+               q_down=[(d, q or 1)], q_up=[(q or 1, h * mla.qk_head_dim)])
+  return out
 
 
 def _validate_mla(model, mesh_shape) -> None:

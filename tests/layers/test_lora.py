@@ -120,6 +120,17 @@ def test_bad_lora_fields_are_config_errors(field, value, match):
     model.validate(_mesh(), 2)
 
 
+def test_a_rank_above_a_targets_smaller_dim_is_refused():
+  """k [16 in, 1 x 8 out]: rank 8 fits, 9 does not; MLA's kv_up [16 latent, ...] alike."""
+  _model(rank=8).validate(_mesh(), 2)
+  with pytest.raises(ConfigError, match=r"lora.rank=9: rank 9 > 8, the smaller dim of k in "
+                     r"this model \(16 in x 8 out\).*rank <= 8"):
+    _model(rank=9).validate(_mesh(), 2)
+  model = _mla_model(32, ("kv_up",))
+  with pytest.raises(ConfigError, match=r"rank 20 > 16, the smaller dim of kv_up"):
+    model.clone(lora=LoraConfig(rank=20, alpha=1.0, targets=("kv_up",))).validate(_mesh(), 2)
+
+
 def test_a_gelu_mlp_has_no_wg_to_adapt_a_gated_one_has():
   model = _model().clone(mlp_activation="gelu")
   with pytest.raises(ConfigError, match=r"'wg' matches no weight"):
