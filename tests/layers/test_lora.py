@@ -453,3 +453,22 @@ def test_expert_adapter_grads_equal_over_ff_slices_and_remat():
   for (want_value, want), (value, grads) in got:
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     util.assert_trees_close(grads, want, terms=48)
+
+
+def _mla_lora(cfg):
+  cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, dropout=0.1,
+                                   targets=MLA_V3 + ("wi", "wg", "wo", "experts"))
+
+
+@pytest.mark.slow
+def test_mla_lora_on_8_devices_equals_one_device():
+  """TinyDeepSeekV3 (MLA with a latent q, a dense layer, then MoE layers with a shared
+  expert) with adapters on MLA's projections, the dense and shared MLPs and the routed
+  experts, adapter dropout 0.1: expert 2 x fsdp 2 x tensor 2 equals one device."""
+  small = ["datasets['train'].batch_size=8", "datasets['train'].seq_len=32"]
+  want = util.train_steps("TinyDeepSeekV3", 4, devices=jax.devices()[:1], edit=_mla_lora,
+                          overrides=small + ["task.ici_mesh_shape=(1, 1, 1, 1)"])
+  got = util.train_steps("TinyDeepSeekV3Split", 4, edit=_mla_lora, overrides=small)
+  _assert_same_training(got, want)
+  attn = want[1]["layers"]["block"]["attn"]
+  assert np.any(attn["kv_up_lora_b"]) and np.any(attn["q_down_lora_b"])
