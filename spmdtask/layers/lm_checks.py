@@ -56,13 +56,14 @@ def _validate_lora(model) -> None:
   weights = attention + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
   model.lora.validate(weights)
   rank, sizes = model.lora.rank, _lora_sizes(model)
-  for target in model.lora.targets:
-    n_in, n_out = min(sizes[target], key=min)
-    if rank > min(n_in, n_out):
-      raise ConfigError(
-          f"{lora_lib.FIELD}.rank={rank}: rank {rank} > {min(n_in, n_out)}, the smaller dim "
-          f"of {target} in this model ({n_in} in x {n_out} out): A·B of a larger rank is no "
-          f"more than a full-rank update. Give a rank <= {min(n_in, n_out)} (e.g. 8 or 16).")
+  # The target whose weight is narrowest: its bound holds for every target.
+  target, (n_in, n_out) = min(((t, min(sizes[t], key=min)) for t in model.lora.targets),
+                              key=lambda x: min(x[1]))
+  if rank > min(n_in, n_out):
+    raise ConfigError(
+        f"{lora_lib.FIELD}.rank={rank}: rank {rank} > {min(n_in, n_out)}, the smaller dim "
+        f"of {target} in this model ({n_in} in x {n_out} out): A·B of a larger rank is no "
+        f"more than a full-rank update. Give a rank <= {min(n_in, n_out)} (e.g. 8 or 16).")
 
 
 def _lora_sizes(model) -> dict[str, list[tuple[int, int]]]:
