@@ -40,7 +40,7 @@ from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
 from spmdtask.hf import families
 from spmdtask.hf.trees import leaf
-from spmdtask.layers.lora import LoraConfig
+from spmdtask.layers.lora import TARGETS, LoraConfig
 
 A_SUFFIX, B_SUFFIX = ADAPTER_SUFFIXES  # our adapter params beside base weight X: X_lora_a, ...
 
@@ -189,7 +189,6 @@ def _targets(cfg: dict, adapter: dict, where: str) -> tuple[str, ...]:
   if not on:
     raise ConfigError(f"{where}: target_modules={adapter.get('target_modules')!r} picks none "
                       f"of this {kind} model's adaptable modules ({', '.join(names)}).")
-  from spmdtask.layers.lora import TARGETS  # pylint: disable=g-import-not-at-top
   return tuple(t for t in TARGETS if t in on)
 
 
