@@ -42,10 +42,8 @@ def _validate_moe(model, mesh_shape) -> None:
         "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
 
 
-def _validate_lora(model) -> None:
-  """The LoRA fields against the weights this model has (layers.lora)."""
-  if model.lora is None:
-    return
+def lora_weights(model) -> tuple[str, ...]:
+  """The LoRA targets (layers.lora.TARGETS) this model has a weight for."""
   # A gated MLP (SwiGLU, Gemma's GeGLU) has a gate wg; plain GELU none.
   mlp = lora_lib.MLP if model.mlp_activation in block.GATED else ("wi", "wo")
   dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
@@ -53,8 +51,15 @@ def _validate_lora(model) -> None:
   attention = (lora_lib.ATTENTION if mla is None else
                ("q_down", "q_up") if mla.q_lora_rank else ("q",)) + (
                    () if mla is None else ("kv_down", "kv_up", "o"))
-  weights = attention + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
-  model.lora.validate(weights)
+  return attention + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
+
+
+def _validate_lora(model) -> None:
+  """The LoRA fields against the weights this model has (layers.lora), and the rank
+  against their dims."""
+  if model.lora is None:
+    return
+  model.lora.validate(lora_weights(model))
   rank, sizes = model.lora.rank, _lora_sizes(model)
   # The target whose weight is narrowest: its bound holds for every target.
   target, (n_in, n_out) = min(((t, min(sizes[t], key=min)) for t in model.lora.targets),
