@@ -163,11 +163,11 @@ def _targets(cfg: dict, adapter: dict, where: str) -> tuple[str, ...]:
   if not spec:
     raise ConfigError(f"{where}: target_modules={spec!r}: name the adapted modules (a list, a "
                       "regular expression or 'all-linear').")
+  modules, kind, on, off = adaptable(cfg), families.model_type(cfg), {}, {}
+  names = sorted({m.names[0].rsplit(".", 1)[-1] for m in modules})
   if isinstance(spec, str) and spec.lower() == "all-linear":
-    spec = [m.names[0].rsplit(".", 1)[-1] for m in adaptable(cfg)]
-  kind, on, off = families.model_type(cfg), {}, {}
-  names = sorted({m.names[0].rsplit(".", 1)[-1] for m in adaptable(cfg)})
-  for m in adaptable(cfg):
+    spec = names
+  for m in modules:
     for name in m.names:
       picked = _matches(spec, name) and not _matches(exclude, name)
       (on if picked else off).setdefault(m.target, []).append(name)
