@@ -129,7 +129,7 @@ class Chat:
     naming `where` (e.g. 'FILE:LINE: ')."""
     render = functools.partial(self.template.render, where=where, tools=tools)
     full = render(messages)
-    self._check_shown(messages, full.text, where)
+    self._check_shown(messages, full.text, where, tools)
     if self.template.has_generation_blocks:
       enc = self.tokenizer.encoding(full.text)
       spans = full.spans
@@ -195,34 +195,46 @@ class Chat:
   def prompt_ids(self, messages: list[dict], where: str = "",
                  tools: list | None = None) -> list[int]:
     """Decode prompt: the conversation rendered with the generation prompt."""
-    text = self.template.render(messages, True, where, tools).text
-    self._check_shown(messages, text, where)
-    return self.ids(text)
+    self._check_shown(messages, self.template.render(messages, False, where, tools).text,
+                      where, tools)
+    return self.ids(self.template.render(messages, True, where, tools).text)
 
-  def _check_shown(self, messages: list[dict], text: str, where: str) -> None:
-    """ConfigError where the rendered `text` leaves out a tool call or a tool result of
-    `messages`, or the template writes a null content as the text 'None': trained on, the
-    model would learn replies without what they depend on, or the word None."""
+  def _check_shown(self, messages: list[dict], text: str, where: str, tools=None) -> None:
+    """ConfigError where the template renders `messages` (as `text`) the same without their
+    tool calls, or without their tool results' content, or writes a null content as the
+    text 'None': trained on, the model would learn replies without what they depend on, or
+    the word None."""
+    calls = [k for k, m in enumerate(messages) if m.get("tool_calls")]
+    results = [k for k, m in enumerate(messages) if m["role"] == "tool" and m["content"]]
+    if calls and self._renders_same(text, tools, [
+        {k: v for k, v in m.items() if k != "tool_calls"} | {"content": m["content"] or ""}
+        for m in messages]):
+      k = calls[0]
+      raise ConfigError(
+          f"{where}the chat template {self.template.origin} does not show assistant tool "
+          f"calls (message {k}'s call of {messages[k]['tool_calls'][0]['function']['name']!r} "
+          "leaves its rendering unchanged), so the model would learn replies without the "
+          "calls they make. Use the model's own tool-calling template (chat_template.jinja "
+          "beside tokenizer.json), or drop the conversation.")
+    if results and self._renders_same(text, tools, [
+        m | {"content": ""} if m["role"] == "tool" else m for m in messages]):
+      raise ConfigError(
+          f"{where}the chat template {self.template.origin} does not show tool results "
+          f"(message {results[0]}'s content leaves its rendering unchanged), so the model "
+          "would learn replies without the results they read. Use the model's own "
+          "tool-calling template, or drop the conversation.")
     for k, m in enumerate(messages):
-      for call in m.get("tool_calls", ()):
-        if call["function"]["name"] not in text:
-          raise ConfigError(
-              f"{where}the chat template {self.template.origin} does not show assistant "
-              f"tool calls (message {k}'s call of {call['function']['name']!r} is missing "
-              "from its rendering), so the model would learn replies without the calls they "
-              "make. Use the model's own tool-calling template (chat_template.jinja beside "
-              "tokenizer.json), or drop the conversation.")
-      if m["role"] == "tool" and m["content"].strip() not in text:
-        raise ConfigError(
-            f"{where}the chat template {self.template.origin} does not show tool results "
-            f"(message {k}'s content is missing from its rendering), so the model would "
-            "learn replies without the results they read. Use the model's own tool-calling "
-            "template, or drop the conversation.")
       if m["content"] is None and self._writes_null:
         raise ConfigError(
             f"{where}message {k} has content null, which the chat template "
             f"{self.template.origin} writes as the text 'None'; give its content as \"\" "
             "(an assistant turn that only calls tools).")
+
+  def _renders_same(self, text: str, tools, variant: list[dict]) -> bool:
+    try:
+      return self.template.render(variant, tools=tools).text == text
+    except ConfigError:  # the template reacts to what was taken out
+      return False
 
   @functools.cached_property
   def _writes_null(self) -> bool:

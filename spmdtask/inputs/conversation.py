@@ -87,7 +87,7 @@ def _content(content, where: str, which: str) -> str:
   if isinstance(content, str):
     return content
   if isinstance(content, list):
-    return "".join(_text_part(p, where, f"{which}'s content part {i}")
+    return "".join(_text_part(p, where, f"content part {i} of {which}")
                    for i, p in enumerate(content))
   said = "null" if content is None else f"of type {type(content).__name__}"
   raise ConfigError(f"{where}{which} has content {said}; give its text as a string (\"\" for "
@@ -105,7 +105,7 @@ def _text_part(part, where: str, which: str) -> str:
   if kind is None:
     raise ConfigError(f"{where}{which} is not a content part (an object with a \"type\"); "
                       'write {"type": "text", "text": "..."}.')
-  raise ConfigError(f"{where}{which} is a {kind!r} part: the models spmdtask trains read "
+  raise ConfigError(f"{where}{which} has type {kind!r}: the models spmdtask trains read "
                     "text only, so only \"text\" parts can be learned. Drop that part (or "
                     "the conversation).")
 
@@ -115,14 +115,14 @@ def _tool_calls(calls, role: str, where: str, which: str) -> list:
     raise ConfigError(f"{where}{which} ({role}) has tool_calls; only an assistant message "
                       "calls tools. Move them to the assistant message that makes the calls.")
   if not isinstance(calls, list):
-    raise ConfigError(f"{where}{which}'s tool_calls is not a list; write "
+    raise ConfigError(f"{where}the tool_calls of {which} are not a list; write "
                       '[{"type": "function", "function": {"name": ..., "arguments": ...}}].')
   for i, call in enumerate(calls):
     fn = call.get("function") if isinstance(call, dict) else None
     if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
         or not isinstance(fn.get("arguments"), (str, dict))
         or call.get("type", "function") != "function"):
-      raise ConfigError(f"{where}{which}'s tool call {i} is not an OpenAI function call; write "
+      raise ConfigError(f"{where}tool call {i} of {which} is not an OpenAI function call; write "
                         '{"type": "function", "function": {"name": "NAME", "arguments": '
                         "a JSON string or object}}.")
   return [{k: v for k, v in call.items() if v is not None} for call in calls]

@@ -217,3 +217,76 @@ def test_a_lines_tools_reach_the_template(tmp_path):
       "add(2, 3)<|eot_id|>")
   with pytest.raises(ConfigError, match="^l: 'tools' is not a list of function schemas"):
     chat.example({**record, "tools": "add"}, "l: ")
+
+
+def _as_parts(messages):
+  """Each content as two OpenAI text parts (split mid-text), joined back as written."""
+  return [{**m, "content": [{"type": "text", "text": m["content"][:3]},
+                            {"type": "text", "text": m["content"][3:]}]} for m in messages]
+
+
+def _as_sharegpt(messages):
+  speaker = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+  return [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]
+
+
+@pytest.mark.parametrize("model", ["chatml", "llama3"])
+def test_content_parts_and_sharegpt_give_the_plain_messages_tokens_and_mask(model):
+  c = Chat.from_model_dir(f"{CHAT}/{model}")
+  for n in (1, 2, 3):
+    where, record = LINES[n - 1]
+    want = chat.example(record, where).encode(c, where)
+    for other in ({"messages": _as_parts(record["messages"])},
+                  {"conversations": _as_sharegpt(record["messages"])}):
+      got = chat.example(other, where).encode(c, where)
+      np.testing.assert_array_equal(got[0], want[0])
+      np.testing.assert_array_equal(got[1], want[1])
+  # A closing user turn teaches nothing: dropped and counted, the rest encoded as before.
+  where, record = LINES[1]
+  closing = chat.example({"messages": record["messages"] + [
+      {"role": "user", "content": "Thanks!"}]}, where)
+  assert closing.trailing == 1 and len(closing.messages) == len(record["messages"])
+  np.testing.assert_array_equal(np.stack(closing.encode(c)),
+                                np.stack(chat.example(record, where).encode(c)))
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+    "{% if m.content %}{{ m.content }}{% endif %}{% for t in m.tool_calls or [] %}"
+    "[{{ t.function.name }} {{ t.function.arguments }}]{% endfor %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+TOOL_CHAT = {"messages": [{"role": "user", "content": "2+3?"},
+                          {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                          {"role": "tool", "content": "5"},
+                          {"role": "assistant", "content": "It is 5."}]}
+
+
+def test_tool_calls_reach_the_template_and_one_that_hides_them_is_refused(tmp_path):
+  c = Chat.from_model_dir(_model_dir(tmp_path, TOOL_TEMPLATE))
+  ids, mask = chat.example(TOOL_CHAT, "l:1: ").encode(c, "l:1: ")
+  decode = lambda x: c.tokenizer._tok.decode(x.tolist(), skip_special_tokens=False)  # pylint: disable=protected-access
+  assert decode(ids) == (
+      "<|start_header_id|>user<|end_header_id|>2+3?<|eot_id|><|start_header_id|>assistant"
+      '<|end_header_id|>[add {"a": 2, "b": 3}]<|eot_id|><|start_header_id|>tool'
+      "<|end_header_id|>5<|eot_id|><|start_header_id|>assistant<|end_header_id|>It is 5."
+      "<|eot_id|>")
+  assert decode(ids[mask == 1]) == '[add {"a": 2, "b": 3}]<|eot_id|>It is 5.<|eot_id|>'
+  # The Llama-3-style fixture shows only content: the call would vanish from training.
+  llama3 = Chat.from_model_dir(f"{CHAT}/llama3")
+  calls_text = {"messages": [TOOL_CHAT["messages"][0], {**TOOL_CHAT["messages"][1],
+                                                        "content": "Let me add."}]}
+  with pytest.raises(ConfigError, match=r"^l:1: the chat template .*chat_template.jinja does "
+                     r"not show assistant tool calls \(message 1's call of 'add' leaves its "
+                     r"rendering unchanged\)"):
+    chat.example(calls_text, "l:1: ").encode(llama3, "l:1: ")
+  # ... and it writes the null content of a call-only turn as the text 'None'.
+  with pytest.raises(ConfigError, match=r"^l:1: message 1 has content null, which the chat "
+                     r"template .* writes as the text 'None'; give its content as \"\""):
+    chat.example(TOOL_CHAT, "l:1: ").encode(llama3, "l:1: ")
+  hides_results = TOOL_TEMPLATE.replace("{% for m in messages %}",
+                                        "{% for m in messages if m.role != 'tool' %}")
+  c = Chat.from_model_dir(_model_dir(tmp_path, hides_results, "hides"))
+  with pytest.raises(ConfigError, match=r"^l:1: the chat template .* does not show tool "
+                     r"results \(message 2's content leaves its rendering unchanged\)"):
+    chat.example(TOOL_CHAT, "l:1: ").encode(c, "l:1: ")
