@@ -218,6 +218,12 @@ def test_progress_prints_a_line_every_few_seconds_and_none_for_a_short_loop(caps
   for t in (1, 4.9, 5.0, 7, 10.5, 12, 75):
     now[0] = 100 + t
     progress.update(lambda: f"tool: {t} records read")
+  progress.next_phase("tool: writing")
   assert capsys.readouterr().out == ("tool: 5.0 records read (0:05)\n"
                                      "tool: 10.5 records read (0:10)\n"
-                                     "tool: 75 records read (1:15)\n")
+                                     "tool: 75 records read (1:15)\n"
+                                     "tool: writing (1:15)\n")
+  quiet = console.Progress(every_s=5, clock=lambda: now[0])
+  quiet.update(lambda: "never")
+  quiet.next_phase("nor this")
+  assert not capsys.readouterr().out
