@@ -35,7 +35,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import data_dirs, records, text, tokenizers
+from spmdtask.inputs import data_dirs, text, tokenizers
 
 
 DEFAULT_VOCAB = 4096  # SentencePiece's --vocab_size when none is given
@@ -47,7 +47,7 @@ def read_documents(pattern: str) -> tuple[list[str], list[str]]:
   paths, texts = [], []
   for path in fs.glob(pattern):
     if fs.isfile(path):
-      content = records.text(path)
+      content = fs.read_text(path)
       if content:
         paths.append(path)
         texts.append(content)
