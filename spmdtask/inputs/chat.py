@@ -295,9 +295,12 @@ def example(record: dict, where: str) -> Example:
              conversation.normalize(completion, where, "completion"))
     first = len(prompt)
   elif turns is None:
+    is_pair = {"chosen", "rejected"} <= set(record)
+    pair = (" It has 'chosen' and 'rejected': a preference pair, which "
+            "tools/prepare_pref_data.py prepares for DPO." if is_pair else "")
     raise ConfigError(f"{where}has neither 'messages' (or ShareGPT's 'conversations') nor "
                       "'prompt' and 'completion'; write {\"messages\": [...]} or "
-                      "{\"prompt\": ..., \"completion\": ...}.")
+                      "{\"prompt\": ..., \"completion\": ...}." + pair)
   replies = [i for i, m in enumerate(turns) if i >= first and m["role"] == "assistant"]
   if not replies:
     raise ConfigError(f"{where}has no assistant turn{' in its completion' if first else ''}, so "

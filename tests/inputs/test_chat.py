@@ -100,6 +100,9 @@ def test_bad_lines_are_config_errors_naming_the_line():
                   "completion": [{"role": "user", "content": "b"}]}, "x: ")
   with pytest.raises(ConfigError, match="neither 'messages' .* nor 'prompt' and 'completion'"):
     chat.example({"text": "hi"}, "x: ")
+  with pytest.raises(ConfigError, match=r"\.\.\.\}\. It has 'chosen' and 'rejected': a "
+                     "preference pair, which tools/prepare_pref_data.py prepares for DPO.$"):
+    chat.example({"prompt": "q", "chosen": "a", "rejected": "b"}, "x: ")
   with pytest.raises(ConfigError, match="ends with an assistant message"):
     chat.prompt_messages(_conv("user", "assistant"), "x: ")
   assert chat.prompt_messages(_conv("system", "user"), "x: ")[1]["role"] == "user"
