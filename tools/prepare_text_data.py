@@ -8,10 +8,10 @@
 Each input file is one document (UTF-8; another encoding is refused, naming FILE:LINE).
 Documents are shuffled once (--seed), the first --eval_fraction of them become the eval
 split, the rest train. Every document is tokenized whole and closed by the end-of-document
-id. With --tokenizer=sentencepiece a BPE model is trained (offline) on the train documents' lines with --vocab_size; with
---tokenizer=hf:PATH a Hugging Face tokenizer.json (an imported model's own) is used as is,
-its end-of-document id the --eod_token's, else the eos_token of the tokenizer_config.json
-beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
+id. With --tokenizer=sentencepiece a BPE model is trained (offline) on the train
+documents' lines with --vocab_size; with --tokenizer=hf:PATH a Hugging Face tokenizer.json
+(an imported model's own) is used as is, its end-of-document id the --eod_token's, else
+the eos_token of the tokenizer_config.json beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
 `*_index.npz`, the tokenizer (`tokenizer.model` or `tokenizer.json`; none for bytes) and
 `meta.json` (see spmdtask.inputs.tokenizers). A non-empty --output_dir is refused; a
 prepared one is replaced only with --overwrite (spmdtask.inputs.data_dirs).
