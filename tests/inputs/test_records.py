@@ -3,7 +3,6 @@ place ('FILE:LINE: ', 'FILE:row N: '); every unreadable input a ConfigError nami
 and the fix."""
 import json
 
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -28,6 +27,7 @@ def test_jsonl_records_by_line_with_bom_crlf_and_blank_lines(tmp_path):
 
 
 def test_parquet_and_datasets_rows_equal_the_jsonl_records(tmp_path):
+  import datasets  # pylint: disable=g-import-not-at-top  # heavy: only for this test
   path = tmp_path / "rows.parquet"
   pq.write_table(pa.Table.from_pylist(ROWS), path, row_group_size=1)  # rows across groups
   assert list(records.read(str(path))) == [(f"{path}:row 0: ", ROWS[0]),
