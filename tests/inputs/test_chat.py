@@ -106,6 +106,8 @@ def test_bad_lines_are_config_errors_naming_the_line():
   with pytest.raises(ConfigError, match="ends with an assistant message"):
     chat.prompt_messages(_conv("user", "assistant"), "x: ")
   assert chat.prompt_messages(_conv("system", "user"), "x: ")[1]["role"] == "user"
+  assert chat.prompt_messages({"conversations": [{"from": "human", "value": "hi"}]}, "x: ") == [
+      {"role": "user", "content": "hi"}]
 
 
 def _model_dir(tmp_path, template: str, name="m"):
