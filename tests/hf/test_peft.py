@@ -1,4 +1,5 @@
-"""LoRA adapters in and out of PEFT's format (tools/hf_lora.py through tools/convert_hf.py):
+"""LoRA adapters in and out of PEFT's format (spmdtask/hf/peft.py, merge.py; the command
+tools/convert_hf.py):
 a PEFT adapter imported onto its base gives PEFT's logits; exported back it is the same
 tensors and an adapter_config.json PEFT loads; --merge_lora gives the merged model's logits;
 an adapter made for another architecture is a ConfigError (exit 2) that writes nothing.
@@ -17,12 +18,15 @@ import numpy as np
 import pytest
 
 from spmdtask.errors import ConfigError
+from spmdtask.hf import convert, families, files, llama, peft
+from spmdtask.hf.jobs import checkpoints, exports, imports
 from tests import subproc as h
 from tests import util
-from tools import convert_hf, hf_lora
+from tests.hf import checks
 
-DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+DATA = checks.DATA
 BASE, PEFT = os.path.join(DATA, "llama"), os.path.join(DATA, "peft")
+LLAMA = llama.FAMILY.experiment
 
 
 def _logits(exp, lines, params):
@@ -35,30 +39,30 @@ def _logits(exp, lines, params):
 def imported(tmp_path_factory):
   """(job dir, override lines) of the fixture base + adapter through --from_hf --adapter."""
   job = str(tmp_path_factory.mktemp("peft") / "job")
-  return job, convert_hf.from_hf(BASE, job, PEFT)
+  return job, imports.from_hf(BASE, job, PEFT)
 
 
 def test_a_peft_adapter_imported_gives_pefts_logits(imported, capsys):
   job, lines = imported
   exp = "finetune.LlamaLoraImport"
   assert "task.model.lora.rank=4" in lines and "task.model.lora.alpha=8.0" in lines
-  params = convert_hf.read_checkpoint(job, lines, exp)
+  params = checkpoints.read_checkpoint(job, lines, exp)
   assert params["layers"]["block"]["attn"]["o_lora_a"].shape == (2, 4, 8, 4)  # [L, h, hd, r]
   assert params["layers"]["block"]["mlp"]["wo_lora_b"].shape == (2, 4, 32)    # [L, r, d]
   want = np.load(os.path.join(PEFT, "logits.npy"))
   err = float(np.abs(_logits(exp, lines, params) - want).max())
   # float32 both sides, |logits| <= 12: rounding, far below the adapter's effect (4.75).
   assert err <= 1e-4, err
-  with open(os.path.join(job, convert_hf.SOURCE_FILE)) as f:
+  with open(os.path.join(job, imports.SOURCE_FILE)) as f:
     assert json.load(f)["base_model_name_or_path"] == "tiny-llama"
 
 
 def test_export_gives_the_same_tensors_and_a_config_peft_reads(imported, tmp_path):
   job, _ = imported
   out = str(tmp_path / "adapter")
-  assert convert_hf.to_hf(job, out) == [hf_lora.CONFIG_FILE, hf_lora.ADAPTER_FILE]
-  want_cfg, want = hf_lora.read(PEFT)
-  got_cfg, got = hf_lora.read(out)
+  assert exports.to_hf(job, out) == [peft.CONFIG_FILE, peft.ADAPTER_FILE]
+  want_cfg, want = peft.read(PEFT)
+  got_cfg, got = peft.read(out)
   assert sorted(got) == sorted(want)
   for k in want:
     np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6, err_msg=k)
@@ -67,35 +71,36 @@ def test_export_gives_the_same_tensors_and_a_config_peft_reads(imported, tmp_pat
               "base_model_name_or_path", "use_rslora", "use_dora", "fan_in_fan_out"):
     assert got_cfg[key] == want_cfg[key], key
   assert sorted(got_cfg["target_modules"]) == sorted(want_cfg["target_modules"])
-  assert hf_lora.lora_fields(got_cfg, "x") == hf_lora.lora_fields(want_cfg, "x")
+  base = files.read_hf(BASE)[0]
+  assert peft.lora_fields(base, got_cfg, "x") == peft.lora_fields(base, want_cfg, "x")
 
 
 def test_merge_lora_export_gives_the_merged_models_logits(imported, tmp_path):
   job, _ = imported
   merged, again = str(tmp_path / "merged"), str(tmp_path / "again")
-  assert convert_hf.to_hf(job, merged, merge_lora=True) == ["config.json", "model.safetensors"]
-  lines = convert_hf.from_hf(merged, again)  # a plain Llama now: no adapter tensors
-  params = convert_hf.read_checkpoint(again, lines)
+  assert exports.to_hf(job, merged, merge_lora=True) == ["config.json", "model.safetensors"]
+  lines = imports.from_hf(merged, again)  # a plain Llama now: no adapter tensors
+  params = checkpoints.read_checkpoint(again, lines, LLAMA)
   assert "q_lora_a" not in params["layers"]["block"]["attn"]
-  err = float(np.abs(_logits(convert_hf.EXP, lines, params)
+  err = float(np.abs(_logits(LLAMA, lines, params)
                      - np.load(os.path.join(PEFT, "merged_logits.npy"))).max())
   assert err <= 1e-4, err
   with pytest.raises(ConfigError, match="--merge_lora: the job .* has no LoRA adapters"):
-    convert_hf.to_hf(again, str(tmp_path / "none"), merge_lora=True)
+    exports.to_hf(again, str(tmp_path / "none"), merge_lora=True)
 
 
 def _broken(tmp_path, edit_cfg=None, edit_tensors=None) -> str:
   """A copy of the fixture adapter with its config and/or tensors edited."""
   out = tmp_path / "bad_adapter"
   shutil.copytree(PEFT, out)
-  cfg, tensors = hf_lora.read(str(out))
+  cfg, tensors = peft.read(str(out))
   if edit_cfg:
     edit_cfg(cfg)
-    (out / hf_lora.CONFIG_FILE).write_text(json.dumps(cfg))
+    (out / peft.CONFIG_FILE).write_text(json.dumps(cfg))
   if edit_tensors:
     from safetensors import numpy as st_numpy  # pylint: disable=g-import-not-at-top
     edit_tensors(tensors)
-    st_numpy.save_file(tensors, str(out / hf_lora.ADAPTER_FILE))
+    st_numpy.save_file(tensors, str(out / peft.ADAPTER_FILE))
   return str(out)
 
 
@@ -124,7 +129,7 @@ def test_an_adapter_for_another_architecture_is_refused_writing_nothing(
     tmp_path, edit_cfg, edit_tensors, message):
   adapter, job = _broken(tmp_path, edit_cfg, edit_tensors), str(tmp_path / "job")
   with pytest.raises(ConfigError, match=message):
-    convert_hf.from_hf(BASE, job, adapter)
+    imports.from_hf(BASE, job, adapter)
   assert not os.path.exists(job)
 
 
@@ -135,8 +140,8 @@ def test_the_command_line_exits_2_and_only_warns_of_another_base_name(tmp_path):
   assert r.returncode == 2, r.stderr[-2000:]
   assert "c_attn" in r.stderr and "Traceback" not in r.stderr and not os.path.exists(job)
   cfg = {"base_model_name_or_path": "someone/other-llama"}
-  assert "warning" in hf_lora.base_mismatch(cfg, BASE, {})
-  assert hf_lora.base_mismatch({"base_model_name_or_path": "x/llama"}, BASE, {}) is None
+  assert "warning" in peft.base_mismatch(cfg, BASE, {})
+  assert peft.base_mismatch({"base_model_name_or_path": "x/llama"}, BASE, {}) is None
 
 
 def test_new_adapters_start_as_peft_does_and_export(tmp_path):
@@ -144,18 +149,18 @@ def test_new_adapters_start_as_peft_does_and_export(tmp_path):
   exported as a PEFT adapter; rank 0 is refused before anything is written."""
   job, out = str(tmp_path / "job"), str(tmp_path / "adapter")
   new = {"r": 2, "lora_alpha": 4.0, "target_modules": "all-linear"}
-  lines = convert_hf.from_hf(BASE, job, new_lora=new)
-  params = convert_hf.read_checkpoint(job, lines, "finetune.LlamaLoraImport")
+  lines = imports.from_hf(BASE, job, new_lora=new)
+  params = checkpoints.read_checkpoint(job, lines, "finetune.LlamaLoraImport")
   attn = params["layers"]["block"]["attn"]
   assert attn["q_lora_a"].shape == (2, 32, 2) and not attn["q_lora_b"].any()
   assert np.abs(attn["q_lora_a"]).max() > 0
-  plain = convert_hf.to_params(*convert_hf.read_hf(BASE))
+  plain = convert.to_params(*files.read_hf(BASE))
   np.testing.assert_array_equal(attn["q"], plain["layers"]["block"]["attn"]["q"])
-  convert_hf.to_hf(job, out)
-  cfg, tensors = hf_lora.read(out)
+  exports.to_hf(job, out)
+  cfg, tensors = peft.read(out)
   assert cfg["r"] == 2 and cfg["lora_alpha"] == 4.0 and len(tensors) == 2 * 7 * 2
   with pytest.raises(ConfigError, match=r"r=0"):
-    convert_hf.from_hf(BASE, str(tmp_path / "bad"), new_lora={**new, "r": 0})
+    imports.from_hf(BASE, str(tmp_path / "bad"), new_lora={**new, "r": 0})
   assert not os.path.exists(tmp_path / "bad")
 
 
@@ -163,7 +168,6 @@ def test_new_adapters_start_as_peft_does_and_export(tmp_path):
 def test_peft_adapters_of_an_moe_are_refused(model_type):
   """Expert adapters (layers.lora target `experts`) have no PEFT layout here: an MoE's LoRA
   neither comes in (--adapter, --lora_rank) nor goes out (--to_hf) in PEFT's format."""
-  from tools import hf_models  # pylint: disable=g-import-not-at-top
   with pytest.raises(ConfigError, match=rf"model_type='{model_type}': LoRA adapters in and "
                      r"out of PEFT are supported for 'llama' models only"):
-    hf_models.lora_experiment({"model_type": model_type})
+    families.lora_experiment({"model_type": model_type})

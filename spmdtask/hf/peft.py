@@ -1,4 +1,5 @@
-"""LoRA adapters between spmdtask and PEFT's format. Pure numpy; no torch, no peft.
+"""PEFT LoRA adapters in and out of spmdtask, for any `Family` with `lora_targets`. Pure
+numpy; no torch, no peft.
 
 PEFT writes an adapter as `adapter_model.safetensors`, one pair per adapted Linear module:
 `base_model.model.<module>.lora_A.weight` [r, in_features] and `...lora_B.weight`
@@ -8,7 +9,7 @@ base_model_name_or_path, task_type, ...). The module computes x·Wᵀ + (lora_al
 x·Aᵀ·Bᵀ. spmdtask's adapter of base weight X (layers.lora) is `X_lora_a` [*in_dims, r] and
 `X_lora_b` [r, *out_dims] beside X [*in_dims, *out_dims] (q [d | h, hd], k and v [d | kv, hd],
 o [h, hd | d], wi and wg [d | f], wo [f | d]), stacked over layers [L, ...]: so a = Aᵀ and
-b = Bᵀ, reshaped to those dims. HF's q/k rows need no permutation (tools/convert_hf.py), so
+b = Bᵀ, reshaped to those dims. HF's q/k rows need no permutation (llama.py), so
 neither do B's. Anything of an adapter spmdtask cannot express exactly (DoRA, rsLoRA, biases,
 per-module ranks, extra trained modules, other target modules or shapes) is a ConfigError.
 """
@@ -23,8 +24,9 @@ import numpy as np
 from spmdtask import fs
 from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
+from spmdtask.hf import families
+from spmdtask.hf.trees import leaf
 from spmdtask.layers.lora import LoraConfig
-from tools import hf_models
 
 A_SUFFIX, B_SUFFIX = ADAPTER_SUFFIXES  # our adapter params beside base weight X: X_lora_a, ...
 
@@ -47,10 +49,10 @@ def _dims(m: dict) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
           "o": ((h, hd), (d,)), "wi": ((d,), (f,)), "wg": ((d,), (f,)), "wo": ((f,), (d,))}
 
 
-def _targets(adapter: dict, where: str) -> tuple[str, ...]:
+def _targets(cfg: dict, adapter: dict, where: str) -> tuple[str, ...]:
   """Our target names (layers.lora) of PEFT's target_modules, in our order."""
-  modules = adapter.get("target_modules")
-  ours = {hf: t for t, hf in hf_models.LORA_MODULES.items()}
+  modules, own = adapter.get("target_modules"), families.of(cfg).lora_targets
+  ours = {hf: t for t, (hf, _) in own.items()}
   if modules == "all-linear":
     return tuple(ours.values())
   if isinstance(modules, str) or not modules:
@@ -59,14 +61,16 @@ def _targets(adapter: dict, where: str) -> tuple[str, ...]:
   bad = [m for m in modules if m not in ours]
   if bad:
     raise ConfigError(f"{where}: target_modules names {bad}, which no layer of this model has "
-                      f"(a Llama's adaptable modules are {', '.join(ours)}): the adapter was "
-                      "made for another architecture.")
-  return tuple(t for t in hf_models.LORA_MODULES if hf_models.LORA_MODULES[t] in modules)
+                      f"(a {families.model_type(cfg)} model's adaptable modules are "
+                      f"{', '.join(ours)}): the adapter was made for another architecture.")
+  return tuple(t for t, (hf, _) in own.items() if hf in modules)
 
 
-def lora_fields(adapter: dict, where: str) -> dict:
-  """LoraConfig fields (layers.lora) of a PEFT adapter_config.json; ConfigError naming the
-  first field spmdtask cannot express exactly."""
+def lora_fields(cfg: dict, adapter: dict, where: str) -> dict:
+  """LoraConfig fields (layers.lora) of a PEFT adapter_config.json for the model of HF
+  config `cfg`; ConfigError naming the first field spmdtask cannot express exactly (or a
+  family without LoRA)."""
+  families.lora_experiment(cfg)
   if adapter.get("peft_type") != "LORA":
     raise ConfigError(f"{where}: peft_type={adapter.get('peft_type')!r}; only LoRA adapters "
                       "(peft_type 'LORA') convert.")
@@ -80,7 +84,7 @@ def lora_fields(adapter: dict, where: str) -> dict:
   if not isinstance(alpha, (int, float)) or alpha <= 0:
     raise ConfigError(f"{where}: lora_alpha={alpha!r} must be > 0.")
   return {"rank": r, "alpha": float(alpha), "dropout": float(adapter.get("lora_dropout") or 0.0),
-          "targets": _targets(adapter, where)}
+          "targets": _targets(cfg, adapter, where)}
 
 
 def job_lora(config_text: str, where: str) -> dict:
@@ -106,16 +110,27 @@ def _key(module: str, which: str) -> str:
   return f"{PREFIX}{module}.lora_{which}.weight"
 
 
+def modules(cfg: dict, i: int, targets) -> dict[str, tuple[str, str]]:
+  """Adapter target -> (our stacked base param path, HF module name in layer i without
+  '.weight') for each of `targets`."""
+  family = families.of(cfg)
+  tensors, out = family.layer_tensors(cfg, i), {}
+  for t in targets:
+    path = family.lora_targets[t][1]
+    out[t] = (path, tensors[path][0].removesuffix(".weight"))
+  return out
+
+
 def to_params(cfg: dict, lora: dict, tensors: dict[str, np.ndarray], where: str) -> dict:
   """Our adapter params {stacked path: float32 array} from PEFT's tensors; ConfigError for
   a missing, unexpected or misshapen tensor."""
-  m, r = hf_models.model_fields(cfg), lora["rank"]
+  m, r = families.model_fields(cfg), lora["rank"]
   dims, out, used = _dims(m), {}, set()
   for t in lora["targets"]:
     ins, outs = dims[t]
     a_s, b_s = [], []
     for i in range(m["num_layers"]):
-      module = hf_models.lora_modules(cfg, i, (t,))[t][1]
+      module = modules(cfg, i, (t,))[t][1]
       for which, want, dest in (("A", (r, int(np.prod(ins))), a_s),
                                 ("B", (int(np.prod(outs)), r), b_s)):
         key = _key(module, which)
@@ -129,7 +144,7 @@ def to_params(cfg: dict, lora: dict, tensors: dict[str, np.ndarray], where: str)
                             "architecture or size.")
         used.add(key)
         dest.append(x.astype(np.float32))
-    path = hf_models.lora_modules(cfg, 0, (t,))[t][0]
+    path = modules(cfg, 0, (t,))[t][0]
     out[path + A_SUFFIX] = np.stack([a.T.reshape(*ins, r) for a in a_s])
     out[path + B_SUFFIX] = np.stack([b.T.reshape(r, *outs) for b in b_s])
   extra = sorted(set(tensors) - used)
@@ -142,13 +157,13 @@ def to_params(cfg: dict, lora: dict, tensors: dict[str, np.ndarray], where: str)
 
 def from_params(cfg: dict, lora: dict, params: dict) -> dict[str, np.ndarray]:
   """PEFT's tensors (float32) from our params (nested, stacked: the inverse of to_params)."""
-  m, r = hf_models.model_fields(cfg), lora["rank"]
+  m, r = families.model_fields(cfg), lora["rank"]
   out = {}
   for t in lora["targets"]:
-    path = hf_models.lora_modules(cfg, 0, (t,))[t][0]
-    a, b = _leaf(params, path + A_SUFFIX), _leaf(params, path + B_SUFFIX)
+    path = modules(cfg, 0, (t,))[t][0]
+    a, b = leaf(params, path + A_SUFFIX), leaf(params, path + B_SUFFIX)
     for i in range(m["num_layers"]):
-      module = hf_models.lora_modules(cfg, i, (t,))[t][1]
+      module = modules(cfg, i, (t,))[t][1]
       out[_key(module, "A")] = np.ascontiguousarray(
           np.asarray(a[i], np.float32).reshape(-1, r).T)
       out[_key(module, "B")] = np.ascontiguousarray(
@@ -156,27 +171,12 @@ def from_params(cfg: dict, lora: dict, params: dict) -> dict[str, np.ndarray]:
   return out
 
 
-def merged(cfg: dict, lora: dict, params: dict) -> dict:
-  """`params` with every adapted weight W + (alpha / r)·a·b in float32 and the adapters
-  dropped: a plain model's params."""
-  scale, out = lora["alpha"] / lora["rank"], _copy(params)
-  for t in lora["targets"]:
-    path = hf_models.lora_modules(cfg, 0, (t,))[t][0]
-    parent, leaf = _node(out, path)
-    a, b = parent.pop(leaf + A_SUFFIX), parent.pop(leaf + B_SUFFIX)
-    w = np.asarray(parent[leaf], np.float32)
-    L, r = w.shape[0], lora["rank"]
-    delta = np.einsum("lir,lro->lio", np.asarray(a, np.float32).reshape(L, -1, r),
-                      np.asarray(b, np.float32).reshape(L, r, -1))
-    parent[leaf] = w + np.float32(scale) * delta.reshape(w.shape)
-  return out
-
-
-def adapter_config(lora: dict, base_model: str | None) -> dict:
+def adapter_config(cfg: dict, lora: dict, base_model: str | None) -> dict:
   """adapter_config.json for PEFT (the fields LoraConfig reads; PEFT fills the rest)."""
+  own = families.of(cfg).lora_targets
   return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
           "r": lora["rank"], "lora_alpha": lora["alpha"], "lora_dropout": lora["dropout"],
-          "target_modules": [hf_models.LORA_MODULES[t] for t in lora["targets"]],
+          "target_modules": [own[t][0] for t in lora["targets"]],
           "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
           "modules_to_save": None, "init_lora_weights": True, "inference_mode": True,
           "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
@@ -207,42 +207,3 @@ def base_mismatch(adapter: dict, hf_dir: str, cfg: dict) -> str | None:
     return None
   return (f"warning: the adapter's base_model_name_or_path is {name!r}, not --from_hf="
           f"{hf_dir!r}; its tensors fit this model, so it is loaded onto it.")
-
-
-def _leaf(tree: dict, path: str):
-  for key in path.split("/"):
-    tree = tree[key]
-  return tree
-
-
-def filled(params: dict, init: dict) -> dict:
-  """`params` cast to `init`'s dtypes, with the adapters it lacks taken from `init` (a
-  model's fresh params); KeyError for any other missing param."""
-  out = {}
-  for key, value in init.items():
-    if isinstance(value, dict):
-      out[key] = filled(params.get(key, {}), value)
-    elif key in params:
-      out[key] = np.asarray(params[key]).astype(value.dtype)
-    elif key.endswith(ADAPTER_SUFFIXES):
-      out[key] = np.asarray(value)
-    else:
-      raise KeyError(f"no value for param {key!r}")
-  return out
-
-
-def set_leaf(tree: dict, path: str, value) -> None:
-  """tree[a][b][c] = value for path 'a/b/c' (the parents exist)."""
-  parent, leaf = _node(tree, path)
-  parent[leaf] = value
-
-
-def _node(tree: dict, path: str) -> tuple[dict, str]:
-  *parents, leaf = path.split("/")
-  for key in parents:
-    tree = tree[key]
-  return tree, leaf
-
-
-def _copy(tree):
-  return {k: _copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
