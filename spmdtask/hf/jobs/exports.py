@@ -38,7 +38,7 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
   params = checkpoints.read_checkpoint(  # no tokenizer: not needed
       job_log_dir, model_overrides.overrides(cfg, lora=lora), families.experiment(cfg, lora))
   if lora is None or merge_lora:
-    params = params if lora is None else merge.merged(cfg, lora, params)
+    params = params if lora is None else merge.merged(lora, params)
     out = {files.WEIGHTS_FILE: convert.from_params(cfg, params, src["dtypes"]),
            files.CONFIG_FILE: json.dumps(source_cfg, indent=2)}
   else:
