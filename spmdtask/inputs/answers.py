@@ -22,9 +22,11 @@ from spmdtask.core.host_input import StepIndexedInput
 
 
 class _AnswerRows(StepIndexedInput):
-  """Rows `token_ids[i]` with `answers[i]`, repeated over epochs."""
+  """Rows `token_ids[i]` with `answers[i]`, repeated over epochs; `stop_ids` end a completion
+  (where the objective names none)."""
   token_ids: list
   answers: list
+  stop_ids: tuple[int, ...] = ()
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     rows = self.local_rows(step)

@@ -39,7 +39,9 @@ class Grpo:
     max_new_tokens: the longest completion (TRL's max_completion_length); prompt length +
       max_new_tokens must fit task.model.max_seq_len.
     temperature, top_p, top_k: sampling (top_k 0 = off); temperature 0 = greedy.
-    eos_id: the token that ends a completion (included in it); None = run to max_new_tokens.
+    eos_id: the token that ends a completion (included in it), or a tuple of them (the first
+      of any ends it); None = the train input's stop ids (a prompts data dir's eos and chat
+      end-of-turn; none: run to max_new_tokens).
     seed: the sampling seed (a sample's draws depend on it, its id and position only).
     beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
     epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high].
@@ -56,7 +58,7 @@ class Grpo:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None
   seed: int = 0
   beta: float = 0.0
   epsilon_low: float = 0.2
@@ -78,6 +80,7 @@ class Grpo:
           f"task.objective.num_generations={n!r}: GRPO compares each completion with the "
           "others of its prompt's group, so a group needs at least 2 (TRL's default is 8). "
           "Set num_generations >= 2.")
+    checks.stop_ids("task.objective.eos_id", self.eos_id)
     checks.positive("task.objective", max_new_tokens=self.max_new_tokens,
                     num_iterations=self.num_iterations)
     checks.in_range("task.objective.temperature", self.temperature, 0.0, float("inf"),
