@@ -233,7 +233,12 @@ class Task:
 
 @dataclasses.dataclass
 class RunConfig:
-  """Everything `spmdtask.main` builds: the root of every `--fdl_set` path."""
+  """Everything `spmdtask.main` builds: the root of every `--fdl_set` path. A dataset built
+  as None is left out (a slot kept for the overrides that name it, e.g. an import's eval set
+  under GRPO, which evaluates nothing)."""
   task: Task
   datasets: dict[str, Any]
   decode_datasets: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    self.datasets = {k: v for k, v in self.datasets.items() if v is not None}
