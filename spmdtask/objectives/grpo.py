@@ -22,7 +22,7 @@ from spmdtask.core import checks, train_state
 from spmdtask.core.model import ScoresTokens, Weighted
 from spmdtask.core.objective import TARGET_TOKENS, Reference
 from spmdtask.errors import ConfigError
-from spmdtask.objectives import grpo_loss, rewards
+from spmdtask.objectives import grpo_loss, rewards, user_rewards
 
 MODEL_KEYS = ("inputs", "targets", "weights")
 ADVANTAGES, OLD_LOGP = "advantages", "old_logp"
@@ -33,8 +33,10 @@ class Grpo:
   """GRPO's fields (names and defaults as TRL's GRPOConfig where it has them).
 
   Attributes:
-    rewards: names of registered reward functions (`spmdtask.objectives.rewards`), summed.
-    reward_weights: one weight per reward; None = all 1.
+    rewards: registered reward names (`spmdtask.objectives.rewards`) or functions of your
+      own files, `PATH.py:FN` (`spmdtask.objectives.user_rewards`; --reward sets both
+      fields), summed with their weights.
+    reward_weights: one weight per reward (TRL's reward_weights); None = all 1.
     num_generations: G, completions sampled per prompt (>= 2: advantages compare a group).
     max_new_tokens: the longest completion (TRL's max_completion_length); prompt length +
       max_new_tokens must fit task.model.max_seq_len.
@@ -123,6 +125,11 @@ class Grpo:
   def score(self, prompts, completions, answers) -> tuple[list[float], dict[str, float]]:
     """(each sample's weighted reward sum, each reward's mean by name): the rollout's."""
     return rewards.combine(self.rewards, self.reward_weights, prompts, completions, answers)
+
+  def reward_files(self) -> dict[str, str]:
+    """{'PATH.py:FN': the file's sha256} of the rewards read from the user's files."""
+    return {n: user_rewards.fingerprint(user_rewards.split_spec(n)[0])
+            for n in self.rewards if user_rewards.is_file_spec(n)}
 
   def advantages(self, all_rewards: jax.Array) -> jax.Array:
     """The global batch's rewards [B·G] -> group-normalized advantages [B·G]."""

@@ -21,6 +21,7 @@ The batch's `advantages` and `old_logp` are the keys the objective's loss reads
 (`objectives.grpo`).
 """
 import dataclasses
+import json
 import time
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from spmdtask import console, fs
 from spmdtask.core import checks, global_batch, layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
 from spmdtask.run import decoding
@@ -195,6 +197,9 @@ class Samples(Protocol):
   def advantages(self, rewards: jax.Array) -> jax.Array:
     """The global batch's rewards [B·G] (groups adjacent) -> advantages [B·G]."""
 
+  def reward_files(self) -> dict[str, str]:
+    """{reward name: fingerprint} of the rewards read from the user's files."""
+
   def model_batch(self, batch: dict) -> dict:
     """The batch's LM rows (`Objective.model_batch`)."""
 
@@ -206,6 +211,25 @@ class LmFeed(NamedTuple):
 
   def step(self, state):
     return self.program.train(state, self.program.global_batch(next(self.inputs)))
+
+
+REWARD_FILES = "reward_files.json"  # in the job dir: the user reward files' fingerprints
+
+
+def note_reward_files(objective, job_log_dir: str | None, first_step: int) -> None:
+  """Records the fingerprints of a `Samples` objective's reward files in the job dir; a
+  resumed job (first_step > 0) says which changed since it last ran (process 0 writes)."""
+  if not isinstance(objective, Samples) or job_log_dir is None or jax.process_index():
+    return
+  now, path = objective.reward_files(), fs.join(job_log_dir, REWARD_FILES)
+  before = json.loads(fs.read_text(path)) if fs.exists(path) else {}
+  for name, digest in now.items():
+    if first_step and name in before and before[name] != digest:
+      console.say("Reward %s: its file changed since this job last ran (sha256 %s..., now "
+                  "%s...); the steps from %d on are rewarded by the file as it is now.", name,
+                  before[name][:12], digest[:12], first_step + 1)
+  if now:
+    fs.write_text(path, json.dumps({**before, **now}, indent=1))
 
 
 def example(run) -> dict:
