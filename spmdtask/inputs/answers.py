@@ -13,12 +13,11 @@ each process reads its rows of every batch; the input repeats (epoch after epoch
 `tokenizer.decode` gives the rewards the prompts' and completions' text.
 """
 import dataclasses
-import json
 
 import numpy as np
 
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat, prompt_data, tokenizers
+from spmdtask.inputs import chat, prompt_data, records, tokenizers
 from spmdtask.inputs.prompts import prompt_batch
 from spmdtask.core.host_input import StepIndexedInput
 
@@ -89,37 +88,32 @@ class AnswerPrompts(_AnswerRows):
     if self.tokenizer is None:
       raise ConfigError(f"{field}.tokenizer is None: GRPO's rewards read text. Name the "
                         "tokenizer ('bytes', 'hf:PATH/tokenizer.json') or a chat data_dir.")
-    lines = chat.read_jsonl(self.path) if self.path else []
-    if not lines:
-      raise ConfigError(f"{field}.path={self.path!r} holds no example; give a JSONL file of "
-                        '{"prompt": ..., "answer": ...} a line.')
     self.token_ids, self.answers = [], []
-    for where, line in lines:
-      prompt, answer = _parse(line, where)
+    for where, record in records.read(self.path, f"{field}.path") if self.path else ():
+      prompt, answer = _parse(record, where)
       if isinstance(prompt, list):
         if conv is None:
           raise ConfigError(f"{where}the prompt is a list of messages, which needs a chat "
                             f"template: set {field}.data_dir to a prepared chat data dir "
                             "(tools/prepare_chat_data.py), or give the prompt as a string.")
-        ids = conv.prompt_ids(chat.parse_prompt(json.dumps({"messages": prompt}), where), where)
+        ids = conv.prompt_ids(chat.prompt_messages({"messages": prompt}, where), where)
       else:
         ids = list(self.tokenizer.encode(prompt))
       if not ids:
         raise ConfigError(f"{where}the prompt is empty; give a non-empty prompt.")
       self.token_ids.append(ids)
       self.answers.append(answer)
+    if not self.token_ids:
+      raise ConfigError(f"{field}.path={self.path!r} holds no example; give a JSONL file of "
+                        '{"prompt": ..., "answer": ...} a line.')
     self.num_examples = None  # repeats
     self.prompt_len = max(map(len, self.token_ids))
 
 
-def _parse(line: str, where: str):
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
-  if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
+def _parse(record: dict, where: str):
+  if "prompt" not in record or "answer" not in record:
     raise ConfigError(f'{where}needs "prompt" (a string or a list of messages) and "answer"; '
-                      f"it has {sorted(record) if isinstance(record, dict) else 'no object'}.")
+                      f"it has {sorted(record)}.")
   prompt = record["prompt"]
   if not isinstance(prompt, (str, list)):
     raise ConfigError(f'{where}"prompt" is a {type(prompt).__name__}; give a string or a list '

@@ -1,8 +1,8 @@
 """GRPO's prompts: a JSONL file of prompts with answers -> a prompts data dir, and back.
 
-A line is one example, `{"prompt": P, "answer": A}`:
-- P a list of messages (roles system, user, assistant, tool; content a string or OpenAI text
-  parts, joined), rendered with the model's chat template and its generation prompt, as
+A record (`inputs.records`: a JSONL line, a Parquet row, a saved dataset's row) is one
+example, `{"prompt": P, "answer": A}`:
+- P a list of messages (OpenAI or ShareGPT, normalized by `inputs.conversation`), rendered with the model's chat template and its generation prompt, as
   TRL renders a conversational prompt;
 - or P a string: one user message, rendered likewise (`raw`: the string encoded as is,
   with the tokenizer's own special tokens, as TRL takes a plain-text prompt);
@@ -27,7 +27,7 @@ import os
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat, chat_template, tokenizers
+from spmdtask.inputs import chat, chat_template, conversation, data_dirs, records, tokenizers
 
 KIND = "prompts"
 PROMPTS_FILE = "prompts.jsonl"
@@ -81,51 +81,20 @@ def stop_ids(conv: chat.Chat | None, tok: tokenizers.HfTokenizer,
   return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
-def _content(value, where: str, i: int) -> str:
-  """A message's content as text: a string, or OpenAI text parts joined."""
-  if isinstance(value, str):
-    return value
-  if isinstance(value, list) and value and all(isinstance(p, dict) for p in value):
-    kinds = sorted({str(p.get("type")) for p in value} - {"text"})
-    if kinds:
-      raise ConfigError(f"{where}message {i}'s content has parts of type {', '.join(kinds)}; "
-                        "a language model's prompt takes text parts only "
-                        '({"type": "text", "text": "..."}). Drop the other parts.')
-    if all(isinstance(p.get("text"), str) for p in value):
-      return "".join(p["text"] for p in value)
-  shown = "null" if value is None else type(value).__name__
-  raise ConfigError(f"{where}message {i}'s content is {shown}; give a string or a list of "
-                    'text parts ([{"type": "text", "text": "..."}]).')
-
-
 def _messages(value: list, where: str) -> list[dict]:
-  out = []
-  for i, m in enumerate(value):
-    role = m.get("role") if isinstance(m, dict) else None
-    if role not in chat.ROLES:
-      raise ConfigError(f"{where}message {i} of the prompt has role {role!r}; roles are "
-                        f"{', '.join(chat.ROLES)}. Fix the message (or rename the role).")
-    if "content" not in m:
-      raise ConfigError(f"{where}message {i} of the prompt has no content; give its text.")
-    out.append({**m, "content": _content(m["content"], where, i)})
-  if out[-1]["role"] == "assistant":
+  messages = conversation.normalize(value, where, "prompt")
+  if messages[-1]["role"] == "assistant":
     raise ConfigError(f"{where}the prompt ends with an assistant message; a GRPO prompt ends "
                       "where the model is to answer (drop the last message).")
-  return out
+  return messages
 
 
-def parse(line: str, where: str) -> tuple[str | list[dict], object]:
-  """(the prompt: a string or normalized messages, the answer) of one JSONL line;
-  ConfigError naming `where` ('FILE:LINE: ')."""
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line: "
-                      '{"prompt": ..., "answer": ...}.') from None
-  if not isinstance(record, dict) or "prompt" not in record:
-    has = sorted(record) if isinstance(record, dict) else f"a {type(record).__name__}"
-    raise ConfigError(f'{where}has no "prompt" (it has {has}); write {{"prompt": "..." or '
-                      '[messages], "answer": ...}.')
+def parse(record: dict, where: str) -> tuple[str | list[dict], object]:
+  """(the prompt: a string or normalized messages, the answer) of one record
+  (`records.read`); ConfigError naming `where` ('FILE:LINE: ')."""
+  if "prompt" not in record:
+    raise ConfigError(f'{where}has no "prompt" (it has {sorted(record)}); write '
+                      '{"prompt": "..." or [messages], "answer": ...}.')
   prompt = record["prompt"]
   if isinstance(prompt, str):
     if not prompt:
@@ -151,32 +120,19 @@ def encode(prompt: str | list[dict], conv: chat.Chat | None, tok: tokenizers.HfT
   return conv.prompt_ids(messages, where)
 
 
-def lines(pattern: str, field: str = "--input"):
-  """(where 'PATH:LINE: ', line) of each non-empty line of the files matching `pattern`, in
-  path order, decoded as strict UTF-8 (ConfigError naming the line of a bad byte)."""
-  paths = fs.glob(pattern)
-  if not paths:
-    raise ConfigError(f"{field}={pattern!r} matches no file; give a JSONL file (or a glob).")
-  for path in paths:
-    for n, raw in enumerate(fs.read_bytes(path).split(b"\n"), 1):
-      try:
-        line = raw.decode("utf-8")
-      except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}:{n}: byte {raw[e.start]:#04x} at column {e.start + 1} is not "
-                          "UTF-8; save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
-      if line.strip():
-        yield f"{path}:{n}: ", line
-
-
-def encode_all(pattern: str, conv: chat.Chat | None, tok: tokenizers.HfTokenizer, raw: bool,
+def encode_all(source: str, conv: chat.Chat | None, tok: tokenizers.HfTokenizer, raw: bool,
                max_prompt_len: int | None, progress=None) -> dict:
-  """Every line of `pattern` as token ids with its answer; a prompt over `max_prompt_len`
-  tokens is dropped and counted; ConfigError for the first bad line. `progress(lines)` is
-  called every 1000 lines. Returns {'ids', 'answers', 'dropped', 'plain', 'no_answer'}."""
-  out = {"ids": [], "answers": [], "dropped": 0, "plain": 0, "no_answer": 0}
-  n = 0
-  for n, (where, line) in enumerate(lines(pattern), 1):
-    prompt, answer = parse(line, where)
+  """Every record of `source` (`records.read`: JSONL, Parquet, a saved dataset) as token ids
+  with its answer; a prompt over `max_prompt_len` tokens is dropped and counted; ConfigError
+  for the first bad record. `progress` (a console.Progress) is updated per record. Returns
+  {'ids', 'answers', 'read', 'dropped', 'plain', 'no_answer'}."""
+  out = {"ids": [], "answers": [], "read": 0, "dropped": 0, "plain": 0, "no_answer": 0}
+  for where, record in records.read(source):
+    out["read"] += 1
+    if progress is not None:
+      progress.update(lambda: f"prepare_prompt_data: {out['read']} records read, "
+                      f"{len(out['ids'])} kept")
+    prompt, answer = parse(record, where)
     ids = encode(prompt, conv, tok, raw, where)
     out["plain"] += isinstance(prompt, str)
     out["no_answer"] += answer is None
@@ -185,13 +141,11 @@ def encode_all(pattern: str, conv: chat.Chat | None, tok: tokenizers.HfTokenizer
     else:
       out["ids"].append(ids)
       out["answers"].append(answer)
-    if progress is not None and n % 1000 == 0:
-      progress(n)
-  if not n:
-    raise ConfigError(f"--input={pattern!r} holds no prompt; write one JSON object a line: "
+  if not out["read"]:
+    raise ConfigError(f"--input={source!r} holds no prompt; write one JSON object a line: "
                       '{"prompt": ..., "answer": ...}.')
   if not out["ids"]:
-    raise ConfigError(f"--input={pattern!r}: all {n} prompts are longer than "
+    raise ConfigError(f"--input={source!r}: all {out['read']} prompts are longer than "
                       f"--max_prompt_len={max_prompt_len} tokens; raise it (the model's "
                       "max_seq_len must hold a prompt and its completion).")
   return out
@@ -201,10 +155,8 @@ def read(data_dir: str, field: str) -> tuple[list[list[int]], list, dict]:
   """(ids, answers, meta) of a prompts data dir; ConfigError naming `field` for another
   kind of dir."""
   meta = tokenizers.read_meta(data_dir, field)
-  if meta.get("kind") != KIND:
-    raise ConfigError(f"{field}={data_dir!r} is not a prompts data dir (its "
-                      f"{tokenizers.META_FILE} has no \"kind\": \"{KIND}\"); GRPO samples "
-                      "from prompts: prepare them with tools/prepare_prompt_data.py.")
+  data_dirs.check_kind(meta, data_dir, field, (KIND,),
+                       " (GRPO samples completions of prompts)")
   ids, answers = [], []
   for line in fs.read_text(fs.join(data_dir, PROMPTS_FILE)).splitlines():
     row = json.loads(line)

@@ -114,22 +114,22 @@ GOOD = {"prompt": "What is 1 + 2?", "answer": 3}
 MSGS = [{"role": "user", "content": "hi"}]
 BAD = {  # case: (records or bytes, extra flags, what stderr's paragraph says)
     "non_utf8": (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', [],
-                 r"in.jsonl:2: byte 0xe9 at column 16 is not UTF-8"),
+                 r"in.jsonl:2: byte 16 of the line \(0xe9\) is not UTF-8"),
     "bad_json": (['{"prompt": "a",', GOOD], [], r"in.jsonl:1: is not JSON"),
     "no_prompt": ([GOOD, {"question": "a"}], [], r'in.jsonl:2: has no "prompt" \(it has '
                   r"\['question'\]\)"),
     "prompt_null": ([{"prompt": None}], [], r'in.jsonl:1: "prompt" is null'),
     "content_null": ([{"prompt": [{"role": "user", "content": None}]}], [],
-                     r"in.jsonl:1: message 0's content is null"),
+                     r"in.jsonl:1: message 0 of prompt \(user\) has content null"),
     "content_number": ([{"prompt": [{"role": "user", "content": 5}]}], [],
-                       r"in.jsonl:1: message 0's content is int"),
+                       r"in.jsonl:1: message 0 of prompt \(user\) has content of type int"),
     "image_part": ([{"prompt": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "x"}}]}]}], [],
-                   r"in.jsonl:1: message 0's content has parts of type image_url"),
+                   r"in.jsonl:1: content part 0 of message 0 of prompt \(user\) has type 'image_url'"),
     "ends_with_assistant": ([{"prompt": MSGS + [{"role": "assistant", "content": "a"}]}], [],
                             r"in.jsonl:1: the prompt ends with an assistant message"),
     "unknown_role": ([{"prompt": [{"role": "bot", "content": "a"}]}], [],
-                     r"in.jsonl:1: message 0 of the prompt has role 'bot'"),
+                     r"in.jsonl:1: message 0 of prompt has role 'bot'"),
     "no_template": ([GOOD], ["bare"], r"--tokenizer='.*bare' has no chat template"),
     "messages_raw_no_template": ([GOOD, {"prompt": MSGS}], ["bare", "--raw"],
                                 r"in.jsonl:2: the prompt is a list of messages, and "
@@ -138,7 +138,11 @@ BAD = {  # case: (records or bytes, extra flags, what stderr's paragraph says)
                      r"all 2 prompts are longer than --max_prompt_len=3 tokens"),
     "bad_limit": ([GOOD], ["--max_prompt_len=0"], r"--max_prompt_len=0: give a positive"),
     "no_input": (None, [], r"--input='.*missing.jsonl' matches no file"),
-    "non_empty_dir": ([GOOD], ["occupied"], r"--output_dir='.*out' is not empty; .* --overwrite"),
+    "non_empty_dir": ([GOOD], ["occupied", "--overwrite"],
+                      r"--output_dir='.*out' is not empty \(notes.txt\) and is no prepared data "
+                      r"dir .* \(--overwrite only replaces a prepared data dir\)"),
+    "prepared_dir": ([GOOD], ["prepared"], r"--output_dir='.*out' already holds a prepared data "
+                     r"dir \(meta.json\); give a new dir, or pass --overwrite"),
 }
 
 
@@ -157,6 +161,8 @@ def test_each_bad_input_exits_2_with_one_paragraph_and_writes_nothing(case, tmp_
   if "occupied" in extra:
     out.mkdir()
     (out / "notes.txt").write_text("mine")
+  if "prepared" in extra:
+    assert _run(capsys, f"--input={path}", f"--tokenizer={model}", f"--output_dir={out}")[0] == 0
   flags = [f for f in extra if f.startswith("--")]
   before = sorted(os.listdir(out)) if out.exists() else None
   code, stdout, err = _run(capsys, f"--input={path}", f"--tokenizer={model}",
@@ -178,3 +184,16 @@ def test_rows_repeat_over_epochs_with_each_processs_share(tmp_path, capsys):
   batch = second.batch_at(1)  # global rows 6, 7: examples 0, 1 of the third epoch
   assert batch["ids"].tolist() == [6, 7] and list(batch["answers"]) == [0, 1]
   assert np.array_equal(batch["prompts"][0, :batch["prompt_lens"][0]], second.token_ids[0])
+
+
+def test_another_kind_of_data_dir_is_refused_naming_its_tool(tmp_path):
+  d = tmp_path / "chat"
+  d.mkdir()
+  (d / "meta.json").write_text(json.dumps({"tokenizer": "hf", "vocab_size": 300, "eod_id": 6,
+                                           "chat": {"end_of_turn_id": 6}}))
+  with pytest.raises(prompt_data.ConfigError,
+                     match=r"datasets\['train'\].data_dir='.*chat' \(--data_dir\) holds "
+                     r"conversations .* this input reads prompts with answers \(GRPO samples "
+                     r"completions of prompts\). Give it a dir written by "
+                     r"tools/prepare_prompt_data.py"):
+    PromptData(data_dir=str(d))
