@@ -15,6 +15,7 @@ data dir there replaced only with --overwrite (spmdtask.inputs.data_dirs).
 """
 import argparse
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +24,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   console.start_tool()
 
 # pylint: disable=wrong-import-position
-from spmdtask import console
+from spmdtask import console, fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import data_dirs, prompt_data
 
@@ -58,6 +59,22 @@ def report(output_dir: str, meta: dict) -> str:
           f"{meta['stop_ids']}")
 
 
+def train_command(output_dir: str, model: str) -> str | None:
+  """The GRPO command on `output_dir` from `model`, an import's job dir (None for another
+  dir: import it first, tools/convert_hf.py --from_hf)."""
+  if not fs.isfile(fs.join(model, "model_overrides.txt")):
+    return None
+  data, base = (d if "://" in d else os.path.abspath(d) for d in (output_dir, model))
+  return " ".join(["python -m spmdtask.main --exp=grpo.LlamaGrpoImport",
+                   f"--job_log_dir={shlex.quote(data.rstrip('/') + '_grpo')}",
+                   f"--flagfile={shlex.quote(fs.join(base, 'model_overrides.txt'))}",
+                   f"--data_dir={shlex.quote(data)}",
+                   (f"--fdl_set=\"task.train.init_checkpoint_dir='{base}'\""
+                    if shlex.quote(base) == base else
+                    shlex.quote(f"--fdl_set=task.train.init_checkpoint_dir='{base}'")),
+                   "--reward=PATH.py:FN"])
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("--input", required=True,
@@ -81,6 +98,9 @@ def main(argv=None):
     print(f"prepare_prompt_data: config error: {e}", file=sys.stderr)
     sys.exit(2)
   print(report(args.output_dir, meta))
+  command = train_command(args.output_dir, args.tokenizer)
+  if command:
+    print("Train on it by GRPO (your reward function in place of PATH.py:FN):\n  " + command)
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ def _config_eos(config: dict) -> list[int]:
   return [eos] if isinstance(eos, int) else [e for e in eos or () if isinstance(e, int)]
 
 
-def model_chat(path: str, raw: bool = False,
-               field: str = "--tokenizer") -> tuple[chat.Chat | None, tokenizers.HfTokenizer, list[int]]:
+def model_chat(path: str, raw: bool = False, field: str = "--tokenizer"
+               ) -> tuple[chat.Chat | None, tokenizers.HfTokenizer, list[int]]:
   """(the chat of `path`, its tokenizer, the model's eos ids from config.json /
   generation_config.json). `path`: a Hugging Face model dir or an import's job dir. With
   `raw` a dir without a chat template gives chat None."""
