@@ -21,8 +21,9 @@ none. An MoE family's routed experts have no entry: transformers 5 fuses them in
 which PEFT 0.21 adapts through `target_parameters`: lora_A [E·r, in] is A_e = rows e·r ..
 (e+1)·r, lora_B [out, r·E] is B_e = columns r_i·E + e, delta_e = scale·B_e·A_e; so gate and up
 share one A per expert (PEFT's own conversion of separate ones doubles the rank, rank_pattern
-2r, with B block-diagonal). spmdtask's expert adapters (own A per weight, one rank) do not
-map onto that exactly in either direction once trained, so it is refused by name; PEFT also
+2r, with B block-diagonal). spmdtask's expert adapters (own A per weight, one rank) map onto
+it only in that block-diagonal form, which PEFT's training leaves: it is refused by name (an
+export in that form, rank_pattern and all, is not built); PEFT also
 maps any gate/up/down projection of an MoE model onto those experts, so DeepSeek's dense and
 shared-expert MLPs are no PEFT target either. Those leave by merging (merge.py).
 
