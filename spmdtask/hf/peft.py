@@ -23,9 +23,9 @@ which PEFT 0.21 adapts through `target_parameters`: lora_A [E·r, in] is A_e = r
 share one A per expert (PEFT's own conversion of separate ones doubles the rank, rank_pattern
 2r, with B block-diagonal). spmdtask's expert adapters (own A per weight, one rank) map onto
 it only in that block-diagonal form, which PEFT's training leaves: it is refused by name (an
-export in that form, rank_pattern and all, is not built); PEFT also
-maps any gate/up/down projection of an MoE model onto those experts, so DeepSeek's dense and
-shared-expert MLPs are no PEFT target either. Those leave by merging (merge.py).
+export in that form, rank_pattern and all, is not built). PEFT also maps any gate/up/down
+projection of an MoE model onto those experts, so DeepSeek's dense and shared-expert MLPs are
+no PEFT target either. Those leave by merging (merge.py).
 
 Every key of adapter_config.json has a verdict (`READ`, `IGNORED`, `EXACT`): what changes
 the math (DoRA, rsLoRA, aLoRA, biases, per-module ranks, extra trained modules, a base the
