@@ -2,7 +2,8 @@
 writing a new one (never over a user's files).
 
 Kinds: 'text' (tools/prepare_text_data.py: documents), 'chat' (prepare_chat_data.py:
-conversations with target masks), 'preferences' (prepare_pref_data.py: DPO's pairs). The
+conversations with target masks), 'preferences' (prepare_pref_data.py: DPO's pairs),
+'prompts' (prepare_prompt_data.py: GRPO's prompts with answers). The
 tools write meta.json's "kind"; a dir prepared before that is known by its other fields.
 An input that reads one kind refuses another (`check_kind`): a preference dir trained on as
 conversations would teach the rejected answers too.
@@ -33,6 +34,8 @@ KINDS = {
     "text": Kind("plain text documents", "tools/prepare_text_data.py", "lm.TextLm"),
     "chat": Kind("conversations", "tools/prepare_chat_data.py", "stages.Sft"),
     "preferences": Kind("preference pairs", "tools/prepare_pref_data.py", "stages.Dpo"),
+    "prompts": Kind("prompts with answers", "tools/prepare_prompt_data.py",
+                    "grpo.LlamaGrpoImport"),
 }
 
 
