@@ -35,6 +35,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 # pylint: disable=wrong-import-position
 from spmdtask import console, fs
 from spmdtask.errors import ConfigError
+from spmdtask.hf import model_overrides
 from spmdtask.inputs import chat, chat_template, data_dirs, records, text, tokenizers
 from tools.prepare_text_data import split_documents
 
@@ -127,16 +128,13 @@ def write_chat_files(output_dir: str, conv: chat.Chat, model_dir: str) -> dict:
                    "special_tokens": conv.template.special_tokens}}
 
 
-IMPORT_FILE = "model_overrides.txt"  # what tools/convert_hf.py --from_hf writes in a job dir
-
-
 def stage_command(stage: str, output_dir: str, model_dir: str, suffix: str) -> list[str]:
   """The lines that continue the user's model with `stage` (stages.Sft, stages.Dpo) on
   `output_dir`, as a shell runs them from any dir: --init_from is `model_dir` where it is an
   import's job dir (tools/convert_hf.py --from_hf), else a placeholder and how to make it."""
   absolute = lambda d: d if "://" in d else os.path.abspath(d)
   data_dir = absolute(output_dir)
-  is_import = fs.isfile(fs.join(model_dir, IMPORT_FILE))
+  is_import = fs.isfile(fs.join(model_dir, model_overrides.OVERRIDES_FILE))
   start = shlex.quote(absolute(model_dir)) if is_import else "IMPORT_DIR"
   lines = [" ".join([f"python -m spmdtask.main --exp={stage}",
                      f"--job_log_dir={shlex.quote(data_dir.rstrip('/') + suffix)}",

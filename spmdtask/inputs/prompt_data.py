@@ -130,7 +130,7 @@ def encode_all(source: str, conv: chat.Chat | None, tok: tokenizers.HfTokenizer,
   for where, record in records.read(source):
     out["read"] += 1
     if progress is not None:
-      progress.update(lambda: f"prepare_prompt_data: {out['read']} records read, "
+      progress.update(lambda: f"{out['read']} records read, "
                       f"{len(out['ids'])} kept")
     prompt, answer = parse(record, where)
     ids = encode(prompt, conv, tok, raw, where)
