@@ -332,9 +332,17 @@ class Progress:
   def __init__(self, every_s: float = 5.0, clock=time.monotonic):
     self.every_s, self._clock = every_s, clock
     self._start = self._last = clock()
+    self.lines = 0
 
   def update(self, line) -> None:
     now = self._clock()
     if now - self._last >= self.every_s:
       self._last = now
+      self.lines += 1
       print(f"{line()} ({duration(now - self._start)})", flush=True)
+
+  def next_phase(self, line: str) -> None:
+    """Prints `line` (what the run does next) where progress lines were printed: a long
+    run says what it does between them; a short one stays quiet."""
+    if self.lines:
+      print(f"{line} ({duration(self._clock() - self._start)})", flush=True)

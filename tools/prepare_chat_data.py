@@ -39,13 +39,13 @@ from spmdtask.inputs import chat, chat_template, data_dirs, records, text, token
 from tools.prepare_text_data import split_documents
 
 
-def encode_all(source: str, conv: chat.Chat, max_len: int, overlong: str) -> dict:
+def encode_all(source: str, conv: chat.Chat, max_len: int, overlong: str,
+               progress: console.Progress) -> dict:
   """Every record of `source` (records.read) as (ids, mask), overlong ones dropped or cut;
   ConfigError (naming FILE:LINE or FILE:row N) for the first bad record. Returns {'docs',
   'masks', 'read', 'trailing', 'dropped', 'truncated', 'no_target_after_cut'}."""
   out = {"docs": [], "masks": [], "read": 0, "trailing": 0, "dropped": 0, "truncated": 0,
          "no_target_after_cut": 0}
-  progress = console.Progress()
   for where, record in records.read(source):
     out["read"] += 1
     progress.update(lambda: f"prepare_chat_data: {out['read']} records read, "
@@ -80,11 +80,14 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int, overlon
     raise ConfigError(f"--max_len={max_len}: a conversation needs at least 2 tokens; give "
                       "the row length you will train with (e.g. --max_len=2048).")
   conv = chat.Chat.from_model_dir(model_dir, end_of_turn_token)
-  enc = encode_all(pattern, conv, max_len, overlong)
+  progress = console.Progress()
+  enc = encode_all(pattern, conv, max_len, overlong, progress)
   if len(enc["docs"]) < 2:
     raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs'])} conversation(s) after "
                       f"--max_len={max_len} (--overlong={overlong}); a train and an eval split "
                       "need at least 2. Raise --max_len or add conversations.")
+  progress.next_phase(f"prepare_chat_data: all read; writing {len(enc['docs'])} conversations "
+                      f"to {output_dir}")
   return data_dirs.write(output_dir, lambda local: _write(
       local, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction, num_shards, seed),
                          overwrite)

@@ -67,12 +67,12 @@ def parse(record: dict, where: str) -> tuple[chat.Example, chat.Example]:
                for k, m in (("chosen", chosen), ("rejected", rejected)))
 
 
-def encode_all(source: str, conv: chat.Chat, max_len: int) -> dict:
+def encode_all(source: str, conv: chat.Chat, max_len: int,
+               progress: console.Progress) -> dict:
   """Every record as two (ids, mask) documents, over-long pairs dropped; ConfigError
   (naming FILE:LINE or FILE:row N) for the first bad record. Returns {'docs', 'masks',
   'read', 'trailing', 'dropped'}."""
   out = {"docs": [], "masks": [], "read": 0, "trailing": 0, "dropped": 0}
-  progress = console.Progress()
   for where, record in records.read(source):
     out["read"] += 1
     progress.update(lambda: f"prepare_pref_data: {out['read']} pairs read, "
@@ -106,11 +106,14 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int,
     raise ConfigError(f"--max_len={max_len}: a sequence needs at least 2 tokens; give the "
                       "sequence length you will train with plus one (e.g. --max_len=1025).")
   conv = chat.Chat.from_model_dir(model_dir, end_of_turn_token)
-  enc = encode_all(pattern, conv, max_len)
+  progress = console.Progress()
+  enc = encode_all(pattern, conv, max_len, progress)
   if len(enc["docs"]) < 4:
     raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs']) // 2} pair(s) after "
                       f"--max_len={max_len}; a train and an eval split need at least 2. Raise "
                       "--max_len or add pairs.")
+  progress.next_phase(f"prepare_pref_data: all read; writing {len(enc['docs']) // 2} pairs "
+                      f"to {output_dir}")
   return data_dirs.write(output_dir, lambda local: _write(
       local, enc, conv, pattern, max_len, eval_fraction, num_shards, seed, model_dir),
                          overwrite)

@@ -7,11 +7,11 @@
 
 Each input file is one document (UTF-8; another encoding is refused, naming FILE:LINE).
 Documents are shuffled once (--seed), the first --eval_fraction of them become the eval
-split, the rest train. Every document is tokenized whole and closed by the end-of-document id. With --tokenizer=sentencepiece a
-BPE model is trained (offline) on the train documents' lines with --vocab_size; with
---tokenizer=hf:PATH a Hugging Face tokenizer.json (an imported model's own) is used as is,
-its end-of-document id the --eod_token's, else the eos_token of the tokenizer_config.json
-beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
+split, the rest train. Every document is tokenized whole and closed by the end-of-document
+id. With --tokenizer=sentencepiece a BPE model is trained (offline) on the train
+documents' lines with --vocab_size; with --tokenizer=hf:PATH a Hugging Face tokenizer.json
+(an imported model's own) is used as is, its end-of-document id the --eod_token's, else
+the eos_token of the tokenizer_config.json beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
 `*_index.npz`, the tokenizer (`tokenizer.model` or `tokenizer.json`; none for bytes) and
 `meta.json` (see spmdtask.inputs.tokenizers). A non-empty --output_dir is refused; a
 prepared one is replaced only with --overwrite (spmdtask.inputs.data_dirs).
@@ -35,7 +35,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import data_dirs, records, text, tokenizers
+from spmdtask.inputs import data_dirs, text, tokenizers
 
 
 DEFAULT_VOCAB = 4096  # SentencePiece's --vocab_size when none is given
@@ -47,7 +47,7 @@ def read_documents(pattern: str) -> tuple[list[str], list[str]]:
   paths, texts = [], []
   for path in fs.glob(pattern):
     if fs.isfile(path):
-      content = records.text(path)
+      content = fs.read_text(path)
       if content:
         paths.append(path)
         texts.append(content)
