@@ -75,6 +75,7 @@ class Llama31_8B_Grpo(_FineTune):
   peak memory. The prompts here are synthetic sums (shapes for the plan); for real training
   set datasets['train'] to an AnswerPrompts (a JSONL of prompts and answers, the model's
   tokenizer) and warm-start the base (task.train.init_checkpoint_dir)."""
+  group = "align"
   batch_size = 8
   prompt_len = 256
   peak_learning_rate = 1e-5

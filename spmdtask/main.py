@@ -87,7 +87,7 @@ _CHAT_PROMPTS = flags.DEFINE_string(
     "chat_prompts", None, "--mode=decode: a JSONL file of conversations ({\"messages\": [...]} "
     "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
     "its end-of-turn token.")
-_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
+_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments by group, each with its purpose, and exit.")
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
@@ -211,7 +211,7 @@ def build(cfg: fdl.Config):
 def run(argv) -> None:
   del argv
   if _LIST.value:
-    print("\n".join(registry.names()))
+    print("\n".join(registry.listing()))
     return
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "

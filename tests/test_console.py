@@ -210,3 +210,18 @@ def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monke
   library_error("while the process ends")
   assert capsys.readouterr().err == "" and threading.excepthook is not before[2]
   assert console._library_errors_muted == 1  # pylint: disable=protected-access
+
+
+def test_elapsed_says_the_seconds_while_a_block_runs(monkeypatch):
+  said = []
+  monkeypatch.setattr(console, "say", lambda fmt, *args: said.append(fmt % args))
+  with console.elapsed("compiling the train step for v5e:2x4", every=0.2) as took:
+    threading.Event().wait(0.5)
+  # At 0.2 s and 0.4 s (one may come late on a loaded machine), the seconds rounded.
+  assert said[:1] == ["compiling the train step for v5e:2x4 ... 0 s"] and len(said) <= 2
+  assert all(re.fullmatch(r"compiling the train step for v5e:2x4 \.\.\. [01] s", s) for s in said)
+  assert 0.5 <= took.seconds < 2.0
+  count = len(said)
+  with console.elapsed("quick", every=10.0) as took:
+    pass
+  assert len(said) == count and took.seconds < 1.0  # nothing said for a block under a period

@@ -46,6 +46,7 @@ from spmdtask.plan.oom import check_fits  # (re-exported: the budget check is oo
 from spmdtask.core import global_batch
 
 LARGEST = 8  # the largest arrays of each compiled program the plan lists
+TICK_SECONDS = 10.0  # how often the console says a compile is still running
 REPLICATED_WARN_BYTES = 1 << 20  # a replicated array above this that could be split is named
 PADDING_WARN_FRACTION = 0.05     # padding above this fraction of an array is named
 
@@ -147,11 +148,10 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
   out = []
   devices = math.prod(mesh_shape.values())
   params = [r for r in rows if r.kind == "params"]  # optimizer state mirrors its param
-  # The axes weights are split over (none in pure data parallelism, where replicas are meant).
-  weight_axes = {a for r in params for e in r.spec for a in sharding.entry_axes(e)
-                 if mesh_shape[a] > 1}
+  weight_axes = _weight_axes(rows, mesh_shape)
   for r in params:
     if (r.shards == 1 and r.bytes_total >= REPLICATED_WARN_BYTES
+        and not train_state.is_adapter_name(r.path)  # by design: `replicated_adapters`
         and any(d % mesh_shape[a] == 0 for d in r.logical_shape for a in weight_axes)):
       out.append(f"{r.path} {list(r.logical_shape)} ({console.human_bytes(r.bytes_total)}) is "
                  f"replicated on all {devices} devices, though a dim divides a weight axis "
@@ -167,6 +167,29 @@ def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: li
                f"{w['shape']}): it cannot reshard {w['from']} -> {w['to']} without replicating "
                "it; align the split-dims mappings of the arrays around it.")
   return out
+
+
+def _weight_axes(rows: list[memory.ArrayRow], mesh_shape: dict[str, int]) -> set[str]:
+  """The mesh axes (of more than one device) that split some param: none in pure data
+  parallelism, where replicas are meant."""
+  return {a for r in rows if r.kind == "params" for e in r.spec
+          for a in sharding.entry_axes(e) if mesh_shape[a] > 1}
+
+
+def replicated_adapters(rows: list[memory.ArrayRow], mesh_shape: dict[str, int]) -> dict | None:
+  """LoRA adapters held whole by every device over more than one device, with their
+  optimizer state: an adapter is split as its base weight's dims that it keeps
+  (layers/lora.py), so one whose base is split over FSDP on the dim it replaces by the rank
+  is whole on each device. Small by design (rank x a dim), so a line, not a warning."""
+  whole = [r for r in rows if r.shards == 1 and train_state.is_adapter_name(r.path)]
+  if not _weight_axes(rows, mesh_shape) or not whole:
+    return None
+  params = [r for r in whole if r.kind == "params"]
+  return {"arrays": len(params),
+          "of": sum(1 for r in rows if r.kind == "params" and train_state.is_adapter_name(r.path)),
+          "params_bytes_per_device": sum(r.bytes_per_device for r in params),
+          "opt_state_bytes_per_device": sum(r.bytes_per_device for r in whole
+                                            if r.kind == "opt_state")}
 
 
 def compiled_report(compiled, target: targets.Target, num_devices: int, model_flops: float,
@@ -277,14 +300,22 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
   lowerings = program.lowerings(example)
   pairs, programs = [], []
+  where = printout.where(target.as_json(), n)
+  what = ("the train step" if len(lowerings) == 1
+          else f"the train step's {len(lowerings)} programs (its stages' parts)")
+  console.say("Planning %s: compiling %s for %s, mesh %s (the console says every %.0f s that it "
+              "is still compiling; a pod slice's model takes minutes)", name, what, where,
+              mesh_shape, TICK_SECONDS)
   try:
     keep = target.topology is not None  # a chip's compiler may refuse: name what it held
-    compiled, log_text = compile_lowering(lowerings[0], keep)
-    pairs.append((lowerings[0], compiled))
-    for lw in lowerings[1:]:  # MPMD: every part's and stage's program
-      c, text = compile_lowering(lw, keep)
-      pairs.append((lw, c))
-      log_text += text
+    with console.elapsed(f"compiling {what} for {where}", TICK_SECONDS) as took:
+      compiled, log_text = compile_lowering(lowerings[0], keep)
+      pairs.append((lowerings[0], compiled))
+      for lw in lowerings[1:]:  # MPMD: every part's and stage's program
+        c, text = compile_lowering(lw, keep)
+        pairs.append((lw, c))
+        log_text += text
+    console.say("Compiled %s in %s", what, console.duration(took.seconds))
     if len(pairs) > 1:  # the largest per-device peak stands for the step's memory
       programs = [{"name": lw.name, "stage": lw.stage, "devices": lw.mesh.devices.size,
                    "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c),
@@ -314,6 +345,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     row["what"] = owners.owner(hlo.dims(row["shape"]), rows, batch_shape)
   if remat is not None:
     report["remat"] = remat
+  notes = report.get("warnings", []) + report.get("estimate", {}).get("notes", [])
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           "xla_flags": task.xla_flags or {},
           "batch_shape": list(batch_shape),
@@ -324,9 +356,13 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "num_active_params": program.work.active_params or memory.totals(rows)["num_params"],
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
-          "warnings": warnings(rows, mesh_shape, xla_log.remat_warnings(log_text), batch_shape)
-                      + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
+          # What to change in the config, apart from what the figures rest on (`notes`).
+          "warnings": warnings(rows, mesh_shape, xla_log.remat_warnings(log_text), batch_shape),
+          "notes": notes,
           "arrays": [r.as_json() for r in rows]}
+  adapters = replicated_adapters(rows, mesh_shape)
+  if adapters:
+    plan["replicated_adapters"] = adapters
   plan["xla_log"] = target.log + log_text
   plan["strategy"] = program.layout_facts()["pipeline"]
   axis = plan["strategy"].get("stage_axis")
@@ -341,10 +377,11 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
         "bytes_per_token_per_row": model_lib.cache_bytes_per_token(program.model),
         "max_seq_len": program.model.max_seq_len}
   if phases is not None and compiled is not None:
-    plan["phases"] = [{"name": "training", "calls_per_step": 1,
-                       "compiled": compiled_memory(compiled)}] + [
-        {"name": lw.name, "calls_per_step": lw.calls_per_step,
-         "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
+    with console.elapsed(f"compiling the step's other phases for {where}", TICK_SECONDS):
+      plan["phases"] = [{"name": "training", "calls_per_step": 1,
+                         "compiled": compiled_memory(compiled)}] + [
+          {"name": lw.name, "calls_per_step": lw.calls_per_step,
+           "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
   return plan
 
 
