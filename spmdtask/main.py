@@ -112,6 +112,8 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
           "(quote strings).") from None
   if chat_prompts is not None:
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
+  overrides_lib.check_import_flagfile(cfg, experiment.run_config(registry.get(exp_name)()),
+                                      exp_name)
   return cfg
 
 
