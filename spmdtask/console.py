@@ -291,15 +291,15 @@ def duration(seconds: float) -> str:
 
 @contextlib.contextmanager
 def elapsed(what: str, every: float = 10.0):
-  """Says `what ... N s` every `every` seconds until the block ends, so that a long wait (a
-  compile for a pod slice: minutes) shows it is alive; the seconds it took go to `.seconds`
-  of the value it yields."""
+  """Says `what ... N s` every `every` seconds until the block ends, after its first minute
+  once a minute, so that a long wait (a compile for a pod slice: minutes) shows it is alive
+  in a few lines; the seconds it took go to `.seconds` of the value it yields."""
   done, t0 = threading.Event(), time.monotonic()
   took = types.SimpleNamespace(seconds=0.0)
 
   def tick():
-    while not done.wait(every):
-      say("%s ... %d s", what, round(time.monotonic() - t0))
+    while not done.wait(every if time.monotonic() - t0 < 60 else max(every, 60.0)):
+      say("%s ... %s", what, duration(time.monotonic() - t0))
 
   thread = threading.Thread(target=tick, name="spmdtask-elapsed", daemon=True)
   thread.start()

@@ -293,7 +293,9 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
     if texts:
       from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
       run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
-  program = program_lib.setup(task, rollout.example(run_cfg))  # GRPO: a rollout's batch
+  example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
+             else rollout.example(run_cfg))  # GRPO: a rollout's batch
+  program = program_lib.setup(task, example)
   program = reference.attach(task, program) if _MODE.value == "eval" else program
 
   def restore(step):
