@@ -13,8 +13,6 @@ import os
 import re
 import shlex
 import sys
-import types
-import typing
 
 from absl import app, flags, logging
 import fiddle as fdl
@@ -87,6 +85,15 @@ _CHAT_PROMPTS = flags.DEFINE_string(
     "chat_prompts", None, "--mode=decode: a JSONL file of conversations ({\"messages\": [...]} "
     "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
     "its end-of-turn token.")
+_RAW_PROMPT = flags.DEFINE_bool(
+    "raw_prompt", False, "--mode=decode: --prompt / --prompts_file texts go to the tokenizer "
+    "as written and decoding stops at task.decode.eos_id; by default, where the job has a chat "
+    "template (its chat data's, or its tokenizer dir's: an import's), each is one user "
+    "message rendered with it, answered until its end-of-turn token.")
+_CHAT = flags.DEFINE_string(
+    "chat", None, "--mode=decode: ask the job's model this one question (a user message "
+    "rendered with the job's chat template) and print its answer; written to "
+    "decoder_out/own_prompts_step<N>.jsonl.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments by group, each with its purpose, and exit.")
 
 
@@ -156,52 +163,8 @@ def init_distributed():
   return cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, multihost)
 
 
-def _type_ok(value, hint) -> bool:
-  """Whether `value` fits a field's simple type hint (unknown hints are not checked)."""
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    return any(_type_ok(value, h) for h in typing.get_args(hint))
-  if hint is type(None) or hint is None:
-    return value is None
-  if hint is float:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-  if hint is int:
-    return isinstance(value, int) and not isinstance(value, bool)
-  if hint in (str, bool):
-    return isinstance(value, hint)
-  if origin is tuple or hint is tuple:
-    return isinstance(value, (tuple, list))
-  if origin is dict or hint is dict:
-    return isinstance(value, dict)
-  return True
-
-
-def check_field_types(node, path: str) -> None:
-  """ConfigError for the first field whose value does not fit its annotation (e.g. an
-  --fdl_set override of the wrong type), before anything is built."""
-  if isinstance(node, dict):
-    for k, v in node.items():
-      check_field_types(v, f"{path}[{k!r}]")
-    return
-  if not isinstance(node, fdl.Buildable):
-    return
-  try:
-    hints = typing.get_type_hints(node.__fn_or_cls__)
-  except Exception:  # pylint: disable=broad-except
-    hints = {}
-  for name, value in node.__arguments__.items():
-    where = f"{path}.{name}" if path else name
-    if isinstance(value, (fdl.Buildable, dict)):
-      check_field_types(value, where)
-    elif name in hints and not _type_ok(value, hints[name]):
-      raise ConfigError(
-          f"{where}={value!r} is a {type(value).__name__}, but the field is "
-          f"{getattr(hints[name], '__name__', None) or hints[name]}. Give a value of that type "
-          f"(e.g. --fdl_set={where}=<value>; quote strings).")
-
-
 def build(cfg: fdl.Config):
-  check_field_types(cfg, "")
+  overrides_lib.check_field_types(cfg, "")
   try:
     run_cfg = fdl.build(cfg)
     run_cfg.task.validate()
@@ -224,8 +187,10 @@ def run(argv) -> None:
                       "give one (a TPU topology, or N emulated CPU devices).")
   if (_PLAN_TOPOLOGY.value or _PLAN_DEVICES.value) and _MODE.value != "plan":
     raise ConfigError("--plan_topology / --plan_devices only apply to --mode=plan.")
-  if (_PROMPT.value or _PROMPTS_FILE.value or _CHAT_PROMPTS.value) and _MODE.value != "decode":
-    raise ConfigError("--prompt / --prompts_file / --chat_prompts only apply to --mode=decode.")
+  if ((_PROMPT.value or _PROMPTS_FILE.value or _CHAT_PROMPTS.value or _CHAT.value
+       or _RAW_PROMPT.value) and _MODE.value != "decode"):
+    raise ConfigError("--prompt / --prompts_file / --chat / --raw_prompt / --chat_prompts only "
+                      "apply to --mode=decode.")
   if _MODE.value == "plan" and _PLAN_TOPOLOGY.value:
     # JAX itself stays on the CPU (no TPU client, even where libtpu finds no chip): the
     # topology's devices are compile-only, from libtpu loaded as a plugin.
@@ -288,11 +253,10 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   from spmdtask.core import host_input as inputs_base, program as program_lib
   task = run_cfg.task
   if _MODE.value == "decode":
-    task = decoding.decode_task(task)
     texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
-    if texts:
-      from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
-      run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
+    if texts or _CHAT.value is not None:
+      run_cfg = own_prompts(run_cfg, texts)
+    task = decoding.decode_task(run_cfg.task)
   example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
              else rollout.example(run_cfg))  # GRPO: a rollout's batch
   program = program_lib.setup(task, example)
@@ -310,6 +274,31 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
         run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value, _CONTINUOUS_EVAL.value,
         available=lambda: checkpoints.complete_steps(checkpoints.checkpoint_dir(job_log_dir)),
         timeout_s=_EVAL_TIMEOUT.value)
+
+
+def own_prompts(run_cfg, texts: list[str]):
+  """`run_cfg` decoding the texts of --prompt / --prompts_file and the question of --chat,
+  rendered with the job's chat template where it has one (unless --raw_prompt)."""
+  # pylint: disable-next=g-import-not-at-top
+  from spmdtask.inputs import own_prompts as own, prompts
+  from spmdtask.run import decoding  # pylint: disable=g-import-not-at-top
+  if _CHAT.value is not None and _RAW_PROMPT.value:
+    raise ConfigError("--chat renders its question with the job's chat template and "
+                      "--raw_prompt asks for no template: give --prompt=TEXT --raw_prompt for "
+                      "a plain continuation, or drop --raw_prompt.")
+  chat = None if _RAW_PROMPT.value else own.job_chat(run_cfg.datasets, run_cfg.decode_datasets)
+  if _CHAT.value is not None:
+    if chat is None:
+      raise ConfigError(
+          f"--chat={_CHAT.value!r} is rendered with the job's chat template, and --exp="
+          f"{_EXP.value} has none: no dataset reads prepared conversations and its decode "
+          "tokenizer's dir holds no chat template. Add --data_dir=DIR (a dir "
+          "tools/prepare_chat_data.py wrote) or the import's --flagfile, or continue plain "
+          "text with --prompt=TEXT --raw_prompt.")
+    if not _CHAT.value.strip():
+      raise ConfigError("--chat is empty; give the question to ask, e.g. --chat='What is 1 + 2?'.")
+    texts = texts + [_CHAT.value]
+  return decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts, chat)
 
 
 def reexec_for_plan() -> None:

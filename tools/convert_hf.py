@@ -284,7 +284,9 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   if note:
     print(note, file=sys.stderr)
   fs.makedirs(job_log_dir)
-  for name in TOKENIZER_FILES if has_tokenizer else ():
+  # The chat template too (transformers 5 saves it beside tokenizer_config.json): decode's
+  # --prompt and --chat render with it.
+  for name in TOKENIZER_FILES + ("chat_template.jinja",) if has_tokenizer else ():
     if fs.isfile(fs.join(hf_dir, name)):
       fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
   write_checkpoint(job_log_dir, lines, params, experiment(cfg, lora))

@@ -170,6 +170,11 @@ class PackedLmInput(StepIndexedInput):
     return parts, packing.first_fit(parts[:, 2], self.seq_len, self.max_open_rows)
 
   @property
+  def meta(self) -> dict:
+    """The data dir's meta.json (its tokenizer; with 'chat', the chat template's facts)."""
+    return self._reader.meta
+
+  @property
   def empty(self) -> bool:
     """Whether the split has no row to read (e.g. the train split of a dir prepared for
     evaluation only, --eval_fraction=1)."""
