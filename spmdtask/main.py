@@ -75,9 +75,9 @@ _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "Sets `data_dir` of every dataset and decode dataset that reads one "
     "(e.g. lm.TextLm's train, eval and prompts), before the --fdl_set overrides.")
 _PROMPT = flags.DEFINE_multi_string(
-    "prompt", None, "--mode=decode: continue this text (repeatable) instead of the decode "
-    "datasets' prompts, through the experiment's tokenizer; written to "
-    "decoder_out/own_prompts_step<N>.jsonl and printed.")
+    "prompt", None, "--mode=decode: answer this text (repeatable) instead of the decode "
+    "datasets' prompts: a user message in the job's chat template where it has one, else "
+    "continued; written to decoder_out/own_prompts_step<N>.jsonl and printed.")
 _PROMPTS_FILE = flags.DEFINE_string(
     "prompts_file", None, "--mode=decode: a text file of prompts, one per line (with or "
     "instead of --prompt).")
@@ -86,21 +86,25 @@ _CHAT_PROMPTS = flags.DEFINE_string(
     "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
     "its end-of-turn token.")
 _RAW_PROMPT = flags.DEFINE_bool(
-    "raw_prompt", False, "--mode=decode: --prompt / --prompts_file texts go to the tokenizer "
-    "as written and decoding stops at task.decode.eos_id; by default, where the job has a chat "
-    "template (its chat data's, or its tokenizer dir's: an import's), each is one user "
-    "message rendered with it, answered until its end-of-turn token.")
+    "raw_prompt", False, "--mode=decode: --prompt / --prompts_file texts through the "
+    "tokenizer as written (no chat template), stopped at task.decode.eos_id.")
 _CHAT = flags.DEFINE_string(
-    "chat", None, "--mode=decode: ask the job's model this one question (a user message "
-    "rendered with the job's chat template) and print its answer; written to "
-    "decoder_out/own_prompts_step<N>.jsonl.")
-_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments by group, each with its purpose, and exit.")
+    "chat", None, "--mode=decode: ask this one question (a user message in the job's chat "
+    "template: its chat data's, or its import's) and print the answer.")
+_REWARD = flags.DEFINE_multi_string(
+    "reward", None, "GRPO: a reward, NAME[:WEIGHT] (registered) or PATH.py:FN[:WEIGHT] (a "
+    "function (prompts, completions, answers) -> list[float] of your own file); repeatable, "
+    "summed with the weights (default 1). Sets task.objective.rewards and reward_weights.")
+_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments by "
+                          "group, each with its purpose, and exit.")
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
-                    chat_prompts: str | None = None) -> fdl.Config:
-  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override
-  and `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) applied, in order."""
+                    chat_prompts: str | None = None,
+                    reward: list[str] | None = None) -> fdl.Config:
+  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override,
+  `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward` (--reward,
+  over the experiment's rewards) applied, in order."""
   cfg = experiment.run_config(registry.get(exp_name)())
   if data_dir is not None:
     overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
@@ -119,6 +123,8 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
           "(quote strings).") from None
   if chat_prompts is not None:
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
+  if reward:
+    overrides_lib.set_rewards(cfg, reward, exp_name)
   overrides_lib.check_import_flagfile(cfg, experiment.run_config(registry.get(exp_name)()),
                                       exp_name)
   return cfg
@@ -198,7 +204,7 @@ def run(argv) -> None:
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
-                        _CHAT_PROMPTS.value)
+                        _CHAT_PROMPTS.value, _REWARD.value)
   xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()

@@ -225,3 +225,20 @@ def test_elapsed_says_the_seconds_while_a_block_runs(monkeypatch):
   with console.elapsed("quick", every=10.0) as took:
     pass
   assert len(said) == count and took.seconds < 1.0  # nothing said for a block under a period
+
+
+def test_progress_prints_a_line_every_few_seconds_and_none_for_a_short_loop(capsys):
+  now = [100.0]
+  progress = console.Progress(every_s=5, clock=lambda: now[0])
+  for t in (1, 4.9, 5.0, 7, 10.5, 12, 75):
+    now[0] = 100 + t
+    progress.update(lambda: f"tool: {t} records read")
+  progress.next_phase("tool: writing")
+  assert capsys.readouterr().out == ("tool: 5.0 records read (0:05)\n"
+                                     "tool: 10.5 records read (0:10)\n"
+                                     "tool: 75 records read (1:15)\n"
+                                     "tool: writing (1:15)\n")
+  quiet = console.Progress(every_s=5, clock=lambda: now[0])
+  quiet.update(lambda: "never")
+  quiet.next_phase("nor this")
+  assert not capsys.readouterr().out

@@ -12,7 +12,8 @@ from spmdtask.inputs.prompts import ChatPromptInput, SyntheticPromptInput
 from spmdtask.inputs.text import PackedLmInput
 from tests import util
 from tests.subproc import REPO
-from tools import convert_hf, prepare_chat_data
+from spmdtask.hf import files, model_overrides
+from tools import prepare_chat_data
 
 EXAMPLE = os.path.join(REPO, "examples", "tiny_chat")
 PROMPTS = os.path.join(EXAMPLE, "prompts.jsonl")
@@ -30,7 +31,7 @@ def chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_lines():
   """The tiny model's model_overrides.txt lines (its eos: 6, as its end of turn)."""
-  return convert_hf.overrides(convert_hf.read_hf(os.path.join(EXAMPLE, "model"))[0])
+  return model_overrides.overrides(files.read_hf(os.path.join(EXAMPLE, "model"))[0])
 
 
 def _build(exp, lines, data_dir=None, chat_prompts=None):
@@ -96,3 +97,27 @@ def test_eval_of_a_dir_without_train_split_covers_the_whole_eval_split(model_lin
   assert evaluation.readable("eval", 0, capped).endswith(
       f"(3 of its 4 batches: capped by task.train.eval_steps or the dataset's num_batches, "
       f"weight {capped['weight']:.0f})")
+
+
+def test_a_data_dir_of_the_wrong_kind_names_its_kind_and_the_experiment_that_takes_it(
+    chat_dir, model_lines, tmp_path_factory):
+  from tools import prepare_pref_data  # pylint: disable=g-import-not-at-top
+  prefs = str(tmp_path_factory.mktemp("prefs") / "data")
+  prepare_pref_data.prepare(os.path.join(REPO, "tests/tools/data/dpo/prefs.jsonl"),
+                            os.path.join(EXAMPLE, "model"), prefs, max_len=128)
+  said = (rf"^datasets\['train'\]\.data_dir='{prefs}' \(--data_dir\) holds preference pairs "
+          r"\(its meta.json says so; tools/prepare_pref_data.py wrote it\), which "
+          r"--exp=stages.Dpo trains on; this input reads conversations or plain text documents "
+          r"\(packed as documents, a pair's rejected answer would be learned like its chosen "
+          r"one\)\. Give it a dir written by tools/prepare_chat_data.py, or train on this one "
+          r"with --exp=stages.Dpo\.$")
+  for exp, lines in ((LORA, model_lines), ("llama.LlamaImport", model_lines),
+                     ("lm.TinyLmSft", [])):
+    with pytest.raises(ConfigError, match=said):
+      _build(exp, lines, prefs)
+  with pytest.raises(ConfigError, match=(
+      rf"^datasets\['train'\]\.data_dir='{chat_dir}' \(--data_dir\) holds conversations .*which "
+      r"--exp=stages.Sft trains on; this input reads preference pairs \(each pair a chosen and "
+      r"a rejected answer\)\. Give it a dir written by tools/prepare_pref_data.py, or train on "
+      r"this one with --exp=stages.Sft\.$")):
+    _build("TinyLmDpo", ["task.model.vocab_size=300"], chat_dir)
