@@ -5,11 +5,12 @@ import os
 import pytest
 
 from spmdtask import main
+from spmdtask.hf import files, model_overrides
 from spmdtask.inputs import own_prompts
 from spmdtask.inputs.prompts import TokenizedPrompts
 from spmdtask.run import decoding
 from tests.subproc import REPO
-from tools import convert_hf, prepare_chat_data
+from tools import prepare_chat_data
 
 MODEL = os.path.join(REPO, "examples", "tiny_chat", "model")
 LORA = "finetune.LlamaLoraImport"
@@ -21,8 +22,8 @@ RENDERED = ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat i
 def model_lines():
   """The tiny model's model_overrides.txt lines: eos 1 (not its end of turn, 6), and its
   tokenizer.json, whose dir holds chat_template.jinja (as an import's does)."""
-  cfg = convert_hf.read_hf(MODEL)[0]
-  return convert_hf.overrides(cfg, os.path.join(MODEL, "tokenizer.json")) + [
+  cfg = files.read_hf(MODEL)[0]
+  return model_overrides.overrides(cfg, os.path.join(MODEL, "tokenizer.json")) + [
       "task.decode.eos_id=1"]
 
 

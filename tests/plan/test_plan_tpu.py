@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.core import memory, program as program_lib
-from spmdtask.plan import (chips, flops, hlo, planner, printout, stage_roofline, targets,
-                           xla_cost)
+from spmdtask.plan import (advice, chips, flops, hlo, planner, printout, stage_roofline,
+                           targets, xla_cost)
 from spmdtask.errors import ConfigError, PlanExceeded
 from tests import subproc, util
 
@@ -283,8 +283,8 @@ def test_the_shipped_8b_lora_layout_on_v5e_2x4_warns_of_nothing():
   program = program_lib.setup(run.task, example, devices=list(target.devices))
   mesh = {a: int(s) for a, s in program.mesh.shape.items()}
   rows = memory.state_rows(program.layout, mesh)
-  assert planner.warnings(rows, mesh, [], (8, 2048)) == []
-  adapters = planner.replicated_adapters(rows, mesh)
+  assert advice.warnings(rows, mesh, [], (8, 2048)) == []
+  adapters = advice.replicated_adapters(rows, mesh)
   mib = 2**20  # k, v: 2 MiB; q, o: 8; wi, wg, wo: 28 (f32 [32, 16, out] or [32, in, 16])
   assert adapters == {"arrays": 7, "of": 14, "params_bytes_per_device": 104 * mib,
                       "opt_state_bytes_per_device": 208 * mib}
