@@ -26,6 +26,7 @@ class TinyLmDpo(Experiment):
   random); `--data_dir=DIR` (tools/prepare_pref_data.py) reads DIR's pairs (set
   task.model.vocab_size to its meta.json's). The reference is the policy's starting params
   (the fresh init, or task.train.init_checkpoint_dir's)."""
+  group = "tiny"
   batch_size = 8  # pairs
   seq_len = 32
 
@@ -72,6 +73,7 @@ class Llama31_8B_Dpo(Llama31_8B_Lora):
   weights, one more forward a step. Warm-start the base (the SFT'd model) with
   --fdl_set=task.train.init_checkpoint_dir=DIR; --data_dir=DIR reads prepared pairs
   (tools/prepare_pref_data.py with the model's tokenizer, --max_len=1025)."""
+  group = "align"
   batch_size = 8  # pairs
   seq_len = 1024
   peak_learning_rate = 5e-5

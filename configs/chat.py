@@ -47,15 +47,16 @@ def chat_prompts(prompts_file: str, data_dir: str, default, model=None) -> objec
 def with_data_dir(sets: dict, model, batch_size: int, seq_len: int,
                   require_target_mask: bool) -> dict:
   """`sets` ('train', 'eval': synthetic input configs) as `sft_data` configs: `--data_dir`
-  (their `data_dir` field) switches both to a prepared dir's packed rows (eval: its eval
-  split, 4 batches), whose meta.json vocabulary `model` (a shared config) must match."""
+  (their `data_dir` field) switches both to a prepared dir's packed rows (eval: the whole
+  of its eval split; task.train.eval_steps, or datasets['eval'].packed.num_batches, caps
+  it), whose meta.json vocabulary `model` (a shared config) must match."""
   def packed(split, **kw):
     return fdl.Partial(PackedLmInput, split=split, batch_size=batch_size, seq_len=seq_len,
                        model=model, **kw)
   return {"train": fdl.Config(sft_data, data_dir="", synthetic=sets["train"],
                               packed=packed("train"), require_target_mask=require_target_mask),
           "eval": fdl.Config(sft_data, data_dir="", synthetic=sets["eval"],
-                             packed=packed("eval", repeat=False, num_batches=4),
+                             packed=packed("eval", repeat=False),
                              require_target_mask=require_target_mask)}
 
 

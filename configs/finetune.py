@@ -40,6 +40,7 @@ class _FineTune(_Llama):
   """A fine-tune on one slice: a short cosine schedule from `peak_learning_rate`. Warm-start
   the base with --fdl_set=task.train.init_checkpoint_dir=DIR (tools/convert_hf.py
   --from_hf makes one)."""
+  group = "fine-tune"
   num_train_steps = 1000
 
   @functools.cache
@@ -129,6 +130,7 @@ class LlamaLoraImport(LlamaImport):
   --fdl_set="task.train.init_checkpoint_dir='IMPORT_DIR'"): the fine-tuning recipe
   (docs/fine_tuning.md).
   `--data_dir` must name prepared conversations (target masks; LlamaImport's data)."""
+  group = "fine-tune"
   require_target_mask = True
   num_train_steps = 200
   peak_learning_rate = 1e-3  # adapters of a small rank learn fast (PEFT's examples: 1e-4..1e-3)

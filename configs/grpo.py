@@ -92,6 +92,7 @@ class LlamaGrpoImport(LlamaImport):
   1, at most 64 new tokens, stopping at the data dir's stop ids: eos and the chat template's
   end-of-turn), rewarded by `--reward` (registered names or PATH.py:FN[:WEIGHT]), KL penalty
   0.04 against the starting point (init_checkpoint_dir), AdamW at 1e-6 (TRL's default)."""
+  group = "align"
   batch_size = 8
   num_train_steps = 200
   peak_learning_rate = 1e-6
@@ -127,6 +128,7 @@ class Llama31_8B_Grpo(_FineTune):
   peak memory. The prompts here are synthetic sums (shapes for the plan); for real training
   set datasets['train'] to an AnswerPrompts (a JSONL of prompts and answers, the model's
   tokenizer) and warm-start the base (task.train.init_checkpoint_dir)."""
+  group = "align"
   batch_size = 8
   prompt_len = 256
   peak_learning_rate = 1e-5

@@ -88,6 +88,7 @@ class _Llama(Experiment):
     data_dir: None = synthetic tokens; else a prepared corpus (tools/prepare_text_data.py).
     xla_flags: task.xla_flags, the compiler flags the experiment's numbers rest on.
   """
+  group = "pretrain"
   batch_size = 256
   seq_len = 8192
   num_microbatches = 1
@@ -376,6 +377,7 @@ class LlamaImport(Llama32_1B):
   (8 × 128) so that a decode or a short fine-tune runs on one host. `--data_dir=DIR` trains
   and evaluates on a prepared dir (chat data: masked rows); `--mode=decode --chat_prompts=F
   --data_dir=DIR` decodes F's conversations rendered with DIR's chat template."""
+  group = "families"
   batch_size = 8
   seq_len = 128
   max_decode_len = 64

@@ -32,6 +32,7 @@ def tiny_model(vocab_size: int = 256) -> fdl.Config[TransformerLm]:
 @register
 class TinyLm(Experiment):
   """1.05M-param LM on synthetic data; all devices data parallel."""
+  group = "tiny"
   batch_size = 16
   seq_len = 64
 

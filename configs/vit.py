@@ -13,6 +13,7 @@ from spmdtask.task import Task, TrainParams
 @register
 class TinyVit(Experiment):
   """A 0.2M-param ViT on 16x16 synthetic images of 10 classes; all devices data parallel."""
+  group = "tiny"
   batch_size = 32
 
   def task(self) -> fdl.Config[Task]:

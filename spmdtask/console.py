@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 
 from absl import flags, logging
 
@@ -286,6 +287,28 @@ def duration(seconds: float) -> str:
   h, rem = divmod(s, 3600)
   m, s = divmod(rem, 60)
   return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+@contextlib.contextmanager
+def elapsed(what: str, every: float = 10.0):
+  """Says `what ... N s` every `every` seconds until the block ends, after its first minute
+  once a minute, so that a long wait (a compile for a pod slice: minutes) shows it is alive
+  in a few lines; the seconds it took go to `.seconds` of the value it yields."""
+  done, t0 = threading.Event(), time.monotonic()
+  took = types.SimpleNamespace(seconds=0.0)
+
+  def tick():
+    while not done.wait(every if time.monotonic() - t0 < 60 else max(every, 60.0)):
+      say("%s ... %s", what, duration(time.monotonic() - t0))
+
+  thread = threading.Thread(target=tick, name="spmdtask-elapsed", daemon=True)
+  thread.start()
+  try:
+    yield took
+  finally:
+    done.set()
+    thread.join()
+    took.seconds = time.monotonic() - t0
 
 
 @contextlib.contextmanager

@@ -9,7 +9,10 @@ class Experiment:
 
   Subclasses override `task()` and `datasets()`; `decode_datasets()` is optional.
   Configs stay unbuilt here so that the command line can override any field.
+  `group` places it in --list_experiments (a key of spmdtask.registry.GROUPS; subclasses
+  inherit their base's), and its docstring's first line says what it is for.
   """
+  group = "other"
 
   def task(self) -> fdl.Config[task_lib.Task]:
     """The model, mesh and train params."""

@@ -75,9 +75,9 @@ _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "Sets `data_dir` of every dataset and decode dataset that reads one "
     "(e.g. lm.TextLm's train, eval and prompts), before the --fdl_set overrides.")
 _PROMPT = flags.DEFINE_multi_string(
-    "prompt", None, "--mode=decode: continue this text (repeatable) instead of the decode "
-    "datasets' prompts, through the experiment's tokenizer; written to "
-    "decoder_out/own_prompts_step<N>.jsonl and printed.")
+    "prompt", None, "--mode=decode: answer this text (repeatable) instead of the decode "
+    "datasets' prompts: a user message in the job's chat template where it has one, else "
+    "continued; written to decoder_out/own_prompts_step<N>.jsonl and printed.")
 _PROMPTS_FILE = flags.DEFINE_string(
     "prompts_file", None, "--mode=decode: a text file of prompts, one per line (with or "
     "instead of --prompt).")
@@ -85,11 +85,18 @@ _CHAT_PROMPTS = flags.DEFINE_string(
     "chat_prompts", None, "--mode=decode: a JSONL file of conversations ({\"messages\": [...]} "
     "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
     "its end-of-turn token.")
+_RAW_PROMPT = flags.DEFINE_bool(
+    "raw_prompt", False, "--mode=decode: --prompt / --prompts_file texts through the "
+    "tokenizer as written (no chat template), stopped at task.decode.eos_id.")
+_CHAT = flags.DEFINE_string(
+    "chat", None, "--mode=decode: ask this one question (a user message in the job's chat "
+    "template: its chat data's, or its import's) and print the answer.")
 _REWARD = flags.DEFINE_multi_string(
     "reward", None, "GRPO: a reward, NAME[:WEIGHT] (registered) or PATH.py:FN[:WEIGHT] (a "
     "function (prompts, completions, answers) -> list[float] of your own file); repeatable, "
     "summed with the weights (default 1). Sets task.objective.rewards and reward_weights.")
-_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
+_LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments by "
+                          "group, each with its purpose, and exit.")
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
@@ -118,6 +125,8 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
   if reward:
     overrides_lib.set_rewards(cfg, reward, exp_name)
+  overrides_lib.check_import_flagfile(cfg, experiment.run_config(registry.get(exp_name)()),
+                                      exp_name)
   return cfg
 
 
@@ -173,7 +182,7 @@ def build(cfg: fdl.Config):
 def run(argv) -> None:
   del argv
   if _LIST.value:
-    print("\n".join(registry.names()))
+    print("\n".join(registry.listing()))
     return
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
@@ -184,8 +193,10 @@ def run(argv) -> None:
                       "give one (a TPU topology, or N emulated CPU devices).")
   if (_PLAN_TOPOLOGY.value or _PLAN_DEVICES.value) and _MODE.value != "plan":
     raise ConfigError("--plan_topology / --plan_devices only apply to --mode=plan.")
-  if (_PROMPT.value or _PROMPTS_FILE.value or _CHAT_PROMPTS.value) and _MODE.value != "decode":
-    raise ConfigError("--prompt / --prompts_file / --chat_prompts only apply to --mode=decode.")
+  if ((_PROMPT.value or _PROMPTS_FILE.value or _CHAT_PROMPTS.value or _CHAT.value
+       or _RAW_PROMPT.value) and _MODE.value != "decode"):
+    raise ConfigError("--prompt / --prompts_file / --chat / --raw_prompt / --chat_prompts only "
+                      "apply to --mode=decode.")
   if _MODE.value == "plan" and _PLAN_TOPOLOGY.value:
     # JAX itself stays on the CPU (no TPU client, even where libtpu finds no chip): the
     # topology's devices are compile-only, from libtpu loaded as a plugin.
@@ -248,12 +259,13 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   from spmdtask.core import host_input as inputs_base, program as program_lib
   task = run_cfg.task
   if _MODE.value == "decode":
-    task = decoding.decode_task(task)
     texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
-    if texts:
-      from spmdtask.inputs import prompts  # pylint: disable=g-import-not-at-top
-      run_cfg = decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts)
-  program = program_lib.setup(task, rollout.example(run_cfg))  # GRPO: a rollout's batch
+    if texts or _CHAT.value is not None:
+      run_cfg = own_prompts(run_cfg, texts)
+    task = decoding.decode_task(run_cfg.task)
+  example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
+             else rollout.example(run_cfg))  # GRPO: a rollout's batch
+  program = program_lib.setup(task, example)
   program = reference.attach(task, program) if _MODE.value == "eval" else program
 
   def restore(step):
@@ -268,6 +280,31 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
         run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value, _CONTINUOUS_EVAL.value,
         available=lambda: checkpoints.complete_steps(checkpoints.checkpoint_dir(job_log_dir)),
         timeout_s=_EVAL_TIMEOUT.value)
+
+
+def own_prompts(run_cfg, texts: list[str]):
+  """`run_cfg` decoding the texts of --prompt / --prompts_file and the question of --chat,
+  rendered with the job's chat template where it has one (unless --raw_prompt)."""
+  # pylint: disable-next=g-import-not-at-top
+  from spmdtask.inputs import own_prompts as own, prompts
+  from spmdtask.run import decoding  # pylint: disable=g-import-not-at-top
+  if _CHAT.value is not None and _RAW_PROMPT.value:
+    raise ConfigError("--chat renders its question with the job's chat template and "
+                      "--raw_prompt asks for no template: give --prompt=TEXT --raw_prompt for "
+                      "a plain continuation, or drop --raw_prompt.")
+  chat = None if _RAW_PROMPT.value else own.job_chat(run_cfg.datasets, run_cfg.decode_datasets)
+  if _CHAT.value is not None:
+    if chat is None:
+      raise ConfigError(
+          f"--chat={_CHAT.value!r} is rendered with the job's chat template, and --exp="
+          f"{_EXP.value} has none: no dataset reads prepared conversations and its decode "
+          "tokenizer's dir holds no chat template. Add --data_dir=DIR (a dir "
+          "tools/prepare_chat_data.py wrote) or the import's --flagfile, or continue plain "
+          "text with --prompt=TEXT --raw_prompt.")
+    if not _CHAT.value.strip():
+      raise ConfigError("--chat is empty; give the question to ask, e.g. --chat='What is 1 + 2?'.")
+    texts = texts + [_CHAT.value]
+  return decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts, chat)
 
 
 def reexec_for_plan() -> None:

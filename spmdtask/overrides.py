@@ -12,6 +12,7 @@ import types
 import typing
 
 import fiddle as fdl
+from fiddle._src.absl_flags import utils as fdl_flag_utils
 
 from spmdtask.errors import BatchSplitError, ConfigError
 
@@ -154,6 +155,44 @@ def train_batch_error(error: BatchSplitError) -> ConfigError:
       f"({error.shards} shards): make it a multiple of {error.shards} (e.g. "
       f"--fdl_set=\"datasets['train'].batch_size={up}\"), or change the mesh "
       f"(task.ici_mesh_shape) or task.train.inputs_split_mapping. ({error})")
+
+
+IMPORT_OVERRIDES = "model_overrides.txt"  # what tools/convert_hf.py writes beside an import
+
+
+def check_import_flagfile(cfg: fdl.Config, default: fdl.Config, exp: str) -> None:
+  """ConfigError where task.train.init_checkpoint_dir names an import (a dir holding
+  model_overrides.txt) whose model fields differ from the experiment's defaults and the
+  config still has the defaults for every one of them: its --flagfile was not passed, and the
+  model built would be the experiment's own (a vocab mismatch much later, after building a
+  model of another size). `default` is the experiment's config before any flag."""
+  from spmdtask import fs  # pylint: disable=g-import-not-at-top
+  from fiddle._src import daglish  # pylint: disable=g-import-not-at-top
+  init = cfg.task.train.init_checkpoint_dir
+  path = fs.join(init, IMPORT_OVERRIDES) if init else None
+  if not path or not fs.isfile(path):
+    return
+  changed, kept = [], True  # the import's model fields that differ from the defaults
+  for line in fs.read_text(path).splitlines():
+    assignment = line.strip().removeprefix("--fdl_set=")
+    field = assignment.split("=", 1)[0]
+    if not field.startswith("task.model.") or "=" not in assignment:
+      continue
+    try:
+      where = fdl_flag_utils.parse_path(field)
+      value = fdl_flag_utils.parse_value(value=assignment.split("=", 1)[1], path=field)
+      now, was = daglish.follow_path(cfg, where), daglish.follow_path(default, where)
+    except Exception:  # pylint: disable=broad-except  # a field this experiment lacks
+      continue
+    if value != was:
+      changed.append(f"{field}={value!r} where it has {now!r}")
+      kept = kept and now == was
+  if changed and kept:
+    raise ConfigError(
+        f"task.train.init_checkpoint_dir={init!r} is an import whose model differs from "
+        f"--exp={exp}'s own ({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}), "
+        f"and no model field was set to the import's: pass --flagfile={path} (it sets every "
+        "model field, the data vocabulary, eos and the tokenizer to the import's).")
 
 
 def set_rewards(cfg: fdl.Config, values: list[str], exp: str) -> None:

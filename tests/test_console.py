@@ -215,6 +215,21 @@ def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monke
   assert console._library_errors_muted == 1  # pylint: disable=protected-access
 
 
+def test_elapsed_says_the_seconds_while_a_block_runs(monkeypatch):
+  said = []
+  monkeypatch.setattr(console, "say", lambda fmt, *args: said.append(fmt % args))
+  with console.elapsed("compiling the train step for v5e:2x4", every=0.2) as took:
+    threading.Event().wait(0.5)
+  # At 0.2 s and 0.4 s (one may come late on a loaded machine), the seconds rounded.
+  assert said[:1] == ["compiling the train step for v5e:2x4 ... 0:00"] and len(said) <= 2
+  assert all(re.fullmatch(r"compiling the train step for v5e:2x4 \.\.\. 0:0[01]", s) for s in said)
+  assert 0.5 <= took.seconds < 2.0
+  count = len(said)
+  with console.elapsed("quick", every=10.0) as took:
+    pass
+  assert len(said) == count and took.seconds < 1.0  # nothing said for a block under a period
+
+
 def test_progress_prints_a_line_every_few_seconds_and_none_for_a_short_loop(capsys):
   now = [100.0]
   progress = console.Progress("tool", every_s=5, clock=lambda: now[0])

@@ -206,7 +206,12 @@ def _recipe(tmp: str, stdout: str) -> None:
     assert eot not in ids[:-1] and (ids[-1] == eot) == stopped, r
     assert stopped or len(r["prompt_ids"]) + len(ids) == 64, r
     assert asked in stdout  # the console shows each prompt and its answer
-  assert stdout.count("  prompt ") == 4
+  # --chat: one user message rendered with the import's template, stopped the same way.
+  [asked] = [json.loads(l) for l in open(os.path.join(lora, "decoder_out",
+                                                      "own_prompts_step50_2.jsonl"))]
+  assert asked["prompt_text"] == rows[0]["prompt_text"].replace(prompts[0], "What is 1 + 2?")
+  assert eot not in asked["output_ids"][:-1]
+  assert stdout.count("  prompt ") == 5
 
   # The adapter: PEFT's keys and shapes, rank 8, trained (B no longer 0).
   cfg, tensors = peft.read(adapter)

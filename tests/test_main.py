@@ -74,6 +74,9 @@ def test_train_writes_config_and_logs(tmp_path):
     (["--mode=decode", "--fdl_set=decode_datasets['prompts'].tokenizer="
       "'sentencepiece:/nonexistent/tokenizer.model'"], "lm.TinyLm",
      ["decode_datasets['prompts'].tokenizer=", "no file '/nonexistent/tokenizer.model'"]),
+    # A question for a job without a chat template (synthetic data, no tokenizer).
+    (["--mode=decode", "--chat=What is 1 + 2?"], "lm.TinyLm",
+     ["--chat='What is 1 + 2?'", "--exp=lm.TinyLm has none", "--prompt=TEXT --raw_prompt"]),
 ])
 def test_bad_input_is_one_clear_paragraph(tmp_path, args, exp, needles):
   out = run_main(tmp_path, *args, exp=exp)

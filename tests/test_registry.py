@@ -41,3 +41,31 @@ def test_register_twice_is_an_error():
   TinyLm.__module__, TinyLm.__qualname__ = "configs.lm", "TinyLm"
   with pytest.raises(ConfigError, match="registered twice"):
     registry.register(TinyLm)
+
+
+def test_listing_groups_each_experiment_with_its_purpose_within_100_columns():
+  lines = registry.listing()
+  assert lines[0].startswith(f"{len(registry.names())} experiments; pass one as --exp=NAME")
+  assert max(map(len, lines)) <= 100
+  heads = [l.split(":")[0] for l in lines if l and not l.startswith(" ")][1:]
+  assert heads[:5] == ["pretrain", "fine-tune", "align", "families", "tiny"]
+  rows = {l.split()[0]: l for l in lines if l.startswith("  ") and not l.startswith("   ")}
+  # Every registered experiment once, by its shortest --exp spelling under configs/.
+  assert set(rows) >= {n.removeprefix("configs.") for n in registry.names()
+                       if n.startswith("configs.")}
+  assert rows["lm.TinyLm"].split(None, 1)[1] == ("1.05M-param LM on synthetic data; all "
+                                                 "devices data parallel.")
+  section = lines[lines.index(next(l for l in lines if l.startswith("families:"))):]
+  assert section.index(rows["qwen3.Qwen3Import"]) < section.index(rows["lm.TinyLm"])
+
+
+def test_summary_is_the_first_sentence_outside_brackets_or_a_cut_at_a_clause():
+  cls = type("X", (Experiment,), {"__doc__": "Big model (a. b; c) on v5e. More text here."})
+  assert registry.summary(cls) == "Big model (a. b; c) on v5e."
+  cls.__doc__ = "Summary line.\n\n  Details (long) follow. And more."
+  assert registry.summary(cls) == "Summary line."
+  cls.__doc__ = "A model on a slice: " + "word " * 40
+  assert registry.summary(cls, limit=60) == "A model on a slice"
+  cls.__doc__ = "word " * 40
+  assert registry.summary(cls, limit=20) == "word word word..."
+  assert Experiment.group == "other" and registry.get("lm.TinyLm").group == "tiny"

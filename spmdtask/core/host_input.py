@@ -92,9 +92,24 @@ def num_batches(inputs) -> int | None:
   counts = []
   if getattr(inputs, "num_batches", None) is not None:
     counts.append(int(inputs.num_batches))
-  if getattr(inputs, "num_examples", None) is not None:
-    counts.append(-(-int(inputs.num_examples) // int(inputs.batch_size)))
+  whole = batches_of_examples(inputs)
+  if whole is not None:
+    counts.append(whole)
   return min(counts) if counts else None
+
+
+def batches_of_examples(inputs) -> int | None:
+  """Batches that one pass over all of an input's examples takes (its `num_examples`
+  field, whatever caps how many are read); None where it does not say."""
+  if getattr(inputs, "num_examples", None) is None:
+    return None
+  return -(-int(inputs.num_examples) // int(inputs.batch_size))
+
+
+def empty(inputs) -> bool:
+  """Whether an input has nothing to read (its `empty` attribute; False where it has none):
+  --mode=eval then sets its program up with an eval batch instead of the train input's."""
+  return bool(getattr(inputs, "empty", False))
 
 
 def target_masked(inputs) -> bool:

@@ -15,6 +15,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # copied beside them where the model has one
 
 
 def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:

@@ -157,6 +157,12 @@ def special_tokens(config: dict) -> dict[str, str]:
   return {k: v for k, v in out.items() if v is not None}
 
 
+def present(model_dir: str) -> bool:
+  """Whether a Hugging Face model (or tokenizer) dir has a chat template (`load` finds it)."""
+  return (fs.isfile(fs.join(model_dir, TEMPLATE_FILE))
+          or bool(read_config(model_dir).get("chat_template")))
+
+
 def load(model_dir: str, field: str = "--tokenizer") -> ChatTemplate:
   """The chat template of a Hugging Face model (or tokenizer) dir; ConfigError naming `field`
   when it has none."""

@@ -59,18 +59,27 @@ class SyntheticPromptInput(StepIndexedInput):
 @dataclasses.dataclass
 class TokenizedPrompts(StepIndexedInput):
   """Given prompts, one row each in order (example id = the prompt's index), encoded by
-  `tokenizer` (`encode(text) -> ids`, `decode(ids) -> text`).
+  `tokenizer` (`encode(text) -> ids`, `decode(ids) -> text`); with `chat` (a `chat.Chat`)
+  each is one user message rendered with its template and generation prompt instead, and
+  `tokenizer` becomes the chat's, decoding special tokens too (as `ChatPromptInput`).
 
   Batches are like `SyntheticPromptInput`'s, `prompt_len` the longest prompt's tokens.
   """
   texts: tuple[str, ...] = ()
   tokenizer: object | None = None
   batch_size: int = 8
+  chat: object | None = None
   process_index: int | None = None
   process_count: int | None = None
 
   def __post_init__(self):
-    self.token_ids = [list(self.tokenizer.encode(t)) for t in self.texts]
+    if self.chat is not None:
+      self.tokenizer = self.chat.tokenizer.with_special_tokens()
+      self.token_ids = [self.chat.prompt_ids([{"role": "user", "content": t}],
+                                             f"--prompt {i}: ")
+                        for i, t in enumerate(self.texts)]
+    else:
+      self.token_ids = [list(self.tokenizer.encode(t)) for t in self.texts]
     self.num_examples = len(self.texts)
     self.prompt_len = max(map(len, self.token_ids), default=1)
 

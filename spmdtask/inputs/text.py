@@ -171,10 +171,25 @@ class PackedLmInput(StepIndexedInput):
     self.last_batch_efficiency = None
 
   @functools.cached_property
+  def _packed(self) -> tuple[np.ndarray, list[list[int]]]:
+    parts = packing.pieces(self._reader.lengths, self.seq_len)
+    return parts, packing.first_fit(parts[:, 2], self.seq_len, self.max_open_rows)
+
+  @property
+  def meta(self) -> dict:
+    """The data dir's meta.json (its tokenizer; with 'chat', the chat template's facts)."""
+    return self._reader.meta
+
+  @property
+  def empty(self) -> bool:
+    """Whether the split has no row to read (e.g. the train split of a dir prepared for
+    evaluation only, --eval_fraction=1)."""
+    return not self._packed[1]
+
+  @functools.cached_property
   def _plan(self) -> tuple[np.ndarray, list[list[int]]]:
     """(pieces [P, 3] as (doc, start, length), rows as piece indices): one epoch."""
-    parts = packing.pieces(self._reader.lengths, self.seq_len)
-    rows = packing.first_fit(parts[:, 2], self.seq_len, self.max_open_rows)
+    parts, rows = self._packed
     if not rows:
       raise ConfigError(f"datasets[...].data_dir={self.data_dir!r}: split {self.split!r} has no "
                         "document of 2 or more tokens to train on.")

@@ -17,7 +17,7 @@ runs), and reports:
   collectives  by kind, with result bytes per device per step (spmdtask.plan.hlo);
   estimate     with a chip's facts, the roofline lower bound of the step time, and the
                tokens/s and MFU ceilings it implies (spmdtask.plan.roofline);
-  warnings     large replicated arrays that could be split, padding overhead, and every
+  warnings     (spmdtask.plan.advice) large replicated arrays that could be split, padding, every
                'involuntary full rematerialization' XLA printed while compiling, mapped
                to the param or activation of that shape.
 It prints a summary and writes `job_log_dir/plan.json`. The memory budget is
@@ -36,8 +36,8 @@ import tempfile
 import jax
 
 from spmdtask import console, fs
-from spmdtask.plan import (buffers, hlo, oom, overlap, owners, printout, remat_cost, roofline,
-                           stage_roofline, targets, xla_cost, xla_log)
+from spmdtask.plan import (advice, buffers, hlo, oom, overlap, owners, printout, remat_cost,
+                           roofline, stage_roofline, targets, xla_cost, xla_log)
 from spmdtask.core import memory, sharding, train_state
 from spmdtask.core import model as model_lib
 from spmdtask.core import program as program_lib
@@ -46,8 +46,7 @@ from spmdtask.plan.oom import check_fits  # (re-exported: the budget check is oo
 from spmdtask.core import global_batch
 
 LARGEST = 8  # the largest arrays of each compiled program the plan lists
-REPLICATED_WARN_BYTES = 1 << 20  # a replicated array above this that could be split is named
-PADDING_WARN_FRACTION = 0.05     # padding above this fraction of an array is named
+TICK_SECONDS = 10.0  # how often the console says a compile is still running
 
 
 def reexec_emulated(num_devices: int, argv: list[str]) -> int:
@@ -138,34 +137,6 @@ def compiled_memory(compiled) -> dict[str, int]:
       "temp_size_in_bytes", "generated_code_size_in_bytes") if hasattr(ma, k)}
   out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
                                 - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
-  return out
-
-
-def warnings(rows: list[memory.ArrayRow], mesh_shape: dict[str, int], remats: list[dict],
-             batch_shape) -> list[str]:
-  """Human-readable warnings, each naming the array it concerns."""
-  out = []
-  devices = math.prod(mesh_shape.values())
-  params = [r for r in rows if r.kind == "params"]  # optimizer state mirrors its param
-  # The axes weights are split over (none in pure data parallelism, where replicas are meant).
-  weight_axes = {a for r in params for e in r.spec for a in sharding.entry_axes(e)
-                 if mesh_shape[a] > 1}
-  for r in params:
-    if (r.shards == 1 and r.bytes_total >= REPLICATED_WARN_BYTES
-        and any(d % mesh_shape[a] == 0 for d in r.logical_shape for a in weight_axes)):
-      out.append(f"{r.path} {list(r.logical_shape)} ({console.human_bytes(r.bytes_total)}) is "
-                 f"replicated on all {devices} devices, though a dim divides a weight axis "
-                 f"{sorted(weight_axes)}: split it in its weight_split_dims_mapping field.")
-    pad = r.bytes_per_device * r.shards - r.bytes_total
-    if r.bytes_total and pad / r.bytes_total > PADDING_WARN_FRACTION:
-      out.append(f"{r.path} is padded from {list(r.logical_shape)} to {list(r.padded_shape)} "
-                 f"(+{100 * pad / r.bytes_total:.0f}%, and so is its optimizer state): pick "
-                 "dims divisible by their mesh axes.")
-  for w in remats:
-    owner = owners.owner(hlo.dims(w["shape"]), rows, batch_shape)
-    out.append(f"XLA involuntary full rematerialization of {owner} (HLO %{w['op']} "
-               f"{w['shape']}): it cannot reshard {w['from']} -> {w['to']} without replicating "
-               "it; align the split-dims mappings of the arrays around it.")
   return out
 
 
@@ -277,14 +248,22 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
   batch_shape = jax.tree.leaves(global_batch.global_shapes(example))[0].shape
   lowerings = program.lowerings(example)
   pairs, programs = [], []
+  where = printout.where(target.as_json(), n)
+  what = ("the train step" if len(lowerings) == 1
+          else f"the train step's {len(lowerings)} programs (its stages' parts)")
+  console.say("Planning %s: compiling %s for %s, mesh %s (the console says every %.0f s that it "
+              "is still compiling; a pod slice's model takes minutes)", name, what, where,
+              mesh_shape, TICK_SECONDS)
   try:
     keep = target.topology is not None  # a chip's compiler may refuse: name what it held
-    compiled, log_text = compile_lowering(lowerings[0], keep)
-    pairs.append((lowerings[0], compiled))
-    for lw in lowerings[1:]:  # MPMD: every part's and stage's program
-      c, text = compile_lowering(lw, keep)
-      pairs.append((lw, c))
-      log_text += text
+    with console.elapsed(f"compiling {what} for {where}", TICK_SECONDS) as took:
+      compiled, log_text = compile_lowering(lowerings[0], keep)
+      pairs.append((lowerings[0], compiled))
+      for lw in lowerings[1:]:  # MPMD: every part's and stage's program
+        c, text = compile_lowering(lw, keep)
+        pairs.append((lw, c))
+        log_text += text
+    console.say("Compiled %s in %s", what, console.duration(took.seconds))
     if len(pairs) > 1:  # the largest per-device peak stands for the step's memory
       programs = [{"name": lw.name, "stage": lw.stage, "devices": lw.mesh.devices.size,
                    "calls_per_step": lw.calls_per_step, "compiled": compiled_memory(c),
@@ -314,6 +293,7 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     row["what"] = owners.owner(hlo.dims(row["shape"]), rows, batch_shape)
   if remat is not None:
     report["remat"] = remat
+  notes = report.get("warnings", []) + report.get("estimate", {}).get("notes", [])
   plan = {"experiment": name, "target": target.as_json(), "num_devices": n, "mesh": mesh_shape,
           "xla_flags": task.xla_flags or {},
           "batch_shape": list(batch_shape),
@@ -324,9 +304,14 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
           "num_active_params": program.work.active_params or memory.totals(rows)["num_params"],
           "state_bytes_total_over_devices": memory.totals(rows)["state_bytes_total"] / n,
           **report,
-          "warnings": warnings(rows, mesh_shape, xla_log.remat_warnings(log_text), batch_shape)
-                      + report.get("warnings", []) + report.get("estimate", {}).get("notes", []),
+          # What to change in the config, apart from what the figures rest on (`notes`).
+          "warnings": advice.warnings(rows, mesh_shape, xla_log.remat_warnings(log_text),
+                                     batch_shape),
+          "notes": notes,
           "arrays": [r.as_json() for r in rows]}
+  adapters = advice.replicated_adapters(rows, mesh_shape)
+  if adapters:
+    plan["replicated_adapters"] = adapters
   plan["xla_log"] = target.log + log_text
   plan["strategy"] = program.layout_facts()["pipeline"]
   axis = plan["strategy"].get("stage_axis")
@@ -341,10 +326,11 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
         "bytes_per_token_per_row": model_lib.cache_bytes_per_token(program.model),
         "max_seq_len": program.model.max_seq_len}
   if phases is not None and compiled is not None:
-    plan["phases"] = [{"name": "training", "calls_per_step": 1,
-                       "compiled": compiled_memory(compiled)}] + [
-        {"name": lw.name, "calls_per_step": lw.calls_per_step,
-         "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
+    with console.elapsed(f"compiling the step's other phases for {where}", TICK_SECONDS):
+      plan["phases"] = [{"name": "training", "calls_per_step": 1,
+                         "compiled": compiled_memory(compiled)}] + [
+          {"name": lw.name, "calls_per_step": lw.calls_per_step,
+           "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
   return plan
 
 

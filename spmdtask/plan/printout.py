@@ -64,23 +64,52 @@ def format_stage_estimates(plan: dict) -> list[str]:
   return lines
 
 
+TABLE_ROWS = 15  # the array table's rows: the largest per device (plan.json has every one)
+
+
+def where(target: dict, num_devices: int) -> str:
+  """'v5e:2x4 (8 TPU v5 lite chips)', or '8 cpu devices': what a plan is for."""
+  t = target
+  if not t["topology"]:
+    return f"{num_devices} {t['platform']} devices"
+  return (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
+          + f" ({t['chips']} {t['device_kind']} chips)")
+
+
+def array_table(rows: list[dict], top: int = TABLE_ROWS) -> list[str]:
+  """The `top` arrays with the most bytes per device, largest first, and how many more."""
+  mb = console.human_bytes
+  ranked = sorted(rows, key=lambda a: -a["bytes_per_device"])
+  largest, rest = ranked[:top], ranked[top:]
+  lines = [f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
+  for a in largest:
+    lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
+                 f"{str(a['padded_shape']):>16} {str(tuple(a['spec'])):>24} "
+                 f"{mb(a['bytes_per_device']):>11}")
+  if rest:
+    lines.append(f"... and {len(rest)} smaller arrays, "
+                 f"{mb(sum(a['bytes_per_device'] for a in rest))} per device in all (plan.json "
+                 "lists every array)")
+  return lines
+
+
+def adapters_line(a: dict) -> str:
+  """The plan's `replicated_adapters`, in one line."""
+  mb = console.human_bytes
+  return (f"LoRA adapters: {a['arrays']} of {a['of']} held whole on every device (an adapter is "
+          f"split as the dims of its base weight it keeps): {mb(a['params_bytes_per_device'])} "
+          f"per device, with their optimizer state {mb(a['opt_state_bytes_per_device'])}")
+
+
 def format_plan(plan: dict) -> list[str]:
   """The console lines of a plan."""
   mb = console.human_bytes
   t = plan["target"]
-  where = (f"{t['topology']}" + (f" x {t['num_slices']} slices" if t["num_slices"] > 1 else "")
-           + f" ({t['chips']} {t['device_kind']} chips)" if t["topology"]
-           else f"{plan['num_devices']} {t['platform']} devices")
   active = plan.get("num_active_params", plan["num_params"])
   params = f"{plan['num_params']:,} params" + (f", {active:,} active per token"
                                                if active != plan["num_params"] else "")
-  lines = [f"Plan of {plan['experiment']} ({params}) on {where}, mesh {plan['mesh']}:",
-           *plan.get("describe", []),
-           f"{'array':58} {'logical':>16} {'padded':>16} {'spec':>24} {'per device':>11}"]
-  for a in plan["arrays"]:
-    lines.append(f"{a['path'][:58]:58} {str(a['logical_shape']):>16} "
-                 f"{str(a['padded_shape']):>16} {str(tuple(a['spec'])):>24} "
-                 f"{mb(a['bytes_per_device']):>11}")
+  lines = [f"Plan of {plan['experiment']} ({params}) on {where(t, plan['num_devices'])}, mesh "
+           f"{plan['mesh']}:", *plan.get("describe", []), *array_table(plan["arrays"])]
   lines.append(
       f"params {plan['num_params']:,}; train state per device "
       f"{mb(plan['state_bytes_per_device'])} (params "
@@ -92,6 +121,8 @@ def format_plan(plan: dict) -> list[str]:
         f"({mb(plan['trainable_params_bytes_per_device'])} per device), frozen "
         f"{plan['num_frozen_params']:,} ({mb(plan['frozen_params_bytes_per_device'])} per "
         f"device); optimizer state {mb(plan['opt_state_bytes_per_device'])} per device")
+  if "replicated_adapters" in plan:
+    lines.append(adapters_line(plan["replicated_adapters"]))
   if "decode_cache" in plan:  # decoding's, not the train step's memory
     cache = plan["decode_cache"]
     per_token, t_max = cache["bytes_per_token_per_row"], cache["max_seq_len"]
@@ -148,6 +179,7 @@ def format_plan(plan: dict) -> list[str]:
         f" a step; {st['flops_per_step']:.3g} FLOPs a step; bubble {st['bubble']:.1%}"
         + (f"; cost {st['cost_vs_slowest']:.2f} of the slowest" if "cost_vs_slowest" in st
            else ""))
+  lines += [f"note: {n}" for n in plan.get("notes", [])]
   lines += [f"warning: {w}" for w in plan["warnings"]]
   return lines
 

@@ -305,16 +305,21 @@ def experiment_tokenizer(run):
       "--fdl_set=\"decode_datasets['prompts'].tokenizer='hf:PATH/tokenizer.json'\".")
 
 
-def with_own_prompts(run, texts: list[str], prompts_input):
-  """`run` decoding `texts` (one row each, through the experiment's tokenizer) instead of
-  its decode datasets, batched like its first decode dataset; ConfigError for a prompt that
-  leaves no room to continue within task.decode.max_decode_len. `prompts_input` is
+def with_own_prompts(run, texts: list[str], prompts_input, chat=None):
+  """`run` decoding `texts` (one row each, through the experiment's tokenizer; with `chat`,
+  the job's `spmdtask.inputs.chat.Chat`, each rendered as a user message and stopped at the
+  template's end-of-turn token: task.decode.eos_id) instead of its decode datasets, batched
+  like its first decode dataset; ConfigError for a prompt that leaves no room to continue
+  within task.decode.max_decode_len. `prompts_input` is
   `spmdtask.inputs.prompts.TokenizedPrompts` (the binary passes it: run/ never imports an
   input)."""
-  tokenizer = experiment_tokenizer(run)
+  tokenizer = experiment_tokenizer(run) if chat is None else chat.tokenizer
   first = run.decode_datasets[sorted(run.decode_datasets)[0]]
   inputs = prompts_input(texts=tuple(texts), tokenizer=tokenizer,
-                         batch_size=int(first.batch_size))
+                         batch_size=int(first.batch_size), chat=chat)
+  if chat is not None:
+    run = dataclasses.replace(run, task=dataclasses.replace(run.task, decode=dataclasses.replace(
+        run.task.decode, eos_id=int(chat.end_of_turn_id))))
   limit, max_seq_len = run.task.decode.max_decode_len, run.task.model.max_seq_len
   for i, (text, ids) in enumerate(zip(texts, inputs.token_ids)):
     if not ids or len(ids) >= limit:

@@ -20,7 +20,7 @@ from absl import logging
 from spmdtask import console, fs
 from spmdtask.run import summaries
 from spmdtask.errors import ConfigError
-from spmdtask.core.host_input import num_batches
+from spmdtask.core.host_input import batches_of_examples, empty, num_batches
 from spmdtask.core.objective import TARGET_TOKENS  # a count by its weight: 1.0 as a mean
 
 EVAL_METRICS_FILE = "eval_metrics.jsonl"
@@ -29,6 +29,16 @@ EVAL_METRICS_FILE = "eval_metrics.jsonl"
 def eval_datasets(datasets: dict[str, Any]) -> dict[str, Any]:
   """The eval sets of a run: every dataset but 'train', in name order."""
   return {k: datasets[k] for k in sorted(datasets) if k != "train"}
+
+
+def example(run, train_example: Callable[[Any], dict]) -> dict:
+  """The process-local batch --mode=eval sets its program up with: `train_example(run)`
+  (the train input's), or the first eval dataset's first batch where the train input is
+  empty (a data dir prepared for evaluation alone needs no train split)."""
+  evals = eval_datasets(run.datasets)
+  if evals and "train" in run.datasets and empty(run.datasets["train"]):
+    return next(iter(evals.values())).batch_at(0)
+  return train_example(run)
 
 
 def pad_batch(local: dict, rows: int) -> dict:
@@ -61,8 +71,9 @@ def evaluate(program, state, inputs, eval_steps: int | None = None,
   """One eval pass of `inputs` with `program.eval`.
 
   Returns every model metric as sum(value · weight) / sum(weight) over every batch,
-  plus `weight` (the loss's summed weight, e.g. real tokens or examples) and
-  `num_batches`.
+  plus `weight` (the loss's summed weight, e.g. real tokens or examples), `num_batches` and,
+  where the dataset says how many examples it has, `dataset_batches` (its whole pass: the
+  pass covered all of it where the two are equal).
   """
   rows = getattr(inputs, "local_batch_size", None)
   results = []
@@ -76,6 +87,9 @@ def evaluate(program, state, inputs, eval_steps: int | None = None,
     out[key] = math.fsum(float(m[key].sum) for m in fetched) / total if total else float("nan")
   out["weight"] = math.fsum(float(m["loss"].weight) for m in fetched)
   out["num_batches"] = float(len(fetched))
+  whole = batches_of_examples(inputs)
+  if whole is not None:
+    out["dataset_batches"] = float(whole)
   return out
 
 
@@ -98,10 +112,17 @@ def write(job_log_dir: str | None, name: str, step: int, metrics: dict[str, floa
 def readable(name: str, step: int, metrics: dict[str, float]) -> str:
   """One console line: the dataset, the step, the model's metrics, then the counts."""
   shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                    if k not in ("weight", "num_batches", TARGET_TOKENS))
+                    if k not in ("weight", "num_batches", "dataset_batches", TARGET_TOKENS))
+  n, whole = metrics.get("num_batches", 0), metrics.get("dataset_batches")
+  if whole is None:
+    covered = console.count(n, "batch")
+  elif n >= whole:
+    covered = f"{console.count(n, 'batch')}: all of it"
+  else:
+    covered = (f"{n:.0f} of its {console.count(whole, 'batch')}: capped by "
+               "task.train.eval_steps or the dataset's num_batches")
   return (f"eval dataset {name!r}, step {step}: {shown}  "
-          f"({console.count(metrics.get('num_batches', 0), 'batch')}, "
-          f"weight {metrics.get('weight', 0):.0f})")
+          f"({covered}, weight {metrics.get('weight', 0):.0f})")
 
 
 def evaluate_all(datasets: dict[str, Any], program, padded_state, step: int,

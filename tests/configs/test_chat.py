@@ -70,6 +70,35 @@ def test_bad_chat_inputs_name_the_flag_and_the_fix(chat_dir, model_lines, tmp_pa
   assert isinstance(_build("llama.LlamaImport", vocab, text).datasets["train"], PackedLmInput)
 
 
+def test_eval_of_a_dir_without_train_split_covers_the_whole_eval_split(model_lines,
+                                                                       tmp_path_factory):
+  from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import evaluation, rollout  # pylint: disable=g-import-not-at-top
+  out = str(tmp_path_factory.mktemp("eval_only") / "data")
+  meta = prepare_chat_data.prepare(os.path.join(EXAMPLE, "conversations.jsonl"),
+                                   os.path.join(EXAMPLE, "model"), out, max_len=128,
+                                   eval_fraction=1.0)
+  split = meta["splits"]["eval"]
+  assert meta["splits"]["train"]["num_documents"] == 0 and split["num_documents"] == 64
+  run = _build(LORA, model_lines, out)
+  assert run.datasets["train"].empty and not run.datasets["eval"].empty
+  example = evaluation.example(run, rollout.example)  # the eval split's first batch
+  assert {k: v.shape for k, v in example.items()} == {
+      k: v.shape for k, v in run.datasets["eval"].batch_at(0).items()}
+  program = program_lib.setup(run.task, example)
+  got = evaluation.evaluate(program, program.init(), run.datasets["eval"],
+                            run.task.train.eval_steps)
+  # Every target token of the split (prepare_chat_data counted them), in every batch.
+  assert got["weight"] == split["num_target_tokens"] == 586
+  assert got["num_batches"] == got["dataset_batches"] == 4
+  assert evaluation.readable("eval", 0, got).endswith("(4 batches: all of it, weight 586)")
+  capped = evaluation.evaluate(program, program.init(), run.datasets["eval"], eval_steps=3)
+  assert capped["dataset_batches"] == 4 and capped["weight"] < 586
+  assert evaluation.readable("eval", 0, capped).endswith(
+      f"(3 of its 4 batches: capped by task.train.eval_steps or the dataset's num_batches, "
+      f"weight {capped['weight']:.0f})")
+
+
 def test_a_data_dir_of_the_wrong_kind_names_its_kind_and_the_experiment_that_takes_it(
     chat_dir, model_lines, tmp_path_factory):
   from tools import prepare_pref_data  # pylint: disable=g-import-not-at-top

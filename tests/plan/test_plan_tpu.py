@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from spmdtask.core import program as program_lib
-from spmdtask.plan import (chips, flops, hlo, planner, printout, stage_roofline, targets,
-                           xla_cost)
+from spmdtask.core import memory, program as program_lib
+from spmdtask.plan import (advice, chips, flops, hlo, planner, printout, stage_roofline,
+                           targets, xla_cost)
 from spmdtask.errors import ConfigError, PlanExceeded
 from tests import subproc, util
 
@@ -273,3 +273,21 @@ def test_gpu_plan_without_a_gpu(tmp_path):
   est = got["estimate"]
   assert est["step_seconds_lower_bound"] == max(est["seconds"].values())
   assert sum(c["count"] for c in got["collectives"].values()) > 0
+
+
+def test_the_shipped_8b_lora_layout_on_v5e_2x4_warns_of_nothing():
+  # The 7 warnings were its replicated adapters: now one line (no compile needed).
+  run = util.build_run("finetune.Llama31_8B_Lora")
+  target = targets.tpu("v5e:2x4")
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(run.task, example, devices=list(target.devices))
+  mesh = {a: int(s) for a, s in program.mesh.shape.items()}
+  rows = memory.state_rows(program.layout, mesh)
+  assert advice.warnings(rows, mesh, [], (8, 2048)) == []
+  adapters = advice.replicated_adapters(rows, mesh)
+  mib = 2**20  # k, v: 2 MiB; q, o: 8; wi, wg, wo: 28 (f32 [32, 16, out] or [32, in, 16])
+  assert adapters == {"arrays": 7, "of": 14, "params_bytes_per_device": 104 * mib,
+                      "opt_state_bytes_per_device": 208 * mib}
+  assert printout.adapters_line(adapters) == (
+      "LoRA adapters: 7 of 14 held whole on every device (an adapter is split as the dims of "
+      "its base weight it keeps): 104.0 MiB per device, with their optimizer state 208.0 MiB")

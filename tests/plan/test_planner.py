@@ -5,7 +5,8 @@ import types
 import jax
 import numpy as np
 
-from spmdtask.plan import chips, hlo, oom, planner, printout, roofline, targets, xla_log
+from spmdtask.plan import (advice, chips, hlo, oom, planner, printout, roofline, targets,
+                           xla_log)
 from spmdtask.core import memory
 from tests import subproc, util
 
@@ -214,7 +215,7 @@ def test_remat_warning_names_the_param_of_that_shape():
          "HLO operation %copy.3 = f32[256,128]{1,0} copy(%p), sharding={...}. As the last")
   program, _ = util.program_and_state("lm.TinyLm", 8)
   rows = memory.state_rows(program.layout, dict(program.mesh.shape))
-  (w,) = planner.warnings(rows, dict(program.mesh.shape), xla_log.remat_warnings(log), (16, 64))
+  (w,) = advice.warnings(rows, dict(program.mesh.shape), xla_log.remat_warnings(log), (16, 64))
   assert "param params/embedding" in w and "%copy.3" in w
 
 

@@ -40,11 +40,16 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   elif new_lora is not None:
     lora = peft.lora_fields(cfg, {"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
   lines = model_overrides.overrides(cfg, tokenizer if has_tokenizer else None, lora)
-  program = checkpoints.program(lines, families.experiment(cfg, lora))  # checks the model
+  # Checks the model before anything is written: without the tokenizer line, whose file is
+  # copied into job_log_dir below (building with it would look for it there first).
+  program = checkpoints.program(model_overrides.overrides(cfg, None, lora),
+                                families.experiment(cfg, lora))
   if note:  # said once every input is checked
     print(note, file=sys.stderr)
   fs.makedirs(job_log_dir)
-  for name in files.TOKENIZER_FILES if has_tokenizer else ():
+  # The chat template too (transformers 5 saves it beside tokenizer_config.json): decode's
+  # --prompt and --chat render with it.
+  for name in files.TOKENIZER_FILES + (files.CHAT_TEMPLATE_FILE,) if has_tokenizer else ():
     if fs.isfile(fs.join(hf_dir, name)):
       fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
   checkpoints.write_checkpoint(job_log_dir, lines, params, program)
