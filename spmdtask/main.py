@@ -13,8 +13,6 @@ import os
 import re
 import shlex
 import sys
-import types
-import typing
 
 from absl import app, flags, logging
 import fiddle as fdl
@@ -87,13 +85,19 @@ _CHAT_PROMPTS = flags.DEFINE_string(
     "chat_prompts", None, "--mode=decode: a JSONL file of conversations ({\"messages\": [...]} "
     "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
     "its end-of-turn token.")
+_REWARD = flags.DEFINE_multi_string(
+    "reward", None, "GRPO: a reward, NAME[:WEIGHT] (registered) or PATH.py:FN[:WEIGHT] (a "
+    "function (prompts, completions, answers) -> list[float] of your own file); repeatable, "
+    "summed with the weights (default 1). Sets task.objective.rewards and reward_weights.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
-                    chat_prompts: str | None = None) -> fdl.Config:
-  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override
-  and `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) applied, in order."""
+                    chat_prompts: str | None = None,
+                    reward: list[str] | None = None) -> fdl.Config:
+  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override,
+  `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward` (--reward,
+  over the experiment's rewards) applied, in order."""
   cfg = experiment.run_config(registry.get(exp_name)())
   if data_dir is not None:
     overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
@@ -112,6 +116,8 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
           "(quote strings).") from None
   if chat_prompts is not None:
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
+  if reward:
+    overrides_lib.set_rewards(cfg, reward, exp_name)
   return cfg
 
 
@@ -154,52 +160,8 @@ def init_distributed():
   return cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, multihost)
 
 
-def _type_ok(value, hint) -> bool:
-  """Whether `value` fits a field's simple type hint (unknown hints are not checked)."""
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    return any(_type_ok(value, h) for h in typing.get_args(hint))
-  if hint is type(None) or hint is None:
-    return value is None
-  if hint is float:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-  if hint is int:
-    return isinstance(value, int) and not isinstance(value, bool)
-  if hint in (str, bool):
-    return isinstance(value, hint)
-  if origin is tuple or hint is tuple:
-    return isinstance(value, (tuple, list))
-  if origin is dict or hint is dict:
-    return isinstance(value, dict)
-  return True
-
-
-def check_field_types(node, path: str) -> None:
-  """ConfigError for the first field whose value does not fit its annotation (e.g. an
-  --fdl_set override of the wrong type), before anything is built."""
-  if isinstance(node, dict):
-    for k, v in node.items():
-      check_field_types(v, f"{path}[{k!r}]")
-    return
-  if not isinstance(node, fdl.Buildable):
-    return
-  try:
-    hints = typing.get_type_hints(node.__fn_or_cls__)
-  except Exception:  # pylint: disable=broad-except
-    hints = {}
-  for name, value in node.__arguments__.items():
-    where = f"{path}.{name}" if path else name
-    if isinstance(value, (fdl.Buildable, dict)):
-      check_field_types(value, where)
-    elif name in hints and not _type_ok(value, hints[name]):
-      raise ConfigError(
-          f"{where}={value!r} is a {type(value).__name__}, but the field is "
-          f"{getattr(hints[name], '__name__', None) or hints[name]}. Give a value of that type "
-          f"(e.g. --fdl_set={where}=<value>; quote strings).")
-
-
 def build(cfg: fdl.Config):
-  check_field_types(cfg, "")
+  overrides_lib.check_field_types(cfg, "")
   try:
     run_cfg = fdl.build(cfg)
     run_cfg.task.validate()
@@ -231,7 +193,7 @@ def run(argv) -> None:
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
-                        _CHAT_PROMPTS.value)
+                        _CHAT_PROMPTS.value, _REWARD.value)
   xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()

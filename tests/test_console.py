@@ -210,3 +210,20 @@ def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monke
   library_error("while the process ends")
   assert capsys.readouterr().err == "" and threading.excepthook is not before[2]
   assert console._library_errors_muted == 1  # pylint: disable=protected-access
+
+
+def test_progress_prints_a_line_every_few_seconds_and_none_for_a_short_loop(capsys):
+  now = [100.0]
+  progress = console.Progress(every_s=5, clock=lambda: now[0])
+  for t in (1, 4.9, 5.0, 7, 10.5, 12, 75):
+    now[0] = 100 + t
+    progress.update(lambda: f"tool: {t} records read")
+  progress.next_phase("tool: writing")
+  assert capsys.readouterr().out == ("tool: 5.0 records read (0:05)\n"
+                                     "tool: 10.5 records read (0:10)\n"
+                                     "tool: 75 records read (1:15)\n"
+                                     "tool: writing (1:15)\n")
+  quiet = console.Progress(every_s=5, clock=lambda: now[0])
+  quiet.update(lambda: "never")
+  quiet.next_phase("nor this")
+  assert not capsys.readouterr().out

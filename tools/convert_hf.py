@@ -14,7 +14,8 @@ the family's import experiment build the matching model; the tokenizer files; an
 hf_source.json (the HF config and tensor dtypes) for --to_hf, which writes config.json and
 model.safetensors from the latest checkpoint.
 
-LoRA: `--from_hf --adapter=DIR` loads a PEFT adapter, or `--lora_rank=R` makes fresh ones.
+LoRA (every family; spmdtask.hf.peft says which modules): `--from_hf --adapter=DIR`
+loads a PEFT adapter, or `--lora_rank=R` makes fresh ones.
 `--to_hf` of a LoRA job (that one, or one warm-started from an import: --base_job, default
 its task.train.init_checkpoint_dir) writes the adapter in PEFT's format, `--merge_lora` the
 merged model as a plain checkpoint. A full or merged export is a chat model transformers

@@ -253,6 +253,11 @@ def _mtp_layer(cfg: dict, i: int) -> LayerTensors:
 class DeepSeek(Family):
   model_types = ("deepseek_v2", "deepseek_v3")
   experiment = "deepseek.DeepSeekImport"
+  lora_experiment = "finetune.DeepSeekLoraImport"
+  # MLA's projections; not the MLPs: PEFT maps an MoE model's gate/up/down projections onto
+  # its fused routed experts (peft.py).
+  lora_targets = {"q": "q_proj", "q_down": "q_a_proj", "q_up": "q_b_proj",
+                  "kv_down": "kv_a_proj_with_mqa", "kv_up": "kv_b_proj", "o": "o_proj"}
 
   def model_fields(self, cfg: dict) -> dict:
     return model_fields(cfg)

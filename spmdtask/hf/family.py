@@ -4,9 +4,9 @@ A family module (llama, qwen3, moe, gemma3, deepseek) declares a `Family`: the c
 `model_type`s it reads, the configs/ experiments its imports run (`experiment`, and with
 LoRA adapters `lora_experiment`), its TransformerLm fields (`model_fields`), where each HF
 tensor goes (`stacked`: our param path, HF names per layer, layout kind) and its LoRA
-modules (`lora_targets`: spmdtask's LoRA target -> PEFT's `target_modules` name and our
-param path). The generic modules (convert, model_overrides, peft, merge) read only this
-contract, so a family is added in one module. Pure.
+modules (`lora_targets`: spmdtask's LoRA target -> PEFT's `target_modules` name, for the
+targets a PEFT adapter can carry). The generic modules (convert, model_overrides, peft,
+merge) read only this contract, so a family is added in one module. Pure.
 """
 from spmdtask.errors import ConfigError
 
@@ -23,8 +23,9 @@ class Family:
   model_types: tuple[str, ...] = ()
   experiment: str = ""  # configs/ experiment whose model the override lines set
   lora_experiment: str | None = None  # the same model with LoRA adapters; None: no LoRA
-  # spmdtask's LoRA target (layers.lora) -> (PEFT's target_modules name, our stacked path).
-  lora_targets: dict[str, tuple[str, str]] = {}
+  # spmdtask's LoRA target (layers.lora) -> the HF Linear module it adapts, PEFT's
+  # target_modules name (peft.py finds the modules in `stacked`); only those PEFT adapts.
+  lora_targets: dict[str, str] = {}
 
   def model_fields(self, cfg: dict) -> dict:
     """TransformerLm fields of a config (a MoE's as a `moe` dict of MoeConfig fields, MLA's

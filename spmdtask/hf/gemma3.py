@@ -13,7 +13,7 @@ rope_local_base_freq / rope_parameters.sliding_attention, unscaled) or global
 (`full_attention`, rope_theta, linear scaling where set); a tied head.
 """
 from spmdtask.errors import ConfigError
-from spmdtask.hf import rope
+from spmdtask.hf import llama, rope
 from spmdtask.hf.family import Family, LayerTensors
 
 # transformers' Gemma3TextConfig defaults: the hub's multimodal configs leave these out of
@@ -144,6 +144,8 @@ def layer_tensors(i: int) -> dict[str, tuple[str, str]]:
 class Gemma3(Family):
   model_types = ("gemma3_text", "gemma3")
   experiment = "gemma3.Gemma3Import"
+  lora_experiment = "finetune.Gemma3LoraImport"
+  lora_targets = llama.LORA_TARGETS  # the GeGLU gate (gate_proj) too
 
   def model_fields(self, cfg: dict) -> dict:
     return model_fields(text_config(cfg))

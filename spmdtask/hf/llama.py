@@ -13,12 +13,9 @@ REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers
             "num_attention_heads")
 # HF config fields whose other values spmdtask cannot express: (key, the one value).
 UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
-# LoRA target -> (PEFT's target_modules name, our stacked param path).
-LORA_TARGETS = {"q": ("q_proj", "layers/block/attn/q"), "k": ("k_proj", "layers/block/attn/k"),
-                "v": ("v_proj", "layers/block/attn/v"), "o": ("o_proj", "layers/block/attn/o"),
-                "wg": ("gate_proj", "layers/block/mlp/wg"),
-                "wi": ("up_proj", "layers/block/mlp/wi"),
-                "wo": ("down_proj", "layers/block/mlp/wo")}
+# LoRA target -> the HF Linear module it adapts (PEFT's target_modules name).
+ATTENTION_TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+LORA_TARGETS = {**ATTENTION_TARGETS, "wg": "gate_proj", "wi": "up_proj", "wo": "down_proj"}
 
 
 def fields(cfg: dict, kind: str, unsupported: dict) -> dict:

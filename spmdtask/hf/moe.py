@@ -15,6 +15,10 @@ from spmdtask.hf.family import Family, LayerTensors, check_fields
 class _Moe(Family):
   """What the two share; subclasses name their submodule, experts' names and fields."""
   experiment = "moe.MoeImport"
+  lora_experiment = "finetune.MoeLoraImport"
+  # Attention only: transformers 5 fuses the routed experts, which PEFT adapts only through
+  # target_parameters (peft.py).
+  lora_targets = llama.ATTENTION_TARGETS
   unsupported: dict = {}
   required: tuple[str, ...] = ()
   qk_norm = False

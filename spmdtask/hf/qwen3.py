@@ -19,6 +19,8 @@ def no_sliding_layers(cfg: dict, kind: str) -> None:
 class Qwen3(Family):
   model_types = ("qwen3",)
   experiment = "qwen3.Qwen3Import"
+  lora_experiment = "finetune.Qwen3LoraImport"
+  lora_targets = llama.LORA_TARGETS
 
   def model_fields(self, cfg: dict) -> dict:
     out = llama.fields(cfg, "qwen3", UNSUPPORTED)

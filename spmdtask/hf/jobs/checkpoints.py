@@ -11,20 +11,22 @@ from spmdtask.hf import trees
 from spmdtask.run import checkpoints
 
 
-def _program(lines: list[str], exp: str):
+def program(lines: list[str], exp: str):
+  """The program of `exp` with the override `lines`; ConfigError for a model they cannot
+  build (e.g. a LoRA rank above a weight's dims), before anything is written."""
   run = fdl.build(main.resolved_config(exp, lines))
   return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
 
 
-def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, exp: str) -> None:
-  """A step-0 train state with `params` (logical) and a fresh optimizer state."""
-  program = _program(lines, exp)
-  canonical = program.to_canonical(program.init())
+def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, prog) -> None:
+  """A step-0 train state of `prog` (`program(lines, exp)`) with `params` (logical) and
+  a fresh optimizer state."""
+  canonical = prog.to_canonical(prog.init())
   # In the model's dtypes (a LoRA model may store its frozen base in bfloat16); adapters
   # `params` lacks (a new LoRA) keep their fresh init (PEFT's: B = 0, the base unchanged).
   params = trees.filled(params, jax.device_get(canonical.params))
-  state = program.from_canonical(canonical._replace(params=params))
-  ckpt = checkpoints.Checkpointer(job_log_dir, program, 1, None,
+  state = prog.from_canonical(canonical._replace(params=params))
+  ckpt = checkpoints.Checkpointer(job_log_dir, prog, 1, None,
                                   {"config": "\n".join(lines) + "\n"})
   ckpt.save(0, state, None)
   ckpt.close()
@@ -38,6 +40,6 @@ def read_checkpoint(job_log_dir: str, lines: list[str], exp: str) -> dict:
 
 def latest(job_log_dir: str, lines: list[str], exp: str) -> tuple[dict, int]:
   """(`read_checkpoint`'s params, the checkpoint's step)."""
-  program = _program(lines, exp)
-  state, step = checkpoints.restore_state(job_log_dir, program)
-  return jax.device_get(program.to_canonical(state).params), step
+  prog = program(lines, exp)
+  state, step = checkpoints.restore_state(job_log_dir, prog)
+  return jax.device_get(prog.to_canonical(state).params), step

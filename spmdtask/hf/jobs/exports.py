@@ -65,7 +65,7 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
   if report:
     report(f"read {job_log_dir}: checkpoint step {step}")
   if lora is None or merge_lora:
-    params = params if lora is None else merge.merged(cfg, lora, params)
+    params = params if lora is None else merge.merged(lora, params)
     out = {files.WEIGHTS_FILE: convert.from_params(cfg, params, src["dtypes"]),
            files.CONFIG_FILE: json.dumps(source_cfg, indent=2)}
     out.update(_chat_files(base, source_cfg))

@@ -35,7 +35,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
     where = fs.join(adapter, peft.CONFIG_FILE)
     peft_cfg, peft_tensors = peft.read(adapter)
     lora = peft.lora_fields(cfg, peft_cfg, where)
-    for path, x in peft.to_params(cfg, lora, peft_tensors, where).items():
+    for path, x in peft.to_params(cfg, lora, peft_tensors, params, where).items():
       trees.set_leaf(params, path, x)
     warning = peft.base_mismatch(peft_cfg, hf_dir, cfg)
     if warning:
@@ -44,6 +44,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   elif new_lora is not None:
     lora = peft.lora_fields(cfg, {"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
   lines = model_overrides.overrides(cfg, tokenizer if has_tokenizer else None, lora)
+  program = checkpoints.program(lines, families.experiment(cfg, lora))  # checks the model
   if note:  # said once every input is checked
     print(note, file=sys.stderr)
   if replaced:
@@ -51,7 +52,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   fs.makedirs(job_log_dir)
   for name in kept:
     fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
-  checkpoints.write_checkpoint(job_log_dir, lines, params, families.experiment(cfg, lora))
+  checkpoints.write_checkpoint(job_log_dir, lines, params, program)
   fs.write_text(fs.join(job_log_dir, model_overrides.OVERRIDES_FILE),
                 model_overrides.flagfile(lines))
   source = {"config": source_cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
