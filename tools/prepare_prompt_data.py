@@ -38,7 +38,7 @@ def prepare(pattern: str, tokenizer: str, output_dir: str, max_prompt_len: int |
     raise ConfigError(f"--max_prompt_len={max_prompt_len}: give a positive number of tokens "
                       "(or leave it out: no limit).")
   conv, tok, model_eos = prompt_data.model_chat(tokenizer, raw)
-  enc = prompt_data.encode_all(pattern, conv, tok, raw, max_prompt_len, console.Progress())
+  enc = prompt_data.encode_all(pattern, conv, tok, raw, max_prompt_len, console.Progress("prepare_prompt_data"))
   stops = prompt_data.stop_ids(conv, tok, model_eos)
   meta = {"stop_ids": stops, "raw": raw, "input": pattern, "model": tokenizer,
           "max_prompt_len": max_prompt_len, "dropped": enc["dropped"]}

@@ -229,8 +229,8 @@ def test_parquet_and_datasets_inputs_give_the_jsonl_inputs_data_dir(tmp_path, ca
     code, stdout, err = _run(capsys, f"--input={source}", f"--tokenizer={CHAT}/llama3",
                              f"--output_dir={out}", "--max_len=128", "--eval_fraction=0.3")
     assert code == 0, err
-    assert stdout.startswith(f"{out}: 3 conversations read; vocab_size=300, end_of_turn_id=6; "
-                             "train: 2 documents"), stdout
+    assert (f"{out}: 3 conversations read; vocab_size=300, end_of_turn_id=6; train: 2 "
+            "documents") in stdout, stdout
     trees[name] = _tree(out)
     meta = json.loads(trees[name].pop("meta.json"))
     assert meta["input"] == source and meta["kind"] == "chat" and meta["records"] == 3

@@ -204,3 +204,13 @@ def test_another_kind_of_data_dir_is_refused_naming_its_tool(tmp_path):
                      r"completions of prompts\). Give it a dir written by "
                      r"tools/prepare_prompt_data.py"):
     PromptData(data_dir=str(d))
+
+
+def test_raw_prompts_of_a_model_without_a_template(tmp_path, capsys):
+  out = tmp_path / "out"
+  code, stdout, _ = _run(capsys, f"--input={_lines(tmp_path, {'prompt': 'hi', 'answer': 1})}",
+                         f"--tokenizer={_no_template(tmp_path)}", f"--output_dir={out}", "--raw")
+  assert code == 0 and stdout.endswith("vocab_size=300, stop ids []\n"), stdout
+  data = PromptData(data_dir=str(out), batch_size=1)
+  assert data.token_ids == [[78, 79]] and data.stop_ids == ()  # runs to max_new_tokens
+  assert "chat" not in json.loads((out / "meta.json").read_text())

@@ -44,6 +44,13 @@ def test_bad_bytes_and_occupied_dirs_exit_2_and_overwrite_replaces(tmp_path, cap
   with open(out / "meta.json") as f:
     meta = json.load(f)
   assert meta["seed"] == 1 and meta["kind"] == "text" and meta["vocab_size"] == 257
+  # A refusal while writing (the SentencePiece vocabulary, checked in the staged dir) leaves
+  # the old dir as it was, and no staged dir behind.
+  before = _tree(out)
+  code, _, err = _run(capsys, f"--input={docs}/*.txt", f"--output_dir={out}", "--overwrite",
+                      "--tokenizer=sentencepiece", "--vocab_size=10")
+  assert code == 2 and "--vocab_size=10 is too small" in err and _tree(out) == before
+  assert sorted(os.listdir(tmp_path)) == ["docs", "out"]
   mine = tmp_path / "mine"
   mine.mkdir()
   (mine / "keep.txt").write_text("x")
