@@ -23,7 +23,7 @@ MAY_IMPORT = {
     "pipeline": {SHARED, "core"},
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
     "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
-    "hf": {SHARED, "core", "layers"},  # Hugging Face names and layouts: pure mapping
+    "hf": {SHARED, "core", "layers", "inputs"},  # HF names, layouts, tokenizers: pure
     "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
               "pipeline.mpmd", "run", "objectives"},
     # HF dirs as job dirs: the mapping, checkpoints (run), config resolution (entry).

@@ -18,17 +18,27 @@ LoRA (every family; spmdtask.hf.peft says which modules): `--from_hf --adapter=D
 loads a PEFT adapter, or `--lora_rank=R` makes fresh ones.
 `--to_hf` of a LoRA job (that one, or one warm-started from an import: --base_job, default
 its task.train.init_checkpoint_dir) writes the adapter in PEFT's format, `--merge_lora` the
-merged model as a plain checkpoint. The library is the package spmdtask.hf (its docstring
-says which module does what).
+merged model as a plain checkpoint. A full or merged export is a chat model transformers
+loads from that dir alone: config.json, model.safetensors, the import's tokenizer files and
+chat template, and generation_config.json (eos: the end-of-turn token).
+
+Never over your files: --from_hf into a dir that holds a job, and --to_hf into a non-empty
+dir, exit 2 writing nothing, unless --overwrite (then the line says what was replaced).
+The console shows a line per weights file (tensors, bytes, seconds) and the checkpoint step
+exported; what C++ libraries print goes to JOB/logs/native.log. The library is the package
+spmdtask.hf (its docstring says which module does what).
 """
 import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __name__ == "__main__":  # C++ libraries print as they load: keep them off the console
+  from spmdtask import console  # pylint: disable=wrong-import-position
+  console.start_tool()
 
 # pylint: disable=wrong-import-position
-from spmdtask import fs
+from spmdtask import fs, native_output
 from spmdtask.errors import ConfigError
 from spmdtask.hf import families
 from spmdtask.hf.jobs.imports import from_hf, source
@@ -52,9 +62,23 @@ def _parser() -> argparse.ArgumentParser:
                       "write the merged model (base + alpha/r A B), not the PEFT adapter")
   parser.add_argument("--skip_mtp", action="store_true", help="with --from_hf of a "
                       "DeepSeek-V3: leave its multi-token-prediction layers out")
-  parser.add_argument("--base_job", help="with --to_hf of a LoRA job trained elsewhere: the "
-                      "--from_hf job it warm-started from (default: its init_checkpoint_dir)")
+  parser.add_argument("--base_job", help="with --to_hf of a job trained elsewhere: the "
+                      "--from_hf job it started from (default: found through its "
+                      "init_checkpoint_dir)")
+  parser.add_argument("--overwrite", action="store_true", help="replace the job in "
+                      "--job_log_dir (--from_hf) or the model files in --to_hf")
   return parser
+
+
+def _say(line: str) -> None:
+  print(line, flush=True)
+
+
+def _keep_native_log(job_log_dir: str) -> None:
+  """What C++ libraries printed (captured by console.start_tool) into the job's logs/."""
+  if not fs.is_remote(job_log_dir) and fs.isdir(job_log_dir):
+    fs.makedirs(fs.join(job_log_dir, "logs"))
+    native_output.log_to(fs.join(job_log_dir, "logs", "native.log"))
 
 
 def _import(args) -> None:
@@ -62,16 +86,17 @@ def _import(args) -> None:
   new = None if args.lora_rank is None else {
       "r": args.lora_rank, "target_modules": "all-linear",
       "lora_alpha": 2.0 * args.lora_rank if args.lora_alpha is None else args.lora_alpha}
-  from_hf(args.from_hf, args.job_log_dir, args.adapter, new, args.skip_mtp)
+  from_hf(args.from_hf, args.job_log_dir, args.adapter, new, args.skip_mtp, args.overwrite,
+          _say)
   src = source(args.job_log_dir)
   cfg = families.of(src["config"]).held(src["config"], src["dtypes"])[0]
   exp = families.lora_experiment(cfg) if lora else families.experiment(cfg)
   published = None if lora else published_experiment(cfg)
-  print(f"wrote {args.job_log_dir}: checkpoint step 0"
+  _say(f"wrote {args.job_log_dir}: checkpoint step 0"
         f"{' (base + LoRA adapters)' if lora else ''}, {OVERRIDES_FILE} "
         f"(--exp={exp} --flagfile={fs.join(args.job_log_dir, OVERRIDES_FILE)})")
   if published:
-    print(f"the architecture of --exp={published}, which decodes or trains it as it is "
+    _say(f"the architecture of --exp={published}, which decodes or trains it as it is "
           "(its mesh and batch; add the --flagfile for the tokenizer's text)")
 
 
@@ -87,8 +112,10 @@ def main():
     if args.from_hf:
       _import(args)
     else:
-      files = to_hf(args.job_log_dir, args.to_hf, args.merge_lora, args.base_job)
-      print(f"wrote {args.to_hf}: {', '.join(files)}")
+      files = to_hf(args.job_log_dir, args.to_hf, args.merge_lora, args.base_job,
+                    args.overwrite, _say)
+      _say(f"wrote {args.to_hf}: {', '.join(files)}")
+    _keep_native_log(args.job_log_dir)
   except ConfigError as e:
     print(f"{os.path.basename(sys.argv[0]).removesuffix('.py')}: config error: {e}",
           file=sys.stderr)

@@ -1,25 +1,42 @@
 """Hugging Face model directories: reading config.json and the weights (model.safetensors,
-or the shards model.safetensors.index.json lists), and writing a directory's files (a gs://
-one through a local staging dir, uploaded at the end).
+or the shards model.safetensors.index.json lists), the files beside them a chat model needs
+(tokenizer, chat template, generation config), and writing a directory's files (a gs://
+one through a local staging dir, uploaded at the end) with ordinary modes, 0644 files in a
+0755 directory, whatever the umask.
 """
 import json
 import os
+import time
+from collections.abc import Callable
 
 import numpy as np
 from safetensors import numpy as st_numpy
 
-from spmdtask import fs
+from spmdtask import console, fs
 from spmdtask.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-CHAT_TEMPLATE_FILE = "chat_template.jinja"  # copied beside them where the model has one
+GENERATION_FILE = "generation_config.json"
+# What transformers' tokenizers read (fast, sentencepiece, BPE vocab/merges) and its chat
+# template (transformers 5 saves chat_template.jinja; 4 a chat_template.json or a key of
+# tokenizer_config.json). An import keeps each that the model dir has; an export writes them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "chat_template.jinja", "chat_template.json")
+# Files an HF loader reads from a model or adapter dir: what an export with --overwrite
+# replaces (stale shards or an old index would otherwise be loaded beside the new weights).
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+MODEL_FILES = (CONFIG_FILE, GENERATION_FILE, "adapter_config.json") + TOKENIZER_FILES
+FILE_MODE, DIR_MODE = 0o644, 0o755
+
+Report = Callable[[str], None]  # takes one console line (progress); None: silent
 
 
-def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
-  """(config.json, tensors by name) of a HF directory, single-file or sharded."""
+def read_hf(hf_dir: str, report: Report | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+  """(config.json, tensors by name) of a HF directory, single-file or sharded; `report`
+  gets one line per weights file (shard i/N, tensors, bytes, seconds)."""
   path = fs.join(hf_dir, CONFIG_FILE)
   if not fs.isfile(path):
     raise ConfigError(f"--from_hf={hf_dir!r} has no config.json; point it at a Hugging Face "
@@ -34,22 +51,53 @@ def read_hf(hf_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
     if not fs.isfile(fs.join(hf_dir, name)):
       raise ConfigError(f"--from_hf={hf_dir!r} has no {name}, which holds the weights.")
   tensors = {}
-  for name in files:
+  for i, name in enumerate(files):
+    start = time.perf_counter()
     with fs.local_file(fs.join(hf_dir, name)) as path:  # safetensors reads (mmaps) a file
-      tensors.update(st_numpy.load_file(path))
+      part = st_numpy.load_file(path)
+    tensors.update(part)
+    if report:
+      report(f"read {name} (shard {i + 1}/{len(files)}): {_summary(part, start)}")
   return cfg, tensors
 
 
-def write_dir(hf_dir: str, files: dict[str, str | dict[str, np.ndarray]]) -> None:
-  """Writes `files` (name -> text, or tensors for a .safetensors file) into `hf_dir`."""
+def present(hf_dir: str, names) -> list[str]:
+  """Those of `names` that are files in `hf_dir`."""
+  return [n for n in names if fs.isfile(fs.join(hf_dir, n))]
+
+
+def model_files(names) -> list[str]:
+  """Those of a dir's `names` that an HF loader reads (see MODEL_FILES, WEIGHT_SUFFIXES)."""
+  return [n for n in names if n in MODEL_FILES or n.endswith(WEIGHT_SUFFIXES)
+          or n.startswith("adapter_model")]
+
+
+def write_dir(hf_dir: str, files: dict[str, str | bytes | dict[str, np.ndarray]],
+              report: Report | None = None) -> None:
+  """Writes `files` (name -> text, bytes, or tensors for a .safetensors file) into
+  `hf_dir`; `report` gets one line per weights file."""
   staged = fs.Staged(hf_dir, "spmdtask_hf_")  # safetensors writes a local file
   try:
     for name, content in files.items():
+      path = os.path.join(staged.local, name)
       if isinstance(content, str):
-        fs.write_text(os.path.join(staged.local, name), content)
+        fs.write_text(path, content)
+      elif isinstance(content, bytes):
+        fs.write_bytes(path, content)
       else:
-        st_numpy.save_file(content, os.path.join(staged.local, name), metadata={"format": "pt"})
+        start = time.perf_counter()
+        st_numpy.save_file(content, path, metadata={"format": "pt"})
+        if report:
+          report(f"wrote {name}: {_summary(content, start)}")
+      os.chmod(path, FILE_MODE)
+    os.chmod(staged.local, DIR_MODE)
   except BaseException:
     staged.close(upload=False)
     raise
   staged.close()
+
+
+def _summary(tensors: dict[str, np.ndarray], start: float) -> str:
+  nbytes = sum(int(t.nbytes) for t in tensors.values())
+  return (f"{console.count(len(tensors), 'tensor')}, {console.human_bytes(nbytes)}, "
+          f"{console.human_seconds(time.perf_counter() - start)}")

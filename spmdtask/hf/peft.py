@@ -214,14 +214,13 @@ def lora_fields(cfg: dict, adapter: dict, where: str) -> dict:
           "targets": _targets(cfg, adapter, where)}
 
 
-def job_lora(config_text: str, where: str) -> dict:
+def job_lora(config_text: str) -> dict | None:
   """LoraConfig fields (unset ones at their defaults) of a job's resolved config (its
-  config.txt: one `path = value` a line); ConfigError where the model has no LoRA."""
+  config.txt: one `path = value` a line); None where the model has no LoRA."""
   found = dict(re.findall(r"^task\.model\.lora\.(\w+) = (.+)$", config_text, re.M))
   set_ = {k: ast.literal_eval(v) for k, v in found.items() if not v.startswith("<[unset")}
   if "rank" not in set_ or "alpha" not in set_:
-    raise ConfigError(f"{where}: the job's model has no LoRA adapters (task.model.lora is "
-                      "not set); export it without --base_job.")
+    return None
   return dataclasses.asdict(LoraConfig(**set_))
 
 

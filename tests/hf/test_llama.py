@@ -121,7 +121,7 @@ def llama_forward(cfg, t, tokens):
 def _convert_and_check_logits(tmp_path, cfg, tensors, shards, tokenizer_dir=None):
   hf, out, back = str(tmp_path / "hf"), str(tmp_path / "job"), str(tmp_path / "back")
   _write_hf(hf, cfg, tensors, shards)
-  for name in files.TOKENIZER_FILES if tokenizer_dir else ():
+  for name in files.present(tokenizer_dir, files.TOKENIZER_FILES) if tokenizer_dir else ():
     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf, name))
   lines = imports.from_hf(hf, out)
   with open(os.path.join(out, "model_overrides.txt")) as f:

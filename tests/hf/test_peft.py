@@ -78,7 +78,8 @@ def test_export_gives_the_same_tensors_and_a_config_peft_reads(imported, tmp_pat
 def test_merge_lora_export_gives_the_merged_models_logits(imported, tmp_path):
   job, _ = imported
   merged, again = str(tmp_path / "merged"), str(tmp_path / "again")
-  assert exports.to_hf(job, merged, merge_lora=True) == ["config.json", "model.safetensors"]
+  assert exports.to_hf(job, merged, merge_lora=True) == [
+      "config.json", "generation_config.json", "model.safetensors"]
   lines = imports.from_hf(merged, again)  # a plain Llama now: no adapter tensors
   params = checkpoints.read_checkpoint(again, lines, LLAMA)
   assert "q_lora_a" not in params["layers"]["block"]["attn"]

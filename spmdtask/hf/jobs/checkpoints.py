@@ -35,6 +35,11 @@ def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, prog) -> 
 def read_checkpoint(job_log_dir: str, lines: list[str], exp: str) -> dict:
   """The logical params of the latest checkpoint of `job_log_dir` (its model: `exp` with
   the override `lines`), as numpy."""
+  return latest(job_log_dir, lines, exp)[0]
+
+
+def latest(job_log_dir: str, lines: list[str], exp: str) -> tuple[dict, int]:
+  """(`read_checkpoint`'s params, the checkpoint's step)."""
   prog = program(lines, exp)
-  state, _ = checkpoints.restore_state(job_log_dir, prog)
-  return jax.device_get(prog.to_canonical(state).params)
+  state, step = checkpoints.restore_state(job_log_dir, prog)
+  return jax.device_get(prog.to_canonical(state).params), step

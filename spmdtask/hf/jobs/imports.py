@@ -1,29 +1,33 @@
 """--from_hf: a Hugging Face model directory (and a PEFT adapter of it) as a spmdtask job
-dir: a step-0 checkpoint, model_overrides.txt, the tokenizer files, hf_source.json.
+dir: a step-0 checkpoint, model_overrides.txt, hf_source.json, and the model dir's
+tokenizer files, chat template and generation_config.json (what an export writes back).
 """
 import json
 import sys
 
 from spmdtask import fs
-from spmdtask.hf import families, files, model_overrides, peft, convert, trees
-from spmdtask.hf.jobs import checkpoints
+from spmdtask.hf import convert, families, files, model_overrides, peft, trees
+from spmdtask.hf.jobs import checkpoints, targets
 
 SOURCE_FILE = "hf_source.json"  # the HF config and tensor dtypes, for --to_hf
 
 
 def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
-            new_lora: dict | None = None, skip_mtp: bool = False) -> list[str]:
-  """Writes the checkpoint, model_overrides.txt, the tokenizer files and hf_source.json;
-  returns the override lines. With `adapter` (--adapter, a PEFT LoRA dir) the model has
-  LoRA adapters (its family's LoRA experiment) loaded from it; with `new_lora` (PEFT
-  adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every input is read and
-  checked before anything is written. `skip_mtp`: a DeepSeek-V3's MTP layers are left out
-  (Family.held)."""
-  raw_cfg, raw = files.read_hf(hf_dir)
+            new_lora: dict | None = None, skip_mtp: bool = False, overwrite: bool = False,
+            report: files.Report | None = None) -> list[str]:
+  """Writes the job; returns the override lines. With `adapter` (--adapter, a PEFT LoRA
+  dir) the model has LoRA adapters (its family's LoRA experiment) loaded from it; with
+  `new_lora` (PEFT adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every
+  input is read and checked before anything is written; an existing job there is a
+  ConfigError unless `overwrite` (targets.job_dir). `skip_mtp`: a DeepSeek-V3's MTP layers
+  are left out (Family.held). `report` gets the progress lines."""
+  replaced = targets.job_dir(job_log_dir, overwrite)
+  raw_cfg, raw = files.read_hf(hf_dir, report)
   family = families.of(raw_cfg)
   source_cfg, tensors = family.text(raw_cfg, raw)  # a multimodal Gemma 3: its text
   cfg, tensors, note = family.held(source_cfg, tensors, skip_mtp)
-  has_tokenizer = fs.isfile(fs.join(hf_dir, files.TOKENIZER_FILES[0]))
+  kept = files.present(hf_dir, files.TOKENIZER_FILES + (files.GENERATION_FILE,))
+  has_tokenizer = files.TOKENIZER_FILES[0] in kept
   tokenizer = fs.join(fs.absolute(job_log_dir), files.TOKENIZER_FILES[0])
   params, lora = convert.to_params(cfg, tensors), None
   base_name = cfg.get("_name_or_path") or fs.absolute(hf_dir)
@@ -40,18 +44,17 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   elif new_lora is not None:
     lora = peft.lora_fields(cfg, {"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
   lines = model_overrides.overrides(cfg, tokenizer if has_tokenizer else None, lora)
-  # Checks the model before anything is written: without the tokenizer line, whose file is
-  # copied into job_log_dir below (building with it would look for it there first).
-  program = checkpoints.program(model_overrides.overrides(cfg, None, lora),
+  # Checks the model before anything is written (without the tokenizer line: its file is
+  # copied below, and the program does not need it).
+  program = checkpoints.program(model_overrides.overrides(cfg, lora=lora),
                                 families.experiment(cfg, lora))
   if note:  # said once every input is checked
     print(note, file=sys.stderr)
+  if replaced:
+    targets.clear(job_log_dir, replaced)
   fs.makedirs(job_log_dir)
-  # The chat template too (transformers 5 saves it beside tokenizer_config.json): decode's
-  # --prompt and --chat render with it.
-  for name in files.TOKENIZER_FILES + (files.CHAT_TEMPLATE_FILE,) if has_tokenizer else ():
-    if fs.isfile(fs.join(hf_dir, name)):
-      fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
+  for name in kept:
+    fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
   checkpoints.write_checkpoint(job_log_dir, lines, params, program)
   fs.write_text(fs.join(job_log_dir, model_overrides.OVERRIDES_FILE),
                 model_overrides.flagfile(lines))
@@ -60,6 +63,8 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   if lora is not None:
     source["lora"] = {**lora, "targets": list(lora["targets"])}
   fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(source, indent=1))
+  if replaced and report:
+    report(targets.replaced_line(job_log_dir, replaced))
   return lines
 
 
