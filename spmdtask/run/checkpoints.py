@@ -110,25 +110,16 @@ def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
 
 def _warm_start(init_dir: str, program, state: TrainState
                 ) -> tuple[TrainState, lora_base.Base | None]:
-  """(warm_start's state, the base a LoRA model's checkpoints then name, else None)."""
-  base = None
-  if train_state.adapters_only(program.model):
-    base, params = lora_base.read(init_dir, program)
-    step = base.step
-  else:
-    fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
-    directory = checkpoint_dir(init_dir)
-    step = io.pick_step(directory, init_dir, None)
-    mngr = io.manager(directory, read_only=True)
-    try:
-      params = io.restore(mngr, directory, program, step, ("params",), own=False,
-                          params_targets=program.canonical_targets().params)["params"]
-    finally:
-      mngr.close()
-  logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir, step)
+  """(warm_start's state, the base a LoRA model's checkpoints then name, else None). A LoRA
+  job's checkpoint in `init_dir` starts the model with its adapters merged in
+  (`lora_base.read`)."""
+  base, params = lora_base.read(init_dir, program)
+  logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir,
+               base.step)
   canonical = program.to_canonical(state)
-  if base is not None:  # the frozen params the base's, the adapters fresh
-    params = lora_base.merged(canonical.params, params)
+  # In the model's dtypes; a LoRA model's adapters fresh, its saves naming the base.
+  params = lora_base.merged(canonical.params, params)
+  base = base if train_state.adapters_only(program.model) else None
   return _live(program, int(jax.device_get(state.step)), params, canonical.opt_state), base
 
 
@@ -154,6 +145,8 @@ class Checkpointer:
     self._mngr = io.manager(self.directory, self.interval, max_to_keep)
     self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
                   "process_count": jax.process_count(), **(metadata or {})}
+    if train_state.adapters_only(program.model):  # what a stage starting here merges by
+      self._meta[lora_base.SCALE_KEY] = program.model.lora.scale
     self.save_seconds: list[float] = []  # blocking part of each save
     self.checked: set[int] = set()  # steps written by this run or whose fingerprints matched
     # What the saves hold: the whole params, or (a LoRA job warm-started from a base, known

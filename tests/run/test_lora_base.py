@@ -14,6 +14,7 @@ import pytest
 from spmdtask.core import program as program_lib
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
+from spmdtask.layers import lora as lora_lib
 from spmdtask.run import checkpoint_check, checkpoint_io, checkpoints, loop, lora_base
 from tests import subproc as h
 from tests import util
@@ -142,8 +143,16 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
   with pytest.raises(ConfigError, match="job's checkpoints hold only the adapters|does not match"):
     checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.d_ff=256"))
   assert checkpoints.restore_state(lora.job, program)[1] == 4
-  # A LoRA job's adapter-only checkpoint is not a whole model to warm-start from.
+  # A LoRA job's adapter-only checkpoint starts a plain model as its base with the adapters
+  # merged in: W + (alpha / r)·A·B (layers.lora), read from the base the checkpoint names.
   plain = _program("lm.TinyLm")
-  with pytest.raises(ConfigError, match=r"holds only a LoRA job's adapters .*"
-                     f"in its base, {lora.base!r}"):
-    checkpoints.warm_start(lora.job, plain, plain.init())
+  got = jax.device_get(plain.to_canonical(checkpoints.warm_start(lora.job, plain,
+                                                                 plain.init())).params)
+  base = jax.device_get(plain.to_canonical(checkpoints.restore_state(lora.base, plain)[0]).params)
+  scale = lora.meta_at_2[lora_base.SCALE_KEY]
+  assert scale == 2.0  # TinyLmLora: rank 4, alpha 8
+  adapters = train_state.adapters(lora.state.params)
+  want = lora_lib.merged(lora_base._overlay(base, adapters), scale)  # pylint: disable=protected-access
+  util.assert_trees_close(got, jax.device_get(want), atol=1e-6)
+  wq = got["layers"]["block"]["attn"]["q"]
+  assert np.abs(wq - base["layers"]["block"]["attn"]["q"]).max() > 1e-3  # the adapters moved it
