@@ -13,8 +13,6 @@ import os
 import re
 import shlex
 import sys
-import types
-import typing
 
 from absl import app, flags, logging
 import fiddle as fdl
@@ -24,6 +22,7 @@ from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
+from spmdtask import stage_start
 from spmdtask import task as task_lib
 from spmdtask.run import interrupts
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
@@ -87,32 +86,59 @@ _CHAT_PROMPTS = flags.DEFINE_string(
     "chat_prompts", None, "--mode=decode: a JSONL file of conversations ({\"messages\": [...]} "
     "a line) to answer, rendered with --data_dir's chat template; sets task.decode.eos_id to "
     "its end-of-turn token.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Start from this job dir: an import's (tools/convert_hf.py --from_hf) "
+    "or a previous stage's, full or LoRA (its adapters merged in): its model_overrides.txt "
+    "sets the model, and task.train.init_checkpoint_dir is it.")
+_FAMILY = flags.DEFINE_string(
+    "family", None, "The imported model's family (an import's model_overrides.txt sets it): "
+    "the stage experiments (stages.Sft, stages.Dpo, stages.Grpo) build that family's model.")
+_LORA_RANK = flags.DEFINE_integer(
+    "lora_rank", None, "New LoRA adapters of this rank (alpha 2 x rank) on every weight LoRA "
+    "can adapt; only they train. Default: every param trains.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
-                    chat_prompts: str | None = None) -> fdl.Config:
-  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override
-  and `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) applied, in order."""
-  cfg = experiment.run_config(registry.get(exp_name)())
+                    chat_prompts: str | None = None, start: stage_start.Start | None = None,
+                    lora_rank: int | None = None) -> fdl.Config:
+  """The experiment's root config (a stage experiment on `start`'s family) with `data_dir`
+  (--data_dir), `start`'s overrides (--init_from), `lora_rank`'s adapters, every `--fdl_set`
+  override and `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) applied,
+  in order."""
+  start = start or stage_start.Start(None, [])
+  exp = registry.get(exp_name)()
+  if isinstance(exp, experiment.ForFamily):
+    exp = exp.for_family(start.family)
+  cfg = experiment.run_config(exp)
   if data_dir is not None:
     overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
+  for assignment in start.overrides():
+    _set(cfg, assignment)
+  if lora_rank is not None:
+    from spmdtask.layers import lm_checks  # pylint: disable=g-import-not-at-top
+    stage_start.add_lora(cfg, lora_rank, lm_checks.lora_weights(fdl.build(cfg.task.model)))
   for assignment in overrides:
-    if "=" not in assignment:
-      raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
-                        "--fdl_set=task.train.num_train_steps=5.")
-    overrides_lib.check_path(assignment, overrides_lib.field_paths(cfg))
-    try:
-      fdl_flag_utils.set_value(cfg, assignment)
-    except Exception as e:  # fiddle raises several types for a bad path or value
-      raise ConfigError(
-          f"--fdl_set={assignment!r} could not be applied: {type(e).__name__}: {e}. The path "
-          "starts at task, datasets or decode_datasets (see the resolved config in "
-          "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
-          "(quote strings).") from None
+    _set(cfg, assignment)
   if chat_prompts is not None:
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
   return cfg
+
+
+def _set(cfg: fdl.Config, assignment: str) -> None:
+  """One `--fdl_set` override; ConfigError naming it where it sets no field or cannot."""
+  if "=" not in assignment:
+    raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
+                      "--fdl_set=task.train.num_train_steps=5.")
+  overrides_lib.check_path(assignment, overrides_lib.field_paths(cfg))
+  try:
+    fdl_flag_utils.set_value(cfg, assignment)
+  except Exception as e:  # fiddle raises several types for a bad path or value
+    raise ConfigError(
+        f"--fdl_set={assignment!r} could not be applied: {type(e).__name__}: {e}. The path "
+        "starts at task, datasets or decode_datasets (see the resolved config in "
+        "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
+        "(quote strings).") from None
 
 
 def plan_emulated(num_devices: int) -> bool:
@@ -154,52 +180,8 @@ def init_distributed():
   return cluster.join(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, multihost)
 
 
-def _type_ok(value, hint) -> bool:
-  """Whether `value` fits a field's simple type hint (unknown hints are not checked)."""
-  origin = typing.get_origin(hint)
-  if origin in (typing.Union, types.UnionType):
-    return any(_type_ok(value, h) for h in typing.get_args(hint))
-  if hint is type(None) or hint is None:
-    return value is None
-  if hint is float:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-  if hint is int:
-    return isinstance(value, int) and not isinstance(value, bool)
-  if hint in (str, bool):
-    return isinstance(value, hint)
-  if origin is tuple or hint is tuple:
-    return isinstance(value, (tuple, list))
-  if origin is dict or hint is dict:
-    return isinstance(value, dict)
-  return True
-
-
-def check_field_types(node, path: str) -> None:
-  """ConfigError for the first field whose value does not fit its annotation (e.g. an
-  --fdl_set override of the wrong type), before anything is built."""
-  if isinstance(node, dict):
-    for k, v in node.items():
-      check_field_types(v, f"{path}[{k!r}]")
-    return
-  if not isinstance(node, fdl.Buildable):
-    return
-  try:
-    hints = typing.get_type_hints(node.__fn_or_cls__)
-  except Exception:  # pylint: disable=broad-except
-    hints = {}
-  for name, value in node.__arguments__.items():
-    where = f"{path}.{name}" if path else name
-    if isinstance(value, (fdl.Buildable, dict)):
-      check_field_types(value, where)
-    elif name in hints and not _type_ok(value, hints[name]):
-      raise ConfigError(
-          f"{where}={value!r} is a {type(value).__name__}, but the field is "
-          f"{getattr(hints[name], '__name__', None) or hints[name]}. Give a value of that type "
-          f"(e.g. --fdl_set={where}=<value>; quote strings).")
-
-
 def build(cfg: fdl.Config):
-  check_field_types(cfg, "")
+  overrides_lib.check_field_types(cfg, "")
   try:
     run_cfg = fdl.build(cfg)
     run_cfg.task.validate()
@@ -230,8 +212,9 @@ def run(argv) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
+  start = stage_start.read(_INIT_FROM.value, _FAMILY.value)
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
-                        _CHAT_PROMPTS.value)
+                        _CHAT_PROMPTS.value, start, _LORA_RANK.value)
   xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()
@@ -241,6 +224,10 @@ def run(argv) -> None:
   run_cfg = build(cfg)
   from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
+  init_dir = run_cfg.task.train.init_checkpoint_dir
+  if _MODE.value == "train" and init_dir and not fs.isdir(
+      checkpoints.checkpoint_dir(_JOB_LOG_DIR.value)):  # a new job: its start must be there
+    stage_start.check_start(init_dir)
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   # One training per job dir, held before anything (the log included) is written there.
   with (joblock.held(_JOB_LOG_DIR.value) if _MODE.value == "train"
@@ -256,6 +243,10 @@ def run(argv) -> None:
                   task_lib.XLA_FLAG_VARIABLES[kind], line)
     if backend_log:
       logging.info("While JAX initialized its backends: %s", backend_log)
+    import jax  # pylint: disable=g-import-not-at-top
+    if _MODE.value == "train" and start.family and jax.process_index() == 0:
+      fs.write_text(fs.join(_JOB_LOG_DIR.value, stage_start.OVERRIDES_FILE),  # the next stage's
+                    start.file_text(flags.FLAGS.fdl_set or []))
     run_mode(run_cfg, config_text)
 
 

@@ -7,6 +7,8 @@ without fiddle's repr of every argument (which, for a dataset, holds the whole m
 """
 import difflib
 import re
+import types
+import typing
 
 import fiddle as fdl
 
@@ -151,3 +153,47 @@ def train_batch_error(error: BatchSplitError) -> ConfigError:
       f"({error.shards} shards): make it a multiple of {error.shards} (e.g. "
       f"--fdl_set=\"datasets['train'].batch_size={up}\"), or change the mesh "
       f"(task.ici_mesh_shape) or task.train.inputs_split_mapping. ({error})")
+
+
+def _type_ok(value, hint) -> bool:
+  """Whether `value` fits a field's simple type hint (unknown hints are not checked)."""
+  origin = typing.get_origin(hint)
+  if origin in (typing.Union, types.UnionType):
+    return any(_type_ok(value, h) for h in typing.get_args(hint))
+  if hint is type(None) or hint is None:
+    return value is None
+  if hint is float:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+  if hint is int:
+    return isinstance(value, int) and not isinstance(value, bool)
+  if hint in (str, bool):
+    return isinstance(value, hint)
+  if origin is tuple or hint is tuple:
+    return isinstance(value, (tuple, list))
+  if origin is dict or hint is dict:
+    return isinstance(value, dict)
+  return True
+
+
+def check_field_types(node, path: str) -> None:
+  """ConfigError for the first field whose value does not fit its annotation (e.g. an
+  --fdl_set override of the wrong type), before anything is built."""
+  if isinstance(node, dict):
+    for k, v in node.items():
+      check_field_types(v, f"{path}[{k!r}]")
+    return
+  if not isinstance(node, fdl.Buildable):
+    return
+  try:
+    hints = typing.get_type_hints(node.__fn_or_cls__)
+  except Exception:  # pylint: disable=broad-except
+    hints = {}
+  for name, value in node.__arguments__.items():
+    where = f"{path}.{name}" if path else name
+    if isinstance(value, (fdl.Buildable, dict)):
+      check_field_types(value, where)
+    elif name in hints and not _type_ok(value, hints[name]):
+      raise ConfigError(
+          f"{where}={value!r} is a {type(value).__name__}, but the field is "
+          f"{getattr(hints[name], '__name__', None) or hints[name]}. Give a value of that type "
+          f"(e.g. --fdl_set={where}=<value>; quote strings).")

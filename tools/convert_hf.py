@@ -89,8 +89,6 @@ def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None)
     lines.append("task.model.rope_scaling=None")
   else:  # EXP's model has a Llama3Scaling config: its fields are set one by one
     lines += [f"task.model.rope_scaling.{k}={v!r}" for k, v in scaling.items()]
-  lines += [f"datasets['{s}'].synthetic.vocab_size={cfg['vocab_size']}" for s in ("train", "eval")]
-  lines.append(f"decode_datasets['prompts'].default.vocab_size={cfg['vocab_size']}")
   if isinstance(cfg.get("eos_token_id"), int):
     lines.append(f"task.decode.eos_id={cfg['eos_token_id']}")
   if tokenizer:
@@ -288,7 +286,8 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
     if fs.isfile(fs.join(hf_dir, name)):
       fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
   write_checkpoint(job_log_dir, lines, params, experiment(cfg, lora))
-  fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),
+  fs.write_text(fs.join(job_log_dir, OVERRIDES_FILE),  # the family: for stages.* experiments
+                f"--family={hf_models.family(cfg)}\n" +
                 "".join(f"--fdl_set={line}\n" for line in lines))
   source = {"config": source_cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
             "base_model_name_or_path": base_name}

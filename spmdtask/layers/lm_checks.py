@@ -42,14 +42,18 @@ def _validate_moe(model, mesh_shape) -> None:
         "(embed, heads, ff, logits), as TinyMoe does with ('data', 'expert', 'fsdp').")
 
 
+def lora_weights(model) -> tuple[str, ...]:
+  """The LoRA targets (layers.lora.TARGETS) this model has a weight for."""
+  mlp = lora_lib.MLP if model.mlp_activation == "swiglu" else ("wi", "wo")
+  dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
+  return lora_lib.ATTENTION + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
+
+
 def _validate_lora(model) -> None:
   """The LoRA fields against the weights this model has (layers.lora)."""
   if model.lora is None:
     return
-  mlp = lora_lib.MLP if model.mlp_activation == "swiglu" else ("wi", "wo")
-  dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
-  weights = lora_lib.ATTENTION + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
-  model.lora.validate(weights)
+  model.lora.validate(lora_weights(model))
 
 
 def _validate_mla(model, mesh_shape) -> None:
