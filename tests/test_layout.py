@@ -23,12 +23,13 @@ MAY_IMPORT = {
     "pipeline": {SHARED, "core"},
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
     "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
-    "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
-              "pipeline.mpmd", "run", "objectives"},
+    # layers: --lora_rank gives the resolved model LoRA on the weights it has (stage_start)
+    "entry": {SHARED, "core", "task", "inputs", "layers", "plan", "pipeline",
+              "pipeline.schedules", "pipeline.mpmd", "run", "objectives"},
 }
 TOP = {"errors": SHARED, "fs": SHARED, "console": SHARED, "native_output": SHARED,
        "task": "task", "main": "entry", "registry": "entry", "experiment": "entry",
-       "overrides": "entry", "__init__": SHARED}
+       "overrides": "entry", "stage_start": "entry", "recipe": "entry", "__init__": SHARED}
 
 
 def modules() -> dict[str, str]:

@@ -47,6 +47,7 @@ the same frequencies theta^(-2i/hd). A tied HF head is unscaled: scale_tied_logi
 import argparse
 import dataclasses
 import json
+import re
 import os
 import sys
 
@@ -297,6 +298,18 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   return lines
 
 
+def _import_of(job_log_dir: str) -> str | None:
+  """The --from_hf job a job started from: its task.train.init_checkpoint_dir, or that
+  job's, and so on (a chain of stages), up to one with SOURCE_FILE."""
+  job = job_log_dir
+  for _ in range(100):  # a chain of stages; a loop of job dirs ends here
+    text = fs.join(job, "config.txt")
+    job = hf_lora.warm_start_job(fs.read_text(text)) if fs.isfile(text) else None
+    if job is None or fs.isfile(fs.join(job, SOURCE_FILE)):
+      return job
+  return None
+
+
 def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
           base_job: str | None = None) -> list[str]:
   """--to_hf: config.json and model.safetensors from the latest checkpoint of job_log_dir;
@@ -305,8 +318,9 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
   --from_hf job a LoRA job elsewhere warm-started from (default: its init_checkpoint_dir;
   its config.txt gives the adapters). Returns the files' names."""
   text = fs.join(job_log_dir, "config.txt")
+  given = base_job is not None
   if base_job is None and not fs.isfile(fs.join(job_log_dir, SOURCE_FILE)) and fs.isfile(text):
-    base_job = hf_lora.warm_start_job(fs.read_text(text))
+    base_job = _import_of(job_log_dir)
   where = f"--base_job={base_job!r}" if base_job else f"--job_log_dir={job_log_dir!r}"
   source = fs.join(base_job or job_log_dir, SOURCE_FILE)
   if not fs.isfile(source):
@@ -317,7 +331,10 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
   lora, source_cfg = src.get("lora"), src["config"]
   cfg = hf_deepseek.held(source_cfg, src["dtypes"])[0]  # a DeepSeek-V3's MTP layers as read
   if base_job is not None:
-    lora = hf_lora.job_lora(fs.read_text(text) if fs.isfile(text) else "", text)
+    config_text = fs.read_text(text) if fs.isfile(text) else ""
+    lora = (hf_lora.job_lora(config_text, text)  # a stage without LoRA: its whole params
+            if given or re.search(r"^task\.model\.lora\.rank = \d", config_text, re.M)
+            else None)
   if merge_lora and lora is None:
     raise ConfigError(f"--merge_lora: the job {job_log_dir!r} has no LoRA adapters (its "
                       f"{SOURCE_FILE} names none); drop --merge_lora to export its model.")
