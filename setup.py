@@ -24,6 +24,9 @@ setuptools.setup(
         "ml-dtypes>=0.5",
         "tokenizers>=0.15",  # an imported model's tokenizer.json (hf:PATH)
         "jinja2>=3.1.6",  # chat templates (inputs/chat_template.py); transformers' minimum
+        # Users' records (inputs/records.py): Parquet files and datasets saved to disk.
+        "pyarrow>=15",
+        "datasets>=3,<6",
         # gs:// job and data dirs (spmdtask/fs.py); google-cloud-storage: its start-up probe.
         "fsspec>=2024.6",
         "gcsfs>=2024.6",

@@ -1,5 +1,6 @@
 """GRPO experiments: `TinyLmGrpo` (a tiny LM learning to add, rewarded by the exact sum)
-after its supervised warm start `TinyLmSumSft`, and `Llama31_8B_Grpo` (LoRA) to plan."""
+after its supervised warm start `TinyLmSumSft`, `LlamaGrpoImport` (an imported model on your
+prompts data dir, with your rewards), and `Llama31_8B_Grpo` (LoRA) to plan."""
 import functools
 
 import fiddle as fdl
@@ -7,9 +8,10 @@ import optax
 
 from configs import lm
 from configs.finetune import _FineTune, llama31_8b, with_lora
-from configs.llama import LLAMA3_EOS
+from configs.llama import LLAMA3_EOS, LlamaImport
+from spmdtask.errors import ConfigError
 from spmdtask.experiment import Experiment
-from spmdtask.inputs.answers import SumPrompts, SumSft
+from spmdtask.inputs.answers import PromptData, SumPrompts, SumSft
 from spmdtask.objectives.grpo import Grpo
 from spmdtask.registry import register
 from spmdtask.task import Task
@@ -62,6 +64,56 @@ class TinyLmGrpo(TinyLmSumSft):
 
   def datasets(self) -> dict[str, fdl.Config]:
     return {"train": fdl.Config(SumPrompts, batch_size=self.batch_size)}
+
+
+def import_prompts(data_dir: str, batch_size: int, model, synthetic=None) -> PromptData:
+  """GRPO's train input for an import: the prompts data dir `data_dir` (--data_dir sets it),
+  `batch_size` prompts a step. `synthetic` holds the fields an import's model_overrides.txt
+  sets on LlamaImport's data (`datasets[...].synthetic.vocab_size`); GRPO reads none."""
+  del synthetic
+  if not data_dir:
+    raise ConfigError("datasets['train'].data_dir is empty: GRPO samples completions of your "
+                      "prompts. Pass --data_dir=DIR, a dir written by tools/prepare_prompt_data.py "
+                      "--input=PROMPTS.jsonl --tokenizer=IMPORT_DIR --output_dir=DIR.")
+  return PromptData(data_dir=data_dir, batch_size=batch_size, model=model)
+
+
+def no_eval(synthetic=None) -> None:
+  """GRPO evaluates no LM loss: an import's eval slot, kept for the `synthetic` fields its
+  model_overrides.txt sets, builds to nothing (RunConfig leaves it out)."""
+  del synthetic
+
+
+@register
+class LlamaGrpoImport(LlamaImport):
+  """GRPO on an imported model (tools/convert_hf.py --from_hf; its model_overrides.txt as
+  --flagfile, its dir as task.train.init_checkpoint_dir) over a prompts data dir
+  (--data_dir: tools/prepare_prompt_data.py): 8 prompts a step, 4 samples each (temperature
+  1, at most 64 new tokens, stopping at the data dir's stop ids: eos and the chat template's
+  end-of-turn), rewarded by `--reward` (registered names or PATH.py:FN[:WEIGHT]), KL penalty
+  0.04 against the starting point (init_checkpoint_dir), AdamW at 1e-6 (TRL's default)."""
+  batch_size = 8
+  num_train_steps = 200
+  peak_learning_rate = 1e-6
+
+  @functools.cache
+  def task(self) -> fdl.Config[Task]:
+    cfg = super().task()
+    cfg.train.num_train_steps = self.num_train_steps
+    cfg.train.learning_rate = self.peak_learning_rate
+    cfg.train.optimizer = fdl.Partial(optax.adamw, b1=0.9, b2=0.999, weight_decay=0.0)
+    cfg.train.save_interval_steps = 50
+    cfg.train.log_interval_steps = 1
+    cfg.train.summary_interval_steps = 1
+    cfg.objective = fdl.Config(Grpo, rewards=("final_answer",), num_generations=4,
+                               max_new_tokens=64, temperature=1.0, beta=0.04)
+    return cfg
+
+  def datasets(self) -> dict[str, fdl.Config]:
+    sets = super().datasets()  # LlamaImport's: model_overrides.txt sets their vocab_size
+    return {"train": fdl.Config(import_prompts, data_dir="", batch_size=self.batch_size,
+                                model=self.task().model, synthetic=sets["train"].synthetic),
+            "eval": fdl.Config(no_eval, synthetic=sets["eval"].synthetic)}
 
 
 @register

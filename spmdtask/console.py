@@ -321,3 +321,20 @@ def init_backends() -> str:
     sys.stderr.write("".join(out))
     raise
   return "".join(out)
+
+
+class Progress:
+  """A long loop's progress for a tool's console: `update(line)` prints `line()` (a
+  function, so nothing is formatted between lines) once `every_s` seconds have passed since
+  the start or the last line, as one periodic line with the time so far: 'records: 120000
+  read, 119500 kept (0:10)'. A loop shorter than `every_s` prints nothing."""
+
+  def __init__(self, every_s: float = 5.0, clock=time.monotonic):
+    self.every_s, self._clock = every_s, clock
+    self._start = self._last = clock()
+
+  def update(self, line) -> None:
+    now = self._clock()
+    if now - self._last >= self.every_s:
+      self._last = now
+      print(f"{line()} ({duration(now - self._start)})", flush=True)

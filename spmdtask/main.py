@@ -96,16 +96,21 @@ _FAMILY = flags.DEFINE_string(
 _LORA_RANK = flags.DEFINE_integer(
     "lora_rank", None, "New LoRA adapters of this rank (alpha 2 x rank) on every weight LoRA "
     "can adapt; only they train. Default: every param trains.")
+_REWARD = flags.DEFINE_multi_string(
+    "reward", None, "GRPO: a reward, NAME[:WEIGHT] (registered) or PATH.py:FN[:WEIGHT] (a "
+    "function (prompts, completions, answers) -> list[float] of your own file); repeatable, "
+    "summed with the weights (default 1). Sets task.objective.rewards and reward_weights.")
 _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered experiments, exit.")
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
-                    chat_prompts: str | None = None, start: stage_start.Start | None = None,
+                    chat_prompts: str | None = None, reward: list[str] | None = None,
+                    start: stage_start.Start | None = None,
                     lora_rank: int | None = None) -> fdl.Config:
   """The experiment's root config (a stage experiment on `start`'s family) with `data_dir`
   (--data_dir), `start`'s overrides (--init_from), `lora_rank`'s adapters, every `--fdl_set`
-  override and `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) applied,
-  in order."""
+  override, `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward`
+  (--reward, over the experiment's rewards) applied, in order."""
   start = start or stage_start.Start(None, [])
   exp = registry.get(exp_name)()
   if isinstance(exp, experiment.ForFamily):
@@ -122,6 +127,8 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
     _set(cfg, assignment)
   if chat_prompts is not None:
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
+  if reward:
+    overrides_lib.set_rewards(cfg, reward, exp_name)
   return cfg
 
 
@@ -214,7 +221,7 @@ def run(argv) -> None:
   use_cpu_devices(_CPU_DEVICES.value)
   start = stage_start.read(_INIT_FROM.value, _FAMILY.value)
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
-                        _CHAT_PROMPTS.value, start, _LORA_RANK.value)
+                        _CHAT_PROMPTS.value, _REWARD.value, start, _LORA_RANK.value)
   xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()

@@ -6,6 +6,7 @@ one; a failure while fiddle builds the config is reported by the field it was bu
 without fiddle's repr of every argument (which, for a dataset, holds the whole model).
 """
 import difflib
+import os
 import re
 import types
 import typing
@@ -153,6 +154,29 @@ def train_batch_error(error: BatchSplitError) -> ConfigError:
       f"({error.shards} shards): make it a multiple of {error.shards} (e.g. "
       f"--fdl_set=\"datasets['train'].batch_size={up}\"), or change the mesh "
       f"(task.ici_mesh_shape) or task.train.inputs_split_mapping. ({error})")
+
+
+def set_rewards(cfg: fdl.Config, values: list[str], exp: str) -> None:
+  """`--reward=NAME[:WEIGHT]` / `--reward=PATH.py:FN[:WEIGHT]` (repeatable): sets
+  task.objective.rewards (a file's path made absolute, so a resume from another dir reads
+  the same file) and reward_weights, replacing the experiment's. ConfigError where the
+  objective takes no rewards."""
+  from spmdtask.objectives import user_rewards  # pylint: disable=g-import-not-at-top
+  obj = cfg.task.objective
+  if not (isinstance(obj, fdl.Buildable) and
+          {"rewards", "reward_weights"} <= set(obj.__signature_info__.parameters)):
+    raise ConfigError(f"--reward: --exp={exp} trains no objective with rewards (its "
+                      f"task.objective is {getattr(obj, '__fn_or_cls__', obj)!r}); rewards "
+                      "score GRPO's samples, e.g. --exp=grpo.LlamaGrpoImport.")
+  names, weights = [], []
+  for value in values:
+    name, weight = user_rewards.parse_flag(value)
+    if user_rewards.is_file_spec(name):
+      path, fn = user_rewards.split_spec(name)
+      name = f"{os.path.abspath(path)}:{fn}"
+    names.append(name)
+    weights.append(weight)
+  obj.rewards, obj.reward_weights = tuple(names), tuple(weights)
 
 
 def _type_ok(value, hint) -> bool:

@@ -131,14 +131,15 @@ class DecodeParams:
     top_p: sample among the smallest set of tokens whose probability reaches
       top_p (nucleus); 1.0 = off.
     seed: sampling seed; a row's draw depends on (seed, example id, position) only.
-    eos_id: generation stops for a row after it emits this token; None = never.
+    eos_id: generation stops for a row after it emits this token, or the first of a tuple
+      of them (eos and the chat template's end-of-turn); None = never.
   """
   max_decode_len: int = 128
   temperature: float = 0.0
   top_k: int = 0
   top_p: float = 1.0
   seed: int = 0
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None
 
   def validate(self) -> None:
     """ConfigError naming the first decode field that cannot work."""
@@ -149,6 +150,12 @@ class DecodeParams:
     if isinstance(self.top_k, float):
       raise ConfigError(f"task.decode.top_k={self.top_k!r} must be an integer (0 = off).")
     checks.in_range("task.decode.top_p", self.top_p, 1e-9, 1.0, "1.0 = off.")
+    checks.stop_ids("task.decode.eos_id", self.eos_id)
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    """The tokens that end a row (eos_id as a tuple; () = none)."""
+    return checks.stop_ids("task.decode.eos_id", self.eos_id)
 
 
 XLA_FLAG_VARIABLES = {"tpu": "LIBTPU_INIT_ARGS", "gpu": "XLA_FLAGS"}
@@ -226,7 +233,12 @@ class Task:
 
 @dataclasses.dataclass
 class RunConfig:
-  """Everything `spmdtask.main` builds: the root of every `--fdl_set` path."""
+  """Everything `spmdtask.main` builds: the root of every `--fdl_set` path. A dataset built
+  as None is left out (a slot kept for the overrides that name it, e.g. an import's eval set
+  under GRPO, which evaluates nothing)."""
   task: Task
   datasets: dict[str, Any]
   decode_datasets: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    self.datasets = {k: v for k, v in self.datasets.items() if v is not None}

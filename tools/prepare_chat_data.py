@@ -1,21 +1,25 @@
-"""Turns JSONL conversations into a prepared data dir: tokens and a target mask per document.
+"""Turns conversations into a prepared data dir: tokens and a target mask per document.
 
     python tools/prepare_chat_data.py --input='/data/chats/*.jsonl' \
         --tokenizer=/models/Llama-3.1-8B-Instruct --output_dir=/data/chats_l31 --max_len=2048
 
-Each line is one conversation (`{"messages": [...]}`, roles system, user, assistant, tool)
-or a prompt/completion pair (`{"prompt": ..., "completion": ...}`, both lists of messages
-or both strings). It is rendered with the --tokenizer dir's own chat template
-(chat_template.jinja, or `chat_template` in tokenizer_config.json) as transformers renders
-it, tokenized with its tokenizer.json, and masked: the assistant turns (text and
-end-of-turn token) are targets, the rest context (spmdtask.inputs.chat). A conversation of
-more than --max_len tokens is dropped or cut (--overlong). Conversations are shuffled once
-(--seed), the first --eval_fraction become the eval split.
+--input is JSONL files (a glob), Parquet files (*.parquet) or a dir written by datasets'
+save_to_disk (spmdtask.inputs.records). Each record is one conversation (`{"messages":
+[...]}` in OpenAI's form, content parts and tool calls included, or ShareGPT's
+`{"conversations": [{"from", "value"}, ...]}`) or a prompt/completion pair (`{"prompt": ...,
+"completion": ...}`, both lists of messages or both strings). It is rendered with the
+--tokenizer dir's own chat template (chat_template.jinja, or `chat_template` in
+tokenizer_config.json) as transformers renders it, tokenized with its tokenizer.json, and
+masked: the assistant turns (text and end-of-turn token) are targets, the rest context
+(spmdtask.inputs.chat). Turns after the last assistant reply are dropped and counted. A
+conversation of more than --max_len tokens is dropped or cut (--overlong). Conversations
+are shuffled once (--seed), the first --eval_fraction become the eval split.
 
 The output dir has prepare_text_data.py's layout plus a `mask` beside each document's
-`tokens`, `chat_template.jinja`, and meta.json's "target_mask": true and "chat"
-(end_of_turn_id, template_source, special_tokens). Any bad line stops the tool (exit 2)
-before anything is written; an existing prepared dir is never overwritten.
+`tokens`, `chat_template.jinja`, and meta.json's "kind": "chat", "target_mask": true and
+"chat" (end_of_turn_id, template_source, special_tokens). Any bad record stops the tool
+(exit 2) before anything is written; a non-empty --output_dir is refused, a prepared one
+replaced only with --overwrite.
 """
 import argparse
 import json
@@ -29,23 +33,26 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   console.start_tool()
 
 # pylint: disable=wrong-import-position
-from spmdtask import fs
+from spmdtask import console, fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat, chat_template, text, tokenizers
-from tools.prepare_text_data import check_new_output_dir, split_documents, write_staged
+from spmdtask.inputs import chat, chat_template, data_dirs, records, text, tokenizers
+from tools.prepare_text_data import split_documents
 
 
-def encode_all(pattern: str, conv: chat.Chat, max_len: int, overlong: str) -> dict:
-  """Every line of the files matching `pattern` as (ids, mask), overlong ones dropped or
-  cut; ConfigError (naming FILE:LINE) for the first bad line. Returns {'docs', 'masks',
-  'dropped', 'truncated', 'no_target_after_cut'}."""
-  lines = chat.read_jsonl(pattern)
-  if not lines:
-    raise ConfigError(f"--input={pattern!r} matches no non-empty JSONL line; give files of "
-                      'one conversation a line ({"messages": [...]}).')
-  out = {"docs": [], "masks": [], "dropped": 0, "truncated": 0, "no_target_after_cut": 0}
-  for where, line in lines:
-    ids, mask = chat.parse(line, where).encode(conv, where)
+def encode_all(source: str, conv: chat.Chat, max_len: int, overlong: str) -> dict:
+  """Every record of `source` (records.read) as (ids, mask), overlong ones dropped or cut;
+  ConfigError (naming FILE:LINE or FILE:row N) for the first bad record. Returns {'docs',
+  'masks', 'read', 'trailing', 'dropped', 'truncated', 'no_target_after_cut'}."""
+  out = {"docs": [], "masks": [], "read": 0, "trailing": 0, "dropped": 0, "truncated": 0,
+         "no_target_after_cut": 0}
+  progress = console.Progress()
+  for where, record in records.read(source):
+    out["read"] += 1
+    progress.update(lambda: f"prepare_chat_data: {out['read']} records read, "
+                    f"{len(out['docs'])} kept")
+    example = chat.example(record, where)
+    out["trailing"] += example.trailing > 0
+    ids, mask = example.encode(conv, where)
     if len(ids) > max_len:
       if overlong == "drop":
         out["dropped"] += 1
@@ -57,15 +64,18 @@ def encode_all(pattern: str, conv: chat.Chat, max_len: int, overlong: str) -> di
         continue
     out["docs"].append(ids.tolist())
     out["masks"].append(mask.tolist())
+  if not out["read"]:
+    raise ConfigError(f"--input={source!r} holds no record; give conversations, one a "
+                      'line ({"messages": [...]}) or a row.')
   return out
 
 
 def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int, overlong: str = "drop",
             eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0,
-            end_of_turn_token: str | None = None) -> dict:
+            end_of_turn_token: str | None = None, overwrite: bool = False) -> dict:
   """Writes the data dir (local, or gs:// through a local stage); returns meta.json's
   contents. Everything is read and checked before the first file is written."""
-  check_new_output_dir(output_dir)
+  data_dirs.check_output_dir(output_dir, overwrite)
   if max_len < 2:
     raise ConfigError(f"--max_len={max_len}: a conversation needs at least 2 tokens; give "
                       "the row length you will train with (e.g. --max_len=2048).")
@@ -75,8 +85,9 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int, overlon
     raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs'])} conversation(s) after "
                       f"--max_len={max_len} (--overlong={overlong}); a train and an eval split "
                       "need at least 2. Raise --max_len or add conversations.")
-  return write_staged(output_dir, lambda local: _write(
-      local, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction, num_shards, seed))
+  return data_dirs.write(output_dir, lambda local: _write(
+      local, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction, num_shards, seed),
+                         overwrite)
 
 
 def _write(output_dir, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction,
@@ -90,8 +101,9 @@ def _write(output_dir, enc, conv, pattern, model_dir, max_len, overlong, eval_fr
     splits[name] = {"files": files, "num_documents": len(docs),
                     "num_tokens": int(sum(map(len, docs))),
                     "num_target_tokens": int(sum(sum(m[1:]) for m in masks))}
-  meta = {**write_chat_files(output_dir, conv, model_dir),
+  meta = {**write_chat_files(output_dir, conv, model_dir), "kind": "chat",
           "input": pattern, "seed": seed, "eval_fraction": eval_fraction, "splits": splits,
+          "records": enc["read"], "trailing_turns_dropped": enc["trailing"],
           "max_len": max_len, "overlong": overlong, "dropped": enc["dropped"],
           "truncated": enc["truncated"], "no_target_after_cut": enc["no_target_after_cut"]}
   with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
@@ -113,15 +125,25 @@ def write_chat_files(output_dir: str, conv: chat.Chat, model_dir: str) -> dict:
                    "special_tokens": conv.template.special_tokens}}
 
 
-def train_command(output_dir: str, meta: dict) -> str:
-  """A command that trains on `output_dir` (masked rows) and stops decoding at the end of
-  an assistant turn, as a shell runs it from any dir."""
-  data_dir = output_dir if "://" in output_dir else os.path.abspath(output_dir)
-  job = data_dir.rstrip("/") + "_sft"
-  return " ".join(["python -m spmdtask.main --exp=lm.TinyLmSft",
-                   f"--job_log_dir={shlex.quote(job)}", f"--data_dir={shlex.quote(data_dir)}",
-                   f"--fdl_set=task.model.vocab_size={meta['vocab_size']}",
-                   f"--fdl_set=task.decode.eos_id={meta['chat']['end_of_turn_id']}"])
+IMPORT_FILE = "model_overrides.txt"  # what tools/convert_hf.py --from_hf writes in a job dir
+
+
+def stage_command(stage: str, output_dir: str, model_dir: str, suffix: str) -> list[str]:
+  """The lines that continue the user's model with `stage` (stages.Sft, stages.Dpo) on
+  `output_dir`, as a shell runs them from any dir: --init_from is `model_dir` where it is an
+  import's job dir (tools/convert_hf.py --from_hf), else a placeholder and how to make it."""
+  absolute = lambda d: d if "://" in d else os.path.abspath(d)
+  data_dir = absolute(output_dir)
+  is_import = fs.isfile(fs.join(model_dir, IMPORT_FILE))
+  start = shlex.quote(absolute(model_dir)) if is_import else "IMPORT_DIR"
+  lines = [" ".join([f"python -m spmdtask.main --exp={stage}",
+                     f"--job_log_dir={shlex.quote(data_dir.rstrip('/') + suffix)}",
+                     f"--init_from={start}", f"--data_dir={shlex.quote(data_dir)}"])]
+  if not is_import:
+    lines.append("(IMPORT_DIR: your model's job dir, from python tools/convert_hf.py "
+                 f"--from_hf={shlex.quote(absolute(model_dir))} --job_log_dir=IMPORT_DIR, or "
+                 "the job dir of the stage before)")
+  return lines
 
 
 def report(output_dir: str, meta: dict) -> str:
@@ -130,14 +152,18 @@ def report(output_dir: str, meta: dict) -> str:
   cut = (f"; {meta['truncated']} cut to {meta['max_len']} tokens"
          + (f" ({meta['no_target_after_cut']} of them left without a target: dropped)"
             if meta["no_target_after_cut"] else "")) if meta["truncated"] else ""
-  return (f"{output_dir}: vocab_size={meta['vocab_size']}, end_of_turn_id="
-          f"{meta['chat']['end_of_turn_id']}; {counts}; {meta['dropped']} conversations "
-          f"over --max_len={meta['max_len']} dropped{cut}")
+  return (f"{output_dir}: {meta['records']} conversations read; vocab_size="
+          f"{meta['vocab_size']}, end_of_turn_id={meta['chat']['end_of_turn_id']}; {counts}; "
+          f"{meta['trailing_turns_dropped']} ended with turns after the last assistant reply "
+          f"(those turns dropped); {meta['dropped']} over --max_len={meta['max_len']} "
+          f"dropped{cut}")
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
-  parser.add_argument("--input", required=True, help="glob of JSONL files, a conversation a line")
+  parser.add_argument("--input", required=True,
+                      help="JSONL files (a glob; a conversation a line), Parquet files "
+                      "(*.parquet) or a dir written by datasets' save_to_disk")
   parser.add_argument("--tokenizer", required=True,
                       help="a Hugging Face model dir: tokenizer.json and its chat template "
                       "(chat_template.jinja or tokenizer_config.json's chat_template)")
@@ -151,15 +177,19 @@ def main(argv=None):
   parser.add_argument("--eval_fraction", type=float, default=0.05)
   parser.add_argument("--num_shards", type=int, default=4, help="train shards")
   parser.add_argument("--seed", type=int, default=0, help="conversation shuffle seed")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace a prepared data dir at --output_dir")
   args = parser.parse_args(argv)
   try:
     meta = prepare(args.input, args.tokenizer, args.output_dir, args.max_len, args.overlong,
-                   args.eval_fraction, args.num_shards, args.seed, args.end_of_turn_token)
+                   args.eval_fraction, args.num_shards, args.seed, args.end_of_turn_token,
+                   args.overwrite)
   except ConfigError as e:
     print(f"prepare_chat_data: config error: {e}", file=sys.stderr)
     sys.exit(2)
   print(report(args.output_dir, meta))
-  print("Train on it:\n  " + train_command(args.output_dir, meta))
+  print("Fine-tune your model on it:\n  " + "\n  ".join(
+      stage_command("stages.Sft", args.output_dir, args.tokenizer, "_sft")))
 
 
 if __name__ == "__main__":

@@ -5,15 +5,16 @@
     python tools/prepare_text_data.py --input='/data/books/*.txt' --output_dir=/data/books_l32 \
         --tokenizer=hf:/models/Llama-3.2-1B/tokenizer.json
 
-Each input file is one document. Documents are shuffled once (--seed), the first
---eval_fraction of them become the eval split, the rest train. Every document is
-tokenized whole and closed by the end-of-document id. With --tokenizer=sentencepiece a
+Each input file is one document (UTF-8; another encoding is refused, naming FILE:LINE).
+Documents are shuffled once (--seed), the first --eval_fraction of them become the eval
+split, the rest train. Every document is tokenized whole and closed by the end-of-document id. With --tokenizer=sentencepiece a
 BPE model is trained (offline) on the train documents' lines with --vocab_size; with
 --tokenizer=hf:PATH a Hugging Face tokenizer.json (an imported model's own) is used as is,
 its end-of-document id the --eod_token's, else the eos_token of the tokenizer_config.json
 beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
 `*_index.npz`, the tokenizer (`tokenizer.model` or `tokenizer.json`; none for bytes) and
-`meta.json` (see spmdtask.inputs.tokenizers).
+`meta.json` (see spmdtask.inputs.tokenizers). A non-empty --output_dir is refused; a
+prepared one is replaced only with --overwrite (spmdtask.inputs.data_dirs).
 Train on it with `--exp=lm.TextLm` (docs/data.md).
 """
 import argparse
@@ -34,19 +35,19 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 # pylint: disable=wrong-import-position
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import text, tokenizers
+from spmdtask.inputs import data_dirs, records, text, tokenizers
 
 
 DEFAULT_VOCAB = 4096  # SentencePiece's --vocab_size when none is given
 
 
 def read_documents(pattern: str) -> tuple[list[str], list[str]]:
-  """(paths, texts) of the non-empty files matching `pattern`, in sorted path order."""
+  """(paths, texts) of the non-empty files matching `pattern`, in sorted path order; a file
+  that is not UTF-8 is a ConfigError naming FILE:LINE."""
   paths, texts = [], []
   for path in fs.glob(pattern):
     if fs.isfile(path):
-      with fs.open(path, "r", encoding="utf-8", errors="replace") as f:
-        content = f.read()
+      content = records.text(path)
       if content:
         paths.append(path)
         texts.append(content)
@@ -101,37 +102,17 @@ def make_tokenizer(kind: str, train_texts: list[str], output_dir: str, vocab_siz
 
 def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = None,
             eval_fraction: float = 0.05, num_shards: int = 4, seed: int = 0,
-            eod_token: str | None = None) -> dict:
+            eod_token: str | None = None, overwrite: bool = False) -> dict:
   """Writes the data dir (local, or gs://: written locally, uploaded, the local copy
-  deleted); returns its meta.json contents."""
+  deleted); returns its meta.json contents. Everything is read and checked first."""
+  data_dirs.check_output_dir(output_dir, overwrite)
   paths, texts = read_documents(pattern)
   if len(texts) < 2:
-    raise SystemExit(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train and "
-                     "an eval split need at least 2 documents.")
-  return write_staged(output_dir, lambda local: _write(
+    raise ConfigError(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train "
+                      "and an eval split need at least 2 documents (one a file).")
+  return data_dirs.write(output_dir, lambda local: _write(
       local, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards, seed,
-      eod_token))
-
-
-def check_new_output_dir(output_dir: str) -> None:
-  """ConfigError where `output_dir` already holds a prepared data dir (never overwritten)."""
-  if fs.isfile(fs.join(output_dir, tokenizers.META_FILE)):
-    raise ConfigError(f"--output_dir={output_dir!r} already holds a prepared data dir "
-                      f"({tokenizers.META_FILE}); give a new dir, or delete that one first.")
-
-
-def write_staged(output_dir: str, write) -> dict:
-  """`write(local_dir)` into `output_dir` (a gs:// dir: written locally, uploaded, the local
-  copy deleted; nothing uploaded when it fails); returns what `write` returns."""
-  fs.check_reachable(output_dir, "--output_dir")
-  staged = fs.Staged(output_dir, "spmdtask_data_")
-  try:
-    meta = write(staged.local)
-  except BaseException:
-    staged.close(upload=False)
-    raise
-  staged.close()
-  return meta
+      eod_token), overwrite)
 
 
 def _write(output_dir, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards,
@@ -148,7 +129,8 @@ def _write(output_dir, paths, texts, pattern, kind, vocab_size, eval_fraction, n
                     "num_tokens": int(sum(len(d) for d in docs)),
                     "sources": [os.path.relpath(paths[i], os.path.dirname(pattern) or ".")
                                 for i in ids]}
-  meta = {"tokenizer": tok.kind, "vocab_size": tok.vocab_size, "eod_id": tok.eod_id,
+  meta = {"kind": "text", "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
+          "eod_id": tok.eod_id,
           "input": pattern, "seed": seed, "eval_fraction": eval_fraction, "splits": splits}
   with open(os.path.join(output_dir, tokenizers.META_FILE), "w") as f:
     json.dump(meta, f, indent=1)
@@ -164,7 +146,7 @@ def train_command(output_dir: str, meta: dict) -> str:
                    f"--fdl_set=task.model.vocab_size={meta['vocab_size']}"])
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("--input", required=True, help="glob of text files, one document each")
   parser.add_argument("--output_dir", required=True)
@@ -179,14 +161,17 @@ def main():
   parser.add_argument("--eval_fraction", type=float, default=0.05)
   parser.add_argument("--num_shards", type=int, default=4, help="train shards")
   parser.add_argument("--seed", type=int, default=0, help="document shuffle seed")
-  args = parser.parse_args()
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace a prepared data dir at --output_dir")
+  args = parser.parse_args(argv)
   if args.tokenizer not in ("bytes", "sentencepiece") and not args.tokenizer.startswith("hf:"):
     parser.error(f"--tokenizer={args.tokenizer!r}: use bytes, sentencepiece or hf:PATH.")
   if args.vocab_size is not None and args.tokenizer != "sentencepiece":
     parser.error("--vocab_size is for --tokenizer=sentencepiece (the others fix their own).")
   try:
     meta = prepare(args.input, args.output_dir, args.tokenizer, args.vocab_size,
-                   args.eval_fraction, args.num_shards, args.seed, args.eod_token)
+                   args.eval_fraction, args.num_shards, args.seed, args.eod_token,
+                   args.overwrite)
   except ConfigError as e:
     print(f"prepare_text_data: config error: {e}", file=sys.stderr)
     sys.exit(2)

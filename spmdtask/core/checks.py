@@ -32,3 +32,13 @@ def dtype(field: str, value: str) -> None:
     ok = False
   if not ok:
     raise ConfigError(f"{field}={value!r} is not a floating dtype; use 'float32' or 'bfloat16'.")
+
+
+def stop_ids(field: str, value) -> tuple[int, ...]:
+  """A stop-token field (None, one id, or a tuple of ids) as a tuple of ids; () = none."""
+  ids = () if value is None else (value,) if isinstance(value, int) else value
+  if (isinstance(value, bool) or not isinstance(ids, (tuple, list))
+      or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+    raise ConfigError(f"{field}={value!r} must be None, a token id or a tuple of token ids "
+                      "(e.g. (128001, 128009): generation stops at the first of them).")
+  return tuple(ids)

@@ -1,37 +1,65 @@
-"""Prompts with a reference answer, for GRPO: a JSONL file, or synthetic sums.
+"""Prompts with a reference answer, for GRPO: a prompts data dir (`PromptData`), a JSONL
+file (`AnswerPrompts`), or synthetic sums.
 
-A JSONL line is one example: `{"prompt": P, "answer": A}`, P a string (encoded as is by
-`tokenizer`, as TRL takes a plain prompt) or a list of messages (rendered with the chat
-template of `data_dir`, a dir of tools/prepare_chat_data.py, generation prompt on); A a
-string or a number (what the rewards compare against).
+AnswerPrompts' JSONL line is one example: `{"prompt": P, "answer": A}`, P a string (encoded
+as is by `tokenizer`, as TRL takes a plain prompt) or a list of messages (rendered with the
+chat template of `data_dir`, a dir of tools/prepare_chat_data.py, generation prompt on); A a
+string or a number (what the rewards compare against). A prompts data dir renders both
+kinds with the model's template when prepared (`inputs.prompt_data`).
 
 Batches are decode batches (`spmdtask.inputs.prompts.prompt_batch`) plus the answers:
-`{'prompts' [b, prompt_len] int32, 'prompt_lens' [b], 'ids' [b], 'answers' [b] str}`;
+`{'prompts' [b, prompt_len] int32, 'prompt_lens' [b], 'ids' [b], 'answers' [b] object}`;
 each process reads its rows of every batch; the input repeats (epoch after epoch).
 `tokenizer.decode` gives the rewards the prompts' and completions' text.
 """
 import dataclasses
-import json
 
 import numpy as np
 
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat, tokenizers
+from spmdtask.inputs import chat, prompt_data, records, tokenizers
 from spmdtask.inputs.prompts import prompt_batch
 from spmdtask.core.host_input import StepIndexedInput
 
 
 class _AnswerRows(StepIndexedInput):
-  """Rows `token_ids[i]` with `answers[i]`, repeated over epochs."""
+  """Rows `token_ids[i]` with `answers[i]`, repeated over epochs; `stop_ids` end a completion
+  (where the objective names none)."""
   token_ids: list
   answers: list
+  stop_ids: tuple[int, ...] = ()
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     rows = self.local_rows(step)
     examples = rows % len(self.token_ids)
     batch = prompt_batch(rows, [self.token_ids[int(e)] for e in examples], self.prompt_len)
-    batch["answers"] = np.array([self.answers[int(e)] for e in examples], dtype=np.str_)
+    batch["answers"] = np.empty(len(examples), object)  # any JSON value, as the rewards get it
+    batch["answers"][:] = [self.answers[int(e)] for e in examples]
     return batch
+
+
+@dataclasses.dataclass
+class PromptData(_AnswerRows):
+  """A prompts data dir (tools/prepare_prompt_data.py; `--data_dir` sets `data_dir`): its
+  prompts, rendered with the model's chat template, in file order, repeated; each answer any
+  JSON value; `stop_ids` from its meta.json (eos and the template's end-of-turn). `model`
+  (share task.model's config): its vocab_size must be the data's."""
+  data_dir: str = ""
+  batch_size: int = 8
+  model: object | None = None
+  process_index: int | None = None
+  process_count: int | None = None
+
+  def __post_init__(self):
+    field = "datasets['train'].data_dir"
+    self.token_ids, self.answers, meta = prompt_data.read(self.data_dir, field)
+    if self.model is not None:
+      tokenizers.check_vocab(meta, self.model.vocab_size, self.data_dir)
+    # special tokens kept: the rewards read the prompt as the template rendered it
+    self.tokenizer = tokenizers.load(self.data_dir, meta, field).with_special_tokens()
+    self.stop_ids = tuple(meta["stop_ids"])
+    self.num_examples = None  # repeats
+    self.prompt_len = max(map(len, self.token_ids))
 
 
 @dataclasses.dataclass
@@ -53,42 +81,39 @@ class AnswerPrompts(_AnswerRows):
       meta = tokenizers.read_meta(self.data_dir, f"{field}.data_dir")
       conv = chat.Chat.from_data_dir(self.data_dir, meta, f"{field}.data_dir")
       self.tokenizer = conv.tokenizer.with_special_tokens()
+      self.stop_ids = tuple(dict.fromkeys(
+          i for i in (conv.end_of_turn_id, conv.eos_id) if i is not None))
     elif isinstance(self.tokenizer, str):
       self.tokenizer = tokenizers.from_spec(self.tokenizer, field=f"{field}.tokenizer")
     if self.tokenizer is None:
       raise ConfigError(f"{field}.tokenizer is None: GRPO's rewards read text. Name the "
                         "tokenizer ('bytes', 'hf:PATH/tokenizer.json') or a chat data_dir.")
-    lines = chat.read_jsonl(self.path) if self.path else []
-    if not lines:
-      raise ConfigError(f"{field}.path={self.path!r} holds no example; give a JSONL file of "
-                        '{"prompt": ..., "answer": ...} a line.')
     self.token_ids, self.answers = [], []
-    for where, line in lines:
-      prompt, answer = _parse(line, where)
+    for where, record in records.read(self.path, f"{field}.path") if self.path else ():
+      prompt, answer = _parse(record, where)
       if isinstance(prompt, list):
         if conv is None:
           raise ConfigError(f"{where}the prompt is a list of messages, which needs a chat "
                             f"template: set {field}.data_dir to a prepared chat data dir "
                             "(tools/prepare_chat_data.py), or give the prompt as a string.")
-        ids = conv.prompt_ids(chat.parse_prompt(json.dumps({"messages": prompt}), where), where)
+        ids = conv.prompt_ids(chat.prompt_messages({"messages": prompt}, where), where)
       else:
         ids = list(self.tokenizer.encode(prompt))
       if not ids:
         raise ConfigError(f"{where}the prompt is empty; give a non-empty prompt.")
       self.token_ids.append(ids)
       self.answers.append(answer)
+    if not self.token_ids:
+      raise ConfigError(f"{field}.path={self.path!r} holds no example; give a JSONL file of "
+                        '{"prompt": ..., "answer": ...} a line.')
     self.num_examples = None  # repeats
     self.prompt_len = max(map(len, self.token_ids))
 
 
-def _parse(line: str, where: str):
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
-  if not isinstance(record, dict) or "prompt" not in record or "answer" not in record:
+def _parse(record: dict, where: str):
+  if "prompt" not in record or "answer" not in record:
     raise ConfigError(f'{where}needs "prompt" (a string or a list of messages) and "answer"; '
-                      f"it has {sorted(record) if isinstance(record, dict) else 'no object'}.")
+                      f"it has {sorted(record)}.")
   prompt = record["prompt"]
   if not isinstance(prompt, (str, list)):
     raise ConfigError(f'{where}"prompt" is a {type(prompt).__name__}; give a string or a list '

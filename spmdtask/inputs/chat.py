@@ -1,13 +1,18 @@
 """Conversations -> token ids and a target mask, with the model's own chat template.
 
-A JSONL line is one example:
-  {"messages": [{"role": ..., "content": ...}, ...]}    roles system, user, assistant, tool;
-                                     optional "tools": function schemas the template shows
+A record (`records.read`: a JSONL line, a Parquet or datasets row) is one example:
+  {"messages": [...]}                OpenAI messages, or ShareGPT's {"conversations": [{"from",
+                                     "value"}, ...]}, in any form `conversation.normalize`
+                                     takes (content parts, tool calls); optional "tools":
+                                     function schemas the template shows
   {"prompt": P, "completion": C}     both lists of messages (the prompt's turns are context,
                                      the completion's assistant turns targets), or both
                                      strings (plain text as TRL takes it: the tokenizer's
                                      own special tokens, closed by eos; the completion and
                                      eos are targets)
+Turns after the last assistant message teach nothing: they are dropped and counted
+(`Example.trailing`), as TRL drops them. A template that leaves out a conversation's tool
+calls or tool results, or writes a null content as 'None', is refused for it.
 
 mask[i] = 1 when token i is a target (predicted from token i-1). Targets are each assistant
 message's text and its end-of-turn token; system, user and tool turns and the generation
@@ -31,9 +36,8 @@ import numpy as np
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat_template, tokenizers
+from spmdtask.inputs import chat_template, conversation, tokenizers
 
-ROLES = ("system", "user", "assistant", "tool")
 _PROBE = "Zq7 probe reply"
 
 
@@ -125,6 +129,7 @@ class Chat:
     naming `where` (e.g. 'FILE:LINE: ')."""
     render = functools.partial(self.template.render, where=where, tools=tools)
     full = render(messages)
+    self._check_shown(messages, full.text, where, tools)
     if self.template.has_generation_blocks:
       enc = self.tokenizer.encoding(full.text)
       spans = full.spans
@@ -190,7 +195,59 @@ class Chat:
   def prompt_ids(self, messages: list[dict], where: str = "",
                  tools: list | None = None) -> list[int]:
     """Decode prompt: the conversation rendered with the generation prompt."""
+    self._check_shown(messages, self.template.render(messages, False, where, tools).text,
+                      where, tools)
     return self.ids(self.template.render(messages, True, where, tools).text)
+
+  def _check_shown(self, messages: list[dict], text: str, where: str, tools=None) -> None:
+    """ConfigError where the template renders `messages` (as `text`) the same without their
+    tool calls, or without their tool results' content, or writes a null content as the
+    text 'None': trained on, the model would learn replies without what they depend on, or
+    the word None."""
+    calls = [k for k, m in enumerate(messages) if m.get("tool_calls")]
+    results = [k for k, m in enumerate(messages) if m["role"] == "tool" and m["content"]]
+    if calls and self._renders_same(text, tools, [
+        {k: v for k, v in m.items() if k != "tool_calls"} | {"content": m["content"] or ""}
+        for m in messages]):
+      k = calls[0]
+      raise ConfigError(
+          f"{where}the chat template {self.template.origin} does not show assistant tool "
+          f"calls (message {k}'s call of {messages[k]['tool_calls'][0]['function']['name']!r} "
+          "leaves its rendering unchanged), so the model would learn replies without the "
+          "calls they make. Use the model's own tool-calling template (chat_template.jinja "
+          "beside tokenizer.json), or drop the conversation.")
+    if results and self._renders_same(text, tools, [
+        m | {"content": ""} if m["role"] == "tool" else m for m in messages]):
+      raise ConfigError(
+          f"{where}the chat template {self.template.origin} does not show tool results "
+          f"(message {results[0]}'s content leaves its rendering unchanged), so the model "
+          "would learn replies without the results they read. Use the model's own "
+          "tool-calling template, or drop the conversation.")
+    for k, m in enumerate(messages):
+      if m["content"] is None and self._writes_null:
+        raise ConfigError(
+            f"{where}message {k} has content null, which the chat template "
+            f"{self.template.origin} writes as the text 'None'; give its content as \"\" "
+            "(an assistant turn that only calls tools).")
+
+  def _renders_same(self, text: str, tools, variant: list[dict]) -> bool:
+    try:
+      return self.template.render(variant, tools=tools).text == text
+    except ConfigError:  # the template reacts to what was taken out
+      return False
+
+  @functools.cached_property
+  def _writes_null(self) -> bool:
+    """Whether the template renders an assistant's null content (beside a tool call) as
+    the text 'None' (a template that refuses the probe is asked again by the real turn)."""
+    call = {"type": "function", "function": {"name": "zq7_probe", "arguments": "{}"}}
+    try:
+      text = self.template.render([{"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": None,
+                                    "tool_calls": [call]}]).text
+    except ConfigError:
+      return False
+    return "None" in text
 
 
 def _span_mask(enc, spans) -> np.ndarray:
@@ -208,12 +265,14 @@ def _span_mask(enc, spans) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-  """One JSONL line: a conversation (`first_target`: messages before it are a pair's prompt;
-  `tools`: the function schemas it may call), or a plain-text pair (`text_pair`)."""
+  """One record: a conversation (`first_target`: messages before it are a pair's prompt;
+  `tools`: the function schemas it may call; `trailing`: messages dropped after its last
+  assistant turn), or a plain-text pair (`text_pair`)."""
   messages: tuple = ()
   first_target: int = 0
   text_pair: tuple[str, str] | None = None
   tools: tuple | None = None
+  trailing: int = 0
 
   def encode(self, chat: Chat, where: str = "") -> tuple[np.ndarray, np.ndarray]:
     if self.text_pair is not None:
@@ -222,70 +281,53 @@ class Example:
                        None if self.tools is None else list(self.tools))
 
 
-def _messages(value, where: str, what: str) -> list[dict]:
-  if not isinstance(value, list) or not value:
-    raise ConfigError(f"{where}{what} is not a non-empty list of messages; write "
-                      '[{"role": "user", "content": "..."}, ...].')
-  for i, m in enumerate(value):
-    role = m.get("role") if isinstance(m, dict) else None
-    if role not in ROLES:
-      raise ConfigError(f"{where}message {i} of {what} has role {role!r}; roles are "
-                        f"{', '.join(ROLES)}. Fix the message (or rename the role).")
-  return value
+def example(record: dict, where: str) -> Example:
+  """The `Example` of one record (a dict of `records.read`); ConfigError naming `where`.
 
-
-def parse(line: str, where: str) -> Example:
-  """An `Example` of one JSONL line; ConfigError naming `where` ('FILE:LINE: ')."""
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
-  if isinstance(record, dict) and "messages" in record:
-    messages = _messages(record["messages"], where, "messages")
-    first = 0
-  elif isinstance(record, dict) and {"prompt", "completion"} <= set(record):
+  Messages after the last assistant turn (e.g. a closing user turn) teach nothing: they are
+  dropped, and `Example.trailing` counts them (the prepare tools report how many)."""
+  turns, first = conversation.of_record(record, where), 0
+  if turns is None and {"prompt", "completion"} <= set(record):
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, str) and isinstance(completion, str):
       return Example(text_pair=(prompt, completion))
-    messages = (_messages(prompt, where, "prompt") +
-                _messages(completion, where, "completion"))
+    turns = (conversation.normalize(prompt, where, "prompt") +
+             conversation.normalize(completion, where, "completion"))
     first = len(prompt)
-  else:
-    raise ConfigError(f"{where}has neither 'messages' nor 'prompt' and 'completion'; write "
-                      '{"messages": [...]} or {"prompt": ..., "completion": ...}.')
-  if not any(m["role"] == "assistant" for m in messages[first:]):
+  elif turns is None:
+    raise ConfigError(f"{where}has neither 'messages' (or ShareGPT's 'conversations') nor "
+                      "'prompt' and 'completion'; write {\"messages\": [...]} or "
+                      "{\"prompt\": ..., \"completion\": ...}.")
+  replies = [i for i, m in enumerate(turns) if i >= first and m["role"] == "assistant"]
+  if not replies:
     raise ConfigError(f"{where}has no assistant turn{' in its completion' if first else ''}, so "
                       "nothing to learn; add the assistant's reply or drop the line.")
+  return Example(tuple(turns[:replies[-1] + 1]), first, tools=_tools(record, where),
+                 trailing=len(turns) - replies[-1] - 1)
+
+
+def _tools(record: dict, where: str) -> tuple | None:
+  """A record's function schemas: a list, or that list as a JSON string (as Parquet and
+  datasets often store them)."""
   tools = record.get("tools")
+  if isinstance(tools, str):
+    try:
+      tools = json.loads(tools)
+    except json.JSONDecodeError:
+      pass  # refused below, as a string
   if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict)
                                                                for t in tools)):
     raise ConfigError(f"{where}'tools' is not a list of function schemas (JSON objects); "
                       "write [{\"type\": \"function\", \"function\": {...}}, ...] or drop it.")
-  return Example(tuple(messages), first, tools=None if tools is None else tuple(tools))
+  return None if tools is None else tuple(tools)
 
 
-def parse_prompt(line: str, where: str) -> list[dict]:
+def prompt_messages(record: dict, where: str) -> list[dict]:
   """A decode prompt's messages: `{"messages": [...]}` (or `{"prompt": [...]}`) whose last
   message is not the assistant's (the model writes the next assistant turn)."""
-  try:
-    record = json.loads(line)
-  except json.JSONDecodeError as e:
-    raise ConfigError(f"{where}is not JSON ({e.msg}); write one JSON object a line.") from None
-  key = next((k for k in ("messages", "prompt") if isinstance(record, dict) and k in record),
-             "messages")
-  messages = _messages(record.get(key) if isinstance(record, dict) else None, where, key)
-  if messages[-1]["role"] == "assistant":
+  key = next((k for k in ("messages", "prompt") if k in record), "messages")
+  turns = conversation.normalize(record.get(key), where, key)
+  if turns[-1]["role"] == "assistant":
     raise ConfigError(f"{where}ends with an assistant message; a decode prompt ends where the "
                       "assistant is to answer (drop the last message).")
-  return messages
-
-
-def read_jsonl(pattern: str) -> list[tuple[str, str]]:
-  """(where, line) of each non-empty line of the files matching `pattern`, in path order;
-  where is 'PATH:LINE: '."""
-  out = []
-  for path in fs.glob(pattern):
-    for n, line in enumerate(fs.read_text(path).splitlines(), 1):
-      if line.strip():
-        out.append((f"{path}:{n}: ", line))
-  return out
+  return turns

@@ -18,7 +18,7 @@ from spmdtask import fs
 from spmdtask.core.host_input import StepIndexedInput
 from spmdtask.core.objective import Objective, Reference
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import tokenizers
+from spmdtask.inputs import data_dirs, tokenizers
 from spmdtask.inputs.text import DocumentReader
 
 FIELD = "datasets[...].data_dir"
@@ -73,10 +73,8 @@ class PreferenceInput(StepIndexedInput):
   def __post_init__(self):
     self._reader = DocumentReader(self.data_dir, self.split, FIELD)
     meta = self._reader.meta
-    if not meta.get("preferences"):
-      raise ConfigError(f"{FIELD}={self.data_dir!r} holds no preference pairs (its meta.json "
-                        "has no \"preferences\": true); prepare them with "
-                        "tools/prepare_pref_data.py.")
+    data_dirs.check_kind(meta, self.data_dir, FIELD, ("preferences",),
+                         " (each pair a chosen and a rejected answer)")
     if self.model is not None:
       tokenizers.check_vocab(meta, self.model.vocab_size, self.data_dir)
     longest = int(self._reader.lengths.max())

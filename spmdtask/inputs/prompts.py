@@ -7,7 +7,7 @@ import numpy as np
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat, tokenizers
+from spmdtask.inputs import chat, records, tokenizers
 from spmdtask.core.host_input import StepIndexedInput
 
 
@@ -113,12 +113,12 @@ class ChatPromptInput(StepIndexedInput):
     if not self.prompts_file or not fs.glob(self.prompts_file):
       raise ConfigError(f"decode_datasets[...].prompts_file={self.prompts_file!r} names no "
                         'file; give a JSONL file of {"messages": [...]} a line.')
-    lines = chat.read_jsonl(self.prompts_file)
-    if not lines:
+    self.token_ids = [conv.prompt_ids(chat.prompt_messages(record, where), where)
+                      for where, record in records.read(
+                          self.prompts_file, "decode_datasets[...].prompts_file")]
+    if not self.token_ids:
       raise ConfigError(f"decode_datasets[...].prompts_file={self.prompts_file!r} holds no "
                         'conversation; write {"messages": [...]} a line.')
-    self.token_ids = [conv.prompt_ids(chat.parse_prompt(line, where), where)
-                      for where, line in lines]
     self.num_examples = len(self.token_ids)
     self.prompt_len = max(map(len, self.token_ids))
 

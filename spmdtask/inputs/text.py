@@ -25,7 +25,7 @@ from absl import logging
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import packing, prompts, tokenizers
+from spmdtask.inputs import data_dirs, packing, prompts, tokenizers
 from spmdtask.core.host_input import StepIndexedInput
 from spmdtask.inputs.tfdata import tensorflow, write_records
 
@@ -159,6 +159,9 @@ class PackedLmInput(StepIndexedInput):
 
   def __post_init__(self):
     self._reader = DocumentReader(self.data_dir, self.split, "datasets[...].data_dir")
+    data_dirs.check_kind(self._reader.meta, self.data_dir, "datasets[...].data_dir",
+                         ("chat", "text"), " (packed as documents, a pair's rejected answer "
+                         "would be learned like its chosen one)")
     if self.model is not None:
       tokenizers.check_vocab(self._reader.meta, self.model.vocab_size, self.data_dir)
     self.target_mask = self._reader.with_masks  # weights mark target tokens only

@@ -22,7 +22,7 @@ from spmdtask.core import checks, train_state
 from spmdtask.core.model import ScoresTokens, Weighted
 from spmdtask.core.objective import TARGET_TOKENS, Reference
 from spmdtask.errors import ConfigError
-from spmdtask.objectives import grpo_loss, rewards
+from spmdtask.objectives import grpo_loss, rewards, user_rewards
 
 MODEL_KEYS = ("inputs", "targets", "weights")
 ADVANTAGES, OLD_LOGP = "advantages", "old_logp"
@@ -33,13 +33,17 @@ class Grpo:
   """GRPO's fields (names and defaults as TRL's GRPOConfig where it has them).
 
   Attributes:
-    rewards: names of registered reward functions (`spmdtask.objectives.rewards`), summed.
-    reward_weights: one weight per reward; None = all 1.
+    rewards: registered reward names (`spmdtask.objectives.rewards`) or functions of your
+      own files, `PATH.py:FN` (`spmdtask.objectives.user_rewards`; --reward sets both
+      fields), summed with their weights.
+    reward_weights: one weight per reward (TRL's reward_weights); None = all 1.
     num_generations: G, completions sampled per prompt (>= 2: advantages compare a group).
     max_new_tokens: the longest completion (TRL's max_completion_length); prompt length +
       max_new_tokens must fit task.model.max_seq_len.
     temperature, top_p, top_k: sampling (top_k 0 = off); temperature 0 = greedy.
-    eos_id: the token that ends a completion (included in it); None = run to max_new_tokens.
+    eos_id: the token that ends a completion (included in it), or a tuple of them (the first
+      of any ends it); None = the train input's stop ids (a prompts data dir's eos and chat
+      end-of-turn; none: run to max_new_tokens).
     seed: the sampling seed (a sample's draws depend on it, its id and position only).
     beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
     epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high].
@@ -56,7 +60,7 @@ class Grpo:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
-  eos_id: int | None = None
+  eos_id: int | tuple[int, ...] | None = None
   seed: int = 0
   beta: float = 0.0
   epsilon_low: float = 0.2
@@ -78,6 +82,7 @@ class Grpo:
           f"task.objective.num_generations={n!r}: GRPO compares each completion with the "
           "others of its prompt's group, so a group needs at least 2 (TRL's default is 8). "
           "Set num_generations >= 2.")
+    checks.stop_ids("task.objective.eos_id", self.eos_id)
     checks.positive("task.objective", max_new_tokens=self.max_new_tokens,
                     num_iterations=self.num_iterations)
     checks.in_range("task.objective.temperature", self.temperature, 0.0, float("inf"),
@@ -120,6 +125,11 @@ class Grpo:
   def score(self, prompts, completions, answers) -> tuple[list[float], dict[str, float]]:
     """(each sample's weighted reward sum, each reward's mean by name): the rollout's."""
     return rewards.combine(self.rewards, self.reward_weights, prompts, completions, answers)
+
+  def reward_files(self) -> dict[str, str]:
+    """{'PATH.py:FN': the file's sha256} of the rewards read from the user's files."""
+    return {n: user_rewards.fingerprint(user_rewards.split_spec(n)[0])
+            for n in self.rewards if user_rewards.is_file_spec(n)}
 
   def advantages(self, all_rewards: jax.Array) -> jax.Array:
     """The global batch's rewards [B·G] -> group-normalized advantages [B·G]."""

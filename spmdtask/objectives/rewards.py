@@ -10,15 +10,17 @@ answers, one entry per sample, and returns one float per sample:
       return [1.0 if c.rstrip().endswith("please") else 0.0 for c in completions]
 
 A module that registers rewards must be imported before the task is built (e.g. by the
-experiment's module). `combine(names, weights)` is what the loop calls: the weighted sum
-of the named functions.
+experiment's module); or name a function of your own file as `PATH.py:FN`
+(`user_rewards`: no registration, no import). `combine(names, weights)` is what the loop
+calls: the weighted sum of the named functions, each call checked (`user_rewards.call`).
 """
 import re
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from spmdtask.errors import ConfigError
+from spmdtask.objectives import user_rewards
 
-RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[str]], list[float]]
+RewardFn = Callable[[Sequence[str], Sequence[str], Sequence[Any]], list[float]]
 
 _REGISTRY: dict[str, RewardFn] = {}
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -43,14 +45,14 @@ def lookup(names: Sequence[str], field: str = "task.objective.rewards") -> list[
   if not names:
     raise ConfigError(f"{field}=() names no reward. Name at least one of: "
                       f"{', '.join(registered())}.")
-  missing = [n for n in names if n not in _REGISTRY]
+  missing = [n for n in names if n not in _REGISTRY and not user_rewards.is_file_spec(n)]
   if missing:
     raise ConfigError(
         f"{field} names {', '.join(map(repr, missing))}, which is not a registered reward. "
-        f"Registered: {', '.join(registered())}. Register your own with "
-        "@spmdtask.objectives.rewards.register('name') on a function (prompts, completions, "
-        "answers) -> list[float], in a module the experiment imports.")
-  return [_REGISTRY[n] for n in names]
+        f"Registered: {', '.join(registered())}. Or name a function (prompts, completions, "
+        "answers) -> list[float] of your own file: PATH.py:FN (--reward=PATH.py:FN[:WEIGHT]).")
+  return [user_rewards.load(n, field) if user_rewards.is_file_spec(n) else _REGISTRY[n]
+          for n in names]
 
 
 def check_weights(names: Sequence[str], weights: Sequence[float] | None,
@@ -61,18 +63,15 @@ def check_weights(names: Sequence[str], weights: Sequence[float] | None,
 
 
 def combine(names: Sequence[str], weights: Sequence[float] | None, prompts: Sequence[str],
-            completions: Sequence[str], answers: Sequence[str]) -> tuple[list[float], dict]:
+            completions: Sequence[str], answers: Sequence[Any]) -> tuple[list[float], dict]:
   """(the weighted sum per sample, each reward's mean by name) of the named rewards."""
   weights = weights or [1.0] * len(names)
   total = [0.0] * len(completions)
   means = {}
   for name, fn, w in zip(names, lookup(names), weights):
-    values = [float(v) for v in fn(prompts, completions, answers)]
-    if len(values) != len(completions):
-      raise ValueError(f"reward {name!r} gave {len(values)} values for {len(completions)} "
-                       "completions")
+    values = user_rewards.call(name, fn, prompts, completions, answers)
     total = [t + w * v for t, v in zip(total, values)]
-    means[name] = sum(values) / max(len(values), 1)
+    means[user_rewards.display_name(name)] = sum(values) / max(len(values), 1)
   return total, means
 
 

@@ -113,8 +113,8 @@ def _finish(tokens, pos, done, nxt, dp: DecodeParams):
   tokens = _put(tokens, jnp.where(live, pos + 1, -1), nxt)
   pos = pos + live.astype(pos.dtype)
   stop = pos + 1 >= tokens.shape[1]
-  if dp.eos_id is not None:
-    stop = stop | (nxt == dp.eos_id)
+  if dp.stop_ids:  # the first of several stop tokens (eos, the template's end-of-turn) ends it
+    stop = stop | jnp.isin(nxt, jnp.asarray(dp.stop_ids, nxt.dtype))
   return tokens, pos, done | (live & stop)
 
 

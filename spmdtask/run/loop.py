@@ -307,6 +307,7 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
   first = int(jax.device_get(state.step))
   if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
     fs.write_text(fs.join(job_log_dir, "config.txt"), config_text)
+  rollout.note_reward_files(run.task.objective, job_log_dir, first)
   if first >= tp.num_train_steps:
     console.say("Nothing to do: this job's checkpoint is at step %d and "
                 "task.train.num_train_steps=%d, so training is finished. Raise num_train_steps "

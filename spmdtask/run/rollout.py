@@ -1,13 +1,15 @@
 """GRPO's loop side: each batch of prompts is sampled, rewarded and trained on μ times.
 
-Chosen once by the task's objective (`feed`; a `Samples` objective, e.g. GRPO's): the LM feed reads a batch per step; the
-`Rollout` feed, every μ steps (μ = `objective.num_iterations`), takes B prompts from the
-train input (`inputs.answers`: prompts with answers), samples G completions each with
-`run.decoding`'s KV-cache programs on the same mesh and the train state's own params (no
-copy; the decode programs compile once), scores them with the objective's rewards,
-normalizes the advantages per group, computes the sampling policy's log-probs when μ > 1
-(one forward), and trains μ optimizer steps on that batch. One loop step is one optimizer
-step, as for the LM loss, so checkpoints, logs and summaries count alike.
+Chosen once by the task's objective (`feed`; a `Samples` objective, e.g. GRPO's): the LM feed
+reads a batch per step; the `Rollout` feed, every μ steps (μ = `objective.num_iterations`),
+takes B prompts from the train input (`inputs.answers`: prompts with answers, and the ids
+that stop a completion), samples G completions each with `run.decoding`'s KV-cache programs
+on the same mesh and the train state's own params (no copy; the decode programs compile
+once), each stopping at the first of its stop ids (`stop_ids`), scores them with the
+objective's rewards, normalizes the advantages per group, computes the sampling policy's
+log-probs when μ > 1 (one forward), and trains μ optimizer steps on that batch. One loop
+step is one optimizer step, as for the LM loss, so checkpoints, logs and summaries count
+alike.
 
 A sample's draws depend on (objective.seed, its id, position): id = prompt row · G + g,
 the prompt row counting the train input's rows (`ids`), so every mesh samples the same.
@@ -19,6 +21,7 @@ The batch's `advantages` and `old_logp` are the keys the objective's loss reads
 (`objectives.grpo`).
 """
 import dataclasses
+import json
 import time
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -27,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from spmdtask.core import global_batch, layouts, sharding, steps as steps_lib
+from spmdtask import console, fs
+from spmdtask.core import checks, global_batch, layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
 from spmdtask.run import decoding
 from spmdtask.task import DecodeParams
@@ -35,11 +39,20 @@ from spmdtask.task import DecodeParams
 PROMPT_KEYS = ("prompts", "prompt_lens", "ids")
 
 
-def decode_params(objective, prompt_len: int) -> DecodeParams:
-  """The sampling phase's decode params: room for max_new_tokens after the longest prompt."""
+def stop_ids(objective, inputs) -> tuple[int, ...]:
+  """The tokens that end a completion: the objective's `eos_id` (one id or a tuple) where
+  set, else the train input's `stop_ids` (a prompts data dir's eos and end-of-turn)."""
+  if objective.eos_id is not None:
+    return checks.stop_ids("task.objective.eos_id", objective.eos_id)
+  return tuple(inputs.stop_ids)
+
+
+def decode_params(objective, prompt_len: int, stops: tuple[int, ...] = ()) -> DecodeParams:
+  """The sampling phase's decode params: room for max_new_tokens after the longest prompt,
+  stopping at the first of `stops`."""
   return DecodeParams(max_decode_len=prompt_len + objective.max_new_tokens,
                       temperature=objective.temperature, top_k=objective.top_k,
-                      top_p=objective.top_p, seed=objective.seed, eos_id=objective.eos_id)
+                      top_p=objective.top_p, seed=objective.seed, eos_id=tuple(stops) or None)
 
 
 def repeat_prompts(local: dict, group: int) -> dict:
@@ -64,10 +77,10 @@ def lm_rows(samples: list[dict], seq_len: int, max_new_tokens: int) -> dict[str,
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
 
-def _completion(sample: dict, objective) -> list[int]:
+def completion_ids(sample: dict, max_new_tokens: int, stops: tuple[int, ...]) -> list[int]:
   """A sample's completion ids as the rewards read them: the stop token left out."""
-  out = sample["output_ids"][:objective.max_new_tokens]
-  return out[:-1] if out and out[-1] == objective.eos_id else out
+  out = sample["output_ids"][:max_new_tokens]
+  return out[:-1] if out and out[-1] in stops else out
 
 
 def example_batch(objective, local_prompt_rows: int, prompt_len: int) -> dict[str, np.ndarray]:
@@ -84,9 +97,9 @@ class Sampler:
   """G completions per prompt of a batch, with the decode programs of `program`."""
 
   def __init__(self, program, objective, prompts_per_step: int, local_prompts: int,
-               prompt_len: int):
-    self.objective, self.group = objective, objective.num_generations
-    self.decoder = decoding.build(program, decode_params(objective, prompt_len),
+               prompt_len: int, stops: tuple[int, ...] = ()):
+    self.objective, self.group, self.stops = objective, objective.num_generations, stops
+    self.decoder = decoding.build(program, decode_params(objective, prompt_len, stops),
                                   prompts_per_step * self.group, prompt_len)
     self.local_rows = local_prompts * self.group
 
@@ -141,7 +154,8 @@ class Rollout:
     samples = self.sampler.sample(state.params, local)
     t1 = time.perf_counter()
     rows = lm_rows(samples, self.sampler.decoder.params.max_decode_len, obj.max_new_tokens)
-    texts = [self.tokenizer.decode(_completion(s, obj)) for s in samples]
+    texts = [self.tokenizer.decode(completion_ids(s, obj.max_new_tokens, self.sampler.stops))
+             for s in samples]
     prompts = [self.tokenizer.decode(s["prompt_ids"]) for s in samples]
     answers = list(np.repeat(local["answers"], obj.num_generations))
     local_r, means = obj.score(prompts, texts, answers)
@@ -171,6 +185,7 @@ class Samples(Protocol):
   num_generations: int
   max_new_tokens: int
   num_iterations: int
+  eos_id: int | tuple[int, ...] | None
 
   def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
     """ConfigError when a prompt leaves no room for the completion."""
@@ -181,6 +196,9 @@ class Samples(Protocol):
 
   def advantages(self, rewards: jax.Array) -> jax.Array:
     """The global batch's rewards [B·G] (groups adjacent) -> advantages [B·G]."""
+
+  def reward_files(self) -> dict[str, str]:
+    """{reward name: fingerprint} of the rewards read from the user's files."""
 
   def model_batch(self, batch: dict) -> dict:
     """The batch's LM rows (`Objective.model_batch`)."""
@@ -193,6 +211,25 @@ class LmFeed(NamedTuple):
 
   def step(self, state):
     return self.program.train(state, self.program.global_batch(next(self.inputs)))
+
+
+REWARD_FILES = "reward_files.json"  # in the job dir: the user reward files' fingerprints
+
+
+def note_reward_files(objective, job_log_dir: str | None, first_step: int) -> None:
+  """Records the fingerprints of a `Samples` objective's reward files in the job dir; a
+  resumed job (first_step > 0) says which changed since it last ran (process 0 writes)."""
+  if not isinstance(objective, Samples) or job_log_dir is None or jax.process_index():
+    return
+  now, path = objective.reward_files(), fs.join(job_log_dir, REWARD_FILES)
+  before = json.loads(fs.read_text(path)) if fs.exists(path) else {}
+  for name, digest in now.items():
+    if first_step and name in before and before[name] != digest:
+      console.say("Reward %s: its file changed since this job last ran (sha256 %s..., now "
+                  "%s...); the steps from %d on are rewarded by the file as it is now.", name,
+                  before[name][:12], digest[:12], first_step + 1)
+  if now:
+    fs.write_text(path, json.dumps({**before, **now}, indent=1))
 
 
 def example(run) -> dict:
@@ -212,8 +249,8 @@ def feed(run, program):
   obj, inputs = run.task.objective, run.datasets["train"]
   if not isinstance(obj, Samples):
     return LmFeed(program, inputs)
-  sampler = Sampler(program, obj, int(inputs.batch_size),
-                    int(inputs.local_batch_size), int(inputs.prompt_len))
+  sampler = Sampler(program, obj, int(inputs.batch_size), int(inputs.local_batch_size),
+                    int(inputs.prompt_len), stop_ids(obj, inputs))
   return Rollout(program, inputs, sampler, inputs.tokenizer,
                  _scorer(program, obj) if obj.num_iterations > 1 else None)
 
@@ -225,7 +262,7 @@ def sampling_lowerings(run, program) -> list:
   if not isinstance(obj, Samples):
     return []
   rows, plen = int(inputs.batch_size) * obj.num_generations, int(inputs.prompt_len)
-  dec = decoding.build(program, decode_params(obj, plen), rows, plen)
+  dec = decoding.build(program, decode_params(obj, plen, stop_ids(obj, inputs)), rows, plen)
   mesh, specs = program.mesh, dec.specs
   params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
   prompts = layouts.sharded_structs(

@@ -8,16 +8,16 @@ import numpy as np
 import pytest
 
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import chat
+from spmdtask.inputs import chat, records
 from spmdtask.inputs.chat import Chat
 
 CHAT = "tests/inputs/data/chat"
-LINES = chat.read_jsonl(f"{CHAT}/conversations.jsonl")
+LINES = list(records.read(f"{CHAT}/conversations.jsonl"))
 
 
 def _encode(c: Chat, n: int):
-  where, line = LINES[n - 1]
-  return chat.parse(line, where).encode(c, where)
+  where, record = LINES[n - 1]
+  return chat.example(record, where).encode(c, where)
 
 
 def _find(ids, sub) -> int:
@@ -32,7 +32,8 @@ def test_marker_masks_equal_transformers_with_and_without_a_system_message():
   with open(f"{CHAT}/chatml_expected.json") as f:
     expected = json.load(f)
   assert [e["line"] for e in expected] == [1, 2, 3]
-  assert LINES[0][1].count('"system"') == 1 and '"system"' not in LINES[1][1]  # with, without
+  roles = [[m["role"] for m in r["messages"]] for _, r in LINES[:2]]
+  assert roles[0].count("system") == 1 and "system" not in roles[1]  # with, without
   for e in expected:
     ids, mask = _encode(c, e["line"])
     np.testing.assert_array_equal(ids, e["input_ids"])
@@ -46,7 +47,7 @@ def test_prefix_masks_are_exactly_assistant_texts_and_their_end_of_turn_tokens()
   assert c.end_of_turn_id == eot == 6 and not c.template.has_generation_blocks
   for n in (1, 2, 3):
     ids, mask = _encode(c, n)
-    messages = json.loads(LINES[n - 1][1])["messages"]
+    messages = LINES[n - 1][1]["messages"]
     want = np.zeros(len(ids), np.int32)
     for m in messages:
       # Each message's text, tokenized alone, sits in the conversation once (the template
@@ -85,25 +86,23 @@ def test_a_text_pair_learns_the_completion_and_eos():
 
 
 def _conv(*roles):
-  return json.dumps({"messages": [{"role": r, "content": f"{r} text"} for r in roles]})
+  return {"messages": [{"role": r, "content": f"{r} text"} for r in roles]}
 
 
 def test_bad_lines_are_config_errors_naming_the_line():
   with pytest.raises(ConfigError, match=r"^f.jsonl:7: has no assistant turn, so nothing"):
-    chat.parse(_conv("system", "user"), "f.jsonl:7: ")
+    chat.example(_conv("system", "user"), "f.jsonl:7: ")
   with pytest.raises(ConfigError, match=r"^f.jsonl:2: message 1 of messages has role 'bot'; "
                      r"roles are system, user, assistant, tool"):
-    chat.parse(_conv("user", "bot"), "f.jsonl:2: ")
+    chat.example(_conv("user", "bot"), "f.jsonl:2: ")
   with pytest.raises(ConfigError, match="has no assistant turn in its completion"):
-    chat.parse(json.dumps({"prompt": [{"role": "user", "content": "a"}],
-                           "completion": [{"role": "user", "content": "b"}]}), "x: ")
-  with pytest.raises(ConfigError, match="is not JSON"):
-    chat.parse("{", "x: ")
-  with pytest.raises(ConfigError, match="neither 'messages' nor 'prompt' and 'completion'"):
-    chat.parse('{"text": "hi"}', "x: ")
+    chat.example({"prompt": [{"role": "user", "content": "a"}],
+                  "completion": [{"role": "user", "content": "b"}]}, "x: ")
+  with pytest.raises(ConfigError, match="neither 'messages' .* nor 'prompt' and 'completion'"):
+    chat.example({"text": "hi"}, "x: ")
   with pytest.raises(ConfigError, match="ends with an assistant message"):
-    chat.parse_prompt(_conv("user", "assistant"), "x: ")
-  assert chat.parse_prompt(_conv("system", "user"), "x: ")[1]["role"] == "user"
+    chat.prompt_messages(_conv("user", "assistant"), "x: ")
+  assert chat.prompt_messages(_conv("system", "user"), "x: ")[1]["role"] == "user"
 
 
 def _model_dir(tmp_path, template: str, name="m"):
@@ -125,11 +124,11 @@ def test_a_template_whose_prefixes_do_not_tokenize_as_prefixes_is_refused(tmp_pa
               "<|end_header_id|>{% endif %}")
   c = Chat.from_model_dir(_model_dir(tmp_path, template))
   assert c.end_of_turn_id == 6
-  c.encode(json.loads(_conv("user", "assistant"))["messages"])  # one turn is fine
+  c.encode(_conv("user", "assistant")["messages"])  # one turn is fine
   with pytest.raises(ConfigError, match=r"^x:3: the chat template .*chat_template.jinja has no "
                      r"\{% generation %\} markers, and a prefix of this conversation \(up to "
                      r"message 1\) does not tokenize as a prefix"):
-    c.encode(json.loads(_conv("user", "assistant", "user", "assistant"))["messages"],
+    c.encode(_conv("user", "assistant", "user", "assistant")["messages"],
              where="x:3: ")
 
 
@@ -139,7 +138,7 @@ def test_a_template_giving_no_target_and_one_without_end_of_turn_are_refused(tmp
   c = Chat.from_model_dir(_model_dir(tmp_path, empty, "empty"))
   with pytest.raises(ConfigError, match=r"^l:1: the chat template .* gives this conversation "
                      "no target token"):
-    c.encode(json.loads(_conv("user", "assistant"))["messages"], where="l:1: ")
+    c.encode(_conv("user", "assistant")["messages"], where="l:1: ")
   with pytest.raises(ConfigError, match=r"emits no special token after an assistant message.*"
                      "--end_of_turn_token"):
     Chat.from_model_dir(_model_dir(tmp_path, "{% for m in messages %}{{ m.content }}\n"
@@ -152,7 +151,7 @@ def test_a_template_giving_no_target_and_one_without_end_of_turn_are_refused(tmp
   with pytest.raises(ConfigError, match="emits no end-of-turn token \\(id 6\\) after assistant "
                      "message 1"):
     Chat.from_model_dir(d, "<|eot_id|>").encode(
-        json.loads(_conv("user", "assistant"))["messages"])
+        _conv("user", "assistant")["messages"])
   with pytest.raises(ConfigError, match="--end_of_turn_token='<nope>' is not a token"):
     Chat.from_model_dir(d, "<nope>")
   os.remove(os.path.join(d, "tokenizer.json"))
@@ -168,7 +167,7 @@ def test_conversations_and_decode_prompts_tokenize_as_transformers_renders_them(
     expected = json.load(f)
   assert [e["line"] for e in expected] == [1, 2, 3]
   for e in expected:
-    messages = json.loads(LINES[e["line"] - 1][1])["messages"]
+    messages = LINES[e["line"] - 1][1]["messages"]
     ids, _ = _encode(c, e["line"])
     assert ids.tolist() == e["input_ids"]
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -208,14 +207,86 @@ def test_a_lines_tools_reach_the_template(tmp_path):
               "<|start_header_id|>assistant<|end_header_id|>{% endif %}")
   c = Chat.from_model_dir(_model_dir(tmp_path, template))
   tools = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
-  line = json.dumps({"messages": [{"role": "user", "content": "2+3"},
-                                  {"role": "assistant", "content": "add(2, 3)"}],
-                     "tools": tools})
-  ids, mask = chat.parse(line, "l: ").encode(c)
+  record = {"messages": [{"role": "user", "content": "2+3"},
+                         {"role": "assistant", "content": "add(2, 3)"}], "tools": tools}
+  ids, mask = chat.example(record, "l: ").encode(c)
   text = c.tokenizer._tok.decode(ids.tolist(), skip_special_tokens=False)  # pylint: disable=protected-access
   assert text.startswith('<|start_header_id|>system<|end_header_id|>[{"type": "function", '
                          '"function": {"name": "add", "parameters": {}}}]<|eot_id|>')
   assert c.tokenizer._tok.decode(ids[mask == 1].tolist(), skip_special_tokens=False) == (  # pylint: disable=protected-access
       "add(2, 3)<|eot_id|>")
   with pytest.raises(ConfigError, match="^l: 'tools' is not a list of function schemas"):
-    chat.parse(json.dumps({**json.loads(line), "tools": "add"}), "l: ")
+    chat.example({**record, "tools": "add"}, "l: ")
+
+
+def _as_parts(messages):
+  """Each content as two OpenAI text parts (split mid-text), joined back as written."""
+  return [{**m, "content": [{"type": "text", "text": m["content"][:3]},
+                            {"type": "text", "text": m["content"][3:]}]} for m in messages]
+
+
+def _as_sharegpt(messages):
+  speaker = {"user": "human", "assistant": "gpt", "system": "system", "tool": "tool"}
+  return [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]
+
+
+@pytest.mark.parametrize("model", ["chatml", "llama3"])
+def test_content_parts_and_sharegpt_give_the_plain_messages_tokens_and_mask(model):
+  c = Chat.from_model_dir(f"{CHAT}/{model}")
+  for n in (1, 2, 3):
+    where, record = LINES[n - 1]
+    want = chat.example(record, where).encode(c, where)
+    for other in ({"messages": _as_parts(record["messages"])},
+                  {"conversations": _as_sharegpt(record["messages"])}):
+      got = chat.example(other, where).encode(c, where)
+      np.testing.assert_array_equal(got[0], want[0])
+      np.testing.assert_array_equal(got[1], want[1])
+  # A closing user turn teaches nothing: dropped and counted, the rest encoded as before.
+  where, record = LINES[1]
+  closing = chat.example({"messages": record["messages"] + [
+      {"role": "user", "content": "Thanks!"}]}, where)
+  assert closing.trailing == 1 and len(closing.messages) == len(record["messages"])
+  np.testing.assert_array_equal(np.stack(closing.encode(c)),
+                                np.stack(chat.example(record, where).encode(c)))
+
+
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>"
+    "{% if m.content %}{{ m.content }}{% endif %}{% for t in m.tool_calls or [] %}"
+    "[{{ t.function.name }} {{ t.function.arguments }}]{% endfor %}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>{% endif %}")
+CALL = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+TOOL_CHAT = {"messages": [{"role": "user", "content": "2+3?"},
+                          {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                          {"role": "tool", "content": "5"},
+                          {"role": "assistant", "content": "It is 5."}]}
+
+
+def test_tool_calls_reach_the_template_and_one_that_hides_them_is_refused(tmp_path):
+  c = Chat.from_model_dir(_model_dir(tmp_path, TOOL_TEMPLATE))
+  ids, mask = chat.example(TOOL_CHAT, "l:1: ").encode(c, "l:1: ")
+  decode = lambda x: c.tokenizer._tok.decode(x.tolist(), skip_special_tokens=False)  # pylint: disable=protected-access
+  assert decode(ids) == (
+      "<|start_header_id|>user<|end_header_id|>2+3?<|eot_id|><|start_header_id|>assistant"
+      '<|end_header_id|>[add {"a": 2, "b": 3}]<|eot_id|><|start_header_id|>tool'
+      "<|end_header_id|>5<|eot_id|><|start_header_id|>assistant<|end_header_id|>It is 5."
+      "<|eot_id|>")
+  assert decode(ids[mask == 1]) == '[add {"a": 2, "b": 3}]<|eot_id|>It is 5.<|eot_id|>'
+  # The Llama-3-style fixture shows only content: the call would vanish from training.
+  llama3 = Chat.from_model_dir(f"{CHAT}/llama3")
+  calls_text = {"messages": [TOOL_CHAT["messages"][0], {**TOOL_CHAT["messages"][1],
+                                                        "content": "Let me add."}]}
+  with pytest.raises(ConfigError, match=r"^l:1: the chat template .*chat_template.jinja does "
+                     r"not show assistant tool calls \(message 1's call of 'add' leaves its "
+                     r"rendering unchanged\)"):
+    chat.example(calls_text, "l:1: ").encode(llama3, "l:1: ")
+  # ... and it writes the null content of a call-only turn as the text 'None'.
+  with pytest.raises(ConfigError, match=r"^l:1: message 1 has content null, which the chat "
+                     r"template .* writes as the text 'None'; give its content as \"\""):
+    chat.example(TOOL_CHAT, "l:1: ").encode(llama3, "l:1: ")
+  hides_results = TOOL_TEMPLATE.replace("{% for m in messages %}",
+                                        "{% for m in messages if m.role != 'tool' %}")
+  c = Chat.from_model_dir(_model_dir(tmp_path, hides_results, "hides"))
+  with pytest.raises(ConfigError, match=r"^l:1: the chat template .* does not show tool "
+                     r"results \(message 2's content leaves its rendering unchanged\)"):
+    chat.example(TOOL_CHAT, "l:1: ").encode(c, "l:1: ")

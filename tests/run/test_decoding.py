@@ -89,20 +89,23 @@ def test_per_token_step_compiles_once():
   assert dec.prefill.jitted._cache_size() == 1  # pylint: disable=protected-access
 
 
-def test_eos_stops_a_row_and_partial_batch_is_dropped():
+def test_stop_ids_stop_a_row_at_the_first_of_them_and_partial_batch_is_dropped():
   greedy = decode("TinyLm", 1, GREEDY)
   row = greedy[0]
-  eos = row["output_ids"][3]
-  first = row["output_ids"].index(eos)
-  dp = dataclasses.replace(GREEDY, eos_id=eos)
+  # two stop ids (as eos and a chat template's end-of-turn): row 0's 4th token, and another
+  # token of its output, so rows stop at whichever of the two comes first
+  stops = (row["output_ids"][3], next(t for t in row["output_ids"] if t != row["output_ids"][3]))
+  dp = dataclasses.replace(GREEDY, eos_id=stops)
   partial = {k: v[:5] for k, v in PROMPTS.items()}  # 5 real rows, padded to 8
   out = decoding.decode_batch(decoding.build(program_and_params("TinyLm", 1)[0], dp, 8, 8),
                               program_and_params("TinyLm", 1)[1], partial, 8)
   assert [r["id"] for r in out] == [0, 1, 2, 3, 4]
-  assert out[0]["output_ids"] == row["output_ids"][:first + 1]
+  first = min(row["output_ids"].index(s) for s in stops)
+  assert first < 3 and out[0]["output_ids"] == row["output_ids"][:first + 1]
   for got, full in zip(out, greedy):
     ids = full["output_ids"]
-    assert got["output_ids"] == (ids[:ids.index(eos) + 1] if eos in ids else ids)
+    cut = min([ids.index(s) for s in stops if s in ids], default=len(ids) - 1)
+    assert got["output_ids"] == ids[:cut + 1]
 
 
 def test_sample_top_k_and_top_p():
@@ -130,6 +133,9 @@ def test_bad_decode_params_are_config_errors():
     decoding.build(program, DecodeParams(max_decode_len=8), 8, 8)
   with pytest.raises(ConfigError, match="top_p"):
     decoding.build(program, DecodeParams(top_p=0.0), 8, 8)
+  with pytest.raises(ConfigError, match=r"task.decode.eos_id=\(6, 'x'\) must be None, a token id "
+                     "or a tuple"):
+    DecodeParams(eos_id=(6, "x")).validate()
   program8, _ = program_and_params("TinyLm", 8)
   with pytest.raises(ConfigError, match="batch_size=6"):
     decoding.build(program8, GREEDY, 6, 8)

@@ -85,3 +85,35 @@ def test_the_plan_names_each_phases_peak_memory():
   sampling = max(p["compiled"]["peak_estimate_bytes"] for p in plan["phases"][1:])
   with pytest.raises(PlanExceeded, match=r"the sampling \w+ program does not fit"):
     planner.check_fits(plan, sampling - 1)  # the phases are checked before the train step
+
+
+def test_a_completion_stops_at_the_first_stop_id_in_rows_and_rewards():
+  """Samples as the decoder returns them (stopped at the first of eos 2 and end-of-turn 6,
+  that token kept): the train rows weight it, the rewards' text leaves it out."""
+  samples = [{"prompt_ids": [9, 9, 9], "output_ids": [5, 6]},      # end-of-turn
+             {"prompt_ids": [9], "output_ids": [5, 5, 2]},         # eos
+             {"prompt_ids": [9, 9], "output_ids": [5, 5, 5, 5]}]   # max_new_tokens
+  rows = rollout.lm_rows(samples, seq_len=7, max_new_tokens=4)
+  assert rows["weights"].tolist() == [[0, 0, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0],
+                                      [0, 1, 1, 1, 1, 0, 0]]
+  assert rows["targets"][0, 2:4].tolist() == [5, 6] and rows["targets"][1, :3].tolist() == [5, 5, 2]
+  assert [rollout.completion_ids(s, 4, (2, 6)) for s in samples] == [[5], [5, 5], [5, 5, 5, 5]]
+
+
+def test_a_changed_reward_file_on_resume_is_said(tmp_path, capsys, monkeypatch):
+  from spmdtask import console  # pylint: disable=g-import-not-at-top
+  from spmdtask.objectives.grpo import Grpo  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(console, "_echo", True)
+  f = tmp_path / "r.py"
+  f.write_text("def r(p, c, a):\n  return [0.0] * len(c)\n")
+  obj = Grpo(rewards=(f"{f}:r", "final_answer"))
+  rollout.note_reward_files(obj, str(tmp_path), 0)
+  rollout.note_reward_files(obj, str(tmp_path), 10)  # unchanged: nothing said
+  assert capsys.readouterr().out == ""
+  f.write_text("def r(p, c, a):\n  return [1.0] * len(c)\n")
+  rollout.note_reward_files(obj, str(tmp_path), 10)
+  out = capsys.readouterr().out
+  assert out.startswith(f"Reward {f}:r: its file changed since this job last ran (sha256 ")
+  assert out.endswith("the steps from 11 on are rewarded by the file as it is now.\n")
+  rollout.note_reward_files(obj, str(tmp_path), 12)  # recorded: said once
+  assert capsys.readouterr().out == ""

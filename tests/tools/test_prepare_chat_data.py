@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from spmdtask.inputs import chat
+from spmdtask.inputs import chat, records
 from spmdtask.inputs.text import PackedLmInput
 from tools import prepare_chat_data
 
@@ -57,15 +57,17 @@ def test_prepared_masks_read_back_packed_equal_the_expected(model, tmp_path, cap
   assert meta["target_mask"] and meta["chat"]["end_of_turn_id"] == eot
   assert meta["splits"]["train"]["num_documents"] == 4
   assert meta["splits"]["eval"]["num_documents"] == 1
-  assert (f"--exp=lm.TinyLmSft --job_log_dir={out}_sft --data_dir={out} "
-          f"--fdl_set=task.model.vocab_size=300 --fdl_set=task.decode.eos_id={eot}") in stdout
-  assert "0 conversations over --max_len=128 dropped" in stdout
+  assert (f"--exp=stages.Sft --job_log_dir={out}_sft --init_from=IMPORT_DIR --data_dir={out}"
+          f"\n  (IMPORT_DIR: your model's job dir, from python tools/convert_hf.py "
+          f"--from_hf={os.path.abspath(CHAT)}/{model} --job_log_dir=IMPORT_DIR") in stdout
+  assert ("5 conversations read; vocab_size=300, end_of_turn_id=" f"{eot}; ") in stdout
+  assert "0 over --max_len=128 dropped" in stdout
   # Expected masks, made independently of the data dir: transformers' for the marker
   # template (conversations), the library's own for the rest (tested in tests/inputs).
   c = chat.Chat.from_model_dir(f"{CHAT}/{model}")
   want = {}
-  for n, (where, line) in enumerate(chat.read_jsonl(JSONL), 1):
-    ids, mask = chat.parse(line, where).encode(c, where)
+  for where, record in records.read(JSONL):
+    ids, mask = chat.example(record, where).encode(c, where)
     want[tuple(ids.tolist())] = mask[1:].tolist()
   if model == "chatml":
     with open(f"{CHAT}/chatml_expected.json") as f:
@@ -80,7 +82,7 @@ def test_prepared_masks_read_back_packed_equal_the_expected(model, tmp_path, cap
 def test_overlong_conversations_are_dropped_or_cut_and_counted(tmp_path, capsys):
   code, stdout, _ = _run(capsys, f"--input={JSONL}", f"--tokenizer={CHAT}/llama3",
                          f"--output_dir={tmp_path / 'drop'}", "--max_len=80")
-  assert code == 0 and "2 conversations over --max_len=80 dropped" in stdout  # 112, 88
+  assert code == 0 and "2 over --max_len=80 dropped" in stdout  # 112, 88
   with open(tmp_path / "drop" / "meta.json") as f:
     assert sum(s["num_documents"] for s in json.load(f)["splits"].values()) == 3
   code, stdout, _ = _run(capsys, f"--input={JSONL}", f"--tokenizer={CHAT}/llama3",
