@@ -24,9 +24,9 @@ import optax
 
 from configs import deepseek, gemma3, llama, moe, qwen3
 from configs.align import pair_data
+from configs.grpo import import_prompts
 from spmdtask.errors import ConfigError
 from spmdtask.experiment import Experiment
-from spmdtask.inputs.answers import AnswerPrompts
 from spmdtask.inputs.preferences import PreferenceInput, SyntheticPairInput
 from spmdtask.objectives import dpo, grpo
 from spmdtask.registry import register
@@ -116,22 +116,22 @@ class Dpo(_Stage):
 
 @register
 class Grpo(_Stage):
-  """GRPO of an imported or fine-tuned model (`--init_from=DIR`) on prompts with answers:
-  datasets['train'].path a JSONL of {"prompt": ..., "answer": ...} lines, rendered with the
-  chat template of `--data_dir` (a tools/prepare_chat_data.py dir of the model's tokenizer);
-  8 prompts a step, 8 samples each of up to 32 new tokens (temperature 1), rewarded by
-  task.objective.rewards (default `final_answer`), KL to the start (beta 0.04), stopping at
-  task.objective.eos_id (set it to the template's end-of-turn id); 50 steps, peak learning
-  rate 1e-5."""
+  """GRPO of an imported or fine-tuned model (`--init_from=DIR`) on your prompts
+  (`--data_dir`: tools/prepare_prompt_data.py with the model's tokenizer, its chat template
+  and stop ids): 8 prompts a step, 4 samples each of up to 64 new tokens (temperature 1),
+  rewarded by `--reward` (registered names or PATH.py:FN[:WEIGHT]; default `final_answer`),
+  KL to the start (beta 0.04); 50 steps, peak learning rate 1e-5."""
   num_train_steps = 50
   peak_learning_rate = 1e-5
 
   @functools.cache
   def task(self) -> fdl.Config[Task]:
     cfg = super().task()
-    cfg.objective = fdl.Config(grpo.Grpo, rewards=("final_answer",), num_generations=8,
-                               max_new_tokens=32, temperature=1.0, beta=0.04)
+    cfg.train.log_interval_steps = 1
+    cfg.objective = fdl.Config(grpo.Grpo, rewards=("final_answer",), num_generations=4,
+                               max_new_tokens=64, temperature=1.0, beta=0.04)
     return cfg
 
   def datasets(self) -> dict[str, fdl.Config]:
-    return {"train": fdl.Config(AnswerPrompts, path="", data_dir="", batch_size=self.batch_size)}
+    return {"train": fdl.Config(import_prompts, data_dir="", batch_size=self.batch_size,
+                                model=self.task().model)}

@@ -8,12 +8,17 @@ A recipe (TOML) names the model, the root dir, the stages in order and the expor
     [[stage]]
     kind = "sft"                             # sft, dpo or grpo
     input = "examples/tiny_chat/conversations.jsonl"   # raw file, prepared into ROOT/sft_data
-    max_len = 65                             # the prepare tool's --max_len (input only)
+    max_len = 65                             # the prepare tool's --max_len (input only;
+                                             # grpo: --max_prompt_len, optional)
     lora_rank = 8                            # omit: every param trains
     fdl_set = ["task.train.num_train_steps=20"]
     [[stage]]
     kind = "dpo"
     data = "DIR"                             # or a prepared data dir
+    [[stage]]
+    kind = "grpo"
+    input = "prompts.jsonl"                  # {"prompt": ..., "answer": ...} a line
+    reward = ["my_rewards.py:exact:1.0"]     # --reward values (registered names too)
     [export]
     hf = "runs/chat/export"                  # the last stage's model, merged (HF format)
     adapter = "runs/chat/adapter"            # a LoRA last stage's adapter (PEFT format)
@@ -38,10 +43,12 @@ from spmdtask import fs
 from spmdtask.errors import ConfigError
 
 KINDS = {"sft": "stages.Sft", "dpo": "stages.Dpo", "grpo": "stages.Grpo"}
-PREPARE = {"sft": "tools/prepare_chat_data.py", "dpo": "tools/prepare_pref_data.py"}
+PREPARE = {"sft": "tools/prepare_chat_data.py", "dpo": "tools/prepare_pref_data.py",
+           "grpo": "tools/prepare_prompt_data.py"}
+LENGTH_FLAG = {"sft": "--max_len", "dpo": "--max_len", "grpo": "--max_prompt_len"}
 DONE_FILE = "stage_done"  # in a stage's job dir once its command exited 0
 _KEYS = {"": {"root", "model", "stage", "export"}, "model": {"hf", "job"},
-         "stage": {"kind", "name", "data", "input", "max_len", "prompts", "lora_rank",
+         "stage": {"kind", "name", "data", "input", "max_len", "reward", "lora_rank",
                    "fdl_set"},
          "export": {"hf", "adapter"}}
 
@@ -53,9 +60,9 @@ class Stage:
   data: str | None = None
   input: str | None = None
   max_len: int | None = None
-  prompts: str | None = None
   lora_rank: int | None = None
   fdl_set: tuple[str, ...] = ()
+  reward: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass
@@ -146,9 +153,9 @@ def load(path: str) -> Recipe:
                         f"{kind!r}: a stage is one of {', '.join(KINDS)}.")
     stage = Stage(kind, _field(lines, "stage", i, "name", st.get("name"), str) or kind,
                   **{k: _field(lines, "stage", i, k, st.get(k), t) for k, t in (
-                      ("data", str), ("input", str), ("max_len", int), ("prompts", str),
-                      ("lora_rank", int))})
-    stage.fdl_set = tuple(_field(lines, "stage", i, "fdl_set", st.get("fdl_set"), list) or ())
+                      ("data", str), ("input", str), ("max_len", int), ("lora_rank", int))})
+    for key in ("fdl_set", "reward"):
+      setattr(stage, key, tuple(_field(lines, "stage", i, key, st.get(key), list) or ()))
     _check_stage(lines, i, stage)
     if stage.name in names or stage.name in ("import", "export"):
       raise ConfigError(f"{lines.where('stage', i, 'name')}[[stage]] #{i + 1}: its job dir "
@@ -166,23 +173,22 @@ def load(path: str) -> Recipe:
 
 def _check_stage(lines: _Lines, i: int, st: Stage) -> None:
   """The keys a stage of its kind needs, together."""
-  where = lines.where("stage", i, "data")
-  if st.kind == "grpo":
-    if st.prompts is None:
-      raise ConfigError(f"{lines.where('stage', i, 'kind')}[[stage]] #{i + 1} (grpo) needs "
-                        "prompts = \"FILE.jsonl\" ({\"prompt\": ..., \"answer\": ...} a line).")
-  elif (st.data is None) == (st.input is None):
-    raise ConfigError(f"{where}[[stage]] #{i + 1} ({st.kind}) needs its data: data = "
-                      "\"PREPARED_DIR\" or input = \"FILE.jsonl\" (prepared by "
-                      f"{PREPARE[st.kind]}), one of the two.")
-  if st.input is not None and st.max_len is None:
+  if (st.data is None) == (st.input is None):
+    raise ConfigError(f"{lines.where('stage', i, 'kind')}[[stage]] #{i + 1} ({st.kind}) needs "
+                      "its data: data = \"PREPARED_DIR\" or input = \"FILE.jsonl\" (prepared "
+                      f"by {PREPARE[st.kind]}), one of the two.")
+  if st.input is not None and st.max_len is None and st.kind != "grpo":
     raise ConfigError(f"{lines.where('stage', i, 'input')}[[stage]] #{i + 1}: input = "
                       f"{st.input!r} is prepared with {PREPARE[st.kind]} --max_len: add max_len "
                       "= N (the longest sequence in tokens, at most the model's).")
-  for a in st.fdl_set:
-    if not isinstance(a, str) or "=" not in a:
-      raise ConfigError(f"{lines.where('stage', i, 'fdl_set')}[[stage]] #{i + 1} fdl_set "
-                        f"holds {a!r}; give \"path=value\" strings.")
+  if st.reward and st.kind != "grpo":
+    raise ConfigError(f"{lines.where('stage', i, 'reward')}[[stage]] #{i + 1} ({st.kind}): "
+                      "reward scores GRPO's samples; only a grpo stage takes it.")
+  for key, values in (("fdl_set", st.fdl_set), ("reward", st.reward)):
+    for a in values:
+      if not isinstance(a, str) or key == "fdl_set" and "=" not in a:
+        raise ConfigError(f"{lines.where('stage', i, key)}[[stage]] #{i + 1} {key} holds "
+                          f"{a!r}; give {'path=value' if key == 'fdl_set' else 'NAME or PATH.py:FN[:WEIGHT]'} strings.")
 
 
 @dataclasses.dataclass
@@ -204,26 +210,21 @@ def steps(r: Recipe) -> list[Step]:
     out.append(Step("import", ["tools/convert_hf.py", f"--from_hf={tokenizer}",
                                f"--job_log_dir={start}"],
                     os.path.join(start, "model_overrides.txt")))
-  chat_data, last = None, None
+  last = None
   for st in r.stages:
     data = os.path.abspath(st.data) if st.data else None
     if st.input is not None:
       data = os.path.join(root, f"{st.name}_data")
+      length = [] if st.max_len is None else [f"{LENGTH_FLAG[st.kind]}={st.max_len}"]
       out.append(Step(f"{st.name} data", [
           PREPARE[st.kind], f"--input={os.path.abspath(st.input)}", f"--tokenizer={tokenizer}",
-          f"--output_dir={data}", f"--max_len={st.max_len}"], os.path.join(data, "meta.json")))
-    if st.kind == "sft":
-      chat_data = data
+          f"--output_dir={data}", *length], os.path.join(data, "meta.json")))
     job = os.path.join(root, st.name)
     argv = ["-m", "spmdtask.main", f"--exp={KINDS[st.kind]}", f"--job_log_dir={job}",
-            f"--init_from={start}"]
-    if st.kind == "grpo":  # the prompts, rendered with a chat data dir's template
-      data = data or chat_data
-      argv.append(f"--fdl_set=datasets['train'].path={os.path.abspath(st.prompts)!r}")
-    if data:
-      argv.append(f"--data_dir={data}")
+            f"--init_from={start}", f"--data_dir={data}"]
     if st.lora_rank is not None:
       argv.append(f"--lora_rank={st.lora_rank}")
+    argv += [f"--reward={_absolute_reward(a)}" for a in st.reward]
     argv += [f"--fdl_set={a}" for a in st.fdl_set]
     out.append(Step(st.name, argv, os.path.join(job, DONE_FILE), marks=True))
     start, last = job, st
@@ -238,6 +239,13 @@ def steps(r: Recipe) -> list[Step]:
                                 f"--to_hf={adapter}"],
                     os.path.join(adapter, "adapter_config.json")))
   return out
+
+
+def _absolute_reward(spec: str) -> str:
+  """A reward of a user's file (PATH.py:FN[:WEIGHT]) with PATH absolute: the stage runs in
+  the repository, the recipe's paths are the user's."""
+  path, sep, rest = spec.partition(".py:")
+  return f"{os.path.abspath(path + '.py')}{sep}{rest}" if sep else spec
 
 
 def shown(argv: list[str]) -> str:

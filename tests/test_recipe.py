@@ -1,0 +1,195 @@
+"""spmdtask/recipe.py: a recipe's keys checked (exit 2 naming the key and its line, nothing
+written), and the chain end to end on examples/tiny_chat's Llama: import -> SFT with LoRA ->
+DPO with LoRA from it -> GRPO with LoRA from that on a prompts file with a reward from a
+user's file -> the merged export, SIGKILLed mid-DPO and rerun."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from spmdtask import main, recipe, stage_start
+from spmdtask.core import program as program_lib
+from spmdtask.layers import lora
+from spmdtask.run import checkpoint_io, checkpoints
+from tests import subproc as h
+from tools import convert_hf
+
+EXAMPLE = os.path.join(h.REPO, "examples", "tiny_chat")
+PREFS = os.path.join(h.REPO, "tests", "tools", "data", "dpo", "prefs.jsonl")
+REWARD = '''\
+def digits(prompts, completions, answers):
+  return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
+'''
+EVERY_STEP = ["task.train.summary_interval_steps=1", "task.train.log_interval_steps=1"]
+
+
+def _recipe(tmp_path, body: str) -> str:
+  path = tmp_path / "recipe.toml"
+  path.write_text(body)
+  return str(path)
+
+
+def _exit_2(capsys, path: str) -> str:
+  with pytest.raises(SystemExit) as e:
+    recipe.main([f"--recipe={path}"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("recipe: config error: ") and err.count("\n") == 1, err
+  return err
+
+
+@pytest.mark.parametrize("body, want", [
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nlora = 8\n',
+     r":7: 'lora' is not a recipe key of [stage]; it takes data, fdl_set"),
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\n[[stage]]\n'
+     'kind = "ppo"\ndata = "D"\n', ":8: [[stage]] #2 kind = 'ppo': a stage is one of sft, dpo"),
+    ('[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\n', ":1: root is missing"),
+    ('root = "R"\n[model]\nhf = "M"\njob = "J"\n[[stage]]\nkind = "sft"\ndata = "D"\n',
+     ":3: [model] names the model by hf"),
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "dpo"\ninput = "p.jsonl"\n',
+     ":6: [[stage]] #1: input = 'p.jsonl' is prepared with tools/prepare_pref_data.py "
+     "--max_len: add max_len"),
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nlora_rank = "8"\n',
+     ":7: [[stage]] #1 lora_rank = '8' is not an integer."),
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nreward = ["f.py:g"]\n',
+     ":7: [[stage]] #1 (sft): reward scores GRPO's samples"),
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\n[[stage]]\n'
+     'kind = "sft"\ndata = "E"\n', ":7: [[stage]] #2: its job dir name 'sft' is taken"),
+    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nfdl_set = ["x"]\n',
+     ":7: [[stage]] #1 fdl_set holds 'x'; give path=value strings."),
+    ('root = "R"\n[model\nhf = "M"\n', "is not valid TOML"),
+])
+def test_a_bad_key_is_exit_2_naming_it_and_its_line(tmp_path, capsys, body, want):
+  path = _recipe(tmp_path, body.replace('"R"', f'"{tmp_path}/root"'))
+  assert want in _exit_2(capsys, path)
+  assert not (tmp_path / "root").exists()  # nothing written
+
+
+def test_the_commands_chain_each_stage_from_the_one_before(tmp_path):
+  path = _recipe(tmp_path, f'root = "{tmp_path}/r"\n[model]\njob = "/imp"\n'
+                 '[[stage]]\nkind = "sft"\ndata = "/chat"\nlora_rank = 8\n'
+                 '[[stage]]\nkind = "dpo"\nname = "align"\ninput = "/p.jsonl"\nmax_len = 9\n'
+                 'fdl_set = ["task.train.num_train_steps=3"]\n'
+                 f'[export]\nhf = "{tmp_path}/out"\n')
+  got = [recipe.shown(s.argv) for s in recipe.steps(recipe.load(path))]
+  r = f"{tmp_path}/r"
+  assert got == [
+      f"python -m spmdtask.main --exp=stages.Sft --job_log_dir={r}/sft --init_from=/imp "
+      "--data_dir=/chat --lora_rank=8",
+      f"python tools/prepare_pref_data.py --input=/p.jsonl --tokenizer=/imp "
+      f"--output_dir={r}/align_data --max_len=9",
+      f"python -m spmdtask.main --exp=stages.Dpo --job_log_dir={r}/align --init_from={r}/sft "
+      f"--data_dir={r}/align_data --fdl_set=task.train.num_train_steps=3",
+      f"python tools/convert_hf.py --job_log_dir={r}/align --to_hf={tmp_path}/out"]
+
+
+def _wait_for_checkpoint(directory: str, proc, seconds: float) -> int:
+  """The first complete checkpoint step in `directory` while `proc` runs."""
+  end = time.time() + seconds
+  while time.time() < end and proc.poll() is None:
+    if os.path.isdir(directory):
+      steps = checkpoint_io.complete_steps(directory)
+      if steps:
+        return steps[0]
+    time.sleep(0.5)
+  raise AssertionError(f"no checkpoint in {directory} (exit {proc.poll()})")
+
+
+def _program(exp: str, init_from: str, rank: int):
+  run = main.build(main.resolved_config(exp, [], start=stage_start.read(init_from, None),
+                                        lora_rank=rank))
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0), jax.devices()[:1])
+
+
+def _params(job: str, program):
+  return jax.device_get(program.to_canonical(checkpoints.restore_state(job, program)[0]).params)
+
+
+@pytest.mark.slow
+def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
+  root = tmp_path / "run"
+  (tmp_path / "my_rewards.py").write_text(REWARD)
+  (tmp_path / "prompts.jsonl").write_text("".join(
+      json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n"
+      for a, b in ((1, 2), (3, 4), (2, 1), (5, 1))))
+  path = _recipe(tmp_path, f'''\
+root = "{root}"
+[model]
+hf = "{EXAMPLE}/model"
+[[stage]]
+kind = "sft"
+input = "{EXAMPLE}/conversations.jsonl"
+max_len = 96
+lora_rank = 4
+fdl_set = {json.dumps(EVERY_STEP + ["task.train.num_train_steps=8",
+                                     "task.train.learning_rate.peak_value=1e-2"])}
+[[stage]]
+kind = "dpo"
+input = "{PREFS}"
+max_len = 96
+lora_rank = 4
+fdl_set = {json.dumps(EVERY_STEP + ["task.train.num_train_steps=6",
+                                     "task.train.save_interval_steps=2",
+                                     "task.train.learning_rate.peak_value=1e-2"])}
+[[stage]]
+kind = "grpo"
+input = "{tmp_path}/prompts.jsonl"
+lora_rank = 4
+reward = ["{tmp_path}/my_rewards.py:digits"]
+fdl_set = {json.dumps(EVERY_STEP + ["task.train.num_train_steps=2",
+                                     "datasets['train'].batch_size=2",
+                                     "task.objective.max_new_tokens=6"])}
+[export]
+hf = "{tmp_path}/export"
+''')
+  cmd = [sys.executable, "-m", "spmdtask.recipe", f"--recipe={path}"]
+  # Killed (the whole process group, SIGKILL) once DPO committed its first checkpoint.
+  proc = subprocess.Popen(cmd, env=h.env(1), cwd=h.REPO, start_new_session=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    killed_at = _wait_for_checkpoint(str(root / "dpo" / "checkpoints"), proc, 1200)
+  finally:
+    os.killpg(proc.pid, signal.SIGKILL)
+    first = proc.communicate()[0]
+  assert killed_at == 2 and not (root / "dpo" / recipe.DONE_FILE).exists(), first[-3000:]
+  r = subprocess.run(cmd, env=h.env(1), cwd=h.REPO, capture_output=True, text=True,
+                     timeout=1800, check=False)
+  assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+  for step in ("import", "sft data", "sft", "dpo data"):  # finished: skipped
+    assert f"recipe: {step}: done" in r.stdout, r.stdout[-3000:]
+  assert "Restored step 2" in r.stdout + r.stderr or "Resuming" in r.stdout, r.stdout[-3000:]
+
+  sft, dpo, grpo = (h.train_losses(str(root / n)) for n in ("sft", "dpo", "grpo"))
+  assert sft[8] < sft[1] - 0.5, sft  # SFT learns the conversations
+  # DPO's reference is its start (SFT merged, the new adapters off): at step 1 the policy
+  # is the reference, so the loss is ln 2 exactly; it falls as the pairs are learned.
+  assert abs(dpo[1] - np.log(2)) < 1e-6 and dpo[6] < dpo[1] - 0.05, dpo
+  assert abs(grpo[1]) < 1e-6 and np.isfinite(grpo[2]), grpo  # GRPO: ratio 1, KL 0 at step 1
+
+  # The resumed DPO ends where an uninterrupted run of the same command ends.
+  again = str(tmp_path / "dpo_straight")
+  command = (root / "dpo" / recipe.DONE_FILE).read_text().split()[1:]
+  command = [a.replace(f"--job_log_dir={root}/dpo", f"--job_log_dir={again}") for a in command]
+  s = subprocess.run([sys.executable, *command], env=h.env(1), cwd=h.REPO, capture_output=True,
+                     text=True, timeout=900, check=False)
+  assert s.returncode == 0, s.stderr[-3000:]
+  dpo_program = _program("stages.Dpo", str(root / "sft"), 4)
+  resumed, straight = _params(str(root / "dpo"), dpo_program), _params(again, dpo_program)
+  jax.tree.map(np.testing.assert_array_equal, resumed, straight)  # bitwise
+
+  # The export is the GRPO job's params with every stage's adapters merged in.
+  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4)
+  want = lora.merged(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
+  cfg, tensors = convert_hf.read_hf(str(tmp_path / "export"))
+  got = convert_hf.to_params(cfg, tensors)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), got, want)
+  # ... and not the import's: the stages moved it.
+  base = convert_hf.to_params(*convert_hf.read_hf(os.path.join(EXAMPLE, "model")))
+  assert np.abs(got["layers"]["block"]["attn"]["q"]
+                - base["layers"]["block"]["attn"]["q"]).max() > 1e-3
