@@ -23,7 +23,7 @@ A recipe (TOML) names the model, the root dir, the stages in order and the expor
     hf = "runs/chat/export"                  # the last stage's model, merged (HF format)
     adapter = "runs/chat/adapter"            # a LoRA last stage's adapter (PEFT format)
 
-Each stage runs `python -m spmdtask.main --exp=stages.<Kind> --job_log_dir=ROOT/<name>
+Relative paths are the recipe file's dir's. Each stage runs `python -m spmdtask.main --exp=stages.<Kind> --job_log_dir=ROOT/<name>
 --init_from=<the stage before, or the import> ...` as a subprocess, printed first so it
 stays runnable by hand; a stage whose job reached its last step (its `stage_done` file) is
 skipped, an interrupted one resumes (the same command resumes from its checkpoint). A
@@ -201,51 +201,57 @@ class Step:
 
 
 def steps(r: Recipe) -> list[Step]:
-  """The recipe's commands in order: the import, each stage's data and training, the export."""
-  root = os.path.abspath(r.root)
+  """The recipe's commands in order: the import, each stage's data and training, the export.
+  Relative paths are the recipe file's dir's."""
+  here = os.path.dirname(os.path.abspath(r.path))
+
+  def at(p: str) -> str:
+    return os.path.normpath(os.path.join(here, os.path.expanduser(p)))
+
+  root = at(r.root)
   out = []
-  start = os.path.abspath(r.job) if r.job else os.path.join(root, "import")
-  tokenizer = os.path.abspath(r.hf) if r.hf else start
+  start = at(r.job) if r.job else os.path.join(root, "import")
+  tokenizer = at(r.hf) if r.hf else start
   if r.hf:
     out.append(Step("import", ["tools/convert_hf.py", f"--from_hf={tokenizer}",
                                f"--job_log_dir={start}"],
                     os.path.join(start, "model_overrides.txt")))
   last = None
   for st in r.stages:
-    data = os.path.abspath(st.data) if st.data else None
+    data = at(st.data) if st.data else None
     if st.input is not None:
       data = os.path.join(root, f"{st.name}_data")
       length = [] if st.max_len is None else [f"{LENGTH_FLAG[st.kind]}={st.max_len}"]
       out.append(Step(f"{st.name} data", [
-          PREPARE[st.kind], f"--input={os.path.abspath(st.input)}", f"--tokenizer={tokenizer}",
+          PREPARE[st.kind], f"--input={at(st.input)}", f"--tokenizer={tokenizer}",
           f"--output_dir={data}", *length], os.path.join(data, "meta.json")))
     job = os.path.join(root, st.name)
     argv = ["-m", "spmdtask.main", f"--exp={KINDS[st.kind]}", f"--job_log_dir={job}",
             f"--init_from={start}", f"--data_dir={data}"]
     if st.lora_rank is not None:
       argv.append(f"--lora_rank={st.lora_rank}")
-    argv += [f"--reward={_absolute_reward(a)}" for a in st.reward]
+    argv += [f"--reward={_absolute_reward(a, at)}" for a in st.reward]
     argv += [f"--fdl_set={a}" for a in st.fdl_set]
     out.append(Step(st.name, argv, os.path.join(job, DONE_FILE), marks=True))
     start, last = job, st
   if r.export_hf:
-    hf = os.path.abspath(r.export_hf)
+    hf = at(r.export_hf)
     out.append(Step("export", ["tools/convert_hf.py", f"--job_log_dir={start}", f"--to_hf={hf}"]
                     + (["--merge_lora"] if last.lora_rank else []),
                     os.path.join(hf, "config.json")))
   if r.export_adapter and last.lora_rank:
-    adapter = os.path.abspath(r.export_adapter)
+    adapter = at(r.export_adapter)
     out.append(Step("adapter", ["tools/convert_hf.py", f"--job_log_dir={start}",
                                 f"--to_hf={adapter}"],
                     os.path.join(adapter, "adapter_config.json")))
   return out
 
 
-def _absolute_reward(spec: str) -> str:
-  """A reward of a user's file (PATH.py:FN[:WEIGHT]) with PATH absolute: the stage runs in
-  the repository, the recipe's paths are the user's."""
+def _absolute_reward(spec: str, at) -> str:
+  """A reward of a user's file (PATH.py:FN[:WEIGHT]) with PATH through `at` (absolute): the
+  stage runs in the repository, the recipe's paths are the recipe's."""
   path, sep, rest = spec.partition(".py:")
-  return f"{os.path.abspath(path + '.py')}{sep}{rest}" if sep else spec
+  return f"{at(path + '.py')}:{rest}" if sep else spec
 
 
 def shown(argv: list[str]) -> str:
@@ -255,7 +261,8 @@ def shown(argv: list[str]) -> str:
 
 def run(r: Recipe, repo: str) -> int:
   """Runs the recipe's steps not done yet, in order; the first failure's exit status."""
-  for step in steps(r):
+  todo = steps(r)
+  for step in todo:
     if os.path.exists(step.done):
       print(f"recipe: {step.what}: done ({step.done}); skipped", flush=True)
       continue
@@ -268,8 +275,9 @@ def run(r: Recipe, repo: str) -> int:
       return status
     if step.marks:
       fs.write_text(step.done, shown(step.argv) + "\n")
-  print(f"recipe: all {len(r.stages)} stage(s) done under {os.path.abspath(r.root)}",
-        flush=True)
+  last = [s for s in todo if s.marks][-1]
+  print(f"recipe: all {len(r.stages)} stage(s) done; the model is in "
+        f"{os.path.dirname(last.done)}", flush=True)
   return 0
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 
 import jax
 import numpy as np
@@ -193,3 +194,10 @@ hf = "{tmp_path}/export"
   base = convert_hf.to_params(*convert_hf.read_hf(os.path.join(EXAMPLE, "model")))
   assert np.abs(got["layers"]["block"]["attn"]["q"]
                 - base["layers"]["block"]["attn"]["q"]).max() > 1e-3
+
+
+def test_the_fine_tuning_page_shows_the_example_recipe():
+  page = open(os.path.join(h.REPO, "docs", "fine_tuning.md")).read()
+  shown_toml = page.split("```toml\n", 1)[1].split("```", 1)[0]
+  with open(os.path.join(EXAMPLE, "recipe.toml"), "rb") as f:
+    assert tomllib.loads(shown_toml) == tomllib.load(f)

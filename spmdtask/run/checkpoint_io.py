@@ -93,6 +93,15 @@ def _check_shapes(item: str, saved_metadata, expected, where: str) -> None:
   saved = _flat_shapes(saved_metadata.tree if hasattr(saved_metadata, "tree")
                        else saved_metadata)
   want = _flat_shapes(expected)
+  ranks = [sorted({v[0][-1] for k, v in t.items() if k.endswith(train_state.ADAPTER_SUFFIXES[0])})
+           for t in (saved, want)]
+  if item == "params" and all(len(r) == 1 for r in ranks) and ranks[0] != ranks[1]:
+    raise ConfigError(
+        f"task.model.lora.rank={ranks[1][0]}, the checkpoint's {ranks[0][0]} (at {where}): a "
+        "job's adapters keep their rank. Resume with task.model.lora.rank="
+        f"{ranks[0][0]} (--lora_rank={ranks[0][0]}), or train rank {ranks[1][0]} in a new "
+        "--job_log_dir started from this job (--init_from=THIS_JOB merges its adapters in); "
+        "nothing was changed.")
   count, shown = differences(saved, want, 20)
   if count:
     raise ConfigError(

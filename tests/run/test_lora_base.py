@@ -156,3 +156,9 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
   util.assert_trees_close(got, jax.device_get(want), atol=1e-6)
   wq = got["layers"]["block"]["attn"]["q"]
   assert np.abs(wq - base["layers"]["block"]["attn"]["q"]).max() > 1e-3  # the adapters moved it
+
+
+def test_a_resume_with_another_rank_names_both_ranks(lora):
+  with pytest.raises(ConfigError, match=r"^task.model.lora.rank=8, the checkpoint's 4 \(at .*"
+                     r"Resume with task.model.lora.rank=4 \(--lora_rank=4\)"):
+    checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.lora.rank=8"))
