@@ -4,6 +4,7 @@ DPO with LoRA from it -> GRPO with LoRA from that on a prompts file with a rewar
 user's file -> the merged export, SIGKILLed mid-DPO and rerun."""
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -65,7 +66,8 @@ def _exit_2(capsys, path: str) -> str:
     ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nfdl_set = ["x"]\n',
      ":7: [[stage]] #1 fdl_set holds 'x'; give path=value strings."),
     ('root = "R"\n[model\nhf = "M"\n', "is not valid TOML"),
-])
+], ids=["unknown_key", "kind", "no_root", "two_models", "no_max_len", "rank_type",
+        "reward_not_grpo", "same_name", "fdl_set", "toml"])
 def test_a_bad_key_is_exit_2_naming_it_and_its_line(tmp_path, capsys, body, want):
   path = _recipe(tmp_path, body.replace('"R"', f'"{tmp_path}/root"'))
   assert want in _exit_2(capsys, path)
@@ -112,30 +114,29 @@ def _params(job: str, program):
   return jax.device_get(program.to_canonical(checkpoints.restore_state(job, program)[0]).params)
 
 
-@pytest.mark.slow
-def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
-  root = tmp_path / "run"
+def _chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int, grpo_steps: int) -> str:
+  """A recipe: `model_dir` imported, SFT, DPO and GRPO with LoRA rank 4, a merged export."""
   (tmp_path / "my_rewards.py").write_text(REWARD)
   (tmp_path / "prompts.jsonl").write_text("".join(
       json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n"
       for a, b in ((1, 2), (3, 4), (2, 1), (5, 1))))
-  path = _recipe(tmp_path, f'''\
-root = "{root}"
+  return _recipe(tmp_path, f'''\
+root = "{tmp_path / 'run'}"
 [model]
-hf = "{EXAMPLE}/model"
+hf = "{model_dir}"
 [[stage]]
 kind = "sft"
 input = "{EXAMPLE}/conversations.jsonl"
 max_len = 96
 lora_rank = 4
-fdl_set = {json.dumps(EVERY_STEP + ["task.train.num_train_steps=8",
+fdl_set = {json.dumps(EVERY_STEP + [f"task.train.num_train_steps={sft_steps}",
                                      "task.train.learning_rate.peak_value=1e-2"])}
 [[stage]]
 kind = "dpo"
 input = "{PREFS}"
 max_len = 96
 lora_rank = 4
-fdl_set = {json.dumps(EVERY_STEP + ["task.train.num_train_steps=6",
+fdl_set = {json.dumps(EVERY_STEP + [f"task.train.num_train_steps={dpo_steps}",
                                      "task.train.save_interval_steps=2",
                                      "task.train.learning_rate.peak_value=1e-2"])}
 [[stage]]
@@ -143,12 +144,39 @@ kind = "grpo"
 input = "{tmp_path}/prompts.jsonl"
 lora_rank = 4
 reward = ["{tmp_path}/my_rewards.py:digits"]
-fdl_set = {json.dumps(EVERY_STEP + ["task.train.num_train_steps=2",
+fdl_set = {json.dumps(EVERY_STEP + [f"task.train.num_train_steps={grpo_steps}",
                                      "datasets['train'].batch_size=2",
                                      "task.objective.max_new_tokens=6"])}
 [export]
 hf = "{tmp_path}/export"
 ''')
+
+
+def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
+  """Losses fall, each reference is its start, the export is the last job merged."""
+  root = tmp_path / "run"
+  sft, dpo = (h.train_losses(str(root / n)) for n in ("sft", "dpo"))
+  assert sft[sft_steps] < sft[1] - 0.05, sft  # SFT learns the conversations
+  # DPO's reference is its start (SFT merged, the new adapters off): at step 1 the policy
+  # is the reference, so the loss is ln 2 exactly; it falls as the pairs are learned.
+  assert abs(dpo[1] - np.log(2)) < 1e-6 and dpo[dpo_steps] < dpo[1] - 1e-3, dpo
+  grpo = h.scalars(str(root / "grpo" / "summaries" / "train"))
+  assert grpo["kl"][1] < 1e-9 and np.isfinite(grpo["loss"][1]), grpo  # its reference: the start
+  # The export is the GRPO job's params with every stage's adapters merged in.
+  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4)
+  want = lora.merged(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
+  cfg, tensors = convert_hf.read_hf(str(tmp_path / "export"))
+  got = convert_hf.to_params(cfg, tensors)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), got, want)
+  base = convert_hf.to_params(*convert_hf.read_hf(model_dir))  # ... not the import's
+  assert max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base))
+             ) > 1e-3
+
+
+@pytest.mark.slow
+def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
+  root = tmp_path / "run"
+  path = _chain(tmp_path, f"{EXAMPLE}/model", 8, 6, 2)
   cmd = [sys.executable, "-m", "spmdtask.recipe", f"--recipe={path}"]
   # Killed (the whole process group, SIGKILL) once DPO committed its first checkpoint.
   proc = subprocess.Popen(cmd, env=h.env(1), cwd=h.REPO, start_new_session=True,
@@ -164,18 +192,13 @@ hf = "{tmp_path}/export"
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
   for step in ("import", "sft data", "sft", "dpo data"):  # finished: skipped
     assert f"recipe: {step}: done" in r.stdout, r.stdout[-3000:]
-  assert "Restored step 2" in r.stdout + r.stderr or "Resuming" in r.stdout, r.stdout[-3000:]
+  assert "Resuming from the checkpoint at step 2; training to step 6." in r.stdout, r.stdout[-3000:]
 
-  sft, dpo, grpo = (h.train_losses(str(root / n)) for n in ("sft", "dpo", "grpo"))
-  assert sft[8] < sft[1] - 0.5, sft  # SFT learns the conversations
-  # DPO's reference is its start (SFT merged, the new adapters off): at step 1 the policy
-  # is the reference, so the loss is ln 2 exactly; it falls as the pairs are learned.
-  assert abs(dpo[1] - np.log(2)) < 1e-6 and dpo[6] < dpo[1] - 0.05, dpo
-  assert abs(grpo[1]) < 1e-6 and np.isfinite(grpo[2]), grpo  # GRPO: ratio 1, KL 0 at step 1
+  _check_chain(tmp_path, f"{EXAMPLE}/model", 8, 6)
 
   # The resumed DPO ends where an uninterrupted run of the same command ends.
   again = str(tmp_path / "dpo_straight")
-  command = (root / "dpo" / recipe.DONE_FILE).read_text().split()[1:]
+  command = shlex.split((root / "dpo" / recipe.DONE_FILE).read_text())[1:]
   command = [a.replace(f"--job_log_dir={root}/dpo", f"--job_log_dir={again}") for a in command]
   s = subprocess.run([sys.executable, *command], env=h.env(1), cwd=h.REPO, capture_output=True,
                      text=True, timeout=900, check=False)
@@ -184,16 +207,19 @@ hf = "{tmp_path}/export"
   resumed, straight = _params(str(root / "dpo"), dpo_program), _params(again, dpo_program)
   jax.tree.map(np.testing.assert_array_equal, resumed, straight)  # bitwise
 
-  # The export is the GRPO job's params with every stage's adapters merged in.
-  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4)
-  want = lora.merged(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
-  cfg, tensors = convert_hf.read_hf(str(tmp_path / "export"))
-  got = convert_hf.to_params(cfg, tensors)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), got, want)
-  # ... and not the import's: the stages moved it.
-  base = convert_hf.to_params(*convert_hf.read_hf(os.path.join(EXAMPLE, "model")))
-  assert np.abs(got["layers"]["block"]["attn"]["q"]
-                - base["layers"]["block"]["attn"]["q"]).max() > 1e-3
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_the_chain_for_other_families(tmp_path, family):
+  """The same chain, fewer steps, on tiny Qwen3 and Qwen3-MoE chat models (tests/data/
+  tiny_chat_families: transformers' own, examples/tiny_chat's tokenizer and template)."""
+  model_dir = os.path.join(h.REPO, "tests", "data", "tiny_chat_families", family)
+  r = subprocess.run([sys.executable, "-m", "spmdtask.recipe",
+                      f"--recipe={_chain(tmp_path, model_dir, 3, 2, 1)}"],
+                     env=h.env(1), cwd=h.REPO, capture_output=True, text=True, timeout=1800,
+                     check=False)
+  assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
+  _check_chain(tmp_path, model_dir, 3, 2)
 
 
 def test_the_fine_tuning_page_shows_the_example_recipe():
