@@ -20,10 +20,11 @@ A recipe (TOML) names the model, the root dir, the stages in order and the expor
     input = "prompts.jsonl"                  # {"prompt": ..., "answer": ...} a line
     reward = ["my_rewards.py:exact:1.0"]     # --reward values (registered names too)
     [export]
-    hf = "runs/chat/export"                  # the last stage's model, merged (HF format)
-    adapter = "runs/chat/adapter"            # a LoRA last stage's adapter (PEFT format)
+    hf = "export"                            # the last stage's model, merged (HF format)
+    adapter = "adapter"                      # a LoRA last stage's adapter (PEFT format)
 
-Relative paths are the recipe file's dir's. Each stage runs `python -m spmdtask.main --exp=stages.<Kind> --job_log_dir=ROOT/<name>
+Relative paths are the recipe file's dir's, the export's ROOT's (`--root=DIR` replaces the
+recipe's root). Each stage runs `python -m spmdtask.main --exp=stages.<Kind> --job_log_dir=ROOT/<name>
 --init_from=<the stage before, or the import> ...` as a subprocess, printed first so it
 stays runnable by hand; a stage whose job reached its last step (its `stage_done` file) is
 skipped, an interrupted one resumes (the same command resumes from its checkpoint). A
@@ -210,6 +211,10 @@ def steps(r: Recipe) -> list[Step]:
 
   root = at(r.root)
   out = []
+
+  def under_root(p: str) -> str:
+    return os.path.normpath(os.path.join(root, os.path.expanduser(p)))
+
   start = at(r.job) if r.job else os.path.join(root, "import")
   tokenizer = at(r.hf) if r.hf else start
   if r.hf:
@@ -235,12 +240,12 @@ def steps(r: Recipe) -> list[Step]:
     out.append(Step(st.name, argv, os.path.join(job, DONE_FILE), marks=True))
     start, last = job, st
   if r.export_hf:
-    hf = at(r.export_hf)
+    hf = under_root(r.export_hf)
     out.append(Step("export", ["tools/convert_hf.py", f"--job_log_dir={start}", f"--to_hf={hf}"]
                     + (["--merge_lora"] if last.lora_rank else []),
                     os.path.join(hf, "config.json")))
   if r.export_adapter and last.lora_rank:
-    adapter = at(r.export_adapter)
+    adapter = under_root(r.export_adapter)
     out.append(Step("adapter", ["tools/convert_hf.py", f"--job_log_dir={start}",
                                 f"--to_hf={adapter}"],
                     os.path.join(adapter, "adapter_config.json")))
@@ -284,11 +289,14 @@ def run(r: Recipe, repo: str) -> int:
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--recipe", required=True, help="the recipe's TOML file")
+  parser.add_argument("--root", help="the job dirs' root in place of the recipe's `root`")
   parser.add_argument("--dry_run", action="store_true",
                       help="print the commands, run none")
   args = parser.parse_args(argv)
   try:
     recipe = load(args.recipe)
+    if args.root:
+      recipe.root = os.path.abspath(args.root)
   except ConfigError as e:
     print(f"recipe: config error: {e}", file=sys.stderr)
     sys.exit(2)
