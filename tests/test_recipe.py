@@ -18,7 +18,7 @@ import pytest
 from spmdtask import main, recipe, stage_start
 from spmdtask.core import program as program_lib
 from spmdtask.layers import lora
-from spmdtask.run import checkpoint_io, checkpoints
+from spmdtask.run import checkpoint_io, checkpoints, rollout
 from tests import subproc as h
 from tools import convert_hf
 
@@ -104,10 +104,10 @@ def _wait_for_checkpoint(directory: str, proc, seconds: float) -> int:
   raise AssertionError(f"no checkpoint in {directory} (exit {proc.poll()})")
 
 
-def _program(exp: str, init_from: str, rank: int):
-  run = main.build(main.resolved_config(exp, [], start=stage_start.read(init_from, None),
-                                        lora_rank=rank))
-  return program_lib.setup(run.task, run.datasets["train"].batch_at(0), jax.devices()[:1])
+def _program(exp: str, init_from: str, rank: int, data_dir: str | None = None):
+  run = main.build(main.resolved_config(exp, [], data_dir,
+                                        start=stage_start.read(init_from, None), lora_rank=rank))
+  return program_lib.setup(run.task, rollout.example(run), jax.devices()[:1])
 
 
 def _params(job: str, program):
@@ -163,7 +163,7 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
   grpo = h.scalars(str(root / "grpo" / "summaries" / "train"))
   assert grpo["kl"][1] < 1e-9 and np.isfinite(grpo["loss"][1]), grpo  # its reference: the start
   # The export is the GRPO job's params with every stage's adapters merged in.
-  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4)
+  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4, str(root / "grpo_data"))
   want = lora.merged(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
   cfg, tensors = convert_hf.read_hf(str(tmp_path / "export"))
   got = convert_hf.to_params(cfg, tensors)
