@@ -10,8 +10,11 @@ import functools
 import fiddle as fdl
 import optax
 
+from configs.deepseek import DeepSeekImport
+from configs.gemma3 import Gemma3Import
 from configs.llama import LLAMA3_VOCAB, LLAMA31_SCALING, LlamaImport, _Llama, llama_model
-from configs.moe import Mixtral_8x7B
+from configs.moe import MoeImport, Mixtral_8x7B
+from configs.qwen3 import Qwen3Import
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.transformer import TransformerLm
 from spmdtask.registry import register
@@ -141,8 +144,36 @@ class LlamaLoraImport(LlamaImport):
     cfg.train.eval_interval_steps = 50
     return cfg
 
+  lora_targets = ("q", "k", "v", "o", "wi", "wg", "wo")
+
   def model(self):
     cfg = super().model()
-    cfg.lora = fdl.Config(LoraConfig, rank=8, alpha=16.0,
-                          targets=("q", "k", "v", "o", "wi", "wg", "wo"))
+    cfg.lora = fdl.Config(LoraConfig, rank=8, alpha=16.0, targets=self.lora_targets)
     return cfg
+
+
+# Each imported family's LoRA experiment (hf families' `lora_experiment`): its import
+# experiment with LlamaLoraImport's adapters and schedule; the import's model_overrides.txt
+# sets the adapters' fields (the defaults here: every weight PEFT can adapt in it).
+@register
+class Qwen3LoraImport(LlamaLoraImport, Qwen3Import):
+  """Qwen3Import with LoRA adapters (as LlamaLoraImport)."""
+
+
+@register
+class Gemma3LoraImport(LlamaLoraImport, Gemma3Import):
+  """Gemma3Import with LoRA adapters (as LlamaLoraImport; the GeGLU gate wg included)."""
+
+
+@register
+class MoeLoraImport(LlamaLoraImport, MoeImport):
+  """MoeImport (Mixtral, Qwen3-MoE) with LoRA adapters on attention (as LlamaLoraImport);
+  `experts` (the routed experts) trains and merges but has no PEFT adapter form."""
+  lora_targets = ("q", "k", "v", "o")
+
+
+@register
+class DeepSeekLoraImport(LlamaLoraImport, DeepSeekImport):
+  """DeepSeekImport with LoRA adapters on multi-head latent attention's projections (a
+  direct q, or q_down and q_up with q_lora_rank), as LlamaLoraImport."""
+  lora_targets = ("q", "kv_down", "kv_up", "o")

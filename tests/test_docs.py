@@ -29,9 +29,12 @@ from absl import flags
 
 from spmdtask import registry
 from spmdtask.errors import ConfigError
+from spmdtask.hf import files, model_overrides, peft
+from spmdtask.hf.jobs import checkpoints as hf_checkpoints
+from spmdtask.hf.jobs import imports
 from spmdtask.run import checkpoints
 from tests import subproc as h
-from tools import convert_hf, docs_check, hf_lora
+from tools import docs_check
 
 PAGES = docs_check.pages(h.REPO)
 
@@ -206,7 +209,7 @@ def _recipe(tmp: str, stdout: str) -> None:
   assert stdout.count("  prompt ") == 4
 
   # The adapter: PEFT's keys and shapes, rank 8, trained (B no longer 0).
-  cfg, tensors = hf_lora.read(adapter)
+  cfg, tensors = peft.read(adapter)
   assert cfg["r"] == 8 and cfg["lora_alpha"] == 16.0
   assert {k: v.shape for k, v in tensors.items()} == _peft_shapes()
   assert all(np.abs(v).max() > 0 for k, v in tensors.items() if "lora_B" in k)
@@ -215,18 +218,19 @@ def _recipe(tmp: str, stdout: str) -> None:
   # restored, its frozen params are the import's, bit for bit.
   meta = checkpoints.read_meta(lora)
   assert meta["params_held"] == "adapters" and meta["lora_base"]["dir"].endswith("base"), meta
-  hf_cfg = convert_hf.read_hf(model)[0]
-  imported = convert_hf.read_checkpoint(base, convert_hf.overrides(hf_cfg), "llama.LlamaImport")
-  trained = convert_hf.read_checkpoint(lora, convert_hf.overrides(
-      hf_cfg, lora=hf_lora.lora_fields(cfg, adapter)), "finetune.LlamaLoraImport")
+  hf_cfg = files.read_hf(model)[0]
+  imported = hf_checkpoints.read_checkpoint(base, model_overrides.overrides(hf_cfg),
+                                            "llama.LlamaImport")
+  trained = hf_checkpoints.read_checkpoint(lora, model_overrides.overrides(
+      hf_cfg, lora=peft.lora_fields(hf_cfg, cfg, adapter)), "finetune.LlamaLoraImport")
   flat_base, flat_lora = dict(_flatten(imported)), dict(_flatten(trained))
   assert set(flat_base) < set(flat_lora)
   for path, value in flat_base.items():
     assert flat_lora[path].dtype == value.dtype and flat_lora[path].tobytes() == value.tobytes(), path
   # The exported adapter read back (--from_hf --adapter) is the trained one.
   again = os.path.join(out, "again")
-  back = convert_hf.read_checkpoint(again, convert_hf.from_hf(model, again, adapter),
-                                    "finetune.LlamaLoraImport")
+  back = hf_checkpoints.read_checkpoint(again, imports.from_hf(model, again, adapter),
+                                        "finetune.LlamaLoraImport")
   for path, value in _flatten(back):
     np.testing.assert_allclose(value, flat_lora[path], rtol=0, atol=1e-6, err_msg=path)
 

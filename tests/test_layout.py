@@ -23,9 +23,12 @@ MAY_IMPORT = {
     "pipeline": {SHARED, "core"},
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
     "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
+    "hf": {SHARED, "core", "layers"},  # Hugging Face names and layouts: pure mapping
     # layers: --lora_rank gives the resolved model LoRA on the weights it has (stage_start)
     "entry": {SHARED, "core", "task", "inputs", "layers", "plan", "pipeline",
               "pipeline.schedules", "pipeline.mpmd", "run", "objectives"},
+    # HF dirs as job dirs: the mapping, checkpoints (run), config resolution (entry).
+    "hf.jobs": {SHARED, "core", "hf", "run", "entry"},
 }
 TOP = {"errors": SHARED, "fs": SHARED, "console": SHARED, "native_output": SHARED,
        "task": "task", "main": "entry", "registry": "entry", "experiment": "entry",
@@ -51,6 +54,8 @@ def room(module: str) -> str:
     return TOP[parts[0]]
   if parts[0] == "pipeline" and len(parts) > 1 and parts[1] in ("mpmd", "schedules"):
     return f"pipeline.{parts[1]}"
+  if parts[0] == "hf" and len(parts) > 1 and parts[1] == "jobs":
+    return "hf.jobs"
   return parts[0]
 
 
@@ -109,6 +114,7 @@ def test_the_rule_catches_an_upward_import():
   assert "run" not in MAY_IMPORT[room("spmdtask.core.mesh")]
   assert room("spmdtask.pipeline.mpmd.runner") == "pipeline.mpmd"
   assert room("spmdtask.pipeline.spmd") == "pipeline"
+  assert room("spmdtask.hf.jobs.imports") == "hf.jobs" and room("spmdtask.hf.llama") == "hf"
 
 
 def test_the_import_graph_has_no_cycle():
@@ -122,7 +128,7 @@ def test_the_import_graph_has_no_cycle():
 
 def test_no_framework_module_imports_a_model_family_or_a_config():
   for mod, path in modules().items():
-    if room(mod) == "layers":
+    if room(mod) in ("layers", "hf"):  # hf maps HF families onto the layers' models
       continue
     tree = ast.parse(open(os.path.join(REPO, path)).read())
     for node in ast.walk(tree):
@@ -135,7 +141,7 @@ def test_folders_are_the_architecture():
   top = sorted(f for f in os.listdir(os.path.join(REPO, "spmdtask")) if f.endswith(".py"))
   assert len(top) <= 10, top
   for package in ("core", "run", "plan", "layers", "inputs", "pipeline", "pipeline/mpmd",
-                  "pipeline/schedules"):
+                  "pipeline/schedules", "hf", "hf/jobs"):
     init = os.path.join(REPO, "spmdtask", package, "__init__.py")
     doc = ast.get_docstring(ast.parse(open(init).read()))
     assert doc and "Imports:" in doc, f"{init}: its docstring says what lives there and imports"

@@ -20,7 +20,7 @@ from spmdtask.core import program as program_lib
 from spmdtask.layers import lora
 from spmdtask.run import checkpoint_io, checkpoints, rollout
 from tests import subproc as h
-from tools import convert_hf
+from spmdtask.hf import convert, files
 
 EXAMPLE = os.path.join(h.REPO, "examples", "tiny_chat")
 PREFS = os.path.join(h.REPO, "tests", "tools", "data", "dpo", "prefs.jsonl")
@@ -165,10 +165,10 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
   # The export is the GRPO job's params with every stage's adapters merged in.
   grpo_program = _program("stages.Grpo", str(root / "dpo"), 4, str(root / "grpo_data"))
   want = lora.merged(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
-  cfg, tensors = convert_hf.read_hf(str(tmp_path / "export"))
-  got = convert_hf.to_params(cfg, tensors)
+  cfg, tensors = files.read_hf(str(tmp_path / "export"))
+  got = convert.to_params(cfg, tensors)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), got, want)
-  base = convert_hf.to_params(*convert_hf.read_hf(model_dir))  # ... not the import's
+  base = convert.to_params(*files.read_hf(model_dir))  # ... not the import's
   assert max(np.abs(a - b).max() for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(base))
              ) > 1e-3
 

@@ -1,5 +1,5 @@
 """The documented Llama command, kept: `python tools/convert_llama.py --from_hf=... ` runs
-tools/convert_hf.py (Llama, Mixtral and Qwen3-MoE checkpoints), whose names it re-exports."""
+tools/convert_hf.py (every family it reads)."""
 import os
 import sys
 
@@ -8,10 +8,8 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   from spmdtask import console  # pylint: disable=wrong-import-position
   console.start_tool()
 
-# pylint: disable=wrong-import-position,unused-import
-from tools.convert_hf import (EXP, OVERRIDES_FILE, SOURCE_FILE, TOKENIZER_FILES, experiment,
-                              from_hf, from_params, main, overrides, published_experiment,
-                              read_checkpoint, read_hf, to_hf, to_params, write_checkpoint)
+# pylint: disable=wrong-import-position
+from tools.convert_hf import main
 
 if __name__ == "__main__":
   main()

@@ -164,7 +164,8 @@ class Block(nn.Module):
     h = self._norm("attn_norm")(x)
     if self.mla is not None:
       h, cache = Mla(self.d_model, self.num_heads, self.mla, self.rope_theta, self.dtype, w,
-                     a.heads, self.attention_impl, name="attn")(h, positions, segment_ids, cache)
+                     a.heads, self.attention_impl, self.lora, name="attn")(
+                         h, positions, segment_ids, cache, self._lora_drop(dropout_key, row_ids))
       h = self._post_norm(h, "attn_post_norm")
       return constrain(x + self._dropout(h, dropout_key, row_ids, 0), a.embed), cache
     h, cache = Attention(self.d_model, self.num_heads, self.num_kv_heads, self.head_dim,

@@ -44,9 +44,14 @@ def _validate_moe(model, mesh_shape) -> None:
 
 def lora_weights(model) -> tuple[str, ...]:
   """The LoRA targets (layers.lora.TARGETS) this model has a weight for."""
-  mlp = lora_lib.MLP if model.mlp_activation == "swiglu" else ("wi", "wo")
+  # A gated MLP (SwiGLU, Gemma's GeGLU) has a gate wg; plain GELU none.
+  mlp = lora_lib.MLP if model.mlp_activation in block.GATED else ("wi", "wo")
   dense_mlp = model.moe is None or model.moe.first_moe_layer > 0 or model.moe.shared_ff
-  return lora_lib.ATTENTION + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
+  mla = model.mla
+  attention = (lora_lib.ATTENTION if mla is None else
+               ("q_down", "q_up") if mla.q_lora_rank else ("q",)) + (
+                   () if mla is None else ("kv_down", "kv_up", "o"))
+  return attention + (mlp if dense_mlp else ()) + (("experts",) if model.moe else ())
 
 
 def _validate_lora(model) -> None:
@@ -54,6 +59,33 @@ def _validate_lora(model) -> None:
   if model.lora is None:
     return
   model.lora.validate(lora_weights(model))
+  rank, sizes = model.lora.rank, _lora_sizes(model)
+  # The target whose weight is narrowest: its bound holds for every target.
+  target, (n_in, n_out) = min(((t, min(sizes[t], key=min)) for t in model.lora.targets),
+                              key=lambda x: min(x[1]))
+  if rank > min(n_in, n_out):
+    raise ConfigError(
+        f"{lora_lib.FIELD}.rank={rank}: rank {rank} > {min(n_in, n_out)}, the smaller dim "
+        f"of {target} in this model ({n_in} in x {n_out} out): A·B of a larger rank is no "
+        f"more than a full-rank update. Give a rank <= {min(n_in, n_out)} (e.g. 8 or 16).")
+
+
+def _lora_sizes(model) -> dict[str, list[tuple[int, int]]]:
+  """LoRA target -> (in, out) sizes of each weight it adapts (dims flattened)."""
+  d, h, kv, hd, moe, mla = (model.d_model, model.num_heads, model.num_kv_heads,
+                            model.head_dim, model.moe, model.mla)
+  ffs = [model.d_ff] if moe is None or moe.first_moe_layer > 0 else []
+  ffs += [moe.shared_ff] if moe is not None and moe.shared_ff else []
+  out = {"q": [(d, h * hd)], "k": [(d, kv * hd)], "v": [(d, kv * hd)], "o": [(h * hd, d)],
+         "wi": [(d, f) for f in ffs], "wg": [(d, f) for f in ffs], "wo": [(f, d) for f in ffs],
+         "experts": [] if moe is None else [(d, moe.d_ff), (moe.d_ff, d)]}
+  if mla is not None:
+    q = mla.q_lora_rank
+    out.update(q=[(d, h * mla.qk_head_dim)], o=[(h * mla.v_head_dim, d)],
+               kv_down=[(d, mla.kv_lora_rank + mla.qk_rope_head_dim)],
+               kv_up=[(mla.kv_lora_rank, h * (mla.qk_nope_head_dim + mla.v_head_dim))],
+               q_down=[(d, q or 1)], q_up=[(q or 1, h * mla.qk_head_dim)])
+  return out
 
 
 def _validate_mla(model, mesh_shape) -> None:
@@ -65,9 +97,6 @@ def _validate_mla(model, mesh_shape) -> None:
     raise ConfigError("task.model.mla has its own latent norms and RoPE scaling "
                       "(task.model.mla.rope_scaling): set task.model.qk_norm=False and "
                       "task.model.rope_scaling=None.")
-  if model.lora is not None:
-    raise ConfigError("task.model.lora with task.model.mla: LoRA adapters on multi-head "
-                      "latent attention are not supported yet; set task.model.lora=None.")
   if model.quantization is not None:
     raise ConfigError(f"task.model.quantization={model.quantization!r} with task.model.mla: "
                       "multi-head latent attention's projections are not quantized yet; set "

@@ -10,6 +10,10 @@ the base weight's FSDP gather in `base.project` is unchanged). Init as PEFT's: A
 kaiming-uniform (±1/sqrt(fan_in), fan_in the in-dims' product), B zero, so a fresh adapter
 changes nothing.
 
+Multi-head latent attention (layers.attention.mla) has its own targets beside `o` (and
+`q`, its direct query without q_lora_rank): `q_down`, `q_up`, `kv_down`, `kv_up`; at decode
+`kv_up` is absorbed, so its effective weight W + (alpha / r)·A·B is formed (`effective`).
+
 The target `experts` adapts an MoE's routed wi, wg and wo, all three (`expert_adapters`):
 per expert e, A [e, in, r] and B [e, r, out] (e a batch dim, split as W's expert entry;
 A's in and B's out as W's), applied to each expert's rows in the dispatch's own grouped
@@ -40,7 +44,8 @@ from spmdtask.layers.base import SplitDims
 FIELD = "task.model.lora"
 ATTENTION = ("q", "k", "v", "o")
 MLP = ("wi", "wg", "wo")
-TARGETS = ATTENTION + MLP + ("experts",)  # experts: an MoE's routed wi/wg/wo
+MLA = ("q_down", "q_up", "kv_down", "kv_up")  # multi-head latent attention's own (with q, o)
+TARGETS = ATTENTION + MLP + ("experts",) + MLA  # experts: an MoE's routed wi/wg/wo
 BASE_DTYPES = ("float32", "bfloat16")
 
 
@@ -77,7 +82,8 @@ class LoraConfig:
       raise ConfigError(
           f"{FIELD}.targets={targets!r}: {bad[0]!r} matches no weight of this model. Name a "
           f"non-empty tuple of {', '.join(weights)} (of LoRA's {', '.join(TARGETS)}: "
-          "q, k, v, o attention; wi, wg, wo the dense MLP; experts an MoE's routed experts).")
+          "q, k, v, o attention; wi, wg, wo the dense MLP; experts an MoE's routed experts; "
+          "q_down, q_up, kv_down, kv_up multi-head latent attention's, beside its q and o).")
     if self.base_dtype not in BASE_DTYPES:
       raise ConfigError(f"{FIELD}.base_dtype={self.base_dtype!r}: the frozen weights are "
                         f"stored in {' or '.join(BASE_DTYPES)}.")
@@ -125,17 +131,9 @@ def project(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array,
     return y
   ins, out = eqn.split("->")
   x_dims, w_dims = ins.split(",")
-  n_in = sum(c in x_dims for c in w_dims)
+  n_in = _in_dims(eqn)
   r = next(c for c in "rzyxw" if c not in eqn)
-  fan_in = math.prod(w.shape[:n_in])
-  bound = 1.0 / math.sqrt(fan_in)
-  a = module.param(f"{name}{ADAPTER_SUFFIXES[0]}",
-                   nn.with_partitioning(_uniform(bound), tuple(w_split[:n_in]) + (None,)),
-                   tuple(w.shape[:n_in]) + (cfg.rank,), jnp.float32)
-  b = module.param(f"{name}{ADAPTER_SUFFIXES[1]}",
-                   nn.with_partitioning(nn.initializers.zeros,
-                                        (None,) + tuple(w_split[n_in:])),
-                   (cfg.rank,) + tuple(w.shape[n_in:]), jnp.float32)
+  a, b = _adapters(module, name, w, n_in, cfg, w_split)
   xd = x.astype(dtype)
   if drop is not None and cfg.dropout:
     xd = base.dropout(xd, cfg.dropout, drop.key, drop.row_ids, 2 + TARGETS.index(name))
@@ -152,6 +150,39 @@ def project(module: nn.Module, name: str, eqn: str, x: jax.Array, w: jax.Array,
     h = base.constrain(h, (rows,) + (None,) * (h.ndim - 1))
   delta = jnp.einsum(f"{mid},{r}{w_dims[n_in:]}->{out}", h, b)
   return y + (delta * jnp.asarray(cfg.scale, dtype)).astype(y.dtype)
+
+
+def effective(module: nn.Module, name: str, eqn: str, w: jax.Array, cfg: LoraConfig | None
+              ) -> jax.Array:
+  """W + (alpha / r)·A·B of weight `name` where `cfg` targets it (its adapters made here as
+  `project` makes them, `eqn` the same), else W: for a weight used other than as `x·W`."""
+  if cfg is None or name not in cfg.targets:
+    return w
+  n_in = _in_dims(eqn)
+  a, b = _adapters(module, name, w, n_in, cfg)
+  ab = jnp.einsum("ir,ro->io", a.reshape(-1, cfg.rank), b.reshape(cfg.rank, -1))
+  return w + (jnp.float32(cfg.scale) * ab).reshape(w.shape).astype(w.dtype)
+
+
+def _in_dims(eqn: str) -> int:
+  """How many of an `x,w->y` eqn's weight dims x contracts with (W's in-dims, first)."""
+  x_dims, w_dims = eqn.split("->")[0].split(",")
+  return sum(c in x_dims for c in w_dims)
+
+
+def _adapters(module: nn.Module, name: str, w: jax.Array, n_in: int, cfg: LoraConfig,
+              w_split: SplitDims | None = None) -> tuple[jax.Array, jax.Array]:
+  """(A [*in, r], B [r, *out]) of weight `name`, made beside it (module doc's init)."""
+  w_split = (None,) * w.ndim if w_split is None else w_split
+  bound = 1.0 / math.sqrt(math.prod(w.shape[:n_in]))
+  a = module.param(f"{name}{ADAPTER_SUFFIXES[0]}",
+                   nn.with_partitioning(_uniform(bound), tuple(w_split[:n_in]) + (None,)),
+                   tuple(w.shape[:n_in]) + (cfg.rank,), jnp.float32)
+  b = module.param(f"{name}{ADAPTER_SUFFIXES[1]}",
+                   nn.with_partitioning(nn.initializers.zeros,
+                                        (None,) + tuple(w_split[n_in:])),
+                   (cfg.rank,) + tuple(w.shape[n_in:]), jnp.float32)
+  return a, b
 
 
 class ExpertAdapters(NamedTuple):

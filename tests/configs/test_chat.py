@@ -12,7 +12,8 @@ from spmdtask.inputs.prompts import ChatPromptInput, SyntheticPromptInput
 from spmdtask.inputs.text import PackedLmInput
 from tests import util
 from tests.subproc import REPO
-from tools import convert_hf, prepare_chat_data
+from spmdtask.hf import files, model_overrides
+from tools import prepare_chat_data
 
 EXAMPLE = os.path.join(REPO, "examples", "tiny_chat")
 PROMPTS = os.path.join(EXAMPLE, "prompts.jsonl")
@@ -30,7 +31,7 @@ def chat_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model_lines():
   """The tiny model's model_overrides.txt lines (its eos: 6, as its end of turn)."""
-  return convert_hf.overrides(convert_hf.read_hf(os.path.join(EXAMPLE, "model"))[0])
+  return model_overrides.overrides(files.read_hf(os.path.join(EXAMPLE, "model"))[0])
 
 
 def _build(exp, lines, data_dir=None, chat_prompts=None):

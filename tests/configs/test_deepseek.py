@@ -72,10 +72,10 @@ V3 = {"model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
 
 
 def test_the_converter_names_the_experiment_of_each_published_hf_config():
-  from tools import convert_hf  # pylint: disable=import-outside-toplevel
-  assert convert_hf.published_experiment(V2L) == "deepseek.DeepSeekV2Lite"
-  assert convert_hf.published_experiment(V3) == "deepseek.DeepSeekV3Mtp"  # its MTP layer
-  assert convert_hf.published_experiment(dict(V3, num_nextn_predict_layers=0)) == \
+  from spmdtask.hf.jobs import published  # pylint: disable=import-outside-toplevel
+  assert published.published_experiment(V2L) == "deepseek.DeepSeekV2Lite"
+  assert published.published_experiment(V3) == "deepseek.DeepSeekV3Mtp"  # its MTP layer
+  assert published.published_experiment(dict(V3, num_nextn_predict_layers=0)) == \
       "deepseek.DeepSeekV3"
 
 

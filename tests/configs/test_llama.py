@@ -116,12 +116,12 @@ HF_CONFIGS = {
 
 
 def test_each_experiment_is_its_published_hf_config():
-  """Every model field (eps, θ, scaling, context, tying) equals what convert_llama reads from
+  """Every model field (eps, θ, scaling, context, tying) equals what spmdtask.hf reads from
   the published config.json; the converter names that experiment."""
-  from tools import convert_llama  # pylint: disable=g-import-not-at-top
+  from spmdtask.hf.jobs import published  # pylint: disable=g-import-not-at-top
   for name, cfg in HF_CONFIGS.items():
-    assert convert_llama.published_experiment(cfg) == f"llama.{name}", name
-  assert convert_llama.published_experiment({**HF_CONFIGS["Llama3_8B"], "rms_norm_eps": 1e-6}) \
+    assert published.published_experiment(cfg) == f"llama.{name}", name
+  assert published.published_experiment({**HF_CONFIGS["Llama3_8B"], "rms_norm_eps": 1e-6}) \
       is None
 
 

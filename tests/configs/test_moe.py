@@ -150,9 +150,9 @@ HF_CONFIGS = {
 
 
 def test_the_converter_names_the_experiment_of_each_published_hf_config():
-  from tools import convert_hf  # pylint: disable=import-outside-toplevel
+  from spmdtask.hf.jobs import published  # pylint: disable=import-outside-toplevel
   for name, cfg in HF_CONFIGS.items():
-    assert convert_hf.published_experiment(cfg) == f"moe.{name}", name
+    assert published.published_experiment(cfg) == f"moe.{name}", name
 
 
 def test_mixtral_activations_hold_each_tokens_top_k_expert_rows():

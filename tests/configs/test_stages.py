@@ -14,7 +14,8 @@ from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
 from spmdtask.run import loop
 from tests import subproc as h
-from tools import convert_hf
+from spmdtask.hf import families, model_overrides
+from spmdtask.hf.jobs import imports
 
 DATA = os.path.join(h.REPO, "tests", "tools", "data")
 FAMILIES = ("llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_v3")
@@ -41,8 +42,8 @@ def _pairs_dir(path: str) -> dict:
 
 def test_dpo_from_an_import_with_another_import_as_reference_equals_trl(tmp_path):
   policy, reference, pairs = (str(tmp_path / d) for d in ("policy", "reference", "pairs"))
-  convert_hf.from_hf(os.path.join(DATA, "llama"), policy)
-  convert_hf.from_hf(os.path.join(DATA, "dpo", "reference"), reference)
+  imports.from_hf(os.path.join(DATA, "llama"), policy)
+  imports.from_hf(os.path.join(DATA, "dpo", "reference"), reference)
   fix = _pairs_dir(pairs)
   # docs/dpo.md's command: --exp=stages.Dpo --init_from=POLICY --data_dir=PAIRS
   #   --fdl_set=task.objective.reference_checkpoint_dir='REFERENCE'
@@ -62,8 +63,8 @@ def test_dpo_from_an_import_with_another_import_as_reference_equals_trl(tmp_path
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_family_is_built_from_its_model_overrides_alone(family):
   cfg = json.load(open(os.path.join(DATA, family, "config.json")))
-  lines = convert_hf.overrides(cfg)
-  want = fdl.build(main.resolved_config(convert_hf.experiment(cfg), lines).task.model)
+  lines = model_overrides.overrides(cfg)
+  want = fdl.build(main.resolved_config(families.experiment(cfg), lines).task.model)
   for exp in ("stages.Sft", "stages.Dpo", "stages.Grpo"):
     got = main.resolved_config(exp, [], start=stage_start.Start(family, lines))
     assert fdl.build(got.task.model) == want, (family, exp)
@@ -75,7 +76,7 @@ def test_each_family_is_built_from_its_model_overrides_alone(family):
 def test_lora_rank_adapts_every_weight_the_family_has():
   cfg = json.load(open(os.path.join(DATA, "mixtral", "config.json")))
   run = fdl.build(main.resolved_config("stages.Sft", [], start=stage_start.Start(
-      "mixtral", convert_hf.overrides(cfg)), lora_rank=4))
+      "mixtral", model_overrides.overrides(cfg)), lora_rank=4))
   assert (run.task.model.lora.rank, run.task.model.lora.alpha) == (4, 8.0)
   assert run.task.model.lora.targets == ("q", "k", "v", "o", "experts")
 

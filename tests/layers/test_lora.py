@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from configs import lm
+from configs import deepseek, lm
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
 from spmdtask.layers.lora import LoraConfig
@@ -120,10 +120,95 @@ def test_bad_lora_fields_are_config_errors(field, value, match):
     model.validate(_mesh(), 2)
 
 
-def test_a_gelu_mlp_has_no_wg_to_adapt():
+def test_a_rank_above_a_targets_smaller_dim_is_refused():
+  """k [16 in, 1 x 8 out]: rank 8 fits, 9 does not; MLA's kv_up [16 latent, ...] alike."""
+  _model(rank=8).validate(_mesh(), 2)
+  with pytest.raises(ConfigError, match=r"lora.rank=9: rank 9 > 8, the smaller dim of k in "
+                     r"this model \(16 in x 8 out\).*rank <= 8"):
+    _model(rank=9).validate(_mesh(), 2)
+  model = _mla_model(32, ("kv_up",))
+  with pytest.raises(ConfigError, match=r"rank 20 > 16, the smaller dim of kv_up"):
+    model.clone(lora=LoraConfig(rank=20, alpha=1.0, targets=("kv_up",))).validate(_mesh(), 2)
+
+
+def test_a_gelu_mlp_has_no_wg_to_adapt_a_gated_one_has():
   model = _model().clone(mlp_activation="gelu")
   with pytest.raises(ConfigError, match=r"'wg' matches no weight"):
     model.validate(_mesh(), 2)
+  _model().clone(mlp_activation="geglu").validate(_mesh(), 2)  # Gemma's gate
+
+
+def _mla_model(q_lora_rank, targets):
+  """tiny_v3's MLA (3 dense layers) with LoRA adapters on `targets`."""
+  cfg = deepseek.tiny_v3(vocab_size=32)
+  cfg.mla.q_lora_rank = q_lora_rank
+  cfg.moe, cfg.remat_policy = None, None
+  cfg.lora = fdl.Config(LoraConfig, rank=4, alpha=3.0, targets=targets)
+  return fdl.build(cfg)
+
+
+MLA_V3 = ("q_down", "q_up", "kv_down", "kv_up", "o")
+
+
+@pytest.mark.parametrize("q_lora_rank,targets,match", [
+    (None, ("q_down",), r"'q_down' matches no weight of this model.*q, kv_down, kv_up, o"),
+    (32, ("q",), r"'q' matches no weight.*q_down, q_up, kv_down, kv_up, o"),
+    (32, ("k",), r"'k' matches no weight"),
+])
+def test_mla_targets_are_its_own_projections(q_lora_rank, targets, match):
+  with pytest.raises(ConfigError, match=match):
+    _mla_model(q_lora_rank, targets).validate(_mesh(), 2)
+
+
+def _with_random_b(boxed):
+  return jax.tree_util.tree_map_with_path(
+      lambda p, x: 0.3 * jax.random.normal(jax.random.key(len(str(p))), x.shape)
+      if p[-1].key.endswith("_lora_b") else x, nn.unbox(boxed))
+
+
+def _merged(params, scale):
+  """Every adapted weight W + scale·A·B (in-dims, out-dims flattened; experts per expert)
+  and the adapters dropped: a plain model's params."""
+  def walk(tree):
+    out = {k: walk(v) if isinstance(v, dict) else v for k, v in tree.items()}
+    for key in [k for k in out if k.endswith("_lora_a")]:
+      name = key.removesuffix("_lora_a")
+      a, b, w = out.pop(key), out.pop(name + "_lora_b"), out[name]
+      n_lead = 2 if name in ("wi", "wg", "wo") and w.ndim == 4 else 1  # [L, E, ...] experts
+      r = a.shape[-1]
+      a2 = a.reshape(*a.shape[:n_lead], -1, r)
+      b2 = b.reshape(*b.shape[:n_lead], r, -1)
+      ab = jnp.einsum("...ir,...ro->...io", a2, b2)
+      out[name] = w + scale * ab.reshape(w.shape)
+    return out
+  return walk(params)
+
+
+def test_mla_adapters_add_alpha_over_rank_times_a_b_and_decode_absorbs_them():
+  """Random adapters on MLA's projections and the MLPs: the LoRA model's logits equal the
+  plain model's with each targeted W + (alpha / r)·A·B, over a full forward and through
+  the latent cache (kv_up absorbed). (V2's direct q: the deepseek_v2 PEFT fixture,
+  tests/hf; routed experts: the MoE test above.)"""
+  model = _mla_model(32, MLA_V3 + ("wi", "wg", "wo"))
+  tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 32)
+  boxed = model.init(jax.random.key(0), tokens)["params"]
+  attn = boxed["layers"]["block"]["attn"]
+  assert attn["kv_up_lora_a"].value.shape == (3, 16, 4)  # [L, kv_lora_rank, r]
+  assert attn["kv_up_lora_b"].value.shape[1:] == (4, 4, 16)  # [r, h, nope + v]
+  assert attn["kv_up_lora_b"].names == (None, None, "model", None)
+  assert attn["o_lora_a"].value.shape[1:] == (4, 8, 4)  # [h, v, r]
+  assert not np.any(np.asarray(attn["kv_down_lora_b"].value))
+  params = _with_random_b(boxed)
+  plain = model.clone(lora=None)
+  merged = _merged(params, 3.0 / 4)
+  lora_apply = jax.jit(lambda p: model.apply({"params": p}, tokens))
+  got, want = lora_apply(params), jax.jit(lambda p: plain.apply({"params": p}, tokens))(merged)
+  assert float(jnp.abs(got - lora_apply(nn.unbox(boxed))).max()) > 0.1  # adapters matter
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5)
+  cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), model.cache_shape(2, 6))
+  cached, _ = jax.jit(lambda p, t, c: model.apply(
+      {"params": p}, t, jnp.broadcast_to(jnp.arange(6), (2, 6)), c))(params, tokens, cache)
+  np.testing.assert_allclose(cached, want, rtol=1e-5, atol=2e-5)
 
 
 def test_experts_are_a_target_of_moe_models_only():
@@ -368,3 +453,22 @@ def test_expert_adapter_grads_equal_over_ff_slices_and_remat():
   for (want_value, want), (value, grads) in got:
     np.testing.assert_allclose(value, want_value, rtol=1e-5)
     util.assert_trees_close(grads, want, terms=48)
+
+
+def _mla_lora(cfg):
+  cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, dropout=0.1,
+                                   targets=MLA_V3 + ("wi", "wg", "wo", "experts"))
+
+
+@pytest.mark.slow
+def test_mla_lora_on_8_devices_equals_one_device():
+  """TinyDeepSeekV3 (MLA with a latent q, a dense layer, then MoE layers with a shared
+  expert) with adapters on MLA's projections, the dense and shared MLPs and the routed
+  experts, adapter dropout 0.1: expert 2 x fsdp 2 x tensor 2 equals one device."""
+  small = ["datasets['train'].batch_size=8", "datasets['train'].seq_len=32"]
+  want = util.train_steps("TinyDeepSeekV3", 4, devices=jax.devices()[:1], edit=_mla_lora,
+                          overrides=small + ["task.ici_mesh_shape=(1, 1, 1, 1)"])
+  got = util.train_steps("TinyDeepSeekV3Split", 4, edit=_mla_lora, overrides=small)
+  _assert_same_training(got, want)
+  attn = want[1]["layers"]["block"]["attn"]
+  assert np.any(attn["kv_up_lora_b"]) and np.any(attn["q_down_lora_b"])

@@ -4,7 +4,7 @@ packing three conversations gives each target token the loss it has in a row of 
 
 The fixture (tests/tools/data/llama/: a tiny random HF Llama, three conversations with
 their assistant spans and HF's masked losses) was made with torch (tests/tools/data/
-README.md); this test needs none: the model comes in through tools/convert_hf.py.
+README.md); this test needs none: the model comes in through spmdtask.hf.
 """
 import os
 
@@ -15,8 +15,9 @@ import pytest
 
 from spmdtask.inputs import packing
 from spmdtask.layers import xent
+from spmdtask.hf import llama
+from spmdtask.hf.jobs import checkpoints, imports
 from tests import util
-from tools import convert_hf
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
                     "data", "llama")
@@ -47,9 +48,9 @@ def masked_rows(rows_of_docs, seq_len):
 def hf_llama(tmp_path_factory):
   """(model, params) of the fixture Llama through --from_hf's step-0 checkpoint."""
   out = str(tmp_path_factory.mktemp("llama") / "job")
-  lines = convert_hf.from_hf(DATA, out)
-  model = util.build_run(convert_hf.EXP, lines).task.model
-  return model, convert_hf.read_checkpoint(out, lines)
+  lines = imports.from_hf(DATA, out)
+  model = util.build_run(llama.FAMILY.experiment, lines).task.model
+  return model, checkpoints.read_checkpoint(out, lines, llama.FAMILY.experiment)
 
 
 @pytest.mark.parametrize("tiles", [1, 4])

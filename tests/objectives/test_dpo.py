@@ -13,8 +13,8 @@ import pytest
 from spmdtask.errors import ConfigError
 from spmdtask.inputs.preferences import pair_rows
 from spmdtask.objectives import dpo
+from spmdtask.hf import convert, files, llama, model_overrides
 from tests import util
-from tools import convert_hf
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
                     "data")
@@ -23,12 +23,12 @@ SEQ_LEN = 16
 
 @pytest.fixture(scope="module")
 def hf_models():
-  """(model, policy params, reference params) converted by tools/convert_hf.py's functions."""
+  """(model, policy params, reference params) converted by spmdtask.hf's functions."""
   params = {}
   for name, src in (("policy", "llama"), ("reference", "dpo/reference")):
-    cfg, tensors = convert_hf.read_hf(os.path.join(DATA, src))
-    params[name] = convert_hf.to_params(cfg, tensors)
-  model = util.build_run(convert_hf.EXP, convert_hf.overrides(cfg)).task.model
+    cfg, tensors = files.read_hf(os.path.join(DATA, src))
+    params[name] = convert.to_params(cfg, tensors)
+  model = util.build_run(llama.FAMILY.experiment, model_overrides.overrides(cfg)).task.model
   return model, params["policy"], params["reference"]
 
 

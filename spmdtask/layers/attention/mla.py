@@ -33,10 +33,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat, sharding
 from spmdtask.errors import ConfigError
-from spmdtask.layers import rope
+from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention.mha import write_cache
 from spmdtask.layers.attention import fused as fused_attention
-from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform, project
+from spmdtask.layers.base import RmsNorm, SplitDims, constrain, dense_init, platform
 
 FIELD = "task.model.mla"
 LATENT_NORM_EPS = 1e-6  # HF's q_a_layernorm / kv_a_layernorm use the RMSNorm default
@@ -162,9 +162,11 @@ def attend_latent(q_nope, q_rope, latent, k_rope, w_uk, w_uv, q_pos, kv_pos, sca
 
 
 class Mla(nn.Module):
-  """MLA (module doc). Called as `(x, positions, segment_ids=None, cache=None) -> (out,
-  new_cache)` like `mha.Attention`; `wsplit` a WeightSplit (its q, o and mla_* fields),
-  `heads_split` the [b, t, heads, dim] activations' mapping."""
+  """MLA (module doc). Called as `(x, positions, segment_ids=None, cache=None,
+  lora_drop=None) -> (out, new_cache)` like `mha.Attention`; `wsplit` a WeightSplit (its q,
+  o and mla_* fields), `heads_split` the [b, t, heads, dim] activations' mapping. With
+  `lora` (layers.lora) the weights are frozen and its targets among q (or q_down, q_up),
+  kv_down, kv_up and o get adapters; at decode kv_up's effective weight is absorbed."""
   d_model: int
   num_heads: int
   cfg: MlaConfig
@@ -173,6 +175,7 @@ class Mla(nn.Module):
   wsplit: object
   heads_split: SplitDims | None
   impl: str = "xla"  # full sequences' kernel (layers.attention.fused: auto, xla, splash, cudnn)
+  lora: lora_lib.LoraConfig | None = None
 
   def _full(self, q, k, v, positions, segment_ids):
     """Attention over full sequences: `attend`, or the fused kernel `impl` resolves to (q
@@ -193,30 +196,33 @@ class Mla(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
-               cache: MlaCache | None = None):
-    c, d, h, ws, dt = self.cfg, self.d_model, self.num_heads, self.wsplit, self.dtype
+               cache: MlaCache | None = None, lora_drop: lora_lib.Dropout | None = None):
+    c, d, h, ws, dt, lora = self.cfg, self.d_model, self.num_heads, self.wsplit, self.dtype, \
+        self.lora
     heads = self.heads_split
     rows = None if heads is None else (heads[0], heads[1], None)  # [b, t, latent]
-    param = lambda name, shape, split, init: self.param(
-        name, nn.with_partitioning(init, tuple(split)), shape, jnp.float32)
-    lin = lambda eqn, inp, w, split, out: constrain(project(eqn, inp, w, split, rows, dt), out)
+    param = lambda name, shape, split, init: lora_lib.weight(self, name, shape, split, init, lora)
+    lin = lambda name, eqn, inp, w, split, out: constrain(lora_lib.project(
+        self, name, eqn, inp, w, split, rows, dt, lora, lora_drop), out)
+    frozen = lora_lib.frozen(lora)
     if c.q_lora_rank:
       wqa = param("q_down", (d, c.q_lora_rank), ws.mla_q_down, dense_init(0, 1))
       wqb = param("q_up", (c.q_lora_rank, h, c.qk_head_dim), ws.mla_q_up, dense_init(0, (1, 2)))
-      q_lat = RmsNorm(c.q_lora_rank, LATENT_NORM_EPS, name="q_norm")(
-          lin("btd,dr->btr", x, wqa, ws.mla_q_down, rows))
-      q = lin("btr,rhk->bthk", q_lat, wqb, ws.mla_q_up, heads)
+      q_lat = RmsNorm(c.q_lora_rank, LATENT_NORM_EPS, frozen=frozen, name="q_norm")(
+          lin("q_down", "btd,dr->btr", x, wqa, ws.mla_q_down, rows))
+      q = lin("q_up", "btr,rhk->bthk", q_lat, wqb, ws.mla_q_up, heads)
     else:
       wq = param("q", (d, h, c.qk_head_dim), ws.q, dense_init(0, (1, 2)))
-      q = lin("btd,dhk->bthk", x, wq, ws.q, heads)
+      q = lin("q", "btd,dhk->bthk", x, wq, ws.q, heads)
     q = checkpoint_name(q, remat.Q_PROJ)
     wkva = param("kv_down", (d, c.kv_lora_rank + c.qk_rope_head_dim), ws.mla_kv_down,
                  dense_init(0, 1))
     wkvb = param("kv_up", (c.kv_lora_rank, h, c.qk_nope_head_dim + c.v_head_dim), ws.mla_kv_up,
                  dense_init(0, (1, 2)))
     wo = param("o", (h, c.v_head_dim, d), ws.o, dense_init((0, 1), 2))
-    kv = lin("btd,dr->btr", x, wkva, ws.mla_kv_down, rows)
-    latent = RmsNorm(c.kv_lora_rank, LATENT_NORM_EPS, name="kv_norm")(kv[..., :c.kv_lora_rank])
+    kv = lin("kv_down", "btd,dr->btr", x, wkva, ws.mla_kv_down, rows)
+    latent = RmsNorm(c.kv_lora_rank, LATENT_NORM_EPS, frozen=frozen, name="kv_norm")(
+        kv[..., :c.kv_lora_rank])
     latent = checkpoint_name(latent, remat.K_PROJ)
     q_nope, q_rope, k_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:], \
         kv[..., c.kv_lora_rank:][:, :, None, :]
@@ -225,7 +231,7 @@ class Mla(nn.Module):
     q_rope = rope.apply(q_rope, positions, self.rope_theta, c.rope_scaling)
     k_rope = rope.apply(k_rope, positions, self.rope_theta, c.rope_scaling)[:, :, 0]
     if cache is None:
-      kv_up = lin("btr,rhk->bthk", latent, wkvb, ws.mla_kv_up, heads)
+      kv_up = lin("kv_up", "btr,rhk->bthk", latent, wkvb, ws.mla_kv_up, heads)
       k_nope, v = kv_up[..., :c.qk_nope_head_dim], kv_up[..., c.qk_nope_head_dim:]
       k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3]
                                                     + (c.qk_rope_head_dim,))], axis=-1)
@@ -238,10 +244,10 @@ class Mla(nn.Module):
                        constrain(write_cache(cache.k_rope, k_rope, positions), rows))
       s = cache.latent.shape[1]
       kv_pos = jnp.broadcast_to(jnp.arange(s), (x.shape[0], s))
-      w_up = wkvb.astype(dt)
+      w_up = lora_lib.effective(self, "kv_up", "btr,rhk->bthk", wkvb, lora).astype(dt)
       out = attend_latent(q_nope, q_rope, cache.latent.astype(dt), cache.k_rope.astype(dt),
                           w_up[..., :c.qk_nope_head_dim], w_up[..., c.qk_nope_head_dim:],
                           positions, kv_pos, c.softmax_scale)
     out = checkpoint_name(constrain(out, heads), remat.ATTN_CONTEXT)
-    out = project("bthv,hvd->btd", out, wo, ws.o, heads, dt)
+    out = lora_lib.project(self, "o", "bthv,hvd->btd", out, wo, ws.o, heads, dt, lora, lora_drop)
     return checkpoint_name(out, remat.ATTN_OUT), cache

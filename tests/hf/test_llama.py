@@ -1,11 +1,10 @@
-"""Llama checkpoints in the Hugging Face layout: in, equal to a numpy Llama forward, decoded by
+"""Llama checkpoints in the Hugging Face layout (spmdtask/hf/llama.py): in, equal to a numpy Llama forward, decoded by
 the binary (HF's greedy tokens, its tokenizer's text), and back out bit-identically; both
 config layouts (top-level rope_theta/rope_scaling, transformers >= 5 rope_parameters)."""
 import json
 import os
-import sys
-
 import shutil
+import sys
 
 import jax
 import ml_dtypes
@@ -14,11 +13,14 @@ import pytest
 from safetensors import numpy as st_numpy
 
 from spmdtask.errors import ConfigError
+from spmdtask.hf import convert, files, llama, model_overrides
+from spmdtask.hf.jobs import checkpoints, exports, imports
 from tests import subproc as h
 from tests import util
+from tests.hf import checks
 from tests.layers.test_rope import llama3_inv_freq
-from tools import convert_llama
 
+LLAMA = llama.FAMILY.experiment
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 256,
           "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -116,30 +118,23 @@ def llama_forward(cfg, t, tokens):
   return x @ head.T
 
 
-def _assert_bit_identical(a: dict, b: dict):
-  assert sorted(a) == sorted(b)
-  for k in a:
-    assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-    assert a[k].tobytes() == b[k].tobytes(), k
-
-
 def _convert_and_check_logits(tmp_path, cfg, tensors, shards, tokenizer_dir=None):
   hf, out, back = str(tmp_path / "hf"), str(tmp_path / "job"), str(tmp_path / "back")
   _write_hf(hf, cfg, tensors, shards)
-  for name in convert_llama.TOKENIZER_FILES if tokenizer_dir else ():
+  for name in files.TOKENIZER_FILES if tokenizer_dir else ():
     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf, name))
-  lines = convert_llama.from_hf(hf, out)
+  lines = imports.from_hf(hf, out)
   with open(os.path.join(out, "model_overrides.txt")) as f:
     assert f.read().splitlines() == [f"--fdl_set={line}" for line in lines]
-  model = util.build_run(convert_llama.EXP, lines).task.model
-  params = convert_llama.read_checkpoint(out, lines)
+  model = util.build_run(LLAMA, lines).task.model
+  params = checkpoints.read_checkpoint(out, lines, LLAMA)
   tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], 40)
   ours = np.asarray(model.apply({"params": params}, tokens[None]))[0]
   np.testing.assert_allclose(ours, llama_forward(cfg, tensors, tokens), rtol=1e-4, atol=1e-4)
-  convert_llama.to_hf(out, back)
-  got_cfg, got = convert_llama.read_hf(back)
+  exports.to_hf(out, back)
+  got_cfg, got = files.read_hf(back)
   assert got_cfg == cfg
-  _assert_bit_identical(got, tensors)
+  checks.assert_bit_identical(got, tensors)
   return out
 
 
@@ -175,17 +170,17 @@ def test_tied_bfloat16_llama_round_trips_bit_identically(tmp_path):
 ])
 def test_unsupported_config_fields_are_named(change, match):
   with pytest.raises(ConfigError, match=match):
-    convert_llama.to_params({**CONFIG, **change}, _hf_tensors(CONFIG, np.float32))
+    convert.to_params({**CONFIG, **change}, _hf_tensors(CONFIG, np.float32))
 
 
 def test_missing_and_unknown_tensors_are_named():
   tensors = _hf_tensors(CONFIG, np.float32)
   missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
   with pytest.raises(ConfigError, match=r"no tensor 'model.layers.1.mlp.up_proj.weight'"):
-    convert_llama.to_params(CONFIG, missing)
+    convert.to_params(CONFIG, missing)
   extra = {**tensors, "model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}
   with pytest.raises(ConfigError, match=r"q_proj.bias"):
-    convert_llama.to_params(CONFIG, extra)
+    convert.to_params(CONFIG, extra)
 
 
 # A tiny Llama 3.2: θ 500000, llama3 scaling (its original context shrunk to 64 so that the
@@ -234,14 +229,14 @@ def test_llama32_style_checkpoint_in_both_layouts_decodes_hf_greedy_tokens(tmp_p
                                   tokenizer_dir=str(tmp_path / "hf_v4"))
   # The older layout converts to the same checkpoint and overrides: decoding one decodes both.
   _write_hf(str(tmp_path / "hf_v4"), old, tensors, 1)
-  v4_lines = convert_llama.from_hf(str(tmp_path / "hf_v4"), str(tmp_path / "v4"))
-  assert v4_lines == [l.replace(out, str(tmp_path / "v4")) for l in convert_llama.overrides(
+  v4_lines = imports.from_hf(str(tmp_path / "hf_v4"), str(tmp_path / "v4"))
+  assert v4_lines == [l.replace(out, str(tmp_path / "v4")) for l in model_overrides.overrides(
       new, os.path.join(out, "tokenizer.json"))]
   assert "task.model.rope_scaling.factor=32.0" in v4_lines
   same = jax.tree.map(lambda a, b: a.tobytes() == b.tobytes(),
-                      convert_llama.to_params(old, tensors), convert_llama.to_params(new, tensors))
+                      convert.to_params(old, tensors), convert.to_params(new, tensors))
   assert all(jax.tree.leaves(same))
-  r = h.run(h.main_cmd(convert_llama.EXP, out, flags=["--mode=decode",
+  r = h.run(h.main_cmd(LLAMA, out, flags=["--mode=decode",
                                                       f"--flagfile={out}/model_overrides.txt"]))
   assert r.returncode == 0, r.stderr[-3000:]
   with open(os.path.join(out, "decoder_out", "prompts_step0.jsonl")) as f:

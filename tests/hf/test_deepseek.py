@@ -1,4 +1,4 @@
-"""DeepSeek checkpoints in the Hugging Face layout (tools/hf_deepseek.py through
+"""DeepSeek checkpoints in the Hugging Face layout (spmdtask/hf/deepseek.py; the command
 tools/convert_hf.py): a tiny random DeepSeek-V3 (MLA with a q latent and YaRN, group
 routing with the balancing bias, a dense first layer, a shared expert, a multi-token-
 prediction layer) and DeepSeek-V2 (a direct q projection, softmax routing, two shared
@@ -24,17 +24,21 @@ import pytest
 from safetensors import numpy as st_numpy
 
 from spmdtask.errors import ConfigError
+from spmdtask.hf import convert, deepseek, families, files, llama, model_overrides
+from spmdtask.hf.jobs import checkpoints, exports, imports
 from spmdtask.run import loop
 from tests import util
-from tests.tools.test_convert_hf import _assert_bit_identical, _assert_hf_logits, _fixture
-from tools import convert_hf, hf_deepseek
+from tests.hf import checks
+from tools import convert_hf
+
+LLAMA = llama.FAMILY.experiment
 
 
 def _with_mtp(tmp_path) -> str:
   """The deepseek_v3 fixture with an MTP layer (model.layers.3, an MoE layer) of random
   float32 tensors; its embed_tokens and shared_head.head copies of the main ones."""
-  hf, cfg, _, _ = _fixture("deepseek_v3")
-  tensors = convert_hf.read_hf(hf)[1]
+  hf, cfg, _, _ = checks.fixture("deepseek_v3")
+  tensors = files.read_hf(hf)[1]
   rng, d, p = np.random.default_rng(0), cfg["hidden_size"], "model.layers.3."
   new = {p + k.removeprefix("model.layers.2."): v for k, v in tensors.items()
          if k.startswith("model.layers.2.")}
@@ -52,62 +56,63 @@ def _with_mtp(tmp_path) -> str:
 
 
 def test_tiny_v3_gives_hf_logits_round_trips_and_is_no_llama(tmp_path):
-  _, cfg, tokens, want = _fixture("deepseek_v3")
+  _, cfg, tokens, want = checks.fixture("deepseek_v3")
   hf = _with_mtp(tmp_path)
   out, back = str(tmp_path / "job"), str(tmp_path / "back")
-  exp = convert_hf.experiment(cfg)
+  exp = families.experiment(cfg)
   assert exp == "deepseek.DeepSeekImport"
-  lines = convert_hf.from_hf(hf, out)
+  lines = imports.from_hf(hf, out)
   assert "task.model.mtp_depth=1" in lines
   model = util.build_run(exp, lines).task.model
   # The step-0 checkpoint's params: to_hf below reads them back bit-identically.
-  tensors = convert_hf.read_hf(hf)[1]
-  params = convert_hf.to_params(cfg, tensors)
+  tensors = files.read_hf(hf)[1]
+  params = convert.to_params(cfg, tensors)
   moe = params["layers"]["block"]["moe"]
   assert moe["wg"].shape == (2, 8, 64, 32) and moe["score_bias_buffer"].shape == (2, 8)
   assert params["dense_layers"]["block"]["attn"]["q_up"].shape == (1, 32, 4, 16)
   mtp = params["mtp"]
   np.testing.assert_array_equal(mtp["eh_proj"][0], tensors["model.layers.3.eh_proj.weight"].T)
   assert mtp["block"]["moe"]["wg"].shape == (1, 8, 64, 32)
-  _assert_hf_logits(model, params, tokens, want)  # decode's logits: MTP plays no part
-  convert_hf.to_hf(out, back)
-  got_cfg, got = convert_hf.read_hf(back)
+  checks.assert_hf_logits(model, params, tokens, want)  # decode's logits: MTP plays no part
+  exports.to_hf(out, back)
+  got_cfg, got = files.read_hf(back)
   assert got_cfg == cfg
-  _assert_bit_identical(got, tensors)
+  checks.assert_bit_identical(got, tensors)
   # A head copy that differs is refused; a checkpoint without the layer (transformers'
   # fixture), or --skip_mtp, imports without MTP, one line saying so.
   bad = dict(tensors, **{"model.layers.3.shared_head.head.weight": tensors["lm_head.weight"] + 1})
   with pytest.raises(ConfigError, match="shared_head.head.weight' differs from 'lm_head"):
-    convert_hf.to_params(cfg, bad)
-  plain = convert_hf.read_hf(_fixture("deepseek_v3")[0])[1]
+    convert.to_params(cfg, bad)
+  plain = files.read_hf(checks.fixture("deepseek_v3")[0])[1]
   for names, skip in ((plain, False), (tensors, True)):
-    held, note = hf_deepseek.held(cfg, names, skip)
+    held, kept, note = deepseek.held(cfg, names, skip)
     assert held["num_nextn_predict_layers"] == 0 and "task.model.mtp_depth=0" in note
+    assert not any(k.startswith("model.layers.3.") for k in kept)
   # Restored by a Llama experiment of the same dims: one paragraph naming the attention.
-  llama = [l for l in lines
+  dense = [l for l in lines
            if not l.startswith(("task.model.moe.", "task.model.mla.", "task.model.mtp_"))]
   no_llama = (r"(?s)does not match this model's params.*The checkpoint's attention is "
               r"multi-head latent attention \(DeepSeek")
   with pytest.raises(ConfigError, match=no_llama):
-    convert_hf.read_checkpoint(out, llama, convert_hf.EXP)
+    checkpoints.read_checkpoint(out, dense, LLAMA)
   # The same as a Llama job's warm start (task.train.init_checkpoint_dir), in the loop.
-  run = util.build_run(convert_hf.EXP, llama + [f"task.train.init_checkpoint_dir={out!r}",
-                                                "task.train.num_train_steps=0"])
+  run = util.build_run(LLAMA, dense + [f"task.train.init_checkpoint_dir={out!r}",
+                                       "task.train.num_train_steps=0"])
   with pytest.raises(ConfigError, match=no_llama):
     loop.train(run, job_log_dir=str(tmp_path / "warm"))
 
 
 def test_tiny_v2_gives_hf_logits_and_round_trips_bit_identically():
-  hf, cfg, tokens, want = _fixture("deepseek_v2")
-  lines = convert_hf.overrides(cfg)
+  hf, cfg, tokens, want = checks.fixture("deepseek_v2")
+  lines = model_overrides.overrides(cfg)
   assert "task.model.mla.q_lora_rank=None" in lines
-  model = util.build_run(convert_hf.experiment(cfg), lines).task.model
-  _, tensors = convert_hf.read_hf(hf)
-  params = convert_hf.to_params(cfg, tensors)
+  model = util.build_run(families.experiment(cfg), lines).task.model
+  _, tensors = files.read_hf(hf)
+  params = convert.to_params(cfg, tensors)
   assert "q" in params["layers"]["block"]["attn"]
-  _assert_hf_logits(model, params, tokens, want)
+  checks.assert_hf_logits(model, params, tokens, want)
   dtypes = {k: str(v.dtype) for k, v in tensors.items()}
-  _assert_bit_identical(convert_hf.from_params(cfg, params, dtypes), tensors)
+  checks.assert_bit_identical(convert.from_params(cfg, params, dtypes), tensors)
 
 
 @pytest.mark.parametrize("family,edit,named", [
@@ -120,7 +125,7 @@ def test_tiny_v2_gives_hf_logits_and_round_trips_bit_identically():
 def test_fields_the_converter_cannot_express_exit_2_naming_them(tmp_path, capsys, monkeypatch,
                                                                 family, edit, named):
   hf = str(tmp_path / family)
-  shutil.copytree(_fixture(family)[0], hf)
+  shutil.copytree(checks.fixture(family)[0], hf)
   with open(os.path.join(hf, "config.json")) as f:
     cfg = json.load(f)
   with open(os.path.join(hf, "config.json"), "w") as f:

@@ -1,5 +1,5 @@
-"""Hugging Face DeepSeek-V2 / V3 (`deepseek_v2`, `deepseek_v3`) as spmdtask TransformerLm
-fields and param paths, for tools/convert_hf.py. Pure.
+"""Hugging Face DeepSeek-V2 / V3 (`deepseek_v2`, `deepseek_v3`) as a `Family`: TransformerLm
+fields and param paths. Pure.
 
 The model: multi-head latent attention (`TransformerLm.mla`, layers.attention.mla) and
 DeepSeekMoE (`moe`): the first first_k_dense_replace layers dense (the `dense_layers`
@@ -15,7 +15,7 @@ always; V3 with rope_interleave, else rotate-half).
 
 Layouts, HF Linear [out, in] -> ours: q_a_proj, kv_a_proj_with_mqa -> [d, rank] (.T);
 q_proj / q_b_proj [h·qk, in] -> [in, h, qk]; kv_b_proj [h·(nope + v), r] -> [r, h, nope + v];
-o_proj [d, h·v] -> [h, v, d]; MLPs and experts as Mixtral's (tools/hf_models.py).
+o_proj [d, h·v] -> [h, v, d]; MLPs and experts as Mixtral's (moe.py).
 Multi-token prediction (V3's `num_nextn_predict_layers`, layers.mtp): HF layer
 num_hidden_layers + j is MTP depth j + 1, `mtp/...` stacked [D, ...]: enorm, hnorm,
 eh_proj [d, 2d] (.T), shared_head.norm -> head_norm, the rest its block's as any MoE
@@ -25,10 +25,9 @@ without those tensors (transformers' DeepseekV3 saves none) or read with --skip_
 imports with mtp_depth 0 (`held`), one line saying so; --to_hf then writes none.
 """
 from spmdtask.errors import ConfigError
-from tools import hf_models
+from spmdtask.hf import rope
+from spmdtask.hf.family import Family, LayerTensors, Stacked, check_fields
 
-MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-EXPERIMENT = "deepseek.DeepSeekImport"
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
             "v_head_dim", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -52,20 +51,22 @@ def mtp_layers(cfg: dict) -> dict[int, str]:
   return {n + j: f"model.layers.{n + j}." for j in range(cfg.get("num_nextn_predict_layers") or 0)}
 
 
-def held(cfg: dict, names, skip_mtp: bool = False) -> tuple[dict, str | None]:
-  """(config.json as the checkpoint's tensor `names` hold it: num_nextn_predict_layers 0
-  where none of its MTP layers' tensors are there or `skip_mtp`, a line saying so, else
-  None); ConfigError where some are there and some not."""
+def held(cfg: dict, tensors: dict, skip_mtp: bool = False) -> tuple[dict, dict, str | None]:
+  """(config.json as the checkpoint's `tensors` (any mapping by HF name) hold it:
+  num_nextn_predict_layers 0 where none of its MTP layers' tensors are there or `skip_mtp`,
+  the tensors without those layers', a line saying so or None); ConfigError where some are
+  there and some not."""
   layers = mtp_layers(cfg)
-  there = [i for i, p in layers.items() if p + "eh_proj.weight" in names]
+  there = [i for i, p in layers.items() if p + "eh_proj.weight" in tensors]
   if not layers or len(there) == len(layers) and not skip_mtp:
-    return cfg, None
+    return cfg, tensors, None
   if there and not skip_mtp:
     raise ConfigError(f"config.json: num_nextn_predict_layers={len(layers)}, but the "
                       f"checkpoint holds the tensors of MTP layers {there} only; give all or "
                       "none (or --skip_mtp to import without them).")
   why = ("--skip_mtp: the checkpoint's" if there else "the checkpoint holds no tensors of its")
-  return {**cfg, "num_nextn_predict_layers": 0}, (
+  kept = {k: v for k, v in tensors.items() if not k.startswith(tuple(layers.values()))}
+  return {**cfg, "num_nextn_predict_layers": 0}, kept, (
       f"{why} multi-token-prediction layer(s) {list(layers)} (config.json "
       f"num_nextn_predict_layers={len(layers)}): imported without them (task.model.mtp_depth=0).")
 
@@ -81,15 +82,7 @@ def mtp_copies(cfg: dict) -> dict[str, str]:
 
 
 def _check(cfg: dict, kind: str) -> None:
-  for key in REQUIRED:
-    if key not in cfg:
-      raise ConfigError(f"config.json has no {key!r}, which a {kind} config needs.")
-  for key, ok in UNSUPPORTED[kind].items():
-    allowed = ok if isinstance(ok, tuple) else (ok,)
-    if key in cfg and cfg[key] not in allowed:
-      raise ConfigError(f"config.json: {key}={cfg[key]!r} is not supported (only "
-                        f"{' or '.join(repr(a) for a in allowed)}); spmdtask's TransformerLm "
-                        "cannot express it, so the conversion would not be exact.")
+  check_fields(cfg, kind, REQUIRED, UNSUPPORTED[kind])
   k = cfg.get("first_k_dense_replace", 0) or 0
   if not 0 <= k < cfg["num_hidden_layers"]:
     raise ConfigError(f"config.json: first_k_dense_replace={k} leaves no MoE layer of "
@@ -98,9 +91,8 @@ def _check(cfg: dict, kind: str) -> None:
 
 def _yarn(cfg: dict) -> tuple[float, dict | None]:
   """(rope_theta, YarnScaling fields or None) of the config's RoPE."""
-  params, where = hf_models._rope_parameters(cfg)  # pylint: disable=protected-access
-  rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-  params.pop("type", None)
+  params, where = rope.parameters(cfg)
+  rope_type = rope.rope_type(params)
   theta = float(params.pop("rope_theta"))
   if rope_type == "default" and not params:
     return theta, None
@@ -172,7 +164,7 @@ def override_lines(mla: dict | None) -> list[str]:
 
 def sub_fields(got: dict, want: dict) -> dict:
   """A built model's `moe` and `mla` configs (in `got`) as dicts of `want`'s keys (its
-  YaRN too), to compare with `model_fields` (convert_hf.published_experiment)."""
+  YaRN too), to compare with `model_fields` (jobs.published)."""
   out = {}
   for sub in ("moe", "mla"):
     if sub in want and got.get(sub) is not None:
@@ -184,7 +176,7 @@ def sub_fields(got: dict, want: dict) -> dict:
 
 
 def layouts(m: dict):
-  """The MLA layout kinds (HF -> ours, ours -> HF) beside convert_hf's."""
+  """The MLA layout kinds (HF -> ours, ours -> HF) beside convert.py's."""
   h = m["num_heads"]
   to = {"mla_heads_in": lambda w: w.T.reshape(w.shape[1], h, -1),
         "mla_heads_out": lambda w: w.T.reshape(h, -1, w.shape[0])}
@@ -193,7 +185,7 @@ def layouts(m: dict):
   return to, back
 
 
-def _attention(cfg: dict, p: str) -> dict[str, tuple[str, str]]:
+def _attention(cfg: dict, p: str) -> LayerTensors:
   a, out = p + "self_attn.", {}
   if cfg.get("q_lora_rank"):
     out.update({"attn/q_down": (a + "q_a_proj.weight", "t"),
@@ -210,7 +202,7 @@ def _attention(cfg: dict, p: str) -> dict[str, tuple[str, str]]:
   return out
 
 
-def _layer(cfg: dict, i: int) -> dict[str, tuple[str, str]]:
+def _layer(cfg: dict, i: int) -> LayerTensors:
   """Our path under the stack's block -> (HF name in layer i, kind), experts aside."""
   p = f"model.layers.{i}."
   out = _attention(cfg, p)
@@ -225,7 +217,7 @@ def _layer(cfg: dict, i: int) -> dict[str, tuple[str, str]]:
   return out
 
 
-def stacked(cfg: dict) -> list[tuple[str, list, str]]:
+def stacked(cfg: dict) -> list[Stacked]:
   """(our path, [per layer: HF name or [per expert: HF name]], kind) of every stacked
   param: `dense_layers` (the first first_k_dense_replace layers), then `layers`."""
   k, n = cfg.get("first_k_dense_replace") or 0, cfg["num_hidden_layers"]
@@ -249,10 +241,39 @@ def stacked(cfg: dict) -> list[tuple[str, list, str]]:
   return out
 
 
-def _mtp_layer(cfg: dict, i: int) -> dict[str, tuple[str, str]]:
+def _mtp_layer(cfg: dict, i: int) -> LayerTensors:
   """Our path under `mtp` -> (HF name in MTP layer i, kind), experts aside."""
   p = f"model.layers.{i}."
   return {"enorm/scale": (p + "enorm.weight", "same"), "hnorm/scale": (p + "hnorm.weight", "same"),
           "eh_proj": (p + "eh_proj.weight", "t"),
           "head_norm/scale": (p + "shared_head.norm.weight", "same"),
           **{"block/" + k: v for k, v in _layer(cfg, i).items()}}
+
+
+class DeepSeek(Family):
+  model_types = ("deepseek_v2", "deepseek_v3")
+  experiment = "deepseek.DeepSeekImport"
+  lora_experiment = "finetune.DeepSeekLoraImport"
+  # MLA's projections; not the MLPs: PEFT maps an MoE model's gate/up/down projections onto
+  # its fused routed experts (peft.py).
+  lora_targets = {"q": "q_proj", "q_down": "q_a_proj", "q_up": "q_b_proj",
+                  "kv_down": "kv_a_proj_with_mqa", "kv_up": "kv_b_proj", "o": "o_proj"}
+
+  def model_fields(self, cfg: dict) -> dict:
+    return model_fields(cfg)
+
+  def stacked(self, cfg: dict, m: dict) -> list[Stacked]:
+    return stacked(cfg)
+
+  def layouts(self, m: dict) -> tuple[dict, dict]:
+    return layouts(m)
+
+  def held(self, cfg: dict, tensors: dict, skip_mtp: bool = False
+           ) -> tuple[dict, dict, str | None]:
+    return held(cfg, tensors, skip_mtp)
+
+  def copies(self, cfg: dict) -> dict[str, str]:
+    return mtp_copies(cfg)
+
+
+FAMILY = DeepSeek()

@@ -1,4 +1,4 @@
-"""Gemma 3 (text) as spmdtask TransformerLm fields and param paths. Pure.
+"""Gemma 3 (text) as a `Family`: TransformerLm fields and param paths. Pure.
 
 `gemma3_text` (Gemma3ForCausalLM) checkpoints, and the language model of a `gemma3`
 (Gemma3ForConditionalGeneration) one: its `text_config` and the tensors under its language
@@ -13,6 +13,8 @@ rope_local_base_freq / rope_parameters.sliding_attention, unscaled) or global
 (`full_attention`, rope_theta, linear scaling where set); a tied head.
 """
 from spmdtask.errors import ConfigError
+from spmdtask.hf import llama, rope
+from spmdtask.hf.family import Family, LayerTensors
 
 # transformers' Gemma3TextConfig defaults: the hub's multimodal configs leave these out of
 # their text_config (e.g. google/gemma-3-4b-it sets only the fields that differ).
@@ -62,7 +64,7 @@ def field(cfg: dict, key: str):
   return cfg[key] if key in cfg else DEFAULTS[key]
 
 
-def _rope(cfg: dict, rope_fields) -> dict:
+def _rope(cfg: dict) -> dict:
   """TransformerLm's global (rope_theta, rope_scaling) and local (local_rope_theta) RoPE."""
   params = cfg.get("rope_parameters")
   if params is None:  # transformers 4's layout
@@ -73,8 +75,8 @@ def _rope(cfg: dict, rope_fields) -> dict:
   else:
     raise ConfigError(f"config.json: rope_parameters={params!r} must hold 'full_attention' "
                       "and 'sliding_attention' (Gemma 3's RoPE per layer type).")
-  local_fields = rope_fields({"rope_parameters": dict(local)}, {"default": ()})
-  return dict(**rope_fields({"rope_parameters": dict(full)},
+  local_fields = rope.rope_fields({"rope_parameters": dict(local)}, {"default": ()})
+  return dict(**rope.rope_fields({"rope_parameters": dict(full)},
                             {"default": (), "linear": ("factor",)}),
               local_rope_theta=local_fields["rope_theta"])
 
@@ -98,9 +100,8 @@ def pattern(cfg: dict) -> tuple[str, ...]:
   return tuple(kinds[:period])
 
 
-def model_fields(cfg: dict, rope_fields) -> dict:
-  """TransformerLm fields of a gemma3_text config; ConfigError naming an unsupported key.
-  `rope_fields(cfg, rope_types)`: hf_models' reader of one flat RoPE setting."""
+def model_fields(cfg: dict) -> dict:
+  """TransformerLm fields of a gemma3_text config; ConfigError naming an unsupported key."""
   for key, ok in UNSUPPORTED.items():
     if cfg.get(key, ok) != ok:
       raise ConfigError(f"config.json: {key}={cfg[key]!r} is not supported (only {ok!r}); "
@@ -114,7 +115,7 @@ def model_fields(cfg: dict, rope_fields) -> dict:
               num_kv_heads=field(cfg, "num_key_value_heads"), head_dim=field(cfg, "head_dim"),
               d_ff=field(cfg, "intermediate_size"),
               max_seq_len=field(cfg, "max_position_embeddings"), mlp_activation="geglu",
-              **_rope(cfg, rope_fields), norm_eps=float(field(cfg, "rms_norm_eps")),
+              **_rope(cfg), norm_eps=float(field(cfg, "rms_norm_eps")),
               tie_embeddings=bool(field(cfg, "tie_word_embeddings")), scale_tied_logits=False,
               qk_norm=True, attention_pattern=kinds,
               sliding_window=field(cfg, "sliding_window") if "local" in kinds else None,
@@ -138,3 +139,25 @@ def layer_tensors(i: int) -> dict[str, tuple[str, str]]:
           b + "mlp/wg": (p + "mlp.gate_proj.weight", "t"),
           b + "mlp/wi": (p + "mlp.up_proj.weight", "t"),
           b + "mlp/wo": (p + "mlp.down_proj.weight", "t")}
+
+
+class Gemma3(Family):
+  model_types = ("gemma3_text", "gemma3")
+  experiment = "gemma3.Gemma3Import"
+  lora_experiment = "finetune.Gemma3LoraImport"
+  lora_targets = llama.LORA_TARGETS  # the GeGLU gate (gate_proj) too
+
+  def model_fields(self, cfg: dict) -> dict:
+    return model_fields(text_config(cfg))
+
+  def layer_tensors(self, cfg: dict, i: int) -> LayerTensors:
+    return layer_tensors(i)
+
+  def text(self, cfg: dict, tensors: dict) -> tuple[dict, dict]:
+    return text_half(cfg, tensors)
+
+  def text_config(self, cfg: dict) -> dict:
+    return text_config(cfg)
+
+
+FAMILY = Gemma3()

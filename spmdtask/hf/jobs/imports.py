@@ -1,0 +1,63 @@
+"""--from_hf: a Hugging Face model directory (and a PEFT adapter of it) as a spmdtask job
+dir: a step-0 checkpoint, model_overrides.txt, the tokenizer files, hf_source.json.
+"""
+import json
+import sys
+
+from spmdtask import fs
+from spmdtask.hf import families, files, model_overrides, peft, convert, trees
+from spmdtask.hf.jobs import checkpoints
+
+SOURCE_FILE = "hf_source.json"  # the HF config and tensor dtypes, for --to_hf
+
+
+def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
+            new_lora: dict | None = None, skip_mtp: bool = False) -> list[str]:
+  """Writes the checkpoint, model_overrides.txt, the tokenizer files and hf_source.json;
+  returns the override lines. With `adapter` (--adapter, a PEFT LoRA dir) the model has
+  LoRA adapters (its family's LoRA experiment) loaded from it; with `new_lora` (PEFT
+  adapter_config fields: --lora_rank, --lora_alpha) fresh ones. Every input is read and
+  checked before anything is written. `skip_mtp`: a DeepSeek-V3's MTP layers are left out
+  (Family.held)."""
+  raw_cfg, raw = files.read_hf(hf_dir)
+  family = families.of(raw_cfg)
+  source_cfg, tensors = family.text(raw_cfg, raw)  # a multimodal Gemma 3: its text
+  cfg, tensors, note = family.held(source_cfg, tensors, skip_mtp)
+  has_tokenizer = fs.isfile(fs.join(hf_dir, files.TOKENIZER_FILES[0]))
+  tokenizer = fs.join(fs.absolute(job_log_dir), files.TOKENIZER_FILES[0])
+  params, lora = convert.to_params(cfg, tensors), None
+  base_name = cfg.get("_name_or_path") or fs.absolute(hf_dir)
+  if adapter is not None:
+    where = fs.join(adapter, peft.CONFIG_FILE)
+    peft_cfg, peft_tensors = peft.read(adapter)
+    lora = peft.lora_fields(cfg, peft_cfg, where)
+    for path, x in peft.to_params(cfg, lora, peft_tensors, params, where).items():
+      trees.set_leaf(params, path, x)
+    warning = peft.base_mismatch(peft_cfg, hf_dir, cfg)
+    if warning:
+      print(warning, file=sys.stderr)
+    base_name = peft_cfg.get("base_model_name_or_path") or base_name
+  elif new_lora is not None:
+    lora = peft.lora_fields(cfg, {"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
+  lines = model_overrides.overrides(cfg, tokenizer if has_tokenizer else None, lora)
+  program = checkpoints.program(lines, families.experiment(cfg, lora))  # checks the model
+  if note:  # said once every input is checked
+    print(note, file=sys.stderr)
+  fs.makedirs(job_log_dir)
+  for name in files.TOKENIZER_FILES if has_tokenizer else ():
+    if fs.isfile(fs.join(hf_dir, name)):
+      fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
+  checkpoints.write_checkpoint(job_log_dir, lines, params, program)
+  fs.write_text(fs.join(job_log_dir, model_overrides.OVERRIDES_FILE),
+                model_overrides.flagfile(lines, raw_cfg["model_type"]))
+  source = {"config": source_cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
+            "base_model_name_or_path": base_name}
+  if lora is not None:
+    source["lora"] = {**lora, "targets": list(lora["targets"])}
+  fs.write_text(fs.join(job_log_dir, SOURCE_FILE), json.dumps(source, indent=1))
+  return lines
+
+
+def source(job_log_dir: str) -> dict:
+  """hf_source.json of a --from_hf job: {config, dtypes, base_model_name_or_path[, lora]}."""
+  return json.loads(fs.read_text(fs.join(job_log_dir, SOURCE_FILE)))
