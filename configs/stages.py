@@ -6,7 +6,7 @@ stage's) gives its family and model fields (DIR's model_overrides.txt) and its s
 (task.train.init_checkpoint_dir); `--flagfile=IMPORT/model_overrides.txt` gives the same
 model without the start. Full fine-tuning by default; `--lora_rank=R` trains new adapters
 (on a LoRA start: on its merged weights). Each stage's job dir then holds the
-model_overrides.txt of the stage after it (spmdtask/stage_start.py).
+model_overrides.txt of the stage after it (spmdtask/overrides.py: `Start`).
 
     python -m spmdtask.main --exp=stages.Sft --init_from=IMPORT --job_log_dir=RUN/sft \\
         --data_dir=CHAT_DATA --lora_rank=8
@@ -28,6 +28,8 @@ from configs.grpo import import_prompts
 from spmdtask.errors import ConfigError
 from spmdtask.experiment import Experiment
 from spmdtask.inputs.preferences import PreferenceInput, SyntheticPairInput
+from spmdtask.layers import lm_checks
+from spmdtask.layers.lora import LoraConfig
 from spmdtask.objectives import dpo, grpo
 from spmdtask.registry import register
 from spmdtask.task import Task
@@ -61,6 +63,15 @@ class _Stage(Experiment):
                         f"{', '.join(sorted(FAMILIES))} models (an import's "
                         "model_overrides.txt names its family).")
     return type(type(self).__name__, (type(self), FAMILIES[family]), {"family": family})()
+
+  def with_lora(self, cfg: fdl.Config, rank: int) -> None:
+    """`experiment.ForFamily`: new adapters of `rank` (alpha 2 x rank) on every weight LoRA
+    can adapt in `cfg`'s model (its override lines applied), the base in float32."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+      raise ConfigError(f"--lora_rank={rank}: the adapters' rank must be >= 1 (e.g. 8 or 16); "
+                        "leave the flag out to train every param.")
+    targets = lm_checks.lora_weights(fdl.build(cfg.task.model))
+    cfg.task.model.lora = fdl.Config(LoraConfig, rank=rank, alpha=2.0 * rank, targets=targets)
 
   @functools.cache  # one config per instance: the datasets share its model
   def task(self) -> fdl.Config[Task]:

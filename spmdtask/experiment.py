@@ -34,6 +34,9 @@ class ForFamily(Protocol):
   def for_family(self, family: str | None) -> Experiment:
     """This experiment on `family`'s model; ConfigError naming --init_from where None."""
 
+  def with_lora(self, cfg: fdl.Config, rank: int) -> None:
+    """`--lora_rank`: new LoRA adapters of `rank` on `cfg`'s model (its fields resolved)."""
+
 
 def run_config(experiment: Experiment) -> fdl.Config[task_lib.RunConfig]:
   """The root config of a run: `task`, `datasets`, `decode_datasets`."""

@@ -22,7 +22,6 @@ from fiddle import absl_flags as _  # pylint: disable=unused-import
 from fiddle._src.absl_flags import utils as fdl_flag_utils
 
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
-from spmdtask import stage_start
 from spmdtask import task as task_lib
 from spmdtask.run import interrupts
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
@@ -105,13 +104,13 @@ _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered exper
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
                     chat_prompts: str | None = None, reward: list[str] | None = None,
-                    start: stage_start.Start | None = None,
+                    start: overrides_lib.Start | None = None,
                     lora_rank: int | None = None) -> fdl.Config:
   """The experiment's root config (a stage experiment on `start`'s family) with `data_dir`
   (--data_dir), `start`'s overrides (--init_from), `lora_rank`'s adapters, every `--fdl_set`
   override, `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward`
   (--reward, over the experiment's rewards) applied, in order."""
-  start = start or stage_start.Start(None, [])
+  start = start or overrides_lib.Start(None, [])
   exp = registry.get(exp_name)()
   if isinstance(exp, experiment.ForFamily):
     exp = exp.for_family(start.family)
@@ -121,8 +120,11 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
   for assignment in start.overrides():
     _set(cfg, assignment)
   if lora_rank is not None:
-    from spmdtask.layers import lm_checks  # pylint: disable=g-import-not-at-top
-    stage_start.add_lora(cfg, lora_rank, lm_checks.lora_weights(fdl.build(cfg.task.model)))
+    if not isinstance(exp, experiment.ForFamily):
+      raise ConfigError(f"--lora_rank={lora_rank}: --exp={exp_name} is not a stage experiment "
+                        "(stages.Sft, stages.Dpo, stages.Grpo); set its task.model.lora fields "
+                        "with --fdl_set instead.")
+    exp.with_lora(cfg, lora_rank)
   for assignment in overrides:
     _set(cfg, assignment)
   if chat_prompts is not None:
@@ -219,7 +221,7 @@ def run(argv) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
-  start = stage_start.read(_INIT_FROM.value, _FAMILY.value)
+  start = overrides_lib.start_of(_INIT_FROM.value, _FAMILY.value)
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
                         _CHAT_PROMPTS.value, _REWARD.value, start, _LORA_RANK.value)
   xla_flags = use_xla_flags(cfg)
@@ -234,7 +236,7 @@ def run(argv) -> None:
   init_dir = run_cfg.task.train.init_checkpoint_dir
   if _MODE.value == "train" and init_dir and not fs.isdir(
       checkpoints.checkpoint_dir(_JOB_LOG_DIR.value)):  # a new job: its start must be there
-    stage_start.check_start(init_dir)
+    overrides_lib.check_start(init_dir)
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   # One training per job dir, held before anything (the log included) is written there.
   with (joblock.held(_JOB_LOG_DIR.value) if _MODE.value == "train"
@@ -252,7 +254,7 @@ def run(argv) -> None:
       logging.info("While JAX initialized its backends: %s", backend_log)
     import jax  # pylint: disable=g-import-not-at-top
     if _MODE.value == "train" and start.family and jax.process_index() == 0:
-      fs.write_text(fs.join(_JOB_LOG_DIR.value, stage_start.OVERRIDES_FILE),  # the next stage's
+      fs.write_text(fs.join(_JOB_LOG_DIR.value, overrides_lib.OVERRIDES_FILE),  # next stage's
                     start.file_text(flags.FLAGS.fdl_set or []))
     run_mode(run_cfg, config_text)
 

@@ -24,15 +24,15 @@ MAY_IMPORT = {
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
     "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
     "hf": {SHARED, "core", "layers"},  # Hugging Face names and layouts: pure mapping
-    # layers: --lora_rank gives the resolved model LoRA on the weights it has (stage_start)
-    "entry": {SHARED, "core", "task", "inputs", "layers", "plan", "pipeline",
-              "pipeline.schedules", "pipeline.mpmd", "run", "objectives"},
+    "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
+              "pipeline.mpmd", "run", "objectives"},
+    "recipe": {SHARED},  # runs the import, the prepare tools and main as subprocesses
     # HF dirs as job dirs: the mapping, checkpoints (run), config resolution (entry).
     "hf.jobs": {SHARED, "core", "hf", "run", "entry"},
 }
 TOP = {"errors": SHARED, "fs": SHARED, "console": SHARED, "native_output": SHARED,
        "task": "task", "main": "entry", "registry": "entry", "experiment": "entry",
-       "overrides": "entry", "stage_start": "entry", "recipe": "entry", "__init__": SHARED}
+       "overrides": "entry", "__init__": SHARED}
 
 
 def modules() -> dict[str, str]:

@@ -33,5 +33,5 @@ def overrides(cfg: dict, tokenizer: str | None = None, lora: dict | None = None)
 
 def flagfile(lines: list[str], family: str) -> str:
   """model_overrides.txt's text: `--family=` (config.json's model_type: the stage experiments
-  build that family's model, spmdtask/stage_start.py) and the override `lines`."""
+  build that family's model: spmdtask/overrides.py's Start) and the override `lines`."""
   return f"--family={family}\n" + "".join(f"--fdl_set={line}\n" for line in lines)

@@ -24,7 +24,6 @@ from spmdtask.core import sharding
 from spmdtask.core import train_state
 from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
-from spmdtask.layers import lora
 from spmdtask.run import checkpoint_io, fingerprints
 
 FIELD = "task.train.init_checkpoint_dir"
@@ -154,7 +153,7 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
   (None: its latest): the model's params without adapters, by name and shape, in the dtypes
   stored. A LoRA job's checkpoint (adapters beside its params, or adapters alone beside the
   base its meta names) gives its params with its adapters merged in, W + (alpha / r)·A·B
-  (`layers.lora.merged`, float32): where a stage starts. With `expected` (what a LoRA job's
+  (`train_state.merged_adapters`, float32): where a stage starts. With `expected` (what a LoRA job's
   checkpoint names), ConfigError naming FIELD and the base dir when it is gone or is not
   that base. Every process calls it."""
   model_params = program.canonical_targets().params
@@ -190,7 +189,7 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
   if own_base is not None:
     params = _overlay(read(own_base.dir, program, own_base.step, expected=own_base)[1], params)
   if train_state.adapters(params):
-    params = lora.merged(params, lora_scale(meta))
+    params = train_state.merged_adapters(params, lora_scale(meta))
   return base, params
 
 

@@ -9,7 +9,7 @@ import fiddle as fdl
 import jax
 import pytest
 
-from spmdtask import main, stage_start
+from spmdtask import main, overrides
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import text, tokenizers
 from spmdtask.run import loop
@@ -53,7 +53,7 @@ def test_dpo_from_an_import_with_another_import_as_reference_equals_trl(tmp_path
                      "datasets['train'].prepared.seq_len=16",
                      "datasets['eval'].prepared.batch_size=4",
                      "datasets['eval'].prepared.seq_len=16"],
-      pairs, start=stage_start.read(policy, None)))
+      pairs, start=overrides.start_of(policy, None)))
   assert run.task.train.init_checkpoint_dir == policy
   _, _, losses = loop.train(run, str(tmp_path / "dpo"), devices=jax.devices()[:1])
   assert abs(losses[0] - fix["trl_loss"]) <= 1e-5, (losses[0], fix["trl_loss"])
@@ -66,16 +66,16 @@ def test_each_family_is_built_from_its_model_overrides_alone(family):
   lines = model_overrides.overrides(cfg)
   want = fdl.build(main.resolved_config(families.experiment(cfg), lines).task.model)
   for exp in ("stages.Sft", "stages.Dpo", "stages.Grpo"):
-    got = main.resolved_config(exp, [], start=stage_start.Start(family, lines))
+    got = main.resolved_config(exp, [], start=overrides.Start(family, lines))
     assert fdl.build(got.task.model) == want, (family, exp)
   # The data's vocabulary is the model's (model_overrides.txt sets no dataset field).
-  sft = main.resolved_config("stages.Sft", [], start=stage_start.Start(family, lines))
+  sft = main.resolved_config("stages.Sft", [], start=overrides.Start(family, lines))
   assert fdl.build(sft.datasets["train"]).vocab_size == cfg["vocab_size"]
 
 
 def test_lora_rank_adapts_every_weight_the_family_has():
   cfg = json.load(open(os.path.join(DATA, "mixtral", "config.json")))
-  run = fdl.build(main.resolved_config("stages.Sft", [], start=stage_start.Start(
+  run = fdl.build(main.resolved_config("stages.Sft", [], start=overrides.Start(
       "mixtral", model_overrides.overrides(cfg)), lora_rank=4))
   assert (run.task.model.lora.rank, run.task.model.lora.alpha) == (4, 8.0)
   assert run.task.model.lora.targets == ("q", "k", "v", "o", "experts")
@@ -86,13 +86,13 @@ def test_a_stage_without_a_model_or_a_start_is_one_paragraph_naming_it(tmp_path)
                      r"is named: give --init_from=DIR"):
     main.resolved_config("stages.Dpo", [])
   with pytest.raises(ConfigError, match=r"--init_from='.*/nowhere' has no model_overrides.txt"):
-    stage_start.read(str(tmp_path / "nowhere"), None)
+    overrides.start_of(str(tmp_path / "nowhere"), None)
   empty = tmp_path / "import"
   empty.mkdir()
   (empty / "model_overrides.txt").write_text("--family=llama\n")
   with pytest.raises(ConfigError, match=r"task.train.init_checkpoint_dir='.*/import' "
                      r"\(--init_from\) holds no complete checkpoint"):
-    stage_start.read(str(empty), None)
+    overrides.start_of(str(empty), None)
   (empty / "model_overrides.txt").write_text("--family=llama\nlayers=2\n")
   with pytest.raises(ConfigError, match=r"model_overrides.txt:2: 'layers=2' is neither"):
-    stage_start.read(str(empty), None)
+    overrides.start_of(str(empty), None)

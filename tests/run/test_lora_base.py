@@ -14,7 +14,6 @@ import pytest
 from spmdtask.core import program as program_lib
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
-from spmdtask.layers import lora as lora_lib
 from spmdtask.run import checkpoint_check, checkpoint_io, checkpoints, loop, lora_base
 from tests import subproc as h
 from tests import util
@@ -152,7 +151,7 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
   scale = lora.meta_at_2[lora_base.SCALE_KEY]
   assert scale == 2.0  # TinyLmLora: rank 4, alpha 8
   adapters = train_state.adapters(lora.state.params)
-  want = lora_lib.merged(lora_base._overlay(base, adapters), scale)  # pylint: disable=protected-access
+  want = train_state.merged_adapters(lora_base._overlay(base, adapters), scale)  # pylint: disable=protected-access
   util.assert_trees_close(got, jax.device_get(want), atol=1e-6)
   wq = got["layers"]["block"]["attn"]["q"]
   assert np.abs(wq - base["layers"]["block"]["attn"]["q"]).max() > 1e-3  # the adapters moved it

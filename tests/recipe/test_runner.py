@@ -1,7 +1,7 @@
-"""spmdtask/recipe.py: a recipe's keys checked (exit 2 naming the key and its line, nothing
-written), and the chain end to end on examples/tiny_chat's Llama: import -> SFT with LoRA ->
-DPO with LoRA from it -> GRPO with LoRA from that on a prompts file with a reward from a
-user's file -> the merged export, SIGKILLed mid-DPO and rerun."""
+"""spmdtask/recipe/runner.py: the commands a recipe runs, and the chain end to end on
+examples/tiny_chat's Llama: import -> SFT with LoRA -> DPO with LoRA from it -> GRPO with
+LoRA from that on a prompts file with a reward from a user's file -> the merged export,
+SIGKILLed mid-DPO and rerun (and the same chain, shorter, on tiny Qwen3 and Qwen3-MoE)."""
 import json
 import os
 import shlex
@@ -9,18 +9,18 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 
 import jax
 import numpy as np
 import pytest
 
-from spmdtask import main, recipe, stage_start
+from spmdtask import main, overrides
 from spmdtask.core import program as program_lib
-from spmdtask.layers import lora
+from spmdtask.core import train_state
+from spmdtask.hf import convert, files
+from spmdtask.recipe import recipe_file, runner
 from spmdtask.run import checkpoint_io, checkpoints, rollout
 from tests import subproc as h
-from spmdtask.hf import convert, files
 
 EXAMPLE = os.path.join(h.REPO, "examples", "tiny_chat")
 PREFS = os.path.join(h.REPO, "tests", "tools", "data", "dpo", "prefs.jsonl")
@@ -37,50 +37,13 @@ def _recipe(tmp_path, body: str) -> str:
   return str(path)
 
 
-def _exit_2(capsys, path: str) -> str:
-  with pytest.raises(SystemExit) as e:
-    recipe.main([f"--recipe={path}"])
-  assert e.value.code == 2
-  err = capsys.readouterr().err
-  assert err.startswith("recipe: config error: ") and err.count("\n") == 1, err
-  return err
-
-
-@pytest.mark.parametrize("body, want", [
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nlora = 8\n',
-     r":7: 'lora' is not a recipe key of [stage]; it takes data, fdl_set"),
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\n[[stage]]\n'
-     'kind = "ppo"\ndata = "D"\n', ":8: [[stage]] #2 kind = 'ppo': a stage is one of sft, dpo"),
-    ('[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\n', ":1: root is missing"),
-    ('root = "R"\n[model]\nhf = "M"\njob = "J"\n[[stage]]\nkind = "sft"\ndata = "D"\n',
-     ":3: [model] names the model by hf"),
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "dpo"\ninput = "p.jsonl"\n',
-     ":6: [[stage]] #1: input = 'p.jsonl' is prepared with tools/prepare_pref_data.py "
-     "--max_len: add max_len"),
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nlora_rank = "8"\n',
-     ":7: [[stage]] #1 lora_rank = '8' is not an integer."),
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nreward = ["f.py:g"]\n',
-     ":7: [[stage]] #1 (sft): reward scores GRPO's samples"),
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\n[[stage]]\n'
-     'kind = "sft"\ndata = "E"\n', ":7: [[stage]] #2: its job dir name 'sft' is taken"),
-    ('root = "R"\n[model]\nhf = "M"\n[[stage]]\nkind = "sft"\ndata = "D"\nfdl_set = ["x"]\n',
-     ":7: [[stage]] #1 fdl_set holds 'x'; give path=value strings."),
-    ('root = "R"\n[model\nhf = "M"\n', "is not valid TOML"),
-], ids=["unknown_key", "kind", "no_root", "two_models", "no_max_len", "rank_type",
-        "reward_not_grpo", "same_name", "fdl_set", "toml"])
-def test_a_bad_key_is_exit_2_naming_it_and_its_line(tmp_path, capsys, body, want):
-  path = _recipe(tmp_path, body.replace('"R"', f'"{tmp_path}/root"'))
-  assert want in _exit_2(capsys, path)
-  assert not (tmp_path / "root").exists()  # nothing written
-
-
 def test_the_commands_chain_each_stage_from_the_one_before(tmp_path):
   path = _recipe(tmp_path, f'root = "{tmp_path}/r"\n[model]\njob = "/imp"\n'
                  '[[stage]]\nkind = "sft"\ndata = "/chat"\nlora_rank = 8\n'
                  '[[stage]]\nkind = "dpo"\nname = "align"\ninput = "/p.jsonl"\nmax_len = 9\n'
                  'fdl_set = ["task.train.num_train_steps=3"]\n'
                  f'[export]\nhf = "{tmp_path}/out"\n')
-  got = [recipe.shown(s.argv) for s in recipe.steps(recipe.load(path))]
+  got = [runner.shown(s.argv) for s in runner.steps(recipe_file.load(path))]
   r = f"{tmp_path}/r"
   assert got == [
       f"python -m spmdtask.main --exp=stages.Sft --job_log_dir={r}/sft --init_from=/imp "
@@ -106,7 +69,7 @@ def _wait_for_checkpoint(directory: str, proc, seconds: float) -> int:
 
 def _program(exp: str, init_from: str, rank: int, data_dir: str | None = None):
   run = main.build(main.resolved_config(exp, [], data_dir,
-                                        start=stage_start.read(init_from, None), lora_rank=rank))
+                                        start=overrides.start_of(init_from, None), lora_rank=rank))
   return program_lib.setup(run.task, rollout.example(run), jax.devices()[:1])
 
 
@@ -164,7 +127,7 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
   assert grpo["kl"][1] < 1e-9 and np.isfinite(grpo["loss"][1]), grpo  # its reference: the start
   # The export is the GRPO job's params with every stage's adapters merged in.
   grpo_program = _program("stages.Grpo", str(root / "dpo"), 4, str(root / "grpo_data"))
-  want = lora.merged(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
+  want = train_state.merged_adapters(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
   cfg, tensors = files.read_hf(str(tmp_path / "export"))
   got = convert.to_params(cfg, tensors)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6), got, want)
@@ -186,7 +149,7 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   finally:
     os.killpg(proc.pid, signal.SIGKILL)
     first = proc.communicate()[0]
-  assert killed_at == 2 and not (root / "dpo" / recipe.DONE_FILE).exists(), first[-3000:]
+  assert killed_at == 2 and not (root / "dpo" / runner.DONE_FILE).exists(), first[-3000:]
   r = subprocess.run(cmd, env=h.env(1), cwd=h.REPO, capture_output=True, text=True,
                      timeout=1800, check=False)
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
@@ -198,7 +161,7 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
 
   # The resumed DPO ends where an uninterrupted run of the same command ends.
   again = str(tmp_path / "dpo_straight")
-  command = shlex.split((root / "dpo" / recipe.DONE_FILE).read_text())[1:]
+  command = shlex.split((root / "dpo" / runner.DONE_FILE).read_text())[1:]
   command = [a.replace(f"--job_log_dir={root}/dpo", f"--job_log_dir={again}") for a in command]
   s = subprocess.run([sys.executable, *command], env=h.env(1), cwd=h.REPO, capture_output=True,
                      text=True, timeout=900, check=False)
@@ -220,10 +183,3 @@ def test_the_chain_for_other_families(tmp_path, family):
                      check=False)
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
   _check_chain(tmp_path, model_dir, 3, 2)
-
-
-def test_the_fine_tuning_page_shows_the_example_recipe():
-  page = open(os.path.join(h.REPO, "docs", "fine_tuning.md")).read()
-  shown_toml = page.split("```toml\n", 1)[1].split("```", 1)[0]
-  with open(os.path.join(EXAMPLE, "recipe.toml"), "rb") as f:
-    assert tomllib.loads(shown_toml) == tomllib.load(f)
