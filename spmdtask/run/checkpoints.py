@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from spmdtask import console, fs
-from spmdtask.core import train_state
+from spmdtask.core import sharding, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_check, fingerprints, lora_base
 from spmdtask.run import checkpoint_io as io
@@ -102,25 +102,52 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
     mngr.close()
 
 
-def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
+def warm_start(init_dir: str, program, state: TrainState, init_adapters: str = "merge"
+               ) -> TrainState:
   """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh.
   A LoRA model takes its frozen params from it (`run.lora_base`), its adapters fresh."""
-  return _warm_start(init_dir, program, state)[0]
+  return _warm_start(init_dir, program, state, init_adapters)[0]
 
 
-def _warm_start(init_dir: str, program, state: TrainState
+def _warm_start(init_dir: str, program, state: TrainState, init_adapters: str = "merge"
                 ) -> tuple[TrainState, lora_base.Base | None]:
   """(warm_start's state, the base a LoRA model's checkpoints then name, else None). A LoRA
   job's checkpoint in `init_dir` starts the model with its adapters merged in
-  (`lora_base.read`)."""
-  base, params = lora_base.read(init_dir, program)
+  (`lora_base.read`), or, with `init_adapters` 'continue', a LoRA model with those adapters
+  on the start's own base."""
+  lora = train_state.adapters_only(program.model)
+  keep = init_adapters == "continue"
+  if keep and not lora:
+    raise ConfigError("task.train.init_adapters='continue' trains the start's own LoRA "
+                      "adapters, and this model has none: give it LoRA of the start's rank "
+                      "(--lora_rank=R), or leave init_adapters 'merge'.")
+  base, params = lora_base.read(init_dir, program, merge=not keep)
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir,
                base.step)
   canonical = program.to_canonical(state)
-  # In the model's dtypes; a LoRA model's adapters fresh, its saves naming the base.
-  params = lora_base.merged(canonical.params, params)
-  base = base if train_state.adapters_only(program.model) else None
-  return _live(program, int(jax.device_get(state.step)), params, canonical.opt_state), base
+  adapters = None
+  if keep:
+    adapters = train_state.adapters(params)
+    _check_adapters(adapters, train_state.adapters(canonical.params), init_dir)
+  # In the model's dtypes; a LoRA model's adapters fresh (or the start's), its saves naming
+  # the base.
+  params = lora_base.merged(canonical.params, params, adapters)
+  return (_live(program, int(jax.device_get(state.step)), params, canonical.opt_state),
+          base if lora else None)
+
+
+def _check_adapters(start, model, init_dir: str) -> None:
+  """ConfigError where the start's adapters are not the model's (none, or other shapes)."""
+  shapes = [{sharding.path_str(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+            for t in (start, model)]
+  if shapes[0] != shapes[1]:
+    rank = {k.split("/")[-1]: v[-1] for k, v in shapes[0].items() if k.endswith("_lora_a")}
+    have = f"rank {sorted(set(rank.values()))[0]}" if rank else "no adapters"
+    raise ConfigError(
+        f"task.train.init_adapters='continue', but task.train.init_checkpoint_dir={init_dir!r} "
+        f"holds {have} on other weights or of another rank than this model's adapters: give "
+        "the model the start's LoRA (its config.txt's task.model.lora), or leave "
+        "init_adapters 'merge' (new adapters on the start merged).")
 
 
 class Checkpointer:
@@ -259,7 +286,8 @@ class Checkpointer:
 
 
 def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int | None = None,
-                  init_checkpoint_dir: str | None = None) -> TrainState:
+                  init_checkpoint_dir: str | None = None, init_adapters: str = "merge"
+                  ) -> TrainState:
   """The padded state a train run starts from, with `inputs` positioned to match.
 
   Resumes from this job's checkpoint (`restore_step`, else the latest complete one) when
@@ -273,7 +301,7 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
     return state
   state = program.init()
   if init_checkpoint_dir:
-    state, base = _warm_start(init_checkpoint_dir, program, state)
+    state, base = _warm_start(init_checkpoint_dir, program, state, init_adapters)
     if ckpt is not None:
       ckpt.base = base
   return state

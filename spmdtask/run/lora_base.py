@@ -65,6 +65,7 @@ class Base:
   step: int
   shapes_fingerprint: str
   values_fingerprint: str | None = None
+  merged: bool = True  # its own adapters (a LoRA job's) merged into its params, or left out
 
   def record(self) -> dict:
     """What the job's checkpoints' `meta` say of it (META_KEY)."""
@@ -148,14 +149,17 @@ def _replicated(saved, mesh):
 
 
 def read(init_dir: str, program, step: int | None = None, expected: Base | None = None,
-         field: str = FIELD) -> tuple[Base, dict]:
+         field: str = FIELD, merge: bool = True) -> tuple[Base, dict]:
   """(the Base, its frozen params on `program.mesh`) of job `init_dir`'s checkpoint `step`
   (None: its latest): the model's params without adapters, by name and shape, in the dtypes
   stored. A LoRA job's checkpoint (adapters beside its params, or adapters alone beside the
   base its meta names) gives its params with its adapters merged in, W + (alpha / r)·A·B
   (`train_state.merged_adapters`, float32): where a stage starts. With `expected` (what a LoRA job's
   checkpoint names), ConfigError naming FIELD and the base dir when it is gone or is not
-  that base. Every process calls it."""
+  that base. Without `merge` (task.train.init_adapters='continue') the params are the
+  start's base's with the start's adapters beside them, and the Base is the one those
+  adapters continue on. Every process calls it."""
+  merge = expected.merged if expected is not None else merge
   model_params = program.canonical_targets().params
   shapes = fingerprint(model_params)
   if expected is not None:
@@ -188,6 +192,8 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
   params = got["params"]
   if own_base is not None:
     params = _overlay(read(own_base.dir, program, own_base.step, expected=own_base)[1], params)
+  if not merge:  # the adapters continue: on the start's own base, or on its params
+    return own_base or dataclasses.replace(base, merged=False), params
   if train_state.adapters(params):
     params = train_state.merged_adapters(params, lora_scale(meta))
   return base, params

@@ -55,8 +55,8 @@ def test_the_commands_chain_each_stage_from_the_one_before(tmp_path):
       f"python tools/convert_hf.py --job_log_dir={r}/align --to_hf={tmp_path}/out"]
 
 
-def _wait_for_checkpoint(directory: str, proc, seconds: float) -> int:
-  """The first complete checkpoint step in `directory` while `proc` runs."""
+def _wait_for_checkpoint(directory: str, proc, seconds: float) -> int | None:
+  """The first complete checkpoint step in `directory` while `proc` runs, or None."""
   end = time.time() + seconds
   while time.time() < end and proc.poll() is None:
     if os.path.isdir(directory):
@@ -64,7 +64,7 @@ def _wait_for_checkpoint(directory: str, proc, seconds: float) -> int:
       if steps:
         return steps[0]
     time.sleep(0.5)
-  raise AssertionError(f"no checkpoint in {directory} (exit {proc.poll()})")
+  return None
 
 
 def _program(exp: str, init_from: str, rank: int, data_dir: str | None = None):
@@ -147,7 +147,8 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   try:
     killed_at = _wait_for_checkpoint(str(root / "dpo" / "checkpoints"), proc, 1200)
   finally:
-    os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:
+      os.killpg(proc.pid, signal.SIGKILL)
     first = proc.communicate()[0]
   assert killed_at == 2 and not (root / "dpo" / runner.DONE_FILE).exists(), first[-3000:]
   r = subprocess.run(cmd, env=h.env(1), cwd=h.REPO, capture_output=True, text=True,

@@ -161,3 +161,17 @@ def test_a_resume_with_another_rank_names_both_ranks(lora):
   with pytest.raises(ConfigError, match=r"^task.model.lora.rank=8, the checkpoint's 4 \(at .*"
                      r"Resume with task.model.lora.rank=4 \(--lora_rank=4\)"):
     checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.lora.rank=8"))
+
+
+def test_continue_trains_the_starts_own_adapters_on_its_base(lora):
+  program = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'")
+  state, base = checkpoints._warm_start(lora.job, program, program.init(), "continue")  # pylint: disable=protected-access
+  got = jax.device_get(program.to_canonical(state).params)
+  util.assert_trees_equal(train_state.adapters(got), train_state.adapters(lora.state.params))
+  util.assert_trees_equal(lora_base.without_adapters(got),
+                          lora_base.without_adapters(lora.state.params))  # the base, unmerged
+  assert base.dir == lora.base  # its saves name the start's own base
+  with pytest.raises(ConfigError, match=r"init_adapters='continue', but .* holds rank 4 on "
+                     r"other weights or of another rank"):
+    other = _program("lm.TinyLmLora", "task.model.lora.rank=8")
+    checkpoints.warm_start(lora.job, other, other.init(), "continue")

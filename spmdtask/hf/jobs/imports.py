@@ -40,7 +40,9 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   elif new_lora is not None:
     lora = peft.lora_fields(cfg, {"peft_type": "LORA", **new_lora}, "--lora_rank/--lora_alpha")
   lines = model_overrides.overrides(cfg, tokenizer if has_tokenizer else None, lora)
-  program = checkpoints.program(lines, families.experiment(cfg, lora))  # checks the model
+  # Checks the model; without the tokenizer line: its tokenizer.json is copied below.
+  program = checkpoints.program(model_overrides.overrides(cfg, None, lora),
+                                families.experiment(cfg, lora))
   if note:  # said once every input is checked
     print(note, file=sys.stderr)
   fs.makedirs(job_log_dir)
