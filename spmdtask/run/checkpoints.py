@@ -127,8 +127,10 @@ def _warm_start(init_dir: str, program, state: TrainState, init_adapters: str = 
   canonical = program.to_canonical(state)
   adapters = None
   if keep:
-    adapters = train_state.adapters(params)
-    _check_adapters(adapters, train_state.adapters(canonical.params), init_dir)
+    adapters, fresh = train_state.adapters(params), train_state.adapters(canonical.params)
+    _check_adapters(adapters, fresh, init_dir)
+    # Read whole on every device (lora_base): placed as the model's own adapters.
+    adapters = jax.tree.map(lambda a, m: jax.device_put(a, m.sharding), adapters, fresh)
   # In the model's dtypes; a LoRA model's adapters fresh (or the start's), its saves naming
   # the base.
   params = lora_base.merged(canonical.params, params, adapters)

@@ -69,7 +69,8 @@ class Base:
 
   def record(self) -> dict:
     """What the job's checkpoints' `meta` say of it (META_KEY)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    return {k: v for k, v in dataclasses.asdict(self).items()
+            if v is not None and (k, v) != ("merged", True)}  # the default: as before
 
   @classmethod
   def of(cls, meta: dict) -> "Base | None":
