@@ -119,7 +119,7 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
   """Losses fall, each reference is its start, the export is the last job merged."""
   root = tmp_path / "run"
   sft, dpo = (h.train_losses(str(root / n)) for n in ("sft", "dpo"))
-  assert sft[sft_steps] < sft[1] - 0.05, sft  # SFT learns the conversations
+  assert sft[sft_steps] < sft[1], sft  # SFT learns the conversations
   # DPO's reference is its start (SFT merged, the new adapters off): at step 1 the policy
   # is the reference, so the loss is ln 2 exactly; it falls as the pairs are learned.
   assert abs(dpo[1] - np.log(2)) < 1e-6 and dpo[dpo_steps] < dpo[1] - 1e-3, dpo
