@@ -324,17 +324,26 @@ def init_backends() -> str:
 
 
 class Progress:
-  """A long loop's progress for a tool's console: `update(line)` prints `line()` (a
+  """A long loop's progress for a tool's console: `update(line)` prints `LABEL: line()` (a
   function, so nothing is formatted between lines) once `every_s` seconds have passed since
-  the start or the last line, as one periodic line with the time so far: 'records: 120000
-  read, 119500 kept (0:10)'. A loop shorter than `every_s` prints nothing."""
+  the start or the last line, as one periodic line with the time so far:
+  'prepare_chat_data: 120000 records read, 119500 kept (0:10)'. A loop shorter than
+  `every_s` prints nothing."""
 
-  def __init__(self, every_s: float = 5.0, clock=time.monotonic):
-    self.every_s, self._clock = every_s, clock
+  def __init__(self, label: str, every_s: float = 5.0, clock=time.monotonic):
+    self.label, self.every_s, self._clock = label, every_s, clock
     self._start = self._last = clock()
+    self.lines = 0
 
   def update(self, line) -> None:
     now = self._clock()
     if now - self._last >= self.every_s:
       self._last = now
-      print(f"{line()} ({duration(now - self._start)})", flush=True)
+      self.lines += 1
+      print(f"{self.label}: {line()} ({duration(now - self._start)})", flush=True)
+
+  def next_phase(self, line: str) -> None:
+    """Prints `line` (what the run does next) where progress lines were printed: a long
+    run says what it does between them; a short one stays quiet."""
+    if self.lines:
+      print(f"{self.label}: {line} ({duration(self._clock() - self._start)})", flush=True)

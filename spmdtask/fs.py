@@ -159,9 +159,29 @@ def read_bytes(path: str) -> bytes:
     return f.read()
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def read_text(path: str) -> str:
-  with open(path, "r") as f:
-    return f.read()
+  """The file's text: strict UTF-8 (a leading byte-order mark dropped); another encoding is
+  a ConfigError naming PATH:LINE (`decode_text`)."""
+  raw = read_bytes(path)
+  return decode_text(raw[len(_BOM):] if raw.startswith(_BOM) else raw, path)
+
+
+def decode_text(raw: bytes, path: str, first_line: int = 1) -> str:
+  """`raw` (the text of `path` from line `first_line` on) as UTF-8; ConfigError naming the
+  line and byte that is not, and the fix: never a guessed encoding or a replaced byte."""
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    line = first_line + raw.count(b"\n", 0, e.start)
+    column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+    raise ConfigError(
+        f"{path}:{line}: byte {column} of the line (0x{raw[e.start]:02x}) is not UTF-8 "
+        f"({e.reason}), so its text cannot be read without guessing the encoding. Save the "
+        "file as UTF-8 (e.g. `iconv -f LATIN1 -t UTF-8 IN > OUT` for Latin-1 text) or fix "
+        "that line.") from None
 
 
 def write_bytes(path: str, data: bytes) -> None:

@@ -80,3 +80,13 @@ def test_unreachable_gs_is_a_config_error(monkeypatch):
   with pytest.raises(ConfigError, match=r"--job_log_dir='gs://b/x' cannot be reached \(no "
                      r"connection to 127\.0\.0\.1:9\)"):
     fs.check_reachable("gs://b/x", "--job_log_dir")
+
+
+def test_read_text_is_strict_utf8_naming_file_line_and_byte(tmp_path):
+  f = tmp_path / "doc.txt"
+  f.write_bytes(b"\xef\xbb\xbfline one\nline two\nthird \xff line\n")
+  with pytest.raises(ConfigError, match=rf"^{f}:3: byte 7 of the line \(0xff\) is not UTF-8 "
+                     r"\(invalid start byte\), so its text cannot be read without guessing"):
+    fs.read_text(str(f))
+  f.write_bytes(b"\xef\xbb\xbfline one\nzw\xc3\xb6lf\n")  # the byte-order mark dropped
+  assert fs.read_text(str(f)) == "line one\nzw\u00f6lf\n"

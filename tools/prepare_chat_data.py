@@ -35,21 +35,21 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
 # pylint: disable=wrong-import-position
 from spmdtask import console, fs
 from spmdtask.errors import ConfigError
+from spmdtask.hf import model_overrides
 from spmdtask.inputs import chat, chat_template, data_dirs, records, text, tokenizers
 from tools.prepare_text_data import split_documents
 
 
-def encode_all(source: str, conv: chat.Chat, max_len: int, overlong: str) -> dict:
+def encode_all(source: str, conv: chat.Chat, max_len: int, overlong: str,
+               progress: console.Progress) -> dict:
   """Every record of `source` (records.read) as (ids, mask), overlong ones dropped or cut;
   ConfigError (naming FILE:LINE or FILE:row N) for the first bad record. Returns {'docs',
   'masks', 'read', 'trailing', 'dropped', 'truncated', 'no_target_after_cut'}."""
   out = {"docs": [], "masks": [], "read": 0, "trailing": 0, "dropped": 0, "truncated": 0,
          "no_target_after_cut": 0}
-  progress = console.Progress()
   for where, record in records.read(source):
     out["read"] += 1
-    progress.update(lambda: f"prepare_chat_data: {out['read']} records read, "
-                    f"{len(out['docs'])} kept")
+    progress.update(lambda: f"{out['read']} records read, {len(out['docs'])} kept")
     example = chat.example(record, where)
     out["trailing"] += example.trailing > 0
     ids, mask = example.encode(conv, where)
@@ -80,24 +80,27 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int, overlon
     raise ConfigError(f"--max_len={max_len}: a conversation needs at least 2 tokens; give "
                       "the row length you will train with (e.g. --max_len=2048).")
   conv = chat.Chat.from_model_dir(model_dir, end_of_turn_token)
-  enc = encode_all(pattern, conv, max_len, overlong)
+  progress = console.Progress("prepare_chat_data")
+  enc = encode_all(pattern, conv, max_len, overlong, progress)
   if len(enc["docs"]) < 2:
     raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs'])} conversation(s) after "
                       f"--max_len={max_len} (--overlong={overlong}); a train and an eval split "
                       "need at least 2. Raise --max_len or add conversations.")
+  progress.next_phase(f"all read; writing {len(enc['docs'])} conversations to {output_dir}")
   return data_dirs.write(output_dir, lambda local: _write(
-      local, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction, num_shards, seed),
-                         overwrite)
+      local, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction, num_shards, seed,
+      progress), overwrite)
 
 
 def _write(output_dir, enc, conv, pattern, model_dir, max_len, overlong, eval_fraction,
-           num_shards, seed) -> dict:
+           num_shards, seed, progress) -> dict:
   train_ids, eval_ids = split_documents(len(enc["docs"]), eval_fraction, seed)
   splits = {}
   for name, ids in (("train", train_ids), ("eval", eval_ids)):
     docs, masks = [enc["docs"][i] for i in ids], [enc["masks"][i] for i in ids]
     files = text.write_split(output_dir, name, docs,
-                             num_shards if name == "train" else max(1, num_shards // 4), masks)
+                             num_shards if name == "train" else max(1, num_shards // 4), masks,
+                             progress)
     splits[name] = {"files": files, "num_documents": len(docs),
                     "num_tokens": int(sum(map(len, docs))),
                     "num_target_tokens": int(sum(sum(m[1:]) for m in masks))}
@@ -125,16 +128,13 @@ def write_chat_files(output_dir: str, conv: chat.Chat, model_dir: str) -> dict:
                    "special_tokens": conv.template.special_tokens}}
 
 
-IMPORT_FILE = "model_overrides.txt"  # what tools/convert_hf.py --from_hf writes in a job dir
-
-
 def stage_command(stage: str, output_dir: str, model_dir: str, suffix: str) -> list[str]:
   """The lines that continue the user's model with `stage` (stages.Sft, stages.Dpo) on
   `output_dir`, as a shell runs them from any dir: --init_from is `model_dir` where it is an
   import's job dir (tools/convert_hf.py --from_hf), else a placeholder and how to make it."""
   absolute = lambda d: d if "://" in d else os.path.abspath(d)
   data_dir = absolute(output_dir)
-  is_import = fs.isfile(fs.join(model_dir, IMPORT_FILE))
+  is_import = fs.isfile(fs.join(model_dir, model_overrides.OVERRIDES_FILE))
   start = shlex.quote(absolute(model_dir)) if is_import else "IMPORT_DIR"
   lines = [" ".join([f"python -m spmdtask.main --exp={stage}",
                      f"--job_log_dir={shlex.quote(data_dir.rstrip('/') + suffix)}",

@@ -67,16 +67,15 @@ def parse(record: dict, where: str) -> tuple[chat.Example, chat.Example]:
                for k, m in (("chosen", chosen), ("rejected", rejected)))
 
 
-def encode_all(source: str, conv: chat.Chat, max_len: int) -> dict:
+def encode_all(source: str, conv: chat.Chat, max_len: int,
+               progress: console.Progress) -> dict:
   """Every record as two (ids, mask) documents, over-long pairs dropped; ConfigError
   (naming FILE:LINE or FILE:row N) for the first bad record. Returns {'docs', 'masks',
   'read', 'trailing', 'dropped'}."""
   out = {"docs": [], "masks": [], "read": 0, "trailing": 0, "dropped": 0}
-  progress = console.Progress()
   for where, record in records.read(source):
     out["read"] += 1
-    progress.update(lambda: f"prepare_pref_data: {out['read']} pairs read, "
-                    f"{len(out['docs']) // 2} kept")
+    progress.update(lambda: f"{out['read']} pairs read, {len(out['docs']) // 2} kept")
     pair = parse(record, where)
     out["trailing"] += any(e.trailing for e in pair)
     (c_ids, c_mask), (r_ids, r_mask) = (e.encode(conv, where) for e in pair)
@@ -106,25 +105,27 @@ def prepare(pattern: str, model_dir: str, output_dir: str, max_len: int,
     raise ConfigError(f"--max_len={max_len}: a sequence needs at least 2 tokens; give the "
                       "sequence length you will train with plus one (e.g. --max_len=1025).")
   conv = chat.Chat.from_model_dir(model_dir, end_of_turn_token)
-  enc = encode_all(pattern, conv, max_len)
+  progress = console.Progress("prepare_pref_data")
+  enc = encode_all(pattern, conv, max_len, progress)
   if len(enc["docs"]) < 4:
     raise ConfigError(f"--input={pattern!r} leaves {len(enc['docs']) // 2} pair(s) after "
                       f"--max_len={max_len}; a train and an eval split need at least 2. Raise "
                       "--max_len or add pairs.")
+  progress.next_phase(f"all read; writing {len(enc['docs']) // 2} pairs to {output_dir}")
   return data_dirs.write(output_dir, lambda local: _write(
-      local, enc, conv, pattern, max_len, eval_fraction, num_shards, seed, model_dir),
-                         overwrite)
+      local, enc, conv, pattern, max_len, eval_fraction, num_shards, seed, model_dir,
+      progress), overwrite)
 
 
 def _write(output_dir, enc, conv, pattern, max_len, eval_fraction, num_shards, seed,
-           model_dir) -> dict:
+           model_dir, progress) -> dict:
   train_ids, eval_ids = split_documents(len(enc["docs"]) // 2, eval_fraction, seed)
   splits = {}
   for name, ids in (("train", train_ids), ("eval", eval_ids)):
     docs = [i for p in ids for i in (2 * int(p), 2 * int(p) + 1)]
     files = text.write_split(output_dir, name, [enc["docs"][i] for i in docs],
                              num_shards if name == "train" else max(1, num_shards // 4),
-                             [enc["masks"][i] for i in docs])
+                             [enc["masks"][i] for i in docs], progress)
     # Shards hold whole documents in order, so a pair's two stay adjacent by number.
     splits[name] = {"files": files, "num_documents": len(docs), "num_pairs": len(ids),
                     "num_tokens": int(sum(len(enc["docs"][i]) for i in docs)),

@@ -15,6 +15,7 @@ data dir there replaced only with --overwrite (spmdtask.inputs.data_dirs).
 """
 import argparse
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -23,7 +24,7 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   console.start_tool()
 
 # pylint: disable=wrong-import-position
-from spmdtask import console
+from spmdtask import console, fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import data_dirs, prompt_data
 
@@ -37,7 +38,7 @@ def prepare(pattern: str, tokenizer: str, output_dir: str, max_prompt_len: int |
     raise ConfigError(f"--max_prompt_len={max_prompt_len}: give a positive number of tokens "
                       "(or leave it out: no limit).")
   conv, tok, model_eos = prompt_data.model_chat(tokenizer, raw)
-  enc = prompt_data.encode_all(pattern, conv, tok, raw, max_prompt_len, console.Progress())
+  enc = prompt_data.encode_all(pattern, conv, tok, raw, max_prompt_len, console.Progress("prepare_prompt_data"))
   stops = prompt_data.stop_ids(conv, tok, model_eos)
   meta = {"stop_ids": stops, "raw": raw, "input": pattern, "model": tokenizer,
           "max_prompt_len": max_prompt_len, "dropped": enc["dropped"]}
@@ -56,6 +57,22 @@ def report(output_dir: str, meta: dict) -> str:
   return (f"{output_dir}: {meta['num_prompts']} prompts, the longest {meta['longest']} tokens"
           f"{dropped}{plain}{missing}; vocab_size={meta['vocab_size']}, stop ids "
           f"{meta['stop_ids']}")
+
+
+def train_command(output_dir: str, model: str) -> str | None:
+  """The GRPO command on `output_dir` from `model`, an import's job dir (None for another
+  dir: import it first, tools/convert_hf.py --from_hf)."""
+  if not fs.isfile(fs.join(model, "model_overrides.txt")):
+    return None
+  data, base = (d if "://" in d else os.path.abspath(d) for d in (output_dir, model))
+  return " ".join(["python -m spmdtask.main --exp=grpo.LlamaGrpoImport",
+                   f"--job_log_dir={shlex.quote(data.rstrip('/') + '_grpo')}",
+                   f"--flagfile={shlex.quote(fs.join(base, 'model_overrides.txt'))}",
+                   f"--data_dir={shlex.quote(data)}",
+                   (f"--fdl_set=\"task.train.init_checkpoint_dir='{base}'\""
+                    if shlex.quote(base) == base else
+                    shlex.quote(f"--fdl_set=task.train.init_checkpoint_dir='{base}'")),
+                   "--reward=PATH.py:FN"])
 
 
 def main(argv=None):
@@ -81,6 +98,9 @@ def main(argv=None):
     print(f"prepare_prompt_data: config error: {e}", file=sys.stderr)
     sys.exit(2)
   print(report(args.output_dir, meta))
+  command = train_command(args.output_dir, args.tokenizer)
+  if command:
+    print("Train on it by GRPO (your reward function in place of PATH.py:FN):\n  " + command)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,14 @@
 
 Each input file is one document (UTF-8; another encoding is refused, naming FILE:LINE).
 Documents are shuffled once (--seed), the first --eval_fraction of them become the eval
-split, the rest train. Every document is tokenized whole and closed by the end-of-document id. With --tokenizer=sentencepiece a
-BPE model is trained (offline) on the train documents' lines with --vocab_size; with
---tokenizer=hf:PATH a Hugging Face tokenizer.json (an imported model's own) is used as is,
-its end-of-document id the --eod_token's, else the eos_token of the tokenizer_config.json
-beside it. The output dir gets `train-*.tfrecord`, `eval-*.tfrecord`, their
-`*_index.npz`, the tokenizer (`tokenizer.model` or `tokenizer.json`; none for bytes) and
-`meta.json` (see spmdtask.inputs.tokenizers). A non-empty --output_dir is refused; a
+split, the rest train. Every document is tokenized whole and closed by the end-of-document
+id. With --tokenizer=sentencepiece a BPE model is trained (offline) on the train
+documents' lines with --vocab_size; with --tokenizer=hf:PATH a Hugging Face tokenizer.json
+(an imported model's own) is used as is, its end-of-document id the --eod_token's, else
+the eos_token of the tokenizer_config.json beside it. The output dir gets
+`train-*.tfrecord`, `eval-*.tfrecord`, their `*_index.npz`, the tokenizer
+(`tokenizer.model` or `tokenizer.json`; none for bytes) and `meta.json` (see
+spmdtask.inputs.tokenizers). A non-empty --output_dir is refused; a
 prepared one is replaced only with --overwrite (spmdtask.inputs.data_dirs).
 Train on it with `--exp=lm.TextLm` (docs/data.md).
 """
@@ -33,21 +34,24 @@ if __name__ == "__main__":  # C++ libraries print as they load: keep them off th
   console.start_tool()
 
 # pylint: disable=wrong-import-position
-from spmdtask import fs
+from spmdtask import console, fs
 from spmdtask.errors import ConfigError
-from spmdtask.inputs import data_dirs, records, text, tokenizers
+from spmdtask.inputs import data_dirs, text, tokenizers
 
 
 DEFAULT_VOCAB = 4096  # SentencePiece's --vocab_size when none is given
 
 
-def read_documents(pattern: str) -> tuple[list[str], list[str]]:
+def read_documents(pattern: str, progress: console.Progress | None = None
+                   ) -> tuple[list[str], list[str]]:
   """(paths, texts) of the non-empty files matching `pattern`, in sorted path order; a file
   that is not UTF-8 is a ConfigError naming FILE:LINE."""
   paths, texts = [], []
+  progress = progress or console.Progress("prepare_text_data")
   for path in fs.glob(pattern):
+    progress.update(lambda: f"{len(texts)} documents read")
     if fs.isfile(path):
-      content = records.text(path)
+      content = fs.read_text(path)
       if content:
         paths.append(path)
         texts.append(content)
@@ -106,25 +110,31 @@ def prepare(pattern: str, output_dir: str, kind: str, vocab_size: int | None = N
   """Writes the data dir (local, or gs://: written locally, uploaded, the local copy
   deleted); returns its meta.json contents. Everything is read and checked first."""
   data_dirs.check_output_dir(output_dir, overwrite)
-  paths, texts = read_documents(pattern)
+  progress = console.Progress("prepare_text_data")
+  paths, texts = read_documents(pattern, progress)
   if len(texts) < 2:
     raise ConfigError(f"--input={pattern!r} matches {len(texts)} non-empty file(s); a train "
                       "and an eval split need at least 2 documents (one a file).")
+  progress.next_phase(f"all {len(texts)} documents read; tokenizing")
   return data_dirs.write(output_dir, lambda local: _write(
       local, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards, seed,
-      eod_token), overwrite)
+      eod_token, progress), overwrite)
 
 
 def _write(output_dir, paths, texts, pattern, kind, vocab_size, eval_fraction, num_shards,
-           seed, eod_token) -> dict:
+           seed, eod_token, progress) -> dict:
   """Writes the data dir into local `output_dir`; returns meta.json's contents."""
   train_ids, eval_ids = split_documents(len(texts), eval_fraction, seed)
   tok = make_tokenizer(kind, [texts[i] for i in train_ids], output_dir, vocab_size, eod_token)
   splits = {}
   for name, ids in (("train", train_ids), ("eval", eval_ids)):
-    docs = [tok.encode(texts[i]) + [tok.eod_id] for i in ids]
+    docs = []
+    for i in ids:
+      progress.update(lambda: f"{name}: {len(docs)} of {len(ids)} documents tokenized")
+      docs.append(tok.encode(texts[i]) + [tok.eod_id])
     files = text.write_split(output_dir, name, docs,
-                             num_shards if name == "train" else max(1, num_shards // 4))
+                             num_shards if name == "train" else max(1, num_shards // 4),
+                             progress=progress)
     splits[name] = {"files": files, "num_documents": len(docs),
                     "num_tokens": int(sum(len(d) for d in docs)),
                     "sources": [os.path.relpath(paths[i], os.path.dirname(pattern) or ".")

@@ -195,18 +195,20 @@ class Chat:
   def prompt_ids(self, messages: list[dict], where: str = "",
                  tools: list | None = None) -> list[int]:
     """Decode prompt: the conversation rendered with the generation prompt."""
-    self._check_shown(messages, self.template.render(messages, False, where, tools).text,
-                      where, tools)
-    return self.ids(self.template.render(messages, True, where, tools).text)
+    text = self.template.render(messages, True, where, tools).text
+    self._check_shown(messages, text, where, tools, add_generation_prompt=True)
+    return self.ids(text)
 
-  def _check_shown(self, messages: list[dict], text: str, where: str, tools=None) -> None:
+  def _check_shown(self, messages: list[dict], text: str, where: str, tools=None,
+                   add_generation_prompt: bool = False) -> None:
     """ConfigError where the template renders `messages` (as `text`) the same without their
     tool calls, or without their tool results' content, or writes a null content as the
     text 'None': trained on, the model would learn replies without what they depend on, or
     the word None."""
     calls = [k for k, m in enumerate(messages) if m.get("tool_calls")]
     results = [k for k, m in enumerate(messages) if m["role"] == "tool" and m["content"]]
-    if calls and self._renders_same(text, tools, [
+    same = functools.partial(self._renders_same, text, tools, add_generation_prompt)
+    if calls and same([
         {k: v for k, v in m.items() if k != "tool_calls"} | {"content": m["content"] or ""}
         for m in messages]):
       k = calls[0]
@@ -216,7 +218,7 @@ class Chat:
           "leaves its rendering unchanged), so the model would learn replies without the "
           "calls they make. Use the model's own tool-calling template (chat_template.jinja "
           "beside tokenizer.json), or drop the conversation.")
-    if results and self._renders_same(text, tools, [
+    if results and same([
         m | {"content": ""} if m["role"] == "tool" else m for m in messages]):
       raise ConfigError(
           f"{where}the chat template {self.template.origin} does not show tool results "
@@ -230,9 +232,10 @@ class Chat:
             f"{self.template.origin} writes as the text 'None'; give its content as \"\" "
             "(an assistant turn that only calls tools).")
 
-  def _renders_same(self, text: str, tools, variant: list[dict]) -> bool:
+  def _renders_same(self, text: str, tools, add_generation_prompt: bool,
+                    variant: list[dict]) -> bool:
     try:
-      return self.template.render(variant, tools=tools).text == text
+      return self.template.render(variant, add_generation_prompt, tools=tools).text == text
     except ConfigError:  # the template reacts to what was taken out
       return False
 
@@ -295,9 +298,12 @@ def example(record: dict, where: str) -> Example:
              conversation.normalize(completion, where, "completion"))
     first = len(prompt)
   elif turns is None:
+    is_pair = {"chosen", "rejected"} <= set(record)
+    pair = (" It has 'chosen' and 'rejected': a preference pair, which "
+            "tools/prepare_pref_data.py prepares for DPO." if is_pair else "")
     raise ConfigError(f"{where}has neither 'messages' (or ShareGPT's 'conversations') nor "
                       "'prompt' and 'completion'; write {\"messages\": [...]} or "
-                      "{\"prompt\": ..., \"completion\": ...}.")
+                      "{\"prompt\": ..., \"completion\": ...}." + pair)
   replies = [i for i, m in enumerate(turns) if i >= first and m["role"] == "assistant"]
   if not replies:
     raise ConfigError(f"{where}has no assistant turn{' in its completion' if first else ''}, so "
@@ -323,9 +329,10 @@ def _tools(record: dict, where: str) -> tuple | None:
 
 
 def prompt_messages(record: dict, where: str) -> list[dict]:
-  """A decode prompt's messages: `{"messages": [...]}` (or `{"prompt": [...]}`) whose last
-  message is not the assistant's (the model writes the next assistant turn)."""
-  key = next((k for k in ("messages", "prompt") if k in record), "messages")
+  """A decode prompt's messages: `{"messages": [...]}` (or ShareGPT's "conversations", or
+  `{"prompt": [...]}`) whose last message is not the assistant's (the model writes the next
+  assistant turn)."""
+  key = next((k for k in ("messages", "conversations", "prompt") if k in record), "messages")
   turns = conversation.normalize(record.get(key), where, key)
   if turns[-1]["role"] == "assistant":
     raise ConfigError(f"{where}ends with an assistant message; a decode prompt ends where the "

@@ -11,7 +11,8 @@ example, `{"prompt": P, "answer": A}`:
 The data dir (`write`):
   meta.json          {"kind": "prompts", "tokenizer": "hf", "vocab_size", "eod_id",
                       "stop_ids" (eos, the template's end-of-turn, the model's eos ids),
-                      "chat": {end_of_turn_id, template_source, special_tokens} or null,
+                      "chat": {end_of_turn_id, template_source, special_tokens} (with a
+                      template),
                       "raw", "num_prompts", "longest", "max_prompt_len", "dropped", ...}
   prompts.jsonl      one line per prompt: {"ids": [...], "answer": A}
   tokenizer.json, chat_template.jinja (the model's, as rendered with)
@@ -44,8 +45,8 @@ def _config_eos(config: dict) -> list[int]:
   return [eos] if isinstance(eos, int) else [e for e in eos or () if isinstance(e, int)]
 
 
-def model_chat(path: str, raw: bool = False,
-               field: str = "--tokenizer") -> tuple[chat.Chat | None, tokenizers.HfTokenizer, list[int]]:
+def model_chat(path: str, raw: bool = False, field: str = "--tokenizer"
+               ) -> tuple[chat.Chat | None, tokenizers.HfTokenizer, list[int]]:
   """(the chat of `path`, its tokenizer, the model's eos ids from config.json /
   generation_config.json). `path`: a Hugging Face model dir or an import's job dir. With
   `raw` a dir without a chat template gives chat None."""
@@ -130,7 +131,7 @@ def encode_all(source: str, conv: chat.Chat | None, tok: tokenizers.HfTokenizer,
   for where, record in records.read(source):
     out["read"] += 1
     if progress is not None:
-      progress.update(lambda: f"prepare_prompt_data: {out['read']} records read, "
+      progress.update(lambda: f"{out['read']} records read, "
                       f"{len(out['ids'])} kept")
     prompt, answer = parse(record, where)
     ids = encode(prompt, conv, tok, raw, where)
@@ -170,15 +171,15 @@ def write(output_dir: str, ids: list[list[int]], answers: list, conv: chat.Chat 
   """Writes the data dir into local `output_dir` (tokenizer and template copied from the
   model); returns meta.json's contents (`meta` plus the tokenizer's and counts)."""
   fs.write_bytes(os.path.join(output_dir, tokenizers.HF_FILE), fs.read_bytes(tok.model_file))
-  chat_meta = None
+  chat_meta = {}  # none without a template (--raw): readers take "chat" for a template
   if conv is not None:
     fs.write_text(os.path.join(output_dir, chat_template.TEMPLATE_FILE), conv.template.source)
-    chat_meta = {"end_of_turn_id": conv.end_of_turn_id, "template_source": conv.template.origin,
-                 "special_tokens": conv.template.special_tokens}
-  eod = meta["stop_ids"][0] if meta["stop_ids"] else 0
+    chat_meta = {"chat": {"end_of_turn_id": conv.end_of_turn_id,
+                          "template_source": conv.template.origin,
+                          "special_tokens": conv.template.special_tokens}}
+  eod = meta["stop_ids"][0] if meta["stop_ids"] else 0  # 0: no stop id (runs to the limit)
   meta = {"kind": KIND, "tokenizer": "hf", "vocab_size": tok.vocab_size, "eod_id": int(eod),
-          "chat": chat_meta, **meta, "num_prompts": len(ids),
-          "longest": max(map(len, ids))}
+          **chat_meta, **meta, "num_prompts": len(ids), "longest": max(map(len, ids))}
   with open(os.path.join(output_dir, PROMPTS_FILE), "w", encoding="utf-8") as f:
     for row, answer in zip(ids, answers):
       f.write(json.dumps({"ids": row, "answer": answer}, ensure_ascii=False) + "\n")

@@ -12,8 +12,8 @@ error about it starts with:
 `source` is one such dir, or a glob of files read in sorted path order. Whatever cannot be
 read (a byte that is not UTF-8, a line that is not a JSON object, a file that is not
 Parquet) is a ConfigError naming the place and the fix; nothing is guessed or skipped.
-Records are read as they are consumed, so a large input is never held whole.
-`text(path)` reads a whole text file with the same strict UTF-8 rule.
+Records are read as they are consumed, so a large input is never held whole. (A whole text
+file is read with the same strict UTF-8 rule by `fs.read_text`.)
 """
 import json
 from typing import Iterator
@@ -47,8 +47,8 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
     for n, raw in enumerate(f, 1):
       where = f"{path}:{n}: "
       if n == 1 and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
-      line = _utf8(raw, path, n)
+        raw = raw[len(_BOM):]  # as fs.read_text drops it
+      line = fs.decode_text(raw, path, n)
       if not line.strip():
         continue
       try:
@@ -60,27 +60,6 @@ def _jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
         raise ConfigError(f"{where}is a JSON {type(record).__name__}, not an object; write one "
                           "JSON object ({...}) a line.")
       yield where, record
-
-
-def text(path: str) -> str:
-  """A whole text file, strict UTF-8 (a leading byte-order mark dropped); a byte that is not
-  UTF-8 is a ConfigError naming PATH:LINE."""
-  raw = fs.read_bytes(path)
-  return _utf8(raw[len(_BOM):] if raw.startswith(_BOM) else raw, path, 1)
-
-
-def _utf8(raw: bytes, path: str, first_line: int) -> str:
-  """`raw` (text from line `first_line` of `path` on) decoded; ConfigError at a bad byte."""
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    line = first_line + raw.count(b"\n", 0, e.start)
-    column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
-    raise ConfigError(
-        f"{path}:{line}: byte {column} of the line (0x{raw[e.start]:02x}) is not UTF-8 "
-        f"({e.reason}), so its text cannot be read without guessing the encoding. Save the "
-        "file as UTF-8 (e.g. `iconv -f LATIN1 -t UTF-8 IN > OUT` for Latin-1 text) or fix "
-        "that line.") from None
 
 
 def _rows(batches, name: str) -> Iterator[tuple[str, dict]]:

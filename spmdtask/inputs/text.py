@@ -23,7 +23,7 @@ import io
 import numpy as np
 from absl import logging
 
-from spmdtask import fs
+from spmdtask import console, fs
 from spmdtask.errors import ConfigError
 from spmdtask.inputs import data_dirs, packing, prompts, tokenizers
 from spmdtask.core.host_input import StepIndexedInput
@@ -39,9 +39,10 @@ def index_name(split: str) -> str:
 
 
 def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: int,
-                masks: list[list[int]] | None = None) -> list[str]:
+                masks: list[list[int]] | None = None,
+                progress: console.Progress | None = None) -> list[str]:
   """Writes documents (token lists, eod included) as `num_shards` shards + the index; with
-  `masks`, each document's target mask beside its tokens."""
+  `masks`, each document's target mask beside its tokens; `progress` counts the shards."""
   num_shards = max(1, min(num_shards, len(docs)))
   bounds = np.linspace(0, len(docs), num_shards + 1).astype(int)
   files, shard, record = [], [], []
@@ -50,6 +51,8 @@ def write_split(data_dir: str, split: str, docs: list[list[int]], num_shards: in
     part = docs[bounds[i]:bounds[i + 1]]
     write_records(fs.join(data_dir, files[-1]), part,
                   None if masks is None else masks[bounds[i]:bounds[i + 1]])
+    if progress is not None:
+      progress.update(lambda: f"{split}: {i + 1} of {num_shards} shards written")
     shard += [i] * len(part)
     record += list(range(len(part)))
   index = io.BytesIO()

@@ -55,7 +55,8 @@ def lora_weights(model) -> tuple[str, ...]:
 
 
 def _validate_lora(model) -> None:
-  """The LoRA fields against the weights this model has (layers.lora)."""
+  """The LoRA fields against the weights this model has (layers.lora), and the rank
+  against their dims."""
   if model.lora is None:
     return
   model.lora.validate(lora_weights(model))

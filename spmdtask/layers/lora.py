@@ -21,7 +21,8 @@ A's in and B's out as W's), applied to each expert's rows in the dispatch's own 
 adapters keep their expert shard and are gathered over FSDP axes like W), inside the
 experts' gates and checkpoint names (remat) and their ff slices (`ff_chunks`). Dropout on
 their inputs draws per assignment from (row id, token, choice), which travels with the
-token, so any layout draws the same masks. PEFT export of expert adapters is not built.
+token, so any layout draws the same masks. PEFT has no exact form for them (hf/peft.py):
+they leave by merging (`--to_hf --merge_lora`).
 
 Every other param of a LoRA model is frozen: read through `jax.lax.stop_gradient` (no
 gradient is formed for it) and stored in `base_dtype`; `core.train_state.trainable` is the

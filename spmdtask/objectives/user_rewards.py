@@ -27,7 +27,9 @@ from typing import Callable, Sequence
 
 from spmdtask.errors import ConfigError
 
-_LOADED: dict[tuple[str, str], object] = {}  # (abs path, fingerprint) -> the module
+# abs path -> the module, imported once per process: a file edited while a job runs takes
+# effect at its next start (which says so: `fingerprint`, run.rollout.note_reward_files)
+_LOADED: dict[str, object] = {}
 
 
 def is_file_spec(name: str) -> bool:
@@ -76,9 +78,9 @@ def load(spec: str, field: str = "task.objective.rewards") -> Callable:
   if not os.path.isfile(full):
     raise ConfigError(f"{field} names {spec!r}, but {full} is not a file. Give the path of "
                       "your Python file and a function in it: PATH.py:FN.")
-  key = (full, fingerprint(full))
+  key = full
   if key not in _LOADED:
-    module_name = "spmdtask_reward_" + key[1][:16]
+    module_name = "spmdtask_reward_" + fingerprint(full)[:16]
     module = importlib.util.module_from_spec(
         importlib.util.spec_from_file_location(module_name, full))
     try:

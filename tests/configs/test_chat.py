@@ -68,3 +68,27 @@ def test_bad_chat_inputs_name_the_flag_and_the_fix(chat_dir, model_lines, tmp_pa
   with pytest.raises(ConfigError, match=r"(?s)without target masks.*require_target_mask=False"):
     _build(LORA, vocab, text)
   assert isinstance(_build("llama.LlamaImport", vocab, text).datasets["train"], PackedLmInput)
+
+
+def test_a_data_dir_of_the_wrong_kind_names_its_kind_and_the_experiment_that_takes_it(
+    chat_dir, model_lines, tmp_path_factory):
+  from tools import prepare_pref_data  # pylint: disable=g-import-not-at-top
+  prefs = str(tmp_path_factory.mktemp("prefs") / "data")
+  prepare_pref_data.prepare(os.path.join(REPO, "tests/tools/data/dpo/prefs.jsonl"),
+                            os.path.join(EXAMPLE, "model"), prefs, max_len=128)
+  said = (rf"^datasets\['train'\]\.data_dir='{prefs}' \(--data_dir\) holds preference pairs "
+          r"\(its meta.json says so; tools/prepare_pref_data.py wrote it\), which "
+          r"--exp=stages.Dpo trains on; this input reads conversations or plain text documents "
+          r"\(packed as documents, a pair's rejected answer would be learned like its chosen "
+          r"one\)\. Give it a dir written by tools/prepare_chat_data.py, or train on this one "
+          r"with --exp=stages.Dpo\.$")
+  for exp, lines in ((LORA, model_lines), ("llama.LlamaImport", model_lines),
+                     ("lm.TinyLmSft", [])):
+    with pytest.raises(ConfigError, match=said):
+      _build(exp, lines, prefs)
+  with pytest.raises(ConfigError, match=(
+      rf"^datasets\['train'\]\.data_dir='{chat_dir}' \(--data_dir\) holds conversations .*which "
+      r"--exp=stages.Sft trains on; this input reads preference pairs \(each pair a chosen and "
+      r"a rejected answer\)\. Give it a dir written by tools/prepare_pref_data.py, or train on "
+      r"this one with --exp=stages.Sft\.$")):
+    _build("TinyLmDpo", ["task.model.vocab_size=300"], chat_dir)

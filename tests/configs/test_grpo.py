@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from spmdtask import main
+from spmdtask.errors import ConfigError
 from spmdtask.run import loop, rollout
 from tests.subproc import REPO
 from tools import convert_hf, prepare_prompt_data
@@ -73,3 +74,10 @@ def test_grpo_on_an_import_with_a_reward_from_a_user_file(tmp_path):
   fingerprints = json.loads(open(os.path.join(job, rollout.REWARD_FILES)).read())
   assert list(fingerprints) == [f"{tmp_path}/my_rewards.py:digits"]
   assert run.task.objective.reward_weights == (WEIGHT,)
+
+
+def test_grpo_on_an_import_needs_a_prompts_data_dir():
+  with pytest.raises(ConfigError, match=r"datasets\['train'\].data_dir is empty: GRPO samples "
+                     r"completions of your prompts. Pass --data_dir=DIR, a dir written by "
+                     r"tools/prepare_prompt_data.py"):
+    main.build(main.resolved_config("grpo.LlamaGrpoImport", []))

@@ -100,9 +100,14 @@ def test_bad_lines_are_config_errors_naming_the_line():
                   "completion": [{"role": "user", "content": "b"}]}, "x: ")
   with pytest.raises(ConfigError, match="neither 'messages' .* nor 'prompt' and 'completion'"):
     chat.example({"text": "hi"}, "x: ")
+  with pytest.raises(ConfigError, match=r"\.\.\.\}\. It has 'chosen' and 'rejected': a "
+                     "preference pair, which tools/prepare_pref_data.py prepares for DPO.$"):
+    chat.example({"prompt": "q", "chosen": "a", "rejected": "b"}, "x: ")
   with pytest.raises(ConfigError, match="ends with an assistant message"):
     chat.prompt_messages(_conv("user", "assistant"), "x: ")
   assert chat.prompt_messages(_conv("system", "user"), "x: ")[1]["role"] == "user"
+  assert chat.prompt_messages({"conversations": [{"from": "human", "value": "hi"}]}, "x: ") == [
+      {"role": "user", "content": "hi"}]
 
 
 def _model_dir(tmp_path, template: str, name="m"):
@@ -290,3 +295,18 @@ def test_tool_calls_reach_the_template_and_one_that_hides_them_is_refused(tmp_pa
   with pytest.raises(ConfigError, match=r"^l:1: the chat template .* does not show tool "
                      r"results \(message 2's content leaves its rendering unchanged\)"):
     chat.example(TOOL_CHAT, "l:1: ").encode(c, "l:1: ")
+
+
+def test_tool_calls_and_content_parts_tokenize_and_mask_as_transformers():
+  """A template that shows tools, calls (null content; arguments a JSON string or an
+  object), results and content parts: ids and masks equal apply_chat_template's
+  (tools/make_tool_fixture.py), the line's tools given as a JSON string parsed."""
+  c = Chat.from_model_dir(f"{CHAT}/tools/model")
+  with open(f"{CHAT}/tools/expected.json") as f:
+    expected = json.load(f)
+  lines = list(records.read(f"{CHAT}/tools/conversations.jsonl"))
+  assert [e["line"] for e in expected] == [1, 2, 3] and len(lines) == 3
+  assert isinstance(lines[1][1]["tools"], str) and lines[0][1]["messages"][1]["content"] is None
+  for (where, record), e in zip(lines, expected):
+    ids, mask = chat.example(record, where).encode(c, where)
+    assert ids.tolist() == e["input_ids"] and mask.tolist() == e["assistant_masks"]

@@ -102,7 +102,7 @@ def test_a_missing_file_function_or_broken_file_names_it(file, tmp_path):
                      rf"{missing} is not a file"):
     Grpo(rewards=(f"{missing}:f",)).validate(None)
   with pytest.raises(ConfigError, match=r"defines no function 'shrot' \(it defines crashes, "
-                     "matches, not_finite, short, text, too_few\)"):
+                     r"matches, not_finite, short, text, too_few\)"):
     rewards.lookup((f"{file}:shrot",))
   broken = tmp_path / "broken.py"
   broken.write_text("import os\n\ndef f(prompts, completions, answers)\n  return []\n")

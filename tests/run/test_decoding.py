@@ -237,3 +237,6 @@ def test_own_prompts_decode_through_the_experiment_tokenizer(tmp_path, capsys, m
     decoding.read_prompts(None, str(path))
   with pytest.raises(ConfigError, match="does not exist"):
     decoding.read_prompts(None, str(tmp_path / "none.txt"))
+  path.write_bytes(b"ok\nna\xefve\n")  # Latin-1
+  with pytest.raises(ConfigError, match=rf"^{path}:2: byte 3 of the line \(0xef\) is not UTF-8"):
+    decoding.read_prompts(None, str(path))

@@ -100,6 +100,17 @@ def test_a_completion_stops_at_the_first_stop_id_in_rows_and_rewards():
   assert [rollout.completion_ids(s, 4, (2, 6)) for s in samples] == [[5], [5, 5], [5, 5, 5, 5]]
 
 
+def test_stop_ids_are_the_objectives_else_the_prompts_data_dirs():
+  from spmdtask.objectives.grpo import Grpo  # pylint: disable=g-import-not-at-top
+  class Prompts:  # a prompts data dir's stop ids (eos, end-of-turn)
+    stop_ids = (6, 0)
+  assert rollout.stop_ids(Grpo(), Prompts()) == (6, 0)
+  assert rollout.stop_ids(Grpo(eos_id=256), Prompts()) == (256,)
+  assert rollout.stop_ids(Grpo(eos_id=(1, 2)), Prompts()) == (1, 2)
+  assert rollout.decode_params(Grpo(max_new_tokens=4), 5, (6, 0)).stop_ids == (6, 0)
+  assert rollout.decode_params(Grpo(max_new_tokens=4), 5).eos_id is None
+
+
 def test_a_changed_reward_file_on_resume_is_said(tmp_path, capsys, monkeypatch):
   from spmdtask import console  # pylint: disable=g-import-not-at-top
   from spmdtask.objectives.grpo import Grpo  # pylint: disable=g-import-not-at-top

@@ -130,13 +130,30 @@ EMPTY_MARKERS = ("{% for m in messages %}{{ m.content }}<|eot_id|>{% if m.role =
                  "{% generation %}{% endgeneration %}{% endif %}{% endfor %}")
 
 
+def _tree(d) -> dict[str, bytes] | None:
+  """Every file under `d` by relative path, with its bytes (None: no dir)."""
+  if not os.path.isdir(d):
+    return None
+  return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read()
+          for r, _, fs in os.walk(d) for f in fs}
+
+
 BAD = {  # case: what stderr's paragraph says
     "no_assistant": r"in.jsonl:2: has no assistant turn",
     "unknown_role": r"in.jsonl:1: message 1 of messages has role 'bot'",
     "no_template": r"--tokenizer='.*model' has no chat template",
     "not_prefixes": r"in.jsonl:2: the chat template .* does not tokenize as a prefix",
     "no_target": r"in.jsonl:1: the chat template .* gives this conversation no target token",
-    "existing_dir": r"--output_dir='.*' already holds a prepared data dir",
+    "existing_dir": r"--output_dir='.*' already holds a prepared data dir \(meta.json\); give "
+                    r"a new dir, or pass --overwrite to replace it",
+    "foreign_dir": r"--output_dir='.*' is not empty \(notes.txt\) and is no prepared data dir",
+    "foreign_dir_overwrite": r"is not empty \(notes.txt\) .*\(--overwrite only replaces a "
+                             r"prepared data dir\)",
+    "latin1": r"in.jsonl:2: byte 47 of the line \(0xe9\) is not UTF-8",
+    "content_null": r"in.jsonl:2: message 1 of messages \(assistant\) has content null",
+    "image_part": r"in.jsonl:1: content part 0 of message 0 of messages \(user\) has type "
+                  r"'image_url'",
+    "from_unknown": r"in.jsonl:2: message 0 of conversations is from 'bot'",
 }
 
 
@@ -146,6 +163,7 @@ def test_each_bad_input_exits_2_with_one_paragraph_and_writes_nothing(case, matc
   model = f"{CHAT}/llama3"
   records = [GOOD, GOOD]
   out = tmp_path / "out"
+  flags = []
   if case == "no_assistant":
     records = [GOOD, {"messages": [_msg("system"), _msg("user")]}]
   elif case == "unknown_role":
@@ -161,10 +179,81 @@ def test_each_bad_input_exits_2_with_one_paragraph_and_writes_nothing(case, matc
   elif case == "existing_dir":
     assert _run(capsys, f"--input={_lines(tmp_path, *records)}", f"--tokenizer={model}",
                 f"--output_dir={out}", "--max_len=64")[0] == 0
-  before = sorted(os.listdir(out)) if out.exists() else None
-  code, stdout, err = _run(capsys, f"--input={_lines(tmp_path, *records)}", f"--tokenizer={model}",
-                           f"--output_dir={out}", "--max_len=64")
+  elif case.startswith("foreign_dir"):
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    flags = ["--overwrite"] if case.endswith("overwrite") else []
+  elif case == "content_null":
+    records = [GOOD, {"messages": [_msg("user"), _msg("assistant", None)]}]
+  elif case == "image_part":
+    records = [{"messages": [_msg("user", [{"type": "image_url", "image_url": {"url": "x"}}]),
+                             _msg("assistant")]}, GOOD]
+  elif case == "from_unknown":
+    records = [GOOD, {"conversations": [{"from": "bot", "value": "hi"}]}]
+  path = _lines(tmp_path, *records)
+  if case == "latin1":  # the second line's é in Latin-1
+    with open(path, "ab") as f:
+      f.write(b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    with open(path, "rb") as f:
+      lines = f.read().split(b"\n")
+    with open(path, "wb") as f:
+      f.write(b"\n".join([lines[0], lines[2], lines[1], b""]))
+  before = _tree(out)
+  code, stdout, err = _run(capsys, f"--input={path}", f"--tokenizer={model}",
+                           f"--output_dir={out}", "--max_len=64", *flags)
   assert code == 2 and not stdout
   assert err.startswith("prepare_chat_data: config error: ") and err.count("\n") == 1, err
   assert re.search(match, err), err
-  assert (sorted(os.listdir(out)) if out.exists() else None) == before
+  assert _tree(out) == before  # byte for byte
+  assert [p for p in os.listdir(tmp_path) if ".partial-" in p] == []
+
+
+def _records(n):
+  """Lines n of the fixture (its conversations), as records."""
+  with open(JSONL) as f:
+    return [json.loads(line) for line in f.read().splitlines()[:n]]
+
+
+def test_parquet_and_datasets_inputs_give_the_jsonl_inputs_data_dir(tmp_path, capsys):
+  import datasets  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  rows = _records(3)  # the three {"messages": ...} lines: one Arrow schema
+  sources = {"jsonl": _lines(tmp_path, *rows), "parquet": str(tmp_path / "c.parquet"),
+             "datasets": str(tmp_path / "ds")}
+  pq.write_table(pa.Table.from_pylist(rows), sources["parquet"])
+  datasets.Dataset.from_list(rows).save_to_disk(sources["datasets"])
+  trees = {}
+  for name, source in sources.items():
+    out = tmp_path / f"out_{name}"
+    code, stdout, err = _run(capsys, f"--input={source}", f"--tokenizer={CHAT}/llama3",
+                             f"--output_dir={out}", "--max_len=128", "--eval_fraction=0.3")
+    assert code == 0, err
+    assert (f"{out}: 3 conversations read; vocab_size=300, end_of_turn_id=6; train: 2 "
+            "documents") in stdout, stdout
+    trees[name] = _tree(out)
+    meta = json.loads(trees[name].pop("meta.json"))
+    assert meta["input"] == source and meta["kind"] == "chat" and meta["records"] == 3
+  assert trees["parquet"] == trees["jsonl"] and trees["datasets"] == trees["jsonl"]
+
+
+def test_overwrite_replaces_a_prepared_dir_and_the_hint_continues_an_import(tmp_path, capsys):
+  model = tmp_path / "import"  # an import's job dir: tokenizer files beside model_overrides.txt
+  shutil.copytree(f"{CHAT}/llama3", model)
+  (model / "model_overrides.txt").write_text("--fdl_set=task.model.vocab_size=300\n")
+  out = tmp_path / "data"
+  args = [f"--input={JSONL}", f"--tokenizer={model}", f"--output_dir={out}", "--max_len=128"]
+  assert _run(capsys, *args, "--eval_fraction=0.2")[0] == 0
+  code, _, err = _run(capsys, *args, "--eval_fraction=0.4")
+  assert code == 2 and "pass --overwrite to replace it" in err
+  (out / "stale.tfrecord").write_bytes(b"old")  # a file of the old dir: replaced with it
+  code, stdout, err = _run(capsys, *args, "--eval_fraction=0.4", "--overwrite")
+  assert code == 0, err
+  with open(out / "meta.json") as f:
+    meta = json.load(f)
+  assert meta["eval_fraction"] == 0.4 and meta["splits"]["eval"]["num_documents"] == 2
+  assert "stale.tfrecord" not in os.listdir(out)
+  assert stdout.splitlines()[-2:] == [
+      "Fine-tune your model on it:",
+      f"  python -m spmdtask.main --exp=stages.Sft --job_log_dir={out}_sft --init_from={model} "
+      f"--data_dir={out}"]

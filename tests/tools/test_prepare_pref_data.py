@@ -96,3 +96,31 @@ def test_identical_chosen_and_rejected_exit_2_naming_the_line(tmp_path, capsys):
   assert code == 2 and not out.exists()
   msg = err.strip().split("config error: ", 1)[1]
   assert "\n" not in msg and f"{bad}:2: " in msg and "identical" in msg, msg
+
+
+def _tree(d):
+  return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), "rb").read()
+          for r, _, fs in os.walk(d) for f in fs}
+
+
+def test_the_hint_continues_the_model_and_a_bad_byte_leaves_the_dir_as_it_was(tmp_path, capsys):
+  out = tmp_path / "data"
+  args = [f"--tokenizer={CHATML}", f"--output_dir={out}", "--max_len=96"]
+  code, stdout, err = _run(capsys, f"--input={PREFS}", *args)
+  assert code == 0, err
+  assert f"{out}: 5 pairs read; vocab_size=300; train: 4 pairs" in stdout
+  assert stdout.splitlines()[-3:] == [
+      "Align your fine-tuned model on it (DPO; its reference is the start):",
+      f"  python -m spmdtask.main --exp=stages.Dpo --job_log_dir={out}_dpo "
+      f"--init_from=IMPORT_DIR --data_dir={out}",
+      f"  (IMPORT_DIR: your model's job dir, from python tools/convert_hf.py "
+      f"--from_hf={os.path.abspath(CHATML)} --job_log_dir=IMPORT_DIR, or the job dir of the "
+      "stage before)"]
+  before = _tree(out)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_bytes(open(PREFS, "rb").read().replace(b"Paris", b"Par\xeds"))
+  code, stdout, err = _run(capsys, f"--input={bad}", *args, "--overwrite")
+  assert code == 2 and not stdout
+  msg = err.strip().split("config error: ", 1)[1]
+  assert "\n" not in msg and msg.startswith(f"{bad}:1: byte ") and "is not UTF-8" in msg, msg
+  assert _tree(out) == before

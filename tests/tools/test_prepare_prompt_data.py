@@ -101,6 +101,13 @@ def test_an_imports_job_dir_gives_the_tokenizer_template_and_eos(tmp_path):
   assert eos == [1] and prompt_data.stop_ids(conv, tok, eos) == [6, 1]
   messages, want = next(_expected())
   assert conv.prompt_ids(messages) == want
+  # the next command: GRPO from the import, on the prompts
+  assert prepare_prompt_data.train_command("/d/prompts", str(job)) is None
+  (job / "model_overrides.txt").write_text("--fdl_set=task.model.vocab_size=300\n")
+  assert prepare_prompt_data.train_command("/d/prompts", str(job)) == (
+      "python -m spmdtask.main --exp=grpo.LlamaGrpoImport --job_log_dir=/d/prompts_grpo "
+      f"--flagfile={job}/model_overrides.txt --data_dir=/d/prompts "
+      f"--fdl_set=\"task.train.init_checkpoint_dir='{job}'\" --reward=PATH.py:FN")
 
 
 def _no_template(tmp_path):
@@ -197,3 +204,13 @@ def test_another_kind_of_data_dir_is_refused_naming_its_tool(tmp_path):
                      r"completions of prompts\). Give it a dir written by "
                      r"tools/prepare_prompt_data.py"):
     PromptData(data_dir=str(d))
+
+
+def test_raw_prompts_of_a_model_without_a_template(tmp_path, capsys):
+  out = tmp_path / "out"
+  code, stdout, _ = _run(capsys, f"--input={_lines(tmp_path, {'prompt': 'hi', 'answer': 1})}",
+                         f"--tokenizer={_no_template(tmp_path)}", f"--output_dir={out}", "--raw")
+  assert code == 0 and stdout.endswith("vocab_size=300, stop ids []\n"), stdout
+  data = PromptData(data_dir=str(out), batch_size=1)
+  assert data.token_ids == [[78, 79]] and data.stop_ids == ()  # runs to max_new_tokens
+  assert "chat" not in json.loads((out / "meta.json").read_text())
