@@ -40,6 +40,7 @@ def _pairs_dir(path: str) -> dict:
   return fix
 
 
+@pytest.mark.slow
 def test_dpo_from_an_import_with_another_import_as_reference_equals_trl(tmp_path):
   policy, reference, pairs = (str(tmp_path / d) for d in ("policy", "reference", "pairs"))
   imports.from_hf(os.path.join(DATA, "llama"), policy)
