@@ -43,8 +43,9 @@ FAMILIES = {"llama": llama.LlamaImport, "qwen3": qwen3.Qwen3Import,
 
 
 class _Stage(Experiment):
-  """A stage over a family's import experiment (`for_family`): a short cosine schedule from
-  `peak_learning_rate`, AdamW without weight decay, a checkpoint every
+  """A stage over a family's import experiment (`for_family`): a cosine decay from
+  `peak_learning_rate` over num_train_steps (set task.train.learning_rate.decay_steps with
+  it), AdamW without weight decay, a checkpoint every
   `save_interval_steps` and at the end."""
   num_train_steps = 100
   peak_learning_rate = 1e-4
@@ -78,9 +79,11 @@ class _Stage(Experiment):
     cfg = super().task()
     lr, steps = self.peak_learning_rate, self.num_train_steps
     cfg.train.num_train_steps = steps
+    # No warmup (TRL's default): a stage starts from trained weights, and a short one (the
+    # recipe's few steps) would otherwise spend them at a learning rate near 0.
     cfg.train.learning_rate = fdl.Config(
-        optax.warmup_cosine_decay_schedule, init_value=0.0, peak_value=lr,
-        warmup_steps=min(10, steps // 10), decay_steps=steps, end_value=lr / 10)
+        optax.warmup_cosine_decay_schedule, init_value=lr, peak_value=lr, warmup_steps=0,
+        decay_steps=steps, end_value=lr / 10)
     cfg.train.optimizer = fdl.Partial(optax.adamw, b1=0.9, b2=0.999, weight_decay=0.0)
     cfg.train.save_interval_steps = self.save_interval_steps
     cfg.train.log_interval_steps = 10
