@@ -16,11 +16,16 @@ module name) is a module PEFT may adapt; target_modules picks them as PEFT does 
 a module whose name is an entry or ends with '.' + it; a string: a regular expression the
 whole name matches; 'all-linear': all of them). spmdtask's target adapts every weight of its
 name alike (one rank, every layer), so an adapter must cover all of a target's modules or
-none. An MoE family's routed experts have no entry: transformers 5 fuses them into one
-parameter, which PEFT 0.21 adapts through `target_parameters` (gate and up sharing A, at a
-rank of its own), a form spmdtask's per-weight expert adapters do not map onto exactly; PEFT
-also maps any gate/up/down projection of an MoE model onto those experts, so DeepSeek's
-dense and shared-expert MLPs are no PEFT target either.
+none. An MoE family's routed experts have no entry: transformers 5 fuses them into
+`experts.gate_up_proj` [E, 2f, d] (gate rows, then up) and `experts.down_proj` [E, d, f],
+which PEFT 0.21 adapts through `target_parameters`: lora_A [E·r, in] is A_e = rows e·r ..
+(e+1)·r, lora_B [out, r·E] is B_e = columns r_i·E + e, delta_e = scale·B_e·A_e; so gate and up
+share one A per expert (PEFT's own conversion of separate ones doubles the rank, rank_pattern
+2r, with B block-diagonal). spmdtask's expert adapters (own A per weight, one rank) map onto
+it only in that block-diagonal form, which PEFT's training leaves: it is refused by name (an
+export in that form, rank_pattern and all, is not built). PEFT also maps any gate/up/down
+projection of an MoE model onto those experts, so DeepSeek's dense and shared-expert MLPs are
+no PEFT target either. Those leave by merging (merge.py).
 
 Every key of adapter_config.json has a verdict (`READ`, `IGNORED`, `EXACT`): what changes
 the math (DoRA, rsLoRA, aLoRA, biases, per-module ranks, extra trained modules, a base the
@@ -163,11 +168,11 @@ def _targets(cfg: dict, adapter: dict, where: str) -> tuple[str, ...]:
   if not spec:
     raise ConfigError(f"{where}: target_modules={spec!r}: name the adapted modules (a list, a "
                       "regular expression or 'all-linear').")
+  modules, kind, on, off = adaptable(cfg), families.model_type(cfg), {}, {}
+  names = sorted({m.names[0].rsplit(".", 1)[-1] for m in modules})
   if isinstance(spec, str) and spec.lower() == "all-linear":
-    spec = [m.names[0].rsplit(".", 1)[-1] for m in adaptable(cfg)]
-  kind, on, off = families.model_type(cfg), {}, {}
-  names = sorted({m.names[0].rsplit(".", 1)[-1] for m in adaptable(cfg)})
-  for m in adaptable(cfg):
+    spec = names
+  for m in modules:
     for name in m.names:
       picked = _matches(spec, name) and not _matches(exclude, name)
       (on if picked else off).setdefault(m.target, []).append(name)

@@ -189,7 +189,8 @@ def family_round_trip(request, tmp_path_factory):
   exports.to_hf(job, merged, merge_lora=True)
   # The merged export through spmdtask's import, run by the same compiled LoRA model with
   # its adapters' B at 0 (so it is the plain model).
-  plain = convert.to_params(*files.read_hf(merged))
+  merged_cfg, tensors, _ = families.of(cfg).held(*files.read_hf(merged))  # V3: no MTP
+  plain = convert.to_params(merged_cfg, tensors)
   zero_b = jax.tree_util.tree_map_with_path(
       lambda p, x: np.zeros_like(x) if p[-1].key.endswith(peft.B_SUFFIX) else x, params)
   merged_logits = np.asarray(apply({"params": _with_adapters(plain, zero_b)}, tokens))
@@ -207,7 +208,7 @@ def test_every_familys_adapter_in_gives_pefts_logits_and_goes_out_the_same(
     family_round_trip):
   """Adapter in -> spmdtask's logits vs PEFT's <= 1e-4; out -> the fixture's tensors (1e-6)
   and target_modules; the merged export -> merge_and_unload()'s logits <= 1e-4. float32
-  both sides, |logits| <= 10: the adapters move the logits by 8 to 14."""
+  both sides, |logits| <= 9.5: the adapters move the logits by 7 to 14."""
   name, adapter, out, logits, merged_logits, params = family_round_trip
   want = np.load(os.path.join(adapter, "logits.npy"))
   err = float(np.abs(logits - want).max())

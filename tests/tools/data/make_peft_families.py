@@ -1,6 +1,7 @@
-"""PEFT LoRA adapters (rank 4, alpha 8, random nonzero A and B) of each tiny family model
-beside this script, on every Linear module PEFT can target in it, with PEFT's logits of the
-family's tokens.npy and those of merge_and_unload()'s merged model. Run with the torch venv:
+"""PEFT LoRA adapters (rank 4, alpha 8, random nonzero A and B of std 0.2) of each tiny
+family model beside this script, on every Linear module PEFT can target in it, with PEFT's
+logits of the family's tokens.npy and those of merge_and_unload()'s merged model. Run with
+the torch venv:
   python make_peft_families.py tests/tools/data    (writes peft_<family>/ for each family)
 """
 import os, sys
@@ -33,7 +34,7 @@ for family, targets in TARGETS.items():
   with torch.no_grad():  # PEFT starts B at 0 (a no-op adapter): random A and B instead
     for name, p in peft_model.named_parameters():
       if "lora_" in name:
-        p.normal_(0, 0.3)
+        p.normal_(0, 0.2)
   peft_model.save_pretrained(out)
   os.remove(os.path.join(out, "README.md"))  # PEFT's model card
   ids = torch.tensor(np.load(os.path.join(base_dir, "tokens.npy")), dtype=torch.long)
