@@ -44,6 +44,15 @@ def chat_prompts(prompts_file: str, data_dir: str, default, model=None) -> objec
                          batch_size=default.batch_size, model=model)
 
 
+def in_model_vocab(sets: dict, model) -> dict:
+  """`sets` (synthetic input configs by name) drawing tokens in the vocabulary of `model` (a
+  shared config), so an import's model_overrides.txt sets the model's alone."""
+  for cfg in sets.values():
+    cfg.model = model
+    del cfg.vocab_size  # the model's wins (inputs' `model` field)
+  return sets
+
+
 def with_data_dir(sets: dict, model, batch_size: int, seq_len: int,
                   require_target_mask: bool) -> dict:
   """`sets` ('train', 'eval': synthetic input configs) as `sft_data` configs: `--data_dir`

@@ -389,8 +389,10 @@ class LlamaImport(Llama32_1B):
     return cfg
 
   def datasets(self) -> dict[str, fdl.Config]:
-    return chat.with_data_dir(super().datasets(), self.task().model, self.batch_size,
-                              self.seq_len, self.require_target_mask)
+    model = self.task().model
+    return chat.with_data_dir(chat.in_model_vocab(super().datasets(), model), model,
+                              self.batch_size, self.seq_len, self.require_target_mask)
 
   def decode_datasets(self) -> dict[str, fdl.Config]:
-    return chat.with_chat_prompts(super().decode_datasets(), self.task().model)
+    model = self.task().model
+    return chat.with_chat_prompts(chat.in_model_vocab(super().decode_datasets(), model), model)

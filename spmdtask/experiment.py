@@ -1,4 +1,6 @@
 """Experiment base: what a registered config provides."""
+from typing import Protocol, runtime_checkable
+
 import fiddle as fdl
 
 from spmdtask import task as task_lib
@@ -25,6 +27,18 @@ class Experiment:
   def decode_datasets(self) -> dict[str, fdl.Config]:
     """Prompt inputs for --mode=decode, by name. None by default."""
     return {}
+
+
+@runtime_checkable
+class ForFamily(Protocol):
+  """An experiment over any imported family's model (configs/stages.py): `--family` (an
+  import's model_overrides.txt, or --init_from's) picks the family."""
+
+  def for_family(self, family: str | None) -> Experiment:
+    """This experiment on `family`'s model; ConfigError naming --init_from where None."""
+
+  def with_lora(self, cfg: fdl.Config, rank: int) -> None:
+    """`--lora_rank`: new LoRA adapters of `rank` on `cfg`'s model (its fields resolved)."""
 
 
 def run_config(experiment: Experiment) -> fdl.Config[task_lib.RunConfig]:

@@ -91,6 +91,16 @@ _RAW_PROMPT = flags.DEFINE_bool(
 _CHAT = flags.DEFINE_string(
     "chat", None, "--mode=decode: ask this one question (a user message in the job's chat "
     "template: its chat data's, or its import's) and print the answer.")
+_INIT_FROM = flags.DEFINE_string(
+    "init_from", None, "Start from this job dir: an import's (tools/convert_hf.py --from_hf) "
+    "or a previous stage's, full or LoRA (its adapters merged in): its model_overrides.txt "
+    "sets the model, and task.train.init_checkpoint_dir is it.")
+_FAMILY = flags.DEFINE_string(
+    "family", None, "The imported model's family (an import's model_overrides.txt sets it): "
+    "the stage experiments (stages.Sft, stages.Dpo, stages.Grpo) build that family's model.")
+_LORA_RANK = flags.DEFINE_integer(
+    "lora_rank", None, "New LoRA adapters of this rank (alpha 2 x rank) on every weight LoRA "
+    "can adapt; only they train. Default: every param trains.")
 _REWARD = flags.DEFINE_multi_string(
     "reward", None, "GRPO: a reward, NAME[:WEIGHT] (registered) or PATH.py:FN[:WEIGHT] (a "
     "function (prompts, completions, answers) -> list[float] of your own file); repeatable, "
@@ -100,27 +110,30 @@ _LIST = flags.DEFINE_bool("list_experiments", False, "Print the registered exper
 
 
 def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = None,
-                    chat_prompts: str | None = None,
-                    reward: list[str] | None = None) -> fdl.Config:
-  """The experiment's root config with `data_dir` (--data_dir), every `--fdl_set` override,
-  `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward` (--reward,
-  over the experiment's rewards) applied, in order."""
-  cfg = experiment.run_config(registry.get(exp_name)())
+                    chat_prompts: str | None = None, reward: list[str] | None = None,
+                    start: overrides_lib.Start | None = None,
+                    lora_rank: int | None = None) -> fdl.Config:
+  """The experiment's root config (a stage experiment on `start`'s family) with `data_dir`
+  (--data_dir), `start`'s overrides (--init_from), `lora_rank`'s adapters, every `--fdl_set`
+  override, `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward`
+  (--reward, over the experiment's rewards) applied, in order."""
+  start = start or overrides_lib.Start(None, [])
+  exp = registry.get(exp_name)()
+  if isinstance(exp, experiment.ForFamily):
+    exp = exp.for_family(start.family)
+  cfg = experiment.run_config(exp)
   if data_dir is not None:
     overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
+  for assignment in start.overrides():
+    _set(cfg, assignment)
+  if lora_rank is not None:
+    if not isinstance(exp, experiment.ForFamily):
+      raise ConfigError(f"--lora_rank={lora_rank}: --exp={exp_name} is not a stage experiment "
+                        "(stages.Sft, stages.Dpo, stages.Grpo); set its task.model.lora fields "
+                        "with --fdl_set instead.")
+    exp.with_lora(cfg, lora_rank)
   for assignment in overrides:
-    if "=" not in assignment:
-      raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
-                        "--fdl_set=task.train.num_train_steps=5.")
-    overrides_lib.check_path(assignment, overrides_lib.field_paths(cfg))
-    try:
-      fdl_flag_utils.set_value(cfg, assignment)
-    except Exception as e:  # fiddle raises several types for a bad path or value
-      raise ConfigError(
-          f"--fdl_set={assignment!r} could not be applied: {type(e).__name__}: {e}. The path "
-          "starts at task, datasets or decode_datasets (see the resolved config in "
-          "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
-          "(quote strings).") from None
+    _set(cfg, assignment)
   if chat_prompts is not None:
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
   if reward:
@@ -128,6 +141,22 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
   overrides_lib.check_import_flagfile(cfg, experiment.run_config(registry.get(exp_name)()),
                                       exp_name)
   return cfg
+
+
+def _set(cfg: fdl.Config, assignment: str) -> None:
+  """One `--fdl_set` override; ConfigError naming it where it sets no field or cannot."""
+  if "=" not in assignment:
+    raise ConfigError(f"--fdl_set={assignment!r} is not of the form path=value, e.g. "
+                      "--fdl_set=task.train.num_train_steps=5.")
+  overrides_lib.check_path(assignment, overrides_lib.field_paths(cfg))
+  try:
+    fdl_flag_utils.set_value(cfg, assignment)
+  except Exception as e:  # fiddle raises several types for a bad path or value
+    raise ConfigError(
+        f"--fdl_set={assignment!r} could not be applied: {type(e).__name__}: {e}. The path "
+        "starts at task, datasets or decode_datasets (see the resolved config in "
+        "job_log_dir/config.txt, one `path = value` a line); the value is a Python literal "
+        "(quote strings).") from None
 
 
 def plan_emulated(num_devices: int) -> bool:
@@ -203,8 +232,9 @@ def run(argv) -> None:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_platforms", "cpu")
   use_cpu_devices(_CPU_DEVICES.value)
+  start = overrides_lib.start_of(_INIT_FROM.value, _FAMILY.value)
   cfg = resolved_config(_EXP.value, flags.FLAGS.fdl_set or [], _DATA_DIR.value,
-                        _CHAT_PROMPTS.value, _REWARD.value)
+                        _CHAT_PROMPTS.value, _REWARD.value, start, _LORA_RANK.value)
   xla_flags = use_xla_flags(cfg)
   joined = init_distributed()
   backend_log = console.init_backends()
@@ -214,6 +244,10 @@ def run(argv) -> None:
   run_cfg = build(cfg)
   from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
+  init_dir = run_cfg.task.train.init_checkpoint_dir
+  if _MODE.value == "train" and init_dir and not fs.isdir(
+      checkpoints.checkpoint_dir(_JOB_LOG_DIR.value)):  # a new job: its start must be there
+    overrides_lib.check_start(init_dir)
   checkpoints.ensure_writable(_JOB_LOG_DIR.value)
   # One training per job dir, held before anything (the log included) is written there.
   with (joblock.held(_JOB_LOG_DIR.value) if _MODE.value == "train"
@@ -229,6 +263,10 @@ def run(argv) -> None:
                   task_lib.XLA_FLAG_VARIABLES[kind], line)
     if backend_log:
       logging.info("While JAX initialized its backends: %s", backend_log)
+    import jax  # pylint: disable=g-import-not-at-top
+    if _MODE.value == "train" and start.family and jax.process_index() == 0:
+      fs.write_text(fs.join(_JOB_LOG_DIR.value, overrides_lib.OVERRIDES_FILE),  # next stage's
+                    start.file_text(flags.FLAGS.fdl_set or []))
     run_mode(run_cfg, config_text)
 
 

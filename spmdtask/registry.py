@@ -11,7 +11,7 @@ _EXPERIMENTS: dict[str, type] = {}
 # Config packages imported before a lookup, so their experiments are listed.
 DEFAULT_MODULES = ("configs.lm", "configs.vit", "configs.llama", "configs.moe", "configs.align",
                    "configs.finetune", "configs.grpo", "configs.qwen3", "configs.gemma3",
-                   "configs.deepseek")
+                   "configs.deepseek", "configs.stages")
 
 
 def register(cls: type) -> type:

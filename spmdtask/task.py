@@ -35,7 +35,12 @@ class TrainParams:
       this many steps, and flush them.
     init_checkpoint_dir: warm start: a job_log_dir whose latest checkpoint gives the initial
       params (optimizer state starts fresh; step 0). Ignored when this job already has
-      checkpoints (it then resumes from them).
+      checkpoints (it then resumes from them). A LoRA job there starts the model with its
+      adapters merged into its base (W + alpha/r·A·B).
+    init_adapters: with a LoRA model and a LoRA start: 'merge' trains new adapters on the
+      start merged (its reference, adapters off, is the start); 'continue' trains the
+      start's own adapters on its base (same rank and targets; the reference, adapters off,
+      is then that base).
     peak_flops_per_device: overrides the peak FLOP/s per device the MFU is measured
       against. None: the chip's dense bf16 peak, found from the devices' kind
       (`plan.chips`: H100, H200, A100, TPU v4/v5e/v5p/v6e), else 1.3e11 (a 2-core CPU's
@@ -61,6 +66,7 @@ class TrainParams:
   max_to_keep: int | None = 3
   summary_interval_steps: int = 10
   init_checkpoint_dir: str | None = None
+  init_adapters: str = "merge"
   peak_flops_per_device: float | None = None
   eval_interval_steps: int = 0
   eval_steps: int | None = None
@@ -85,6 +91,10 @@ class TrainParams:
                       "Give a norm > 0, or None for no clipping.")
     if self.max_to_keep is not None:
       checks.positive(where, max_to_keep=self.max_to_keep)
+    if self.init_adapters not in ("merge", "continue"):
+      raise ConfigError(f"task.train.init_adapters={self.init_adapters!r} is 'merge' (new "
+                        "LoRA adapters on a LoRA start merged) or 'continue' (the start's own "
+                        "adapters train on).")
     checks.in_range("task.train.eval_interval_steps", self.eval_interval_steps, 0, float("inf"),
                     "0 = never.")
     if self.eval_steps is not None:

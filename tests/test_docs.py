@@ -145,7 +145,7 @@ def run_page(page: str, tmp: str) -> list[tuple[int, float, float, str]]:
       continue
     start, cpu = time.time(), _children_cpu()
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", b.text.replace("/tmp/", f"{tmp}/")],
-                       env=env, cwd=h.REPO, capture_output=True, text=True, timeout=300,
+                       env=env, cwd=h.REPO, capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 0, (f"{page}:{b.line} exited {r.returncode}:\n{b.text}\n"
                                f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")

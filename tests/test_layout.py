@@ -26,6 +26,7 @@ MAY_IMPORT = {
     "hf": {SHARED, "core", "layers", "inputs"},  # HF names, layouts, tokenizers: pure
     "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
               "pipeline.mpmd", "run", "objectives"},
+    "recipe": {SHARED},  # runs the import, the prepare tools and main as subprocesses
     # HF dirs as job dirs: the mapping, checkpoints (run), config resolution (entry).
     "hf.jobs": {SHARED, "core", "hf", "run", "entry"},
 }

@@ -128,3 +128,22 @@ def test_task_xla_flags_go_before_the_environments_own(monkeypatch):
   bad = main.resolved_config("lm.TinyLm", ["task.xla_flags={'cpu': '--x'}"])
   with pytest.raises(main.ConfigError, match="task.xla_flags has a key 'cpu'"):
     main.use_xla_flags(bad)
+
+
+def test_a_start_without_a_checkpoint_is_exit_2_and_leaves_no_job_dir(tmp_path):
+  """--init_from=DIR / task.train.init_checkpoint_dir of a dir without a checkpoint: one
+  paragraph naming the field, before the job dir is made."""
+  empty = tmp_path / "import"
+  empty.mkdir()
+  (empty / "model_overrides.txt").write_text("--family=llama\n")
+  for flags, field in (([f"--init_from={empty}"], "(--init_from) holds no complete checkpoint"),
+                       ([f"--fdl_set=task.train.init_checkpoint_dir='{tmp_path}/gone'"],
+                        "holds no complete checkpoint")):
+    job = tmp_path / "job"
+    exp = "stages.Sft" if "--init_from" in flags[0] else "lm.TinyLm"
+    r = subproc.run(subproc.main_cmd(exp, str(job), flags=flags), num_devices=1)
+    assert r.returncode == 2, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("spmdtask: config error: task.train.init_checkpoint_dir=") and \
+        field in line, r.stderr[-2000:]
+    assert not job.exists()

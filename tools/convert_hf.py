@@ -98,6 +98,10 @@ def _import(args) -> None:
   if published:
     _say(f"the architecture of --exp={published}, which decodes or trains it as it is "
           "(its mesh and batch; add the --flagfile for the tokenizer's text)")
+  print("Fine-tune it (stages.Dpo and stages.Grpo take --init_from the same way; or one "
+        "recipe: docs/fine_tuning.md):\n  python -m spmdtask.main --exp=stages.Sft "
+        f"--init_from={args.job_log_dir} --job_log_dir={args.job_log_dir.rstrip('/')}_sft "
+        "--data_dir=CHAT_DATA")
 
 
 def main():

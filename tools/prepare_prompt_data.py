@@ -60,18 +60,14 @@ def report(output_dir: str, meta: dict) -> str:
 
 
 def train_command(output_dir: str, model: str) -> str | None:
-  """The GRPO command on `output_dir` from `model`, an import's job dir (None for another
-  dir: import it first, tools/convert_hf.py --from_hf)."""
+  """The GRPO stage on `output_dir` from `model`, an import's or a stage's job dir (None for
+  another dir: import it first, tools/convert_hf.py --from_hf)."""
   if not fs.isfile(fs.join(model, "model_overrides.txt")):
     return None
   data, base = (d if "://" in d else os.path.abspath(d) for d in (output_dir, model))
-  return " ".join(["python -m spmdtask.main --exp=grpo.LlamaGrpoImport",
+  return " ".join(["python -m spmdtask.main --exp=stages.Grpo",
                    f"--job_log_dir={shlex.quote(data.rstrip('/') + '_grpo')}",
-                   f"--flagfile={shlex.quote(fs.join(base, 'model_overrides.txt'))}",
-                   f"--data_dir={shlex.quote(data)}",
-                   (f"--fdl_set=\"task.train.init_checkpoint_dir='{base}'\""
-                    if shlex.quote(base) == base else
-                    shlex.quote(f"--fdl_set=task.train.init_checkpoint_dir='{base}'")),
+                   f"--init_from={shlex.quote(base)}", f"--data_dir={shlex.quote(data)}",
                    "--reward=PATH.py:FN"])
 
 

@@ -117,15 +117,22 @@ class SyntheticPairInput(StepIndexedInput):
     vocab_size: tokens are in [0, vocab_size).
     seed: with the step and the pair's number, fixes every pair, whatever the process count.
     num_batches: None = endless.
+    model: None, or the model fed (share task.model's config): its vocab_size is the
+      pairs' (not `vocab_size`).
   """
   batch_size: int = 8
   seq_len: int = 32
   vocab_size: int = 256
   seed: int = 0
   num_batches: int | None = None
+  model: object | None = None
   process_index: int | None = None
   process_count: int | None = None
   target_mask = True
+
+  def __post_init__(self):
+    if self.model is not None:
+      self.vocab_size = self.model.vocab_size
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's pairs of global batch number `step`."""

@@ -28,6 +28,8 @@ class SyntheticPromptInput(StepIndexedInput):
     seed: with the example id, fixes every prompt.
     tokenizer: None, an object with `decode(ids) -> str` used for text output, or a
       tokenizer spec (`tokenizers.from_spec`: 'hf:PATH/tokenizer.json', ...).
+    model: None, or the model fed (share task.model's config): its vocab_size is the
+      prompts' (not `vocab_size`).
   """
   batch_size: int = 8
   prompt_len: int = 8
@@ -36,10 +38,13 @@ class SyntheticPromptInput(StepIndexedInput):
   num_examples: int = 16
   seed: int = 0
   tokenizer: object | None = None
+  model: object | None = None
   process_index: int | None = None
   process_count: int | None = None
 
   def __post_init__(self):
+    if self.model is not None:
+      self.vocab_size = self.model.vocab_size
     if isinstance(self.tokenizer, str):
       self.tokenizer = tokenizers.from_spec(self.tokenizer,
                                             field="decode_datasets[...].tokenizer")

@@ -26,6 +26,8 @@ class SyntheticLmInput(StepIndexedInput):
     num_examples: None = no limit; else rows (across batches) stop at this many, so
       the last batch may be partial: a process yields only its rows below the limit
       (possibly none). Evaluation pads such a batch and weights the padding 0.
+    model: None, or the model fed (share task.model's config): its vocab_size is the rows' (not
+      `vocab_size`): an import's model_overrides.txt then sets only the model's.
   """
   batch_size: int = 8
   seq_len: int = 64
@@ -34,8 +36,13 @@ class SyntheticLmInput(StepIndexedInput):
   num_batches: int | None = None
   num_examples: int | None = None
   target_mask: bool = False
+  model: object | None = None
   process_index: int | None = None
   process_count: int | None = None
+
+  def __post_init__(self):
+    if self.model is not None:
+      self.vocab_size = self.model.vocab_size
 
   def batch_at(self, step: int) -> dict[str, np.ndarray]:
     """This process's rows of global batch number `step`."""

@@ -93,6 +93,15 @@ def _check_shapes(item: str, saved_metadata, expected, where: str) -> None:
   saved = _flat_shapes(saved_metadata.tree if hasattr(saved_metadata, "tree")
                        else saved_metadata)
   want = _flat_shapes(expected)
+  ranks = [sorted({v[0][-1] for k, v in t.items() if k.endswith(train_state.ADAPTER_SUFFIXES[0])})
+           for t in (saved, want)]
+  if item == "params" and all(len(r) == 1 for r in ranks) and ranks[0] != ranks[1]:
+    raise ConfigError(
+        f"task.model.lora.rank={ranks[1][0]}, the checkpoint's {ranks[0][0]} (at {where}): a "
+        "job's adapters keep their rank. Resume with task.model.lora.rank="
+        f"{ranks[0][0]} (--lora_rank={ranks[0][0]}), or train rank {ranks[1][0]} in a new "
+        "--job_log_dir started from this job (--init_from=THIS_JOB merges its adapters in); "
+        "nothing was changed.")
   count, shown = differences(saved, want, 20)
   if count:
     raise ConfigError(
@@ -130,7 +139,7 @@ def differences(saved: dict[str, tuple], want: dict[str, tuple], most: int) -> t
 def restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_ITEMS,
             own: bool = True, resume: bool = False, params_targets=None) -> dict[str, Any]:
   """The items of checkpoint `step` with its `meta` (`params_targets`: the params a warm
-  start reads, whole ones; else what the step holds of the program's), checked;
+  start reads, as the step holds them; else what the step holds of the program's), checked;
   CheckpointUnreadable (ConfigError if not `own`) when damaged."""
   got, why = checked_read(mngr, directory, program, step, items, params_targets)
   if why:
@@ -172,14 +181,7 @@ def _read(mngr, directory: str, program, step: int, items, params_targets=None) 
   `step`, after checking the arrays' shapes."""
   meta = read_meta(mngr, step)
   targets = program.canonical_targets()
-  if meta.get(HELD_KEY) == ADAPTERS:
-    if params_targets is not None:  # a warm start's, which needs whole params
-      raise ConfigError(
-          f"The checkpoint at {directory}/{step} holds only a LoRA job's adapters (its frozen "
-          f"params are in its base, {meta.get('lora_base', {}).get('dir')!r}): a warm start "
-          "(task.train.init_checkpoint_dir) needs whole params. Point "
-          "task.train.init_checkpoint_dir at that base, or export the job merged "
-          "(tools/convert_hf.py --to_hf=DIR --merge_lora) and import that (--from_hf=DIR).")
+  if meta.get(HELD_KEY) == ADAPTERS and params_targets is None:  # a LoRA job's own
     params_targets = train_state.adapters(targets.params)
   if params_targets is not None:
     targets = targets._replace(params=params_targets)

@@ -35,7 +35,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from spmdtask import console, fs
-from spmdtask.core import train_state
+from spmdtask.core import sharding, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_check, fingerprints, lora_base
 from spmdtask.run import checkpoint_io as io
@@ -102,34 +102,54 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
     mngr.close()
 
 
-def warm_start(init_dir: str, program, state: TrainState) -> TrainState:
+def warm_start(init_dir: str, program, state: TrainState, init_adapters: str = "merge"
+               ) -> TrainState:
   """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh.
   A LoRA model takes its frozen params from it (`run.lora_base`), its adapters fresh."""
-  return _warm_start(init_dir, program, state)[0]
+  return _warm_start(init_dir, program, state, init_adapters)[0]
 
 
-def _warm_start(init_dir: str, program, state: TrainState
+def _warm_start(init_dir: str, program, state: TrainState, init_adapters: str = "merge"
                 ) -> tuple[TrainState, lora_base.Base | None]:
-  """(warm_start's state, the base a LoRA model's checkpoints then name, else None)."""
-  base = None
-  if train_state.adapters_only(program.model):
-    base, params = lora_base.read(init_dir, program)
-    step = base.step
-  else:
-    fs.check_reachable(init_dir, "task.train.init_checkpoint_dir")
-    directory = checkpoint_dir(init_dir)
-    step = io.pick_step(directory, init_dir, None)
-    mngr = io.manager(directory, read_only=True)
-    try:
-      params = io.restore(mngr, directory, program, step, ("params",), own=False,
-                          params_targets=program.canonical_targets().params)["params"]
-    finally:
-      mngr.close()
-  logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir, step)
+  """(warm_start's state, the base a LoRA model's checkpoints then name, else None). A LoRA
+  job's checkpoint in `init_dir` starts the model with its adapters merged in
+  (`lora_base.read`), or, with `init_adapters` 'continue', a LoRA model with those adapters
+  on the start's own base."""
+  lora = train_state.adapters_only(program.model)
+  keep = init_adapters == "continue"
+  if keep and not lora:
+    raise ConfigError("task.train.init_adapters='continue' trains the start's own LoRA "
+                      "adapters, and this model has none: give it LoRA of the start's rank "
+                      "(--lora_rank=R), or leave init_adapters 'merge'.")
+  base, params = lora_base.read(init_dir, program, merge=not keep)
+  logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir,
+               base.step)
   canonical = program.to_canonical(state)
-  if base is not None:  # the frozen params the base's, the adapters fresh
-    params = lora_base.merged(canonical.params, params)
-  return _live(program, int(jax.device_get(state.step)), params, canonical.opt_state), base
+  adapters = None
+  if keep:
+    adapters, fresh = train_state.adapters(params), train_state.adapters(canonical.params)
+    _check_adapters(adapters, fresh, init_dir)
+    # Read whole on every device (lora_base): placed as the model's own adapters.
+    adapters = jax.tree.map(lambda a, m: jax.device_put(a, m.sharding), adapters, fresh)
+  # In the model's dtypes; a LoRA model's adapters fresh (or the start's), its saves naming
+  # the base.
+  params = lora_base.merged(canonical.params, params, adapters)
+  return (_live(program, int(jax.device_get(state.step)), params, canonical.opt_state),
+          base if lora else None)
+
+
+def _check_adapters(start, model, init_dir: str) -> None:
+  """ConfigError where the start's adapters are not the model's (none, or other shapes)."""
+  shapes = [{sharding.path_str(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(t)[0]}
+            for t in (start, model)]
+  if shapes[0] != shapes[1]:
+    rank = {k.split("/")[-1]: v[-1] for k, v in shapes[0].items() if k.endswith("_lora_a")}
+    have = f"rank {sorted(set(rank.values()))[0]}" if rank else "no adapters"
+    raise ConfigError(
+        f"task.train.init_adapters='continue', but task.train.init_checkpoint_dir={init_dir!r} "
+        f"holds {have} on other weights or of another rank than this model's adapters: give "
+        "the model the start's LoRA (its config.txt's task.model.lora), or leave "
+        "init_adapters 'merge' (new adapters on the start merged).")
 
 
 class Checkpointer:
@@ -154,6 +174,8 @@ class Checkpointer:
     self._mngr = io.manager(self.directory, self.interval, max_to_keep)
     self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
                   "process_count": jax.process_count(), **(metadata or {})}
+    if train_state.adapters_only(program.model):  # what a stage starting here merges by
+      self._meta[lora_base.SCALE_KEY] = program.model.lora.scale
     self.save_seconds: list[float] = []  # blocking part of each save
     self.checked: set[int] = set()  # steps written by this run or whose fingerprints matched
     # What the saves hold: the whole params, or (a LoRA job warm-started from a base, known
@@ -266,7 +288,8 @@ class Checkpointer:
 
 
 def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int | None = None,
-                  init_checkpoint_dir: str | None = None) -> TrainState:
+                  init_checkpoint_dir: str | None = None, init_adapters: str = "merge"
+                  ) -> TrainState:
   """The padded state a train run starts from, with `inputs` positioned to match.
 
   Resumes from this job's checkpoint (`restore_step`, else the latest complete one) when
@@ -280,7 +303,7 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
     return state
   state = program.init()
   if init_checkpoint_dir:
-    state, base = _warm_start(init_checkpoint_dir, program, state)
+    state, base = _warm_start(init_checkpoint_dir, program, state, init_adapters)
     if ckpt is not None:
       ckpt.base = base
   return state

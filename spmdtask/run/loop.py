@@ -303,7 +303,8 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
   """
   tp = run.task.train
   inputs = run.datasets["train"]
-  state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir)
+  state = checkpoints.initial_state(ckpt, program, inputs, restore_step, tp.init_checkpoint_dir,
+                                   tp.init_adapters)
   first = int(jax.device_get(state.step))
   if job_log_dir is not None and config_text is not None and jax.process_index() == 0:
     fs.write_text(fs.join(job_log_dir, "config.txt"), config_text)

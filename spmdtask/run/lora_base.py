@@ -15,17 +15,20 @@ step-0 checkpoint is itself base + adapters) saves its whole params.
 import dataclasses
 import hashlib
 import json
+import re
 
 import jax
 
 from spmdtask import fs
 from spmdtask.core import sharding
+from spmdtask.core import train_state
 from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_io, fingerprints
 
 FIELD = "task.train.init_checkpoint_dir"
 META_KEY = "lora_base"  # in a LoRA job's checkpoint meta: Base.record()
+SCALE_KEY = "lora_scale"  # in a LoRA model's checkpoint meta: its adapters' alpha / rank
 
 
 def without_adapters(tree):
@@ -62,10 +65,12 @@ class Base:
   step: int
   shapes_fingerprint: str
   values_fingerprint: str | None = None
+  merged: bool = True  # its own adapters (a LoRA job's) merged into its params, or left out
 
   def record(self) -> dict:
     """What the job's checkpoints' `meta` say of it (META_KEY)."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+    return {k: v for k, v in dataclasses.asdict(self).items()
+            if v is not None and (k, v) != ("merged", True)}  # the default: as before
 
   @classmethod
   def of(cls, meta: dict) -> "Base | None":
@@ -73,17 +78,25 @@ class Base:
     return cls(**meta[META_KEY]) if META_KEY in meta else None
 
 
-def targets(model_params, saved, init_dir: str):
+def targets(model_params, saved, init_dir: str, field: str = FIELD):
   """Restore targets of the base: the model's frozen params (`model_params`: sharded
   ShapeDtypeStructs, adapters included) in the dtypes the checkpoint (`saved`: its params'
-  metadata tree) holds. ConfigError naming FIELD when its params are not this base."""
+  metadata tree, without adapters) holds. ConfigError naming `field` when its params are
+  not this base."""
   want, have = _flat(without_adapters(model_params)), _flat(saved)
   count, shown = checkpoint_io.differences(
       {k: (tuple(x.shape),) for k, x in have.items()},
       {k: (tuple(x.shape),) for k, x in want.items()}, 10)
+  if count and not train_state.adapters(model_params):
+    raise ConfigError(
+        f"{field}={init_dir!r} is not a start for this model: its params (a LoRA job's without "
+        f"its adapters) must be the model's, by name and shape; {count} differ: {shown}. "
+        "Start from a job of this architecture (an import by tools/convert_hf.py --from_hf, "
+        "or a stage trained from one), or give the model that job's architecture: "
+        "--init_from=DIR sets both.")
   if count:
     raise ConfigError(
-        f"{FIELD}={init_dir!r} is not the base of this LoRA model: its params must be the "
+        f"{field}={init_dir!r} is not the base of this LoRA model: its params must be the "
         f"model's frozen params (every param but the *_lora_a / *_lora_b adapters), by name "
         f"and shape; {count} differ: {shown}. Point {FIELD} at a checkpoint of this model "
         "without LoRA (e.g. made by tools/convert_hf.py --from_hf), or set task.model to the "
@@ -106,23 +119,68 @@ def merged(model, base, adapters=None):
   return base.astype(model.dtype)
 
 
-def read(init_dir: str, program, step: int | None = None, expected: Base | None = None
-         ) -> tuple[Base, dict]:
-  """(the Base, its frozen params in the stored dtypes, on `program.mesh`) of job
-  `init_dir`'s checkpoint `step` (None: its latest). With `expected` (what a LoRA job's
-  checkpoint names), ConfigError naming FIELD and the base dir when it is gone or is not that
-  base. Every process calls it."""
+def lora_scale(meta: dict) -> float:
+  """alpha / rank of the adapters a checkpoint holds (its `meta`: SCALE_KEY, or the rank and
+  alpha lines of the config it names, for a checkpoint written before SCALE_KEY)."""
+  if SCALE_KEY in meta:
+    return float(meta[SCALE_KEY])
+  found = dict(re.findall(r"^task\.model\.lora\.(rank|alpha)\s*=\s*([0-9.eE+-]+)\s*$",
+                          meta.get("config", ""), re.M))
+  if len(found) < 2:
+    raise ConfigError("A checkpoint holds LoRA adapters but names neither their scale nor "
+                      "task.model.lora.rank and alpha in its config; train it again with "
+                      "this version, or export it merged (tools/convert_hf.py --merge_lora).")
+  return float(found["alpha"]) / float(found["rank"])
+
+
+def _overlay(tree: dict, extra: dict) -> dict:
+  """`tree` (nested dicts) with the leaves of `extra` (the same nesting) added."""
+  out = dict(tree)
+  for k, v in extra.items():
+    out[k] = _overlay(out.get(k, {}), v) if isinstance(v, dict) else v
+  return out
+
+
+def _replicated(saved, mesh):
+  """Restore targets of a checkpoint's adapters (`saved`: their metadata tree): whole on
+  every device of `mesh` (they are small), in the dtypes stored."""
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=whole),
+                                saved)
+
+
+def read(init_dir: str, program, step: int | None = None, expected: Base | None = None,
+         field: str = FIELD, merge: bool = True) -> tuple[Base, dict]:
+  """(the Base, its frozen params on `program.mesh`) of job `init_dir`'s checkpoint `step`
+  (None: its latest): the model's params without adapters, by name and shape, in the dtypes
+  stored. A LoRA job's checkpoint (adapters beside its params, or adapters alone beside the
+  base its meta names) gives its params with its adapters merged in, W + (alpha / r)·A·B
+  (`train_state.merged_adapters`, float32): where a stage starts. With `expected` (what a LoRA job's
+  checkpoint names), ConfigError naming FIELD and the base dir when it is gone or is not
+  that base. Without `merge` (task.train.init_adapters='continue') the params are the
+  start's base's with the start's adapters beside them, and the Base is the one those
+  adapters continue on. Every process calls it."""
+  merge = expected.merged if expected is not None else merge
   model_params = program.canonical_targets().params
   shapes = fingerprint(model_params)
   if expected is not None:
     _check_expected(expected, shapes)
   else:
-    fs.check_reachable(init_dir, FIELD)
+    fs.check_reachable(init_dir, field)
   directory = checkpoint_io.checkpoint_dir(init_dir)
   step = checkpoint_io.pick_step(directory, init_dir, step)
   mngr = checkpoint_io.manager(directory, read_only=True)
   try:
-    want = targets(model_params, mngr.item_metadata(step)["params"], init_dir)
+    meta = checkpoint_io.read_meta(mngr, step)
+    saved = mngr.item_metadata(step)["params"]
+    saved = dict(getattr(saved, "tree", saved))
+    own_base = Base.of(meta) if meta.get(checkpoint_io.HELD_KEY) == checkpoint_io.ADAPTERS \
+        else None
+    if own_base is not None:  # adapters alone: the params are its base's
+      want = _replicated(saved, program.mesh)
+    else:
+      want = _overlay(targets(model_params, without_adapters(saved), init_dir, field),
+                      _replicated(train_state.adapters(saved), program.mesh))
     got = checkpoint_io.restore(mngr, directory, program, step, ("params",), own=False,
                                 params_targets=want)
   finally:
@@ -132,7 +190,14 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
       and expected.values_fingerprint != base.values_fingerprint:
     raise _mismatch(expected, f"its checkpoint at step {step} holds other values than the "
                     "base this job started from (its stored fingerprints differ)")
-  return base, got["params"]
+  params = got["params"]
+  if own_base is not None:
+    params = _overlay(read(own_base.dir, program, own_base.step, expected=own_base)[1], params)
+  if not merge:  # the adapters continue: on the start's own base, or on its params
+    return own_base or dataclasses.replace(base, merged=False), params
+  if train_state.adapters(params):
+    params = train_state.merged_adapters(params, lora_scale(meta))
+  return base, params
 
 
 def _check_expected(expected: Base, shapes: str) -> None:

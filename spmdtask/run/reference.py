@@ -13,7 +13,7 @@ import jax
 from spmdtask import fs
 from spmdtask.core import sharding
 from spmdtask.errors import ConfigError
-from spmdtask.run import checkpoint_io
+from spmdtask.run import checkpoint_io, lora_base
 
 
 @runtime_checkable
@@ -46,18 +46,22 @@ def canonical_params(task, program):
 
 
 def read_params(job_dir: str, program, field: str):
-  """The params of job `job_dir`'s latest checkpoint, as the program's canonical params."""
+  """The params of job `job_dir`'s latest checkpoint, as the program's canonical params (a
+  LoRA job's with its adapters merged in: `lora_base.read`)."""
   fs.check_reachable(job_dir, field)
   directory = checkpoint_io.checkpoint_dir(job_dir)
   step = checkpoint_io.pick_step(directory, job_dir, None)
   mngr = checkpoint_io.manager(directory, read_only=True)
   try:
-    want = program.canonical_targets().params
-    _check_matches(mngr.item_metadata(step)["params"], want, field, job_dir)
-    return checkpoint_io.restore(mngr, directory, program, step, ("params",), own=False,
-                                 params_targets=want)["params"]
+    own = checkpoint_io.read_meta(mngr, step).get(checkpoint_io.HELD_KEY) is None
+    saved = mngr.item_metadata(step)["params"]
   finally:
     mngr.close()
+  want = program.canonical_targets().params
+  if own:  # a LoRA job's adapters alone are checked against its base when it is read
+    _check_matches(lora_base.without_adapters(dict(getattr(saved, "tree", saved))), want,
+                   field, job_dir)
+  return lora_base.merged(want, lora_base.read(job_dir, program, step, field=field)[1])
 
 
 def _flat(tree) -> dict:

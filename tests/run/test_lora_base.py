@@ -142,8 +142,36 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
   with pytest.raises(ConfigError, match="job's checkpoints hold only the adapters|does not match"):
     checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.d_ff=256"))
   assert checkpoints.restore_state(lora.job, program)[1] == 4
-  # A LoRA job's adapter-only checkpoint is not a whole model to warm-start from.
+  # A LoRA job's adapter-only checkpoint starts a plain model as its base with the adapters
+  # merged in: W + (alpha / r)·A·B (layers.lora), read from the base the checkpoint names.
   plain = _program("lm.TinyLm")
-  with pytest.raises(ConfigError, match=r"holds only a LoRA job's adapters .*"
-                     f"in its base, {lora.base!r}"):
-    checkpoints.warm_start(lora.job, plain, plain.init())
+  got = jax.device_get(plain.to_canonical(checkpoints.warm_start(lora.job, plain,
+                                                                 plain.init())).params)
+  base = jax.device_get(plain.to_canonical(checkpoints.restore_state(lora.base, plain)[0]).params)
+  scale = lora.meta_at_2[lora_base.SCALE_KEY]
+  assert scale == 2.0  # TinyLmLora: rank 4, alpha 8
+  adapters = train_state.adapters(lora.state.params)
+  want = train_state.merged_adapters(lora_base._overlay(base, adapters), scale)  # pylint: disable=protected-access
+  util.assert_trees_close(got, jax.device_get(want), atol=1e-6)
+  wq = got["layers"]["block"]["attn"]["q"]
+  assert np.abs(wq - base["layers"]["block"]["attn"]["q"]).max() > 1e-3  # the adapters moved it
+
+
+def test_a_resume_with_another_rank_names_both_ranks(lora):
+  with pytest.raises(ConfigError, match=r"^task.model.lora.rank=8, the checkpoint's 4 \(at .*"
+                     r"Resume with task.model.lora.rank=4 \(--lora_rank=4\)"):
+    checkpoints.restore_state(lora.job, _program("lm.TinyLmLora", "task.model.lora.rank=8"))
+
+
+def test_continue_trains_the_starts_own_adapters_on_its_base(lora):
+  program = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'")
+  state, base = checkpoints._warm_start(lora.job, program, program.init(), "continue")  # pylint: disable=protected-access
+  got = jax.device_get(program.to_canonical(state).params)
+  util.assert_trees_equal(train_state.adapters(got), train_state.adapters(lora.state.params))
+  util.assert_trees_equal(lora_base.without_adapters(got),
+                          lora_base.without_adapters(lora.state.params))  # the base, unmerged
+  assert base.dir == lora.base  # its saves name the start's own base
+  with pytest.raises(ConfigError, match=r"init_adapters='continue', but .* holds rank 4 on "
+                     r"other weights or of another rank"):
+    other = _program("lm.TinyLmLora", "task.model.lora.rank=8")
+    checkpoints.warm_start(lora.job, other, other.init(), "continue")

@@ -101,13 +101,12 @@ def test_an_imports_job_dir_gives_the_tokenizer_template_and_eos(tmp_path):
   assert eos == [1] and prompt_data.stop_ids(conv, tok, eos) == [6, 1]
   messages, want = next(_expected())
   assert conv.prompt_ids(messages) == want
-  # the next command: GRPO from the import, on the prompts
+  # the next command: the GRPO stage from the import (or a stage), on the prompts
   assert prepare_prompt_data.train_command("/d/prompts", str(job)) is None
   (job / "model_overrides.txt").write_text("--fdl_set=task.model.vocab_size=300\n")
   assert prepare_prompt_data.train_command("/d/prompts", str(job)) == (
-      "python -m spmdtask.main --exp=grpo.LlamaGrpoImport --job_log_dir=/d/prompts_grpo "
-      f"--flagfile={job}/model_overrides.txt --data_dir=/d/prompts "
-      f"--fdl_set=\"task.train.init_checkpoint_dir='{job}'\" --reward=PATH.py:FN")
+      f"python -m spmdtask.main --exp=stages.Grpo --job_log_dir=/d/prompts_grpo "
+      f"--init_from={job} --data_dir=/d/prompts --reward=PATH.py:FN")
 
 
 def _no_template(tmp_path):

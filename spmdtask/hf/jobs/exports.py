@@ -10,6 +10,7 @@ import (or --base_job names it), whose hf_source.json gives the HF config and dt
 whose dir the tokenizer files; the job's own config.txt gives its LoRA, if any.
 """
 import json
+import re
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError

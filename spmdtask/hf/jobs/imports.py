@@ -57,7 +57,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
     fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
   checkpoints.write_checkpoint(job_log_dir, lines, params, program)
   fs.write_text(fs.join(job_log_dir, model_overrides.OVERRIDES_FILE),
-                model_overrides.flagfile(lines))
+                model_overrides.flagfile(lines, raw_cfg["model_type"]))
   source = {"config": source_cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
             "base_model_name_or_path": base_name}
   if lora is not None:
