@@ -10,8 +10,6 @@ if __name__ == "__main__":
 import contextlib
 import dataclasses
 import os
-import re
-import shlex
 import sys
 
 from absl import app, flags, logging
@@ -24,6 +22,7 @@ from fiddle._src.absl_flags import utils as fdl_flag_utils
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
 from spmdtask import task as task_lib
 from spmdtask.run import interrupts
+from spmdtask.command_line import flag_error, own_prompts, rerun_command, restore_command
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
                              PlanExceeded, TrainingError)
 
@@ -118,9 +117,7 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
   override, `chat_prompts` (--chat_prompts: its eos_id wins over a flagfile's) and `reward`
   (--reward, over the experiment's rewards) applied, in order."""
   start = start or overrides_lib.Start(None, [])
-  exp = registry.get(exp_name)()
-  if isinstance(exp, experiment.ForFamily):
-    exp = exp.for_family(start.family)
+  exp = _experiment(exp_name, start)
   cfg = experiment.run_config(exp)
   if data_dir is not None:
     overrides_lib.set_data_dirs(cfg, data_dir, exp_name)
@@ -138,9 +135,15 @@ def resolved_config(exp_name: str, overrides: list[str], data_dir: str | None = 
     overrides_lib.set_chat_prompts(cfg, chat_prompts, exp_name)
   if reward:
     overrides_lib.set_rewards(cfg, reward, exp_name)
-  overrides_lib.check_import_flagfile(cfg, experiment.run_config(registry.get(exp_name)()),
+  overrides_lib.check_import_flagfile(cfg, experiment.run_config(_experiment(exp_name, start)),
                                       exp_name)
   return cfg
+
+
+def _experiment(exp_name: str, start: overrides_lib.Start) -> experiment.Experiment:
+  """A fresh instance of the experiment (a stage experiment: on `start`'s family)."""
+  exp = registry.get(exp_name)()
+  return exp.for_family(start.family) if isinstance(exp, experiment.ForFamily) else exp
 
 
 def _set(cfg: fdl.Config, assignment: str) -> None:
@@ -299,7 +302,7 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   if _MODE.value == "decode":
     texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
     if texts or _CHAT.value is not None:
-      run_cfg = own_prompts(run_cfg, texts)
+      run_cfg = own_prompts(run_cfg, texts, _CHAT.value, _RAW_PROMPT.value, _EXP.value)
     task = decoding.decode_task(run_cfg.task)
   example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
              else rollout.example(run_cfg))  # GRPO: a rollout's batch
@@ -320,68 +323,11 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
         timeout_s=_EVAL_TIMEOUT.value)
 
 
-def own_prompts(run_cfg, texts: list[str]):
-  """`run_cfg` decoding the texts of --prompt / --prompts_file and the question of --chat,
-  rendered with the job's chat template where it has one (unless --raw_prompt)."""
-  # pylint: disable-next=g-import-not-at-top
-  from spmdtask.inputs import own_prompts as own, prompts
-  from spmdtask.run import decoding  # pylint: disable=g-import-not-at-top
-  if _CHAT.value is not None and _RAW_PROMPT.value:
-    raise ConfigError("--chat renders its question with the job's chat template and "
-                      "--raw_prompt asks for no template: give --prompt=TEXT --raw_prompt for "
-                      "a plain continuation, or drop --raw_prompt.")
-  chat = None if _RAW_PROMPT.value else own.job_chat(run_cfg.datasets, run_cfg.decode_datasets)
-  if _CHAT.value is not None:
-    if chat is None:
-      raise ConfigError(
-          f"--chat={_CHAT.value!r} is rendered with the job's chat template, and --exp="
-          f"{_EXP.value} has none: no dataset reads prepared conversations and its decode "
-          "tokenizer's dir holds no chat template. Add --data_dir=DIR (a dir "
-          "tools/prepare_chat_data.py wrote) or the import's --flagfile, or continue plain "
-          "text with --prompt=TEXT --raw_prompt.")
-    if not _CHAT.value.strip():
-      raise ConfigError("--chat is empty; give the question to ask, e.g. --chat='What is 1 + 2?'.")
-    texts = texts + [_CHAT.value]
-  return decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts, chat)
-
-
 def reexec_for_plan() -> None:
   """--mode=plan --plan_devices=N reruns the command with N emulated devices, and exits."""
   if _MODE.value == "plan" and _PLAN_DEVICES.value and not plan_emulated(_PLAN_DEVICES.value):
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
     sys.exit(plan.reexec_emulated(_PLAN_DEVICES.value, sys.argv))  # XLA_FLAGS before jax
-
-
-def restore_command(argv: list[str], step: int) -> str:
-  """This run's command line with --restore_step=`step` in place of any given."""
-  return f"{rerun_command(argv)} --restore_step={step}"
-
-
-def rerun_command(argv: list[str]) -> str:
-  """This run's command line without any --restore_step (a rerun resumes the newest)."""
-  args, skip = [], False
-  for a in argv[1:]:
-    if skip or a.startswith("--restore_step="):
-      skip = False
-      continue
-    if a == "--restore_step":  # absl also takes `--flag value`
-      skip = True
-      continue
-    args.append(a)
-  return shlex.join(["python", "-m", "spmdtask.main", *args])
-
-
-def flag_error(error: Exception) -> str:
-  """The paragraph for a flag absl cannot parse (a value not among an enum's names, a
-  malformed number, an unknown flag)."""
-  enum = re.match(r"flag --(\w+)=(.*): value should be one of <(.*)>$", str(error))
-  if enum:
-    name, value, choices = enum.group(1), enum.group(2), enum.group(3).split("|")
-    return (f"--{name}={value!r} is not one of its values: {', '.join(choices)}. Pass one of "
-            f"them, e.g. --{name}={choices[0]} (--helpshort describes each).")
-  text = str(error).strip().replace(" ?", "?")
-  return (f"{text}{'' if text.endswith(('.', '?')) else '.'} Fix or remove that flag; python -m "
-          "spmdtask.main --helpshort lists every flag with its values.")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
