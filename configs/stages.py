@@ -96,6 +96,7 @@ class Sft(_Stage):
   conversations (`--data_dir`: tools/prepare_chat_data.py with the model's tokenizer; only
   the assistant's tokens are targets); 8 rows of 128 tokens a step, 100 steps, peak learning
   rate 1e-4; `--lora_rank=R` for LoRA."""
+  group = "fine-tune"
   require_target_mask = True
 
 
@@ -106,6 +107,7 @@ class Dpo(_Stage):
   100 steps, peak learning rate 1e-5 (2e-4 is PEFT's usual for LoRA: set it with
   --fdl_set=task.train.learning_rate.peak_value=...). The reference is the start (module
   doc)."""
+  group = "align"
   peak_learning_rate = 1e-5
 
   @functools.cache
@@ -135,6 +137,7 @@ class Grpo(_Stage):
   and stop ids): 8 prompts a step, 4 samples each of up to 64 new tokens (temperature 1),
   rewarded by `--reward` (registered names or PATH.py:FN[:WEIGHT]; default `final_answer`),
   KL to the start (beta 0.04); 50 steps, peak learning rate 1e-5."""
+  group = "align"
   num_train_steps = 50
   peak_learning_rate = 1e-5
 
