@@ -106,12 +106,12 @@ def _check_shapes(item: str, saved_metadata, expected, where: str) -> None:
   if count:
     raise ConfigError(
         f"The checkpoint at {where} does not match this model's {item}: {count} mismatched "
-        f"variable(s): {shown}.{_attention_kind(saved, want)} Restore it with the model config "
+        f"variable(s): {shown}.{attention_kind(saved, want)} Restore it with the model config "
         "it was trained with (see its config.txt), or point task.train.init_checkpoint_dir / "
         "--job_log_dir elsewhere.")
 
 
-def _attention_kind(saved: dict, want: dict) -> str:
+def attention_kind(saved: dict, want: dict) -> str:
   """A sentence where one side's attention is multi-head latent attention (a DeepSeek
   model's `attn/kv_up`) and the other's is not; else ''."""
   mla = [any(k.endswith("attn/kv_up") for k in t) for t in (saved, want)]

@@ -88,9 +88,10 @@ def targets(model_params, saved, init_dir: str, field: str = FIELD):
       {k: (tuple(x.shape),) for k, x in have.items()},
       {k: (tuple(x.shape),) for k, x in want.items()}, 10)
   if count and not train_state.adapters(model_params):
+    kind = checkpoint_io.attention_kind(have, want)
     raise ConfigError(
         f"{field}={init_dir!r} is not a start for this model: its params (a LoRA job's without "
-        f"its adapters) must be the model's, by name and shape; {count} differ: {shown}. "
+        f"its adapters) must be the model's, by name and shape; {count} differ: {shown}.{kind} "
         "Start from a job of this architecture (an import by tools/convert_hf.py --from_hf, "
         "or a stage trained from one), or give the model that job's architecture: "
         "--init_from=DIR sets both.")

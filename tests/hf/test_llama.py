@@ -125,7 +125,7 @@ def _convert_and_check_logits(tmp_path, cfg, tensors, shards, tokenizer_dir=None
     shutil.copyfile(os.path.join(tokenizer_dir, name), os.path.join(hf, name))
   lines = imports.from_hf(hf, out)
   with open(os.path.join(out, "model_overrides.txt")) as f:
-    assert f.read().splitlines() == [f"--fdl_set={line}" for line in lines]
+    assert f.read().splitlines() == ["--family=llama"] + [f"--fdl_set={line}" for line in lines]
   model = util.build_run(LLAMA, lines).task.model
   params = checkpoints.read_checkpoint(out, lines, LLAMA)
   tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], 40)
