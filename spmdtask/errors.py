@@ -1,4 +1,7 @@
-"""The one error type for user mistakes in an experiment's config or flags."""
+"""The one error type for user mistakes in an experiment's config or flags, and the command
+lines and paragraphs those messages give (a rerun, a restore, a flag absl cannot parse)."""
+import re
+import shlex
 
 
 class ConfigError(ValueError):
@@ -49,3 +52,35 @@ class Interrupted(RuntimeError):
   def __init__(self, step: int):
     super().__init__(f"Interrupted at step {step}: saved; rerun the same command to resume.")
     self.step = step
+
+
+def restore_command(argv: list[str], step: int) -> str:
+  """This run's command line with --restore_step=`step` in place of any given."""
+  return f"{rerun_command(argv)} --restore_step={step}"
+
+
+def rerun_command(argv: list[str]) -> str:
+  """This run's command line without any --restore_step (a rerun resumes the newest)."""
+  args, skip = [], False
+  for a in argv[1:]:
+    if skip or a.startswith("--restore_step="):
+      skip = False
+      continue
+    if a == "--restore_step":  # absl also takes `--flag value`
+      skip = True
+      continue
+    args.append(a)
+  return shlex.join(["python", "-m", "spmdtask.main", *args])
+
+
+def flag_error(error: Exception) -> str:
+  """The paragraph for a flag absl cannot parse (a value not among an enum's names, a
+  malformed number, an unknown flag)."""
+  enum = re.match(r"flag --(\w+)=(.*): value should be one of <(.*)>$", str(error))
+  if enum:
+    name, value, choices = enum.group(1), enum.group(2), enum.group(3).split("|")
+    return (f"--{name}={value!r} is not one of its values: {', '.join(choices)}. Pass one of "
+            f"them, e.g. --{name}={choices[0]} (--helpshort describes each).")
+  text = str(error).strip().replace(" ?", "?")
+  return (f"{text}{'' if text.endswith(('.', '?')) else '.'} Fix or remove that flag; python -m "
+          "spmdtask.main --helpshort lists every flag with its values.")

@@ -22,9 +22,9 @@ from fiddle._src.absl_flags import utils as fdl_flag_utils
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
 from spmdtask import task as task_lib
 from spmdtask.run import interrupts
-from spmdtask.command_line import flag_error, own_prompts, rerun_command, restore_command
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
-                             PlanExceeded, TrainingError)
+                             PlanExceeded, TrainingError, flag_error, rerun_command,
+                             restore_command)
 
 _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique dotted suffix "
                            "of one (lm.TinyLm), or an importable module.Class.")
@@ -302,7 +302,7 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   if _MODE.value == "decode":
     texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
     if texts or _CHAT.value is not None:
-      run_cfg = own_prompts(run_cfg, texts, _CHAT.value, _RAW_PROMPT.value, _EXP.value)
+      run_cfg = overrides_lib.own_prompts(run_cfg, texts, _CHAT.value, _RAW_PROMPT.value, _EXP.value)
     task = decoding.decode_task(run_cfg.task)
   example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
              else rollout.example(run_cfg))  # GRPO: a rollout's batch

@@ -356,3 +356,28 @@ def check_start(init_dir: str, flag: str = INIT_FIELD) -> None:
         f"no complete checkpoint (looked in {directory}), so there are no params to start "
         "from. Name an import's job dir (tools/convert_hf.py --from_hf) or a trained job's; "
         "nothing was written.")
+
+
+def own_prompts(run_cfg, texts: list[str], chat_question: str | None, raw: bool, exp: str):
+  """`run_cfg` decoding the texts of --prompt / --prompts_file and `chat_question` (--chat),
+  rendered with the job's chat template where it has one (unless `raw`: --raw_prompt)."""
+  # pylint: disable-next=g-import-not-at-top
+  from spmdtask.inputs import own_prompts as own, prompts
+  from spmdtask.run import decoding  # pylint: disable=g-import-not-at-top
+  if chat_question is not None and raw:
+    raise ConfigError("--chat renders its question with the job's chat template and "
+                      "--raw_prompt asks for no template: give --prompt=TEXT --raw_prompt for "
+                      "a plain continuation, or drop --raw_prompt.")
+  chat = None if raw else own.job_chat(run_cfg.datasets, run_cfg.decode_datasets)
+  if chat_question is not None:
+    if chat is None:
+      raise ConfigError(
+          f"--chat={chat_question!r} is rendered with the job's chat template, and --exp="
+          f"{exp} has none: no dataset reads prepared conversations and its decode "
+          "tokenizer's dir holds no chat template. Add --data_dir=DIR (a dir "
+          "tools/prepare_chat_data.py wrote) or the import's --flagfile, or continue plain "
+          "text with --prompt=TEXT --raw_prompt.")
+    if not chat_question.strip():
+      raise ConfigError("--chat is empty; give the question to ask, e.g. --chat='What is 1 + 2?'.")
+    texts = texts + [chat_question]
+  return decoding.with_own_prompts(run_cfg, texts, prompts.TokenizedPrompts, chat)

@@ -32,7 +32,7 @@ MAY_IMPORT = {
 }
 TOP = {"errors": SHARED, "fs": SHARED, "console": SHARED, "native_output": SHARED,
        "task": "task", "main": "entry", "registry": "entry", "experiment": "entry",
-       "overrides": "entry", "command_line": "entry", "__init__": SHARED}
+       "overrides": "entry", "__init__": SHARED}
 
 
 def modules() -> dict[str, str]:
