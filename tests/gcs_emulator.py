@@ -26,7 +26,7 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-_SERVE = """
+_SERVE = r"""
 import sys
 from gcp_storage_emulator.handlers import objects
 _download = objects.download

@@ -109,6 +109,10 @@ def test_a_conversion_prints_only_spmdtasks_lines(tmp_path):
   ours = [r"read model\.safetensors \(shard 1/1\): 21 tensors, 439\.2 KiB, [\d.]+ (s|ms|µs)",
           rf"wrote {re.escape(job)}: checkpoint step 0, model_overrides\.txt \(--exp="
           r"llama\.LlamaImport --flagfile=.*\)",
+          r"Fine-tune it \(stages\.Dpo and stages\.Grpo take --init_from the same way; or one "
+          r"recipe: docs/fine_tuning\.md\):",
+          rf"  python -m spmdtask\.main --exp=stages\.Sft --init_from={re.escape(job)} "
+          rf"--job_log_dir={re.escape(job)}_sft --data_dir=CHAT_DATA",
           rf"read {re.escape(job)}: checkpoint step 0",
           r"wrote model\.safetensors: 21 tensors, 439\.2 KiB, [\d.]+ (s|ms|µs)",
           rf"wrote {re.escape(out)}: chat_template\.jinja, config\.json, "
