@@ -43,6 +43,8 @@ CASES = [
     ("lm.TinyLm", ["task.train.clip_grad_norm=-1.0"], ["clip_grad_norm=-1.0"]),
     ("lm.TinyLm", ["task.train.log_interval_steps=0"], ["log_interval_steps=0", "positive"]),
     ("lm.TinyLm", ["task.train.save_interval_steps=0"], ["save_interval_steps=0"]),
+    ("lm.TinyLm", ["task.train.init_adapters='merged'"],
+     ["task.train.init_adapters='merged'", "'merge'", "'continue'"]),
     ("lm.TinyLm", ["task.train.profile_steps=(0, 2)"], ["profile_steps=(0, 2)", "START"]),
     ("lm.TinyLm", ["task.train.num_microbatches=3"], ["num_microbatches=3"]),
     ("lm.TinyLm", ["task.decode.top_p=0.0"], ["task.decode.top_p=0.0"]),

@@ -1,7 +1,7 @@
 """Command-line changes to a config: an import's checkpoint without its --flagfile."""
 import pytest
 
-from spmdtask import main
+from spmdtask import main, overrides
 from spmdtask.errors import ConfigError
 from tests import subproc
 
@@ -52,3 +52,13 @@ def test_the_binary_exits_2_with_the_flagfile_and_writes_nothing(tmp_path):
   error = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
   assert len(error) == 1 and f"pass --flagfile={imp}/model_overrides.txt" in error[0]
   assert "Traceback" not in out.stderr and not job.exists()
+
+
+def test_chat_with_raw_prompt_or_without_a_template_or_empty_says_which_flag_to_drop():
+  run = main.build(main.resolved_config("lm.TinyLm", []))
+  with pytest.raises(ConfigError, match=r"--chat renders its question with the job's chat "
+                     r"template and --raw_prompt asks for no template"):
+    overrides.own_prompts(run, [], "What is 1 + 2?", True, "lm.TinyLm")
+  with pytest.raises(ConfigError, match=r"--exp=lm.TinyLm has none: .* --prompt=TEXT "
+                     r"--raw_prompt"):
+    overrides.own_prompts(run, [], "What is 1 + 2?", False, "lm.TinyLm")

@@ -97,3 +97,26 @@ def test_a_stage_without_a_model_or_a_start_is_one_paragraph_naming_it(tmp_path)
   (empty / "model_overrides.txt").write_text("--family=llama\nlayers=2\n")
   with pytest.raises(ConfigError, match=r"model_overrides.txt:2: 'layers=2' is neither"):
     overrides.start_of(str(empty), None)
+
+
+@pytest.mark.parametrize("rank", [0, -4])
+def test_a_lora_rank_below_1_is_refused_by_its_flag(rank):
+  lines = model_overrides.overrides(json.load(open(os.path.join(DATA, "mixtral", "config.json"))))
+  with pytest.raises(ConfigError, match=rf"--lora_rank={rank}: the adapters' rank must be >= 1"):
+    main.resolved_config("stages.Sft", [], start=overrides.Start("mixtral", lines),
+                         lora_rank=rank)
+
+
+def test_lora_rank_on_an_experiment_that_is_no_stage_names_the_fields_to_set():
+  with pytest.raises(ConfigError, match=r"--lora_rank=4: --exp=lm.TinyLm is not a stage "
+                     r"experiment .* set its task.model.lora fields with --fdl_set"):
+    main.resolved_config("lm.TinyLm", [], lora_rank=4)
+
+
+def test_a_family_flag_that_disagrees_with_the_start_is_refused_naming_both(tmp_path):
+  start = tmp_path / "import"
+  start.mkdir()
+  (start / "model_overrides.txt").write_text("--family=qwen3\n")
+  with pytest.raises(ConfigError, match=r"--family=llama but --init_from='.*/import' holds a "
+                     r"qwen3 model .* drop --family"):
+    overrides.start_of(str(start), "llama")
