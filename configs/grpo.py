@@ -66,22 +66,14 @@ class TinyLmGrpo(TinyLmSumSft):
     return {"train": fdl.Config(SumPrompts, batch_size=self.batch_size)}
 
 
-def import_prompts(data_dir: str, batch_size: int, model, synthetic=None) -> PromptData:
+def import_prompts(data_dir: str, batch_size: int, model) -> PromptData:
   """GRPO's train input for an import: the prompts data dir `data_dir` (--data_dir sets it),
-  `batch_size` prompts a step. `synthetic` holds the fields an import's model_overrides.txt
-  sets on LlamaImport's data (`datasets[...].synthetic.vocab_size`); GRPO reads none."""
-  del synthetic
+  `batch_size` prompts a step."""
   if not data_dir:
     raise ConfigError("datasets['train'].data_dir is empty: GRPO samples completions of your "
                       "prompts. Pass --data_dir=DIR, a dir written by tools/prepare_prompt_data.py "
                       "--input=PROMPTS.jsonl --tokenizer=IMPORT_DIR --output_dir=DIR.")
   return PromptData(data_dir=data_dir, batch_size=batch_size, model=model)
-
-
-def no_eval(synthetic=None) -> None:
-  """GRPO evaluates no LM loss: an import's eval slot, kept for the `synthetic` fields its
-  model_overrides.txt sets, builds to nothing (RunConfig leaves it out)."""
-  del synthetic
 
 
 @register
@@ -110,11 +102,9 @@ class LlamaGrpoImport(LlamaImport):
                                max_new_tokens=64, temperature=1.0, beta=0.04)
     return cfg
 
-  def datasets(self) -> dict[str, fdl.Config]:
-    sets = super().datasets()  # LlamaImport's: model_overrides.txt sets their vocab_size
+  def datasets(self) -> dict[str, fdl.Config]:  # no eval set: GRPO evaluates no LM loss
     return {"train": fdl.Config(import_prompts, data_dir="", batch_size=self.batch_size,
-                                model=self.task().model, synthetic=sets["train"].synthetic),
-            "eval": fdl.Config(no_eval, synthetic=sets["eval"].synthetic)}
+                                model=self.task().model)}
 
 
 @register

@@ -22,7 +22,6 @@ import functools
 import fiddle as fdl
 import optax
 
-from configs import deepseek, gemma3, llama, moe, qwen3
 from configs.align import pair_data
 from configs.grpo import import_prompts
 from spmdtask.errors import ConfigError
@@ -31,16 +30,10 @@ from spmdtask.inputs.preferences import PreferenceInput, SyntheticPairInput
 from spmdtask.layers import lm_checks
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.objectives import dpo, grpo
+from spmdtask import registry
+from spmdtask.hf import families
 from spmdtask.registry import register
 from spmdtask.task import Task
-
-# An import's family (its config.json model_type: model_overrides.txt's --family) -> the
-# experiment whose model its overrides set.
-FAMILIES = {"llama": llama.LlamaImport, "qwen3": qwen3.Qwen3Import,
-            "gemma3_text": gemma3.Gemma3Import, "gemma3": gemma3.Gemma3Import,
-            "mixtral": moe.MoeImport, "qwen3_moe": moe.MoeImport,
-            "deepseek_v2": deepseek.DeepSeekImport, "deepseek_v3": deepseek.DeepSeekImport}
-
 
 class _Stage(Experiment):
   """A stage over a family's import experiment (`for_family`): a cosine decay from
@@ -59,11 +52,13 @@ class _Stage(Experiment):
           f"--exp={name} trains an imported model, and none is named: give --init_from=DIR "
           "(the job dir of an import, tools/convert_hf.py --from_hf, or of the stage before) "
           "or --flagfile=IMPORT/model_overrides.txt.")
-    if family not in FAMILIES:
+    if family not in families.BY_TYPE:
       raise ConfigError(f"--family={family!r} is not a family the stages know; they build "
-                        f"{', '.join(sorted(FAMILIES))} models (an import's "
+                        f"{', '.join(sorted(families.BY_TYPE))} models (an import's "
                         "model_overrides.txt names its family).")
-    return type(type(self).__name__, (type(self), FAMILIES[family]), {"family": family})()
+    # The import experiment whose model the family's override lines set.
+    base = registry.get(families.BY_TYPE[family].experiment)
+    return type(type(self).__name__, (type(self), base), {"family": family})()
 
   def with_lora(self, cfg: fdl.Config, rank: int) -> None:
     """`experiment.ForFamily`: new adapters of `rank` (alpha 2 x rank) on every weight LoRA

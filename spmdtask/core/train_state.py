@@ -166,24 +166,25 @@ def apply_updates(params, updates, only_adapters: bool):
       lambda path, p, n: n if _trains(path, only_adapters) else p, params, new)
 
 
-def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: float) -> jax.Array:
+def merged_weight(w, a, b, scale: float, xp=jnp):
   """W + scale·A·B in float32: the effective weight LoRA's layers compute (layers.lora). A
   [*batch, *in, r], B [*batch, r, *out] beside W [*batch, *in, *out], the batch dims (a
-  stack's layers, an MoE's experts) those W has beyond A·B's."""
+  stack's layers, an MoE's experts) those W has beyond A·B's. `xp`: jax.numpy on device, or
+  numpy on the host (an export: a big model's weights never touch a device)."""
   k = a.ndim + b.ndim - 2 - w.ndim  # the leading dims A, B and W share
   batch, ins, outs = a.shape[:k], a.shape[k:-1], b.shape[k + 1:]
   if k < 0 or b.shape[:k] != batch or w.shape != batch + ins + outs:
     raise ValueError(f"adapters {a.shape} x {b.shape} do not fit weight {w.shape}")
   r = a.shape[-1]
-  delta = jnp.einsum("gir,gro->gio", a.astype(jnp.float32).reshape(-1, math.prod(ins), r),
-                     b.astype(jnp.float32).reshape(-1, r, math.prod(outs)))
-  return w.astype(jnp.float32) + jnp.float32(scale) * delta.reshape(w.shape)
+  delta = xp.einsum("gir,gro->gio", xp.asarray(a, xp.float32).reshape(-1, math.prod(ins), r),
+                    xp.asarray(b, xp.float32).reshape(-1, r, math.prod(outs)))
+  return xp.asarray(w, xp.float32) + xp.float32(scale) * delta.reshape(w.shape)
 
 
-def merged_adapters(params, scale: float):
+def merged_adapters(params, scale: float, xp=jnp):
   """`params` (nested dicts) with each adapted weight X as `merged_weight` of X and its
-  X_lora_a, X_lora_b (scale: the adapters' alpha / rank), the adapters left out: a model's
-  params without LoRA."""
+  X_lora_a, X_lora_b (scale: the adapters' alpha / rank; `xp` as there), the adapters left
+  out: a model's params without LoRA."""
   if not isinstance(params, dict):
     return params
   out = {}
@@ -191,5 +192,5 @@ def merged_adapters(params, scale: float):
     if str(k).endswith(ADAPTER_SUFFIXES):
       continue
     a, b = (params.get(f"{k}{s}") for s in ADAPTER_SUFFIXES)
-    out[k] = merged_adapters(v, scale) if a is None else merged_weight(v, a, b, scale)
+    out[k] = merged_adapters(v, scale, xp) if a is None else merged_weight(v, a, b, scale, xp)
   return out
