@@ -110,6 +110,10 @@ class Grpo:
           f"task.objective.importance_sampling_level={self.importance_sampling_level!r} is not "
           f"one of {grpo_loss.IMPORTANCE_SAMPLING_LEVELS} (a ratio per token, or one per "
           "sample: GSPO).")
+    if not isinstance(self.use_bias_correction_kl, bool):
+      raise ConfigError(
+          f"task.objective.use_bias_correction_kl={self.use_bias_correction_kl!r} is not a bool. "
+          "Set True (TRL's default: the KL term times the importance ratio) or False.")
     if self.scale_rewards not in grpo_loss.SCALE_REWARDS:
       raise ConfigError(f"task.objective.scale_rewards={self.scale_rewards!r} is not one of "
                         f"{grpo_loss.SCALE_REWARDS}.")

@@ -59,20 +59,22 @@ def _objective(temperature, beta, loss_type, level, **fields) -> grpo.Grpo:
 
 
 @functools.cache
-def _programs():
-  """Jitted (score: (params, temperature) -> [n, t] log-probs of the rows' targets, pullback:
-  (params, temperature, cotangent [n, t]) -> the params' gradient), each compiled once:
-  `Grpo.loss` is `loss_of_logprobs` of the model's log-probs, so the grid's points differ
-  only in that small function, and its gradient chains through this one pullback
+def _program():
+  """Jitted (params, temperature, cotangent [n, t]) -> (the rows' target log-probs [n, t],
+  the params' gradient of <cotangent, log-probs>), compiled once: `Grpo.loss` is
+  `loss_of_logprobs` of the model's log-probs, so the grid's points differ only in that
+  small function, and its gradient chains through this one pullback
   (test_the_loss_is_loss_of_logprobs_of_the_models_logprobs checks the whole). The logits
   untiled, where a traced temperature divides them (the whole's check runs the import's
   vocab tiles, where the temperature divides the head's scale)."""
   model = _models()[0].clone(loss_vocab_tiles=1)
   rows = _rows()
-  score = jax.jit(lambda p, t: model.apply({"params": p}, rows, t,
-                                           method=model.token_logprobs))
-  pullback = jax.jit(lambda p, t, ct: jax.vjp(lambda q: score(q, t), p)[1](ct)[0])
-  return score, pullback
+
+  def scored(p, t, ct):
+    logp, pullback = jax.vjp(
+        lambda q: model.apply({"params": q}, rows, t, method=model.token_logprobs), p)
+    return logp, pullback(ct)[0]
+  return jax.jit(scored)
 
 
 @functools.cache
@@ -80,8 +82,9 @@ def _scored(temperature: float):
   """The policy's, the sampling policy's and the reference's log-probs [n, t] at
   `temperature`."""
   _, params, _ = _models()
-  score = _programs()[0]
-  return tuple(np.asarray(score(params[k], temperature)) for k in ("policy", "old", "reference"))
+  zero = jnp.zeros(_rows()["targets"].shape, jnp.float32)
+  return tuple(np.asarray(_program()(params[k], temperature, zero)[0])
+               for k in ("policy", "old", "reference"))
 
 
 def _ours(case) -> tuple:
@@ -101,7 +104,7 @@ def _ours(case) -> tuple:
   ratio = lambda w: float(w.sum / w.weight)
   return (ratio(metrics["loss"]), ratio(metrics["kl"]) if case["beta"] else 0.0,
           ratio(metrics["clip_ratio"]),
-          jax.device_get(_programs()[1](_models()[1]["policy"], case["temperature"], ct)), logp)
+          jax.device_get(_program()(_models()[1]["policy"], case["temperature"], ct)[1]), logp)
 
 
 def _largest_error(grad, want) -> tuple[float, float]:
