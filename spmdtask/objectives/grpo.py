@@ -11,7 +11,8 @@ term's reference log-probs come from the reference model in the step (its params
 LoRA the policy with its adapters off), recomputed at each of the μ updates. With beta = 0
 no reference runs.
 
-Metrics: `kl` (mean k3 over completion tokens), `clip_ratio` (share of tokens clipped);
+Metrics: `kl` (mean k3 over completion tokens, times the ratio with the bias correction, as
+TRL logs it), `clip_ratio` (share of tokens clipped; of samples at the sequence level);
 the rollout loop adds the rewards, lengths and timings. An MoE's router losses are not
 added (`ScoresTokens` scores tokens alone).
 """
