@@ -253,8 +253,7 @@ class TransformerLm(nn.Module):
   def token_logprobs(self, batch: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:
     """log p(target) per token [b, t] float32 in the rows' own order (ScoresTokens): the
     loss's path, without weights or an MoE's router losses; of the logits / `temperature`."""
-    return -_row_order(self, _token_xent(self, _zigzag(self, batch),
-                                         temperature=temperature)[0])
+    return -_row_order(self, _token_xent(self, _zigzag(self, batch), temperature=temperature)[0])
 
 
 def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
