@@ -107,13 +107,14 @@ class ChecksBatch(Protocol):
 class ScoresTokens(Protocol):
   """A model that gives each target token's log-probability (sequence-scoring objectives).
 
-  `token_logprobs(batch) -> [b, t] float32`: log p(targets[i, j] | the row's tokens up to
-  j), in the rows' own order; `batch` is like `Model.loss`'s (`inputs`, `targets`,
-  `weights`, optional `positions` / `segment_ids`). It adds no auxiliary losses (an MoE's
-  router losses are the LM loss's, not part of a sequence's score).
+  `token_logprobs(batch, temperature=1.0) -> [b, t] float32`: log p(targets[i, j] | the
+  row's tokens up to j) under softmax(logits / temperature) (a sampler's distribution: RL
+  scores what it sampled), in the rows' own order; `batch` is like `Model.loss`'s
+  (`inputs`, `targets`, `weights`, optional `positions` / `segment_ids`). It adds no
+  auxiliary losses (an MoE's router losses are the LM loss's, not part of a sequence's score).
   """
 
-  def token_logprobs(self, batch: dict[str, jax.Array]) -> jax.Array:
+  def token_logprobs(self, batch: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:
     ...
 
 

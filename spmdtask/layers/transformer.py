@@ -250,10 +250,10 @@ class TransformerLm(nn.Module):
     return (loss_sum / jnp.maximum(num_tokens, 1.0),
             {"loss": Weighted(loss_sum, num_tokens), **metrics, **mtp_metrics})
 
-  def token_logprobs(self, batch: dict[str, jax.Array]) -> jax.Array:
+  def token_logprobs(self, batch: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:
     """log p(target) per token [b, t] float32 in the rows' own order (ScoresTokens): the
-    loss's path, without weights or an MoE's router losses."""
-    return -_row_order(self, _token_xent(self, _zigzag(self, batch))[0])
+    loss's path, without weights or an MoE's router losses; of the logits / `temperature`."""
+    return -_row_order(self, _token_xent(self, _zigzag(self, batch), temperature=temperature)[0])
 
 
 def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
@@ -264,10 +264,12 @@ def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
   return _reordered(np.argsort(order), model.activation_split_dims_mapping.heads[:2], x)[0]
 
 
-def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = False):
+def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = False,
+                temperature: float = 1.0):
   """(per-token cross entropy [b, t] of a batch already in zig-zag order where the sequence
-  is split, the MoE stats or None): the head and loss, vocab-tiled or not. `mtp` with
-  `model.mtp_depth`: [b, (D+1)·t], the MTP heads' after the row's (`layers.mtp.shifted`)."""
+  is split, the MoE stats or None): the head and loss, vocab-tiled or not, of the logits /
+  `temperature`. `mtp` with `model.mtp_depth`: [b, (D+1)·t], the MTP heads' after the row's
+  (`layers.mtp.shifted`)."""
   inputs, targets, tiles = batch["inputs"], batch["targets"], model.loss_vocab_tiles
   mtp_tokens = None
   if mtp and model.mtp_depth:
@@ -275,8 +277,11 @@ def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = F
     targets = jnp.concatenate([targets, mtp_targets], axis=1)
   out, stats = model(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
                      head=tiles == 1, moe_stats=True, zigzagged=True, mtp_tokens=mtp_tokens)
-  token_xent = (_tiled_loss(model, *out, targets) if tiles > 1
-                else xent.cross_entropy(out, targets))
+  if tiles > 1:  # logits = scale · x @ w: the temperature divides the scale
+    x, w, scale = out
+    token_xent = _tiled_loss(model, x, w, scale / temperature, targets)
+  else:
+    token_xent = xent.cross_entropy(out / temperature, targets)
   return token_xent, stats
 
 

@@ -5,11 +5,14 @@ G sampled completions each (rows p·G .. p·G+G-1 are prompt p's group), as LM r
 `inputs`, `targets`, `weights` [B·G, t] (weights 1 on the completion's tokens), with
 `advantages` [B·G] (group-normalized rewards, `grpo_loss.advantages`) and, with μ > 1,
 `old_logp` [B·G, t] (the sampling policy's log-probs, one forward before the μ updates).
-The loss is `grpo_loss`'s (TRL's math); the KL term's reference log-probs come from the
-reference model in the step (its params, or with LoRA the policy with its adapters off),
-recomputed at each of the μ updates. With beta = 0 no reference runs.
+The loss is `grpo_loss`'s (TRL's math); every log-prob (the policy's, the sampling
+policy's, the reference's) is of the logits / the sampling `temperature`, as TRL's. The KL
+term's reference log-probs come from the reference model in the step (its params, or with
+LoRA the policy with its adapters off), recomputed at each of the μ updates. With beta = 0
+no reference runs.
 
-Metrics: `kl` (mean k3 over completion tokens), `clip_ratio` (share of tokens clipped);
+Metrics: `kl` (mean k3 over completion tokens, times the ratio with the bias correction, as
+TRL logs it), `clip_ratio` (share of tokens clipped; of samples at the sequence level);
 the rollout loop adds the rewards, lengths and timings. An MoE's router losses are not
 added (`ScoresTokens` scores tokens alone).
 """
@@ -38,16 +41,21 @@ class Grpo:
       fields), summed with their weights.
     reward_weights: one weight per reward (TRL's reward_weights); None = all 1.
     num_generations: G, completions sampled per prompt (>= 2: advantages compare a group).
-    max_new_tokens: the longest completion (TRL's max_completion_length); prompt length +
-      max_new_tokens must fit task.model.max_seq_len.
-    temperature, top_p, top_k: sampling (top_k 0 = off); temperature 0 = greedy.
+    max_new_tokens: the longest completion (TRL's max_completion_length, its default 512);
+      prompt length + max_new_tokens must fit task.model.max_seq_len.
+    temperature, top_p, top_k: sampling (top_k 0 = off); temperature 0 = greedy. The loss
+      scores log-probs of the logits / temperature (at 0: the logits as they are).
     eos_id: the token that ends a completion (included in it), or a tuple of them (the first
       of any ends it); None = the train input's stop ids (a prompts data dir's eos and chat
       end-of-turn; none: run to max_new_tokens).
     seed: the sampling seed (a sample's draws depend on it, its id and position only).
     beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
-    epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high].
+    epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high] (TRL's epsilon,
+      epsilon_high).
     loss_type: 'grpo', 'dr_grpo' or 'dapo' (TRL's token normalizations).
+    importance_sampling_level: 'token' (a ratio per token) or 'sequence' (one per sample,
+      the masked mean of its tokens' log-ratios: GSPO).
+    use_bias_correction_kl: the KL term times the ratio (TRL's default; DeepSeek-V3.2).
     scale_rewards: 'group', 'batch' or 'none': what the advantages are divided by.
     num_iterations: μ, optimizer updates on each batch of samples.
     reference_checkpoint_dir: a job dir whose latest params are the KL reference; None =
@@ -56,7 +64,7 @@ class Grpo:
   rewards: tuple[str, ...] = ("final_answer",)
   reward_weights: tuple[float, ...] | None = None
   num_generations: int = 8
-  max_new_tokens: int = 16
+  max_new_tokens: int = 512
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
@@ -66,6 +74,8 @@ class Grpo:
   epsilon_low: float = 0.2
   epsilon_high: float = 0.2
   loss_type: str = "dapo"
+  importance_sampling_level: str = "token"
+  use_bias_correction_kl: bool = True
   scale_rewards: str = "group"
   num_iterations: int = 1
   reference_checkpoint_dir: str | None = None
@@ -96,6 +106,15 @@ class Grpo:
     if self.loss_type not in grpo_loss.LOSS_TYPES:
       raise ConfigError(f"task.objective.loss_type={self.loss_type!r} is not one of "
                         f"{grpo_loss.LOSS_TYPES} (TRL's token normalizations).")
+    if self.importance_sampling_level not in grpo_loss.IMPORTANCE_SAMPLING_LEVELS:
+      raise ConfigError(
+          f"task.objective.importance_sampling_level={self.importance_sampling_level!r} is not "
+          f"one of {grpo_loss.IMPORTANCE_SAMPLING_LEVELS} (a ratio per token, or one per "
+          "sample: GSPO).")
+    if not isinstance(self.use_bias_correction_kl, bool):
+      raise ConfigError(
+          f"task.objective.use_bias_correction_kl={self.use_bias_correction_kl!r} is not a bool. "
+          "Set True (TRL's default: the KL term times the importance ratio) or False.")
     if self.scale_rewards not in grpo_loss.SCALE_REWARDS:
       raise ConfigError(f"task.objective.scale_rewards={self.scale_rewards!r} is not one of "
                         f"{grpo_loss.SCALE_REWARDS}.")
@@ -147,20 +166,36 @@ class Grpo:
   def model_batch(self, batch) -> dict:
     return {k: v for k, v in batch.items() if k in MODEL_KEYS}
 
+  def score_temperature(self) -> float:
+    """What log-probs divide the logits by: the sampling temperature (greedy's 0: 1)."""
+    return self.temperature or 1.0
+
+  def token_logprobs(self, model, params, rows, rngs=None) -> jax.Array:
+    """[n, t] log-probs of `rows`' targets as the loss scores them (at the sampling
+    temperature): the policy's, the reference's, and the rollout's of the sampling policy."""
+    return model.apply({"params": params}, rows, self.score_temperature(),
+                       method=model.token_logprobs, rngs=rngs)
+
   def loss(self, model, params, batch, rng, reference):
     rows = self.model_batch(batch)
     rngs = None if rng is None else {"dropout": rng}
-    logp = model.apply({"params": params}, rows, method=model.token_logprobs, rngs=rngs)
+    logp = self.token_logprobs(model, params, rows, rngs)
     ref = None
     if reference is not None:
-      ref = jax.lax.stop_gradient(
-          model.apply({"params": reference}, rows, method=model.token_logprobs))
-    mask = rows["weights"].astype(jnp.float32)
-    terms = grpo_loss.token_terms(logp, batch.get(OLD_LOGP), ref, batch[ADVANTAGES],
-                                  self.beta, self.epsilon_low, self.epsilon_high)
+      ref = jax.lax.stop_gradient(self.token_logprobs(model, reference, rows))
+    return self.loss_of_logprobs(logp, ref, batch)
+
+  def loss_of_logprobs(self, logp: jax.Array, ref: jax.Array | None, batch) -> tuple:
+    """`loss`'s (loss, metrics) from the policy's token log-probs [n, t] (and the
+    reference's, None with beta = 0) of `batch`'s rows."""
+    mask = batch["weights"].astype(jnp.float32)
+    terms = grpo_loss.token_terms(logp, batch.get(OLD_LOGP), ref, batch[ADVANTAGES], mask,
+                                  self.beta, self.epsilon_low, self.epsilon_high,
+                                  self.importance_sampling_level, self.use_bias_correction_kl)
     total = grpo_loss.reduce(terms.loss, mask, self.loss_type, self.max_new_tokens)
     tokens = jnp.sum(mask)
-    metrics = {"loss": total, "clip_ratio": grpo_loss.masked_mean(terms.clipped, mask),
+    clip = grpo_loss.clip_ratio(terms.clipped, mask, self.importance_sampling_level)
+    metrics = {"loss": total, "clip_ratio": clip,
                TARGET_TOKENS: Weighted(tokens, tokens)}
     if self.beta:
       metrics["kl"] = grpo_loss.masked_mean(terms.kl, mask)

@@ -112,13 +112,14 @@ class Sampler:
 
 
 def _scorer(program, objective):
-  """Jitted `(padded_params, batch) -> [n, t]` token log-probs of the current policy."""
+  """Jitted `(padded_params, batch) -> [n, t]` token log-probs of the current policy (the
+  sampling policy of the μ updates), scored as the loss scores them."""
   model, logical = program.model, program.layout.logical.params
   specs = {k: program.batch_specs[k] for k in objective.model_batch(program.batch_specs)}
 
   def score(padded_params, rows):
     params = sharding.unpad(padded_params, logical)
-    return model.apply({"params": params}, rows, method=model.token_logprobs)
+    return objective.token_logprobs(model, params, rows)
   return steps_lib.partition(score, program.mesh, (program.layout.split.params, specs),
                              program.batch_specs["targets"])
 
@@ -202,6 +203,9 @@ class Samples(Protocol):
 
   def model_batch(self, batch: dict) -> dict:
     """The batch's LM rows (`Objective.model_batch`)."""
+
+  def token_logprobs(self, model, params, rows) -> jax.Array:
+    """[n, t] log-probs of the rows' targets as the loss scores them (the sampling policy's)."""
 
 
 class LmFeed(NamedTuple):

@@ -13,7 +13,8 @@ from tests import util
 # (the batch carries the sampling policy's log-probs).
 SMALL = ["datasets['train'].batch_size=2", "task.objective.num_generations=4",
          "task.objective.beta=0.04", "task.objective.num_iterations=2",
-         "task.objective.loss_type='grpo'", "task.objective.epsilon_high=0.28"]
+         "task.objective.loss_type='grpo'", "task.objective.epsilon_high=0.28",
+         "task.objective.temperature=0.7"]
 
 
 def _fixed_batch(example: dict) -> dict:
@@ -56,6 +57,10 @@ def test_one_and_eight_devices_equal_over_5_steps():
     ("task.objective.rewards=('final_answr',)", ["'final_answr'", "final_answer",
                                                  "number_format", "register"]),
     ("task.objective.num_generations=1", ["num_generations=1", "at least 2"]),
+    ("task.objective.importance_sampling_level='seq'", ["importance_sampling_level='seq'",
+                                                        "'token'", "'sequence'", "GSPO"]),
+    ("task.objective.use_bias_correction_kl='no'", ["use_bias_correction_kl='no'", "not a bool",
+                                                    "True", "False"]),
 ])
 def test_bad_objective_fields_are_one_paragraph(override, words):
   run = util.build_run("TinyLmGrpo", [override])
