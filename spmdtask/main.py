@@ -245,6 +245,11 @@ def run(argv) -> None:
     from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
     peers.watch(_JOB_LOG_DIR.value, rerun_command(sys.argv))  # a lost one stops the others
   run_cfg = build(cfg)
+  if _MODE.value == "decode":  # your prompts' mistakes refused before the job dir is touched
+    from spmdtask.run import decoding  # pylint: disable=g-import-not-at-top
+    texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
+    if texts or _CHAT.value is not None:
+      run_cfg = overrides_lib.own_prompts(run_cfg, texts, _CHAT.value, _RAW_PROMPT.value, _EXP.value)
   from spmdtask.run import checkpoints, joblock  # pylint: disable=g-import-not-at-top
   config_text = printing.as_str_flattened(cfg, include_types=False) + "\n"
   init_dir = run_cfg.task.train.init_checkpoint_dir
@@ -300,9 +305,6 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   from spmdtask.core import host_input as inputs_base, program as program_lib
   task = run_cfg.task
   if _MODE.value == "decode":
-    texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
-    if texts or _CHAT.value is not None:
-      run_cfg = overrides_lib.own_prompts(run_cfg, texts, _CHAT.value, _RAW_PROMPT.value, _EXP.value)
     task = decoding.decode_task(run_cfg.task)
   example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
              else rollout.example(run_cfg))  # GRPO: a rollout's batch

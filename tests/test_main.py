@@ -87,6 +87,7 @@ def test_bad_input_is_one_clear_paragraph(tmp_path, args, exp, needles):
   for needle in needles:
     assert needle in error[0]
   assert not (tmp_path / "config.txt").exists()
+  assert not (tmp_path / "config_decode.txt").exists()
 
 
 def test_restore_command_replaces_any_restore_step():
