@@ -1,0 +1,147 @@
+"""Goodput: the attribution of a job's wall time over its runs (a pure function of event
+lines: fast), and one end-to-end job killed twice and preempted once."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from spmdtask.errors import ConfigError
+from spmdtask.run import goodput, goodput_events
+from tests import subproc as h
+
+
+def _run(run_id, start, windows, begin=None, end=None):
+  """One run's lines: windows are (seconds per phase, steps or None), contiguous from start."""
+  lines, t = [{"run": run_id, "start": start}], start
+  if begin is not None:
+    lines.append({"begin": begin, "t": start})
+  for seconds, steps in windows:
+    line = {"start": t, "end": t + sum(seconds.values()), "seconds": seconds}
+    if steps:
+      line["steps"] = list(steps)
+    lines.append(line)
+    t = line["end"]
+  if end:
+    lines.append({"end": end, "t": t})
+  return lines
+
+
+# Run 1 reaches step 6 and is killed; run 2 resumes from 4 (steps 5, 6 again), reaches 10 and
+# is preempted; run 3 resumes from 10 and finishes at 12.
+RUNS = [
+    _run("a", 1000.0, [({"startup": 3.0, "compile": 2.0}, None),
+                       ({"step": 6.0, "data": 0.5, "save": 0.5}, (1, 6)),
+                       ({"step": 0.4}, None)], begin=0),
+    _run("b", 1020.0, [({"startup": 2.0, "restore": 1.0, "compile": 1.0}, None),
+                       ({"step": 8.0, "eval": 1.0}, (5, 10)),
+                       ({"save": 0.5, "other": 0.1}, None)], begin=4, end="preempted"),
+    _run("c", 1040.0, [({"startup": 1.0, "restore": 1.0}, None),
+                       ({"step": 2.0, "compile": 3.0}, (11, 12))], begin=10, end="done"),
+]
+
+
+def test_parts_sum_to_the_wall_time_and_each_is_what_its_phases_say():
+  report = goodput.attribute(RUNS)
+  s = report.seconds
+  assert report.wall == pytest.approx(1047.0 - 1000.0, abs=1e-9)
+  assert sum(s.values()) == pytest.approx(report.wall, abs=1e-9)
+  # Run 1's 0.4 s in a step it never finished is lost; run 2's 8 s over steps 5..10 are
+  # 2/6 recomputed (5, 6) and 4/6 new.
+  assert s["recomputed"] == pytest.approx(0.4 + 8.0 * 2 / 6, abs=1e-9)
+  assert s["productive"] == pytest.approx(6.0 + 8.0 * 4 / 6 + 2.0, abs=1e-9)
+  assert report.recomputed_steps == 2
+  # The gaps: run 1's last event at 1012.4, run 2 from 1020; run 2's last at 1033.6, run 3
+  # from 1040.
+  assert s["between_runs"] == pytest.approx((1020 - 1012.4) + (1040 - 1033.6), abs=1e-9)
+  assert (s["compile"], s["restore"], s["save"], s["data"], s["eval"], s["startup"],
+          s["other"]) == pytest.approx((6.0, 2.0, 1.0, 0.5, 1.0, 6.0, 0.1), abs=1e-9)
+  assert [(r.begin, r.reached, r.recomputed_steps, r.ended) for r in report.runs] == [
+      (0, 6, 0, "no end (killed?)"), (4, 10, 2, "preempted"), (10, 12, 0, "done")]
+  assert report.goodput == pytest.approx(s["productive"] / 47.0)
+
+
+def test_a_window_without_a_finished_step_passes_its_time_to_the_next():
+  # A slow step spread over three windows: all its time belongs to step 1.
+  runs = [_run("a", 0.0, [({"step": 5.0}, None), ({"step": 5.0}, None),
+                          ({"step": 2.0}, (1, 1))], begin=0, end="done")]
+  report = goodput.attribute(runs)
+  assert report.seconds["productive"] == 12.0 and report.seconds["recomputed"] == 0.0
+  # Resumed from 0 after reaching 1: the same step again, recomputed.
+  runs.append(_run("b", 20.0, [({"step": 3.0}, (1, 2))], begin=0, end="done"))
+  report = goodput.attribute(runs)
+  assert report.seconds["recomputed"] == 1.5 and report.seconds["productive"] == 13.5
+  assert report.seconds["between_runs"] == 8.0
+
+
+def test_console_line_account_and_scalars_name_the_biggest_losses():
+  report = goodput.attribute(RUNS)
+  text = goodput.line(report)
+  pct = 100 * report.seconds["productive"] / report.wall
+  assert text.startswith(f"Goodput {pct:.1f}% of this job's 0:47 wall time over 3 runs; ")
+  # Largest badput first: between runs 14.0 s, compile 6.0, startup 6.0, recomputed 3.07.
+  assert "the biggest losses: between runs 29.8%, compilation 12.8%, startup 12.8%" in text
+  lines = goodput.account(report, "/j")
+  assert lines[0].startswith(f"Goodput of /j: {pct:.1f}% of 0:47 (47.0 s)")
+  assert any(re.fullmatch(r"  recomputed steps +3\.1 s +6\.5%  \(2 steps\)", l) for l in lines)
+  assert lines[-1].endswith("from step 10 to 12; done") and "recomputed 2 steps" in lines[-2]
+  sc = goodput.scalars(report)
+  assert sc["goodput/percent"] == pytest.approx(pct)
+  assert sum(sc[f"goodput/seconds/{p}"] for p in goodput.PARTS) == pytest.approx(47.0)
+
+
+def test_recorder_writes_contiguous_windows_compiles_and_a_cut_line_is_dropped(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  job = str(tmp_path)
+  started = time.time() - 1.0
+  rec = goodput_events.Recorder(job, started, flush_s=3600)
+  rec.begin(0)
+  with rec.phase("data"):
+    time.sleep(0.05)
+  jax.jit(lambda x: jnp.sin(x) * 3.0 + 0.123456)(jnp.ones(7)).block_until_ready()  # compiles
+  rec.step_done(1)
+  with rec.phase("save"):
+    time.sleep(0.02)
+  rec.flush()
+  rec.close("done")
+  (run,) = goodput_events.read(job)
+  windows = [l for l in run if "seconds" in l]
+  assert windows[0]["start"] == started
+  assert all(a["end"] == b["start"] for a, b in zip(windows, windows[1:]))
+  for w in windows:
+    assert sum(w["seconds"].values()) == pytest.approx(w["end"] - w["start"], abs=1e-5)
+  total = lambda k: sum(w["seconds"].get(k, 0.0) for w in windows)
+  assert total("startup") >= 1.0 and total("data") >= 0.05 and total("save") >= 0.02
+  assert total("compile") > 0.0  # the jit's trace, lowering and compile
+  assert run[-1]["end"] == "done"
+  # A kill mid-write leaves a cut last line: dropped. Cut elsewhere: an error naming it.
+  (path,) = [os.path.join(job, "goodput", f) for f in os.listdir(os.path.join(job, "goodput"))]
+  with open(path, "a") as f:
+    f.write('{"start": 1')
+  assert goodput_events.read(job) == [run]
+  with open(path, "a") as f:
+    f.write('\n{"end": "x", "t": 1}\n')
+  with pytest.raises(ConfigError, match=r"\.jsonl:\d+ is not a JSON line.*move that file"):
+    goodput.job_report(job)
+
+
+def test_an_inactive_recorder_writes_nothing(tmp_path):
+  rec = goodput_events.Recorder(None)
+  with rec.phase("save"):
+    rec.step_done(1)
+  rec.close("done")
+  assert not rec.active and goodput_events.read(str(tmp_path)) == []
+
+
+def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput",
+                      f"--job_log_dir={tmp_path}"], env=h.env(1), cwd=h.REPO,
+                     capture_output=True, text=True, timeout=120, check=False)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert r.stderr.strip().count("\n") == 0
+  assert "has no goodput events" in r.stderr and "Traceback" not in r.stderr
+  assert not os.listdir(tmp_path)
