@@ -145,3 +145,92 @@ def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path):
   assert r.stderr.strip().count("\n") == 0
   assert "has no goodput events" in r.stderr and "Traceback" not in r.stderr
   assert not os.listdir(tmp_path)
+
+
+STEPS = ("task.train.num_train_steps=20", "task.train.save_interval_steps=4",
+         "task.train.log_interval_steps=1", "task.train.summary_interval_steps=100")
+GAP_S = 1.0  # the test waits this long between a run's end and the next start
+
+
+@pytest.mark.slow
+def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_path):
+  job = str(tmp_path / "job")
+  cmd = h.main_cmd("TinyLm", job, *STEPS)
+  kill = [cmd[0], "-c", h.KILL_AFTER_STEP] + cmd[3:]
+  launched, exited, outs = [], [], []
+
+  def run(argv, **env):
+    if exited:
+      time.sleep(max(0.0, exited[-1] + GAP_S - time.time()))
+    launched.append(time.time())
+    r = subprocess.run(argv, env=h.env(1, **env), cwd=h.REPO, capture_output=True, text=True,
+                       timeout=240, check=False)
+    exited.append(time.time())
+    outs.append(r.stdout)
+    return r
+
+  # Killed after step 6 (checkpoint 4), then after step 11 (checkpoint 8).
+  assert run(kill, KILL_AFTER_STEP="6").returncode == -signal.SIGKILL
+  r = run(kill, KILL_AFTER_STEP="11")
+  assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+  # Preempted (SIGTERM) once it has printed step 13: saves the step it is at, exits 0.
+  time.sleep(GAP_S)
+  log = tmp_path / "run3.txt"
+  launched.append(time.time())
+  with open(log, "w") as f:
+    proc = subprocess.Popen(cmd, env=h.env(1), cwd=h.REPO, stdout=f, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + 180
+    while "step 13/" not in log.read_text():
+      assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  exited.append(time.time())
+  outs.append(log.read_text())
+  preempted = int(re.search(r"Preempted: saved a checkpoint at step (\d+)", outs[2]).group(1))
+  r = run(cmd)  # resumes and finishes
+  assert r.returncode == 0, r.stderr[-3000:]
+
+  resumed = [int(m.group(1)) if m else 0 for m in
+             (re.search(r"Resuming from the checkpoint at step (\d+)", o) for o in outs)]
+  assert resumed == [0, 4, 8, preempted]
+  report = goodput.job_report(job)
+  s = report.seconds
+  # The parts sum to the wall time; that wall time is the test's own, less the first
+  # interpreter's start and the last process's exit after its last event.
+  assert abs(sum(s.values()) - report.wall) <= 0.01 * report.wall
+  measured = exited[-1] - launched[0]
+  assert measured - 6.0 <= report.wall <= measured, (report.wall, measured)
+  # Recomputed: steps 5, 6 (run 2) and 9, 10, 11 (run 3): the steps actually redone.
+  assert report.recomputed_steps == (6 - 4) + (11 - 8) == 5
+  assert [(r.begin, r.reached, r.recomputed_steps) for r in report.runs] == [
+      (0, 6, 0), (4, 11, 2), (8, preempted, 3), (preempted, 20, 0)]
+  assert [r.ended for r in report.runs] == ["no end (killed?)"] * 2 + ["preempted", "done"]
+  assert s["recomputed"] > 0 and s["productive"] > 0 and s["compile"] > 0
+  assert s["restore"] > 0 and s["save"] > 0 and s["startup"] > 0
+  # Each gap: at least the test's wait between a process's end and the next start, at most
+  # that plus the interpreter's start and a preempted process's exit.
+  for k in range(3):
+    gap = report.runs[k + 1].start - report.runs[k].last
+    waited = launched[k + 1] - exited[k]
+    assert waited - 0.05 <= gap <= waited + 4.0, (k, gap, waited)
+  assert s["between_runs"] == pytest.approx(
+      sum(report.runs[k + 1].start - report.runs[k].last for k in range(3)), abs=1e-6)
+  # The last run's line, and its TensorBoard scalars at step 20 (the job until then).
+  line = re.search(r"Goodput (\d+\.\d)% of this job's \d+:\d\d wall time over 4 runs; "
+                   r"the biggest losses: .*\n", outs[3])
+  assert line, outs[3][-2000:]
+  sc = {k: v[20] for k, v in h.scalars(os.path.join(job, "summaries", "goodput")).items()}
+  assert sc["goodput/percent"] == pytest.approx(float(line.group(1)), abs=0.051)
+  assert sc["goodput/seconds/recomputed"] == pytest.approx(s["recomputed"], rel=1e-5)
+  assert sc["goodput/wall_seconds"] <= report.wall
+  # --mode=goodput: the same account.
+  r = subprocess.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput",
+                      f"--job_log_dir={job}"], env=h.env(1), cwd=h.REPO, capture_output=True,
+                     text=True, timeout=120, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.splitlines() == goodput.account(report, job)
