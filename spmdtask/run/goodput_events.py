@@ -199,6 +199,9 @@ class Recorder:
       with self._write_lock:
         for path in self._paths:
           fs.rm(path)
+        directory = fs.dirname(self._base)
+        if not self._remote and not fs.listdir(directory):
+          os.rmdir(directory)  # object stores have no directories
     self.active = False
 
 

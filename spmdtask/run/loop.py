@@ -19,7 +19,7 @@ from spmdtask.run.hooks import Fetched, Hook  # pylint: disable=unused-import  #
 from spmdtask import console, fs
 from spmdtask.core import global_batch, steps
 from spmdtask.core import host_input as inputs_base, program as program_lib
-from spmdtask.errors import Interrupted, TrainingError
+from spmdtask.errors import ConfigError, Interrupted, TrainingError
 from spmdtask.plan import chips
 from spmdtask.task import RunConfig
 
@@ -331,6 +331,9 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   record = goodput_events.Recorder(job_log_dir, started)
   try:
     return _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, record)
+  except ConfigError:
+    record.close("config error", keep=False)  # a user's mistake leaves nothing on disk
+    raise
   finally:
     record.close("error")  # where no other end was recorded: an exception
 

@@ -129,6 +129,16 @@ def test_recorder_writes_contiguous_windows_compiles_and_a_cut_line_is_dropped(t
     goodput.job_report(job)
 
 
+def test_a_run_not_kept_leaves_nothing(tmp_path):
+  # A config error, or a rerun of a finished job: its file and the dir it made go.
+  rec = goodput_events.Recorder(str(tmp_path))
+  rec.begin(0)
+  rec.flush()
+  assert len(goodput_events.read(str(tmp_path))) == 1
+  rec.close("config error", keep=False)
+  assert os.listdir(tmp_path) == []
+
+
 def test_an_inactive_recorder_writes_nothing(tmp_path):
   rec = goodput_events.Recorder(None)
   with rec.phase("save"):
