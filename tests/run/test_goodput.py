@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from spmdtask import fs
 from spmdtask.errors import ConfigError
 from spmdtask.run import goodput, goodput_events
 from tests import subproc as h
@@ -127,6 +128,21 @@ def test_recorder_writes_contiguous_windows_compiles_and_a_cut_line_is_dropped(t
     f.write('\n{"end": "x", "t": 1}\n')
   with pytest.raises(ConfigError, match=r"\.jsonl:\d+ is not a JSON line.*move that file"):
     goodput.job_report(job)
+
+
+def test_an_object_store_gets_whole_parts_rewritten_and_new_ones_past_their_size():
+  job = f"memory://goodput_test_{os.getpid()}/job"  # no append there, as on GCS
+  rec = goodput_events.Recorder(job, flush_s=3600, part_bytes=400)
+  rec.begin(0)
+  for step in range(1, 9):
+    rec.step_done(step)
+    rec.flush()
+  rec.close("done")
+  parts = fs.glob(fs.join(job, "goodput", "*.jsonl"))
+  assert len(parts) >= 3 and all(p.endswith(f".{i}.jsonl") for i, p in enumerate(parts))
+  (run,) = goodput_events.read(job)
+  assert [l["steps"] for l in run if "steps" in l] == [[s, s] for s in range(1, 9)]
+  assert goodput.attribute([run]).runs[0].reached == 8 and run[-1]["end"] == "done"
 
 
 def test_a_run_not_kept_leaves_nothing(tmp_path):
