@@ -48,7 +48,7 @@ class Run:
   begin: int | None           # the step its loop started after (None: it never got there)
   reached: int | None         # the last step it completed (None: none)
   recomputed_steps: int
-  ended: str                  # done, preempted, interrupted, error, or "no end (killed?)"
+  ended: str                  # done, preempted, interrupted, error, or no end recorded
 
 
 @dataclasses.dataclass
@@ -103,7 +103,7 @@ def attribute(runs: list[list[dict]]) -> Report:
           recomputed, pending, reached = recomputed + redone, 0.0, b
     seconds["recomputed"] += pending  # an unfinished step: its work is lost
     out.append(Run(head["run"], start, last, begin, reached, recomputed,
-                   ended or "no end (killed?)"))
+                   ended or "no end recorded (running, or killed)"))
     if reached is not None:
       reached_before = max(reached, reached_before or 0)
     previous_last = max(last, previous_last or last)

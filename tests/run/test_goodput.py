@@ -61,7 +61,7 @@ def test_parts_sum_to_the_wall_time_and_each_is_what_its_phases_say():
   assert (s["compile"], s["restore"], s["save"], s["data"], s["eval"], s["startup"],
           s["other"]) == pytest.approx((6.0, 2.0, 1.0, 0.5, 1.0, 6.0, 0.1), abs=1e-9)
   assert [(r.begin, r.reached, r.recomputed_steps, r.ended) for r in report.runs] == [
-      (0, 6, 0, "no end (killed?)"), (4, 10, 2, "preempted"), (10, 12, 0, "done")]
+      (0, 6, 0, "no end recorded (running, or killed)"), (4, 10, 2, "preempted"), (10, 12, 0, "done")]
   assert report.goodput == pytest.approx(s["productive"] / 47.0)
 
 
@@ -235,7 +235,8 @@ def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_pa
   assert report.recomputed_steps == (6 - 4) + (11 - 8) == 5
   assert [(r.begin, r.reached, r.recomputed_steps) for r in report.runs] == [
       (0, 6, 0), (4, 11, 2), (8, preempted, 3), (preempted, 20, 0)]
-  assert [r.ended for r in report.runs] == ["no end (killed?)"] * 2 + ["preempted", "done"]
+  killed = "no end recorded (running, or killed)"
+  assert [r.ended for r in report.runs] == [killed, killed, "preempted", "done"]
   assert s["recomputed"] > 0 and s["productive"] > 0 and s["compile"] > 0
   assert s["restore"] > 0 and s["save"] > 0 and s["startup"] > 0
   # Each gap: at least the test's wait between a process's end and the next start, at most
