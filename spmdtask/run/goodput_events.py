@@ -95,11 +95,12 @@ class Recorder:
         self._close_segment(time.time())
         self._stack.append(name)
 
-  def pop(self) -> None:
+  def pop(self, name: str | None = None) -> None:
+    """Leaves the innermost phase (only if it is `name`, where given)."""
     if self.active:
       with self._lock:
-        self._close_segment(time.time())
-        if len(self._stack) > 1:
+        if len(self._stack) > 1 and name in (None, self._stack[-1]):
+          self._close_segment(time.time())
           self._stack.pop()
 
   @contextlib.contextmanager
@@ -123,7 +124,7 @@ class Recorder:
 
   def _on_span(self, event: str, start: float, end: float, **_) -> None:
     if event in COMPILE_EVENTS and threading.get_ident() == self._owner:
-      self.pop()
+      self.pop("compile")  # never another phase: a compile begun before this recorder
 
   # ---------------------------------------------------------------- records
 
@@ -140,8 +141,8 @@ class Recorder:
 
   def _record(self, line: dict) -> None:
     with self._write_lock:
-      lines = self._window() + [line]
-      self._write(lines)
+      if self.active:
+        self._write(self._window() + [line])
 
   def _window(self) -> list[dict]:
     """The window since the last one (closing the open segment at now), as lines."""
@@ -158,8 +159,8 @@ class Recorder:
     return [window]
 
   def flush(self) -> None:
-    if self.active:
-      with self._write_lock:
+    with self._write_lock:
+      if self.active:  # checked under the lock: never a line after the run's end
         lines = self._window()
         if lines:
           self._write(lines)
@@ -193,16 +194,16 @@ class Recorder:
     self._done.set()
     jax.monitoring.unregister_scalar_listener(self._on_scalar)
     jax.monitoring.unregister_event_time_span_listener(self._on_span)
-    if keep:
-      self._record({"end": reason, "t": time.time()})
-    else:
-      with self._write_lock:
+    with self._write_lock:
+      if keep:
+        self._write(self._window() + [{"end": reason, "t": time.time()}])
+      else:
         for path in self._paths:
           fs.rm(path)
         directory = fs.dirname(self._base)
         if not self._remote and not fs.listdir(directory):
           os.rmdir(directory)  # object stores have no directories
-    self.active = False
+      self.active = False
 
 
 def read(job_log_dir: str) -> list[list[dict]]:
