@@ -221,8 +221,11 @@ def run(argv) -> None:
   if _LIST.value:
     print("\n".join(registry.listing()))
     return
-  if _MODE.value == "goodput" and _JOB_LOG_DIR.value:  # reads the job dir: no --exp, no JAX
+  if _MODE.value == "goodput":  # reads the job dir: no --exp, no JAX
     from spmdtask.run import goodput  # pylint: disable=g-import-not-at-top
+    if not _JOB_LOG_DIR.value:
+      raise ConfigError("--mode=goodput needs --job_log_dir: the job dir of a training, e.g. "
+                        "--mode=goodput --job_log_dir=/tmp/tinylm.")
     fs.check_reachable(_JOB_LOG_DIR.value, "--job_log_dir")
     print("\n".join(goodput.account(goodput.job_report(_JOB_LOG_DIR.value), _JOB_LOG_DIR.value)))
     return

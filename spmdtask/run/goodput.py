@@ -89,6 +89,7 @@ def attribute(runs: list[list[dict]]) -> Report:
         ended = line["end"]
         last = max(last, line["t"])
       elif "seconds" in line:
+        seconds["other"] += max(0.0, line["start"] - last)  # a window never written: a hole
         last = max(last, line["end"])
         for phase, s in line["seconds"].items():
           if phase == "step":

@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 
+from absl import logging
 import jax
 
 from spmdtask import fs
@@ -72,7 +73,7 @@ class Recorder:
     self.run_id = f"{stamp}-{socket.gethostname()}-{os.getpid()}"
     self._base = fs.join(events_dir(job_log_dir), self.run_id)
     self._remote, self._part_bytes = fs.is_remote(job_log_dir), part_bytes
-    self._part, self._part_lines, self._paths = 0, [], []
+    self._part, self._part_lines, self._paths, self._unwritten = 0, [], [], ""
     self._write([{"run": self.run_id, "start": self.started, "host": socket.gethostname(),
                   "pid": os.getpid(), "processes": jax.process_count()}])
     jax.monitoring.register_scalar_listener(self._on_scalar)
@@ -169,8 +170,9 @@ class Recorder:
     while not self._done.wait(flush_s):
       try:
         self.flush()
-      except Exception:  # pylint: disable=broad-except  # a failed write: the next tries again
-        pass
+      except Exception as e:  # pylint: disable=broad-except  # the next flush writes it again
+        logging.warning("Goodput events not written this time (%s: %s); trying again in "
+                        "%.0f s.", type(e).__name__, e, flush_s)
 
   def _write(self, lines: list[dict]) -> None:
     text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
@@ -178,8 +180,10 @@ class Recorder:
     if path not in self._paths:
       self._paths.append(path)
     if not self._remote:
+      self._unwritten += text  # kept until an append succeeds
       fs.makedirs(fs.dirname(path))
-      fs.append_text(path, text)
+      fs.append_text(path, self._unwritten)
+      self._unwritten = ""
       return
     self._part_lines.append(text)
     fs.write_text(path, "".join(self._part_lines))

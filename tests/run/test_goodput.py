@@ -76,6 +76,12 @@ def test_a_window_without_a_finished_step_passes_its_time_to_the_next():
   report = goodput.attribute(runs)
   assert report.seconds["recomputed"] == 1.5 and report.seconds["productive"] == 13.5
   assert report.seconds["between_runs"] == 8.0
+  # A window that was never written (a failed write) leaves a hole: other, and the sum holds.
+  runs[1][2]["start"] += 0.5
+  runs[1][2]["seconds"]["step"] -= 0.5
+  report = goodput.attribute(runs)
+  assert report.seconds["other"] == 0.5 and report.seconds["recomputed"] == 1.25
+  assert sum(report.seconds.values()) == report.wall == 23.0
 
 
 def test_console_line_account_and_scalars_name_the_biggest_losses():
@@ -163,13 +169,16 @@ def test_an_inactive_recorder_writes_nothing(tmp_path):
   assert not rec.active and goodput_events.read(str(tmp_path)) == []
 
 
-def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path):
-  r = subprocess.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput",
-                      f"--job_log_dir={tmp_path}"], env=h.env(1), cwd=h.REPO,
+@pytest.mark.parametrize("flags, message", [
+    (["--job_log_dir={dir}"], "has no goodput events"),
+    ([], "--mode=goodput needs --job_log_dir")])
+def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path, flags, message):
+  r = subprocess.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput"]
+                     + [f.format(dir=tmp_path) for f in flags], env=h.env(1), cwd=h.REPO,
                      capture_output=True, text=True, timeout=120, check=False)
   assert r.returncode == 2, r.stderr[-2000:]
   assert r.stderr.strip().count("\n") == 0
-  assert "has no goodput events" in r.stderr and "Traceback" not in r.stderr
+  assert message in r.stderr and "Traceback" not in r.stderr
   assert not os.listdir(tmp_path)
 
 
