@@ -250,10 +250,10 @@ def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_pa
   assert s["restore"] > 0 and s["save"] > 0 and s["startup"] > 0
   # Each gap: at least the test's wait between a process's end and the next start, at most
   # that plus the interpreter's start and a preempted process's exit.
-  for k in range(3):
-    gap = report.runs[k + 1].start - report.runs[k].last
-    waited = launched[k + 1] - exited[k]
-    assert waited - 0.05 <= gap <= waited + 4.0, (k, gap, waited)
+  gaps = [(report.runs[k + 1].start - report.runs[k].last, launched[k + 1] - exited[k])
+          for k in range(3)]
+  for k, (gap, waited) in enumerate(gaps):
+    assert waited - 0.05 <= gap <= waited + 6.0, (k, gap, waited)
   assert s["between_runs"] == pytest.approx(
       sum(report.runs[k + 1].start - report.runs[k].last for k in range(3)), abs=1e-6)
   # The last run's line, and its TensorBoard scalars at step 20 (the job until then).
@@ -270,3 +270,8 @@ def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_pa
                      text=True, timeout=120, check=False)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.splitlines() == goodput.account(report, job)
+  print(f"wall {report.wall:.2f} s (the test's {measured:.2f} s), parts' sum - wall "
+        f"{sum(s.values()) - report.wall:.2e} s; gaps (attributed, waited) "
+        f"{[(round(g, 2), round(w, 2)) for g, w in gaps]}; recomputed "
+        f"{report.recomputed_steps} steps, {s['recomputed']:.2f} s")
+  print("\n".join(r.stdout.splitlines()))
