@@ -114,6 +114,10 @@ def test_recorder_writes_contiguous_windows_compiles_and_a_cut_line_is_dropped(t
   with rec.phase("save"):
     time.sleep(0.02)
   rec.flush()
+  running = goodput.job_report(job)  # a running job's account: what it has written so far
+  assert running.runs[0].ended == "no end recorded (running, or killed)"
+  assert running.runs[0].reached == 1 and sum(running.seconds.values()) == pytest.approx(
+      running.wall, abs=1e-5)
   rec.close("done")
   (run,) = goodput_events.read(job)
   windows = [l for l in run if "seconds" in l]
