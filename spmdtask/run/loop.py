@@ -297,8 +297,7 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
   with stop or contextlib.nullcontext():
     try:
       return run_steps(program, state, rollout.feed(run, program, record), first,
-                       tp.num_train_steps,
-                       batch_size, all_hooks, stop or (lambda step: None),
+                       tp.num_train_steps, batch_size, all_hooks, stop or (lambda step: None),
                        inputs_base.target_masked(inputs))
     except Exception as e:  # pylint: disable=broad-except  # the hooks' saves would wait for it
       peers.stop_if_lost(e)
