@@ -1,5 +1,8 @@
 """The spmdtask binary: `python -m spmdtask.main --exp=NAME --job_log_dir=DIR --mode=train`."""
 # pylint: disable=wrong-import-position
+import time
+
+STARTED = time.time()  # the run's start, for its goodput account
 if __name__ == "__main__":
   # C++ libraries print as they load (JAX's CUDA plugin on a machine without a GPU, at
   # `import jax`; TensorFlow's oneDNN notice): fds 1 and 2 are captured before any import
@@ -30,9 +33,11 @@ _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique
                            "of one (lm.TinyLm), or an importable module.Class.")
 _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
                                    "checkpoints and decoder output go.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan"], "What to run; "
-                          "plan: the memory / FLOPs / collectives plan of the train step, "
-                          "compiled but not run (job_log_dir/plan.json).")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan", "goodput"],
+                          "What to run; plan: the memory / FLOPs / collectives plan of the train "
+                          "step, compiled but not run (job_log_dir/plan.json); goodput: where "
+                          "the wall time of --job_log_dir's training went, over all its runs "
+                          "(no --exp needed).")
 _RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "The checkpoint step of "
                                      "--job_log_dir to resume training from, or to evaluate / "
                                      "decode; default: the latest.")
@@ -216,6 +221,14 @@ def run(argv) -> None:
   if _LIST.value:
     print("\n".join(registry.listing()))
     return
+  if _MODE.value == "goodput":  # reads the job dir: no --exp, no JAX
+    from spmdtask.run import goodput  # pylint: disable=g-import-not-at-top
+    if not _JOB_LOG_DIR.value:
+      raise ConfigError("--mode=goodput needs --job_log_dir: the job dir of a training, e.g. "
+                        "--mode=goodput --job_log_dir=/tmp/tinylm.")
+    fs.check_reachable(_JOB_LOG_DIR.value, "--job_log_dir")
+    print("\n".join(goodput.account(goodput.job_report(_JOB_LOG_DIR.value), _JOB_LOG_DIR.value)))
+    return
   if not _EXP.value or not _JOB_LOG_DIR.value:
     raise ConfigError("Both --exp and --job_log_dir are required, e.g. "
                       "--exp=lm.TinyLm --job_log_dir=/tmp/tinylm.")
@@ -285,7 +298,7 @@ def run_mode(run_cfg, config_text: str) -> None:
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
-               config_text=config_text, name=_EXP.value)
+               config_text=config_text, name=_EXP.value, started=STARTED)
     return
   if _MODE.value == "plan":
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top

@@ -32,6 +32,29 @@ sys.argv = ["spmdtask.main"] + sys.argv[1:]
 app.run(main.main)
 """
 
+# SIGKILL right after step KILL_AFTER_STEP, its goodput events flushed (as the recorder's timer
+# would have by then) and every save committed as it is made (so the resumed step is known).
+KILL_AFTER_STEP = """
+import os, signal, sys
+from absl import app
+from spmdtask import main
+from spmdtask.run import checkpoints, goodput_events
+kill_step = int(os.environ["KILL_AFTER_STEP"])
+save, step_done = checkpoints.Checkpointer.save, goodput_events.Recorder.step_done
+def committed_save(self, step, state, input_state):
+  save(self, step, state, input_state)
+  self.wait()
+def killing_step_done(self, step):
+  step_done(self, step)
+  if step == kill_step:
+    self.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoints.Checkpointer.save = committed_save
+goodput_events.Recorder.step_done = killing_step_done
+sys.argv = ["spmdtask.main"] + sys.argv[1:]
+app.run(main.main)
+"""
+
 
 def env(num_devices: int = 8, **extra) -> dict:
   e = dict(os.environ)

@@ -37,7 +37,7 @@ from absl import logging
 from spmdtask import console, fs
 from spmdtask.core import sharding, train_state
 from spmdtask.errors import ConfigError
-from spmdtask.run import checkpoint_check, fingerprints, lora_base
+from spmdtask.run import checkpoint_check, fingerprints, goodput_events, lora_base
 from spmdtask.run import checkpoint_io as io
 from spmdtask.run.checkpoint_io import (  # pylint: disable=unused-import  # the module's API
     ARRAY_ITEMS, COMMIT_FILE, checkpoint_dir, complete_steps)
@@ -164,11 +164,13 @@ class Checkpointer:
     save_interval_steps: save when `step % save_interval_steps == 0` (and when forced).
     max_to_keep: the newest checkpoints kept; None = all.
     metadata: JSON-able extras stored in `meta` (e.g. {'config': resolved config text}).
+    record: times the restores, saves and the wait for the last save (goodput).
   """
 
   def __init__(self, job_log_dir: str, program, save_interval_steps: int,
-               max_to_keep: int | None, metadata: dict | None = None):
-    self.job_log_dir, self.program = job_log_dir, program
+               max_to_keep: int | None, metadata: dict | None = None,
+               record: goodput_events.Recorder = goodput_events.OFF):
+    self.job_log_dir, self.program, self.record = job_log_dir, program, record
     self.directory = checkpoint_dir(job_log_dir)
     self.interval = max(1, save_interval_steps)
     self._mngr = io.manager(self.directory, self.interval, max_to_keep)
@@ -188,6 +190,10 @@ class Checkpointer:
 
   def restore(self, step: int | None = None) -> tuple[TrainState, int, dict | None]:
     """(padded state, step, input iterator state) of a checkpoint of this job."""
+    with self.record.phase("restore"):
+      return self._restore(step)
+
+  def _restore(self, step: int | None) -> tuple[TrainState, int, dict | None]:
     step = io.pick_step(self.directory, self.job_log_dir, step)
     later = [s for s in complete_steps(self.directory) if s > step]
     # Later steps are checked as a restore checks them (newest first), and moved aside only
@@ -250,6 +256,10 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, input_state: dict | None) -> None:
     """Starts an async save of `state` (padded) at `step`; returns once arrays are copied."""
+    with self.record.phase("save"):
+      self._save(step, state, input_state)
+
+  def _save(self, step: int, state: TrainState, input_state: dict | None) -> None:
     t0 = time.perf_counter()
     logical = self.program.to_canonical(state)
     held = {}
@@ -282,7 +292,8 @@ class Checkpointer:
     if self._mngr is not None:
       mngr, self._mngr = self._mngr, None
       try:
-        mngr.wait_until_finished()
+        with self.record.phase("save"):
+          mngr.wait_until_finished()
       finally:
         mngr.close()
 

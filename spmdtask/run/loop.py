@@ -8,48 +8,20 @@ import contextlib
 import dataclasses
 import math
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from spmdtask.run import (checkpoints, evaluation, interrupts, peers, reference, rollout,
-                          summaries, throughput)
+from spmdtask.run import (checkpoints, evaluation, goodput, goodput_events, interrupts, peers,
+                          reference, rollout, summaries, throughput)
+from spmdtask.run.hooks import Fetched, Hook  # pylint: disable=unused-import  # the loop's API
 from spmdtask import console, fs
 from spmdtask.core import global_batch, steps
 from spmdtask.core import host_input as inputs_base, program as program_lib
-from spmdtask.errors import Interrupted, TrainingError
+from spmdtask.errors import ConfigError, Interrupted, TrainingError
 from spmdtask.plan import chips
 from spmdtask.task import RunConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class Fetched:
-  """Metrics of the steps since the last fetch, and the throughput over them."""
-  step: int                     # the last step in `metrics`
-  metrics: list[dict]           # one dict of replicated scalars per step, as floats
-  rates: dict[str, float]       # steps_per_sec, examples_per_sec, tokens_per_sec, mfu
-  #                               (+ target_tokens_per_sec where the data has target masks)
-
-
-class Hook:
-  """Runs around train steps. Every method is optional; `step` counts completed steps."""
-
-  def begin(self, step: int) -> None:
-    """Called once before the first step runs; `step` steps are already done."""
-
-  def wants_metrics(self, step: int, last: bool) -> bool:
-    """True if `on_metrics` should see the metrics up to `step` (forces a host fetch)."""
-    return False
-
-  def on_metrics(self, fetched: Fetched, last: bool) -> None:
-    pass
-
-  def after_step(self, step: int, state: Any, last: bool) -> None:
-    pass
-
-  def close(self) -> None:
-    pass
 
 
 class ProgressLog(Hook):
@@ -227,14 +199,15 @@ class Checkpoints(Hook):
 class PeriodicEval(Hook):
   """Evaluates every eval dataset every `every` steps (summaries, eval_metrics.jsonl)."""
 
-  def __init__(self, datasets, program, every: int, eval_steps, job_log_dir):
+  def __init__(self, datasets, program, every: int, eval_steps, job_log_dir, record):
     self.datasets, self.program, self.every = datasets, program, every
-    self.eval_steps, self.job_log_dir = eval_steps, job_log_dir
+    self.eval_steps, self.job_log_dir, self.record = eval_steps, job_log_dir, record
 
   def after_step(self, step, state, last):
     if self.every and step % self.every == 0:
-      evaluation.evaluate_all(self.datasets, self.program, state, step, self.eval_steps,
-                              self.job_log_dir)
+      with self.record.phase("eval"):
+        evaluation.evaluate_all(self.datasets, self.program, state, step, self.eval_steps,
+                                self.job_log_dir)
 
 
 def run_steps(program: program_lib.Program, state, feed, first: int, last_step: int,
@@ -272,10 +245,12 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
   return state, losses, reason
 
 
-def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -> list[Hook]:
+def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir,
+              record: goodput_events.Recorder = goodput_events.OFF) -> list[Hook]:
   """The built-in hooks, in the order they must run (the guard before any save)."""
   tp = run.task.train
   hooks: list[Hook] = [
+      goodput_events.LoopSteps(record),
       NonFiniteGuard(tp.log_interval_steps,
                      ckpt.should_save if ckpt is not None else (lambda step: False), run.task,
                      ckpt.latest_checked if ckpt else (lambda: (None, False))),
@@ -287,7 +262,7 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir) -
   if ckpt is not None:
     hooks.append(Checkpoints(ckpt, run.datasets["train"]))
   hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
-                            job_log_dir))
+                            job_log_dir, record))
   return hooks
 
 
@@ -295,7 +270,7 @@ _FINISHED = "finished before it started"
 
 
 def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, batch_size,
-                    hooks, job_log_dir):
+                    hooks, job_log_dir, record):
   """The start state (restored, warm-started or fresh), then the steps to num_train_steps.
 
   Returns (state, losses of the steps run, why the steps stopped early: None, an
@@ -316,13 +291,13 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
     return state, [], _FINISHED
   console.say("%s at step %d; training to step %d.",
               "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
-  all_hooks = hooks_for(run, program, ckpt, job_log_dir) + list(hooks)
+  all_hooks = hooks_for(run, program, ckpt, job_log_dir, record) + list(hooks)
   stop = (interrupts.StopRequest(jax.process_count(), ckpt.reached_preemption)
           if ckpt is not None else None)
   with stop or contextlib.nullcontext():
     try:
-      return run_steps(program, state, rollout.feed(run, program), first, tp.num_train_steps,
-                       batch_size, all_hooks, stop or (lambda step: None),
+      return run_steps(program, state, rollout.feed(run, program, record), first,
+                       tp.num_train_steps, batch_size, all_hooks, stop or (lambda step: None),
                        inputs_base.target_masked(inputs))
     except Exception as e:  # pylint: disable=broad-except  # the hooks' saves would wait for it
       peers.stop_if_lost(e)
@@ -334,7 +309,7 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
 
 def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | None = None,
           config_text: str | None = None, hooks: Sequence[Hook] = (), devices=None,
-          name: str = "experiment"):
+          name: str = "experiment", started: float | None = None):
   """Trains `run.task` on `run.datasets['train']` for `num_train_steps`.
 
   Prints a start summary and progress every `log_interval_steps` (process 0). With
@@ -347,9 +322,22 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   sync point, saves at the current step and returns early; on Ctrl-C (with the binary's
   `interrupts.watch()`), saves at the current step and raises `Interrupted`. A non-finite
   loss or gradient norm raises `TrainingError` before that state is saved. `hooks` run after
-  the built-in ones. `devices`: the devices of the mesh (default: all).
+  the built-in ones. `devices`: the devices of the mesh (default: all). With `job_log_dir`,
+  process 0 records where the run's time goes from `started` (Unix time; default now) in
+  `goodput/` and ends with the job's goodput line (`run.goodput`).
   Returns (final live state, program, losses of the steps run here, as floats).
   """
+  record = goodput_events.Recorder(job_log_dir, started)
+  try:
+    return _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, record)
+  except ConfigError:
+    record.close("config error", keep=False)  # a user's mistake leaves nothing on disk
+    raise
+  finally:
+    record.close("error")  # where no other end was recorded: an exception
+
+
+def _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, record):
   t_start = time.perf_counter()
   task, tp = run.task, run.task.train
   example = rollout.example(run)  # GRPO: the shape of a rollout's batch
@@ -364,23 +352,27 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   ckpt = None
   if job_log_dir is not None:
     ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
-                                    tp.max_to_keep, {"config": config_text or ""})
+                                    tp.max_to_keep, {"config": config_text or ""}, record)
   try:  # the manager is closed on every way out (its threads outlive an error otherwise)
     state, losses, reason = _resume_and_run(run, program, ckpt, restore_step, config_text,
-                                            batch_size, hooks, job_log_dir)
+                                            batch_size, hooks, job_log_dir, record)
   finally:
     if ckpt is not None:
       ckpt.close()
   if reason == _FINISHED:
+    record.close("finished", keep=False)  # nothing trained: not a run of the job's account
     return state, program, []
   end = int(jax.device_get(state.step))
   if reason == interrupts.INTERRUPTED:
+    goodput.finish(record, job_log_dir, reason, end)
     raise Interrupted(end)
   if reason == interrupts.PREEMPTED:
     console.say("Preempted: saved a checkpoint at step %d; exiting. Rerun the same command to "
                 "resume.", end)
+    goodput.finish(record, job_log_dir, reason, end)
     return state, program, losses
   console.say("Done at step %d (loss %.4f) in %s%s.", end, losses[-1] if losses else math.nan,
               console.duration(time.perf_counter() - t_start),
               f"; checkpoint in {ckpt.directory}" if ckpt is not None else "")
+  goodput.finish(record, job_log_dir, "done", end)
   return state, program, losses

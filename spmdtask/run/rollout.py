@@ -33,7 +33,7 @@ from jax.experimental import multihost_utils
 from spmdtask import console, fs
 from spmdtask.core import checks, global_batch, layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
-from spmdtask.run import decoding
+from spmdtask.run import decoding, goodput_events
 from spmdtask.task import DecodeParams
 
 PROMPT_KEYS = ("prompts", "prompt_lens", "ids")
@@ -132,6 +132,7 @@ class Rollout:
   sampler: Sampler
   tokenizer: Any
   scorer: Any = None
+  record: goodput_events.Recorder = goodput_events.OFF  # times the waits for prompts
   _batch: Any = None
   _extra: dict = dataclasses.field(default_factory=dict)
   _left: int = 0
@@ -151,7 +152,8 @@ class Rollout:
     jax.block_until_ready(state.params)
     t0 = time.perf_counter()
     train_seconds = 0.0 if self._t_train is None else t0 - self._t_train
-    local = next(self.inputs)
+    with self.record.phase("data"):
+      local = next(self.inputs)
     samples = self.sampler.sample(state.params, local)
     t1 = time.perf_counter()
     rows = lm_rows(samples, self.sampler.decoder.params.max_decode_len, obj.max_new_tokens)
@@ -212,9 +214,12 @@ class LmFeed(NamedTuple):
   """The default feed: one batch of the train input per step."""
   program: Any
   inputs: Any
+  record: goodput_events.Recorder = goodput_events.OFF  # times the waits for batches
 
   def step(self, state):
-    return self.program.train(state, self.program.global_batch(next(self.inputs)))
+    with self.record.phase("data"):
+      batch = next(self.inputs)
+    return self.program.train(state, self.program.global_batch(batch))
 
 
 REWARD_FILES = "reward_files.json"  # in the job dir: the user reward files' fingerprints
@@ -247,16 +252,16 @@ def example(run) -> dict:
   return example_batch(obj, int(inputs.local_batch_size), int(inputs.prompt_len))
 
 
-def feed(run, program):
+def feed(run, program, record: goodput_events.Recorder = goodput_events.OFF):
   """What the loop calls each step (`.step(state) -> (state, metrics)`), chosen once from
-  the task's objective."""
+  the task's objective; `record` times its waits for the train input."""
   obj, inputs = run.task.objective, run.datasets["train"]
   if not isinstance(obj, Samples):
-    return LmFeed(program, inputs)
+    return LmFeed(program, inputs, record)
   sampler = Sampler(program, obj, int(inputs.batch_size), int(inputs.local_batch_size),
                     int(inputs.prompt_len), stop_ids(obj, inputs))
   return Rollout(program, inputs, sampler, inputs.tokenizer,
-                 _scorer(program, obj) if obj.num_iterations > 1 else None)
+                 _scorer(program, obj) if obj.num_iterations > 1 else None, record)
 
 
 def sampling_lowerings(run, program) -> list:

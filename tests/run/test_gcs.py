@@ -121,6 +121,14 @@ def test_job_in_a_bucket(emulator, tmp_path):
   assert {"config.txt", "config_eval.txt", "config_decode.txt"} <= names
   assert any(n.startswith("logs/") for n in names)
   assert not [n for n in names if n.startswith(".write_probe")]
+  # The goodput account of both runs, read from the bucket (each run wrote its own file).
+  assert len([n for n in names if n.startswith("goodput/") and n.endswith(".jsonl")]) == 2
+  account = _run(h.main_cmd("TinyLm", job, flags=["--mode=goodput"]), local, env)
+  assert account.returncode == 0, _why(account)
+  runs = [l for l in account.stdout.splitlines() if l.startswith("  run ")]
+  # (Run 1's last steps are there if its 5-s flush came before the kill.)
+  assert len(runs) == 2 and "from step 0" in runs[0] and runs[0].endswith(
+      "; no end recorded (running, or killed)") and runs[1].endswith("from step 3 to 6; done"), runs
   # Nothing of the job on the local disk: not in the working dir, HOME or TMPDIR.
   assert [_files(d) for d in local.values()] == [[], [], []]
 

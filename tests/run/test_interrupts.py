@@ -41,7 +41,8 @@ def test_ctrl_c_saves_the_current_step_and_the_rerun_resumes_on_the_same_losses(
   step = int(lines[-1].split("Interrupted at step ")[1].split(":")[0])
   assert lines[-1] == f"Interrupted at step {step}: saved; rerun the same command to resume."
   assert 3 <= step < STEPS, text
-  assert lines[-2].startswith(f"step {step}/{STEPS} ")  # nothing else printed in between
+  assert lines[-2].startswith("Goodput ")  # the run's goodput line (run.goodput)
+  assert lines[-3].startswith(f"step {step}/{STEPS} ")  # nothing else printed in between
   assert checkpoints.complete_steps(checkpoints.checkpoint_dir(job)) == [step]
 
   rerun = subproc.run(cmd)
