@@ -29,6 +29,8 @@ SPMDTASK_LINES = re.compile("|".join([
     r"(Starting|Resuming from the checkpoint) at step \d+; training to step \d+\.",
     r"step \d+/\d+  loss \S+  .+ tokens/s  MFU .+ ETA \S+",
     r"Done at step \d+ \(loss \S+\) in \S+; checkpoint in \S+\.",
+    r"Goodput [\d.]+% of this job's \S+ wall time( over \d+ runs)?(; the biggest losses: .+)? "
+    r"\(--mode=goodput for the whole account\)\.",
     r"Nothing to do: .+", r"spmdtask: (config error|training stopped): .+"]))
 
 
