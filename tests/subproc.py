@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A persistent XLA cache shared by the test subprocesses: the same program compiles once.
@@ -64,6 +65,25 @@ def env(num_devices: int = 8, **extra) -> dict:
            JAX_COMPILATION_CACHE_DIR=CACHE, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
            TF_CPP_MIN_LOG_LEVEL="3", **extra)
   return e
+
+
+def signal_once_printed(cmd, log_path, text: str, sig: int, num_devices: int = 8,
+                        timeout: float = 240) -> int:
+  """Runs `cmd` (stdout and stderr into the file `log_path`); once `text` is in that log,
+  sends it `sig` and returns its exit code. The process is killed on any other way out."""
+  with open(log_path, "w") as out:
+    proc = subprocess.Popen(cmd, env=env(num_devices), cwd=REPO, stdout=out,
+                            stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + timeout
+    while text not in open(log_path).read():
+      assert proc.poll() is None and time.time() < deadline, open(log_path).read()[-3000:]
+      time.sleep(0.05)
+    proc.send_signal(sig)
+    return proc.wait(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
 
 
 def main_cmd(exp: str, job_log_dir: str, *overrides: str, flags=()) -> list[str]:

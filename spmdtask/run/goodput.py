@@ -35,9 +35,6 @@ WORDS = {"productive": "productive steps", "compile": "compilation", "data": "da
          "save": "checkpoint saves", "restore": "checkpoint restores", "eval": "eval",
          "recomputed": "recomputed steps", "between_runs": "between runs",
          "startup": "startup", "other": "other"}
-_PHASE_PART = {"startup": "startup", "compile": "compile", "data": "data", "save": "save",
-               "restore": "restore", "eval": "eval", "other": "other"}
-
 
 @dataclasses.dataclass
 class Run:
@@ -95,7 +92,7 @@ def attribute(runs: list[list[dict]]) -> Report:
           if phase == "step":
             pending += s
           else:
-            seconds[_PHASE_PART.get(phase, "other")] += s
+            seconds[phase if phase in seconds else "other"] += s  # the phases are parts
         if "steps" in line:
           a, b = line["steps"]
           redone = 0 if reached_before is None else max(0, min(b, reached_before) - a + 1)

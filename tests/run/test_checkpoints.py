@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import fiddle as fdl
 import jax
@@ -142,21 +141,10 @@ def test_resume_on_other_mesh(tmp_path_factory, target):
 
 def test_sigterm_saves_at_current_step_and_exits_zero(tmp_path):
   job = str(tmp_path / "job")
-  log = open(tmp_path / "stderr.txt", "w")
-  proc = subprocess.Popen(h.main_cmd("TinyLm", job, "task.train.num_train_steps=100000",
-                                     "task.train.save_interval_steps=100000",
-                                     "task.train.log_interval_steps=1"),
-                          env=h.env(), cwd=h.REPO, stdout=log, stderr=subprocess.STDOUT)
-  try:
-    deadline = time.time() + 180
-    while "step 3/" not in open(tmp_path / "stderr.txt").read():
-      assert proc.poll() is None and time.time() < deadline
-      time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  cmd = h.main_cmd("TinyLm", job, "task.train.num_train_steps=100000",
+                   "task.train.save_interval_steps=100000", "task.train.log_interval_steps=1")
+  assert h.signal_once_printed(cmd, tmp_path / "stderr.txt", "step 3/", signal.SIGTERM,
+                               timeout=180) == 0
   text = open(tmp_path / "stderr.txt").read()
   (step,) = _steps(job)
   assert step >= 3 and f"Preempted: saved a checkpoint at step {step}" in text

@@ -216,18 +216,8 @@ def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_pa
   time.sleep(GAP_S)
   log = tmp_path / "run3.txt"
   launched.append(time.time())
-  with open(log, "w") as f:
-    proc = subprocess.Popen(cmd, env=h.env(1), cwd=h.REPO, stdout=f, stderr=subprocess.STDOUT)
-  try:
-    deadline = time.time() + 180
-    while "step 13/" not in log.read_text():
-      assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-      time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  assert h.signal_once_printed(cmd, log, "step 13/", signal.SIGTERM, num_devices=1,
+                               timeout=180) == 0, log.read_text()[-3000:]
   exited.append(time.time())
   outs.append(log.read_text())
   preempted = int(re.search(r"Preempted: saved a checkpoint at step (\d+)", outs[2]).group(1))

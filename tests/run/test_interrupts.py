@@ -3,8 +3,6 @@ the same command resumes there on the uninterrupted run's losses."""
 import pytest
 import os
 import signal
-import subprocess
-import time
 
 import numpy as np
 
@@ -21,19 +19,7 @@ def test_ctrl_c_saves_the_current_step_and_the_rerun_resumes_on_the_same_losses(
   job = str(tmp_path / "job")
   cmd = subproc.main_cmd("lm.TinyLm", job, *OVERRIDES)
   out_path = tmp_path / "out.txt"
-  with open(out_path, "w") as out:
-    proc = subprocess.Popen(cmd, env=subproc.env(), cwd=subproc.REPO, stdout=out,
-                            stderr=subprocess.STDOUT)
-  try:
-    deadline = time.time() + 240
-    while "step 3/" not in out_path.read_text():
-      assert proc.poll() is None and time.time() < deadline, out_path.read_text()[-3000:]
-      time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    code = proc.wait(timeout=120)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  code = subproc.signal_once_printed(cmd, out_path, "step 3/", signal.SIGINT)
   text = out_path.read_text()
   lines = text.splitlines()
   assert code == 130, text[-3000:]
