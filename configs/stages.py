@@ -24,15 +24,14 @@ import optax
 
 from configs.align import pair_data
 from configs.grpo import import_prompts
+from spmdtask import registry
 from spmdtask.errors import ConfigError
 from spmdtask.experiment import Experiment
+from spmdtask.hf import families
 from spmdtask.inputs.preferences import PreferenceInput, SyntheticPairInput
 from spmdtask.layers import lm_checks
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.objectives import dpo, grpo
-from spmdtask import registry
-from spmdtask.hf import families
-from spmdtask.registry import register
 from spmdtask.task import Task
 
 class _Stage(Experiment):
@@ -85,7 +84,7 @@ class _Stage(Experiment):
     return cfg
 
 
-@register
+@registry.register
 class Sft(_Stage):
   """Supervised fine-tuning of an imported model (`--init_from=IMPORT_OR_STAGE`) on
   conversations (`--data_dir`: tools/prepare_chat_data.py with the model's tokenizer; only
@@ -95,7 +94,7 @@ class Sft(_Stage):
   require_target_mask = True
 
 
-@register
+@registry.register
 class Dpo(_Stage):
   """DPO (sigmoid, beta 0.1) of an imported or fine-tuned model (`--init_from=DIR`) on
   preference pairs (`--data_dir`: tools/prepare_pref_data.py); 8 pairs of 128 tokens a step,
@@ -125,7 +124,7 @@ class Dpo(_Stage):
         for split, seed in (("train", 1), ("eval", 2))}
 
 
-@register
+@registry.register
 class Grpo(_Stage):
   """GRPO of an imported or fine-tuned model (`--init_from=DIR`) on your prompts
   (`--data_dir`: tools/prepare_prompt_data.py with the model's tokenizer, its chat template
