@@ -206,7 +206,7 @@ class Recorder:
           fs.rm(path)
         directory = fs.dirname(self._base)
         if not self._remote and not fs.listdir(directory):
-          os.rmdir(directory)  # object stores have no directories
+          fs.rm(directory, recursive=True)  # empty; object stores have no directories
       self.active = False
 
 
