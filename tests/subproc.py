@@ -11,7 +11,9 @@ CACHE = os.path.join(tempfile.gettempdir(), "spmdtask_test_jax_cache")
 # LLVM at -O0 for every test process: the tests' tiny programs spend their time compiling, not
 # running (a third less CPU for the suite). The HLO passes are XLA's usual ones; float results
 # may differ from -O2's in the last bits, and every comparison runs both sides with this flag.
-FAST_COMPILE = "--xla_backend_optimization_level=0"
+# XLA:CPU's older elemental emitter instead of its fusion emitters: a third less compile time
+# (measured on tests/layers/test_lora.py: 20.2 -> 13.4 s of backend compile in one test).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 # More XLA flags for every test process, e.g. --xla_cpu_max_isa=SSE4_2: the suite on another
 # XLA:CPU code path (128-bit vectors: float sums in another order), as on another machine.
 EXTRA_XLA_FLAGS = os.environ.get("SPMDTASK_TEST_XLA_FLAGS", "")
