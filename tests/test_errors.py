@@ -112,42 +112,33 @@ def test_corrupt_checkpoint_names_its_step_and_an_earlier_one(tmp_path):
   assert "Traceback" not in message
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["task.train.num_train_steps='abc'"], "task.train.num_train_steps='abc'"),
-    ([f"{M}.num_kv_heads=3"], "num_kv_heads=3"),
-    ([f"{M}.remat_policy='offload_dot_with_no_batch_dims'"],
+BINARY_CASES = [  # (--exp, an override, what the one error line says)
+    ("lm.TinyLm", "task.train.num_train_steps='abc'", "task.train.num_train_steps='abc'"),
+    ("lm.TinyLm", f"{M}.num_kv_heads=3", "num_kv_heads=3"),
+    ("lm.TinyLm", f"{M}.remat_policy='offload_dot_with_no_batch_dims'",
      f"{M}.remat_policy='offload_dot_with_no_batch_dims' is a jax.checkpoint_policies factory"),
-    ([f"{M}.remat_policy='minimal_offload'"], f"{M}.remat_policy='minimal_offload' is not a"),
-    ([f"{M}.attention_impl='flash'"], f"{M}.attention_impl='flash'"),
-])
-def test_binary_exits_2_with_one_paragraph(tmp_path, overrides, needle):
-  out = subproc.run(subproc.main_cmd("lm.TinyLm", str(tmp_path / "job"), *overrides),
-                    timeout=200)
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert "Traceback" not in out.stderr
-  (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
-  assert needle in line
-  assert not (tmp_path / "job" / "config.txt").exists()
-  assert not (tmp_path / "job" / "checkpoints").exists()
+    ("lm.TinyLm", f"{M}.remat_policy='minimal_offload'",
+     f"{M}.remat_policy='minimal_offload' is not a"),
+    ("lm.TinyLm", f"{M}.attention_impl='flash'", f"{M}.attention_impl='flash'"),
+    ("lm.TinyLmLora", f"{M}.lora.rank=0", f"{M}.lora.rank=0"),
+    ("TinyMoe", f"{M}.moe.top_k=9", f"{M}.moe.top_k=9"),
+]
 
 
-def test_a_lora_mistake_exits_2_with_one_paragraph(tmp_path):
-  out = subproc.run(subproc.main_cmd("lm.TinyLmLora", str(tmp_path / "job"), f"{M}.lora.rank=0"),
-                    timeout=200)
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert "Traceback" not in out.stderr
-  (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
-  assert f"{M}.lora.rank=0" in line
-  assert not (tmp_path / "job" / "checkpoints").exists()
-
-
-def test_an_moe_mistake_exits_2_with_one_paragraph(tmp_path):
-  out = subproc.run(subproc.main_cmd("TinyMoe", str(tmp_path / "job"), f"{M}.moe.top_k=9"),
-                    timeout=200)
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert "Traceback" not in out.stderr
-  (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
-  assert f"{M}.moe.top_k=9" in line
+def test_binary_exits_2_with_one_paragraph(tmp_path):
+  """Each BINARY_CASES command line, run as the binary (one import of spmdtask.main for all,
+  each in its own forked process: subproc.run_mains)."""
+  jobs = [tmp_path / str(i) for i in range(len(BINARY_CASES))]
+  outs = subproc.run_mains([subproc.main_cmd(exp, str(job), override)
+                            for job, (exp, override, _) in zip(jobs, BINARY_CASES)])
+  for job, (exp, override, needle), out in zip(jobs, BINARY_CASES, outs):
+    case = f"{exp} {override}: {out.stderr[-2000:]}"
+    assert out.returncode == 2, case
+    assert "Traceback" not in out.stderr, case
+    (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+    assert needle in line, case
+    assert not (job / "config.txt").exists()
+    assert not (job / "checkpoints").exists()
 
 
 def test_fdl_set_typo_names_the_closest_fields():

@@ -10,10 +10,6 @@ from tests import subproc
 SPLIT = "task.model.weight_split_dims_mapping.mlp_in"
 
 
-def run_main(tmp_path, *args, exp="lm.TinyLm"):
-  return subproc.run(subproc.main_cmd(exp, str(tmp_path), flags=args), timeout=300)
-
-
 # spmdtask.main, then whether TensorFlow was ever imported (a synthetic-data run needs none).
 MAIN_THEN_TF = """
 import atexit, sys
@@ -49,7 +45,8 @@ def test_train_writes_config_and_logs(tmp_path):
   assert mfu_in_line == pytest.approx(100 * written["mfu"][4], abs=0.051)
 
 
-@pytest.mark.parametrize("args,exp,needles", [
+# (flags, --exp, what the one error line must say)
+BAD_INPUT = [
     (["--fdl_set=task.ici_mesh_shape=(2, 2, 4)"], "lm.TinyLm",
      ["task.ici_mesh_shape", "16 devices, but 8 are available"]),
     ([f"--fdl_set={SPLIT}=('fsdp', 'modle')"], "lm.TinyLm", [SPLIT, "'modle'"]),
@@ -77,17 +74,24 @@ def test_train_writes_config_and_logs(tmp_path):
     # A question for a job without a chat template (synthetic data, no tokenizer).
     (["--mode=decode", "--chat=What is 1 + 2?"], "lm.TinyLm",
      ["--chat='What is 1 + 2?'", "--exp=lm.TinyLm has none", "--prompt=TEXT --raw_prompt"]),
-])
-def test_bad_input_is_one_clear_paragraph(tmp_path, args, exp, needles):
-  out = run_main(tmp_path, *args, exp=exp)
-  assert out.returncode == 2, out.stderr[-2000:]
-  assert "Traceback" not in out.stderr
-  error = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
-  assert len(error) == 1, out.stderr[-2000:]
-  for needle in needles:
-    assert needle in error[0]
-  assert not (tmp_path / "config.txt").exists()
-  assert not (tmp_path / "config_decode.txt").exists()
+]
+
+
+def test_bad_input_is_one_clear_paragraph(tmp_path):
+  """Each BAD_INPUT command line, run as the binary (one import of spmdtask.main for all,
+  each in its own forked process: subproc.run_mains), exits 2 with one error line."""
+  cmds = [subproc.main_cmd(exp, str(tmp_path / str(i)), flags=args)
+          for i, (args, exp, _) in enumerate(BAD_INPUT)]
+  for i, ((args, exp, needles), out) in enumerate(zip(BAD_INPUT, subproc.run_mains(cmds))):
+    case = f"{exp} {args}: {out.stderr[-2000:]}"
+    assert out.returncode == 2, case
+    assert "Traceback" not in out.stderr, case
+    error = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+    assert len(error) == 1, case
+    for needle in needles:
+      assert needle in error[0], case
+    assert not (tmp_path / str(i) / "config.txt").exists()
+    assert not (tmp_path / str(i) / "config_decode.txt").exists()
 
 
 def test_restore_command_replaces_any_restore_step():
@@ -137,12 +141,13 @@ def test_a_start_without_a_checkpoint_is_exit_2_and_leaves_no_job_dir(tmp_path):
   empty = tmp_path / "import"
   empty.mkdir()
   (empty / "model_overrides.txt").write_text("--family=llama\n")
-  for flags, field in (([f"--init_from={empty}"], "(--init_from) holds no complete checkpoint"),
-                       ([f"--fdl_set=task.train.init_checkpoint_dir='{tmp_path}/gone'"],
-                        "holds no complete checkpoint")):
-    job = tmp_path / "job"
-    exp = "stages.Sft" if "--init_from" in flags[0] else "lm.TinyLm"
-    r = subproc.run(subproc.main_cmd(exp, str(job), flags=flags), num_devices=1)
+  job = tmp_path / "job"
+  cases = (("stages.Sft", [f"--init_from={empty}"], "(--init_from) holds no complete checkpoint"),
+           ("lm.TinyLm", [f"--fdl_set=task.train.init_checkpoint_dir='{tmp_path}/gone'"],
+            "holds no complete checkpoint"))
+  runs = subproc.run_mains([subproc.main_cmd(exp, str(job), flags=f) for exp, f, _ in cases],
+                           num_devices=1)
+  for (_, _, field), r in zip(cases, runs):
     assert r.returncode == 2, r.stderr[-2000:]
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("spmdtask: config error: task.train.init_checkpoint_dir=") and \

@@ -1,6 +1,7 @@
 """Checkpoints: bitwise resume after SIGKILL, other meshes, incomplete saves, SIGTERM,
 warm start, bad input, damage (cut short, bytes flipped: fingerprints) and checkpoints
 written without fingerprints. Process-level tests run `spmdtask.main` in subprocesses."""
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,9 @@ BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
         "task.train.summary_interval_steps=1", "task.train.log_interval_steps=4")
 
 
+@functools.lru_cache(maxsize=None)
 def _program(exp="TinyLm", *overrides):
+  """The program of `exp` (set up once per process: the tests only read it)."""
   run = fdl.build(main.resolved_config(exp, list(overrides)))
   return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
 
@@ -177,23 +180,26 @@ def test_warm_start_shape_mismatch_lists_variables(reference_job):
 
 def test_bad_input_is_a_config_error_and_overwrites_nothing(reference_job, tmp_path):
   before = _snapshot(reference_job)
-  # A checkpoint of a different model.
-  r = h.run(h.main_cmd("TinyLm", reference_job, *BASE, "task.model.d_ff=256"))
-  assert r.returncode == 2 and "mismatched variable" in r.stderr, r.stderr[-2000:]
-  assert "layers/block/mlp/wi: checkpoint (4, 128, 512) float32, model (4, 128, 256)" in r.stderr
-  # A restore step that does not exist.
-  r = h.run(h.main_cmd("TinyLm", reference_job, *BASE, flags=["--restore_step=5"]))
-  assert r.returncode == 2 and "Available steps: [4, 8, 12]" in r.stderr, r.stderr[-2000:]
+  (tmp_path / "file").write_text("x")
+  mismatch, no_step, unwritable = h.run_mains([
+      # A checkpoint of a different model.
+      h.main_cmd("TinyLm", reference_job, *BASE, "task.model.d_ff=256"),
+      # A restore step that does not exist.
+      h.main_cmd("TinyLm", reference_job, *BASE, flags=["--restore_step=5"]),
+      # A job_log_dir that cannot be written (its parent is a file).
+      h.main_cmd("TinyLm", str(tmp_path / "file" / "job"), *BASE)])
+  assert mismatch.returncode == 2 and "mismatched variable" in mismatch.stderr, mismatch.stderr
+  assert ("layers/block/mlp/wi: checkpoint (4, 128, 512) float32, model (4, 128, 256)"
+          in mismatch.stderr)
+  assert no_step.returncode == 2 and "Available steps: [4, 8, 12]" in no_step.stderr, no_step.stderr
   after = _snapshot(reference_job)
   # Nothing changed or removed but the logs, which only grow (logs/native.log is appended).
   assert {p: after.get(p) for p in before if "/logs/" not in p} == {
       p: v for p, v in before.items() if "/logs/" not in p}
   assert all(after[p][0] >= before[p][0] for p in before if "/logs/" in p)
   assert all("/logs/" in p for p in after.keys() - before.keys())  # only new log files
-  # A job_log_dir that cannot be written (its parent is a file).
-  (tmp_path / "file").write_text("x")
-  r = h.run(h.main_cmd("TinyLm", str(tmp_path / "file" / "job"), *BASE))
-  assert r.returncode == 2 and "--job_log_dir" in r.stderr and "not a writable" in r.stderr
+  assert unwritable.returncode == 2 and "--job_log_dir" in unwritable.stderr
+  assert "not a writable" in unwritable.stderr
 
 
 def _largest_file(directory):

@@ -1,6 +1,7 @@
-"""Multi-host: 2 processes x 4 CPU devices (jax.distributed over gloo) train exactly like one
-process with 8 devices, and their checkpoint resumes in a single process. Eval and decode on 2
-processes give the metrics and tokens of 1 process."""
+"""Multi-host: 2 processes x 4 CPU devices (jax.distributed over gloo), joined through what
+`srun` sets, train exactly like one process with 8 devices, and their checkpoint resumes in a
+single process. Eval and decode on 2 processes joined by flags give the metrics and tokens of
+1 process."""
 import json
 import os
 
@@ -32,16 +33,23 @@ def ref(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_and_resume_on_one(tmp_path, ref):
+def test_two_processes_in_an_srun_environment_match_one_and_resume_on_one(tmp_path, ref):
+  """2 processes given only what `srun` sets (no spmdtask flags) join through JAX's SLURM
+  detection (the default --multihost=auto), train like 1 process, and their checkpoint
+  resumes in 1 process."""
   multi = str(tmp_path / "multi")
-  _launch(multi, "--fdl_set=task.train.num_train_steps=6")
+  results = _launch(multi, "--fdl_set=task.train.num_train_steps=6", cluster="slurm")
+  assert "Joined a 2-process job (slurm) as process 0." in results[0].stdout
   # Only process 0 writes summaries (one event file) and the config.
   events = list((tmp_path / "multi" / "summaries" / "train").iterdir())
   assert len(events) == 1
   ref_losses, multi_losses = h.train_losses(ref), h.train_losses(multi)
   assert sorted(multi_losses) == list(range(1, 7))
-  np.testing.assert_allclose([multi_losses[s] for s in range(1, 7)],
-                             [ref_losses[s] for s in range(1, 7)], rtol=1e-5)
+  got = np.asarray([multi_losses[s] for s in range(1, 7)])
+  want = np.asarray([ref_losses[s] for s in range(1, 7)])
+  print("slurm-env 2-process losses", got.tolist(), "1-process", want.tolist(),
+        "max rel diff", float(np.max(np.abs(got / want - 1))))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
   # The 2-process checkpoint at step 6 resumes in one process with 8 devices.
   r = h.run(h.main_cmd("lm.TinyLm", multi, *STEPS, "task.train.num_train_steps=8"))
   assert r.returncode == 0, r.stderr[-3000:]
@@ -50,10 +58,9 @@ def test_two_processes_match_one_and_resume_on_one(tmp_path, ref):
 
 
 @pytest.mark.slow
-def test_eval_and_decode_on_two_processes_match_one(tmp_path):
-  job = str(tmp_path / "job")
-  r = h.run(h.main_cmd("lm.TinyLm", job, *STEPS, "task.train.num_train_steps=2"))
-  assert r.returncode == 0, r.stderr[-3000:]
+def test_eval_and_decode_on_two_processes_match_one(ref):
+  """On the reference job's last checkpoint (step 8); the 2 processes joined by flags."""
+  job = ref
   outputs = []
   for launch in (lambda *a: h.run(h.main_cmd("lm.TinyLm", job, *STEPS, flags=a)),
                  lambda *a: _launch(job, *a)):
@@ -62,25 +69,10 @@ def test_eval_and_decode_on_two_processes_match_one(tmp_path):
       assert getattr(result, "returncode", 0) == 0, result.stderr[-3000:]
     with open(os.path.join(job, "eval_metrics.jsonl")) as f:
       metrics = json.loads(f.read().splitlines()[-1])
-    with open(os.path.join(job, "decoder_out", "prompts_step2.jsonl")) as f:
+    with open(os.path.join(job, "decoder_out", "prompts_step8.jsonl")) as f:
       outputs.append((metrics, [json.loads(l) for l in f]))
   (one_metrics, one_tokens), (two_metrics, two_tokens) = outputs
+  assert one_metrics["step"] == two_metrics["step"] == 8
   assert two_metrics["weight"] == one_metrics["weight"] > 0
   np.testing.assert_allclose(two_metrics["loss"], one_metrics["loss"], rtol=1e-6)
   assert two_tokens == one_tokens and len(one_tokens) > 0
-
-
-@pytest.mark.slow
-def test_srun_environment_joins_one_job(tmp_path, ref):
-  """2 processes given only what `srun` sets (no spmdtask flags) join through JAX's SLURM
-  detection (the default --multihost=auto) and train like 1 process."""
-  job = str(tmp_path / "slurm")
-  results = _launch(job, "--fdl_set=task.train.num_train_steps=4", cluster="slurm")
-  assert "Joined a 2-process job (slurm) as process 0." in results[0].stdout
-  losses = h.train_losses(job)
-  ref_losses = h.train_losses(ref)
-  got = np.asarray([losses[s] for s in range(1, 5)])
-  want = np.asarray([ref_losses[s] for s in range(1, 5)])
-  print("slurm-env 2-process losses", got.tolist(), "1-process", want.tolist(),
-        "max rel diff", float(np.max(np.abs(got / want - 1))))
-  np.testing.assert_allclose(got, want, rtol=1e-5)

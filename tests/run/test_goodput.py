@@ -173,16 +173,15 @@ def test_an_inactive_recorder_writes_nothing(tmp_path):
   assert not rec.active and goodput_events.read(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--job_log_dir={dir}"], "has no goodput events"),
-    ([], "--mode=goodput needs --job_log_dir")])
-def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path, flags, message):
-  r = subprocess.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput"]
-                     + [f.format(dir=tmp_path) for f in flags], env=h.env(1), cwd=h.REPO,
-                     capture_output=True, text=True, timeout=120, check=False)
-  assert r.returncode == 2, r.stderr[-2000:]
-  assert r.stderr.strip().count("\n") == 0
-  assert message in r.stderr and "Traceback" not in r.stderr
+def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path):
+  cases = ((["--job_log_dir={dir}"], "has no goodput events"),
+           ([], "--mode=goodput needs --job_log_dir"))
+  runs = h.run_mains([[sys.executable, "-m", "spmdtask.main", "--mode=goodput"]
+                      + [f.format(dir=tmp_path) for f in flags] for flags, _ in cases], 1)
+  for (_, message), r in zip(cases, runs):
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().count("\n") == 0
+    assert message in r.stderr and "Traceback" not in r.stderr
   assert not os.listdir(tmp_path)
 
 

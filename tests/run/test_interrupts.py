@@ -9,7 +9,7 @@ import numpy as np
 from spmdtask.run import checkpoints
 from tests import subproc, util
 
-STEPS = 30
+STEPS = 12  # the signal comes after step 3: the steps after it leave room for a loaded machine
 OVERRIDES = (f"task.train.num_train_steps={STEPS}", "task.train.log_interval_steps=1",
              "task.train.summary_interval_steps=1", "task.train.save_interval_steps=1000")
 
