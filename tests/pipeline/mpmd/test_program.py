@@ -1,10 +1,10 @@
 """Tests for spmdtask.pipeline.mpmd.program (and MpmdConfig, the LayerStack's MPMD layer groups):
-lm.TinyLmMpmd through the production loop on 8 devices (two submeshes of different shapes)
-trains with the losses and final params of lm.TinyLm on one device; GPipe, 1F1B, ZB-H1 and
-interleaved 1F1B agree; I + W compiled FLOPs equal B's on the LM stages;
-the tied variant matches; checkpoints cross between MPMD and lm.TinyLm both ways on the same
-loss curve; the executor's peak residual sets are GPipe's M and 1F1B's S - s; bad configs
-raise ConfigError naming the field."""
+lm.TinyLmMpmdTied through the production loop on 8 devices (two submeshes of different
+shapes, the tied embedding on both) trains under GPipe and 1F1B with the losses, params and
+eval metrics of lm.TinyLm on one device, and checkpoints cross between MPMD and lm.TinyLm
+both ways; the executor's peak residual sets are GPipe's M and 1F1B's S - s; the last
+stage's vocab-tiled loss and grads equal optax's; bad configs raise ConfigError naming the
+field."""
 import functools
 
 import jax
@@ -49,31 +49,39 @@ def _train(exp, steps, job_log_dir, overrides=()):
 
 
 @pytest.mark.slow
-def test_tinylm_mpmd_gpipe_and_1f1b_equal_one_device_and_checkpoints_cross(tmp_path):
-  """lm.TinyLmMpmd (two submeshes of different shapes) against lm.TinyLm on one device:
-  GPipe from scratch saves at step 2 and lm.TinyLm resumes it to step 4; lm.TinyLm saves at
-  step 2 and 1F1B resumes it to step 4. Every loss, the params at steps 2 and 4 and the
-  eval metrics are those of one device's uninterrupted run."""
-  want_losses, want_params, want_eval = one_device(STEPS)
-  half = STEPS // 2
+def test_tied_tinylm_mpmd_gpipe_and_1f1b_equal_one_device_and_checkpoints_cross(tmp_path):
+  """lm.TinyLmMpmdTied (two submeshes of different shapes; the tied embedding on both
+  stages) against lm.TinyLm with tied embeddings on one device: GPipe from scratch saves at
+  step 2 and lm.TinyLm resumes it to step 4; lm.TinyLm saves at step 2 and 1F1B resumes it
+  to step 4. Every loss, the params at steps 2 and 4 and the eval metrics are those of one
+  device's uninterrupted run. (Untied, the same submeshes train as one device too:
+  tests/pipeline/test_strategies.py; 3 stages: tests/pipeline/mpmd/test_multiprocess.py.)"""
+  want_losses, want_params, want_eval = one_device(STEPS, TIED)
+  half, spmd = STEPS // 2, ONE_DEVICE + TIED
   spmd_dir, mpmd_dir = str(tmp_path / "spmd"), str(tmp_path / "mpmd")
   # GPipe saves at step 2 (its params: one device's); lm.TinyLm resumes it.
-  spmd_losses, spmd_params, _, _ = _train("lm.TinyLm", half, spmd_dir, ONE_DEVICE)
+  spmd_losses, spmd_params, _, _ = _train("lm.TinyLm", half, spmd_dir, spmd)
   np.testing.assert_allclose(spmd_losses, want_losses[:half], rtol=1e-5)
-  losses, params, program, _ = _train("lm.TinyLmMpmd", half, mpmd_dir,
-                                      ["task.pipeline.schedule='gpipe'"])
+  losses, params, program, state = _train("lm.TinyLmMpmdTied", half, mpmd_dir,
+                                          ["task.pipeline.schedule='gpipe'"])
   assert program.last_peak_residuals == (4, 4)  # GPipe: M
+  assert program.pipeline.tied == {"['embedding']": (0, 1)}
+  stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
+  np.testing.assert_array_equal(stage0, stage1)  # the two copies stay identical
+  assert "unembed" not in params  # the checkpoint holds one embedding
   np.testing.assert_allclose(losses, want_losses[:half], rtol=1e-4)
   util.assert_trees_close(params, spmd_params, terms=util.TINY_LM_TOKENS)
-  np.testing.assert_allclose(_train("lm.TinyLm", STEPS, mpmd_dir, ONE_DEVICE)[0],
+  np.testing.assert_allclose(_train("lm.TinyLm", STEPS, mpmd_dir, spmd)[0],
                              want_losses[half:], rtol=1e-4)
-  # lm.TinyLm (one device) saved at step 2; 1F1B resumes it.
-  losses, params, program, state = _train("lm.TinyLmMpmd", STEPS, spmd_dir)
+  # lm.TinyLm (one device) saved at step 2; 1F1B resumes it (the embedding onto both stages).
+  losses, params, program, state = _train("lm.TinyLmMpmdTied", STEPS, spmd_dir)
   scope = lambda k: k[:k.index("]", k.index("block")) + 1] if "block" in k else k
   where = [{scope(k) for k in keys} for keys in program.pipeline.stage_keys]
   assert where == [{"['embedding']", "['layers']['block_0']"},
-                   {"['layers']['block_1']", "['final_norm']['scale']", "['unembed']"}]
+                   {"['layers']['block_1']", "['final_norm']['scale']", "['embedding']"}]
   assert program.last_peak_residuals == (2, 1)  # 1F1B: S - s
+  stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
+  np.testing.assert_array_equal(stage0, stage1)
   np.testing.assert_allclose(losses, want_losses[half:], rtol=1e-4)
   util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
   got_eval = evaluate(program, state)
@@ -83,17 +91,6 @@ def test_tinylm_mpmd_gpipe_and_1f1b_equal_one_device_and_checkpoints_cross(tmp_p
 
 # (ZB-H1 and interleaved on the whole TinyLm program also equal one device, measured once;
 # tests/pipeline/mpmd/test_pipeline.py checks them against 1F1B: suite time.)
-
-
-def test_tied_embeddings_match_one_device():
-  want_losses, want_params, _ = one_device(3, TIED)
-  losses, params, program, state = util.train_steps("lm.TinyLmMpmdTied", 3)
-  assert program.pipeline.tied == {"['embedding']": (0, 1)}
-  stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
-  np.testing.assert_array_equal(stage0, stage1)  # the two copies stay identical
-  assert "unembed" not in params  # the checkpoint holds one embedding
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
-  util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
 
 
 @pytest.mark.parametrize("overrides, match", [
