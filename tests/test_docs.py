@@ -181,20 +181,21 @@ def test_the_unmarked_blocks_run_as_written(page, tmp_path):
 def _recipe(tmp: str, stdout: str) -> None:
   """docs/fine_tuning.md's recipe, beyond exit codes."""
   out = os.path.join(tmp, "chat")
-  base, lora, adapter = (os.path.join(out, n) for n in ("base", "lora", "adapter"))
+  base = os.path.join(tmp, "tiny_chat_run", "import")  # the recipe's import, the LoRA's base
+  lora, adapter = (os.path.join(out, n) for n in ("lora", "adapter"))
   model = os.path.join(h.REPO, "examples", "tiny_chat", "model")
   eot = 6  # <|eot_id|> of the tiny model's tokenizer
 
-  # Training: the masked loss falls over the 50 steps; eval ran on the eval split.
+  # Training: the masked loss falls over the 10 steps; eval ran on the eval split.
   losses = h.train_losses(lora)
-  assert max(losses) == 50 and losses[max(losses)] < losses[min(losses)] - 0.25, losses
+  assert max(losses) == 10 and losses[max(losses)] < losses[min(losses)] - 0.25, losses
   evals = [json.loads(l) for l in open(os.path.join(lora, "eval_metrics.jsonl"))]
-  assert evals[-1]["dataset"] == "eval" and evals[-1]["step"] == 50, evals
+  assert evals[-1]["dataset"] == "eval" and evals[-1]["step"] == 10, evals
   assert evals[-1]["weight"] > 0 and np.isfinite(evals[-1]["loss"]), evals
 
   # Decode: every prompt rendered with the template, stopped at end-of-turn or the length.
   rows = [json.loads(l) for l in open(os.path.join(lora, "decoder_out",
-                                                   "own_prompts_step50.jsonl"))]
+                                                   "own_prompts_step10.jsonl"))]
   prompts = [json.loads(l)["messages"][-1]["content"] for l in open(
       os.path.join(h.REPO, "examples", "tiny_chat", "prompts.jsonl"))]
   assert [r["id"] for r in rows] == [0, 1, 2, 3]
@@ -208,7 +209,7 @@ def _recipe(tmp: str, stdout: str) -> None:
     assert asked in stdout  # the console shows each prompt and its answer
   # --chat: one user message rendered with the import's template, stopped the same way.
   [asked] = [json.loads(l) for l in open(os.path.join(lora, "decoder_out",
-                                                      "own_prompts_step50_2.jsonl"))]
+                                                      "own_prompts_step10_2.jsonl"))]
   assert asked["prompt_text"] == rows[0]["prompt_text"].replace(prompts[0], "What is 1 + 2?")
   assert eot not in asked["output_ids"][:-1]
   assert stdout.count("  prompt ") == 5
@@ -222,7 +223,7 @@ def _recipe(tmp: str, stdout: str) -> None:
   # The LoRA job's checkpoints hold only the adapters and name the import as their base;
   # restored, its frozen params are the import's, bit for bit.
   meta = checkpoints.read_meta(lora)
-  assert meta["params_held"] == "adapters" and meta["lora_base"]["dir"].endswith("base"), meta
+  assert meta["params_held"] == "adapters" and meta["lora_base"]["dir"].endswith("import"), meta
   hf_cfg = files.read_hf(model)[0]
   imported = hf_checkpoints.read_checkpoint(base, model_overrides.overrides(hf_cfg),
                                             "llama.LlamaImport")

@@ -1,7 +1,7 @@
 """DeepSeek experiments: the published total and active parameter counts (abstract params;
 DeepSeekV3Mtp with its multi-token-prediction layer); TinyDeepSeekV3 (MLA, group routing,
 the balancing bias, a dense first layer, a shared expert, an MTP head) on 8 devices
-(expert 2 x fsdp 2 x model 2) equals one device over 10 steps; its balancing bias equals a
+(expert 2 x fsdp 2 x model 2) equals one device over 4 steps; its balancing bias equals a
 hand computation of three steps' expert loads."""
 import functools
 
@@ -82,7 +82,10 @@ def test_the_converter_names_the_experiment_of_each_published_hf_config():
 # With an MTP head (layers.mtp; depth 1 at DeepSeek's first weight): the 8-device run covers it.
 SMALL = ("datasets['train'].batch_size=8", "datasets['train'].seq_len=32",
          "task.model.mtp_depth=1", "task.model.mtp_loss_weight=0.3")
-STEPS = 10
+# Three updates after the first step's (the warmup starts at learning rate 0), each from
+# Adam's moments of the earlier gradients; the bias moves every step. More steps repeat the
+# same programs.
+STEPS = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -102,7 +105,7 @@ def train(exp: str, devices: int):
 
 
 @pytest.mark.slow
-def test_8_devices_equal_one_device_over_10_steps():
+def test_8_devices_equal_one_device_over_4_steps():
   losses, params, _ = train("TinyDeepSeekV3Split", 8)
   want_losses, want, _ = train("TinyDeepSeekV3", 1)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

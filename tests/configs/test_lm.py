@@ -10,7 +10,9 @@ from spmdtask.core import host_input
 from spmdtask.errors import ConfigError
 from tests import util
 
-STEPS = 10
+# Three updates after the first step's (TinyLm's warmup starts at learning rate 0), each
+# from Adam's moments of the earlier gradients; more steps repeat the same programs.
+STEPS = 4
 ONE_DEVICE = ["task.ici_mesh_shape=(1, 1, 1)"]
 
 
@@ -28,7 +30,7 @@ def test_sft_on_8_devices_matches_one_device(mesh, sft_reference):
   losses, params, program, _ = util.train_steps("lm.TinyLmSft", STEPS,
                                                 overrides=[f"task.ici_mesh_shape={mesh}"])
   assert program.mesh.size == 8
-  assert losses[-1] < losses[0] - 1.0  # it learns
+  assert losses[-1] < losses[0] - 0.1  # it learns (5.94 to 5.76 over these 4 steps)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   util.assert_trees_close(params, ref_params, terms=util.TINY_LM_TOKENS)
 
@@ -72,32 +74,29 @@ def _one_step(exp, devices, overrides=()):
   run = util.build_run(exp, overrides)
   from spmdtask.core import program as program_lib  # pylint: disable=g-import-not-at-top
   program = program_lib.setup(run.task, _skewed_batch(), devices=jax.devices()[:devices])
-  state, metrics = program.train(program.init(), program.global_batch(_skewed_batch()))
+  state = program.init()
+  initial = jax.device_get(program.to_canonical(state).params)
+  state, metrics = program.train(state, program.global_batch(_skewed_batch()))
   metrics = {k: float(v) for k, v in jax.device_get(metrics).items()
              if k in ("loss", "grad_norm", "target_tokens")}
-  return metrics, jax.device_get(program.to_canonical(state).params)
+  return metrics, jax.device_get(program.to_canonical(state).params), initial
 
 
 @pytest.mark.slow
 def test_every_execution_path_divides_by_the_global_target_count():
-  want, want_params = _one_step("lm.TinyLm", 1)
+  want, want_params, params = _one_step("lm.TinyLm", 1)
   assert want["target_tokens"] == 6 * 60 + 5 * 1 + 5 * 2
   # The trap this guards against: a mean of per-microbatch means is visibly another loss.
   run = util.build_run("lm.TinyLm", ONE_DEVICE)
-  model, params = run.task.model, _init_params("lm.TinyLm")
+  model = run.task.model
   batch = _skewed_batch()
-  means = [float(model.apply({"params": params}, {k: v[m::4] for k, v in batch.items()},
-                             method=model.loss)[0]) for m in range(4)]
+  loss = jax.jit(lambda p, b: model.apply({"params": p}, b, method=model.loss)[0])  # 1 compile
+  means = [float(loss(params, {k: v[m::4] for k, v in batch.items()})) for m in range(4)]
   assert abs(np.mean(means) - want["loss"]) > 1e-3
   for exp, devices, more in [("lm.TinyLm", 1, ["task.train.num_microbatches=4"]),
                              ("lm.TinyLmPipeline", 8, []), ("lm.TinyLmMpmd", 8, [])]:
-    got, got_params = _one_step(exp, devices, more)
+    got, got_params, _ = _one_step(exp, devices, more)
     assert got["target_tokens"] == want["target_tokens"], exp
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6, err_msg=exp)
     np.testing.assert_allclose(got["grad_norm"], want["grad_norm"], rtol=1e-5, err_msg=exp)
     util.assert_trees_close(got_params, want_params, terms=util.TINY_LM_TOKENS)
-
-
-def _init_params(exp):
-  program, state = util.program_and_state(exp, 1)
-  return jax.device_get(program.to_canonical(state).params)

@@ -13,35 +13,41 @@ from tests import util
 ONE_DEVICE = ["task.ici_mesh_shape=(1, 1, 1)"]
 
 
+# Saved after 2 steps (TinyLm's warmup starts at learning rate 0: one update), so the
+# checkpoint holds moved params and Adam's moments of two gradients; resumed for 2 more.
+SAVE, END = 2, 4
+
+
 def _train(exp, job_log_dir, num_steps, overrides=()):
   run = util.build_run(exp, [f"task.train.num_train_steps={num_steps}",
-                             "task.train.save_interval_steps=10", *overrides])
+                             f"task.train.save_interval_steps={SAVE}", *overrides])
   return loop.train(run, job_log_dir=str(job_log_dir))
 
 
 @pytest.fixture(scope="session")
 def pipelined_job(tmp_path_factory):
-  """(job dir, program, losses) of 20 uninterrupted TinyLmPipeline steps, saved at 10 and 20."""
+  """(job dir, program, losses) of END uninterrupted TinyLmPipeline steps, saved at SAVE and
+  END."""
   job = tmp_path_factory.mktemp("pipelined")
-  _, program, losses = _train("lm.TinyLmPipeline", job, 20)
+  _, program, losses = _train("lm.TinyLmPipeline", job, END)
   return job, program, losses
 
 
 @pytest.mark.slow
 def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(pipelined_job,
                                                                            tmp_path):
-  """TinyLmPipeline's step-10 checkpoint resumed for steps 11-20 as TinyLm and as
+  """TinyLmPipeline's step-2 checkpoint resumed for steps 3-4 as TinyLm and as
   TinyLmCircular gives the uninterrupted run's losses."""
   job, _, uninterrupted = pipelined_job
-  meta = checkpoints.read_meta(str(job), 10)
+  meta = checkpoints.read_meta(str(job), SAVE)
   assert meta["pipeline"]["num_stages"] == 2 and meta["canonical"].startswith("logical")
   assert meta["pipeline"]["strategy"] == "spmd_pipeline"
   assert (meta["pipeline_microbatches"], meta["grad_accumulation_microbatches"]) == (4, 1)
   for exp in ("lm.TinyLm", "lm.TinyLmCircular"):
     shutil.copytree(job, tmp_path / exp)
-    shutil.rmtree(tmp_path / exp / "checkpoints" / "20")  # the job as it was after step 10
-    _, _, resumed = _train(exp, tmp_path / exp, 20)
-    np.testing.assert_allclose(resumed, uninterrupted[10:], rtol=1e-4, err_msg=exp)
+    shutil.rmtree(tmp_path / exp / "checkpoints" / str(END))  # the job as it was at SAVE
+    _, _, resumed = _train(exp, tmp_path / exp, END)
+    np.testing.assert_allclose(resumed, uninterrupted[SAVE:], rtol=1e-4, err_msg=exp)
 
 
 def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(pipelined_job, tmp_path):
@@ -58,8 +64,8 @@ def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(pipelined_jo
 @pytest.mark.parametrize("exp,devices", [("lm.TinyLmFsdpTp", 8)])
 def test_gradient_accumulation_equals_the_whole_batch(exp, devices):
   extra = ONE_DEVICE if devices == 1 else []
-  whole = util.train_steps(exp, 10, jax.devices()[:devices], extra)
-  accumulated = util.train_steps(exp, 10, jax.devices()[:devices],
+  whole = util.train_steps(exp, END, jax.devices()[:devices], extra)
+  accumulated = util.train_steps(exp, END, jax.devices()[:devices],
                                  extra + ["task.train.num_microbatches=4"])
   np.testing.assert_allclose(accumulated[0], whole[0], rtol=1e-5)
   util.assert_trees_close(accumulated[1], whole[1], terms=util.TINY_LM_TOKENS)

@@ -5,7 +5,10 @@ import pytest
 
 from tests import util
 
-STEPS = 10
+# Three updates after the first step's (TinyLm's warmup starts at learning rate 0): Adam's
+# moments carry earlier steps' gradients into later updates, which is what a layout could
+# get wrong; more steps repeat the same program.
+STEPS = 4
 ONE = 1  # device count of the reference run
 
 
@@ -22,7 +25,7 @@ def test_layout_matches_one_device(exp, reference):
   ref_losses, ref_params = reference
   losses, params, program, _ = util.train_steps(exp, STEPS)
   assert program.mesh.size == 8
-  assert losses[-1] < losses[0] - 1.0  # it learns
+  assert losses[-1] < losses[0] - 0.3  # it learns (6.02 to 5.56 over these 4 steps)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
   util.assert_trees_close(params, ref_params, terms=util.TINY_LM_TOKENS)
 

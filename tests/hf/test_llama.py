@@ -129,7 +129,7 @@ def _convert_and_check_logits(tmp_path, cfg, tensors, shards, tokenizer_dir=None
   model = util.build_run(LLAMA, lines).task.model
   params = checkpoints.read_checkpoint(out, lines, LLAMA)
   tokens = np.random.default_rng(1).integers(0, cfg["vocab_size"], 40)
-  ours = np.asarray(model.apply({"params": params}, tokens[None]))[0]
+  ours = np.asarray(jax.jit(model.apply)({"params": params}, tokens[None]))[0]  # one compile
   np.testing.assert_allclose(ours, llama_forward(cfg, tensors, tokens), rtol=1e-4, atol=1e-4)
   exports.to_hf(out, back)
   got_cfg, got = files.read_hf(back)

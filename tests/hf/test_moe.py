@@ -19,12 +19,21 @@ from tests.hf import checks
 
 LLAMA = llama.FAMILY.experiment
 
-def test_tiny_hf_mixtral_gives_hf_logits_and_round_trips_bit_identically(tmp_path):
+
+@pytest.fixture(scope="module")
+def mixtral_job(tmp_path_factory):
+  """(job dir, override lines) of the mixtral fixture through --from_hf (read, never
+  written, by the tests that share it)."""
+  out = str(tmp_path_factory.mktemp("mixtral") / "job")
+  return out, imports.from_hf(checks.fixture("mixtral")[0], out)
+
+
+def test_tiny_hf_mixtral_gives_hf_logits_and_round_trips_bit_identically(mixtral_job,
+                                                                           tmp_path):
   hf, cfg, tokens, want = checks.fixture("mixtral")
-  out, back = str(tmp_path / "job"), str(tmp_path / "back")
+  (out, lines), back = mixtral_job, str(tmp_path / "back")
   exp = families.experiment(cfg)
   assert exp == "moe.MoeImport"
-  lines = imports.from_hf(hf, out)
   model = util.build_run(exp, lines).task.model
   params = checkpoints.read_checkpoint(out, lines, exp)  # through the step-0 checkpoint
   assert params["layers"]["block"]["moe"]["wg"].shape == (2, 4, 64, 96)  # [L, E, d, f]
@@ -41,11 +50,10 @@ def test_tiny_hf_mixtral_gives_hf_logits_and_round_trips_bit_identically(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_mixtral_checkpoint_run_by_a_llama_experiment_exits_2_naming_its_experts(tmp_path):
+def test_a_mixtral_checkpoint_run_by_a_llama_experiment_exits_2_naming_its_experts(
+    mixtral_job, tmp_path):
   """The same mistake from the command line: one paragraph, exit 2, the checkpoint intact."""
-  hf, cfg, _, _ = checks.fixture("mixtral")
-  out = str(tmp_path / "job")
-  lines = imports.from_hf(hf, out)
+  out, lines = mixtral_job
   dense = [l for l in lines if not l.startswith(("task.model.moe.", "task.model.qk_norm"))]
   flagfile = tmp_path / "dense_overrides.txt"
   flagfile.write_text("".join(f"--fdl_set={l}\n" for l in dense))

@@ -175,27 +175,30 @@ FAMILIES = ("qwen3", "gemma3", "mixtral", "qwen3_moe", "deepseek_v2", "deepseek_
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_round_trip(request, tmp_path_factory):
   """Per family: the adapter imported (--from_hf --adapter), its logits from the job's
-  checkpoint (one compile), then exported as PEFT's adapter and as the merged model."""
+  checkpoint (one compile); those params out as --to_hf writes PEFT's adapter (peft.from_params
+  of the import's config, as read) and merged as --merge_lora merges them (merge.merged).
+  (--to_hf's files, both kinds, are the Llama adapter's tests' above: the export reads the
+  job's checkpoint back, the same params.)"""
   name = request.param
   hf, cfg, tokens, _ = checks.fixture(name)
   adapter = os.path.join(DATA, f"peft_{name}")
-  root = tmp_path_factory.mktemp(f"peft_{name}")
-  job, out, merged = (str(root / n) for n in ("job", "adapter", "merged"))
+  job = str(tmp_path_factory.mktemp(f"peft_{name}") / "job")
   lines = imports.from_hf(hf, job, adapter)
   exp = families.lora_experiment(cfg)
   params = checkpoints.read_checkpoint(job, lines, exp)
   apply = jax.jit(util.build_run(exp, lines).task.model.apply)
   logits = np.asarray(apply({"params": params}, tokens))
-  assert exports.to_hf(job, out) == [peft.CONFIG_FILE, peft.ADAPTER_FILE]
-  exports.to_hf(job, merged, merge_lora=True)
-  # The merged export through spmdtask's import, run by the same compiled LoRA model with
-  # its adapters' B at 0 (so it is the plain model).
-  merged_cfg, tensors, _ = families.of(cfg).held(*files.read_hf(merged))  # V3: no MTP
-  plain = convert.to_params(merged_cfg, tensors)
+  src = imports.source(job)
+  held = families.of(src["config"]).held(src["config"], src["dtypes"])[0]  # V3: no MTP
+  out = (peft.adapter_config(held, src["lora"], None)["target_modules"],
+         peft.from_params(held, src["lora"], params))
+  # The merged params, run by the same compiled LoRA model with its adapters' B at 0 (so it
+  # is the plain model).
+  plain = merge.merged(src["lora"], params)
   zero_b = jax.tree_util.tree_map_with_path(
       lambda p, x: np.zeros_like(x) if p[-1].key.endswith(peft.B_SUFFIX) else x, params)
   merged_logits = np.asarray(apply({"params": _with_adapters(plain, zero_b)}, tokens))
-  return name, adapter, out, logits, merged_logits, params
+  return name, adapter, out, logits, merged_logits
 
 
 def _with_adapters(plain, lora_params):
@@ -208,18 +211,17 @@ def _with_adapters(plain, lora_params):
 def test_every_familys_adapter_in_gives_pefts_logits_and_goes_out_the_same(
     family_round_trip):
   """Adapter in -> spmdtask's logits vs PEFT's <= 1e-4; out -> the fixture's tensors (1e-6)
-  and target_modules; the merged export -> merge_and_unload()'s logits <= 1e-4. float32
-  both sides, |logits| <= 9.5: the adapters move the logits by 7 to 14."""
-  name, adapter, out, logits, merged_logits, params = family_round_trip
+  and target_modules; merged as --merge_lora merges -> merge_and_unload()'s logits <= 1e-4.
+  float32 both sides, |logits| <= 9.5: the adapters move the logits by 7 to 14."""
+  name, adapter, (got_modules, got_tensors), logits, merged_logits = family_round_trip
   want = np.load(os.path.join(adapter, "logits.npy"))
   err = float(np.abs(logits - want).max())
   assert err <= 1e-4, (name, err)
   want_cfg, want_tensors = peft.read(adapter)
-  got_cfg, got_tensors = peft.read(out)
   assert sorted(got_tensors) == sorted(want_tensors)
   for k, x in want_tensors.items():
     np.testing.assert_allclose(got_tensors[k], x, rtol=0, atol=1e-6, err_msg=k)
-  assert sorted(got_cfg["target_modules"]) == sorted(want_cfg["target_modules"])
+  assert sorted(got_modules) == sorted(want_cfg["target_modules"])
   err = float(np.abs(merged_logits - np.load(os.path.join(adapter, "merged_logits.npy"))).max())
   assert err <= 1e-4, (name, err)
 

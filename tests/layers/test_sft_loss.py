@@ -15,8 +15,7 @@ import pytest
 
 from spmdtask.inputs import packing
 from spmdtask.layers import xent
-from spmdtask.hf import llama
-from spmdtask.hf.jobs import checkpoints, imports
+from spmdtask.hf import convert, files, llama, model_overrides
 from tests import util
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
@@ -45,12 +44,12 @@ def masked_rows(rows_of_docs, seq_len):
 
 
 @pytest.fixture(scope="module")
-def hf_llama(tmp_path_factory):
-  """(model, params) of the fixture Llama through --from_hf's step-0 checkpoint."""
-  out = str(tmp_path_factory.mktemp("llama") / "job")
-  lines = imports.from_hf(DATA, out)
-  model = util.build_run(llama.FAMILY.experiment, lines).task.model
-  return model, checkpoints.read_checkpoint(out, lines, llama.FAMILY.experiment)
+def hf_llama():
+  """(model, params) of the fixture Llama converted by spmdtask.hf in memory (what --from_hf
+  writes to its step-0 checkpoint: tests/hf/test_llama.py reads one back)."""
+  cfg, tensors = files.read_hf(DATA)
+  model = util.build_run(llama.FAMILY.experiment, model_overrides.overrides(cfg)).task.model
+  return model, convert.to_params(cfg, tensors)
 
 
 @pytest.mark.parametrize("tiles", [1, 4])

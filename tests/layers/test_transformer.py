@@ -9,6 +9,9 @@ from spmdtask.core.train_state import TrainState
 from spmdtask.errors import ConfigError
 from tests import util
 
+# Three updates after the first step's (TinyLm's warmup starts at learning rate 0), each
+# from Adam's moments of the earlier gradients; more steps repeat the same programs.
+STEPS = 4
 ONE_DEVICE = ["task.mesh_axis_names=('data', 'fsdp', 'model')", "task.ici_mesh_shape=(1, 1, 1)",
               "task.pipeline=None"]
 
@@ -89,7 +92,7 @@ def test_pipeline_trains_like_one_device_and_holds_only_its_stage():
   assert {s.data.shape for s in wi.addressable_shards} == {(1, 1, 2, 128, 256)}
   init_params = jax.device_get(state.params)
   losses = []
-  for _ in range(10):
+  for _ in range(STEPS):
     state, m = program.train(state, program.global_batch(next(inputs)))
     losses.append(float(m["loss"]))
 
@@ -98,11 +101,11 @@ def test_pipeline_trains_like_one_device_and_holds_only_its_stage():
   ref_state = TrainState(jnp.zeros((), jnp.int32), params, ref.tx.init(params))
   ref_state = jax.device_put(ref_state, steps.named_shardings(ref.mesh, ref.layout.split))
   ref_losses = []
-  for _ in range(10):
+  for _ in range(STEPS):
     ref_state, m = ref.train(ref_state, ref.global_batch(next(ref_inputs)))
     ref_losses.append(float(m["loss"]))
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-  assert losses[-1] < losses[0] - 1.0
+  assert losses[-1] < losses[0] - 0.3  # it learns (6.02 to 5.56 over these 4 steps)
   util.assert_trees_close(_to_unpipelined(program, jax.device_get(state.params)),
                           jax.device_get(ref_state.params), terms=util.TINY_LM_TOKENS)
 

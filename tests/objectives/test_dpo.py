@@ -130,13 +130,13 @@ def test_the_reference_checkpoint_is_read_and_one_of_another_model_is_one_paragr
 
 
 def test_8_devices_with_microbatches_train_like_one_device():
-  """TinyLmDpo 10 steps on one device vs on data 2 x fsdp 2 x model 2 with 2 microbatches
+  """TinyLmDpo 7 steps on one device vs on data 2 x fsdp 2 x model 2 with 2 microbatches
   (the strided split keeps each pair whole: a split pair would change every loss)."""
-  want, want_params, _, _ = util.train_steps("TinyLmDpo", 10, jax.devices()[:1])
-  losses, params, program, _ = util.train_steps("TinyLmDpoFsdpTp", 10,
+  want, want_params, _, _ = util.train_steps("TinyLmDpo", 7, jax.devices()[:1])
+  losses, params, program, _ = util.train_steps("TinyLmDpoFsdpTp", 7,
                                                 overrides=["task.train.num_microbatches=2"])
   assert program.mesh.size == 8
-  assert want[-1] < want[0] - 0.15  # it learns
+  assert want[-1] < want[0] - 0.15  # it learns (0.693 -> 0.505)
   np.testing.assert_allclose(losses, want, rtol=1e-5)
   # Adam moves a weight whose gradient is ~0 (rounding noise) by up to lr = 1e-3 whatever
   # its size: a few such elements differ by ~1e-4; everything else to float32 rounding.

@@ -1,7 +1,6 @@
-"""Every strategy for every stacked model: cold starts from the 1-device initial weights,
-packed text (segment ids, positions) and dropout under the SPMD pipeline and MPMD, ViT under
-MPMD, each equal to one device; config errors; the plan of an MPMD job."""
-import functools
+"""Every strategy for every stacked model: cold starts from the 1-device initial weights with
+packed text (segment ids, positions) and dropout under the SPMD pipeline and MPMD, each equal
+to one device; config errors; the stage programs' activation splits."""
 import re
 
 import fiddle as fdl
@@ -24,35 +23,6 @@ def one_device(exp, overrides=(), edit=None, steps=STEPS):
   axes = util.build_run(exp, overrides).task.mesh_axis_names
   ones = "task.ici_mesh_shape=" + str((1,) * len(axes))
   return util.train_steps(exp, steps, jax.devices()[:1], (ones, *overrides), edit)
-
-
-@functools.lru_cache(maxsize=None)
-def tinylm(overrides=()):
-  losses, params, program, _ = one_device("lm.TinyLm", overrides)
-  init = jax.device_get(program.to_canonical(program.init()).params)
-  return losses, params, init
-
-
-@pytest.mark.parametrize("exp", ["lm.TinyLmPipeline", "lm.TinyLmMpmd"])  # (circular: measured once)
-def test_cold_start_has_the_one_device_weights_and_losses(exp):
-  want_losses, _, want_init = tinylm()
-  losses, _, program, _ = util.train_steps(exp, STEPS)
-  init = jax.device_get(program.to_canonical(program.init()).params)
-  util.assert_trees_equal(init, want_init)  # identical initial params
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_dropout_under_the_spmd_pipeline_and_mpmd_equals_one_device():
-  # The SPMD pipeline splits inside the forward: masks are the whole batch's (row ids).
-  want, _, _ = tinylm(DROPOUT)
-  assert not np.allclose(want, tinylm()[0], rtol=1e-3)  # dropout changes the losses
-  got, _, _, _ = util.train_steps("lm.TinyLmPipeline", STEPS, overrides=DROPOUT)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
-  # MPMD draws microbatch m's key as 4-microbatch gradient accumulation does.
-  want, _, _ = tinylm(DROPOUT + ("task.train.num_microbatches=4",))
-  got, _, _, _ = util.train_steps("lm.TinyLmMpmd", STEPS, overrides=DROPOUT)
-  np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
 # (TinyVit under MPMD equals it on one device too, measured once: suite time.)
@@ -82,13 +52,30 @@ def _mpmd(cfg):
                                  submesh_shapes=((2, 1, 2), (4, 1, 1)), num_microbatches=4)
 
 
+def init_params(program):
+  return jax.device_get(program.to_canonical(program.init()).params)
+
+
 @pytest.mark.slow
-def test_packed_text_lm_under_both_pipelines_equals_one_device(corpus):
-  want, want_params, _, _ = one_device("lm.TextLm", _text(corpus))
-  batch = util.build_run("lm.TextLm", _text(corpus)).datasets["train"].batch_at(0)
+def test_packed_text_with_dropout_cold_starts_under_both_pipelines_equal_one_device(corpus):
+  """lm.TextLm (packed rows: segment ids, positions) with dropout under the SPMD pipeline
+  and MPMD starts from the one-device initial weights and trains with its losses and params.
+  (Without dropout, lm.TinyLmPipeline and lm.TinyLmMpmd equal one device too:
+  tests/layers/test_transformer.py, tests/pipeline/mpmd/test_program.py.)"""
+  over = _text(corpus) + list(DROPOUT)
+  batch = util.build_run("lm.TextLm", over).datasets["train"].batch_at(0)
   assert batch["segment_ids"].max() > 1  # packed rows
-  for edit in (_spmd, _mpmd):
-    got, params, _, _ = util.train_steps("lm.TextLm", STEPS, overrides=_text(corpus), edit=edit)
+  want, want_params, program, _ = one_device("lm.TextLm", over)
+  want_init = init_params(program)
+  # MPMD draws microbatch m's key as 4-microbatch gradient accumulation does.
+  accumulated = one_device("lm.TextLm", over + ["task.train.num_microbatches=4"])
+  # Dropout is on: the masks of 4 microbatches' keys change the losses.
+  assert not np.allclose(accumulated[0], want, rtol=1e-3)
+  # The SPMD pipeline splits inside the forward: masks are the whole batch's (row ids).
+  for edit, (want, want_params) in ((_spmd, (want, want_params)),
+                                    (_mpmd, accumulated[:2])):
+    got, params, program, _ = util.train_steps("lm.TextLm", STEPS, overrides=over, edit=edit)
+    util.assert_trees_equal(init_params(program), want_init)  # identical initial params
     np.testing.assert_allclose(got, want, rtol=1e-5)
     util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS, rtol=1e-4)
 

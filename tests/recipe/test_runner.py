@@ -1,7 +1,8 @@
 """spmdtask/recipe/runner.py: the commands a recipe runs, and the chain end to end on
 examples/tiny_chat's Llama: import -> SFT with LoRA -> DPO with LoRA from it -> GRPO with
 LoRA from that on a prompts file with a reward from a user's file -> the merged export,
-SIGKILLed mid-DPO and rerun (and the same chain, shorter, on tiny Qwen3 and Qwen3-MoE)."""
+SIGKILLed mid-DPO and rerun, whose greedy tokens in transformers spmdtask decodes (and the
+same chain, shorter, on tiny Qwen3 and Qwen3-MoE)."""
 import json
 import os
 import shlex
@@ -21,14 +22,19 @@ from spmdtask.hf import convert, files
 from spmdtask.recipe import recipe_file, runner
 from spmdtask.run import checkpoint_io, checkpoints, rollout
 from tests import subproc as h
+from tests.hf.jobs import test_exports
 
 EXAMPLE = os.path.join(h.REPO, "examples", "tiny_chat")
 PREFS = os.path.join(h.REPO, "tests", "tools", "data", "dpo", "prefs.jsonl")
+CHAIN_EXPORT = os.path.join(h.REPO, "tests", "recipe", "data", "chain_export", "expected.json")
 REWARD = '''\
 def digits(prompts, completions, answers):
   return [sum(ch.isdigit() for ch in c) / (1 + len(c)) for c in completions]
 '''
 EVERY_STEP = ["task.train.summary_interval_steps=1", "task.train.log_interval_steps=1"]
+# The Llama chain's SFT, DPO and GRPO steps (tests/recipe/data/chain_export: its export's
+# greedy tokens in transformers).
+LLAMA_STEPS = (4, 4, 1)
 
 
 def _recipe(tmp_path, body: str) -> str:
@@ -139,7 +145,7 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
 @pytest.mark.slow
 def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   root = tmp_path / "run"
-  path = _chain(tmp_path, f"{EXAMPLE}/model", 8, 6, 2)
+  path = _chain(tmp_path, f"{EXAMPLE}/model", *LLAMA_STEPS)
   cmd = [sys.executable, "-m", "spmdtask.recipe", f"--recipe={path}"]
   # Killed (the whole process group, SIGKILL) once DPO committed its first checkpoint.
   proc = subprocess.Popen(cmd, env=h.env(1), cwd=h.REPO, start_new_session=True,
@@ -156,9 +162,23 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
   for step in ("import", "sft data", "sft", "dpo data"):  # finished: skipped
     assert f"recipe: {step}: done" in r.stdout, r.stdout[-3000:]
-  assert "Resuming from the checkpoint at step 2; training to step 6." in r.stdout, r.stdout[-3000:]
+  assert "Resuming from the checkpoint at step 2; training to step 4." in r.stdout, r.stdout[-3000:]
 
-  _check_chain(tmp_path, f"{EXAMPLE}/model", 8, 6)
+  _check_chain(tmp_path, f"{EXAMPLE}/model", *LLAMA_STEPS[:2])
+
+  # transformers loads the merged export with its own tokenizer and chat template, and its
+  # greedy tokens (tests/recipe/data/chain_export, made offline from this chain) are
+  # spmdtask's decode of the same prompts on the export.
+  with open(CHAIN_EXPORT) as f:
+    want = json.load(f)
+  rows = test_exports.decode_export(str(tmp_path / "export"), str(tmp_path / "decoded"),
+                                    max(len(hf["output_ids"]) for hf in want))
+  for row, hf in zip(rows, want, strict=True):
+    # No near-tie: float32 logits of this size differ by ~1e-5 between two implementations.
+    assert min(hf["margins"]) > 1e-3, hf
+    assert row["prompt_ids"] == hf["prompt_ids"]  # the export's template, rendered alike
+    n = len(hf["output_ids"])  # transformers' stop: the end-of-turn token or NEW_TOKENS
+    assert row["output_ids"][:n] == hf["output_ids"], (row, hf)
 
   # The resumed DPO ends where an uninterrupted run of the same command ends.
   again = str(tmp_path / "dpo_straight")

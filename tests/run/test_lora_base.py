@@ -3,6 +3,7 @@ another dtype too) with fresh adapters; its checkpoints hold only the adapters a
 optimizer state and name the base, from which every restore (resume, another mesh) reads
 the frozen params; a base that is gone, changed or not the model's is a ConfigError naming
 task.train.init_checkpoint_dir (exit 2)."""
+import functools
 import os
 import shutil
 import types
@@ -99,14 +100,16 @@ def test_lora_job_starts_from_its_base_saves_only_adapters_and_resumes_bitwise(b
   assert checkpoint_check.problem(ck) is None
 
 
+@functools.cache  # the tests share programs (one setup and compile each): a program is immutable
 def _program(exp, *overrides, devices=None):
   run = util.build_run(exp, SMALL + list(overrides))
-  return program_lib.setup(run.task, run.datasets["train"].batch_at(0), devices)
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0),
+                           None if devices is None else list(devices))
 
 
 def test_restore_onto_one_device_equals_eight(lora):
   one = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'",
-                 "task.ici_mesh_shape=(1, 1, 1)", devices=jax.devices()[:1])
+                 "task.ici_mesh_shape=(1, 1, 1)", devices=tuple(jax.devices()[:1]))
   state, step = checkpoints.restore_state(lora.job, one)
   assert step == 4
   util.assert_trees_equal(jax.device_get(one.to_canonical(state)), lora.state)
@@ -121,7 +124,7 @@ def test_a_base_of_another_model_is_a_config_error(base_job):
 
 
 def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
-  program = _program("lm.TinyLmLora")
+  program = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'")  # the job's
   step3 = os.path.join(lora.base, "checkpoints", "3")
   field = f"task.train.init_checkpoint_dir={lora.base!r}, step 3"
   shutil.move(step3, tmp_path / "3")

@@ -1,19 +1,31 @@
-"""tools/plan_pipeline.py: the formula table as JSON (p = 4, m = 8, v = 2), balancing, errors."""
+"""tools/plan_pipeline.py: the formula table as JSON (p = 4, m = 8, v = 2), balancing, errors.
+Its main runs in this process (argparse's exits caught); one test runs the script itself."""
+import contextlib
+import io
 import json
 import os
+import subprocess
 import sys
 from fractions import Fraction as Fr
 
 import pytest
 
 from tests import subproc
+from tools import plan_pipeline
 
 TOOL = os.path.join(subproc.REPO, "tools", "plan_pipeline.py")
 P, M, V = 4, 8, 2
 
 
-def run_tool(*flags, timeout=60):
-  return subproc.run([sys.executable, TOOL, *flags], timeout=timeout)
+def run_tool(*flags) -> subprocess.CompletedProcess:
+  """The tool's exit status, stdout and stderr, its main run in this process."""
+  out, err = io.StringIO(), io.StringIO()
+  with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    try:
+      code = plan_pipeline.main(list(flags))
+    except SystemExit as e:  # argparse's usage errors
+      code = e.code
+  return subprocess.CompletedProcess(flags, code, out.getvalue(), err.getvalue())
 
 
 def plan_json(*flags):
@@ -38,7 +50,9 @@ def test_formula_table(name, chunks, bubble, peaks):
 
 
 def test_text_chart_and_balancing():
-  out = run_tool("--schedule=zb_h1", "--stages=2", "--microbatches=2", "--layer_costs=1,2,3,4")
+  # The script itself, as users run it.
+  out = subproc.run([sys.executable, TOOL, "--schedule=zb_h1", "--stages=2", "--microbatches=2",
+                     "--layer_costs=1,2,3,4"], timeout=60)
   assert out.returncode == 0, out.stderr
   assert "stage0: F0 F1 ...I0 W0 I1 W1\nstage1: ...F0 I0 F1 I1 W0 W1" in out.stdout
   assert "bubble fraction (max over stages) 0.1429" in out.stdout  # (p-1)/(3m+p-1) = 1/7

@@ -26,6 +26,16 @@ CHAT_FILES = ["chat_template.jinja", "config.json", "generation_config.json",
               "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 
 
+def decode_export(out: str, work: str, new_tokens: int) -> list[dict]:
+  """spmdtask's greedy decode of the chat prompts on the export `out`: imported back (into
+  WORK/again), the prompts rendered with its tokenizer and template (WORK/data)."""
+  again, data = os.path.join(work, "again"), os.path.join(work, "data")
+  imports.from_hf(out, again)
+  prepare_chat_data.prepare(os.path.join(h.REPO, "examples", "tiny_chat", "conversations.jsonl"),
+                            out, data, max_len=128)
+  return _decode(again, data, new_tokens)
+
+
 def _decode(job: str, data: str, new_tokens: int) -> list[dict]:
   """spmdtask's greedy decode of the chat prompts, rendered with the template of `data` (a
   chat data dir prepared with the export's tokenizer and template)."""
@@ -44,7 +54,7 @@ def _decode(job: str, data: str, new_tokens: int) -> list[dict]:
 def test_an_export_is_a_chat_model_whose_greedy_tokens_spmdtask_decodes(tmp_path, case):
   with open(os.path.join(DATA, "expected.json")) as f:
     want = json.load(f)[case]
-  job, out, again = (str(tmp_path / n) for n in ("job", "hf", "again"))
+  job, out = str(tmp_path / "job"), str(tmp_path / "hf")
   imports.from_hf(MODEL, job, os.path.join(DATA, "adapter") if case == "merged" else None)
   assert sorted(exports.to_hf(job, out, merge_lora=case == "merged")) == CHAT_FILES
   assert sorted(os.listdir(out)) == CHAT_FILES
@@ -56,11 +66,7 @@ def test_an_export_is_a_chat_model_whose_greedy_tokens_spmdtask_decodes(tmp_path
         assert a.read() == b.read(), name
   with open(os.path.join(out, files.GENERATION_FILE)) as f:
     assert json.load(f) == {"eos_token_id": 6, "bos_token_id": 3}  # <|eot_id|>, <|begin...
-  imports.from_hf(out, again)  # the export, imported back
-  data = str(tmp_path / "data")  # the export's tokenizer and template, as spmdtask reads them
-  prepare_chat_data.prepare(os.path.join(h.REPO, "examples", "tiny_chat", "conversations.jsonl"),
-                            out, data, max_len=128)
-  rows = _decode(again, data, len(want[0]["output_ids"]))
+  rows = decode_export(out, str(tmp_path), len(want[0]["output_ids"]))
   for row, hf in zip(rows, want, strict=True):
     assert hf["min_margin"] > 1e-4  # no near-tie: float32 rounding cannot flip a token
     assert row["prompt_ids"] == hf["prompt_ids"]  # the template renders as transformers'

@@ -1,19 +1,19 @@
 """Tests for spmdtask.pipeline.mpmd.local: a stage with data-parallel axes accumulates its
 gradients per device and reduces them once per step, not once per microbatch: counted in
 the compiled programs, with the gradients of jax.grad on one device (a toy with a tied
-weight, 1F1B and ZB-H1's I/W split) and the one-device losses of lm.TinyLmMpmd."""
+weight, 1F1B and ZB-H1's I/W split), and in lm.TinyLmMpmd's programs."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
+from spmdtask.core import program as program_lib
 from spmdtask.plan import hlo
 from spmdtask.pipeline.mpmd import pipeline, local
 from spmdtask.pipeline.schedules.generators import one_f_one_b, zb_h1
 from tests import util
 from tests.pipeline.mpmd.test_pipeline import B, M, microbatch_shapes, toy_batch, toy_loss, toy_params
-from tests.pipeline.test_strategies import one_device
 
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 
@@ -75,16 +75,16 @@ def test_one_reduction_per_step_with_the_one_device_grads(schedule):
   print("data-parallel reductions per step per stage, GSPMD vs per device:", counts)
 
 
-@pytest.mark.slow
-def test_tinylm_mpmd_reduces_once_per_step_with_the_one_device_losses():
+def test_tinylm_mpmd_reduces_once_per_step():
+  """(That lm.TinyLmMpmd, whose stages both accumulate per device, trains with the losses
+  and params of one device: tests/pipeline/mpmd/test_program.py.)"""
   over = ("task.pipeline.submesh_shapes=((4,1,1),(4,1,1))",)  # data 4: every reduction is DP
-  want = one_device("lm.TinyLm")[0]
-  losses, _, program, state = util.train_steps("lm.TinyLmMpmd", 3, overrides=over)
-  np.testing.assert_allclose(losses, want, rtol=1e-5)
-  pl = program.pipeline
+  run = util.build_run("lm.TinyLmMpmd", over)
+  example = run.datasets["train"].batch_at(0)
+  program = program_lib.setup(run.task, example)
+  pl, state = program.pipeline, program.init()
   assert pl.dp == [("data",), ("data",)]
-  batch = program.train_batch(state, program.global_batch(
-      util.build_run("lm.TinyLmMpmd", over).datasets["train"].batch_at(0)))
+  batch = program.train_batch(state, program.global_batch(example))
   compiled = pl.compiled_backward([st.params for st in state.stages], batch)
   assert [reductions(compiled[v]["bwd"]) for v in range(2)] == [0, 0]
   assert [reductions(compiled["reduce", s]) for s in range(2)] == [1, 1]

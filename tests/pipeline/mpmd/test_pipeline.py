@@ -3,6 +3,7 @@ interleaved and ZB-H1 (I/W split) schedules, give the loss and grads of jax.grad
 and of 1F1B; the measured live activation sets (and W stashes) per stage equal the
 simulator's; compiled FLOPs of I + W are those of B; bad configs raise ConfigError."""
 
+import functools
 from fractions import Fraction
 
 import jax
@@ -95,6 +96,18 @@ def stage_specs(shapes):
   return out
 
 
+@functools.lru_cache(maxsize=None)
+def toy_pipeline(cuts: tuple, shapes: tuple, schedule: Schedule) -> mpmd.Pipeline:
+  """The toy's pipeline with markers after the layers in `cuts`, on submeshes of `shapes`,
+  built once: the tests share its compiled programs (params enter by their shapes only)."""
+  return mpmd.Pipeline(toy_loss(set(cuts)), toy_params(), microbatch_shapes(toy_batch(0)),
+                       stage_specs(shapes), schedule)
+
+
+TWO = ((2, 2), (4, 1))  # two submeshes of different shapes
+FOUR = ((2, 1), (1, 2), (2, 1), (1, 2))
+
+
 def reference(loss_fn, params, batch):
   """Loss and grads of the unsplit function with jax.grad on one device."""
   with jax.default_device(jax.devices()[0]):
@@ -115,9 +128,8 @@ def check_run(pipeline, params, batch, rtol=1e-5):
 
 def test_two_submeshes_of_different_shapes_gpipe_and_1f1b():
   params, batch = toy_params(), toy_batch(0)
-  specs = stage_specs([(2, 2), (4, 1)])
   for schedule, want_peak in ((gpipe(2, M), (M, M)), (one_f_one_b(2, M), (2, 1))):  # M; S - s
-    pl = mpmd.Pipeline(toy_loss({0}), params, microbatch_shapes(batch), specs, schedule)
+    pl = toy_pipeline((0,), TWO, schedule)
     assert pl.stage_keys[0] == ("['layers'][0]['b']", "['layers'][0]['w']", "['w_in']")
     assert pl.tied == {"['w_in']": (0, 1)}
     result = check_run(pl, params, batch)
@@ -125,27 +137,22 @@ def test_two_submeshes_of_different_shapes_gpipe_and_1f1b():
     measured_equals_simulated(result, schedule)
     # Grads live on their stage's submesh, split as asked; tied copies are equal.
     g0 = result.grads[0]["['w_in']"]
-    assert g0.sharding.mesh == specs[0].mesh and g0.sharding.spec == P(None, "model")
+    assert g0.sharding.mesh == pl.stages[0].mesh and g0.sharding.spec == P(None, "model")
     np.testing.assert_array_equal(g0, result.grads[1]["['w_in']"])
 
 
 def test_four_stages_1f1b_peaks_and_interleaved_v():
   params, batch = toy_params(1), toy_batch(1)
-  specs4 = stage_specs([(2, 1), (1, 2), (2, 1), (1, 2)])
-  pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs4,
-                     one_f_one_b(4, M))
+  pl = toy_pipeline((0, 1, 2), FOUR, one_f_one_b(4, M))
   result = check_run(pl, params, batch)
   assert result.peak_residuals == (4, 3, 2, 1)  # S - s
   measured_equals_simulated(result, pl.schedule)
   # Two stages x two chunks. Interleaved 1F1B ('loop' placement: stage 0 runs parts 0, 2).
-  specs2 = stage_specs([(2, 2), (4, 1)])
-  pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs2,
-                     interleaved_1f1b(2, M, 2))
+  pl = toy_pipeline((0, 1, 2), TWO, interleaved_1f1b(2, M, 2))
   assert pl.part_stage == [0, 1, 0, 1] and pl.tied == {"['w_in']": (0, 1)}
   measured_equals_simulated(check_run(pl, params, batch), pl.schedule)
   # V placement: parts 0 and 3 (both use w_in) on stage 0, so nothing is tied across stages.
-  pl = mpmd.Pipeline(toy_loss({0, 1, 2}), params, microbatch_shapes(batch), specs2,
-                     gpipe_v(2, M))
+  pl = toy_pipeline((0, 1, 2), TWO, gpipe_v(2, M))
   assert pl.part_stage == [0, 1, 1, 0] and pl.tied == {}
   result = check_run(pl, params, batch)
   assert result.peak_residuals == (2 * M, 2 * M)
@@ -208,11 +215,8 @@ def test_zb_h1_and_interleaved_equal_1f1b_with_simulated_peaks():
   equal the simulator's: ZB-H1 releases a set at I (peak p - s, as 1F1B) and holds s + 1
   W stashes on stage s; compiled FLOPs of I + W stay within 1.05x of B."""
   params, batch = toy_params(3), toy_batch(3)
-  mb = microbatch_shapes(batch)
-  specs4 = stage_specs([(2, 1), (1, 2), (2, 1), (1, 2)])
-  base = mpmd.Pipeline(toy_loss({0, 1, 2}), params, mb, specs4, one_f_one_b(4, M))
-  want = check_run(base, params, batch)
-  zb = mpmd.Pipeline(toy_loss({0, 1, 2}), params, mb, specs4, zb_h1(4, M))
+  want = check_run(toy_pipeline((0, 1, 2), FOUR, one_f_one_b(4, M)), params, batch)
+  zb = toy_pipeline((0, 1, 2), FOUR, zb_h1(4, M))
   got = zb.run(zb.place(params), batch)
   assert_same_run(got, want)
   assert got.peak_residuals == (4, 3, 2, 1) and got.peak_stash == (1, 2, 3, 4)
@@ -221,10 +225,8 @@ def test_zb_h1_and_interleaved_equal_1f1b_with_simulated_peaks():
   assert sorted(flops) == [0, 1, 2, 3]
   for b, i, w in flops.values():
     assert w > 0 and i + w <= 1.05 * b, (b, i, w)
-  specs2 = stage_specs([(2, 2), (4, 1)])
   for schedule in (gpipe(2, M), one_f_one_b(2, M), interleaved_1f1b(2, M, 2), zb_h1(2, M)):
-    pl = mpmd.Pipeline(toy_loss({0, 1, 2} if schedule.num_chunks == 2 else {1}), params, mb,
-                       specs2, schedule)
+    pl = toy_pipeline((0, 1, 2) if schedule.num_chunks == 2 else (0,), TWO, schedule)
     result = pl.run(pl.place(params), batch)
     assert_same_run(result, want)
     measured_equals_simulated(result, schedule)

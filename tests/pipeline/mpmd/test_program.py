@@ -1,10 +1,10 @@
 """Tests for spmdtask.pipeline.mpmd.program (and MpmdConfig, the LayerStack's MPMD layer groups):
-lm.TinyLmMpmd through the production loop on 8 devices (two submeshes of different shapes)
-trains with the losses and final params of lm.TinyLm on one device; GPipe, 1F1B, ZB-H1 and
-interleaved 1F1B agree; I + W compiled FLOPs equal B's on the LM stages;
-the tied variant matches; checkpoints cross between MPMD and lm.TinyLm both ways on the same
-loss curve; the executor's peak residual sets are GPipe's M and 1F1B's S - s; bad configs
-raise ConfigError naming the field."""
+lm.TinyLmMpmdTied through the production loop on 8 devices (two submeshes of different
+shapes, the tied embedding on both) trains under GPipe and 1F1B with the losses, params and
+eval metrics of lm.TinyLm on one device, and checkpoints cross between MPMD and lm.TinyLm
+both ways; the executor's peak residual sets are GPipe's M and 1F1B's S - s; the last
+stage's vocab-tiled loss and grads equal optax's; bad configs raise ConfigError naming the
+field."""
 import functools
 
 import jax
@@ -19,7 +19,7 @@ from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
 from tests import util
 
-STEPS = 20
+STEPS = 4  # losses 3 and 4 follow Adam updates (step 1's learning rate is 0: warmup from 0)
 ONE_DEVICE = ("task.ici_mesh_shape=(1, 1, 1)",)
 TIED = ("task.model.tie_embeddings=True",)
 
@@ -38,73 +38,59 @@ def evaluate(program, state):
   return evaluation.evaluate(program, state, eval_set)
 
 
+def _train(exp, steps, job_log_dir, overrides=()):
+  """(losses, canonical params, program, state) of `exp` trained (or resumed) to `steps`
+  in `job_log_dir`, saved at the end; lm.TinyLm on one device."""
+  run = util.build_run(exp, list(overrides) + [f"task.train.num_train_steps={steps}",
+                                               "task.train.save_interval_steps=100"])
+  devices = jax.devices()[:1] if exp == "lm.TinyLm" else None
+  state, program, losses = loop.train(run, job_log_dir=job_log_dir, devices=devices)
+  return np.asarray(losses), jax.device_get(program.to_canonical(state).params), program, state
+
+
 @pytest.mark.slow
-def test_tinylm_mpmd_1f1b_and_gpipe_equal_one_device():
-  want_losses, want_params, want_eval = one_device(STEPS)
-  losses, params, program, state = util.train_steps("lm.TinyLmMpmd", STEPS)
-  scope = lambda k: k[:k.index("]", k.index("block")) + 1] if "block" in k else k
-  where = [{scope(k) for k in keys} for keys in program.pipeline.stage_keys]
-  assert where == [{"['embedding']", "['layers']['block_0']"},
-                   {"['layers']['block_1']", "['final_norm']['scale']", "['unembed']"}]
-  assert program.last_peak_residuals == (2, 1)  # 1F1B: S - s
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
-  util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
-  got_eval = evaluate(program, state)
-  assert got_eval["weight"] == want_eval["weight"] == 100 * 64
-  np.testing.assert_allclose(got_eval["loss"], want_eval["loss"], rtol=1e-5)
-  gpipe, _, program, _ = util.train_steps("lm.TinyLmMpmd", 3,
-                                          overrides=["task.pipeline.schedule='gpipe'"])
+def test_tied_tinylm_mpmd_gpipe_and_1f1b_equal_one_device_and_checkpoints_cross(tmp_path):
+  """lm.TinyLmMpmdTied (two submeshes of different shapes; the tied embedding on both
+  stages) against lm.TinyLm with tied embeddings on one device: GPipe from scratch saves at
+  step 2 and lm.TinyLm resumes it to step 4; lm.TinyLm saves at step 2 and 1F1B resumes it
+  to step 4. Every loss, the params at steps 2 and 4 and the eval metrics are those of one
+  device's uninterrupted run. (Untied, the same submeshes train as one device too:
+  tests/pipeline/test_strategies.py; 3 stages: tests/pipeline/mpmd/test_multiprocess.py.)"""
+  want_losses, want_params, want_eval = one_device(STEPS, TIED)
+  half, spmd = STEPS // 2, ONE_DEVICE + TIED
+  spmd_dir, mpmd_dir = str(tmp_path / "spmd"), str(tmp_path / "mpmd")
+  # GPipe saves at step 2 (its params: one device's); lm.TinyLm resumes it.
+  spmd_losses, spmd_params, _, _ = _train("lm.TinyLm", half, spmd_dir, spmd)
+  np.testing.assert_allclose(spmd_losses, want_losses[:half], rtol=1e-5)
+  losses, params, program, state = _train("lm.TinyLmMpmdTied", half, mpmd_dir,
+                                          ["task.pipeline.schedule='gpipe'"])
   assert program.last_peak_residuals == (4, 4)  # GPipe: M
-  np.testing.assert_allclose(gpipe, losses[:3], rtol=1e-6)
-
-
-def _train_program(overrides, steps=3):
-  """(losses, canonical params, program, state) of lm.TinyLmMpmd's program driven step by
-  step on its train batches (the schedule is the only difference between callers)."""
-  run = util.build_run("lm.TinyLmMpmd", list(overrides))
-  inputs = run.datasets["train"]
-  program = program_lib.setup(run.task, inputs.batch_at(0))
-  state, losses = program.init(), []
-  for i in range(steps):
-    state, metrics = program.train(state, program.global_batch(inputs.batch_at(i)))
-    losses.append(float(metrics["loss"]))
-  params = jax.device_get(program.to_canonical(state).params)
-  return np.asarray(losses), params, program, state
-
-
-# (ZB-H1 and interleaved on the whole TinyLm program also equal one device, measured once;
-# tests/pipeline/mpmd/test_pipeline.py checks them against 1F1B: suite time.)
-
-
-def test_tied_embeddings_match_one_device():
-  want_losses, want_params, _ = one_device(5, TIED)
-  losses, params, program, state = util.train_steps("lm.TinyLmMpmdTied", 5)
   assert program.pipeline.tied == {"['embedding']": (0, 1)}
   stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
   np.testing.assert_array_equal(stage0, stage1)  # the two copies stay identical
   assert "unembed" not in params  # the checkpoint holds one embedding
-  np.testing.assert_allclose(losses, want_losses, rtol=1e-4)
+  np.testing.assert_allclose(losses, want_losses[:half], rtol=1e-4)
+  util.assert_trees_close(params, spmd_params, terms=util.TINY_LM_TOKENS)
+  np.testing.assert_allclose(_train("lm.TinyLm", STEPS, mpmd_dir, spmd)[0],
+                             want_losses[half:], rtol=1e-4)
+  # lm.TinyLm (one device) saved at step 2; 1F1B resumes it (the embedding onto both stages).
+  losses, params, program, state = _train("lm.TinyLmMpmdTied", STEPS, spmd_dir)
+  scope = lambda k: k[:k.index("]", k.index("block")) + 1] if "block" in k else k
+  where = [{scope(k) for k in keys} for keys in program.pipeline.stage_keys]
+  assert where == [{"['embedding']", "['layers']['block_0']"},
+                   {"['layers']['block_1']", "['final_norm']['scale']", "['embedding']"}]
+  assert program.last_peak_residuals == (2, 1)  # 1F1B: S - s
+  stage0, stage1 = (st.params["['embedding']"] for st in state.stages)
+  np.testing.assert_array_equal(stage0, stage1)
+  np.testing.assert_allclose(losses, want_losses[half:], rtol=1e-4)
   util.assert_trees_close(params, want_params, terms=util.TINY_LM_TOKENS)
+  got_eval = evaluate(program, state)
+  assert got_eval["weight"] == want_eval["weight"] == 100 * 64
+  np.testing.assert_allclose(got_eval["loss"], want_eval["loss"], rtol=1e-5)
 
 
-def _train(exp, steps, job_log_dir, overrides=()):
-  run = util.build_run(exp, list(overrides) + [f"task.train.num_train_steps={steps}",
-                                               "task.train.save_interval_steps=100"])
-  devices = jax.devices()[:1] if overrides else None
-  return loop.train(run, job_log_dir=job_log_dir, devices=devices)[2]
-
-
-@pytest.mark.slow
-def test_checkpoints_cross_between_mpmd_and_spmd(tmp_path):
-  want = one_device(STEPS)[0][:10]
-  # MPMD saves at step 5; lm.TinyLm (one device) resumes it.
-  mpmd_dir = str(tmp_path / "mpmd")
-  np.testing.assert_allclose(_train("lm.TinyLmMpmd", 5, mpmd_dir), want[:5], rtol=1e-4)
-  np.testing.assert_allclose(_train("lm.TinyLm", 10, mpmd_dir, ONE_DEVICE), want[5:], rtol=1e-4)
-  # lm.TinyLm (one device) saves at step 5; MPMD resumes it.
-  spmd_dir = str(tmp_path / "spmd")
-  _train("lm.TinyLm", 5, spmd_dir, ONE_DEVICE)
-  np.testing.assert_allclose(_train("lm.TinyLmMpmd", 10, spmd_dir), want[5:], rtol=1e-4)
+# (ZB-H1 and interleaved on the whole TinyLm program also equal one device, measured once;
+# tests/pipeline/mpmd/test_pipeline.py checks them against 1F1B: suite time.)
 
 
 @pytest.mark.parametrize("overrides, match", [

@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import optax
 
-from spmdtask.pipeline.mpmd import pipeline, step as mpmd_step
+from spmdtask.pipeline.mpmd import step as mpmd_step
 from tests import util
-from tests.pipeline.mpmd.test_pipeline import (B, M, gpipe, microbatch_shapes, one_f_one_b, stage_specs, toy_batch,
-                             toy_loss, toy_params)
+from tests.pipeline.mpmd.test_pipeline import (B, M, TWO, gpipe, one_f_one_b, toy_batch, toy_loss,
+                                               toy_params, toy_pipeline)
 
 STEPS, LR, WD, CLIP = 4, 3e-2, 0.1, 0.5
 
@@ -37,8 +37,7 @@ def reference_training(params):
 
 
 def mpmd_training(params, schedule):
-  pl = pipeline.Pipeline(toy_loss({0}), params, microbatch_shapes(toy_batch(0)),
-                     stage_specs([(2, 2), (4, 1)]), schedule)
+  pl = toy_pipeline((0,), TWO, schedule)
   step = mpmd_step.TrainStep(pl, optax.adamw(LR, weight_decay=WD), max_grad_norm=CLIP)
   states = step.init(params)
   losses, norms, peaks = [], [], set()
