@@ -21,7 +21,8 @@ def test_ctrl_c_saves_the_current_step_and_the_rerun_resumes_on_the_same_losses(
   out_path = tmp_path / "out.txt"
   code = subproc.signal_once_printed(cmd, out_path, "step 3/", signal.SIGINT)
   text = out_path.read_text()
-  lines = text.splitlines()
+  # A stop that takes over 10 s (a loaded machine) is acknowledged; where it lands varies.
+  lines = [l for l in text.splitlines() if not l.startswith("Ctrl-C: saving at the end")]
   assert code == 130, text[-3000:]
   assert "Traceback" not in text
   step = int(lines[-1].split("Interrupted at step ")[1].split(":")[0])
