@@ -1,21 +1,15 @@
-"""Gives every test 8 emulated CPU devices, compiled at LLVM -O0 into a persistent XLA cache the
-workers share (set before jax is imported)."""
+"""Gives every test 8 emulated CPU devices, compiled at LLVM -O0 (set before jax is imported)."""
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.subproc import CACHE, EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
+from tests.subproc import EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") +
     f" {FAST_COMPILE} {EXTRA_XLA_FLAGS} --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The test workers share the subprocesses' persistent XLA cache: a program another test, worker
-# or subprocess compiled (a one-device TinyLm reference, an import's init) loads instead of
-# compiling again. Programs that compile in under half a second are not worth the write.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 
 def pytest_configure(config):
