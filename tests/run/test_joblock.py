@@ -1,6 +1,6 @@
 """One training per job dir: the lock on local disk (flock; a SIGKILLed holder taken over) and
 on GCS (a leased object written with generation preconditions, against the emulator); and two
-`spmdtask.main` trainings started on one job dir 1 s apart."""
+`spmdtask.main` trainings on one job dir, the second started 1 s after the first took the lock."""
 import json
 import os
 import signal
@@ -122,14 +122,31 @@ def _events_per_step(job: str) -> dict[int, int]:
   return counts
 
 
+def _wait_for_holder(job: str, proc: subprocess.Popen, timeout: float) -> None:
+  """Until `proc` holds the job dir's lock (its record names it): on a loaded machine a
+  process started 1 s later can reach the lock first, and then A is the one refused."""
+  path, deadline = os.path.join(job, "job.lock"), time.time() + timeout
+  while time.time() < deadline:
+    assert proc.poll() is None, "A ended before it took the job lock"
+    try:
+      with open(path) as f:
+        if json.load(f).get("pid") == proc.pid:
+          return
+    except (OSError, ValueError):  # not created yet, or its record half written
+      pass
+    time.sleep(0.1)
+  raise AssertionError(f"A did not take the job lock within {timeout} s")
+
+
 @pytest.mark.slow
 def test_two_trainings_on_one_job_dir(tmp_path):
-  """B, started 1 s after A on A's job dir, exits 2 naming A within 30 s; A trains to the
+  """B, started 1 s after A holds the lock of A's job dir, exits 2 naming A within 30 s; A trains to the
   end, and every summary step and checkpoint is A's, written once."""
   job = str(tmp_path / "job")
   cmd = h.main_cmd("lm.TinyLm", job, *TINY)
   out = open(tmp_path / "a.out", "w+")
   a = subprocess.Popen(cmd, cwd=h.REPO, stdout=out, stderr=subprocess.STDOUT, env=h.env(1))
+  _wait_for_holder(job, a, timeout=120)
   time.sleep(1)
   t0 = time.time()
   b = h.run(cmd, num_devices=1, timeout=120)
