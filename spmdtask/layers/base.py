@@ -1,6 +1,6 @@
 """What every spmdtask layer shares: weights with split-dims metadata, activation constraints."""
 import functools
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import flax.linen as nn
 import jax
@@ -71,8 +71,20 @@ class Quantizer(Protocol):
     ...
 
 
-def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: SplitDims | None,
-            dtype, out_dtype=None, gathered_name: str | None = None,
+@runtime_checkable
+class Stored(Protocol):
+  """A frozen weight held on the mesh as `parts` other than its dense array (layers.qlora's
+  quantized LoRA base), each split as the weight's split-dims say; `shape` the dense
+  weight's. `dense(parts, dtype)` is the weight made from whole parts."""
+  parts: tuple[jax.Array, ...]
+  shape: tuple[int, ...]
+
+  def dense(self, parts, dtype) -> jax.Array:
+    ...
+
+
+def project(eqn: str, x: jax.Array, w: jax.Array | Stored, w_split: SplitDims,
+            batch: SplitDims | None, dtype, out_dtype=None, gathered_name: str | None = None,
             at_once: bool = False, quant: Quantizer | None = None) -> jax.Array:
   """`jnp.einsum(eqn, x, w)` in `dtype` (the result in `out_dtype`, default `dtype`), x's
   dim 0 its batch (split over the axes of the entry `batch`), the result's dim 0 the same
@@ -97,7 +109,11 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
   (spmdtask.core.remat): a preset that keeps it spares the backward its gather, as FSDP's
   "no reshard after forward" does, for the weight's size in memory. GSPMD's path gathers
   out of sight of a name: there is nothing to keep.
+  A `Stored` w (frozen: no gradient) has its parts gathered (packed bytes cross the links)
+  and made dense in `dtype` after the gather, per matmul (`_project_stored`).
   """
+  if isinstance(w, Stored):
+    return _project_stored(eqn, x, w, w_split, batch, dtype, out_dtype, gathered_name, at_once)
   mesh = jax.sharding.get_abstract_mesh()
   manual = batch_axes(mesh, batch, x.shape[0])
   w_axes = fsdp_axes(w.shape, w_split, manual)
@@ -131,6 +147,30 @@ def project(eqn: str, x: jax.Array, w: jax.Array, w_split: SplitDims, batch: Spl
                        in_specs=(rows, P(*[a or None for a in w_axes])),
                        out_specs=P(manual, *[None] * (out_ndim - 1)),
                        axis_names=set(manual))(x, w)
+
+
+def _project_stored(eqn: str, x: jax.Array, w: Stored, w_split: SplitDims,
+                    batch: SplitDims | None, dtype, out_dtype, gathered_name: str | None,
+                    at_once: bool) -> jax.Array:
+  """`project` of a Stored weight: under FSDP (every part's dims divide their axes) each
+  device gathers the parts whole and makes the weight dense in `dtype`; elsewhere GSPMD
+  partitions the product of the dense weight."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = batch_axes(mesh, batch, x.shape[0])
+  axes = [fsdp_axes(p.shape, w_split, manual) for p in w.parts]
+  product = lambda x, whole: jnp.einsum(eqn, x, whole, preferred_element_type=out_dtype)
+  if any(a is None for a in axes):
+    return product(x, w.dense(w.parts, dtype))
+  gather_parts = gather_at_once if at_once else gather
+
+  def local(x, *parts):
+    whole = w.dense(tuple(gather_parts(p, a) for p, a in zip(parts, axes)), dtype)
+    return product(x, checkpoint_name(whole, gathered_name) if gathered_name else whole)
+  out_ndim = len(eqn.split("->")[1])
+  return jax.shard_map(local, in_specs=(P(manual, *[None] * (x.ndim - 1)),
+                                        *[P(*[a or None for a in ax]) for ax in axes]),
+                       out_specs=P(manual, *[None] * (out_ndim - 1)),
+                       axis_names=set(manual))(x, *w.parts)
 
 
 def fsdp_axes(shape: Sequence[int], split: SplitDims, manual: tuple[str, ...]

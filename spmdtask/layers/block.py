@@ -55,23 +55,23 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, lora_drop: lora_lib.Dropout | None = None) -> jax.Array:
     dt, batch, lora = self.dtype, self.ff_act_split, self.lora
-    w_in = lora_lib.weight(self, "wi", (self.d_model, self.d_ff), self.in_split,
-                           dense_init(0, 1), lora)
+    w_in = lora_lib.projection_weight(self, "wi", (self.d_model, self.d_ff), self.in_split,
+                                      dense_init(0, 1), lora)
     up = lambda name, w: constrain(lora_lib.project(
         self, name, "btd,df->btf", x, w, self.in_split, batch, dt, lora, lora_drop,
         at_once="mlp_in" in self.at_once, quant=self.quant), batch)
     # Named for the remat presets (spmdtask.core.remat): what a backward may keep.
     h = checkpoint_name(up("wi", w_in), remat.MLP_UP)
     if self.activation in GATED:
-      w_gate = lora_lib.weight(self, "wg", (self.d_model, self.d_ff), self.in_split,
-                               dense_init(0, 1), lora)
+      w_gate = lora_lib.projection_weight(self, "wg", (self.d_model, self.d_ff),
+                                          self.in_split, dense_init(0, 1), lora)
       gate = checkpoint_name(up("wg", w_gate), remat.MLP_GATE)
       h = GATED[self.activation](gate) * h
     else:
       h = jax.nn.gelu(h)
     h = checkpoint_name(h, remat.MLP_HIDDEN)
-    w_out = lora_lib.weight(self, "wo", (self.d_ff, self.d_model), self.out_split,
-                            dense_init(0, 1), lora)
+    w_out = lora_lib.projection_weight(self, "wo", (self.d_ff, self.d_model), self.out_split,
+                                       dense_init(0, 1), lora)
     return checkpoint_name(lora_lib.project(self, "wo", "btf,fd->btd", h, w_out, self.out_split,
                                             batch, dt, lora, lora_drop,
                                             at_once="mlp_out" in self.at_once,

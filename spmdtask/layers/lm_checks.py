@@ -60,6 +60,12 @@ def _validate_lora(model) -> None:
   if model.lora is None:
     return
   model.lora.validate(lora_weights(model))
+  if model.lora.base_quantization is not None and model.quantization is not None:
+    raise ConfigError(
+        f"{lora_lib.FIELD}.base_quantization={model.lora.base_quantization!r} with "
+        f"task.model.quantization={model.quantization!r}: a QLoRA base is dequantized for a "
+        "float matmul, not multiplied quantized; set task.model.quantization=None (or "
+        f"{lora_lib.FIELD}.base_quantization=None for quantized training matmuls).")
   rank, sizes = model.lora.rank, _lora_sizes(model)
   # The target whose weight is narrowest: its bound holds for every target.
   target, (n_in, n_out) = min(((t, min(sizes[t], key=min)) for t in model.lora.targets),

@@ -26,7 +26,9 @@ they leave by merging (`--to_hf --merge_lora`).
 
 Every other param of a LoRA model is frozen: read through `jax.lax.stop_gradient` (no
 gradient is formed for it) and stored in `base_dtype`; `core.train_state.trainable` is the
-one rule (by param name) that gives adapters alone optimizer state.
+one rule (by param name) that gives adapters alone optimizer state. With `base_quantization`
+(QLoRA) the targets' base weights are stored quantized instead (layers.qlora), in groups
+of `group_size`, and dequantized per matmul.
 """
 import dataclasses
 import math
@@ -39,7 +41,7 @@ import jax.numpy as jnp
 from spmdtask.core import sharding
 from spmdtask.core.train_state import ADAPTER_SUFFIXES
 from spmdtask.errors import ConfigError
-from spmdtask.layers import base
+from spmdtask.layers import base, qlora
 from spmdtask.layers.base import SplitDims
 
 FIELD = "task.model.lora"
@@ -53,12 +55,16 @@ BASE_DTYPES = ("float32", "bfloat16")
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
   """LoRA of a TransformerLm (module doc). `targets` name the adapted weights (TARGETS);
-  `base_dtype` stores the frozen params ('bfloat16' halves them)."""
+  `base_dtype` stores the frozen params ('bfloat16' halves them); `base_quantization`
+  (None | 'nf4' | 'int4' | 'int8', QLoRA) stores the targets' base weights quantized in
+  groups of `group_size` (layers.qlora), their scales in `base_dtype`."""
   rank: int
   alpha: float
   dropout: float = 0.0
   targets: tuple[str, ...] = ATTENTION
   base_dtype: str = "float32"
+  base_quantization: str | None = None
+  group_size: int = 64
 
   @property
   def scale(self) -> float:
@@ -88,6 +94,41 @@ class LoraConfig:
     if self.base_dtype not in BASE_DTYPES:
       raise ConfigError(f"{FIELD}.base_dtype={self.base_dtype!r}: the frozen weights are "
                         f"stored in {' or '.join(BASE_DTYPES)}.")
+    self._validate_quantization(weights)
+
+  def _validate_quantization(self, weights: tuple[str, ...]) -> None:
+    kind = self.base_quantization
+    if kind is None:
+      return
+    if kind not in qlora.KINDS:
+      raise ConfigError(
+          f"{FIELD}.base_quantization={kind!r}: the frozen base's storage is None (base_dtype), "
+          "'nf4' (QLoRA's 4-bit NormalFloat), 'int4' or 'int8'; e.g. "
+          f"--fdl_set=\"{FIELD}.base_quantization='nf4'\".")
+    group = self.group_size
+    if isinstance(group, bool) or not isinstance(group, int) or group < 2 or group % 2:
+      raise ConfigError(
+          f"{FIELD}.group_size={group!r}: the elements of a base weight's in-dim that share "
+          "one scale must be an even integer >= 2 (two 4-bit codes share a byte); e.g. 64, "
+          "as QLoRA.")
+    bad = [t for t in self.targets if t not in qlora.GROUP_AXIS]
+    mla = [w for w in MLA if w in weights]
+    if bad or mla:
+      raise ConfigError(
+          f"{FIELD}.targets={tuple(self.targets)!r} with {FIELD}.base_quantization={kind!r}: "
+          f"{(bad or mla)[0]!r} cannot be stored quantized; QLoRA stores the base weights of "
+          f"the dense projections {', '.join(qlora.GROUP_AXIS)} of a multi-head attention "
+          "model (not an MoE's routed experts, nor multi-head latent attention's). Drop it "
+          f"from the targets, or set {FIELD}.base_quantization=None (a plain LoRA).")
+
+  def check_group(self, name: str, shape) -> None:
+    """ConfigError when group_size does not divide base weight `name`'s group dim."""
+    dim = shape[qlora.group_axis(name, len(shape))]
+    if dim % self.group_size:
+      raise ConfigError(
+          f"{FIELD}.group_size={self.group_size}: it must divide the dim each base weight's "
+          f"scales are grouped along (its last in-dim), but {name!r} {tuple(shape)} has "
+          f"{dim}; give a divisor of {dim} (e.g. {math.gcd(dim, 64) if dim % 2 == 0 else 2}).")
 
 
 def frozen(cfg: LoraConfig | None) -> bool:
@@ -109,6 +150,17 @@ def weight(module: nn.Module, name: str, shape, split: SplitDims, init,
            cfg: LoraConfig | None) -> jax.Array:
   """A base weight (`base.weight`), frozen and stored in `base_dtype` under LoRA."""
   return base.weight(module, name, shape, split, init, base_dtype(cfg), frozen(cfg))
+
+
+def projection_weight(module: nn.Module, name: str, shape, split: SplitDims, init,
+                      cfg: LoraConfig | None) -> jax.Array | qlora.Packed:
+  """`weight` of a projection `project` computes; under QLoRA, where `cfg` targets it,
+  stored quantized (`qlora.Packed`, which `project` takes as a weight)."""
+  if cfg is None or cfg.base_quantization is None or name not in cfg.targets:
+    return weight(module, name, shape, split, init, cfg)
+  cfg.check_group(name, shape)
+  return qlora.weight(module, name, shape, split, init, cfg.base_quantization, cfg.group_size,
+                      base_dtype(cfg))
 
 
 class Dropout(NamedTuple):

@@ -5,6 +5,7 @@ values at their positions and attends over the whole fixed-size cache, slots
 beyond each query's position masked out, so one compiled step serves every
 position.
 """
+import functools
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -187,10 +188,11 @@ class Attention(nn.Module):
                cache: KvCache | None = None, lora_drop: lora_lib.Dropout | None = None,
                is_local: jax.Array | None = None):
     d, h, kv, hd, lora = self.d_model, self.num_heads, self.num_kv_heads, self.head_dim, self.lora
-    wq = lora_lib.weight(self, "q", (d, h, hd), self.q_split, dense_init(0, (1, 2)), lora)
-    wk = lora_lib.weight(self, "k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)), lora)
-    wv = lora_lib.weight(self, "v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)), lora)
-    wo = lora_lib.weight(self, "o", (h, hd, d), self.o_split, dense_init((0, 1), 2), lora)
+    weight = functools.partial(lora_lib.projection_weight, self, cfg=lora)
+    wq = weight("q", (d, h, hd), self.q_split, dense_init(0, (1, 2)))
+    wk = weight("k", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
+    wv = weight("v", (d, kv, hd), self.kv_split, dense_init(0, (1, 2)))
+    wo = weight("o", (h, hd, d), self.o_split, dense_init((0, 1), 2))
     dt, heads = self.dtype, self.heads_act_split
 
     def proj(name, w, split, w_name, field):

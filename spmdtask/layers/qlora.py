@@ -1,0 +1,180 @@
+"""QLoRA: a LoRA model's frozen base weights stored quantized (`LoraConfig.base_quantization`).
+
+A target's base weight W (q, k, v, o, wi, wg, wo: the dense projections `lora.project`
+computes) is stored as two frozen params beside its adapters, each split as W is:
+`{name}_qvalue`, the codes, and `{name}_qscale`, one scale per group of `group_size`
+consecutive elements of W's last in-dim (`GROUP_AXIS`: d of q/k/v/wi/wg, hd of o, f of wo)
+and per element of every other dim, in `base_dtype`. 'nf4' and 'int4' codes are 4 bits,
+two per uint8 byte (neighbours along the group dim: that dim halves); 'int8' codes are int8.
+Everything else (embedding, head, norms, untargeted weights) stays in `base_dtype`, as
+bitsandbytes keeps the embedding and the head.
+
+qwix gives the numbers: its absmax calibration per tile (`qarray.calibrate` with the group
+dim tiled), its scale (absmax / the type's bound: 1 for nf4, 7.5 and 127.5 for int4, int8),
+its code conversion (`numerics.convert_to`: nf4's nearest of the QLoRA paper's 16 values,
+the ints rounded) and its dequantization (`qarray.dequantize`, the nf4 table lookup). What
+this module adds: the value is clipped to the largest code before conversion (qwix rounds
+a value at its int bound, 7.5, to 8, past int4's 7), the scale is rounded to its stored
+dtype before the codes are made from it, and the 4-bit codes are packed into bytes, so the
+arrays a device holds and FSDP gathers are packed (`base.project` gathers the parts of a
+`Stored` weight, then dequantizes per matmul: never a bfloat16 copy of the whole base).
+"""
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from qwix._src.core import numerics, qarray
+
+from spmdtask.layers.base import SplitDims
+
+KINDS = ("nf4", "int4", "int8")
+QVALUE, QSCALE = "_qvalue", "_qscale"  # a quantized base weight X's params: X_qvalue, X_qscale
+# The group dim of each quantizable weight, counted from its end (a stack's layer dim first).
+GROUP_AXIS = {"q": -3, "k": -3, "v": -3, "o": -2, "wi": -2, "wg": -2, "wo": -2}
+_QTYPES = {"nf4": "nf4", "int4": jnp.int4, "int8": jnp.int8}
+_LARGEST = {"nf4": 1.0, "int4": 7.0, "int8": 127.0}  # the largest code's value
+
+
+def packed(kind: str) -> bool:
+  """Whether `kind`'s codes are 4 bits, two a byte."""
+  return kind != "int8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A quantized base weight (`base.Stored`): `parts` (qvalue, qscale) as stored; `shape`
+  the dense weight's; `dense(parts, dtype)` dequantizes whole parts."""
+  parts: tuple[jax.Array, jax.Array]
+  shape: tuple[int, ...]
+  kind: str
+  axis: int  # the group dim
+
+  def dense(self, parts, dtype) -> jax.Array:
+    return dequantize(parts[0], parts[1], self.kind, self.axis, jnp).astype(dtype)
+
+
+def group_axis(name: str, ndim: int) -> int:
+  """The group dim of weight `name` with `ndim` dims (`GROUP_AXIS`)."""
+  return ndim + GROUP_AXIS[name]
+
+
+def quantize(w, kind: str, group: int, axis: int, scale_dtype) -> tuple[jax.Array, jax.Array]:
+  """(qvalue, qscale) of float `w` (module doc): groups of `group` along `axis`."""
+  w = jnp.asarray(w, jnp.float32)
+  qtype = _QTYPES[kind]
+  how = qarray.HowToQuantize(qtype=qtype, channelwise_axes=tuple(
+      d for d in range(w.ndim) if d != axis), tiled_axes={axis: group})
+  scale, _ = qarray.compute_scale_zero_point(qarray.calibrate(w, how), qtype)
+  scale = scale.astype(scale_dtype)
+  scaled = qarray.call_with_generic_broadcast(jnp.divide, w, scale.astype(jnp.float32))
+  codes = numerics.convert_to(jnp.clip(scaled, -_LARGEST[kind], _LARGEST[kind]), qtype)
+  if not packed(kind):
+    return codes, scale
+  codes = codes.astype(jnp.uint8) if kind == "nf4" else (codes.astype(jnp.int8) + 8).astype(
+      jnp.uint8)
+  pairs = codes.reshape(w.shape[:axis] + (w.shape[axis] // 2, 2) + w.shape[axis + 1:])
+  lo, hi = jnp.take(pairs, 0, axis + 1), jnp.take(pairs, 1, axis + 1)
+  return lo | (hi << 4), scale
+
+
+def dequantize(qvalue, qscale, kind: str, axis: int, xp=jnp):
+  """The float32 weight of (qvalue, qscale) (`quantize`'s), groups along `axis`; `xp`
+  jax.numpy in a step, numpy on the host (an export)."""
+  if packed(kind):
+    q = xp.asarray(qvalue)
+    codes = xp.stack([q & 15, q >> 4], axis=axis + 1)
+    codes = codes.reshape(q.shape[:axis] + (2 * q.shape[axis],) + q.shape[axis + 1:])
+    codes = codes.astype(xp.uint8) if kind == "nf4" else codes.astype(xp.int8) - 8
+  else:
+    codes = xp.asarray(qvalue)
+  if xp is np:  # on the host: the same code book and groups, in numpy
+    values = (np.asarray(numerics.get_nf4_buckets(), np.float32)[codes] if kind == "nf4"
+              else codes.astype(np.float32))
+    scale = np.repeat(np.asarray(qscale, np.float32), codes.shape[axis] // qscale.shape[axis],
+                      axis=axis)
+    return values * scale
+  qtype = _QTYPES[kind]
+  codes = codes.astype(jnp.uint4 if kind == "nf4" else qtype)
+  return qarray.dequantize(qarray.QArray(codes, jnp.asarray(qscale, jnp.float32), None, qtype))
+
+
+def weight(module: nn.Module, name: str, shape, split: SplitDims, init, kind: str,
+           group: int, scale_dtype) -> Packed:
+  """Frozen base weight `name` of `shape` stored quantized (module doc), split as `split`
+  says: its init is `init`'s float weight, quantized."""
+  axis = group_axis(name, len(shape))
+  made = {}
+
+  def part(i):
+    def init_part(key):
+      if not made:  # one float init for both parts (the second's key unused)
+        made["parts"] = quantize(init(key, tuple(shape), jnp.float32), kind, group, axis,
+                                 scale_dtype)
+      return made["parts"][i]
+    return nn.with_partitioning(init_part, tuple(split))
+
+  qvalue = module.param(name + QVALUE, part(0))
+  qscale = module.param(name + QSCALE, part(1))
+  return Packed((jax.lax.stop_gradient(qvalue), jax.lax.stop_gradient(qscale)), tuple(shape),
+                kind, axis)
+
+
+def float_view(params, kind: str):
+  """A params tree (nested dicts of arrays or ShapeDtypeStructs) with each quantized pair
+  X_qvalue, X_qscale as one float32 X (a ShapeDtypeStruct, qvalue's sharding): the float
+  base's names and shapes, what a warm start reads."""
+  if not isinstance(params, dict):
+    return params
+  out = {}
+  for k, v in params.items():
+    k = str(k)
+    if k.endswith(QSCALE):
+      continue
+    if k.endswith(QVALUE):
+      name = k[:-len(QVALUE)]
+      shape = list(v.shape)
+      shape[group_axis(name, len(shape))] *= 2 if packed(kind) else 1
+      out[name] = jax.ShapeDtypeStruct(tuple(shape), jnp.float32,
+                                       sharding=getattr(v, "sharding", None))
+    else:
+      out[k] = float_view(v, kind)
+  return out
+
+
+def quantized(params, model, kind: str, group: int):
+  """`params` (float, `float_view`'s names) as `model`'s (its quantized pairs), each weight
+  quantized on its own device arrays' shardings (`model`: arrays or ShapeDtypeStructs)."""
+  if not isinstance(model, dict):
+    return params
+  out = {}
+  for k, v in model.items():
+    k = str(k)
+    if k.endswith(QVALUE):
+      name = k[:-len(QVALUE)]
+      scale = model[name + QSCALE]
+      w = params[name]
+      f = jax.jit(lambda w: quantize(w, kind, group, group_axis(name, w.ndim), scale.dtype),
+                  out_shardings=(getattr(v, "sharding", None), getattr(scale, "sharding", None)))
+      out[k], out[name + QSCALE] = f(w)
+    elif not k.endswith(QSCALE):
+      out[k] = quantized(params[k], v, kind, group)
+  return out
+
+
+def dequantized(params, kind: str):
+  """`params` (nested dicts of numpy arrays) with each quantized pair as its float32 weight
+  X (on the host, numpy): a plain LoRA model's params, for an export."""
+  if not isinstance(params, dict):
+    return params
+  out = {}
+  for k, v in params.items():
+    k = str(k)
+    if k.endswith(QVALUE):
+      name = k[:-len(QVALUE)]
+      out[name] = dequantize(v, params[name + QSCALE], kind, v.ndim + GROUP_AXIS[name], np)
+    elif not k.endswith(QSCALE):
+      out[k] = dequantized(v, kind)
+  return out
+
