@@ -62,6 +62,19 @@ def reported(metrics: Metrics) -> dict[str, jax.Array]:
           for k, m in metrics.items()}
 
 
+def value_and_grad(fn):
+  """`jax.value_and_grad(fn, has_aux=True)` over params that may hold integer leaves (a
+  QLoRA base's packed codes, layers.qlora: frozen, their gradient float0)."""
+  return jax.value_and_grad(fn, has_aux=True, allow_int=True)
+
+
+def integer_grads_zero(grads, params):
+  """`grads` with each integer param's float0 gradient as zeros of the param's dtype (as
+  a frozen float param's: its gradient is zero), so every leaf adds and masks alike."""
+  return jax.tree.map(lambda g, p: jnp.zeros_like(p) if g.dtype == jax.dtypes.float0 else g,
+                      grads, params)
+
+
 def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
                    num_microbatches: int = 1, objective: Objective | None = None,
                    reference=None) -> tuple[jax.Array, Metrics, Any]:
@@ -79,8 +92,8 @@ def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
     return objective.loss(model, p, b, key, reference)
 
   if num_microbatches == 1:
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
-    return loss, metrics, grads
+    (loss, metrics), grads = value_and_grad(loss_fn)(params, batch, rng)
+    return loss, metrics, integer_grads_zero(grads, params)
 
   def summed_loss(p, b, key):
     loss, metrics = loss_fn(p, b, key)
@@ -88,8 +101,8 @@ def loss_and_grads(model: nn.Module, params, batch, rng: jax.Array,
 
   def body(acc, xs):
     i, mb = xs
-    (_, metrics), grads = jax.value_and_grad(summed_loss, has_aux=True)(
-        params, mb, jax.random.fold_in(rng, i))
+    (_, metrics), grads = value_and_grad(summed_loss)(params, mb, jax.random.fold_in(rng, i))
+    grads = integer_grads_zero(grads, params)
     return jax.tree.map(jnp.add, acc, (grads, metrics)), None
 
   mbs = microbatches(batch, num_microbatches)
