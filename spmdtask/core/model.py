@@ -149,6 +149,20 @@ class Adapted(Protocol):
   def adapters_only(self) -> bool:
     """Whether every param but the adapters is frozen (no gradient, no optimizer state)."""
 
+  def base_storage(self) -> "BaseStorage | None":
+    """How a base stored quantized (QLoRA, layers.qlora) maps to float, else None."""
+
+
+class BaseStorage(Protocol):
+  """A frozen base stored other than as its float weights (layers.qlora.Storage)."""
+
+  def float_view(self, params):
+    """`params` (arrays or ShapeDtypeStructs) with each stored weight as its float
+    ShapeDtypeStruct under the float name: what a float base checkpoint holds."""
+
+  def quantized(self, params, model_params):
+    """Float `params` (`float_view`'s names) stored as `model_params` (the model's)."""
+
 
 @runtime_checkable
 class Buffered(Protocol):

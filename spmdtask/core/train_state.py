@@ -90,6 +90,11 @@ def adapters_only(model) -> bool:
   return isinstance(model, Adapted) and model.adapters_only()
 
 
+def base_storage(model):
+  """`model`'s quantized base's storage (the `Adapted` protocol's BaseStorage), else None."""
+  return model.base_storage() if isinstance(model, Adapted) else None
+
+
 def has_buffers(model) -> bool:
   """Whether `model`'s params hold buffers (the `Buffered` protocol)."""
   return isinstance(model, Buffered) and model.has_buffers()

@@ -5,6 +5,7 @@ touch a device); any family, any target (the routed experts' adapters too).
 import numpy as np
 
 from spmdtask.core import train_state
+from spmdtask.layers import qlora
 
 
 def merged(lora: dict, params: dict) -> dict:
@@ -12,3 +13,11 @@ def merged(lora: dict, params: dict) -> dict:
   scale alpha / rank of LoraConfig fields `lora`), the adapters left out: a plain model's
   params."""
   return train_state.merged_adapters(params, lora["alpha"] / lora["rank"], np)
+
+
+def dequantized(lora: dict | None, params: dict) -> dict:
+  """`params` with a QLoRA base (LoraConfig fields `lora`: base_quantization, group_size)
+  dequantized to float32 under its float names (`qlora.Storage.dequantized`): what a merged
+  export merges into and a PEFT export reads the base's shapes from."""
+  kind = None if lora is None else lora.get("base_quantization")
+  return params if kind is None else qlora.Storage(kind, lora["group_size"]).dequantized(params)

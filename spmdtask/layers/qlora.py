@@ -20,6 +20,7 @@ arrays a device holds and FSDP gathers are packed (`base.project` gathers the pa
 `Stored` weight, then dequantizes per matmul: never a bfloat16 copy of the whole base).
 """
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -121,60 +122,60 @@ def weight(module: nn.Module, name: str, shape, split: SplitDims, init, kind: st
                 kind, axis)
 
 
-def float_view(params, kind: str):
-  """A params tree (nested dicts of arrays or ShapeDtypeStructs) with each quantized pair
-  X_qvalue, X_qscale as one float32 X (a ShapeDtypeStruct, qvalue's sharding): the float
-  base's names and shapes, what a warm start reads."""
-  if not isinstance(params, dict):
-    return params
-  out = {}
-  for k, v in params.items():
-    k = str(k)
-    if k.endswith(QSCALE):
-      continue
-    if k.endswith(QVALUE):
-      name = k[:-len(QVALUE)]
-      shape = list(v.shape)
-      shape[group_axis(name, len(shape))] *= 2 if packed(kind) else 1
-      out[name] = jax.ShapeDtypeStruct(tuple(shape), jnp.float32,
-                                       sharding=getattr(v, "sharding", None))
-    else:
-      out[k] = float_view(v, kind)
-  return out
+@dataclasses.dataclass(frozen=True)
+class Storage:
+  """A QLoRA base's storage (`core.model.BaseStorage`): `kind` codes in groups of `group`."""
+  kind: str
+  group: int
 
+  def float_view(self, params):
+    """`params` (nested dicts of arrays or ShapeDtypeStructs) with each pair X_qvalue,
+    X_qscale as one float32 X (a ShapeDtypeStruct with qvalue's sharding): the float
+    base's names and shapes, what a warm start reads."""
+    if not isinstance(params, dict):
+      return params
+    out = {}
+    for k, v in params.items():
+      if str(k).endswith(QVALUE):
+        name = str(k)[:-len(QVALUE)]
+        shape = list(v.shape)
+        shape[group_axis(name, len(shape))] *= 2 if packed(self.kind) else 1
+        out[name] = jax.ShapeDtypeStruct(tuple(shape), jnp.float32,
+                                         sharding=getattr(v, "sharding", None))
+      elif not str(k).endswith(QSCALE):
+        out[k] = self.float_view(v)
+    return out
 
-def quantized(params, model, kind: str, group: int):
-  """`params` (float, `float_view`'s names) as `model`'s (its quantized pairs), each weight
-  quantized on its own device arrays' shardings (`model`: arrays or ShapeDtypeStructs)."""
-  if not isinstance(model, dict):
-    return params
-  out = {}
-  for k, v in model.items():
-    k = str(k)
-    if k.endswith(QVALUE):
-      name = k[:-len(QVALUE)]
-      scale = model[name + QSCALE]
-      w = params[name]
-      f = jax.jit(lambda w: quantize(w, kind, group, group_axis(name, w.ndim), scale.dtype),
-                  out_shardings=(getattr(v, "sharding", None), getattr(scale, "sharding", None)))
-      out[k], out[name + QSCALE] = f(w)
-    elif not k.endswith(QSCALE):
-      out[k] = quantized(params[k], v, kind, group)
-  return out
+  def quantized(self, params, model_params):
+    """Float `params` (`float_view`'s names) as `model_params` (the model's arrays or
+    ShapeDtypeStructs) hold them: each weight quantized where its parts lie; what
+    `params` lacks (e.g. adapters) left out."""
+    if not isinstance(model_params, dict):
+      return params
+    out = {}
+    for k, v in model_params.items():
+      if str(k).endswith(QVALUE):
+        name = str(k)[:-len(QVALUE)]
+        scale = model_params[name + QSCALE]
+        make = functools.partial(quantize, kind=self.kind, group=self.group,
+                                 axis=group_axis(name, len(v.shape)), scale_dtype=scale.dtype)
+        out[k], out[name + QSCALE] = jax.jit(make, out_shardings=(v.sharding, scale.sharding))(
+            params[name])
+      elif not str(k).endswith(QSCALE) and k in params:  # (adapters may be absent)
+        out[k] = self.quantized(params[k], v)
+    return out
 
-
-def dequantized(params, kind: str):
-  """`params` (nested dicts of numpy arrays) with each quantized pair as its float32 weight
-  X (on the host, numpy): a plain LoRA model's params, for an export."""
-  if not isinstance(params, dict):
-    return params
-  out = {}
-  for k, v in params.items():
-    k = str(k)
-    if k.endswith(QVALUE):
-      name = k[:-len(QVALUE)]
-      out[name] = dequantize(v, params[name + QSCALE], kind, v.ndim + GROUP_AXIS[name], np)
-    elif not k.endswith(QSCALE):
-      out[k] = dequantized(v, kind)
-  return out
-
+  def dequantized(self, params):
+    """`params` (nested dicts of numpy arrays) with each pair as its float32 weight X, on
+    the host (numpy): a plain LoRA model's params, for an export."""
+    if not isinstance(params, dict):
+      return params
+    out = {}
+    for k, v in params.items():
+      if str(k).endswith(QVALUE):
+        name = str(k)[:-len(QVALUE)]
+        out[name] = dequantize(v, params[name + QSCALE], self.kind,
+                               group_axis(name, v.ndim), np)
+      elif not str(k).endswith(QSCALE):
+        out[k] = self.dequantized(v)
+    return out

@@ -19,7 +19,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
-from spmdtask.layers import lora as lora_lib
+from spmdtask.layers import lora as lora_lib, qlora
 from spmdtask.layers import quant as quant_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import mtp as mtp_lib
@@ -131,6 +131,11 @@ class TransformerLm(nn.Module):
   def adapters_only(self) -> bool:
     """Whether only the LoRA adapters train (Adapted)."""
     return self.lora is not None
+
+  def base_storage(self) -> qlora.Storage | None:
+    """A QLoRA base's storage (layers.qlora), else None (Adapted)."""
+    kind = None if self.lora is None else self.lora.base_quantization
+    return None if kind is None else qlora.Storage(kind, self.lora.group_size)
 
   def has_buffers(self) -> bool:
     """Whether the params hold MoE balancing biases or amax histories (Buffered)."""

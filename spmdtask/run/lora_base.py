@@ -160,9 +160,24 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
   checkpoint names), ConfigError naming FIELD and the base dir when it is gone or is not
   that base. Without `merge` (task.train.init_adapters='continue') the params are the
   start's base's with the start's adapters beside them, and the Base is the one those
-  adapters continue on. Every process calls it."""
+  adapters continue on. Every process calls it.
+  A QLoRA model's base (`train_state.base_storage`) is read in float (its stored weights
+  under their float names: `float_view`) and quantized here, weight by weight on the
+  devices that hold it (`quantized`): once a start, never saved by the job."""
+  storage = train_state.base_storage(program.model)
+  base, params = _read(init_dir, program, step, expected, field, merge, storage)
+  if storage is None:
+    return base, params
+  return base, storage.quantized(params, program.canonical_targets().params)
+
+
+def _read(init_dir: str, program, step: int | None, expected: Base | None, field: str,
+          merge: bool, storage) -> tuple[Base, dict]:
+  """`read`'s base and params, a QLoRA base in float."""
   merge = expected.merged if expected is not None else merge
   model_params = program.canonical_targets().params
+  if storage is not None:
+    model_params = storage.float_view(model_params)
   shapes = fingerprint(model_params)
   if expected is not None:
     _check_expected(expected, shapes)
@@ -193,7 +208,8 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
                     "base this job started from (its stored fingerprints differ)")
   params = got["params"]
   if own_base is not None:
-    params = _overlay(read(own_base.dir, program, own_base.step, expected=own_base)[1], params)
+    params = _overlay(_read(own_base.dir, program, own_base.step, own_base, FIELD, True,
+                            storage)[1], params)
   if not merge:  # the adapters continue: on the start's own base, or on its params
     return own_base or dataclasses.replace(base, merged=False), params
   if train_state.adapters(params):

@@ -65,6 +65,7 @@ def to_hf(job_log_dir: str, hf_dir: str, merge_lora: bool = False,
       job_log_dir, model_overrides.overrides(cfg, lora=lora), families.experiment(cfg, lora))
   if report:
     report(f"read {job_log_dir}: checkpoint step {step}")
+  params = merge.dequantized(lora, params)  # a QLoRA base: merged into as trained on
   if lora is None or merge_lora:
     params = params if lora is None else merge.merged(lora, params)
     out = {files.WEIGHTS_FILE: convert.from_params(cfg, params, src["dtypes"]),
