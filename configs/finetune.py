@@ -28,12 +28,22 @@ def llama31_8b() -> fdl.Config[TransformerLm]:
                      rope_scaling=LLAMA31_SCALING)
 
 
-def with_lora(cfg: fdl.Config[TransformerLm], rank: int = 16) -> fdl.Config[TransformerLm]:
+def with_lora(cfg: fdl.Config[TransformerLm], rank: int = 16,
+              base_quantization: str | None = None) -> fdl.Config[TransformerLm]:
   """`cfg` with LoRA adapters (alpha 2 x rank) on every attention and MLP weight, the
-  frozen base stored in bfloat16 (layers.lora)."""
+  frozen base stored in bfloat16 (layers.lora); with `base_quantization` (QLoRA,
+  layers.qlora) those weights' base stored quantized in groups of 64, QLoRA's."""
   cfg.lora = fdl.Config(LoraConfig, rank=rank, alpha=2.0 * rank,
-                        targets=("q", "k", "v", "o", "wi", "wg", "wo"), base_dtype="bfloat16")
+                        targets=("q", "k", "v", "o", "wi", "wg", "wo"), base_dtype="bfloat16",
+                        base_quantization=base_quantization, group_size=64)
   return cfg
+
+
+def llama31_70b() -> fdl.Config[TransformerLm]:
+  """Llama 3.1 70B's architecture."""
+  return llama_model(vocab_size=LLAMA3_VOCAB, d_model=8192, num_layers=80, num_heads=64,
+                     num_kv_heads=8, d_ff=28672, max_seq_len=131072, rope_theta=500000.0,
+                     rope_scaling=LLAMA31_SCALING)
 
 
 class _FineTune(_Llama):
@@ -100,9 +110,35 @@ class Llama31_70B_Lora(_FineTune):
   peak_learning_rate = 2e-4
 
   def model(self):
-    return with_lora(llama_model(
-        vocab_size=LLAMA3_VOCAB, d_model=8192, num_layers=80, num_heads=64, num_kv_heads=8,
-        d_ff=28672, max_seq_len=131072, rope_theta=500000.0, rope_scaling=LLAMA31_SCALING))
+    return with_lora(llama31_70b())
+
+
+@register
+class Llama31_8B_QLora(_FineTune):
+  """Llama 3.1 8B QLoRA on one v5e chip (`--plan_topology=v5e:1x1`, 16 GiB): LoRA rank 16
+  on every attention and MLP weight, their base stored in nf4 (groups of 64, bfloat16
+  scales: 0.53 bytes a weight), the embedding, head and norms in bfloat16 (as bitsandbytes
+  keeps them); 2 rows x 2048 tokens a step, full remat."""
+  batch_size = 2
+  seq_len = 2048
+  peak_learning_rate = 2e-4
+
+  def model(self):
+    return with_lora(llama31_8b(), base_quantization="nf4")
+
+
+@register
+class Llama31_70B_QLora(_FineTune):
+  """Llama 3.1 70B QLoRA on one v5e host (`--plan_topology=v5e:2x4`, 8 chips of 16 GiB):
+  Llama31_70B_Lora's adapters, their base stored in nf4 (groups of 64, bfloat16 scales),
+  FSDP over 8 gathering the packed codes; 8 rows x 2048 tokens a step (1 per chip), full
+  remat."""
+  batch_size = 8
+  seq_len = 2048
+  peak_learning_rate = 2e-4
+
+  def model(self):
+    return with_lora(llama31_70b(), base_quantization="nf4")
 
 
 @register

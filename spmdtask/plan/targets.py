@@ -95,6 +95,9 @@ def tpu(topology: str, num_slices: int = 1) -> Target:
   options = {"chip_config_name": "megacore"} if m.group(1) in ("v4", "v5p") else {}
   if num_slices > 1:
     options["num_slices"] = num_slices
+  grid = [int(n) for n in m.group(2).split("x")]
+  if len(grid) == 2 and grid[0] * grid[1] < 4:  # a single-host slice below a 2x2 host (v5e:1x1)
+    options["chips_per_host_bounds"] = (grid[0], grid[1], 1)
   # libtpu takes /tmp/libtpu_lockfile, for a TPU host's chips; compiling for a topology
   # claims no chip, so plans in parallel processes (pytest -n, two users) are fine.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
