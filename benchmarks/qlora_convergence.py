@@ -33,6 +33,7 @@ def _run(args, steps: int, base_dir: str | None = None, kind: str | None = None)
            f"task.train.eval_interval_steps={steps}", f"task.train.save_interval_steps={steps}",
            "task.ici_mesh_shape=(1, 1, 1)"]
   lines += [f"datasets['{s}'].data_dir={args.data_dir!r}" for s in ("train", "eval")]
+  lines.append(f"decode_datasets['prompts'].data_dir={args.data_dir!r}")
   if base_dir:
     lines += [f"task.train.init_checkpoint_dir={base_dir!r}", "task.train.learning_rate.peak_value=1e-3"]
   cfg = main_lib.resolved_config("lm.TextLm", lines)

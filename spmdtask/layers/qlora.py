@@ -54,7 +54,7 @@ class Packed:
   axis: int  # the group dim
 
   def dense(self, parts, dtype) -> jax.Array:
-    return dequantize(parts[0], parts[1], self.kind, self.axis, jnp).astype(dtype)
+    return dequantize(parts[0], parts[1], self.kind, self.axis, jnp, dtype)
 
 
 def group_axis(name: str, ndim: int) -> int:
@@ -81,9 +81,11 @@ def quantize(w, kind: str, group: int, axis: int, scale_dtype) -> tuple[jax.Arra
   return lo | (hi << 4), scale
 
 
-def dequantize(qvalue, qscale, kind: str, axis: int, xp=jnp):
-  """The float32 weight of (qvalue, qscale) (`quantize`'s), groups along `axis`; `xp`
-  jax.numpy in a step, numpy on the host (an export)."""
+def dequantize(qvalue, qscale, kind: str, axis: int, xp=jnp, dtype=jnp.float32):
+  """The weight of (qvalue, qscale) (`quantize`'s), groups along `axis`; `xp` jax.numpy in
+  a step, numpy on the host (an export, float32). On device it is made in `dtype` (a
+  step's compute dtype: XLA:TPU kept a float32 one whole beside the matmul, 896 MiB for a
+  Llama-70B MLP weight)."""
   if packed(kind):
     q = xp.asarray(qvalue)
     codes = xp.stack([q & 15, q >> 4], axis=axis + 1)
@@ -97,10 +99,10 @@ def dequantize(qvalue, qscale, kind: str, axis: int, xp=jnp):
     scale = np.repeat(np.asarray(qscale, np.float32), codes.shape[axis] // qscale.shape[axis],
                       axis=axis)
     return values * scale
-  scale = jnp.asarray(qscale, jnp.float32)
+  scale = jnp.asarray(qscale, dtype)
   if kind == "nf4":  # qwix's table lookup is a gather; 16 selects fuse into the matmul's input
-    table = numerics.get_nf4_buckets()
-    values = jnp.zeros(codes.shape, jnp.float32)
+    table = numerics.get_nf4_buckets().astype(dtype)
+    values = jnp.zeros(codes.shape, dtype)
     for code in range(16):
       values = jnp.where(codes == code, table[code], values)
     return qarray.call_with_generic_broadcast(jnp.multiply, values, scale)
