@@ -114,28 +114,24 @@ class Llama31_70B_Lora(_FineTune):
 
 
 @register
-class Llama31_8B_QLora(_FineTune):
+class Llama31_8B_QLora(Llama31_8B_Lora):
   """Llama 3.1 8B QLoRA on one v5e chip (`--plan_topology=v5e:1x1`, 16 GiB): LoRA rank 16
   on every attention and MLP weight, their base stored in nf4 (groups of 64, bfloat16
   scales: 0.53 bytes a weight), the embedding, head and norms in bfloat16 (as bitsandbytes
   keeps them); 2 rows x 2048 tokens a step, full remat."""
   batch_size = 2
-  seq_len = 2048
-  peak_learning_rate = 2e-4
 
   def model(self):
     return with_lora(llama31_8b(), base_quantization="nf4")
 
 
 @register
-class Llama31_70B_QLora(_FineTune):
+class Llama31_70B_QLora(Llama31_70B_Lora):
   """Llama 3.1 70B QLoRA on one v5e host (`--plan_topology=v5e:2x4`, 8 chips of 16 GiB):
   Llama31_70B_Lora's adapters, their base stored in nf4 (groups of 64, bfloat16 scales),
   FSDP over 8 gathering the packed codes; 8 rows x 2048 tokens a step (1 per chip), full
   remat."""
   batch_size = 8
-  seq_len = 2048
-  peak_learning_rate = 2e-4
 
   def model(self):
     return with_lora(llama31_70b(), base_quantization="nf4")

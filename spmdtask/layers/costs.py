@@ -53,6 +53,9 @@ def lm_work(model, example) -> Work:
   `mtp_depth` D (layers.mtp): N holds the MTP layers' params, the shared head counts D
   more times (vocab·d_model each) and attention D more layers."""
   t = int(example["inputs"].shape[-1])
+  if model.lora is not None and model.lora.base_quantization is not None:
+    # A QLoRA base's stored codes are not its weights: count the float model's (layers.qlora).
+    model = model.clone(lora=dataclasses.replace(model.lora, base_quantization=None))
   shapes = param_shapes(model, example)
   if model.moe is None:
     n, active = sum(x.size for x in jax.tree.leaves(shapes)), None

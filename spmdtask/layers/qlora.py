@@ -140,19 +140,12 @@ class Storage:
     """`params` (nested dicts of arrays or ShapeDtypeStructs) with each pair X_qvalue,
     X_qscale as one float32 X (a ShapeDtypeStruct with qvalue's sharding): the float
     base's names and shapes, what a warm start reads."""
-    if not isinstance(params, dict):
-      return params
-    out = {}
-    for k, v in params.items():
-      if str(k).endswith(QVALUE):
-        name = str(k)[:-len(QVALUE)]
-        shape = list(v.shape)
-        shape[group_axis(name, len(shape))] *= 2 if packed(self.kind) else 1
-        out[name] = jax.ShapeDtypeStruct(tuple(shape), jnp.float32,
-                                         sharding=getattr(v, "sharding", None))
-      elif not str(k).endswith(QSCALE):
-        out[k] = self.float_view(v)
-    return out
+    def pair(name, qvalue, _):
+      shape = list(qvalue.shape)
+      shape[group_axis(name, len(shape))] *= 2 if packed(self.kind) else 1
+      return jax.ShapeDtypeStruct(tuple(shape), jnp.float32,
+                                  sharding=getattr(qvalue, "sharding", None))
+    return _pairs(params, pair, lambda _, v: self.float_view(v))
 
   def quantized(self, params, model_params):
     """Float `params` (`float_view`'s names) as `model_params` (the model's arrays or
@@ -160,30 +153,40 @@ class Storage:
     `params` lacks (e.g. adapters) left out."""
     if not isinstance(model_params, dict):
       return params
-    out = {}
-    for k, v in model_params.items():
-      if str(k).endswith(QVALUE):
-        name = str(k)[:-len(QVALUE)]
-        scale = model_params[name + QSCALE]
-        make = functools.partial(quantize, kind=self.kind, group=self.group,
-                                 axis=group_axis(name, len(v.shape)), scale_dtype=scale.dtype)
-        out[k], out[name + QSCALE] = jax.jit(make, out_shardings=(v.sharding, scale.sharding))(
-            params[name])
-      elif not str(k).endswith(QSCALE) and k in params:  # (adapters may be absent)
-        out[k] = self.quantized(params[k], v)
-    return out
+
+    def pair(name, qvalue, qscale):
+      make = functools.partial(quantize, kind=self.kind, group=self.group,
+                               axis=group_axis(name, len(qvalue.shape)),
+                               scale_dtype=qscale.dtype)
+      return jax.jit(make, out_shardings=(qvalue.sharding, qscale.sharding))(params[name])
+    return _pairs(model_params, pair,
+                  lambda k, v: self.quantized(params[k], v) if k in params else None)
 
   def dequantized(self, params):
     """`params` (nested dicts of numpy arrays) with each pair as its float32 weight X, on
     the host (numpy): a plain LoRA model's params, for an export."""
-    if not isinstance(params, dict):
-      return params
-    out = {}
-    for k, v in params.items():
-      if str(k).endswith(QVALUE):
-        name = str(k)[:-len(QVALUE)]
-        out[name] = dequantize(v, params[name + QSCALE], self.kind,
-                               group_axis(name, v.ndim), np)
-      elif not str(k).endswith(QSCALE):
-        out[k] = self.dequantized(v)
-    return out
+    return _pairs(params, lambda name, q, s: dequantize(q, s, self.kind,
+                                                        group_axis(name, q.ndim), np),
+                  lambda _, v: self.dequantized(v))
+
+
+def _pairs(tree, pair, other):
+  """`tree` (nested dicts) with each pair X_qvalue, X_qscale as X: `pair(X, qvalue,
+  qscale)` (one value, or a (qvalue, qscale) tuple that stays a pair), every other entry
+  k as `other(k, value)` (None: left out)."""
+  if not isinstance(tree, dict):
+    return tree
+  out = {}
+  for k, v in tree.items():
+    if str(k).endswith(QVALUE):
+      name = str(k)[:-len(QVALUE)]
+      got = pair(name, v, tree[name + QSCALE])
+      if isinstance(got, tuple):
+        out[k], out[name + QSCALE] = got
+      else:
+        out[name] = got
+    elif not str(k).endswith(QSCALE):
+      got = other(k, v)
+      if got is not None:
+        out[k] = got
+  return out

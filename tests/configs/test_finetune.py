@@ -12,6 +12,7 @@ from spmdtask.layers.block import num_params
 # r · (in + out) summed over the targets.
 BASE = {"Llama31_8B_Sft": 8_030_261_248, "Llama31_8B_Lora": 8_030_261_248,
         "Llama31_70B_Lora": 70_553_706_496}
+QLORA = {"Llama31_8B_QLora": "Llama31_8B_Lora", "Llama31_70B_QLora": "Llama31_70B_Lora"}
 ADAPTERS = {"Llama31_8B_Sft": 0,
             "Llama31_8B_Lora": 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024)
                                           + 3 * (4096 + 14336)),
@@ -46,6 +47,16 @@ def test_mixtral_lora_counts_its_expert_adapters_and_their_active_share():
   width = model.num_heads * model.head_dim
   assert work.train_flops == (6 * adapters * t + 4 * active * t
                               + 6 * model.num_layers * width * t * (t + 1))
+
+
+@pytest.mark.parametrize("name", sorted(QLORA))
+def test_a_qlora_fine_tune_counts_the_work_of_its_float_model(name):
+  """The nf4 codes are not the weights: a token's FLOPs and params are the LoRA model's."""
+  row = {k: jax.ShapeDtypeStruct((8,), np.int32) for k in ("inputs", "targets")}
+  row["weights"] = jax.ShapeDtypeStruct((8,), np.float32)
+  work = [fdl.build(registry.get(f"finetune.{n}")().task().model).work_per_example(row)
+          for n in (name, QLORA[name])]
+  assert work[0] == work[1]
 
 
 # The LoRA plans (Llama31_8B_Lora on v5e:2x4, Llama31_70B_Lora on v5e:8x8) were measured
