@@ -12,13 +12,14 @@ bitsandbytes keeps the embedding and the head.
 qwix gives the numbers: its absmax calibration per tile (`qarray.calibrate` with the group
 dim tiled), its scale (absmax / the type's bound: 1 for nf4, 7.5 and 127.5 for int4, int8),
 its code conversion (`numerics.convert_to`: nf4's nearest of the QLoRA paper's 16 values,
-the ints rounded), its nf4 code book and its int dequantization (`qarray.dequantize`). What
-this module adds: nf4's lookup as 16 selects (qwix's is a gather: on XLA:TPU 2.9x the
-temporaries of a 4096 x 14336 weight's dequantized matmul); the value is clipped to the largest code before conversion (qwix rounds
-a value at its int bound, 7.5, to 8, past int4's 7), the scale is rounded to its stored
-dtype before the codes are made from it, and the 4-bit codes are packed into bytes, so the
-arrays a device holds and FSDP gathers are packed (`base.project` gathers the parts of a
-`Stored` weight, then dequantizes per matmul: never a bfloat16 copy of the whole base).
+the ints rounded), its nf4 code book and its int dequantization (`qarray.dequantize`).
+What this module adds: the scaled value is clipped to the largest code before conversion
+(qwix rounds a value at its int bound, 7.5, to 8, past int4's 7); the scale is rounded to
+its stored dtype before the codes are made from it; nf4's lookup is 16 selects (qwix's is
+a gather: on XLA:TPU 2.9x the temporaries of a 4096 x 14336 weight's dequantized matmul);
+and the 4-bit codes are packed into bytes, so the arrays a device holds and FSDP gathers
+are packed (`base.project` gathers the parts of a `Stored` weight, then dequantizes per
+matmul: never a bfloat16 copy of the whole base crosses the links).
 """
 import dataclasses
 import functools
