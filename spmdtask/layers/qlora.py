@@ -14,8 +14,8 @@ dim tiled), its scale (absmax / the type's bound: 1 for nf4, 7.5 and 127.5 for i
 its code conversion (`numerics.convert_to`: nf4's nearest of the QLoRA paper's 16 values,
 the ints rounded), its nf4 code book and its int dequantization (`qarray.dequantize`).
 What this module adds: the scaled value is clipped to the largest code before conversion
-(a value at qwix's int4 bound, 7.5, rounds to 8, which int4 cannot hold); the scale is rounded to
-its stored dtype before the codes are made from it; nf4's lookup is 16 selects (qwix's is
+(a value at qwix's int4 bound, 7.5, rounds to 8, which int4 cannot hold); the scale is
+rounded to its stored dtype before the codes are made from it; nf4's lookup is 16 selects (qwix's is
 a gather: on XLA:TPU 2.9x the temporaries of a 4096 x 14336 weight's dequantized matmul);
 and the 4-bit codes are packed into bytes, so the arrays a device holds and FSDP gathers
 are packed (`base.project` gathers the parts of a `Stored` weight, then dequantizes per
