@@ -20,7 +20,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import fiddle as fdl  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 
-from benchmarks.quant_convergence import final_eval_loss, prepare  # pylint: disable=wrong-import-position
+# pylint: disable-next=wrong-import-position
+from benchmarks.quant_convergence import final_eval_loss, prepare
 from spmdtask import main as main_lib  # pylint: disable=wrong-import-position
 from spmdtask.layers.lora import LoraConfig  # pylint: disable=wrong-import-position
 from spmdtask.run import loop  # pylint: disable=wrong-import-position
@@ -35,7 +36,8 @@ def _run(args, steps: int, base_dir: str | None = None, kind: str | None = None)
   lines += [f"datasets['{s}'].data_dir={args.data_dir!r}" for s in ("train", "eval")]
   lines.append(f"decode_datasets['prompts'].data_dir={args.data_dir!r}")
   if base_dir:
-    lines += [f"task.train.init_checkpoint_dir={base_dir!r}", "task.train.learning_rate.peak_value=1e-3"]
+    lines += [f"task.train.init_checkpoint_dir={base_dir!r}",
+              "task.train.learning_rate.peak_value=1e-3"]
   cfg = main_lib.resolved_config("lm.TextLm", lines)
   if base_dir:
     cfg.task.model.lora = fdl.Config(LoraConfig, rank=8, alpha=16.0,
