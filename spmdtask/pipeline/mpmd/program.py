@@ -54,7 +54,6 @@ from spmdtask.pipeline.mpmd import (pipeline as mpmd, canonical as mpmd_canonica
     feed as mpmd_feed, report, stages as mpmd_stages, step as mpmd_step)
 from spmdtask.pipeline.mpmd.step import StageState
 from spmdtask.core.train_state import StateLayout, TrainState
-from spmdtask.errors import ConfigError
 
 
 class MpmdState(NamedTuple):
@@ -260,12 +259,6 @@ def setup(task, config, example_local_batch, devices=None) -> MpmdProgram:
   ConfigError on a bad config. One pass: the stage plan (every decision, "auto" cuts
   resolved), the models and layouts under it, the split pipelines (parts, programs,
   runner), the train step, the program."""
-  if train_state.base_storage(task.model) is not None:
-    raise ConfigError(
-        "task.model.lora.base_quantization with task.pipeline (MPMD): the per-stage programs "
-        "differentiate every param, and a QLoRA base's packed codes are integers. Run QLoRA "
-        "without MPMD (task.pipeline=None: FSDP and tensor axes over the slice), or set "
-        "task.model.lora.base_quantization=None.")
   devices = list(devices if devices is not None else jax.devices())
   plan = mpmd_stages.plan(task, config, global_batch.global_shapes(example_local_batch),
                           devices)

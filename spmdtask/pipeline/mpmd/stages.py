@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import jax
 from jax.sharding import Mesh
 
-from spmdtask.core import layouts, mesh as mesh_lib, sharding
+from spmdtask.core import layouts, mesh as mesh_lib, sharding, train_state
 from spmdtask.errors import BatchSplitError, ConfigError
 from spmdtask.pipeline.mpmd import auto_cuts
 from spmdtask.pipeline.schedules import generators, files, simulate
@@ -202,6 +202,12 @@ def plan(task, config, shapes, devices: Sequence[jax.Device]) -> StagePlan:
                               devices)
   _, model = layouts.strategy_models(task, config)  # the canonical model: the stack's facts
   rows = jax.tree.leaves(shapes)[0].shape[0]
+  if train_state.base_storage(task.model) is not None:
+    raise ConfigError(
+        "task.model.lora.base_quantization with task.pipeline (MPMD): the per-stage programs "
+        "differentiate every param, and a QLoRA base's packed codes are integers. Run QLoRA "
+        "without MPMD (task.pipeline=None: FSDP and tensor axes over the slice), or set "
+        "task.model.lora.base_quantization=None.")
   if task.train.num_microbatches != 1:
     raise ConfigError(f"task.train.num_microbatches={task.train.num_microbatches} with an MPMD "
                       "pipeline: the pipeline splits the batch itself; set "
