@@ -131,6 +131,19 @@ class LoraConfig:
           f"{dim}; give a divisor of {dim} (e.g. {math.gcd(dim, 64) if dim % 2 == 0 else 2}).")
 
 
+class Adaptable:
+  """`core.model.Adapted` for a model whose `lora` field is a LoraConfig or None."""
+
+  def adapters_only(self) -> bool:
+    """Whether only the LoRA adapters train."""
+    return self.lora is not None
+
+  def base_storage(self) -> qlora.Storage | None:
+    """A QLoRA base's storage (layers.qlora), else None."""
+    kind = None if self.lora is None else self.lora.base_quantization
+    return None if kind is None else qlora.Storage(kind, self.lora.group_size)
+
+
 def frozen(cfg: LoraConfig | None) -> bool:
   """Whether a model with this `lora` field freezes its base weights."""
   return cfg is not None

@@ -19,7 +19,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
 from spmdtask.layers import lm_checks
-from spmdtask.layers import lora as lora_lib, qlora
+from spmdtask.layers import lora as lora_lib
 from spmdtask.layers import quant as quant_lib
 from spmdtask.layers import moe as moe_lib
 from spmdtask.layers import mtp as mtp_lib
@@ -54,7 +54,7 @@ BLOCK_FIELDS = ("d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "mlp
                 "local_rope_theta", "attention_scale", "norm_offset", "sandwich_norms", "mla")
 
 
-class TransformerLm(nn.Module):
+class TransformerLm(nn.Module, lora_lib.Adaptable):
   """Decoder-only LM (module doc): implements spmdtask.core.model's `Model`, `Decodable`,
   `ScoresTokens`, `Adapted`, `Buffered` and `Stacked`."""
   vocab_size: int
@@ -127,15 +127,6 @@ class TransformerLm(nn.Module):
   def activation_memory(self, rows: float, seq_len: int):
     """The largest activations and this config's fixes (SizesActivations; layers.costs)."""
     return costs_lib.lm_activation_memory(self, rows, seq_len)
-
-  def adapters_only(self) -> bool:
-    """Whether only the LoRA adapters train (Adapted)."""
-    return self.lora is not None
-
-  def base_storage(self) -> qlora.Storage | None:
-    """A QLoRA base's storage (layers.qlora), else None (Adapted)."""
-    kind = None if self.lora is None else self.lora.base_quantization
-    return None if kind is None else qlora.Storage(kind, self.lora.group_size)
 
   def has_buffers(self) -> bool:
     """Whether the params hold MoE balancing biases or amax histories (Buffered)."""
