@@ -55,7 +55,8 @@ class _Loop(NamedTuple):
 
 def check_slots(slots: int, samples: int, shards: int, field: str) -> None:
   """ConfigError unless 0 < slots <= samples and the slots divide over the data shards."""
-  if not 0 < slots <= samples or slots % shards:
+  if isinstance(slots, bool) or not isinstance(slots, int) or not 0 < slots <= samples or (
+      slots % shards):
     raise ConfigError(
         f"{field}={slots}: the sampler's decode slots must be between 1 and the step's samples "
         f"({samples}) and a multiple of the data shards ({shards}). Set it so, or 0 for one "
@@ -150,6 +151,7 @@ class Generator:
   mesh: Any
   group: int
   max_new: int
+  slots: int
 
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
@@ -177,7 +179,7 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   jitted = steps_lib.partition(
       fn, mesh, (program.layout.split.params, specs.tokens, specs.pos, specs.ids),
       Samples(P(), P(), P(), P(), P(), P()))
-  return Generator(jitted, prompt_specs, mesh, group, max_new)
+  return Generator(jitted, prompt_specs, mesh, group, max_new, slots)
 
 
 def to_rows(samples: Samples) -> dict[int, dict]:
