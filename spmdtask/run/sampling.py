@@ -24,7 +24,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core import global_batch, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
@@ -64,7 +66,7 @@ def check_slots(slots: int, samples: int, shards: int, field: str) -> None:
 
 
 def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
-                max_new: int, score_temperature: float, cache_specs, slot_spec):
+                max_new: int, score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
   """`(padded_params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`; prompt rows
   with id < 0 are padding (no samples). Sample b·G + g has id ids[b]·G + g."""
   stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
@@ -83,6 +85,10 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
     logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)))
     first = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    # every device holds all prompts' KV and last logits (gathered once, not per refill)
+    pcache = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
+        x, P(s[0], None, *s[2:])), pcache, cache_specs)
+    first = jax.lax.with_sharding_constraint(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
     real = jnp.repeat(ids >= 0, group)
     order = jnp.argsort(~real, stable=True).astype(jnp.int32)
@@ -121,7 +127,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
                    c.queued + jnp.sum(take.astype(jnp.int32)), out)
 
     def step(c: _Loop) -> _Loop:
-      c = admit(c)
+      c = jax.lax.cond(jnp.any(c.sample < 0) & (c.queued < waiting), admit, lambda c: c, c)
       live = c.sample >= 0
       logits, cache = model.apply({"params": params}, c.last[:, None], c.pos[:, None], c.cache)
       sid = ids[jnp.maximum(c.sample, 0) // group] * group + jnp.maximum(c.sample, 0) % group
@@ -156,8 +162,14 @@ class Generator:
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
     ({'prompts', 'prompt_lens', 'ids'})."""
-    g = global_batch.to_global({k: local[k] for k in self.prompt_specs}, self.prompt_specs,
-                               self.mesh)
+    local = {k: np.asarray(local[k]) for k in self.prompt_specs}
+    if self.prompt_specs["ids"] == P(None):  # prompts too few to split: every process all
+      local = multihost_utils.process_allgather(local, tiled=True)
+      g = {k: jax.make_array_from_process_local_data(NamedSharding(self.mesh, s), local[k],
+                                                     local[k].shape)
+           for k, s in self.prompt_specs.items()}
+    else:
+      g = global_batch.to_global(local, self.prompt_specs, self.mesh)
     return self.program(padded_params, g["prompts"], g["prompt_lens"], g["ids"])
 
 
@@ -171,13 +183,15 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   n = prompts * group
   slots = slots or n
   data = tuple(program.task.batch_axes()) or None
-  check_slots(slots, n, sharding.shards(data, dict(mesh.shape)), "task.objective.sampler_slots")
-  specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), prompts)
+  shards = sharding.shards(data, dict(mesh.shape))
+  check_slots(slots, n, shards, "task.objective.sampler_slots")
+  specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
   fn = generate_fn(model, program.layout.logical.params, dp, group, slots, max_new,
                    score_temperature, specs.cache, specs.pos)
-  prompt_specs = {"prompts": specs.tokens, "prompt_lens": specs.pos, "ids": specs.ids}
+  split = data if prompts % shards == 0 else None  # the prompts' rows: over the data axes
+  prompt_specs = {"prompts": P(split, None), "prompt_lens": P(split), "ids": P(split)}
   jitted = steps_lib.partition(
-      fn, mesh, (program.layout.split.params, specs.tokens, specs.pos, specs.ids),
+      fn, mesh, (program.layout.split.params, *prompt_specs.values()),
       Samples(P(), P(), P(), P(), P(), P()))
   return Generator(jitted, prompt_specs, mesh, group, max_new, slots)
 
