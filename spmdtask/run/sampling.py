@@ -45,13 +45,19 @@ class Samples(NamedTuple):
 
 
 class _Loop(NamedTuple):
-  """The while_loop's carry."""
+  """The while_loop's carry: per slot [S] (sharded like the cache's rows) but the last three."""
   cache: Any
-  last: jax.Array      # [S] the token each slot feeds next
-  pos: jax.Array       # [S] its position
-  sample: jax.Array    # [S] the sample in the slot, -1 = free
-  count: jax.Array     # [S] tokens the slot's sample has
+  last: jax.Array      # the token each slot feeds next
+  pos: jax.Array       # its position
+  sample: jax.Array    # the sample running in the slot, -1 = free
+  sid: jax.Array       # that sample's id (its draws' stream)
+  count: jax.Array     # tokens the slot's sample has
+  held: jax.Array      # the sample whose tokens the slot's buffer holds, -1 = none
+  tokens: jax.Array    # [S, max_new] the buffer: tokens of `held`
+  logp: jax.Array      # [S, max_new] their log-probs
+  busy: jax.Array      # decode steps that produced a token
   queued: jax.Array    # [] samples admitted so far
+  flags: jax.Array     # [2] bool: (a slot is free and a sample waits, a sample runs or waits)
   out: Samples
 
 
@@ -93,59 +99,72 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     real = jnp.repeat(ids >= 0, group)
     order = jnp.argsort(~real, stable=True).astype(jnp.int32)
     waiting = jnp.sum(real.astype(jnp.int32))
-    constrain = lambda x, s: jax.lax.with_sharding_constraint(x, s)
+    constrain = jax.lax.with_sharding_constraint
+    ids, prompt_lens = constrain(ids, P()), constrain(prompt_lens, P())  # read per refill
     cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
     full = lambda v, dtype=jnp.int32: constrain(jnp.full((slots,), v, dtype), slot_spec)
+    buffer = lambda dtype: constrain(jnp.zeros((slots, max_new), dtype), P(slot_spec[0], None))
     sids = jnp.where(real, jnp.repeat(ids, group) * group + jnp.arange(n) % group, -1)
     out = Samples(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
                   jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), jnp.int32(0),
                   jnp.int32(0))
 
-    def record(out, sample, count, token, logp, live, ended):
-      row = jnp.where(live, sample, n)  # n: out of range, dropped
-      return out._replace(tokens=out.tokens.at[row, count].set(token, mode="drop"),
-                          logp=out.logp.at[row, count].set(logp, mode="drop"),
-                          lengths=out.lengths.at[jnp.where(ended, sample, n)].set(
-                              count + 1, mode="drop"))
+    def flush(c: _Loop, which) -> _Loop:
+      """Copies the buffers of the slots `which` to their samples' rows of the output."""
+      row = jnp.where(which, c.held, n)  # n: out of range, dropped
+      out = c.out._replace(tokens=c.out.tokens.at[row].set(c.tokens, mode="drop"),
+                           logp=c.out.logp.at[row].set(c.logp, mode="drop"),
+                           lengths=c.out.lengths.at[row].set(c.count, mode="drop"))
+      return c._replace(held=jnp.where(which, -1, c.held), out=out)
 
     def admit(c: _Loop) -> _Loop:
       free = c.sample < 0
+      c = flush(c, free & (c.held >= 0))
       q = c.queued + jnp.cumsum(free.astype(jnp.int32)) - 1
       take = free & (q < waiting)
       sample = jnp.where(take, order[jnp.clip(q, 0, n - 1)], c.sample)
       prompt = jnp.maximum(sample, 0) // group
-      sid = ids[prompt] * group + jnp.maximum(sample, 0) % group
+      sid = jnp.where(take, ids[prompt] * group + jnp.maximum(sample, 0) % group, c.sid)
       lens = prompt_lens[prompt]
       nxt, logp = draw(first[prompt], sid, lens)
       ended = take & (jnp.isin(nxt, stops) | (max_new == 1))
       cache = jax.tree.map(lambda cc, pc: jax.lax.dynamic_update_slice_in_dim(
           cc, jnp.where(take.reshape((1, -1) + (1,) * (cc.ndim - 2)), pc[:, prompt],
                         cc[:, :, :plen]), 0, axis=2), c.cache, pcache)
-      out = record(c.out, sample, jnp.zeros_like(sample), nxt, logp, take, ended)
-      return _Loop(cache, jnp.where(take, nxt, c.last), jnp.where(take, lens, c.pos),
-                   jnp.where(ended, -1, sample), jnp.where(take, 1, c.count),
-                   c.queued + jnp.sum(take.astype(jnp.int32)), out)
+      at0 = take[:, None] & (jnp.arange(max_new) == 0)[None, :]
+      fresh = lambda buf, v: jnp.where(at0, v[:, None], jnp.where(take[:, None], 0, buf))
+      return c._replace(cache=cache, last=jnp.where(take, nxt, c.last),
+                        pos=jnp.where(take, lens, c.pos), sample=jnp.where(ended, -1, sample),
+                        sid=sid, count=jnp.where(take, 1, c.count),
+                        held=jnp.where(take, sample, c.held), tokens=fresh(c.tokens, nxt),
+                        logp=fresh(c.logp, logp),
+                        queued=c.queued + jnp.sum(take.astype(jnp.int32)))
 
     def step(c: _Loop) -> _Loop:
-      c = jax.lax.cond(jnp.any(c.sample < 0) & (c.queued < waiting), admit, lambda c: c, c)
+      c = jax.lax.cond(c.flags[0], admit, lambda c: c, c)
       live = c.sample >= 0
       logits, cache = model.apply({"params": params}, c.last[:, None], c.pos[:, None], c.cache)
-      sid = ids[jnp.maximum(c.sample, 0) // group] * group + jnp.maximum(c.sample, 0) % group
-      nxt, logp = draw(logits[:, 0], sid, c.pos + 1)
+      nxt, logp = draw(logits[:, 0], c.sid, c.pos + 1)
       ended = live & (jnp.isin(nxt, stops) | (c.count + 1 >= max_new))
-      out = record(c.out, c.sample, c.count, nxt, logp, live, ended)
-      out = out._replace(iterations=out.iterations + 1,
-                         busy=out.busy + jnp.sum(live.astype(jnp.int32)))
-      return _Loop(cache, jnp.where(live, nxt, c.last), c.pos + live.astype(jnp.int32),
-                   jnp.where(ended, -1, c.sample), c.count + live.astype(jnp.int32),
-                   c.queued, out)
+      at = live[:, None] & (jnp.arange(max_new)[None, :] == c.count[:, None])
+      sample = jnp.where(ended, -1, c.sample)
+      left = c.queued < waiting
+      free, runs = jnp.any(jnp.stack([sample < 0, sample >= 0], axis=-1), axis=0)  # one reduce
+      return c._replace(
+          cache=cache, last=jnp.where(live, nxt, c.last), pos=c.pos + live.astype(jnp.int32),
+          sample=sample, count=c.count + live.astype(jnp.int32),
+          tokens=jnp.where(at, nxt[:, None], c.tokens), logp=jnp.where(at, logp[:, None], c.logp),
+          busy=c.busy + live.astype(jnp.int32), flags=jnp.stack([free & left, runs | left]),
+          out=c.out._replace(iterations=c.out.iterations + 1))
 
-    def running(c: _Loop):
-      # a slot whose sample ended at admission is free again: admit more before stopping
-      return (c.queued < waiting) | jnp.any(c.sample >= 0)
-
-    start = _Loop(cache, full(0), full(0), full(-1), full(0), jnp.int32(0), out)
-    return jax.lax.while_loop(running, step, start).out
+    idle = full(-1)
+    start = _Loop(cache, full(0), full(0), idle, idle, full(0), idle, buffer(jnp.int32),
+                  buffer(jnp.float32), full(0), jnp.int32(0),
+                  jnp.stack([waiting > 0, waiting > 0]), out)
+    # a slot whose sample ended at admission is free again: admit more before stopping
+    end = jax.lax.while_loop(lambda c: c.flags[1], step, start)
+    end = flush(end, end.held >= 0)
+    return end.out._replace(busy=jnp.sum(end.busy))
   return generate
 
 
