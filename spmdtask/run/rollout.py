@@ -244,6 +244,10 @@ class Samples(Protocol):
   max_new_tokens: int
   num_iterations: int
   eos_id: int | tuple[int, ...] | None
+  sampler_slots: int     # decode slots of `run.sampling` (0 = one per sample)
+
+  def score_temperature(self) -> float:
+    """What the logits are divided by where log-probs are scored (sampler and loss alike)."""
 
   def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
     """ConfigError when a prompt leaves no room for the completion."""
