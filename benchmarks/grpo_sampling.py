@@ -18,8 +18,9 @@ Samplers: `today` (`rollout.TokenLoopSampler`: B·G rows, a jitted step per toke
 host, a stopped row idles until the batch is done), `device` (`rollout.Sampler` with one
 slot per sample: shared prefill, one while_loop) and `pool S` (the same with S slots,
 refilled as samples finish). Printed: useful tokens/s (completion tokens / the sampling
-call's seconds), the ratio to today's, and slot utilization (decode slot-steps that
-produced a token / all decode slot-steps; today's: rows x the longest sample's steps).
+call's seconds), the ratio to today's, slot utilization (decode slot-steps that produced a
+token / all decode slot-steps; today's: rows x the longest sample's steps) and the sampling
+programs' peak memory per device (compiled memory_analysis, as the plan reads it).
 """
 import argparse
 import dataclasses
@@ -31,8 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from configs import grpo as grpo_configs  # pylint: disable=unused-import  (registers)
-from spmdtask.core import program as program_lib
-from spmdtask.run import rollout
+from spmdtask.core import global_batch, program as program_lib
+from spmdtask.plan import planner
+from spmdtask.run import decoding, rollout
 
 END = 256  # TinyLmGrpo's end byte
 
@@ -87,6 +89,23 @@ def utilization(name: str, sampler, samples, new_tokens: int) -> float:
   return useful / max(len(samples) * steps, 1)
 
 
+def peak_mib(name: str, sampler, params, local) -> float:
+  """The sampler's compiled programs' peak per device (memory_analysis, as the plan reads
+  it; today's: the larger of its prefill and per-token step), MiB."""
+  if name == "today":
+    dec = sampler.decoder
+    rows = decoding.pad_prompts(rollout.repeat_prompts(local, sampler.group), sampler.local_rows)
+    g = global_batch.to_global(rows, {"prompts": dec.specs.tokens, "prompt_lens": dec.specs.pos,
+                                      "ids": dec.specs.ids}, dec.mesh)
+    args = (params, g["prompts"], g["prompt_lens"], g["ids"])
+    state = dec.prefill(*args)[0]
+    compiled = [dec.prefill.lower(*args).compile(), dec.step.lower(params, state).compile()]
+  else:
+    compiled = [sampler.generate.program.lower(
+        params, *sampler.generate.global_prompts(local)).compile()]
+  return max(planner.compiled_memory(c)["peak_estimate_bytes"] for c in compiled) / 2**20
+
+
 def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> dict:
   new_tokens = run.task.objective.max_new_tokens
   if mode == "long_tail":
@@ -107,7 +126,7 @@ def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> di
   for name, s in found.items():
     rate = tokens / statistics.median(times[name])
     rows[name] = {"tok_s": rate, "util": utilization(name, s, outputs[name], new_tokens),
-                  "same": same[name]}
+                  "same": same[name], "peak": peak_mib(name, s, params, local)}
   base = rows["today"]["tok_s"]
   for r in rows.values():
     r["ratio"] = r["tok_s"] / base
@@ -136,10 +155,11 @@ def main():
     r = bench(run, program, params, mode, slots, args.repeats)
     print(f"\n{mode}: {r['tokens']} completion tokens in {r['samples']} samples "
           f"(mean {r['tokens'] / r['samples']:.1f})")
-    print(f"  {'sampler':<10} {'useful tok/s':>12} {'vs today':>9} {'slot util':>9}  same samples")
+    print(f"  {'sampler':<10} {'useful tok/s':>12} {'vs today':>9} {'slot util':>9} "
+          f"{'peak MiB':>9}  same samples")
     for name, row in r["rows"].items():
-      print(f"  {name:<10} {row['tok_s']:12.1f} {row['ratio']:8.2f}x {row['util']:9.2f}  "
-            f"{row['same']}")
+      print(f"  {name:<10} {row['tok_s']:12.1f} {row['ratio']:8.2f}x {row['util']:9.2f} "
+            f"{row['peak']:9.2f}  {row['same']}")
 
 
 if __name__ == "__main__":

@@ -181,6 +181,10 @@ class Generator:
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
     ({'prompts', 'prompt_lens', 'ids'})."""
+    return self.program(padded_params, *self.global_prompts(local))
+
+  def global_prompts(self, local: dict) -> tuple:
+    """(prompts, prompt_lens, ids) as the program takes them, from this process's rows."""
     local = {k: np.asarray(local[k]) for k in self.prompt_specs}
     if self.prompt_specs["ids"] == P(None):  # prompts too few to split: every process all
       local = multihost_utils.process_allgather(local, tiled=True)
@@ -189,7 +193,7 @@ class Generator:
            for k, s in self.prompt_specs.items()}
     else:
       g = global_batch.to_global(local, self.prompt_specs, self.mesh)
-    return self.program(padded_params, g["prompts"], g["prompt_lens"], g["ids"])
+    return g["prompts"], g["prompt_lens"], g["ids"]
 
 
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
