@@ -141,7 +141,8 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
                         queued=c.queued + jnp.sum(take.astype(jnp.int32)))
 
     def step(c: _Loop) -> _Loop:
-      c = jax.lax.cond(c.flags[0], admit, lambda c: c, c)
+      if slots < n:  # one slot a sample: all were admitted before the loop
+        c = jax.lax.cond(c.flags[0], admit, lambda c: c, c)
       live = c.sample >= 0
       logits, cache = model.apply({"params": params}, c.last[:, None], c.pos[:, None], c.cache)
       nxt, logp = draw(logits[:, 0], c.sid, c.pos + 1)
@@ -161,6 +162,9 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     start = _Loop(cache, full(0), full(0), idle, idle, full(0), idle, buffer(jnp.int32),
                   buffer(jnp.float32), full(0), jnp.int32(0),
                   jnp.stack([waiting > 0, waiting > 0]), out)
+    if slots >= n:
+      start = admit(start)
+      start = start._replace(flags=jnp.stack([False, jnp.any(start.sample >= 0)]))
     # a slot whose sample ended at admission is free again: admit more before stopping
     end = jax.lax.while_loop(lambda c: c.flags[1], step, start)
     end = flush(end, end.held >= 0)
