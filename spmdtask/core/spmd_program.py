@@ -66,7 +66,7 @@ class SpmdProgram:
 
   def init(self):
     """The canonical initial state (the unpipelined model's init), converted to live."""
-    return self._from_canonical(self._init())
+    return self._init()
 
   def train(self, state, batch):
     return self._train(state, batch, *self._reference_args())
@@ -166,7 +166,9 @@ def build(task, strategy, example_local_batch, devices=None) -> SpmdProgram:
   return SpmdProgram(
       task=task, strategy=strategy, model=model, mesh=mesh, tx=tx, layout=layout,
       canonical=canonical, canonical_split=canonical_split, batch_specs=batch_specs, work=work,
-      _init=steps.partition(canonical_init, mesh, (), canonical_split),
+      # One program: the canonical init converted to live where it is made (no second
+      # copy of the state, no second compile).
+      _init=steps.partition(lambda: from_canonical(canonical_init()), mesh, (), layout.split),
       _train=steps.partition(
           steps.train_step_fn(model, tx, schedule, layout, task.train.seed, num_mb,
                               only_adapters, objective), mesh,

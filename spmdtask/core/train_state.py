@@ -59,7 +59,10 @@ def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
 def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
            example_batch) -> TrainState:
   """A fresh logical train state at step 0."""
-  params = nn.unbox(init_params(model, rng, example_batch))
+  return _fresh(tx, nn.unbox(init_params(model, rng, example_batch)))
+
+
+def _fresh(tx: optax.GradientTransformation, params) -> TrainState:
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
 
@@ -74,7 +77,9 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
   """
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0), example_batch))
-    logical = jax.eval_shape(lambda: create(model, tx, jax.random.key(0), example_batch))
+    # The state's shapes from the params' (as `create` makes them) rather than a second
+    # trace of the model's forward: a program's build traces its model once less.
+    logical = jax.eval_shape(lambda b: _fresh(tx, nn.unbox(b)), boxed)
   param_split = jax.tree.map(_split_of_box, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   sharding.validate_tree(logical.params, param_split, mesh_shape, "weight")
   opt_split, warnings = sharding.opt_state_split_dims(tx, logical.opt_state, logical.params,
