@@ -10,9 +10,11 @@ One jitted program per batch of B prompts samples G completions each (N = B·G s
       step:  one token for every running slot (the model's KV-cache forward)
       a sample that emits a stop id or reaches max_new_tokens frees its slot
 
-`slots` (S) sets the pool: S = N runs every sample at once (no refill: the fewest loop
-iterations, the longest sample's); S < N holds S rows of KV cache and refills (continuous
-batching: a short sample's slot goes to the next one, so a long tail keeps the slots busy).
+`slots` (S) sets the pool: S = N runs every sample at once (all admitted before the loop,
+no refill: the fewest loop iterations, the longest sample's); S < N holds S rows of KV cache
+and refills (continuous batching: a short sample's slot goes to the next one, so a long tail
+keeps the slots busy). Every device holds all B prompts' KV (gathered once after the
+prefill) for its refills.
 A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
 samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
 Each token's log-prob under the logits / `score_temperature` is returned beside it (what
@@ -78,7 +80,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
   stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
 
   def draw(logits, sid, position):
-    nxt = decoding.sample(logits, decoding._keys(dp.seed, sid, position), dp)  # pylint: disable=protected-access
+    nxt = decoding.sample(logits, decoding.draw_keys(dp.seed, sid, position), dp)
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / score_temperature, axis=-1)
     return nxt, jnp.take_along_axis(logp, nxt[:, None], axis=1)[:, 0]
 
