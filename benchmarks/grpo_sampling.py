@@ -1,76 +1,165 @@
-"""GRPO's sampling phase vs decode mode: tokens/s of the same model, batch and decode params.
+"""GRPO's sampling phase: today's per-token sampler vs the on-device one, side by side.
 
-    python benchmarks/grpo_sampling.py [--prompts=8] [--generations=8] [--new_tokens=64]
-                                       [--repeats=5]
+    python benchmarks/grpo_sampling.py [--prompts=8] [--generations=8] [--new_tokens=128]
+                                       [--slots=8,16] [--repeats=3]
 
-The model is TinyLmGrpo's (TinyLm, byte vocabulary) on all local devices; params fresh.
-The sampling phase (`run.rollout.Sampler.sample`: B prompts x G samples, temperature 1)
-and decode mode's per-batch work (`run.decoding.decode_batch` on the same B·G rows, the
-same DecodeParams) are each compiled, then timed `--repeats` times alternately; the medians'
-tokens/s and their ratio are printed, with the decode programs' compile counts (1 each).
+The model is TinyLmGrpo's (TinyLm, byte vocabulary) on all local devices (8 emulated CPU
+devices); params fresh; temperature 1. Two length modes, each timed for every sampler in
+one process, alternately, `--repeats` times (medians):
+
+- `full`: no stop id: every sample runs to `--new_tokens`.
+- `long_tail`: completion lengths like real RL's: geometric with mean new_tokens / 8, capped
+  at new_tokens. The stop decision is seeded: after the token t fed at position p, the end
+  byte (256) is forced (a logits bias, in this benchmark's model wrapper only) when a
+  uniform drawn from (seed, p, t) is below 8 / new_tokens. A sample's tokens are the same in
+  every sampler (draws from (seed, id, position)), so every sampler sees the same lengths.
+
+Samplers: `today` (`rollout.TokenLoopSampler`: B·G rows, a jitted step per token from the
+host, a stopped row idles until the batch is done), `device` (`rollout.Sampler` with one
+slot per sample: shared prefill, one while_loop) and `pool S` (the same with S slots,
+refilled as samples finish). Printed: useful tokens/s (completion tokens / the sampling
+call's seconds), the ratio to today's, slot utilization (decode slot-steps that produced a
+token / all decode slot-steps; today's: rows x the longest sample's steps) and the sampling
+programs' peak memory per device (compiled memory_analysis, as the plan reads it).
 """
 import argparse
+import dataclasses
 import statistics
 import time
 
 import common  # pylint: disable=unused-import  (the repository on sys.path; 8 CPU devices)
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from configs import grpo as grpo_configs  # pylint: disable=unused-import  (registers)
-from spmdtask.core import program as program_lib
-from spmdtask.inputs.answers import SumPrompts
-from spmdtask.objectives.grpo import Grpo
+from spmdtask.core import global_batch, program as program_lib
+from spmdtask.plan import planner
 from spmdtask.run import decoding, rollout
 
+END = 256  # TinyLmGrpo's end byte
 
-def bench(prompts: int, generations: int, new_tokens: int, repeats: int) -> dict:
-  run = common.build("TinyLmGrpo", [f"datasets['train'].batch_size={prompts}",
-                                    f"task.objective.num_generations={generations}",
-                                    f"task.objective.max_new_tokens={new_tokens}"])
-  obj: Grpo = run.task.objective
-  inputs = run.datasets["train"]
-  program = program_lib.setup(run.task, rollout.example(run))
-  params = program.init().params
-  sampler = rollout.Sampler(program, obj, prompts, inputs.local_batch_size, inputs.prompt_len)
-  rows = rollout.repeat_prompts(inputs.batch_at(0), generations)
-  n = prompts * generations
 
-  def sample():
-    out = sampler.sample(params, inputs.batch_at(0))
-    return sum(len(s["output_ids"]) for s in out)
+@dataclasses.dataclass(frozen=True)
+class SeededStops:
+  """The model, its next-token logits forced to END where the seeded draw says stop."""
+  model: object
+  stop_prob: float
+  seed: int = 0
 
-  def decode():
-    out = decoding.decode_batch(sampler.decoder, params, rows, n)
-    return sum(len(s["output_ids"]) for s in out)
+  def apply(self, variables, tokens, positions, cache=None, **kw):
+    logits, cache = self.model.apply(variables, tokens, positions, cache, **kw)
+    key = jax.random.key(self.seed)
+    u = jax.vmap(jax.vmap(lambda p, t: jax.random.uniform(
+        jax.random.fold_in(jax.random.fold_in(key, p), t))))(positions, tokens)
+    force = jnp.where(jnp.arange(logits.shape[-1]) == END, 0.0, -1e9)
+    return jnp.where((u < self.stop_prob)[..., None], force, logits), cache
 
-  sample(), decode()  # compile
-  times = {"sample": [], "decode": []}
-  tokens = {}
+  def __getattr__(self, name):
+    return getattr(self.model, name)
+
+
+class WithModel:
+  """`program` with another model (the samplers read program.model)."""
+
+  def __init__(self, program, model):
+    self._program, self.model = program, model
+
+  def __getattr__(self, name):
+    return getattr(self._program, name)
+
+
+def samplers(run, program, slots: list[int], stops) -> dict:
+  obj, inputs = run.task.objective, run.datasets["train"]
+  args = (int(inputs.batch_size), int(inputs.local_batch_size), int(inputs.prompt_len), stops)
+  out = {"today": rollout.TokenLoopSampler(program, obj, *args),
+         "device": rollout.Sampler(program, obj, *args)}
+  for s in slots:
+    pooled = dataclasses.replace(obj, sampler_slots=s)
+    out[f"pool {s}"] = rollout.Sampler(program, pooled, *args)
+  return out
+
+
+def utilization(name: str, sampler, samples, new_tokens: int) -> float:
+  """Decode slot-steps that produced a useful token / all. Today's rows run until the
+  longest stops (a row with a shorter prompt may run past new_tokens: not useful)."""
+  if name != "today":
+    return sampler.utilization
+  steps = max(len(s["output_ids"]) for s in samples) - 1
+  useful = sum(min(len(s["output_ids"]), new_tokens) - 1 for s in samples)
+  return useful / max(len(samples) * steps, 1)
+
+
+def peak_mib(name: str, sampler, params, local) -> float:
+  """The sampler's compiled programs' peak per device (memory_analysis, as the plan reads
+  it; today's: the larger of its prefill and per-token step), MiB."""
+  if name == "today":
+    dec = sampler.decoder
+    rows = decoding.pad_prompts(rollout.repeat_prompts(local, sampler.group), sampler.local_rows)
+    g = global_batch.to_global(rows, {"prompts": dec.specs.tokens, "prompt_lens": dec.specs.pos,
+                                      "ids": dec.specs.ids}, dec.mesh)
+    args = (params, g["prompts"], g["prompt_lens"], g["ids"])
+    state = dec.prefill(*args)[0]
+    compiled = [dec.prefill.lower(*args).compile(), dec.step.lower(params, state).compile()]
+  else:
+    compiled = [sampler.generate.program.lower(
+        params, *sampler.generate.global_prompts(local)).compile()]
+  return max(planner.compiled_memory(c)["peak_estimate_bytes"] for c in compiled) / 2**20
+
+
+def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> dict:
+  new_tokens = run.task.objective.max_new_tokens
+  if mode == "long_tail":
+    program = WithModel(program, SeededStops(program.model, 8 / new_tokens))
+  found = samplers(run, program, slots, (END,) if mode == "long_tail" else ())
+  local = run.datasets["train"].batch_at(0)
+  outputs = {name: s.sample(params, local) for name, s in found.items()}  # compiles
+  times = {name: [] for name in found}
   for _ in range(repeats):
-    for name, fn in (("sample", sample), ("decode", decode)):
+    for name, s in found.items():
       t0 = time.perf_counter()
-      tokens[name] = fn()
+      outputs[name] = s.sample(params, local)
       times[name].append(time.perf_counter() - t0)
-  rate = {k: tokens[k] / statistics.median(v) for k, v in times.items()}
-  return {"rows": n, "tokens": tokens, "sample_tok_s": rate["sample"],
-          "decode_tok_s": rate["decode"], "ratio": rate["sample"] / rate["decode"],
-          "compiles": (sampler.decoder.prefill.jitted._cache_size(),  # pylint: disable=protected-access
-                       sampler.decoder.step.jitted._cache_size())}  # pylint: disable=protected-access
+  useful = {name: [o["output_ids"][:new_tokens] for o in out] for name, out in outputs.items()}
+  same = {name: out == useful["today"] for name, out in useful.items()}
+  tokens = sum(map(len, useful["today"]))
+  rows = {}
+  for name, s in found.items():
+    rate = tokens / statistics.median(times[name])
+    rows[name] = {"tok_s": rate, "util": utilization(name, s, outputs[name], new_tokens),
+                  "same": same[name], "peak": peak_mib(name, s, params, local)}
+  base = rows["today"]["tok_s"]
+  for r in rows.values():
+    r["ratio"] = r["tok_s"] / base
+  return {"tokens": tokens, "samples": len(outputs["today"]), "rows": rows}
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--generations", type=int, default=8)
-  parser.add_argument("--new_tokens", type=int, default=64)
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--new_tokens", type=int, default=128)
+  parser.add_argument("--slots", default="8,16", help="pool sizes, comma-separated")
+  parser.add_argument("--modes", default="long_tail,full")
+  parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  r = bench(args.prompts, args.generations, args.new_tokens, args.repeats)
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; {r['rows']} rows "
-        f"({args.prompts} prompts x {args.generations}), up to {args.new_tokens} new tokens")
-  print(f"sampling phase {r['sample_tok_s']:9.1f} tok/s  decode {r['decode_tok_s']:9.1f} tok/s  "
-        f"ratio {r['ratio']:.3f}  (prefill, step compiled {r['compiles']})")
+  run = common.build("TinyLmGrpo", [f"datasets['train'].batch_size={args.prompts}",
+                                    f"task.objective.num_generations={args.generations}",
+                                    f"task.objective.max_new_tokens={args.new_tokens}",
+                                    "task.objective.temperature=1.0"])
+  program = program_lib.setup(run.task, rollout.example(run))
+  params = program.init().params
+  slots = [int(s) for s in args.slots.split(",") if s]
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
+        f"{args.prompts} prompts x {args.generations} samples, up to {args.new_tokens} new tokens")
+  for mode in args.modes.split(","):
+    r = bench(run, program, params, mode, slots, args.repeats)
+    print(f"\n{mode}: {r['tokens']} completion tokens in {r['samples']} samples "
+          f"(mean {r['tokens'] / r['samples']:.1f})")
+    print(f"  {'sampler':<10} {'useful tok/s':>12} {'vs today':>9} {'slot util':>9} "
+          f"{'peak MiB':>9}  same samples")
+    for name, row in r["rows"].items():
+      print(f"  {name:<10} {row['tok_s']:12.1f} {row['ratio']:8.2f}x {row['util']:9.2f} "
+            f"{row['peak']:9.2f}  {row['same']}")
 
 
 if __name__ == "__main__":

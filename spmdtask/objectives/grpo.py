@@ -49,6 +49,9 @@ class Grpo:
       of any ends it); None = the train input's stop ids (a prompts data dir's eos and chat
       end-of-turn; none: run to max_new_tokens).
     seed: the sampling seed (a sample's draws depend on it, its id and position only).
+    sampler_slots: the sampler's decode slots (KV-cache rows); 0 = one per sample of the
+      step (all at once). Fewer slots hold less cache and refill a finished sample's slot
+      with the next waiting sample (`spmdtask.run.sampling`); a multiple of the data shards.
     beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
     epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high] (TRL's epsilon,
       epsilon_high).
@@ -70,6 +73,7 @@ class Grpo:
   top_k: int = 0
   eos_id: int | tuple[int, ...] | None = None
   seed: int = 0
+  sampler_slots: int = 0
   beta: float = 0.0
   epsilon_low: float = 0.2
   epsilon_high: float = 0.2
@@ -99,6 +103,8 @@ class Grpo:
                     "0 = greedy.")
     checks.in_range("task.objective.top_p", self.top_p, 1e-9, 1.0, "1.0 = off.")
     checks.in_range("task.objective.top_k", self.top_k, 0, float("inf"), "0 = off.")
+    checks.in_range("task.objective.sampler_slots", self.sampler_slots, 0, float("inf"),
+                    "0 = one slot per sample.")
     checks.in_range("task.objective.beta", self.beta, 0.0, float("inf"), "0 = no KL term.")
     for name in ("epsilon_low", "epsilon_high"):
       checks.in_range(f"task.objective.{name}", getattr(self, name), 0.0, float("inf"),

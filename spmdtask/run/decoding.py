@@ -95,7 +95,7 @@ def sample(logits: jax.Array, keys: jax.Array, dp: DecodeParams) -> jax.Array:
   return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
 
 
-def _keys(seed: int, ids: jax.Array, positions: jax.Array) -> jax.Array:
+def draw_keys(seed: int, ids: jax.Array, positions: jax.Array) -> jax.Array:
   """One key per row from (seed, example id, position of the token drawn)."""
   base = jax.random.key(seed)
   return jax.vmap(lambda i, p: jax.random.fold_in(jax.random.fold_in(base, i), p))(ids, positions)
@@ -134,7 +134,7 @@ def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs):
     real = jnp.arange(plen)[None, :] < prompt_lens[:, None]
     tokens = jnp.zeros((b, dp.max_decode_len), jnp.int32)
     tokens = jax.lax.dynamic_update_slice(tokens, jnp.where(real, prompts, 0), (0, 0))
-    nxt = sample(last, _keys(dp.seed, ids, prompt_lens), dp)
+    nxt = sample(last, draw_keys(dp.seed, ids, prompt_lens), dp)
     tokens, pos, done = _finish(tokens, prompt_lens - 1, ids < 0, nxt, dp)
     # Steps the longest-running real row needs (replicated: every process loops alike).
     shortest = jnp.min(jnp.where(ids >= 0, prompt_lens, dp.max_decode_len))
@@ -149,7 +149,7 @@ def step_fn(model, logical_params, dp: DecodeParams):
     params = sharding.unpad(padded_params, logical_params)
     token = jnp.take_along_axis(state.tokens, state.pos[:, None], axis=1)
     logits, cache = model.apply({"params": params}, token, state.pos[:, None], state.cache)
-    nxt = sample(logits[:, 0], _keys(dp.seed, state.ids, state.pos + 1), dp)
+    nxt = sample(logits[:, 0], draw_keys(dp.seed, state.ids, state.pos + 1), dp)
     tokens, pos, done = _finish(state.tokens, state.pos, state.done, nxt, dp)
     return DecodeState(tokens, pos, done, state.ids, state.prompt_lens, cache), jnp.all(done)
   return step

@@ -3,11 +3,12 @@
 Chosen once by the task's objective (`feed`; a `Samples` objective, e.g. GRPO's): the LM feed
 reads a batch per step; the `Rollout` feed, every μ steps (μ = `objective.num_iterations`),
 takes B prompts from the train input (`inputs.answers`: prompts with answers, and the ids
-that stop a completion), samples G completions each with `run.decoding`'s KV-cache programs
-on the same mesh and the train state's own params (no copy; the decode programs compile
-once), each stopping at the first of its stop ids (`stop_ids`), scores them with the
-objective's rewards, normalizes the advantages per group, computes the sampling policy's
-log-probs when μ > 1 (one forward), and trains μ optimizer steps on that batch. One loop
+that stop a completion), samples G completions each with `run.sampling`'s on-device sampler
+on the same mesh and the train state's own params (no copy; it compiles once), each
+stopping at the first of its stop ids (`stop_ids`), scores them with the objective's
+rewards, normalizes the advantages per group, scores the samples' log-probs as the loss
+does (one forward: the old log-probs when μ > 1, and the gap to the sampler's own), and
+trains μ optimizer steps on that batch. One loop
 step is one optimizer step, as for the LM loss, so checkpoints, logs and summaries count
 alike.
 
@@ -16,7 +17,10 @@ the prompt row counting the train input's rows (`ids`), so every mesh samples th
 Metrics added to each step's: reward and reward_std (over the global batch), each reward's
 mean (`reward/<name>`, with several rewards; this process's rows), completion_len (tokens,
 this process's rows), samples_per_sec (of the sampling phase), sample_seconds and
-train_seconds (the last rollout's sampling, and the μ updates before it: the time split).
+train_seconds (the last rollout's sampling, and the μ updates before it: the time split),
+logp_gap_mean and logp_gap_max (|trainer's - sampler's| token log-prob over the completion
+tokens: float noise when both run the same params), sampler_utilization (decode slot-steps
+that produced a token / all).
 The batch's `advantages` and `old_logp` are the keys the objective's loss reads
 (`objectives.grpo`).
 """
@@ -29,11 +33,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from spmdtask import console, fs
 from spmdtask.core import checks, global_batch, layouts, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
-from spmdtask.run import decoding, goodput_events
+from spmdtask.run import decoding, goodput_events, sampling
 from spmdtask.task import DecodeParams
 
 PROMPT_KEYS = ("prompts", "prompt_lens", "ids")
@@ -94,17 +99,46 @@ def example_batch(objective, local_prompt_rows: int, prompt_len: int) -> dict[st
 
 
 class Sampler:
-  """G completions per prompt of a batch, with the decode programs of `program`."""
+  """G completions per prompt of a batch, sampled on the device (`run.sampling`: each prompt
+  prefilled once, `objective.sampler_slots` decode slots refilled as samples finish, one
+  while_loop), each token with its log-prob (`logp`)."""
 
   def __init__(self, program, objective, prompts_per_step: int, local_prompts: int,
                prompt_len: int, stops: tuple[int, ...] = ()):
     self.objective, self.group, self.stops = objective, objective.num_generations, stops
+    self.seq_len = prompt_len + objective.max_new_tokens
+    self.generate = sampling.build(
+        program, decode_params(objective, prompt_len, stops), prompts_per_step, prompt_len,
+        self.group, objective.max_new_tokens, objective.sampler_slots,
+        objective.score_temperature())
+    self.utilization = 0.0  # the last call's: slot-steps that produced a token / all
+
+  def sample(self, padded_params, local: dict) -> list[dict]:
+    """This process's samples of `local` prompts, in row order (prompt-major): id,
+    prompt_ids, output_ids, logp."""
+    out = self.generate(padded_params, local)
+    by_id = sampling.to_rows(out)
+    busy, iterations = jax.device_get((out.busy, out.iterations))
+    self.utilization = float(busy) / max(int(iterations) * self.generate.slots, 1)
+    rows = repeat_prompts(local, self.group)
+    return [{"id": int(i), "prompt_ids": rows["prompts"][r, :rows["prompt_lens"][r]].tolist(),
+             **by_id[int(i)]} for r, i in enumerate(rows["ids"])]
+
+
+class TokenLoopSampler(Sampler):
+  """The sampler before `run.sampling` (the benchmark's baseline): `run.decoding`'s
+  programs on B·G rows, every prompt prefilled G times, one jitted step per token driven
+  from the host, a row that stops idling until the batch is done; no log-probs."""
+
+  def __init__(self, program, objective, prompts_per_step: int, local_prompts: int,
+               prompt_len: int, stops: tuple[int, ...] = ()):  # pylint: disable=super-init-not-called
+    self.objective, self.group, self.stops = objective, objective.num_generations, stops
+    self.seq_len = prompt_len + objective.max_new_tokens
     self.decoder = decoding.build(program, decode_params(objective, prompt_len, stops),
                                   prompts_per_step * self.group, prompt_len)
     self.local_rows = local_prompts * self.group
 
   def sample(self, padded_params, local: dict) -> list[dict]:
-    """This process's samples of `local` prompts, in row order (prompt-major)."""
     rows = repeat_prompts(local, self.group)
     results = decoding.decode_batch(self.decoder, padded_params, rows, self.local_rows)
     by_id = {r["id"]: r for r in results}
@@ -112,16 +146,31 @@ class Sampler:
 
 
 def _scorer(program, objective):
-  """Jitted `(padded_params, batch) -> [n, t]` token log-probs of the current policy (the
-  sampling policy of the μ updates), scored as the loss scores them."""
+  """Jitted `(padded_params, rows, sampler_logp [n, t]) -> (logp [n, t], gap mean, gap
+  max)`: the current policy's token log-probs scored as the loss scores them (the sampling
+  policy's of the μ updates) and their distance |logp - the sampler's| over the completion
+  tokens (rows' weights > 0)."""
   model, logical = program.model, program.layout.logical.params
   specs = {k: program.batch_specs[k] for k in objective.model_batch(program.batch_specs)}
+  per_token = program.batch_specs["targets"]
 
-  def score(padded_params, rows):
+  def score(padded_params, rows, sampled):
     params = sharding.unpad(padded_params, logical)
-    return objective.token_logprobs(model, params, rows)
-  return steps_lib.partition(score, program.mesh, (program.layout.split.params, specs),
-                             program.batch_specs["targets"])
+    logp = objective.token_logprobs(model, params, rows)
+    scored = rows["weights"] > 0
+    gap = jnp.where(scored, jnp.abs(logp - sampled), 0.0)
+    return logp, jnp.sum(gap) / jnp.maximum(jnp.sum(scored), 1), jnp.max(gap)
+  return steps_lib.partition(score, program.mesh, (program.layout.split.params, specs, per_token),
+                             (per_token, P(), P()))
+
+
+def sampler_logp(samples: list[dict], seq_len: int, max_new_tokens: int) -> np.ndarray:
+  """The samples' token log-probs placed as `lm_rows` places their targets [n, seq_len]."""
+  out = np.zeros((len(samples), seq_len), np.float32)
+  for r, s in enumerate(samples):
+    p, logp = len(s["prompt_ids"]), s["logp"][:max_new_tokens]
+    out[r, p - 1:p - 1 + len(logp)] = logp
+  return out
 
 
 @dataclasses.dataclass
@@ -156,7 +205,7 @@ class Rollout:
       local = next(self.inputs)
     samples = self.sampler.sample(state.params, local)
     t1 = time.perf_counter()
-    rows = lm_rows(samples, self.sampler.decoder.params.max_decode_len, obj.max_new_tokens)
+    rows = lm_rows(samples, self.sampler.seq_len, obj.max_new_tokens)
     texts = [self.tokenizer.decode(completion_ids(s, obj.max_new_tokens, self.sampler.stops))
              for s in samples]
     prompts = [self.tokenizer.decode(s["prompt_ids"]) for s in samples]
@@ -170,12 +219,18 @@ class Rollout:
     # the rows' leaves only: old_logp (μ > 1) is computed on the devices
     batch = global_batch.to_global(rows, {k: self.program.batch_specs[k] for k in rows},
                                    self.program.mesh)
+    sampled = global_batch.to_global(
+        sampler_logp(samples, self.sampler.seq_len, obj.max_new_tokens),
+        self.program.batch_specs["targets"], self.program.mesh)
+    logp, gap_mean, gap_max = self.scorer(state.params, obj.model_batch(batch), sampled)
     if obj.num_iterations > 1:
-      batch["old_logp"] = self.scorer(state.params, obj.model_batch(batch))
+      batch["old_logp"] = logp
     lengths = rows["weights"].sum(-1)
     extra = {"reward": float(all_r.mean()), "reward_std": float(all_r.std()),
              **({f"reward/{k}": v for k, v in means.items()} if len(means) > 1 else {}),
              "completion_len": float(lengths.mean()),
+             "logp_gap_mean": float(gap_mean), "logp_gap_max": float(gap_max),
+             "sampler_utilization": self.sampler.utilization,
              "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
              "sample_seconds": t1 - t0, "train_seconds": train_seconds}
     self._t_train = time.perf_counter()
@@ -189,6 +244,10 @@ class Samples(Protocol):
   max_new_tokens: int
   num_iterations: int
   eos_id: int | tuple[int, ...] | None
+  sampler_slots: int     # decode slots of `run.sampling` (0 = one per sample)
+
+  def score_temperature(self) -> float:
+    """What the logits are divided by where log-probs are scored (sampler and loss alike)."""
 
   def check_room(self, prompt_len: int, max_seq_len: int, field: str) -> None:
     """ConfigError when a prompt leaves no room for the completion."""
@@ -260,32 +319,27 @@ def feed(run, program, record: goodput_events.Recorder = goodput_events.OFF):
     return LmFeed(program, inputs, record)
   sampler = Sampler(program, obj, int(inputs.batch_size), int(inputs.local_batch_size),
                     int(inputs.prompt_len), stop_ids(obj, inputs))
-  return Rollout(program, inputs, sampler, inputs.tokenizer,
-                 _scorer(program, obj) if obj.num_iterations > 1 else None, record)
+  return Rollout(program, inputs, sampler, inputs.tokenizer, _scorer(program, obj), record)
 
 
 def sampling_lowerings(run, program) -> list:
-  """The sampling phase's programs (decode prefill and per-token step for B·G rows) as
-  `Lowering`s from shapes, for the plan; [] without a `Samples` objective."""
+  """The sampling phase's program (`run.sampling`'s, for B prompts x G samples) as a
+  `Lowering` from shapes, for the plan; [] without a `Samples` objective."""
   obj, inputs = run.task.objective, run.datasets["train"]
   if not isinstance(obj, Samples):
     return []
-  rows, plen = int(inputs.batch_size) * obj.num_generations, int(inputs.prompt_len)
-  dec = decoding.build(program, decode_params(obj, plen, stop_ids(obj, inputs)), rows, plen)
-  mesh, specs = program.mesh, dec.specs
+  batch, plen = int(inputs.batch_size), int(inputs.prompt_len)
+  gen = sampling.build(program, decode_params(obj, plen, stop_ids(obj, inputs)), batch, plen,
+                       obj.num_generations, obj.max_new_tokens, obj.sampler_slots,
+                       obj.score_temperature())
+  mesh, specs = program.mesh, gen.prompt_specs
   params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
   prompts = layouts.sharded_structs(
-      mesh, (jax.ShapeDtypeStruct((rows, plen), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
-             jax.ShapeDtypeStruct((rows,), jnp.int32)), (specs.tokens, specs.pos, specs.ids))
-  with jax.set_mesh(mesh):
-    state = jax.eval_shape(dec.prefill.jitted, params, *prompts)[0]
-  state = layouts.sharded_structs(mesh, jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), state), specs)
-  new = obj.max_new_tokens
-  return [layouts.Lowering("sampling prefill", None, mesh, lambda: dec.prefill.lower(params, *prompts),
-                           fn=dec.prefill.jitted, args=(params, *prompts)),
-          layouts.Lowering("sampling step", None, mesh, lambda: dec.step.lower(params, state),
-                           calls_per_step=new - 1, fn=dec.step.jitted, args=(params, state))]
+      mesh, (jax.ShapeDtypeStruct((batch, plen), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+             jax.ShapeDtypeStruct((batch,), jnp.int32)),
+      (specs["prompts"], specs["prompt_lens"], specs["ids"]))
+  return [layouts.Lowering("sampling", None, mesh, lambda: gen.program.lower(params, *prompts),
+                           fn=gen.program.jitted, args=(params, *prompts))]
 
 
 def plan_inputs(run) -> tuple:

@@ -1,0 +1,234 @@
+"""The on-device sampler: shared prefill, a pool of decode slots with refill, one while_loop.
+
+One jitted program per batch of B prompts samples G completions each (N = B·G samples):
+
+    prefill the B prompts once            -> their KV [layers, B, P, ...], last logits [B, V]
+    while a sample waits or a slot runs:   (jax.lax.while_loop: no host round trip per token)
+      admit: each free slot takes the next waiting sample: its prompt's KV copied into the
+             slot's first P cache entries (shared prefill), its first token drawn from the
+             prompt's last logits
+      step:  one token for every running slot (the model's KV-cache forward)
+      a sample that emits a stop id or reaches max_new_tokens frees its slot
+
+`slots` (S) sets the pool: S = N runs every sample at once (all admitted before the loop,
+no refill: the fewest loop iterations, the longest sample's); S < N holds S rows of KV cache
+and refills (continuous batching: a short sample's slot goes to the next one, so a long tail
+keeps the slots busy). Every device holds all B prompts' KV (gathered once after the
+prefill) for its refills.
+A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
+samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
+Each token's log-prob under the logits / `score_temperature` is returned beside it (what
+the trainer scores: `objective.token_logprobs`). Slots are sharded like the decode batch
+(over the data axes), the cache as the model says; outputs come back replicated.
+"""
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from spmdtask.core import global_batch, sharding, steps as steps_lib
+from spmdtask.errors import ConfigError
+from spmdtask.run import decoding
+from spmdtask.task import DecodeParams
+
+
+class Samples(NamedTuple):
+  """What one call returns (replicated), for N = B·G samples in prompt-major order."""
+  tokens: jax.Array    # [N, max_new] int32: the completion, stop id included, 0 beyond
+  logp: jax.Array      # [N, max_new] float32: each token's log-prob, 0 beyond
+  lengths: jax.Array   # [N] int32 (0 for a padding prompt's samples)
+  ids: jax.Array       # [N] int32: sample ids (prompt id · G + g; -1 for padding's)
+  iterations: jax.Array  # [] int32: loop iterations (decode steps over the pool)
+  busy: jax.Array      # [] int32: slot-steps that produced a token
+
+
+class _Loop(NamedTuple):
+  """The while_loop's carry: per slot [S] (sharded like the cache's rows) but the last three."""
+  cache: Any
+  last: jax.Array      # the token each slot feeds next
+  pos: jax.Array       # its position
+  sample: jax.Array    # the sample running in the slot, -1 = free
+  sid: jax.Array       # that sample's id (its draws' stream)
+  count: jax.Array     # tokens the slot's sample has
+  held: jax.Array      # the sample whose tokens the slot's buffer holds, -1 = none
+  tokens: jax.Array    # [S, max_new] the buffer: tokens of `held`
+  logp: jax.Array      # [S, max_new] their log-probs
+  busy: jax.Array      # decode steps that produced a token
+  queued: jax.Array    # [] samples admitted so far
+  flags: jax.Array     # [2] bool: (a slot is free and a sample waits, a sample runs or waits)
+  out: Samples
+
+
+def check_slots(slots: int, samples: int, shards: int, field: str) -> None:
+  """ConfigError unless 0 < slots <= samples and the slots divide over the data shards."""
+  if isinstance(slots, bool) or not isinstance(slots, int) or not 0 < slots <= samples or (
+      slots % shards):
+    raise ConfigError(
+        f"{field}={slots}: the sampler's decode slots must be between 1 and the step's samples "
+        f"({samples}) and a multiple of the data shards ({shards}). Set it so, or 0 for one "
+        "slot per sample.")
+
+
+def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
+                max_new: int, score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
+  """`(padded_params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`; prompt rows
+  with id < 0 are padding (no samples). Sample b·G + g has id ids[b]·G + g."""
+  stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
+
+  def draw(logits, sid, position):
+    nxt = decoding.sample(logits, decoding.draw_keys(dp.seed, sid, position), dp)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / score_temperature, axis=-1)
+    return nxt, jnp.take_along_axis(logp, nxt[:, None], axis=1)[:, 0]
+
+  def generate(padded_params, prompts, prompt_lens, ids):
+    params = sharding.unpad(padded_params, logical_params)
+    b, plen = prompts.shape
+    n, total = b * group, plen + max_new
+    zeros = lambda shape: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                       model.cache_shape(*shape))
+    positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
+    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)))
+    first = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    # every device holds all prompts' KV and last logits (gathered once, not per refill)
+    pcache = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
+        x, P(s[0], None, *s[2:])), pcache, cache_specs)
+    first = jax.lax.with_sharding_constraint(first, P())
+    # the waiting line: real prompts' samples in order (padding's never run)
+    real = jnp.repeat(ids >= 0, group)
+    order = jnp.argsort(~real, stable=True).astype(jnp.int32)
+    waiting = jnp.sum(real.astype(jnp.int32))
+    constrain = jax.lax.with_sharding_constraint
+    ids, prompt_lens = constrain(ids, P()), constrain(prompt_lens, P())  # read per refill
+    cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
+    full = lambda v, dtype=jnp.int32: constrain(jnp.full((slots,), v, dtype), slot_spec)
+    buffer = lambda dtype: constrain(jnp.zeros((slots, max_new), dtype), P(slot_spec[0], None))
+    sids = jnp.where(real, jnp.repeat(ids, group) * group + jnp.arange(n) % group, -1)
+    out = Samples(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
+                  jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), jnp.int32(0),
+                  jnp.int32(0))
+
+    def flush(c: _Loop, which) -> _Loop:
+      """Copies the buffers of the slots `which` to their samples' rows of the output."""
+      row = jnp.where(which, c.held, n)  # n: out of range, dropped
+      out = c.out._replace(tokens=c.out.tokens.at[row].set(c.tokens, mode="drop"),
+                           logp=c.out.logp.at[row].set(c.logp, mode="drop"),
+                           lengths=c.out.lengths.at[row].set(c.count, mode="drop"))
+      return c._replace(held=jnp.where(which, -1, c.held), out=out)
+
+    def admit(c: _Loop) -> _Loop:
+      free = c.sample < 0
+      c = flush(c, free & (c.held >= 0))
+      q = c.queued + jnp.cumsum(free.astype(jnp.int32)) - 1
+      take = free & (q < waiting)
+      sample = jnp.where(take, order[jnp.clip(q, 0, n - 1)], c.sample)
+      prompt = jnp.maximum(sample, 0) // group
+      sid = jnp.where(take, ids[prompt] * group + jnp.maximum(sample, 0) % group, c.sid)
+      lens = prompt_lens[prompt]
+      nxt, logp = draw(first[prompt], sid, lens)
+      ended = take & (jnp.isin(nxt, stops) | (max_new == 1))
+      cache = jax.tree.map(lambda cc, pc: jax.lax.dynamic_update_slice_in_dim(
+          cc, jnp.where(take.reshape((1, -1) + (1,) * (cc.ndim - 2)), pc[:, prompt],
+                        cc[:, :, :plen]), 0, axis=2), c.cache, pcache)
+      at0 = take[:, None] & (jnp.arange(max_new) == 0)[None, :]
+      fresh = lambda buf, v: jnp.where(at0, v[:, None], jnp.where(take[:, None], 0, buf))
+      return c._replace(cache=cache, last=jnp.where(take, nxt, c.last),
+                        pos=jnp.where(take, lens, c.pos), sample=jnp.where(ended, -1, sample),
+                        sid=sid, count=jnp.where(take, 1, c.count),
+                        held=jnp.where(take, sample, c.held), tokens=fresh(c.tokens, nxt),
+                        logp=fresh(c.logp, logp),
+                        queued=c.queued + jnp.sum(take.astype(jnp.int32)))
+
+    def step(c: _Loop) -> _Loop:
+      if slots < n:  # one slot a sample: all were admitted before the loop
+        c = jax.lax.cond(c.flags[0], admit, lambda c: c, c)
+      live = c.sample >= 0
+      logits, cache = model.apply({"params": params}, c.last[:, None], c.pos[:, None], c.cache)
+      nxt, logp = draw(logits[:, 0], c.sid, c.pos + 1)
+      ended = live & (jnp.isin(nxt, stops) | (c.count + 1 >= max_new))
+      at = live[:, None] & (jnp.arange(max_new)[None, :] == c.count[:, None])
+      sample = jnp.where(ended, -1, c.sample)
+      left = c.queued < waiting
+      free, runs = jnp.any(jnp.stack([sample < 0, sample >= 0], axis=-1), axis=0)  # one reduce
+      return c._replace(
+          cache=cache, last=jnp.where(live, nxt, c.last), pos=c.pos + live.astype(jnp.int32),
+          sample=sample, count=c.count + live.astype(jnp.int32),
+          tokens=jnp.where(at, nxt[:, None], c.tokens), logp=jnp.where(at, logp[:, None], c.logp),
+          busy=c.busy + live.astype(jnp.int32), flags=jnp.stack([free & left, runs | left]),
+          out=c.out._replace(iterations=c.out.iterations + 1))
+
+    idle = full(-1)
+    start = _Loop(cache, full(0), full(0), idle, idle, full(0), idle, buffer(jnp.int32),
+                  buffer(jnp.float32), full(0), jnp.int32(0),
+                  jnp.stack([waiting > 0, waiting > 0]), out)
+    if slots >= n:
+      start = admit(start)
+      start = start._replace(flags=jnp.stack([False, jnp.any(start.sample >= 0)]))
+    # a slot whose sample ended at admission is free again: admit more before stopping
+    end = jax.lax.while_loop(lambda c: c.flags[1], step, start)
+    end = flush(end, end.held >= 0)
+    return end.out._replace(busy=jnp.sum(end.busy))
+  return generate
+
+
+@dataclasses.dataclass(frozen=True)
+class Generator:
+  """The jitted sampler of one program for B prompts x G samples on S slots."""
+  program: steps_lib.Partitioned
+  prompt_specs: dict
+  mesh: Any
+  group: int
+  max_new: int
+  slots: int
+
+  def __call__(self, padded_params, local: dict) -> Samples:
+    """Samples of the global batch whose process-local prompt rows are `local`
+    ({'prompts', 'prompt_lens', 'ids'})."""
+    return self.program(padded_params, *self.global_prompts(local))
+
+  def global_prompts(self, local: dict) -> tuple:
+    """(prompts, prompt_lens, ids) as the program takes them, from this process's rows."""
+    local = {k: np.asarray(local[k]) for k in self.prompt_specs}
+    if self.prompt_specs["ids"] == P(None):  # prompts too few to split: every process all
+      local = multihost_utils.process_allgather(local, tiled=True)
+      g = {k: jax.make_array_from_process_local_data(NamedSharding(self.mesh, s), local[k],
+                                                     local[k].shape)
+           for k, s in self.prompt_specs.items()}
+    else:
+      g = global_batch.to_global(local, self.prompt_specs, self.mesh)
+    return g["prompts"], g["prompt_lens"], g["ids"]
+
+
+def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
+          slots: int = 0, score_temperature: float = 1.0) -> Generator:
+  """Validates and jits the sampler for `prompts` prompts (global) of `prompt_len` tokens,
+  `group` samples each, at most `max_new` new tokens, on `slots` slots (0 = one a sample)."""
+  model, mesh = program.model, program.mesh
+  decoding.validate(model, dataclasses.replace(dp, max_decode_len=prompt_len + max_new),
+                    prompt_len)
+  n = prompts * group
+  slots = slots or n
+  data = tuple(program.task.batch_axes()) or None
+  shards = sharding.shards(data, dict(mesh.shape))
+  check_slots(slots, n, shards, "task.objective.sampler_slots")
+  specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
+  fn = generate_fn(model, program.layout.logical.params, dp, group, slots, max_new,
+                   score_temperature, specs.cache, specs.pos)
+  split = data if prompts % shards == 0 else None  # the prompts' rows: over the data axes
+  prompt_specs = {"prompts": P(split, None), "prompt_lens": P(split), "ids": P(split)}
+  jitted = steps_lib.partition(
+      fn, mesh, (program.layout.split.params, *prompt_specs.values()),
+      Samples(P(), P(), P(), P(), P(), P()))
+  return Generator(jitted, prompt_specs, mesh, group, max_new, slots)
+
+
+def to_rows(samples: Samples) -> dict[int, dict]:
+  """{sample id: {'output_ids', 'logp'}} of the real prompts' samples (host lists)."""
+  tokens, logp, lengths, ids = jax.device_get(
+      (samples.tokens, samples.logp, samples.lengths, samples.ids))
+  return {int(ids[r]): {"output_ids": tokens[r, :lengths[r]].tolist(),
+                        "logp": logp[r, :lengths[r]].tolist()}
+          for r in range(len(ids)) if ids[r] >= 0}
