@@ -104,13 +104,13 @@ def test_an_nf4_base_stores_packed_codes_and_scales_split_as_the_weight(tiny):
 
 
 def test_nf4_logits_stay_near_the_float_bases_and_equal_the_dequantized_bases(tiny):
-  # nf4 moves each base weight by at most 0.14 x its group's absmax (typically ~0.05 of
-  # it); through two layers of this random model the logits (|logits| ~ 1) moved by
-  # 0.08 at most: the bound is 0.2 x max |logits|. A wrong code book, group or scale moves
-  # them by the logits' own size.
+  # nf4 moves each base weight by up to 0.152 x its group's absmax (its widest half-gap);
+  # through this random 2-layer model with adapters the logits (max |logits| 3.37) moved by
+  # 0.58 at most (0.17 x, measured): the bound is 0.3 x max |logits|. A wrong code book,
+  # group or scale moves them by the logits' own size.
   err = np.abs(tiny["nf4"] - tiny["float"]).max()
   scale = np.abs(tiny["float"]).max()
-  assert 0 < err <= 0.2 * scale, (err, scale)
+  assert 0 < err <= 0.3 * scale, (err, scale)
   # The export's dequantized base (numpy, on the host) in the float model: the same logits
   # (float32 rounding: the same products, another order).
   plain = tiny["storage"].dequantized(jax.device_get(tiny["nf4_params"]))
