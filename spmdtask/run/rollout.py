@@ -78,8 +78,15 @@ def lm_rows(samples: list[dict], seq_len: int, max_new_tokens: int) -> dict[str,
   for r, s in enumerate(samples):
     p, out = len(s["prompt_ids"]), s["output_ids"][:max_new_tokens]
     tokens[r, :p], tokens[r, p:p + len(out)] = s["prompt_ids"], out
-    weights[r, p - 1:p - 1 + len(out)] = 1.0
+    weights[r, _completion_targets(s, len(out))] = 1.0
   return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+def _completion_targets(sample: dict, n: int) -> slice:
+  """Where an LM row's targets are the sample's first `n` completion tokens: the row's
+  position p - 1 predicts the token at p (p the prompt's length)."""
+  p = len(sample["prompt_ids"])
+  return slice(p - 1, p - 1 + n)
 
 
 def completion_ids(sample: dict, max_new_tokens: int, stops: tuple[int, ...]) -> list[int]:
@@ -168,8 +175,8 @@ def sampler_logp(samples: list[dict], seq_len: int, max_new_tokens: int) -> np.n
   """The samples' token log-probs placed as `lm_rows` places their targets [n, seq_len]."""
   out = np.zeros((len(samples), seq_len), np.float32)
   for r, s in enumerate(samples):
-    p, logp = len(s["prompt_ids"]), s["logp"][:max_new_tokens]
-    out[r, p - 1:p - 1 + len(logp)] = logp
+    logp = s["logp"][:max_new_tokens]
+    out[r, _completion_targets(s, len(logp))] = logp
   return out
 
 
