@@ -34,6 +34,8 @@ setuptools.setup(
         # int8 / fp8 projections (spmdtask/layers/quant.py): its quantizer, private helpers
         # pinned by the range.
         "qwix>=0.1.8,<0.2",
+        # --mode=lm_eval (run/lm_eval_backend.py): its core, no torch (torch is its hf extra).
+        "lm-eval==0.4.13",
     ],
     extras_require={
         # XLA:TPU (libtpu): train on Cloud TPU, and --mode=plan --plan_topology=v5e:16x16

@@ -12,6 +12,7 @@ if __name__ == "__main__":
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 
@@ -24,6 +25,7 @@ from fiddle._src.absl_flags import utils as fdl_flag_utils
 
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
 from spmdtask import task as task_lib
+from spmdtask.harness import command as lm_eval_command  # the --mode=lm_eval flags
 from spmdtask.run import interrupts
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
                              PlanExceeded, TrainingError, flag_error, rerun_command,
@@ -33,11 +35,12 @@ _EXP = flags.DEFINE_string("exp", None, "Experiment: a registered name, a unique
                            "of one (lm.TinyLm), or an importable module.Class.")
 _JOB_LOG_DIR = flags.DEFINE_string("job_log_dir", None, "Where config, logs, summaries, "
                                    "checkpoints and decoder output go.")
-_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan", "goodput"],
-                          "What to run; plan: the memory / FLOPs / collectives plan of the train "
-                          "step, compiled but not run (job_log_dir/plan.json); goodput: where "
-                          "the wall time of --job_log_dir's training went, over all its runs "
-                          "(no --exp needed).")
+_MODE = flags.DEFINE_enum("mode", "train", ["train", "eval", "decode", "plan", "goodput",
+                                           "lm_eval"],
+                          "What to run; plan: the train step's memory / FLOPs / collectives, "
+                          "compiled, not run (job_log_dir/plan.json); goodput: where the wall "
+                          "time of --job_log_dir's training went (no --exp); lm_eval: "
+                          "lm-evaluation-harness --tasks on a checkpoint (job_log_dir/lm_eval).")
 _RESTORE_STEP = flags.DEFINE_integer("restore_step", None, "The checkpoint step of "
                                      "--job_log_dir to resume training from, or to evaluate / "
                                      "decode; default: the latest.")
@@ -242,6 +245,7 @@ def run(argv) -> None:
        or _RAW_PROMPT.value) and _MODE.value != "decode"):
     raise ConfigError("--prompt / --prompts_file / --chat / --raw_prompt / --chat_prompts only "
                       "apply to --mode=decode.")
+  lm_eval_command.check_mode(_MODE.value)
   if _MODE.value == "plan" and _PLAN_TOPOLOGY.value:
     # JAX itself stays on the CPU (no TPU client, even where libtpu finds no chip): the
     # topology's devices are compile-only, from libtpu loaded as a plugin.
@@ -308,6 +312,8 @@ def run_mode(run_cfg, config_text: str) -> None:
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)
+  if _MODE.value == "lm_eval":
+    return lm_eval_command.run(run_cfg, _JOB_LOG_DIR.value, _RESTORE_STEP.value)
   run_eval_or_decode(run_cfg, _JOB_LOG_DIR.value)
 
 
@@ -316,17 +322,12 @@ def run_eval_or_decode(run_cfg, job_log_dir: str) -> None:
   # pylint: disable-next=g-import-not-at-top
   from spmdtask.run import checkpoints, decoding, evaluation, reference, rollout
   from spmdtask.core import host_input as inputs_base, program as program_lib
-  task = run_cfg.task
-  if _MODE.value == "decode":
-    task = decoding.decode_task(run_cfg.task)
+  task = decoding.decode_task(run_cfg.task) if _MODE.value == "decode" else run_cfg.task
   example = (evaluation.example(run_cfg, rollout.example) if _MODE.value == "eval"
              else rollout.example(run_cfg))  # GRPO: a rollout's batch
   program = program_lib.setup(task, example)
   program = reference.attach(task, program) if _MODE.value == "eval" else program
-
-  def restore(step):
-    return checkpoints.restore_state(job_log_dir, program, step)
-
+  restore = functools.partial(checkpoints.restore_state, job_log_dir, program)  # (step)
   if _MODE.value == "decode":
     decoding.run_decode(run_cfg, program, restore, job_log_dir, _RESTORE_STEP.value)
   else:

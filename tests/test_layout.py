@@ -24,8 +24,10 @@ MAY_IMPORT = {
     "pipeline.mpmd": {SHARED, "core", "pipeline.schedules", "plan"},
     "run": {SHARED, "core", "task", "plan"},  # plan.chips: the MFU peak of the chip
     "hf": {SHARED, "core", "layers", "inputs"},  # HF names, layouts, tokenizers: pure
+    # lm-evaluation-harness on the mesh: decode's programs (run), the job's chat (inputs).
+    "harness": {SHARED, "core", "task", "inputs", "run"},
     "entry": {SHARED, "core", "task", "inputs", "plan", "pipeline", "pipeline.schedules",
-              "pipeline.mpmd", "run", "objectives"},
+              "pipeline.mpmd", "run", "objectives", "harness"},
     "recipe": {SHARED},  # runs the import, the prepare tools and main as subprocesses
     # HF dirs as job dirs: the mapping, checkpoints (run), config resolution (entry).
     "hf.jobs": {SHARED, "core", "hf", "run", "entry"},
@@ -141,7 +143,7 @@ def test_folders_are_the_architecture():
   top = sorted(f for f in os.listdir(os.path.join(REPO, "spmdtask")) if f.endswith(".py"))
   assert len(top) <= 10, top
   for package in ("core", "run", "plan", "layers", "inputs", "pipeline", "pipeline/mpmd",
-                  "pipeline/schedules", "hf", "hf/jobs"):
+                  "pipeline/schedules", "hf", "hf/jobs", "harness"):
     init = os.path.join(REPO, "spmdtask", package, "__init__.py")
     doc = ast.get_docstring(ast.parse(open(init).read()))
     assert doc and "Imports:" in doc, f"{init}: its docstring says what lives there and imports"

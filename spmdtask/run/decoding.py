@@ -291,14 +291,15 @@ def read_prompts(prompts: list[str] | None, prompts_file: str | None) -> list[st
   return texts
 
 
-def experiment_tokenizer(run):
-  """The tokenizer of the experiment's first decode dataset that has one (sorted by name)."""
+def experiment_tokenizer(run, needed_by: str = "--prompt / --prompts_file need"):
+  """The tokenizer of the experiment's first decode dataset that has one (sorted by name);
+  ConfigError (saying what `needed_by` it) where none has."""
   for name, inputs in sorted(run.decode_datasets.items()):
     if _prompt_input(name, inputs).tokenizer is not None:
       return inputs.tokenizer
   names = ", ".join(f"{n!r} ({type(i).__name__})" for n, i in sorted(run.decode_datasets.items()))
   raise ConfigError(
-      "--prompt / --prompts_file need the experiment's tokenizer to turn text into token ids, "
+      f"{needed_by} the experiment's tokenizer to turn text into token ids, "
       f"but none of its decode datasets has one ({names or 'none'}; synthetic data has no "
       "tokenizer). Use an experiment on prepared text (e.g. --exp=lm.TextLm --data_dir=DIR), "
       "or name the tokenizer of the model's vocabulary, e.g. "

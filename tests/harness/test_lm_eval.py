@@ -1,0 +1,132 @@
+"""--mode=lm_eval against lm-eval's own `hf` backend (tests/run/data/lm_eval: a tiny HF Llama,
+local task files, and what lm-eval[hf] gave on them with torch; none of it needs torch here).
+
+One import, one backend on the 8 emulated devices (requests batched over the data axes), the
+three tasks and the chat-templated generation scored once for the whole module.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from spmdtask import console
+from spmdtask.errors import ConfigError
+from spmdtask.hf.jobs import imports
+from spmdtask.hf import model_overrides
+from spmdtask.harness import command, tasks
+from spmdtask.run import rollout
+from tests import subproc, util
+
+DATA = os.path.join(subproc.REPO, "tests", "harness", "data", "lm_eval")
+TASK_DIR = os.path.join(DATA, "tasks")
+NAMES = ("tiny_mc", "tiny_ppl", "tiny_gen")
+
+
+def import_run(job: str):
+  """The import of the fixture model into `job` and its run config (its flagfile's lines)."""
+  imports.from_hf(os.path.join(DATA, "model"), job)
+  with open(os.path.join(job, model_overrides.OVERRIDES_FILE)) as f:
+    lines = [l.strip().split("=", 1)[1] for l in f if l.startswith("--fdl_set=")]
+  return util.build_run("llama.LlamaImport", lines)
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+  """(lm-eval's results of the three tasks, of the generation task with the chat template,
+  the job dir, the checkpoint step, the backend)."""
+  job = str(tmp_path_factory.mktemp("lm_eval") / "import")
+  run = import_run(job)
+  text = command.text_of(run, apply_chat_template=True)
+  lm, step = tasks.backend(run, text, 8, job, None, rollout.example(run))
+  cwd = os.getcwd()
+  os.chdir(TASK_DIR)  # the task YAMLs name their JSONL files relative to their dir
+  try:
+    manager = tasks.find_tasks(NAMES, TASK_DIR)
+    plain = tasks.evaluate(lm, tasks.Options(NAMES, TASK_DIR), manager)
+    chat = tasks.evaluate(
+        lm, tasks.Options(("tiny_gen",), TASK_DIR, apply_chat_template=True), manager)
+  finally:
+    os.chdir(cwd)
+  return plain, chat, job, step, lm
+
+
+def responses(results: dict, task: str) -> list:
+  """Each document's responses as expected.json holds them (JSON: tuples as lists)."""
+  docs = sorted(results["samples"][task], key=lambda s: s["doc_id"])
+  return json.loads(json.dumps([s["resps"] for s in docs]))
+
+
+def leaves(tree) -> list:
+  return [x for y in tree for x in leaves(y)] if isinstance(tree, list) else [tree]
+
+
+@pytest.fixture(scope="module")
+def want():
+  with open(os.path.join(DATA, "expected.json")) as f:
+    return json.load(f)
+
+
+def test_log_likelihoods_metrics_and_greedy_strings_equal_lm_evals_hf_backend(scored, want):
+  plain, chat, _, _, _ = scored
+  # Per request: log p of the continuation (sums of <= 131 float32 log-softmax terms of
+  # |value| <= 12 in two frameworks' op orders: a few 1e-6) and is_greedy exactly.
+  for task in ("tiny_mc", "tiny_ppl"):
+    got, ref = leaves(responses(plain, task)), leaves(want[task]["responses"])
+    assert len(got) == len(ref), task
+    for g, r in zip(got, ref):
+      assert type(g) is type(r) and abs(g - r) <= 1e-4, (task, g, r)  # bools: is_greedy
+  for results, ref in ((plain, want["tiny_gen"]), (chat, want["chat"])):
+    assert responses(results, "tiny_gen") == ref["responses"]
+  # The metrics: acc / exact_match exactly; perplexities are exp of the sums above (relative
+  # 1e-6 of a sum of ~200 nats moves them by ~2e-4 relative: 1e-5 of a 5e8 perplexity is
+  # loose enough for the float32 noise and far below a changed token).
+  for task, results in (("tiny_mc", plain), ("tiny_ppl", plain), ("tiny_gen", plain),
+                        ("chat", chat)):
+    name = "tiny_gen" if task == "chat" else task
+    got, ref = tasks.metrics_of(results)[name], want[task]["metrics"]
+    for key, value in ref.items():
+      if "," not in key or not isinstance(value, float):
+        continue
+      metric = key.split(",")[0]
+      np.testing.assert_allclose(got[metric], value, rtol=1e-5, err_msg=f"{task} {metric}")
+
+
+def test_writes_results_samples_summaries_and_a_console_table(scored, capsys, monkeypatch):
+  plain, _, job, step, _ = scored
+  monkeypatch.setattr(console, "_echo", True)
+  path = tasks.write(job, step, plain, 1.0)
+  assert path == os.path.join(job, "lm_eval", f"results_step{step}.json")
+  with open(path) as f:
+    written = json.load(f)
+  assert written["results"]["tiny_mc"]["acc,none"] == plain["results"]["tiny_mc"]["acc,none"]
+  assert "samples" not in written and set(written["configs"]) == set(NAMES)
+  for task in NAMES:
+    with open(os.path.join(job, "lm_eval", f"samples_{task}_step{step}.jsonl")) as f:
+      assert len(f.readlines()) == len(plain["samples"][task])
+  scalars = subproc.scalars(os.path.join(job, "summaries", "lm_eval"))
+  assert scalars["tiny_mc/acc"] == {step: pytest.approx(0.125)}
+  assert set(scalars) >= {"tiny_ppl/word_perplexity", "tiny_ppl/bits_per_byte",
+                          "tiny_gen/exact_match"}
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == f"lm_eval step {step}: 3 tasks in 1.0 s"
+  assert out[1] == "  tiny_mc: acc 0.1250 ± 0.1250  acc_norm 0.0000 ± 0.0000"
+  assert out[2].startswith("  tiny_ppl: word_perplexity 5377919") and "bits_per_byte 6.93" in out[2]
+  assert out[-1] == f"lm_eval: wrote {path} (and the samples beside it)"
+
+
+def test_bad_tasks_exit_2_naming_the_fix(scored, tmp_path, monkeypatch):
+  with pytest.raises(ConfigError, match=r"--lm_eval_include_path=.* is not a directory"):
+    tasks.find_tasks(("tiny_mc",), str(tmp_path / "nowhere"))
+  with pytest.raises(ConfigError, match="needs --tasks"):
+    tasks.find_tasks((), TASK_DIR)
+  # A task whose dataset is on the Hub, offline: how to point it at local files.
+  (tmp_path / "remote.yaml").write_text(
+      "task: remote_qa\ndataset_path: nobody/no_such_dataset\ntest_split: test\n"
+      "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
+      "metric_list:\n  - metric: exact_match\n")
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  manager = tasks.find_tasks(("remote_qa",), str(tmp_path))
+  with pytest.raises(ConfigError, match=r"dataset_path: json.*data_files.*include_path"):
+    tasks.evaluate(scored[-1], tasks.Options(("remote_qa",), str(tmp_path)), manager)
