@@ -15,12 +15,15 @@ with `dataset_kwargs: {data_files: {test: FILE.jsonl}}` reads a local file); whe
 name is in `include_path` the built-in index is not built. An unknown name, or a task whose
 dataset is neither local nor reachable, is a ConfigError.
 """
+import contextlib
 import dataclasses
 import difflib
+import io
 import json
 import time
 
 import jax
+from absl import logging
 
 from spmdtask import console, fs
 from spmdtask.errors import ConfigError
@@ -56,16 +59,21 @@ def find_tasks(names: tuple[str, ...], include_path: str | None):
       return local
   console.say("lm-eval: indexing its built-in tasks (lm-eval takes ~30 s for this)")
   manager = TaskManager(include_path=include_path)
-  unknown = [n for n in names if n not in manager.all_tasks]
+  check_known(names, manager.all_tasks)
+  return manager
+
+
+def check_known(names: tuple[str, ...], known: list[str]) -> None:
+  """ConfigError naming each of `names` not in `known`, with the known names close to it."""
+  unknown = [n for n in names if n not in known]
   if unknown:
-    close = {n: difflib.get_close_matches(n, manager.all_tasks, n=5) for n in unknown}
+    close = {n: difflib.get_close_matches(n, known, n=5) for n in unknown}
     hints = "; ".join(f"{n!r} (close: {', '.join(c)})" if c else repr(n)
                       for n, c in close.items())
     raise ConfigError(
         f"--tasks: no lm-eval task, group or tag is named {hints}. Fix the name (`lm-eval ls "
         "tasks` lists them all), or put your own task YAML in a dir and pass "
         "--lm_eval_include_path=DIR.")
-  return manager
 
 
 def offline_error(error: Exception, names: tuple[str, ...]) -> ConfigError:
@@ -81,13 +89,18 @@ def offline_error(error: Exception, names: tuple[str, ...]) -> ConfigError:
 def evaluate(lm, options: Options, manager) -> dict:
   """lm-eval's results dict (`samples` included) of `lm` on the tasks."""
   import lm_eval  # pylint: disable=g-import-not-at-top
-  try:
-    return lm_eval.simple_evaluate(
-        model=lm, tasks=list(options.tasks), num_fewshot=options.num_fewshot,
-        limit=options.limit, task_manager=manager, log_samples=True,
-        apply_chat_template=options.apply_chat_template)
-  except ConnectionError as e:  # the datasets library, offline or unreachable
-    raise offline_error(e, options.tasks) from None
+  # lm-eval's progress bars go to the log; the console says every minute that it runs.
+  with console.elapsed(f"lm-eval: {', '.join(options.tasks)}", every=60.0), \
+       contextlib.redirect_stderr(io.StringIO()) as bars:
+    try:
+      return lm_eval.simple_evaluate(
+          model=lm, tasks=list(options.tasks), num_fewshot=options.num_fewshot,
+          limit=options.limit, task_manager=manager, log_samples=True,
+          apply_chat_template=options.apply_chat_template)
+    except ConnectionError as e:  # the datasets library, offline or unreachable
+      raise offline_error(e, options.tasks) from None
+    finally:
+      logging.info("lm-eval's progress bars: %s", bars.getvalue()[-4000:])
 
 
 def metrics_of(results: dict) -> dict[str, dict[str, float]]:

@@ -31,6 +31,14 @@ def import_run(job: str):
   return util.build_run("llama.LlamaImport", lines)
 
 
+def offline(monkeypatch) -> None:
+  """No network for datasets: as HF_HUB_OFFLINE=1 does (read when they were imported)."""
+  import datasets.config  # pylint: disable=import-outside-toplevel
+  import huggingface_hub.constants  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+  monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
   """(lm-eval's results of the three tasks, of the generation task with the chat template,
@@ -39,15 +47,13 @@ def scored(tmp_path_factory):
   run = import_run(job)
   text = command.text_of(run, apply_chat_template=True)
   lm, step = tasks.backend(run, text, 8, job, None, rollout.example(run))
-  cwd = os.getcwd()
-  os.chdir(TASK_DIR)  # the task YAMLs name their JSONL files relative to their dir
-  try:
+  with pytest.MonkeyPatch.context() as patch:
+    patch.chdir(TASK_DIR)  # the task YAMLs name their JSONL files relative to their dir
+    offline(patch)
     manager = tasks.find_tasks(NAMES, TASK_DIR)
     plain = tasks.evaluate(lm, tasks.Options(NAMES, TASK_DIR), manager)
     chat = tasks.evaluate(
         lm, tasks.Options(("tiny_gen",), TASK_DIR, apply_chat_template=True), manager)
-  finally:
-    os.chdir(cwd)
   return plain, chat, job, step, lm
 
 
@@ -120,13 +126,15 @@ def test_bad_tasks_exit_2_naming_the_fix(scored, tmp_path, monkeypatch):
     tasks.find_tasks(("tiny_mc",), str(tmp_path / "nowhere"))
   with pytest.raises(ConfigError, match="needs --tasks"):
     tasks.find_tasks((), TASK_DIR)
+  known = tasks.find_tasks(NAMES, TASK_DIR).all_tasks  # the local tasks alone
+  with pytest.raises(ConfigError, match=r"named 'tiny_mcq' \(close: tiny_mc, .*include_path=DIR"):
+    tasks.check_known(("tiny_mc", "tiny_mcq"), known)
   # A task whose dataset is on the Hub, offline: how to point it at local files.
   (tmp_path / "remote.yaml").write_text(
       "task: remote_qa\ndataset_path: nobody/no_such_dataset\ntest_split: test\n"
       "output_type: generate_until\ndoc_to_text: '{{q}}'\ndoc_to_target: '{{a}}'\n"
       "metric_list:\n  - metric: exact_match\n")
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  offline(monkeypatch)
   manager = tasks.find_tasks(("remote_qa",), str(tmp_path))
   with pytest.raises(ConfigError, match=r"dataset_path: json.*data_files.*include_path"):
     tasks.evaluate(scored[-1], tasks.Options(("remote_qa",), str(tmp_path)), manager)
