@@ -96,11 +96,11 @@ def main():
     task_dir = os.path.join(tmp, "tasks")
     os.makedirs(task_dir)
     requests = write_tasks(task_dir, args.docs)
-    os.chdir(task_dir)  # the YAMLs name their JSONL files relative to it
     ours = spmdtask_side(os.path.join(tmp, "job"), task_dir, args.batch_size)
     hf = subprocess.run([args.torch_python, "-c", HF_SIDE, os.path.join(FIXTURES, "model"),
                          task_dir, str(args.batch_size)], check=True, capture_output=True,
-                        text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                        text=True, cwd=task_dir,  # lm-eval reads data_files from the cwd
+                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     theirs = json.loads(hf.stdout.strip().splitlines()[-1])
   print(f"lm-eval on {requests} requests ({args.docs} documents of each of {', '.join(NAMES)}), "
         f"batch size {args.batch_size}:")

@@ -11,8 +11,9 @@ requests (each feeds its share of each batch's rows: `harness.programs`).
 
 Tasks: lm-eval's own (its index of built-in task YAMLs, which takes lm-eval ~30 s to build
 on 2 cores) and those of `include_path` (a dir of task YAMLs: e.g. `dataset_path: json`
-with `dataset_kwargs: {data_files: {test: FILE.jsonl}}` reads a local file); when every
-name is in `include_path` the built-in index is not built. An unknown name, or a task whose
+with `dataset_kwargs: {data_files: {test: FILE.jsonl}}` reads a local file, a relative
+path from that dir: the tasks run with it as the working dir); when every name is in
+`include_path` the built-in index is not built. An unknown name, or a task whose
 dataset is neither local nor reachable, is a ConfigError.
 """
 import contextlib
@@ -87,11 +88,14 @@ def offline_error(error: Exception, names: tuple[str, ...]) -> ConfigError:
 
 
 def evaluate(lm, options: Options, manager) -> dict:
-  """lm-eval's results dict (`samples` included) of `lm` on the tasks."""
+  """lm-eval's results dict (`samples` included) of `lm` on the tasks; relative paths in
+  the task YAMLs (a `data_files` entry) are read from `options.include_path`."""
   import lm_eval  # pylint: disable=g-import-not-at-top
   # lm-eval's progress bars go to the log; the console says every minute that it runs.
+  where = options.include_path
   with console.elapsed(f"lm-eval: {', '.join(options.tasks)}", every=60.0), \
-       contextlib.redirect_stderr(io.StringIO()) as bars:
+       contextlib.redirect_stderr(io.StringIO()) as bars, \
+       (contextlib.chdir(where) if where else contextlib.nullcontext()):
     try:
       return lm_eval.simple_evaluate(
           model=lm, tasks=list(options.tasks), num_fewshot=options.num_fewshot,

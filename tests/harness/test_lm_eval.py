@@ -47,8 +47,7 @@ def scored(tmp_path_factory):
   run = import_run(job)
   text = command.text_of(run, apply_chat_template=True)
   lm, step = tasks.backend(run, text, 8, job, None, rollout.example(run))
-  with pytest.MonkeyPatch.context() as patch:
-    patch.chdir(TASK_DIR)  # the task YAMLs name their JSONL files relative to their dir
+  with pytest.MonkeyPatch.context() as patch:  # the YAMLs' data_files: from TASK_DIR
     offline(patch)
     manager = tasks.find_tasks(NAMES, TASK_DIR)
     plain = tasks.evaluate(lm, tasks.Options(NAMES, TASK_DIR), manager)

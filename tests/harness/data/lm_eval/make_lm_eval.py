@@ -55,7 +55,8 @@ def evaluate(tasks, **kwargs):
 
 
 def reference():
-  os.chdir(TASKS)  # the task YAMLs name their jsonl files relative to it
+  os.chdir(TASKS)  # the task YAMLs name their jsonl files relative to it (lm-eval reads
+  # them from the working dir; spmdtask's --mode=lm_eval from --lm_eval_include_path)
   want = evaluate(["tiny_mc", "tiny_ppl", "tiny_gen"])
   want["chat"] = evaluate(["tiny_gen"], apply_chat_template=True)["tiny_gen"]
   with open(os.path.join(HERE, "expected.json"), "w") as f:
