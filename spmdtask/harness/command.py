@@ -68,7 +68,8 @@ def run(run_cfg, job_log_dir: str, restore_step: int | None) -> None:
   # pylint: disable=g-import-not-at-top
   from spmdtask.harness import tasks
   from spmdtask.run import rollout
-  options = tasks.Options(tuple(_TASKS.value or ()), _INCLUDE.value, _FEWSHOT.value,
-                                _LIMIT.value, _BATCH.value, _CHAT.value)
-  tasks.run_tasks(run_cfg, text_of(run_cfg, _CHAT.value), options, job_log_dir,
-                        restore_step, rollout.example(run_cfg))
+  include = fs.absolute(_INCLUDE.value) if _INCLUDE.value else None  # (the tasks run there)
+  options = tasks.Options(tuple(_TASKS.value or ()), include, _FEWSHOT.value, _LIMIT.value,
+                          _BATCH.value, _CHAT.value)
+  tasks.run_tasks(run_cfg, text_of(run_cfg, _CHAT.value), options, job_log_dir, restore_step,
+                  rollout.example(run_cfg))

@@ -35,7 +35,8 @@ RESULTS_DIR = "lm_eval"
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-  """What the command line asks of lm-eval (`--tasks` and the lm_eval flags)."""
+  """What the command line asks of lm-eval (`--tasks` and the lm_eval flags);
+  `include_path` absolute (the tasks run with it as the working dir)."""
   tasks: tuple[str, ...]
   include_path: str | None = None
   num_fewshot: int | None = None
