@@ -76,6 +76,7 @@ def test_log_likelihoods_metrics_and_greedy_strings_equal_lm_evals_hf_backend(sc
   plain, chat, _, _, _ = scored
   # Per request: log p of the continuation (sums of <= 131 float32 log-softmax terms of
   # |value| <= 12 in two frameworks' op orders: a few 1e-6) and is_greedy exactly.
+  assert sum(x is True for x in leaves(want["tiny_mc"]["responses"])) == 4  # greedy choices
   for task in ("tiny_mc", "tiny_ppl"):
     got, ref = leaves(responses(plain, task)), leaves(want[task]["responses"])
     assert len(got) == len(ref), task
@@ -110,12 +111,13 @@ def test_writes_results_samples_summaries_and_a_console_table(scored, capsys, mo
     with open(os.path.join(job, "lm_eval", f"samples_{task}_step{step}.jsonl")) as f:
       assert len(f.readlines()) == len(plain["samples"][task])
   scalars = subproc.scalars(os.path.join(job, "summaries", "lm_eval"))
-  assert scalars["tiny_mc/acc"] == {step: pytest.approx(0.125)}
+  acc = plain["results"]["tiny_mc"]["acc,none"]
+  assert scalars["tiny_mc/acc"] == {step: pytest.approx(acc)}
   assert set(scalars) >= {"tiny_ppl/word_perplexity", "tiny_ppl/bits_per_byte",
                           "tiny_gen/exact_match"}
   out = capsys.readouterr().out.splitlines()
   assert out[0] == f"lm_eval step {step}: 3 tasks in 1.0 s"
-  assert out[1] == "  tiny_mc: acc 0.1250 ± 0.1250  acc_norm 0.0000 ± 0.0000"
+  assert out[1] == "  tiny_mc: acc 0.0000 ± 0.0000  acc_norm 0.0000 ± 0.0000"
   assert out[2].startswith("  tiny_ppl: word_perplexity 5377919") and "bits_per_byte 6.93" in out[2]
   assert out[-1] == f"lm_eval: wrote {path} (and the samples beside it)"
 

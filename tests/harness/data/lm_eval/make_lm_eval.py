@@ -1,6 +1,7 @@
 """Makes tests/harness/data/lm_eval (torch, transformers, lm-eval[hf]; run offline, from anywhere).
 
     /work/torchenv/bin/python tests/harness/data/lm_eval/make_lm_eval.py model   # model/
+    /work/torchenv/bin/python tests/harness/data/lm_eval/make_lm_eval.py tasks   # tasks/*.jsonl
     /work/torchenv/bin/python tests/harness/data/lm_eval/make_lm_eval.py reference
 
 `model`: a tiny random LlamaForCausalLM (2 layers, d_model 32, 4 heads / 2 KV heads of 8,
@@ -42,6 +43,48 @@ def model():
     shutil.copy(os.path.join(TOKENIZER, f), MODEL)
 
 
+def tasks():
+  """The tasks' JSONL files: 8 sums with 5 choices each, the fifth the model's greedy token
+  after the prompt (the task's choices follow the prompt with no space: four of the sums are
+  ones whose greedy token is text that tokenizes back to itself, so that those choices are
+  greedy continuations: is_greedy True), 4 texts (one of 60 words: more than 128 tokens),
+  6 prompts."""
+  import random  # pylint: disable=import-outside-toplevel
+  import torch  # pylint: disable=import-outside-toplevel
+  # pylint: disable-next=import-outside-toplevel
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  lm = AutoModelForCausalLM.from_pretrained(MODEL).eval()
+  tok = AutoTokenizer.from_pretrained(MODEL)
+
+  def greedy(a, b):
+    ids = tok(f"Question: What is {a} + {b}?\nAnswer:")["input_ids"]
+    with torch.no_grad():
+      g = int(lm(torch.tensor([ids])).logits[0, -1].argmax())
+    text = tok.decode([g])
+    again = tok(f"Question: What is {a} + {b}?\nAnswer:{text}")["input_ids"]
+    return text, again == ids + [g] and "\ufffd" not in text
+
+  rng = random.Random(0)
+  sums = [(a, b) for a in range(10) for b in range(10)]
+  clean = [ab for ab in sums if greedy(*ab)[1]][:4]
+  picked = clean + rng.sample([ab for ab in sums if ab not in clean], 4)
+  animals = ["cat", "dog", "bird", "fish", "horse", "cow", "sheep", "goat"]
+  with open(os.path.join(TASKS, "tiny_mc.jsonl"), "w") as f:
+    for i, (a, b) in enumerate(picked):
+      choices = [str(a + b), str(a + b + 1), str(abs(a - b) + 2), animals[i], greedy(a, b)[0]]
+      f.write(json.dumps({"question": f"What is {a} + {b}?", "choices": choices, "answer": 0})
+              + "\n")
+  texts = ["The cat sat on the mat and looked at the dog.",
+           "One, two, three, four, five, six, seven, eight, nine, ten.",
+           "A bird in the hand is worth two in the bush.",
+           " ".join(f"{w} {n}" for n in range(30) for w in ["count", "step"])]
+  with open(os.path.join(TASKS, "tiny_ppl.jsonl"), "w") as f:
+    f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+  with open(os.path.join(TASKS, "tiny_gen.jsonl"), "w") as f:
+    for a, b in ((1, 2), (3, 4), (5, 1), (2, 2), (7, 0), (4, 4)):
+      f.write(json.dumps({"prompt": f"Q: What is {a} + {b}?\nA:", "answer": f" {a + b}"}) + "\n")
+
+
 def evaluate(tasks, **kwargs):
   import lm_eval  # pylint: disable=import-outside-toplevel
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
@@ -64,4 +107,4 @@ def reference():
 
 
 if __name__ == "__main__":
-  {"model": model, "reference": reference}[sys.argv[1]]()
+  {"model": model, "tasks": tasks, "reference": reference}[sys.argv[1]]()
