@@ -139,3 +139,16 @@ def test_bad_tasks_exit_2_naming_the_fix(scored, tmp_path, monkeypatch):
   manager = tasks.find_tasks(("remote_qa",), str(tmp_path))
   with pytest.raises(ConfigError, match=r"dataset_path: json.*data_files.*include_path"):
     tasks.evaluate(scored[-1], tasks.Options(("remote_qa",), str(tmp_path)), manager)
+
+
+def test_the_binary_refuses_lm_eval_flags_elsewhere_and_a_job_without_a_tokenizer(tmp_path):
+  """Run as the binary (forked from one import: subproc.run_mains): exit 2, one paragraph."""
+  cases = [(["--mode=decode", "--tasks=tiny_mc"], "--tasks only apply to --mode=lm_eval"),
+           (["--mode=lm_eval", "--tasks=tiny_mc"], "--mode=lm_eval needs the experiment's "
+            "tokenizer")]
+  outs = subproc.run_mains([subproc.main_cmd("lm.TinyLm", str(tmp_path / str(i)), flags=f)
+                            for i, (f, _) in enumerate(cases)])
+  for (flags, needle), out in zip(cases, outs):
+    assert out.returncode == 2 and "Traceback" not in out.stderr, (flags, out.stderr[-2000:])
+    (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
+    assert needle in line, (flags, line)
