@@ -18,7 +18,9 @@ with the begin-of-sequence token's text already (a chat template's rendering).
 `apply_chat_template` renders lm-eval's chat history with the job's chat template
 (`--apply_chat_template`); lm-eval calls it when asked.
 """
+import dataclasses
 import json
+from typing import Any, Callable
 
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
@@ -32,27 +34,18 @@ from spmdtask.harness.programs import Generator, Sampling, Scorer
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's hf backend's
 
 
+@dataclasses.dataclass(frozen=True)
 class Text:
-  """The job's tokenizer as lm-eval's requests need it.
-
-  `tokenizer`: `encode(text)` (its special tokens added), `decode(ids)` (special tokens
-  dropped), and, for a Hugging Face tokenizer, `encoding(text).ids` (none added) and
-  `token_id(token)`; `bos` / `eos`: the begin- and end-of-sequence token texts (None where
-  the tokenizer has none); `chat`: the job's chat template (`template.render(messages,
-  add_generation_prompt)`), or None.
-  """
-
-  def __init__(self, tokenizer, bos: str | None, eos: str | None, chat=None):
-    self.tokenizer, self.bos, self.chat = tokenizer, bos, chat
-    find = getattr(tokenizer, "token_id", lambda token: None)
-    self.bos_id = None if bos is None else find(bos)
-    self.eos_id = getattr(tokenizer, "eod_id", None) if eos is None else find(eos)
-    self.eos = eos
-
-  def encode(self, text: str, special: bool) -> list[int]:
-    if special or not hasattr(self.tokenizer, "encoding"):
-      return list(self.tokenizer.encode(text))
-    return list(self.tokenizer.encoding(text).ids)
+  """The job's tokenizer as lm-eval's requests need it (`harness.command.text_of` makes it)."""
+  name: str                                   # the tokenizer's file (lm-eval's cache key)
+  encode: Callable[[str], list[int]]          # the tokenizer's special tokens added
+  encode_plain: Callable[[str], list[int]]    # none added
+  decode: Callable[[list[int]], str]          # special tokens dropped
+  eos: str | None                             # the end-of-sequence token's text ...
+  eos_id: int                                 # ... and id: a stop, and the prefix without bos
+  bos: str | None = None                      # the begin-of-sequence token's text and id
+  bos_id: int | None = None
+  chat: Any = None  # the job's `inputs.chat.Chat` (--apply_chat_template), or None
 
 
 @register_model("spmdtask")
@@ -81,13 +74,13 @@ class SpmdtaskLm(TemplateLM):
 
   @property
   def tokenizer_name(self) -> str:
-    return str(getattr(self.text.tokenizer, "model_file", type(self.text.tokenizer).__name__))
+    return self.text.name
 
   def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs):
     del kwargs
     if add_special_tokens is None:
       add_special_tokens = not (self.text.bos and string.startswith(self.text.bos))
-    return self.text.encode(string, add_special_tokens)
+    return (self.text.encode if add_special_tokens else self.text.encode_plain)(string)
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
     del disable_tqdm, kwargs
@@ -130,7 +123,7 @@ class SpmdtaskLm(TemplateLM):
       room = self.max_length - how.max_new
       prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in members]
       for i, new in zip(members, self.generator.generate(self.params, prompts, how)):
-        out[i] = postprocess_generated_text(self.text.tokenizer.decode(new), until, None)
+        out[i] = postprocess_generated_text(self.text.decode(new), until, None)
         self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
     return out
 

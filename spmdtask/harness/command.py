@@ -41,20 +41,25 @@ def text_of(run, apply_chat_template: bool):
   """The job's tokenizer, its special tokens and (`apply_chat_template`) its chat template,
   as a `harness.backend.Text`."""
   # pylint: disable=g-import-not-at-top  # lm-eval (the backend's) only in this mode
-  from spmdtask.inputs import chat_template, own_prompts
+  from spmdtask.inputs import chat_template, own_prompts, tokenizers
   from spmdtask.harness import backend
   from spmdtask.run import decoding
-  tokenizer = decoding.experiment_tokenizer(run, "--mode=lm_eval needs")
-  path = getattr(tokenizer, "model_file", None)
-  config = chat_template.read_config(fs.dirname(path)) if path else {}
-  special = chat_template.special_tokens(config)
+  tok = decoding.experiment_tokenizer(run, "--mode=lm_eval needs")
   chat = own_prompts.job_chat(run.datasets, run.decode_datasets) if apply_chat_template else None
   if apply_chat_template and chat is None:
     raise ConfigError("--apply_chat_template renders lm-eval's prompts with the job's chat "
                       "template, and this job has none (no chat data dir, and no "
                       "chat_template.jinja beside its decode tokenizer). Use an import's "
                       "--flagfile, or drop --apply_chat_template.")
-  text = backend.Text(tokenizer, special.get("bos_token"), special.get("eos_token"), chat)
+  if isinstance(tok, tokenizers.HfTokenizer):  # special tokens: tokenizer_config.json's
+    special = chat_template.special_tokens(chat_template.read_config(fs.dirname(tok.model_file)))
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    text = backend.Text(tok.model_file, tok.encode, lambda s: tok.encoding(s).ids, tok.decode,
+                        eos, tok.eod_id if eos is None else tok.token_id(eos), bos,
+                        None if bos is None else tok.token_id(bos), chat)
+  else:  # bytes, SentencePiece: no special tokens but the end of a document
+    text = backend.Text(type(tok).__name__, tok.encode, tok.encode, tok.decode, None,
+                        tok.eod_id, chat=chat)
   if text.eos_id is None:
     raise ConfigError("--mode=lm_eval needs the tokenizer's end-of-sequence token (lm-eval's "
                       "prefix for scoring from an empty context, and a stop for generation), "
