@@ -42,7 +42,7 @@ def offline(monkeypatch) -> None:
 @pytest.fixture(scope="module")
 def scored(tmp_path_factory):
   """(lm-eval's results of the three tasks, of the generation task with the chat template,
-  the job dir, the checkpoint step, the backend)."""
+  the job dir, the checkpoint step, the backend, its run config)."""
   job = str(tmp_path_factory.mktemp("lm_eval") / "import")
   run = import_run(job)
   text = command.text_of(run, apply_chat_template=True)
@@ -53,7 +53,7 @@ def scored(tmp_path_factory):
     plain = tasks.evaluate(lm, tasks.Options(NAMES, TASK_DIR), manager)
     chat = tasks.evaluate(
         lm, tasks.Options(("tiny_gen",), TASK_DIR, apply_chat_template=True), manager)
-  return plain, chat, job, step, lm
+  return plain, chat, job, step, lm, run
 
 
 def responses(results: dict, task: str) -> list:
@@ -73,7 +73,7 @@ def want():
 
 
 def test_log_likelihoods_metrics_and_greedy_strings_equal_lm_evals_hf_backend(scored, want):
-  plain, chat, _, _, _ = scored
+  plain, chat = scored[:2]
   # Per request: log p of the continuation (sums of <= 131 float32 log-softmax terms of
   # |value| <= 12 in two frameworks' op orders: a few 1e-6) and is_greedy exactly.
   assert sum(x is True for x in leaves(want["tiny_mc"]["responses"])) == 4  # greedy choices
@@ -99,7 +99,7 @@ def test_log_likelihoods_metrics_and_greedy_strings_equal_lm_evals_hf_backend(sc
 
 
 def test_writes_results_samples_summaries_and_a_console_table(scored, capsys, monkeypatch):
-  plain, _, job, step, _ = scored
+  plain, _, job, step = scored[:4]
   monkeypatch.setattr(console, "_echo", True)
   path = tasks.write(job, step, plain, 1.0)
   assert path == os.path.join(job, "lm_eval", f"results_step{step}.json")
@@ -138,7 +138,7 @@ def test_bad_tasks_exit_2_naming_the_fix(scored, tmp_path, monkeypatch):
   offline(monkeypatch)
   manager = tasks.find_tasks(("remote_qa",), str(tmp_path))
   with pytest.raises(ConfigError, match=r"dataset_path: json.*data_files.*include_path"):
-    tasks.evaluate(scored[-1], tasks.Options(("remote_qa",), str(tmp_path)), manager)
+    tasks.evaluate(scored[4], tasks.Options(("remote_qa",), str(tmp_path)), manager)
 
 
 def test_the_binary_refuses_lm_eval_flags_elsewhere_and_a_job_without_a_tokenizer(tmp_path):
@@ -152,3 +152,10 @@ def test_the_binary_refuses_lm_eval_flags_elsewhere_and_a_job_without_a_tokenize
     assert out.returncode == 2 and "Traceback" not in out.stderr, (flags, out.stderr[-2000:])
     (line,) = [l for l in out.stderr.splitlines() if l.startswith("spmdtask: config error:")]
     assert needle in line, (flags, line)
+
+
+def test_a_batch_of_requests_must_split_over_the_data_shards(scored):
+  run, job = scored[5], scored[2]
+  text = command.text_of(run, apply_chat_template=False)
+  with pytest.raises(ConfigError, match=r"--lm_eval_batch_size=12: .*multiple of 8"):
+    tasks.backend(run, text, 12, job, None, rollout.example(run))
