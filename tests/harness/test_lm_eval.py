@@ -74,8 +74,8 @@ def want():
 
 def test_log_likelihoods_metrics_and_greedy_strings_equal_lm_evals_hf_backend(scored, want):
   plain, chat = scored[:2]
-  # Per request: log p of the continuation (sums of <= 131 float32 log-softmax terms of
-  # |value| <= 12 in two frameworks' op orders: a few 1e-6) and is_greedy exactly.
+  # Per request: log p of the continuation, float32 sums in two frameworks' op orders (measured:
+  # 3.8e-6 on the choices, 3.5e-5 on the 2391-nat text of several windows), is_greedy exactly.
   assert sum(x is True for x in leaves(want["tiny_mc"]["responses"])) == 4  # greedy choices
   for task in ("tiny_mc", "tiny_ppl"):
     got, ref = leaves(responses(plain, task)), leaves(want[task]["responses"])
