@@ -179,8 +179,8 @@ def check_fits(plan: dict, budget: float, budget_name: str | None = None,
       raise PlanExceeded(
           f"the {ph['name']} program does not fit: its estimated peak per device, "
           f"{console.human_bytes(ph['compiled']['peak_estimate_bytes'])}, exceeds "
-          f"{budget_name}. Sample fewer rows at once (fewer decode slots, "
-          "task.objective.sampler_slots; fewer prompts per step or "
+          f"{budget_name}. Give it fewer rows at once (the sampler: fewer decode slots, "
+          "task.objective.sampler_slots; both: fewer prompts per step or "
           "task.objective.num_generations) or shorter completions "
           "(task.objective.max_new_tokens).")
   if ("compiler_out_of_memory" not in plan
