@@ -15,7 +15,8 @@ trip, for the trips its `Lowering.loop` assumes (the sampler's worst case), each
 charged its FLOPs and collectives as XLA counts them and the HBM bytes it must read: the
 weights (once for the prefill) and, each trip, the weights and the slots' whole KV cache
 (memory-bound decoding). XLA's own HBM count is kept beside it: its cost analysis charges
-an in-place cache update (`dynamic-update-slice`) with the whole cache in every layer.
+an op on one layer's slice of a stacked array (a layer's weights sliced out for their
+gather, the cache's in-place update) for the whole stack, in every layer.
 
 The RL step's time (`rl_step`) is the sum of each phase's lower bound times its calls per
 optimizer step: the phases run in turn, none overlapped with another.
@@ -60,8 +61,8 @@ def estimate(chip: Chip, text: str, num_slices: int, loop=None) -> dict:
   data-dependent loop's assumed trips and the bytes it must read), what runs once + the
   trips x one trip, each charged for the HBM bytes it must read (`weights_bytes` once, and
   with `cache_bytes` a trip) beside XLA's FLOPs and collectives; XLA's own HBM count of
-  each (`xla_hbm_bytes`: it charges an in-place cache update the whole cache, so it can
-  run far above) gives `seconds_with_xla_hbm_bytes`."""
+  each (`xla_hbm_bytes`: it charges an op on a layer's slice of a stacked array the whole
+  stack, so it can run far above) gives `seconds_with_xla_hbm_bytes`."""
   if loop is None:
     return bound(chip, program_cost(text, num_slices))
   once, trip = loop_split(text, num_slices)

@@ -214,8 +214,9 @@ def phase_lines(plan: dict) -> list[str]:
           f"  HBM bytes per chip: the prefill reads the weights, {mb(est['weights_bytes'])}; "
           f"an iteration those and the slots' whole KV cache, {mb(est['cache_bytes'])} "
           "(every position, live or not). XLA's cost analysis counts "
-          f"{mb(est['once']['xla_hbm_bytes'])} and {mb(est['trip']['xla_hbm_bytes'])} (an "
-          "in-place cache update charged the whole cache, each layer): with its count, "
+          f"{mb(est['once']['xla_hbm_bytes'])} and {mb(est['trip']['xla_hbm_bytes'])} (it "
+          "charges an op on one layer's slice of a stacked array, weights or cache, the whole "
+          "stack): with its count, "
           f"{secs(est['seconds_with_xla_hbm_bytes'])}")
     elif "seconds" in est:
       lines.append(f"  time >= {_bound(est)}")
