@@ -80,19 +80,24 @@ def estimate(chip: Chip, text: str, num_slices: int, loop=None) -> dict:
 
 
 def report(lowerings, train_memory: dict, train_estimate: dict | None, chip: Chip | None,
-           num_slices: int, compile_fn, memory_fn) -> list[dict]:
+           num_slices: int, compile_fn, memory_fn, refusal=()) -> list[dict]:
   """The plan's `phases`: the train step's first (its compiled memory `train_memory`, its
   roofline `train_estimate`), then each of `lowerings` compiled by `compile_fn(lowering)`:
   name, calls per optimizer step, compiled memory (`memory_fn(compiled)`) and, with a
-  chip, its time (`estimate`)."""
+  chip, its time (`estimate`); where the compiler refuses it (raises `refusal`, out of
+  memory), its message's first line as `compiler_out_of_memory` instead."""
   out = [{"name": "training", "calls_per_step": 1, "compiled": train_memory}]
   if train_estimate is not None:
     out[0]["estimate"] = {"seconds_lower_bound": train_estimate["step_seconds_lower_bound"],
                           "bound": train_estimate["bound"]}
   for lw in lowerings:
-    compiled = compile_fn(lw)
-    row = {"name": lw.name, "calls_per_step": lw.calls_per_step,
-           "compiled": memory_fn(compiled)}
+    row = {"name": lw.name, "calls_per_step": lw.calls_per_step}
+    try:
+      compiled = compile_fn(lw)
+    except refusal as e:
+      out.append({**row, "compiler_out_of_memory": str(e).splitlines()[0]})
+      continue
+    row["compiled"] = memory_fn(compiled)
     if chip is not None:
       try:
         text = compiled.as_text()

@@ -330,7 +330,8 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     with console.elapsed(f"compiling the step's other phases for {where}", TICK_SECONDS):
       plan["phases"] = phase_plan.report(
           phases(program), compiled_memory(compiled), plan.get("estimate"), target.chip,
-          target.num_slices, lambda lw: compile_lowering(lw)[0], compiled_memory)
+          target.num_slices, lambda lw: compile_lowering(lw)[0], compiled_memory,
+          CompilerOutOfMemory)
     total = phase_plan.rl_step(plan["phases"])
     if total is not None:
       plan["rl_step"] = total

@@ -198,6 +198,10 @@ def phase_lines(plan: dict) -> list[str]:
   mb, secs = console.human_bytes, console.human_seconds
   lines = []
   for p in plan.get("phases", []):  # GRPO: sampling and scoring beside the train step
+    if "compiler_out_of_memory" in p:
+      lines.append(f"phase {p['name']} ({_per_step(p['calls_per_step'])}): XLA refused it, out "
+                   f"of memory: {p['compiler_out_of_memory']}")
+      continue
     lines.append(f"phase {p['name']} ({_per_step(p['calls_per_step'])}): peak estimate "
                  f"{mb(p['compiled']['peak_estimate_bytes'])} per device (temporaries "
                  f"{mb(p['compiled']['temp_size_in_bytes'])})")

@@ -1,12 +1,14 @@
 """plan.phases: a program with a data-dependent loop read as what runs once plus one trip,
-each charged at a chip's rates; the RL step's sum; the console lines."""
+each charged at a chip's rates; the RL step's sum; the console lines; a phase the compiler
+refuses."""
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core import layouts
-from spmdtask.plan import chips, hlo, phases, printout
+from spmdtask.errors import PlanExceeded
+from spmdtask.plan import chips, hlo, oom, phases, planner, printout
 
 M, K = 64, 256  # a [64, 256] @ [256, 256] matmul: 2·M·K·K FLOPs
 
@@ -99,3 +101,30 @@ def test_the_rl_step_sums_each_phase_per_optimizer_step():
   assert lines[-1].startswith("RL step (one optimizer step) >= 7.12 s = training 2 s + "
                               "sampling 5.12 s")
   assert phases.rl_step([train, {k: v for k, v in sampling.items() if k != "estimate"}]) is None
+
+
+def test_a_phase_the_compiler_refuses_is_named_and_does_not_fit(loop_program):
+  """A phase XLA refuses (out of memory) is kept in the plan with the compiler's first line;
+  the plan then does not fit, naming that phase; the other phases are still compiled."""
+  mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])
+  low = lambda name: layouts.Lowering(name, None, mesh, lambda: None)
+
+  def compile_fn(lw):
+    if lw.name == "scoring":
+      raise planner.CompilerOutOfMemory("RESOURCE_EXHAUSTED: 20.1G of 15.75G hbm\nmore")
+    return jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile()
+  train = {"peak_estimate_bytes": 1 << 20, "temp_size_in_bytes": 0}
+  got = phases.report([low("sampling"), low("scoring")], train, None, None, 1, compile_fn,
+                      planner.compiled_memory, planner.CompilerOutOfMemory)
+  assert [p["name"] for p in got] == ["training", "sampling", "scoring"]
+  assert got[1]["compiled"]["peak_estimate_bytes"] > 0
+  assert got[2] == {"name": "scoring", "calls_per_step": 1,
+                    "compiler_out_of_memory": "RESOURCE_EXHAUSTED: 20.1G of 15.75G hbm"}
+  assert phases.rl_step(got) is None
+  assert printout.phase_lines({"phases": got})[-1] == (
+      "phase scoring (x1 a step): XLA refused it, out of memory: RESOURCE_EXHAUSTED: 20.1G of "
+      "15.75G hbm")
+  plan = {"phases": got, "compiled": {"peak_estimate_bytes": 1 << 20}}
+  with pytest.raises(PlanExceeded, match=r"the scoring program does not fit: XLA refused to "
+                                         r"compile it \(RESOURCE_EXHAUSTED"):
+    oom.check_fits(plan, 1 << 30)
