@@ -113,9 +113,9 @@ class Llama31_8B_Grpo(_FineTune):
   (`--plan_topology=v5e:2x4`, 8 chips of 16 GiB, FSDP over 8): 8 prompts of up to 256 tokens
   a step, 8 samples each of up to 512 new tokens (64 rows of 768 tokens), the KL reference
   the base with the adapters off (beta 0.04: no second copy of the weights), the train step
-  over 8 microbatches (1 row per chip at once). The plan compiles both phases: sampling (the
-  KV-cache prefill and per-token step over the 64 rows) and training, and names each one's
-  peak memory. The prompts here are synthetic sums (shapes for the plan); for real training
+  over 8 microbatches (1 row per chip at once). The plan compiles every phase: sampling (the
+  prefill and the decode loop over the 64 rows), scoring (the old log-probs) and training,
+  and names each one's peak memory and time on the chip, and the RL step's (docs/grpo.md). The prompts here are synthetic sums (shapes for the plan); for real training
   set datasets['train'] to an AnswerPrompts (a JSONL of prompts and answers, the model's
   tokenizer) and warm-start the base (task.train.init_checkpoint_dir)."""
   group = "align"

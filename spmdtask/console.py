@@ -8,8 +8,8 @@ to `logs/native.log`, and decides what the console shows of the log records: spm
 own warnings, JAX's warnings about the backend it picked (an accelerator present but
 unused), and ERROR and above from anywhere, each as one `spmdtask: warning: ...` /
 `spmdtask: <library> error: ...` line on stderr; third-party INFO and WARNING lines
-(orbax, absl, TensorFlow) only go to the log. Other processes than 0 drop what was
-captured while starting and print the rest as before.
+(orbax, absl, TensorFlow) only go to the log. Processes other than 0 show the same lines
+and log on their own host (`other_process_logs()`), never into the job dir.
 `say(...)` is for the few lines a run is read by (the start summary, progress, the end):
 process 0 prints them on stdout and logs them too. With `verbose` (--verbosity,
 --alsologtostderr, --logtostderr or --stderrthreshold given) what was captured, and all that
@@ -186,14 +186,22 @@ def start_tool() -> None:
 
 
 def setup(job_log_dir: str, verbose: bool) -> str:
-  """Process 0 logs to `job_log_dir/logs/`; returns that dir. Other processes keep stderr."""
+  """Process 0 logs to `job_log_dir/logs/`; returns that dir. The other processes log on
+  their own host (`other_process_logs`) and show the same spmdtask lines as process 0:
+  only process 0 writes into the job dir, and a pod's console is not every host's INFO log."""
   global _echo
   import jax  # pylint: disable=g-import-not-at-top
   log_dir = fs.join(job_log_dir, "logs")
   if jax.process_index() != 0:
-    native_output.to_terminal()
-    if _records is not None:
-      _records.let_through(show=False)
+    if _records is None:  # verbose: everything on the terminal, as absl prints it
+      native_output.to_terminal()
+      return log_dir
+    local = other_process_logs()
+    os.makedirs(local, exist_ok=True)
+    name = f"spmdtask.process{jax.process_index()}"
+    logging.get_absl_handler().use_absl_log_file(name, local)
+    native_output.log_to(os.path.join(local, f"{name}.{os.getpid()}.native.log"))
+    _records.let_through(show=True)
     return log_dir
   if fs.is_remote(log_dir):
     _log_to_object(log_dir)
@@ -210,6 +218,11 @@ def setup(job_log_dir: str, verbose: bool) -> str:
     _records.let_through(show=True)
   _echo = not verbose
   return log_dir
+
+
+def other_process_logs() -> str:
+  """Where processes other than 0 log: a dir on their own host's local disk."""
+  return os.path.join(tempfile.gettempdir(), "spmdtask_logs")
 
 
 def _log_to_object(log_dir: str) -> None:

@@ -18,15 +18,27 @@ class Lowering(NamedTuple):
   on (None: every device); mesh: the devices it runs on; lower: `() -> jax Lowered` (from
   ShapeDtypeStructs: nothing is allocated); calls_per_step: how often one step runs it;
   fn, args: the jitted function and its abstract args, for tracing it (e.g. FLOPs of the
-  traced step), where the program exposes them.
+  traced step), where the program exposes them. loop: a program's data-dependent loop
+  (a sampler's decode loop, run until its samples stop) as a plan assumes it (`Loop`).
   """
   name: str
   stage: int | None
   mesh: Mesh
   lower: Callable[[], Any]
-  calls_per_step: int = 1
+  calls_per_step: float = 1
   fn: Callable[..., Any] | None = None
   args: tuple = ()
+  loop: "Loop | None" = None
+
+
+class Loop(NamedTuple):
+  """A program's data-dependent loop as a plan assumes it: its trips and what they count
+  (`note`); the HBM bytes per device its program must read: every weight it uses once
+  (`weights_bytes`) and, each trip, those and the cache (`cache_bytes`)."""
+  trips: int
+  note: str
+  weights_bytes: float
+  cache_bytes: float
 
 
 def sharded_structs(mesh: Mesh, shapes, specs):

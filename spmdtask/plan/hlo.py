@@ -130,12 +130,13 @@ def loops(text: str) -> list[Loop]:
   return out
 
 
-def multipliers(text: str) -> dict[str, int]:
-  """How many times each computation runs per execution of ENTRY (while trips multiply)."""
+def multipliers(text: str, unknown_trips: int = 1) -> dict[str, int]:
+  """How many times each computation runs per execution of ENTRY (while trips multiply;
+  a data-dependent loop's, which cannot be read, are `unknown_trips`)."""
   comps, entry = computations(text)
   if entry is None:
     return {}
-  trips = {l.body: l.trips or 1 for l in loops(text)}
+  trips = {l.body: unknown_trips if l.trips is None else l.trips or 1 for l in loops(text)}
   mult = collections.defaultdict(int)
   mult[entry] = 1
   order = [entry]
@@ -333,17 +334,16 @@ def _collective(line: str, num_slices: int, runs: int, host_of=None) -> Collecti
   return None
 
 
-def scheduled_collectives(text: str, num_slices: int = 1,
-                          host_of: tuple[int, ...] | None = None
-                          ) -> dict[str, list[Collective]]:
+def scheduled_collectives(text: str, num_slices: int = 1, host_of: tuple[int, ...] | None = None,
+                          unknown_trips: int = 1) -> dict[str, list[Collective]]:
   """Per instruction of a scheduled computation that performs collectives (a bare
   collective, an async start, a fusion that holds one), named by that instruction: its
   collectives, each with the runs per step of its computation. An async op's done,
   update and XLA:TPU continuation fusions hold clones of its start's collective and are
   not counted again (`async_origins`). `host_of`: the host of each logical device (GPUs),
-  for the hosts each collective spans."""
+  for the hosts each collective spans; `unknown_trips` as `multipliers`."""
   comps, _ = computations(text)
-  mult = multipliers(text)
+  mult = multipliers(text, unknown_trips)
   out: dict[str, list[Collective]] = {}
   for name in scheduled(text):
     if not mult.get(name, 0):
@@ -361,11 +361,11 @@ def scheduled_collectives(text: str, num_slices: int = 1,
   return out
 
 
-def collective_ops(text: str, num_slices: int = 1,
-                   host_of: tuple[int, ...] | None = None) -> list[Collective]:
+def collective_ops(text: str, num_slices: int = 1, host_of: tuple[int, ...] | None = None,
+                   unknown_trips: int = 1) -> list[Collective]:
   """Every collective of the per-device program, counted per step (see module doc)."""
-  return [op for ops in scheduled_collectives(text, num_slices, host_of).values()
-          for op in ops]
+  return [op for ops in scheduled_collectives(text, num_slices, host_of,
+                                              unknown_trips).values() for op in ops]
 
 
 _KERNELS = ('custom_call_target="tpu_custom_call"', 'custom_call_target="__cudnn$fmha')

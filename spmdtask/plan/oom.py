@@ -175,12 +175,15 @@ def check_fits(plan: dict, budget: float, budget_name: str | None = None,
           "(task.pipeline.layer_cuts), give it more devices (task.pipeline.submesh_shapes), "
           "or use a schedule that holds fewer sets (task.pipeline.schedule).")
   for ph in plan.get("phases", [])[1:]:
-    if ph["compiled"]["peak_estimate_bytes"] > budget:
+    refused = ph.get("compiler_out_of_memory")
+    if refused or ph["compiled"]["peak_estimate_bytes"] > budget:
+      why = (f"XLA refused to compile it ({refused})" if refused else
+             f"its estimated peak per device, "
+             f"{console.human_bytes(ph['compiled']['peak_estimate_bytes'])}, exceeds "
+             f"{budget_name}")
       raise PlanExceeded(
-          f"the {ph['name']} program does not fit: its estimated peak per device, "
-          f"{console.human_bytes(ph['compiled']['peak_estimate_bytes'])}, exceeds "
-          f"{budget_name}. Sample fewer rows at once (fewer decode slots, "
-          "task.objective.sampler_slots; fewer prompts per step or "
+          f"the {ph['name']} program does not fit: {why}. Give it fewer rows at once (the sampler: fewer decode slots, "
+          "task.objective.sampler_slots; both: fewer prompts per step or "
           "task.objective.num_generations) or shorter completions "
           "(task.objective.max_new_tokens).")
   if ("compiler_out_of_memory" not in plan

@@ -38,6 +38,7 @@ import jax
 from spmdtask import console, fs
 from spmdtask.plan import (advice, buffers, hlo, oom, overlap, owners, printout, remat_cost,
                            roofline, stage_roofline, targets, xla_cost, xla_log)
+from spmdtask.plan import phases as phase_plan
 from spmdtask.core import memory, sharding, train_state
 from spmdtask.core import model as model_lib
 from spmdtask.core import program as program_lib
@@ -325,12 +326,15 @@ def make_plan(run_cfg, name: str = "experiment", target: targets.Target | None =
     plan["decode_cache"] = {
         "bytes_per_token_per_row": model_lib.cache_bytes_per_token(program.model),
         "max_seq_len": program.model.max_seq_len}
-  if phases is not None and compiled is not None:
+  if phases is not None and compiled is not None:  # GRPO: sampling, scoring (plan.phases)
     with console.elapsed(f"compiling the step's other phases for {where}", TICK_SECONDS):
-      plan["phases"] = [{"name": "training", "calls_per_step": 1,
-                         "compiled": compiled_memory(compiled)}] + [
-          {"name": lw.name, "calls_per_step": lw.calls_per_step,
-           "compiled": compiled_memory(compile_lowering(lw)[0])} for lw in phases(program)]
+      plan["phases"] = phase_plan.report(
+          phases(program), compiled_memory(compiled), plan.get("estimate"), target.chip,
+          target.num_slices, lambda lw: compile_lowering(lw)[0], compiled_memory,
+          CompilerOutOfMemory)
+    total = phase_plan.rl_step(plan["phases"])
+    if total is not None:
+      plan["rl_step"] = total
   return plan
 
 

@@ -159,10 +159,7 @@ def format_plan(plan: dict) -> list[str]:
     lines.append(f"stage {st['stage']}: {st['devices']} devices, state "
                  f"{mb(st['state_bytes_per_device'])} per device (of which "
                  f"{mb(st['bytes_held_by_every_stage'])} held by every stage)")
-  for p in plan.get("phases", []):  # GRPO: the sampling programs beside the train step
-    lines.append(f"phase {p['name']} (x{p['calls_per_step']} a step): peak estimate "
-                 f"{mb(p['compiled']['peak_estimate_bytes'])} per device (temporaries "
-                 f"{mb(p['compiled']['temp_size_in_bytes'])})")
+  lines += phase_lines(plan)
   for p in plan.get("programs", []):
     lines.append(f"program {p['name']} on {p['devices']} devices (x{p['calls_per_step']} a step): "
                  f"temporaries {mb(p['compiled']['temp_size_in_bytes'])}, peak estimate "
@@ -181,6 +178,63 @@ def format_plan(plan: dict) -> list[str]:
            else ""))
   lines += [f"note: {n}" for n in plan.get("notes", [])]
   lines += [f"warning: {w}" for w in plan["warnings"]]
+  return lines
+
+
+def _per_step(calls: float) -> str:
+  """'x1 a step', 'once every 2 steps'."""
+  return f"x{calls:g} a step" if calls >= 1 else f"once every {round(1 / calls)} steps"
+
+
+def _bound(b: dict) -> str:
+  """'1.2 ms (bound by hbm: compute 0.1 ms, hbm 1.2 ms, ici 0.5 ms)'."""
+  secs = console.human_seconds
+  terms = ", ".join(f"{k} {secs(v)}" for k, v in b["seconds"].items())
+  return f"{secs(b['seconds_lower_bound'])} (bound by {b['bound']}: {terms})"
+
+
+def phase_lines(plan: dict) -> list[str]:
+  """Each phase's memory and (with a chip) its time; the RL step's total (`plan.phases`)."""
+  mb, secs = console.human_bytes, console.human_seconds
+  lines = []
+  for p in plan.get("phases", []):  # GRPO: sampling and scoring beside the train step
+    if "compiler_out_of_memory" in p:
+      lines.append(f"phase {p['name']} ({_per_step(p['calls_per_step'])}): XLA refused it, out "
+                   f"of memory: {p['compiler_out_of_memory']}")
+      continue
+    lines.append(f"phase {p['name']} ({_per_step(p['calls_per_step'])}): peak estimate "
+                 f"{mb(p['compiled']['peak_estimate_bytes'])} per device (temporaries "
+                 f"{mb(p['compiled']['temp_size_in_bytes'])})")
+    est = p.get("estimate")
+    if est is None:
+      continue
+    if "trip" in est:  # a decode loop: what runs once, then its iterations
+      lines.append(
+          f"  time >= {secs(est['seconds_lower_bound'])}: prefill and set-up "
+          f"{_bound(est['once'])}, then {est['loop_trips']:,} decode iterations x "
+          f"{_bound(est['trip'])}; iterations: {est['loop_note']}; shorter completions end "
+          "it sooner (time ~ prefill + iterations run x one)")
+      lines.append(
+          f"  HBM bytes per chip: the prefill reads the weights, {mb(est['weights_bytes'])}; "
+          f"an iteration those and the slots' whole KV cache, {mb(est['cache_bytes'])} "
+          "(every position, live or not). XLA's cost analysis counts "
+          f"{mb(est['once']['xla_hbm_bytes'])} and {mb(est['trip']['xla_hbm_bytes'])} (it "
+          "charges an op on one layer's slice of a stacked array, weights or cache, the whole "
+          "stack): with its count, "
+          f"{secs(est['seconds_with_xla_hbm_bytes'])}")
+    elif "seconds" in est:
+      lines.append(f"  time >= {_bound(est)}")
+    else:
+      lines.append(f"  time >= {secs(est['seconds_lower_bound'])} (bound by {est['bound']}: "
+                   "the train step's roofline above)")
+  rl = plan.get("rl_step")
+  if rl:
+    parts = " + ".join(f"{k} {secs(v)}" for k, v in rl["parts"].items())
+    lines.append(
+        f"RL step (one optimizer step) >= {secs(rl['seconds_lower_bound'])} = {parts}: each "
+        "phase's roofline lower bound x its calls a step, run in turn (none overlapped); the "
+        "KL reference's log-probs (beta > 0) are inside the train step's; rewards (host "
+        "Python), host transfers and dispatch are not counted")
   return lines
 
 

@@ -41,12 +41,13 @@ def _once(client, text: str) -> dict[str, float]:
   return {k: float(costs.get(k, 0.0)) for k in KEYS}
 
 
-def per_step(text: str) -> dict:
+def per_step(text: str, unknown_trips: int = 1) -> dict:
   """{'flops', 'bytes accessed', 'transcendentals'} per execution of the module (per
-  device), loops counted per trip; plus the loops found ('loops': body, trips)."""
+  device), loops counted per trip (a loop whose trips cannot be read, `unknown_trips`);
+  plus the loops found ('loops': body, trips)."""
   client = jax.devices("cpu")[0].client  # the analysis is backend-neutral: any client
   total = _once(client, text)
-  mult = hlo.multipliers(text)
+  mult = hlo.multipliers(text, unknown_trips)
   loops = hlo.loops(text)
   for loop in {l.body: l for l in loops}.values():
     extra = mult.get(loop.body, 0) - mult.get(loop.parent, 0)

@@ -22,6 +22,7 @@ the trainer scores: `objective.token_logprobs`). Slots are sharded like the deco
 (over the data axes), the cache as the model says; outputs come back replicated.
 """
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -71,6 +72,39 @@ def check_slots(slots: int, samples: int, shards: int, field: str) -> None:
         f"{field}={slots}: the sampler's decode slots must be between 1 and the step's samples "
         f"({samples}) and a multiple of the data shards ({shards}). Set it so, or 0 for one "
         "slot per sample.")
+
+
+def worst_case_iterations(samples: int, slots: int, max_new: int) -> int:
+  """The decode loop's iterations when every sample runs to `max_new` tokens: `slots`
+  (0: one a sample) take the samples in waves of max_new - 1 iterations each (a sample's
+  first token comes from its prompt's prefill; a freed slot takes the next sample in the
+  iteration that decodes its first step)."""
+  slots = slots or samples
+  return -(-samples // slots) * max(max_new - 1, 0)
+
+
+def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
+  """(weights, cache) bytes one device must read for a decode iteration over `slots` slots
+  of `total` tokens: every weight but the share split over non-batch axes (the data axes
+  only split the slots), at the compute dtype (the cache's) where that is narrower; the
+  slots' whole cache (the attention reads every position, live or not). As the model
+  declares them: a compiler may narrow f32 further (XLA:TPU feeds its bf16 matmul passes)."""
+  model, mesh_shape = program.model, dict(program.mesh.shape)
+  batch = set(program.task.batch_axes())
+  cache = model.cache_shape(slots, total)
+  width = min(x.dtype.itemsize for x in jax.tree.leaves(cache))
+  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, slots).cache
+
+  def per_device(x, spec, itemsize, keep=lambda a: True):
+    return x.size * itemsize / math.prod(mesh_shape[a] for e in spec
+                                         for a in sharding.entry_axes(e) if keep(a))
+  weights = sum(jax.tree.leaves(jax.tree.map(
+      lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
+      program.layout.logical.params, program.layout.split.params,
+      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
+  kv = sum(jax.tree.leaves(jax.tree.map(lambda x, s: per_device(x, s, x.dtype.itemsize),
+                                        cache, specs)))
+  return float(weights), float(kv)
 
 
 def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,

@@ -118,24 +118,34 @@ def test_a_lost_peer_is_recognised_by_its_runtime_status_not_its_type():
 E2E = ("task.model.num_layers=2", "task.train.log_interval_steps=1",
        "task.train.save_interval_steps=2", "task.train.summary_interval_steps=1000",
        "datasets['train'].batch_size=32")
-LINE = re.compile(r"spmdtask: lost process 1 of 2 \(killed, crashed, or its host gone\): a "
-                  r"collective or key-value-store call failed \([A-Z_]+\), and it has "
-                  r"given no sign of life for \d+ s\. Process 0 stops here \(exit 5\); the "
-                  r"newest complete checkpoint is step (\d+) in (\S+): a rerun resumes from "
-                  r"it\. Rerun every process with the command it was started with \(this one: "
-                  r"python -m spmdtask\.main .*--process_id=0\)\.")
+
+
+def lost_line(lost: int = 1, of: int = 2, me: int = 0) -> re.Pattern:
+  """Process `me`'s one line when process `lost` of `of` is gone (the step, the dir): found
+  by its own failed call, or (3+ processes) named by a survivor that found it first."""
+  return re.compile(
+      rf"spmdtask: lost process {lost} of {of} \(killed, crashed, or its host gone\): (?:a "
+      r"collective or key-value-store call failed \([A-Z_]+\)(?:, and it has given no sign of "
+      rf"life for \d+ s|; another process saw it go)|another process saw it go)\. Process {me} "
+      r"stops here \(exit 5\); the newest complete checkpoint "
+      r"is step (?P<step>\d+) in (?P<dir>\S+): a rerun resumes from it\. Rerun every process with the "
+      rf"command it was started with \(this one: python -m spmdtask\.main .*--process_id={me}\)\.")
+
+
+LINE = lost_line()
 
 
 class _Job:
-  """A launch of the 2-process job whose process 0's output is read as it comes."""
+  """A launch of the job on `n` processes (one CPU device each) whose output is read as it
+  comes."""
 
-  def __init__(self, launched: list, job: str, tag: str, *overrides: str):
+  def __init__(self, launched: list, job: str, tag: str, *overrides: str, n: int = 2):
     self.job = job
-    self.paths = [f"{job}.{tag}.{i}.{s}" for i in range(2) for s in ("out", "err")]
+    self.paths = [f"{job}.{tag}.{i}.{s}" for i in range(n) for s in ("out", "err")]
     self.files = [open(p, "w+") for p in self.paths]  # pylint: disable=consider-using-with
     args = h.main_cmd("lm.TinyLm", job, *E2E, *overrides)[3:]
-    self.procs = launch_local.start(2, 1, args, h.env(1), "flags",
-                                    [self.files[0:2], self.files[2:4]])
+    self.procs = launch_local.start(n, 1, args, h.env(1), "flags",
+                                    [self.files[i:i + 2] for i in range(0, 2 * n, 2)])
     launched.extend(self.procs)
 
   def out(self, i: int = 0, stream: int = 0) -> str:
@@ -168,8 +178,8 @@ class _Job:
     assert "Traceback" not in err + self.out(0, 0)
     line = LINE.fullmatch(err.strip())
     assert line, err[-3000:]
-    step = int(line.group(1))
-    assert step == max(checkpoints.complete_steps(line.group(2)))
+    step = int(line["step"])
+    assert step == max(checkpoints.complete_steps(line["dir"]))
     logs = open(os.path.join(self.job, "logs", "spmdtask.INFO")).read()
     assert "The failure that showed the loss:\nTraceback" in logs
     return step
@@ -218,3 +228,28 @@ def test_process_1_killed_mid_step_between_steps_and_in_a_save_stops_process_0_i
   # The rerun resumes from the newest checkpoint the line named.
   run = _Job(launched, job, "resume")
   _resumed(run, saved)
+
+
+@pytest.mark.slow
+def test_one_of_four_processes_killed_stops_the_other_three_in_one_line_each(tmp_path, launched):
+  # Process 2 of 4 SIGKILLed between steps: every survivor's next collective fails, each asks
+  # the beats, names process 2 and exits 5 with its own line; no traceback on any console.
+  run = _Job(launched, str(tmp_path / "job"), "four", n=4)
+  run.wait_for(lambda: "step 3/" in run.out())
+  t0 = time.time()
+  run.procs[2].kill()
+  for i in (0, 1, 3):
+    run.procs[i].wait(timeout=90)
+  seconds = time.time() - t0
+  for f in run.files:
+    f.close()
+  steps = set()
+  for i in (0, 1, 3):
+    err = run.out(i, 1)
+    assert run.procs[i].returncode == peers.EXIT_LOST_PEER, (i, err[-3000:])
+    assert "Traceback" not in err + run.out(i, 0), (i, err[-3000:])
+    line = lost_line(lost=2, of=4, me=i).fullmatch(err.strip())
+    assert line, (i, err[-3000:])
+    steps.add(int(line["step"]))
+  assert seconds < 60, seconds
+  assert steps == {max(checkpoints.complete_steps(checkpoints.checkpoint_dir(run.job)))}

@@ -1,12 +1,14 @@
 """GRPO's rollout feed: sampling at temperature 0 is greedy decoding, nothing compiles after
-the first step, a rollout's batch, the plan of both phases."""
+the first step, a rollout's batch, the plan of its phases (memory; on a chip, time)."""
 import jax
 import jax._src.dispatch as dispatch  # BACKEND_COMPILE_EVENT: one per XLA compile
 import numpy as np
 import pytest
 
 from configs import grpo as grpo_configs  # pylint: disable=unused-import  (registers)
+from spmdtask.core import model as model_lib, program as program_lib
 from spmdtask.errors import PlanExceeded
+from spmdtask.plan import phases, planner, targets
 from spmdtask.run import loop, rollout
 from tests import oracles, util
 
@@ -74,17 +76,48 @@ def test_sampling_at_temperature_0_is_greedy_decoding(trained):
 
 
 def test_the_plan_names_each_phases_peak_memory():
-  from spmdtask.plan import planner  # pylint: disable=g-import-not-at-top
   run = util.build_run("TinyLmGrpo", SMALL + ["task.ici_mesh_shape=(-1, 1, 1)"])
   plan = planner.make_plan(run, "TinyLmGrpo", None, *rollout.plan_inputs(run))
   phases = {p["name"]: p for p in plan["phases"]}
-  assert list(phases) == ["training", "sampling"]  # one program: prefill and the decode loop
-  assert phases["sampling"]["calls_per_step"] == 1
+  # the sampler (one program: prefill and the decode loop), the scorer (old log-probs)
+  assert list(phases) == ["training", "sampling", "scoring"]
+  assert phases["sampling"]["calls_per_step"] == phases["scoring"]["calls_per_step"] == 0.5
   assert phases["training"]["compiled"] == plan["compiled"]
+  assert "rl_step" not in plan and not any("estimate" in p for p in plan["phases"])  # no chip
   assert all(p["compiled"]["peak_estimate_bytes"] > 0 for p in plan["phases"])
-  sampling = max(p["compiled"]["peak_estimate_bytes"] for p in plan["phases"][1:])
+  sampling = phases["sampling"]["compiled"]["peak_estimate_bytes"]
   with pytest.raises(PlanExceeded, match=r"the sampling program does not fit.*sampler_slots"):
     planner.check_fits(plan, sampling - 1)  # the phases are checked before the train step
+
+
+def test_the_sampling_phase_on_a_chip_reads_the_weights_and_cache_each_iteration():
+  """TinyLmGrpo's sampler compiled for v5e:2x2 (FSDP over 4): a decode iteration is every
+  slot's token through the whole model (its FLOPs, its weights gathered), charged for the
+  weights and every slot's whole cache; the plan assumes the worst case's iterations."""
+  new, samples = 16, 16 * 8
+  run = util.build_run("TinyLmGrpo", ["task.ici_mesh_shape=(1, 4, 1)",
+                                      f"task.objective.max_new_tokens={new}"])
+  target = targets.topology("v5e:2x2", 1)
+  program = program_lib.setup(run.task, rollout.example(run), devices=list(target.devices))
+  lowering = rollout.sampling_lowerings(run, program)[0]
+  loop, rows = lowering.loop, samples // 4  # the slots split over the 4 chips
+  assert loop.trips == new - 1 and lowering.calls_per_step == 1
+  weights = sum(x.size for x in jax.tree.leaves(program.layout.logical.params))
+  assert loop.weights_bytes == weights * 4  # every chip uses every (f32) weight
+  assert loop.cache_bytes == model_lib.cache_bytes_per_token(program.model) * rows * (
+      run.datasets["train"].prompt_len + new)
+  est = phases.estimate(target.chip, planner.compile_lowering(lowering)[0].as_text(), 1, loop)
+  trip = est["trip"]["cost"]
+  # 2 FLOPs a weight per row (the embedding's gather aside: < 2·P), plus attention
+  assert 2 * weights * rows * 0.95 <= trip["flops"] <= 2 * weights * rows * 1.1
+  # FSDP: each iteration receives the 3/4 of the weights a chip lacks (measured: all but
+  # 2.4% of them, the embedding's looked-up rows), in bf16 (XLA:TPU's default matmul
+  # precision: it gathers them narrowed)
+  assert trip["ici_bytes"] >= 0.75 * 0.95 * weights * 2
+  assert trip["hbm_bytes"] == loop.weights_bytes + loop.cache_bytes
+  assert est["trip"]["xla_hbm_bytes"] >= trip["hbm_bytes"]  # XLA counts more, never less
+  assert est["seconds_lower_bound"] == pytest.approx(
+      est["once"]["seconds_lower_bound"] + (new - 1) * est["trip"]["seconds_lower_bound"])
 
 
 def test_a_completion_stops_at_the_first_stop_id_in_rows_and_rewards():

@@ -1,6 +1,8 @@
 """The on-device sampler (`run.sampling`, GRPO's `rollout.Sampler`): greedy equals today's
-per-token decode token for token with and without slot refill, several stop ids stop rows at
-the first, 1 and 8 devices sample alike, the sampler's log-probs are the trainer's."""
+per-token decode token for token with and without slot refill, in the plan's worst-case
+iterations at full length, several stop ids stop rows at the first, 1 and 8 devices sample
+alike, half the slots give the same long-tail samples, the sampler's log-probs are the
+trainer's."""
 import dataclasses
 
 import jax
@@ -59,8 +61,12 @@ def test_greedy_equals_todays_decode_token_for_token(eight, greedy, slots):
   assert [s["id"] for s in samples] == list(rollout.repeat_prompts(local, GROUP)["ids"])
   assert _outputs(samples) == greedy
   assert all(len(s["logp"]) == len(s["output_ids"]) for s in samples)
-  # every sample runs NEW tokens: the pool is busy but for the first token's steps
-  assert new.utilization == (1.0 if slots == 0 else pytest.approx(1.0, abs=0.1))
+  # every sample runs NEW tokens (its first from the prefill): the loop runs the plan's
+  # worst case, each iteration every slot busy
+  n = PROMPTS * GROUP
+  worst = sampling.worst_case_iterations(n, slots, NEW)
+  assert worst == (NEW - 1) * (1 if slots == 0 else n // slots)
+  assert new.utilization == pytest.approx(n * (NEW - 1) / (worst * (slots or n)), rel=1e-12)
 
 
 def test_several_stop_ids_stop_each_row_at_the_first_of_them(eight, greedy):
@@ -89,6 +95,24 @@ def test_1_and_8_devices_sample_the_same(eight):
   assert _outputs(a) == _outputs(b)
   for s, t in zip(a, b):
     util.assert_close_f32(s["logp"], t["logp"], terms=64)
+
+
+def test_half_the_slots_give_the_same_long_tail_samples(eight):
+  """A pool of half the samples' slots (half the KV cache rows): samples wait for a free
+  slot and come out the same as with one slot a sample, at temperature 1 with lengths
+  from 1 to NEW (a quarter of the vocabulary stops a sample)."""
+  run, program, params, local = eight
+  stops = tuple(range(0, 264, 4))
+  sampled = dict(temperature=1.0, seed=5)
+  full = _sampler(run, program, stops=stops, **sampled)
+  half = _sampler(run, program, stops=stops, sampler_slots=PROMPTS * GROUP // 2, **sampled)
+  a, b = full.sample(params, local), half.sample(params, local)
+  lengths = [len(s["output_ids"]) for s in a]
+  assert min(lengths) == 1 and max(lengths) == NEW and len(set(lengths)) > 4, lengths
+  assert _outputs(a) == _outputs(b)
+  for s, t in zip(a, b):  # the same draws; the same logits up to the slot's rows' sums
+    util.assert_close_f32(s["logp"], t["logp"], terms=64)
+  assert half.utilization > full.utilization  # the long tail keeps fewer slots idle
 
 
 def test_the_sampler_log_probs_are_the_trainers(eight):
