@@ -31,6 +31,13 @@ class TrainParams:
     save_interval_steps: save a checkpoint (async) every this many steps, and always at
       the end of training and on preemption. Needs --job_log_dir.
     max_to_keep: how many of the newest checkpoints to keep; None = all.
+    local_checkpoint_dir: a directory on each host's own disk or RAM disk (e.g.
+      /dev/shm/spmdtask) for the local checkpoint tier, saved every
+      `local_save_interval_steps` and on preemption, each process its own shards; the job
+      dir is then the persistent tier (every `save_interval_steps` and at the end). A resume
+      takes the newest complete step of either tier (`run.local_tier`). None = off.
+    local_save_interval_steps: the local tier's interval (with `local_checkpoint_dir`).
+    local_max_to_keep: the newest local steps kept (with `local_checkpoint_dir`).
     summary_interval_steps: write TensorBoard scalars (job_log_dir/summaries/train) every
       this many steps, and flush them.
     init_checkpoint_dir: warm start: a job_log_dir whose latest checkpoint gives the initial
@@ -64,6 +71,9 @@ class TrainParams:
   seed: int = 1234
   save_interval_steps: int = 100
   max_to_keep: int | None = 3
+  local_checkpoint_dir: str | None = None
+  local_save_interval_steps: int = 5
+  local_max_to_keep: int = 2
   summary_interval_steps: int = 10
   init_checkpoint_dir: str | None = None
   init_adapters: str = "merge"
@@ -91,6 +101,13 @@ class TrainParams:
                       "Give a norm > 0, or None for no clipping.")
     if self.max_to_keep is not None:
       checks.positive(where, max_to_keep=self.max_to_keep)
+    if self.local_checkpoint_dir is not None:
+      checks.positive(where, local_save_interval_steps=self.local_save_interval_steps,
+                      local_max_to_keep=self.local_max_to_keep)
+      if not isinstance(self.local_checkpoint_dir, str) or not self.local_checkpoint_dir:
+        raise ConfigError(f"task.train.local_checkpoint_dir={self.local_checkpoint_dir!r} must "
+                          "be a directory on each host's local disk (e.g. /dev/shm/spmdtask), "
+                          "or None for no local checkpoint tier.")
     if self.init_adapters not in ("merge", "continue"):
       raise ConfigError(f"task.train.init_adapters={self.init_adapters!r} is 'merge' (new "
                         "LoRA adapters on a LoRA start merged) or 'continue' (the start's own "

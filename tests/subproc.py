@@ -25,8 +25,8 @@ from spmdtask import main
 from spmdtask.run import checkpoints
 kill_step = int(os.environ["KILL_AFTER_COMMITTED_STEP"])
 original = checkpoints.Checkpointer.save
-def save(self, step, state, input_state):
-  original(self, step, state, input_state)
+def save(self, step, state, input_state, **tiers):
+  original(self, step, state, input_state, **tiers)
   if step == kill_step:
     self.wait()  # the step is committed
     os.kill(os.getpid(), signal.SIGKILL)
@@ -44,8 +44,8 @@ from spmdtask import main
 from spmdtask.run import checkpoints, goodput_events
 kill_step = int(os.environ["KILL_AFTER_STEP"])
 save, step_done = checkpoints.Checkpointer.save, goodput_events.Recorder.step_done
-def committed_save(self, step, state, input_state):
-  save(self, step, state, input_state)
+def committed_save(self, step, state, input_state, **tiers):
+  save(self, step, state, input_state, **tiers)
   self.wait()
 def killing_step_done(self, step):
   step_done(self, step)

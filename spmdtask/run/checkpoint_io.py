@@ -6,7 +6,7 @@ What a step's `params` item holds is in its `meta`: the whole params, or (HELD_K
 ADAPTERS, a LoRA job warm-started from a base: `lora_base`) the adapters alone; a read
 takes the model's targets for what it holds.
 """
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import jax
 import orbax.checkpoint as ocp
@@ -21,6 +21,33 @@ ARRAY_ITEMS = ("params", "opt_state")
 JSON_ITEMS = ("inputs", "meta")
 COMMIT_FILE = "commit_success.txt"
 HELD_KEY, ADAPTERS = "params_held", "adapters"  # meta[HELD_KEY]; absent: the whole params
+
+
+class ArrayFormat(Protocol):
+  """How a tier's manager writes and reads the array items (`params`, `opt_state`)."""
+
+  def save_args(self, tree) -> ocp.args.CheckpointArgs: ...
+
+  def restore_args(self, target) -> ocp.args.CheckpointArgs: ...
+
+
+class Standard:
+  """The job dir's format: orbax's StandardCheckpointHandler (one replica of each shard,
+  written by the process that holds it into a directory every process sees)."""
+
+  def save_args(self, tree) -> ocp.args.CheckpointArgs:
+    return ocp.args.StandardSave(tree)
+
+  def restore_args(self, target) -> ocp.args.CheckpointArgs:
+    return ocp.args.StandardRestore(target)
+
+
+STANDARD = Standard()
+
+
+def agreed_alone(why: str | None) -> str | None:
+  """The default `agree` of a read: a directory every process sees gives one answer."""
+  return why
 
 
 def checkpoint_dir(job_log_dir: str) -> str:
@@ -150,24 +177,31 @@ def restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_I
   return got
 
 
-def checked_read(mngr, directory: str, program, step: int, items, params_targets=None
+def checked_read(mngr, directory: str, program, step: int, items, params_targets=None,
+                 fmt: ArrayFormat = STANDARD,
+                 agree: Callable[[str | None], str | None] = agreed_alone
                  ) -> tuple[dict[str, Any] | None, str | None]:
   """(the items of checkpoint `step` with its `meta`, None), or (None, why) when it is
   damaged: its metadata and file sizes (`checkpoint_check`, before any read), orbax's
-  restore, or its arrays' fingerprints (when it has them) say so."""
-  why = checkpoint_check.problem(fs.join(directory, str(step)))
+  restore, or its arrays' fingerprints (when it has them) say so. `fmt`: how the tier
+  wrote the arrays; `agree`: every process's answer made one (a tier whose processes each
+  read their own directory: one damaged copy makes the step damaged for all)."""
+  why = agree(checkpoint_check.problem(fs.join(directory, str(step))))
   if why:
     return None, why
   # A failure ends the run (in the binary the hooks stay: orbax's reads still in flight report).
   with console.libraries_to_log():
     try:
-      got = _read(mngr, directory, program, step, tuple(k for k in items if k != "meta"),
-                  params_targets)
+      got, why = _read(mngr, directory, program, step, tuple(k for k in items if k != "meta"),
+                       params_targets, fmt), None
     except ConfigError:
       raise
     except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
       logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
-      return None, checkpoint_check.read_failure(e)
+      got, why = None, checkpoint_check.read_failure(e)
+  why = agree(why)
+  if why:
+    return None, why
   stored = got["meta"].get(fingerprints.KEY)
   if stored is None:  # written before checkpoints carried fingerprints: unchecked
     return got, None
@@ -176,7 +210,8 @@ def checked_read(mngr, directory: str, program, step: int, items, params_targets
   return (None, why) if why else (got, None)
 
 
-def _read(mngr, directory: str, program, step: int, items, params_targets=None) -> dict[str, Any]:
+def _read(mngr, directory: str, program, step: int, items, params_targets=None,
+          fmt: ArrayFormat = STANDARD) -> dict[str, Any]:
   """orbax's restore of `items` (and `meta`, read first: it says what the params hold) of
   `step`, after checking the arrays' shapes."""
   meta = read_meta(mngr, step)
@@ -189,7 +224,7 @@ def _read(mngr, directory: str, program, step: int, items, params_targets=None) 
   for item in ARRAY_ITEMS:
     if item in items:
       _check_shapes(item, metadata[item], getattr(targets, item), f"{directory}/{step}")
-  args = {k: ocp.args.StandardRestore(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
+  args = {k: fmt.restore_args(getattr(targets, k)) for k in ARRAY_ITEMS if k in items}
   args.update({k: ocp.args.JsonRestore() for k in JSON_ITEMS if k in items})
   got = mngr.restore(step, args=ocp.args.Composite(**args)) if args else {}
   return {**{k: got[k] for k in args}, "meta": meta}

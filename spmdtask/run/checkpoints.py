@@ -24,6 +24,14 @@ ones, before the first step) say so. CheckpointUnreadable names the file or arra
 newest intact step (checked the same way, only then); training from that step with
 --restore_step moves the damaged later steps into `checkpoints_unreadable/` (nothing is
 deleted). A checkpoint written before fingerprints existed restores as before, unchecked.
+
+With a local tier (`local_tier`: frequent saves to each host's own disk), the job dir is
+the persistent tier, saved every `save_interval_steps`, at the end of training and, without
+a local tier, on a stop; the local tier is saved every `local_save_interval_steps` and on a
+stop (SIGTERM, Ctrl-C: the fastest tier). A resume takes the newest complete step of either
+tier: local steps newer than the persistent tier's newest are tried newest first (checked as
+above, and only if they belong to this job and its layout); one that fails is deleted and
+the next is tried, down to the persistent tier. The console names the tier and step.
 """
 import os
 import time
@@ -37,7 +45,7 @@ from absl import logging
 from spmdtask import console, fs
 from spmdtask.core import sharding, train_state
 from spmdtask.errors import ConfigError
-from spmdtask.run import checkpoint_check, fingerprints, goodput_events, lora_base
+from spmdtask.run import checkpoint_check, fingerprints, goodput_events, local_tier, lora_base
 from spmdtask.run import checkpoint_io as io
 from spmdtask.run.checkpoint_io import (  # pylint: disable=unused-import  # the module's API
     ARRAY_ITEMS, COMMIT_FILE, checkpoint_dir, complete_steps)
@@ -165,12 +173,15 @@ class Checkpointer:
     max_to_keep: the newest checkpoints kept; None = all.
     metadata: JSON-able extras stored in `meta` (e.g. {'config': resolved config text}).
     record: times the restores, saves and the wait for the last save (goodput).
+    local: the local tier, or None (the job dir is then the only tier).
   """
 
   def __init__(self, job_log_dir: str, program, save_interval_steps: int,
                max_to_keep: int | None, metadata: dict | None = None,
-               record: goodput_events.Recorder = goodput_events.OFF):
+               record: goodput_events.Recorder = goodput_events.OFF,
+               local: local_tier.LocalTier | None = None):
     self.job_log_dir, self.program, self.record = job_log_dir, program, record
+    self.local = local
     self.directory = checkpoint_dir(job_log_dir)
     self.interval = max(1, save_interval_steps)
     self._mngr = io.manager(self.directory, self.interval, max_to_keep)
@@ -185,7 +196,8 @@ class Checkpointer:
     self.base: lora_base.Base | None = None
 
   def latest_step(self) -> int | None:
-    steps = complete_steps(self.directory)
+    """The newest complete step of either tier (collective with a local tier)."""
+    steps = complete_steps(self.directory) + (self.local.complete_steps() if self.local else [])
     return max(steps) if steps else None
 
   def restore(self, step: int | None = None) -> tuple[TrainState, int, dict | None]:
@@ -194,6 +206,33 @@ class Checkpointer:
       return self._restore(step)
 
   def _restore(self, step: int | None) -> tuple[TrainState, int, dict | None]:
+    if self.local is not None:
+      if step is None:
+        got, step = self._newest_local()
+        if got is not None:
+          self._drop_incomplete()
+          return self._resumed(got, step, f"the local tier ({self.local.directory})")
+      state, step, inputs = self._restore_persistent(step)
+      self.local.drop([s for s in self.local.complete_steps() if s > step])
+      return state, step, inputs
+    return self._restore_persistent(step)
+
+  def _newest_local(self) -> tuple[dict | None, int | None]:
+    """(the checked items, step) of the newest usable local step newer than the persistent
+    tier's newest, or (None, None). Local steps that fail are deleted (a cache)."""
+    newest = max(complete_steps(self.directory), default=-1)
+    for step in reversed(self.local.complete_steps()):
+      if step <= newest:
+        break
+      got, why = self.local.read(step, self.program)
+      if got is not None:
+        return got, step
+      logging.warning("Local checkpoint step %d in %s is not used: %s; it is deleted, and an "
+                      "earlier step is tried.", step, self.local.directory, why)
+      self.local.drop([step])
+    return None, None
+
+  def _restore_persistent(self, step: int | None) -> tuple[TrainState, int, dict | None]:
     step = io.pick_step(self.directory, self.job_log_dir, step)
     later = [s for s in complete_steps(self.directory) if s > step]
     # Later steps are checked as a restore checks them (newest first), and moved aside only
@@ -210,12 +249,18 @@ class Checkpointer:
       self._move_aside(later)
     self._drop_incomplete()
     got = io.restore(self._mngr, self.directory, self.program, step, resume=True)
+    return self._resumed(got, step, self.directory if self.local is None else
+                         f"the persistent tier ({self.directory})")
+
+  def _resumed(self, got: dict, step: int, where: str) -> tuple[TrainState, int, dict | None]:
+    """The restore's result from a checked read `got` of `step` in `where`."""
     self.base = lora_base.Base.of(got["meta"])
     if fingerprints.KEY in got["meta"]:
       self.checked.add(step)
-    logging.info("Restored step %d from %s (saved on mesh %s; %s).", step, self.directory,
-                 dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])),
-                 "fingerprints checked" if step in self.checked else "no fingerprints: unchecked")
+    say = console.say if self.local is not None else logging.info
+    say("Restored step %d from %s (saved on mesh %s; %s).", step, where,
+        dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])),
+        "fingerprints checked" if step in self.checked else "no fingerprints: unchecked")
     params = lora_base.whole_params(self.program, got)
     return _live(self.program, step, params, got["opt_state"]), step, got["inputs"]
 
@@ -252,14 +297,22 @@ class Checkpointer:
     return self._mngr.reached_preemption(step)
 
   def should_save(self, step: int) -> bool:
-    return step % self.interval == 0
+    """Whether either tier saves at `step` (a step the loop must check before saving)."""
+    return step % self.interval == 0 or (self.local is not None and self.local.should_save(step))
 
-  def save(self, step: int, state: TrainState, input_state: dict | None) -> None:
-    """Starts an async save of `state` (padded) at `step`; returns once arrays are copied."""
+  def save(self, step: int, state: TrainState, input_state: dict | None, last: bool = False,
+           stop: bool = False) -> None:
+    """Starts an async save of `state` (padded) at `step`; returns once arrays are copied.
+    Without a local tier it goes to the job dir. With one: to the job dir at its interval
+    and at the `last` step unless that is a `stop` (preemption, Ctrl-C), and to the local
+    tier at its interval and on a stop."""
+    local = self.local is not None and (self.local.should_save(step) or stop)
+    persistent = (self.local is None or step % self.interval == 0 or (last and not stop))
     with self.record.phase("save"):
-      self._save(step, state, input_state)
+      self._save(step, state, input_state, persistent, local)
 
-  def _save(self, step: int, state: TrainState, input_state: dict | None) -> None:
+  def _save(self, step: int, state: TrainState, input_state: dict | None,
+            persistent: bool = True, local: bool = False) -> None:
     t0 = time.perf_counter()
     logical = self.program.to_canonical(state)
     held = {}
@@ -267,13 +320,15 @@ class Checkpointer:
       held = {lora_base.META_KEY: self.base.record(), io.HELD_KEY: io.ADAPTERS}
     arrays = {"params": train_state.adapters(logical.params) if held else logical.params,
               "opt_state": logical.opt_state}
-    fingerprinted = fingerprints.of(arrays, self.program.mesh)  # before orbax's copy
-    args = ocp.args.Composite(
-        **{k: ocp.args.StandardSave(v) for k, v in arrays.items()},
-        inputs=ocp.args.JsonSave(input_state or {}),
-        meta=ocp.args.JsonSave({"step": int(step), **self._meta, **held,
-                                fingerprints.KEY: fingerprinted}))
-    self._mngr.save(step, args=args, force=True)
+    meta = {"step": int(step), **self._meta, **held,
+            fingerprints.KEY: fingerprints.of(arrays, self.program.mesh)}  # before the copy
+    if persistent:
+      args = ocp.args.Composite(**{k: io.STANDARD.save_args(v) for k, v in arrays.items()},
+                                inputs=ocp.args.JsonSave(input_state or {}),
+                                meta=ocp.args.JsonSave(meta))
+      self._mngr.save(step, args=args, force=True)
+    if local:
+      self.local.save(step, arrays, input_state or {}, meta)
     self.checked.add(step)
     self.save_seconds.append(time.perf_counter() - t0)
 
@@ -286,6 +341,8 @@ class Checkpointer:
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
+    if self.local is not None:
+      self.local.wait()
 
   def close(self) -> None:
     """Waits for the last save; closes the manager (its threads end). Idempotent."""
@@ -294,8 +351,12 @@ class Checkpointer:
       try:
         with self.record.phase("save"):
           mngr.wait_until_finished()
+          if self.local is not None:
+            self.local.wait()
       finally:
         mngr.close()
+        if self.local is not None:
+          self.local.close()
 
 
 def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int | None = None,

@@ -13,8 +13,8 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from spmdtask.run import (checkpoints, evaluation, goodput, goodput_events, interrupts, peers,
-                          reference, rollout, summaries, throughput)
+from spmdtask.run import (checkpoints, evaluation, goodput, goodput_events, interrupts,
+                          local_tier, peers, reference, rollout, summaries, throughput)
 from spmdtask.run.hooks import Fetched, Hook  # pylint: disable=unused-import  # the loop's API
 from spmdtask import console, fs
 from spmdtask.core import global_batch, steps
@@ -182,15 +182,16 @@ class TrainSummaries(Hook):
 
 
 class Checkpoints(Hook):
-  """Saves every `save_interval_steps`, at the last step and on preemption."""
+  """Saves at each tier's interval, at the last step and on a stop before `num_steps`
+  (preemption, Ctrl-C: the fastest tier)."""
 
-  def __init__(self, ckpt: checkpoints.Checkpointer, inputs):
-    self.ckpt, self.inputs = ckpt, inputs
+  def __init__(self, ckpt: checkpoints.Checkpointer, inputs, num_steps: int):
+    self.ckpt, self.inputs, self.num_steps = ckpt, inputs, num_steps
 
   def after_step(self, step, state, last):
     if last or self.ckpt.should_save(step):
       self.ckpt.save(step, state, self.inputs.get_state() if hasattr(self.inputs, "get_state")
-                     else None)
+                     else None, last=last, stop=last and step < self.num_steps)
 
   def close(self):
     self.ckpt.close()
@@ -260,7 +261,7 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir,
   if tp.profile_steps is not None and job_log_dir is not None:
     hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))
   if ckpt is not None:
-    hooks.append(Checkpoints(ckpt, run.datasets["train"]))
+    hooks.append(Checkpoints(ckpt, run.datasets["train"], tp.num_train_steps))
   hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
                             job_log_dir, record))
   return hooks
@@ -351,8 +352,12 @@ def _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, re
     console.say("%s", line)
   ckpt = None
   if job_log_dir is not None:
+    local = (local_tier.LocalTier(tp.local_checkpoint_dir, job_log_dir,
+                                  tp.local_save_interval_steps, tp.local_max_to_keep)
+             if tp.local_checkpoint_dir else None)
     ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
-                                    tp.max_to_keep, {"config": config_text or ""}, record)
+                                    tp.max_to_keep, {"config": config_text or ""}, record,
+                                    local)
   try:  # the manager is closed on every way out (its threads outlive an error otherwise)
     state, losses, reason = _resume_and_run(run, program, ckpt, restore_step, config_text,
                                             batch_size, hooks, job_log_dir, record)

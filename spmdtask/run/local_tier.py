@@ -1,0 +1,205 @@
+"""The local checkpoint tier: frequent saves to each host's own disk or RAM disk.
+
+The persistent tier (`checkpoints`, the job dir, often a bucket) is written seldom; this
+tier is written every `task.train.local_save_interval_steps` into
+`local_checkpoint_dir/spmdtask-<job key>/process_<i>/`, one directory per process that
+holds only that process's shards (orbax's array handler with no primary host: each process
+writes every shard its devices hold; JSON items are written by every process into its own
+directory). A step counts as complete when every process committed it (agreed across
+processes), so a host that lost its disk makes the step unusable for all. Because shards
+stay where their devices are, a local step restores only onto the same mesh and process
+count (`usable` checks the saving layout's facts); any other restore reads the persistent
+tier.
+
+The job key is a hash of the job dir's path, and each step's `meta` names the job dir and
+the job's `job_id` (a token the job dir keeps in `checkpoints/local_tier_job_id`): a local
+step of another job, or of an earlier job in a deleted and re-made job dir, is never
+restored. The tier is a cache of the persistent one: steps that are not usable are deleted
+when a restore meets them, and steps past the one a run restored are deleted before it
+trains on. Peer replication (a host's shards also on another slice's host) is not built.
+"""
+import hashlib
+import os
+import uuid
+
+import jax
+import numpy as np
+from absl import logging
+from jax.experimental import multihost_utils
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_utils, type_handlers
+
+from spmdtask import console, fs
+from spmdtask.errors import ConfigError
+from spmdtask.run import checkpoint_io as io
+
+FIELD = "task.train.local_checkpoint_dir"
+JOB_ID_FILE = "local_tier_job_id"
+JOB_KEYS = ("job_log_dir", "job_id")  # meta entries that tie a local step to its job
+LAYOUT_KEYS = ("mesh_shape", "mesh_axis_names", "device_count", "process_count")
+
+
+class PerProcess:
+  """Arrays written shard by shard by the process that holds them, none skipped as a
+  replica: each process's directory then holds everything its devices need."""
+
+  def __init__(self, multiprocessing: ocp.options.MultiprocessingOptions):
+    self.multiprocessing = multiprocessing
+    self.registry = type_handlers.create_type_handler_registry(
+        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None,
+                                               use_replica_parallel=False)))
+
+  def handler(self) -> ocp.PyTreeCheckpointHandler:
+    return ocp.PyTreeCheckpointHandler(use_ocdbt=True,
+                                       multiprocessing_options=self.multiprocessing,
+                                       type_handler_registry=self.registry)
+
+  def save_args(self, tree) -> ocp.args.CheckpointArgs:
+    return ocp.args.PyTreeSave(tree)
+
+  def restore_args(self, target) -> ocp.args.CheckpointArgs:
+    return ocp.args.PyTreeRestore(target, restore_args=checkpoint_utils.construct_restore_args(
+        target))
+
+
+def ensure_writable(local_dir: str) -> None:
+  """ConfigError (naming the field) unless every process can create and write `local_dir`."""
+  try:
+    if fs.is_remote(local_dir):
+      raise OSError(f"{local_dir!r} is a URL, not a path on this host's disk")
+    os.makedirs(local_dir, exist_ok=True)
+    probe = os.path.join(local_dir, f".write_probe_{os.getpid()}")
+    with open(probe, "w", encoding="utf-8") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise ConfigError(
+        f"{FIELD}={local_dir!r} is not a writable directory on this host ({type(e).__name__}: "
+        f"{e.strerror or e}). Give a directory on each host's local disk or RAM disk that "
+        "the job can create and write (e.g. /dev/shm/spmdtask or /tmp/spmdtask), or None "
+        "for no local tier.") from None
+
+
+def _job_id(job_log_dir: str) -> str:
+  """The job dir's token (made by process 0 on first use); every process reads it."""
+  path = fs.join(io.checkpoint_dir(job_log_dir), JOB_ID_FILE)
+  if jax.process_index() == 0 and not fs.exists(path):
+    fs.makedirs(io.checkpoint_dir(job_log_dir))
+    fs.write_text(path, uuid.uuid4().hex)
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices("spmdtask_local_tier_job_id")
+  return fs.read_text(path).strip()
+
+
+def _all_agree(value: int) -> np.ndarray:
+  """Every process's `value`, in process order."""
+  if jax.process_count() == 1:
+    return np.asarray([value])
+  return np.asarray(multihost_utils.process_allgather(np.asarray(value, np.int64)))
+
+
+class LocalTier:
+  """One job's local tier on this process: saves, complete steps, checked reads.
+
+  Args:
+    local_dir: the host-local root (`task.train.local_checkpoint_dir`).
+    job_log_dir: the job; its path and token tie the local steps to it.
+    interval: save when `step % interval == 0`.
+    max_to_keep: the newest local steps kept.
+  Every process must call every method (the saves, the step agreement and the reads are
+  collective).
+  """
+
+  def __init__(self, local_dir: str, job_log_dir: str, interval: int, max_to_keep: int):
+    ensure_writable(local_dir)
+    job = fs.absolute(job_log_dir)
+    key = hashlib.sha256(job.encode()).hexdigest()[:16]
+    self.directory = os.path.join(os.path.abspath(local_dir), f"spmdtask-{key}",
+                                  f"process_{jax.process_index()}")
+    os.makedirs(self.directory, exist_ok=True)
+    self.interval, self.max_to_keep = interval, max_to_keep
+    self.job = {"job_log_dir": job, "job_id": _job_id(job_log_dir)}
+    mp = ocp.options.MultiprocessingOptions(
+        primary_host=None, active_processes=set(range(jax.process_count())),
+        barrier_sync_key_prefix="spmdtask_local")
+    self.fmt = PerProcess(mp)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=False, cleanup_tmp_directories=True,
+        multiprocessing_options=mp, enable_async_checkpointing=True, save_root_metadata=False,
+        enable_per_process_directory_creation=True)
+    handlers = {**{k: self.fmt.handler() for k in io.ARRAY_ITEMS},
+                **{k: ocp.JsonCheckpointHandler(multiprocessing_options=mp)
+                   for k in io.JSON_ITEMS}}
+    with console.libraries_to_log():  # orbax warns on every save without a primary host
+      self.mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+  def should_save(self, step: int) -> bool:
+    return step % self.interval == 0
+
+  def save(self, step: int, arrays: dict, input_state: dict, meta: dict) -> None:
+    """Starts an async save of `arrays` (canonical) at `step`; returns once they are copied."""
+    args = ocp.args.Composite(**{k: self.fmt.save_args(v) for k, v in arrays.items()},
+                              inputs=ocp.args.JsonSave(input_state),
+                              meta=ocp.args.JsonSave({**meta, **self.job}))
+    with console.libraries_to_log():
+      self.mngr.save(step, args=args, force=True)
+
+  def complete_steps(self) -> list[int]:
+    """Sorted steps committed by every process (collective)."""
+    mine = io.complete_steps(self.directory)
+    if jax.process_count() == 1:
+      return mine
+    width = int(_all_agree(len(mine)).max())
+    padded = np.full(width, -1, np.int64)
+    padded[:len(mine)] = mine
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
+    return sorted(set.intersection(*(set(int(s) for s in row if s >= 0) for row in every)))
+
+  def agree(self, why: str | None) -> str | None:
+    """A read's answer made one: the first process's complaint, if any process has one."""
+    bad = _all_agree(int(why is not None))
+    if not bad.any():
+      return None
+    first = int(np.argmax(bad))
+    return why if jax.process_index() == first and why else (
+        f"process {first}'s copy of the step is damaged (see its log)")
+
+  def usable(self, meta: dict, program) -> str | None:
+    """None if a local step with `meta` belongs to this job and restores onto `program`'s
+    layout; else why not."""
+    if any(meta.get(k) != v for k, v in self.job.items()):
+      return "it belongs to another job"
+    facts = {**program.layout_facts(), "device_count": jax.device_count(),
+             "process_count": jax.process_count()}
+    changed = [k for k in LAYOUT_KEYS if k in facts and meta.get(k) != facts[k]]
+    return f"it was saved with another {', '.join(changed)}" if changed else None
+
+  def read(self, step: int, program) -> tuple[dict | None, str | None]:
+    """(the checked items of local step `step`, None), or (None, why it cannot be used)."""
+    try:
+      with console.libraries_to_log():
+        why = self.usable(io.read_meta(self.mngr, step), program)
+    except Exception as e:  # pylint: disable=broad-except  # orbax, json, OS
+      why = f"its meta cannot be read ({type(e).__name__})"
+    why = self.agree(why)
+    if why:
+      return None, why
+    return io.checked_read(self.mngr, self.directory, program, step,
+                           io.ARRAY_ITEMS + io.JSON_ITEMS, fmt=self.fmt, agree=self.agree)
+
+  def drop(self, steps) -> None:
+    """Deletes local steps `steps` (this process's copies)."""
+    for step in steps:
+      path = os.path.join(self.directory, str(step))
+      if os.path.exists(path):
+        logging.info("Removing local checkpoint %s.", path)
+        fs.rm(path, recursive=True)
+    with console.libraries_to_log():
+      self.mngr.reload()
+
+  def wait(self) -> None:
+    self.mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self.mngr.wait_until_finished()
+    self.mngr.close()
