@@ -197,7 +197,7 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The newest complete step of either tier (collective with a local tier)."""
-    steps = complete_steps(self.directory) + (self.local.complete_steps() if self.local else [])
+    steps = complete_steps(self.directory) + (self.local.job_steps() if self.local else [])
     return max(steps) if steps else None
 
   def restore(self, step: int | None = None) -> tuple[TrainState, int, dict | None]:
@@ -219,18 +219,31 @@ class Checkpointer:
 
   def _newest_local(self) -> tuple[dict | None, int | None]:
     """(the checked items, step) of the newest usable local step newer than the persistent
-    tier's newest, or (None, None). Local steps that fail are deleted (a cache)."""
-    newest = max(complete_steps(self.directory), default=-1)
-    for step in reversed(self.local.complete_steps()):
-      if step <= newest:
+    tier's newest, or (None, None). Newer local steps that cannot be used are deleted (a
+    cache: saves will make those steps again); when nothing at all is left, ConfigError
+    (nothing deleted)."""
+    persistent = complete_steps(self.directory)
+    failed, got, found = {}, None, None
+    for step in reversed(self.local.job_steps()):
+      if step <= max(persistent, default=-1):
         break
       got, why = self.local.read(step, self.program)
       if got is not None:
-        return got, step
-      logging.warning("Local checkpoint step %d in %s is not used: %s; it is deleted, and an "
-                      "earlier step is tried.", step, self.local.directory, why)
-      self.local.drop([step])
-    return None, None
+        found = step
+        break
+      failed[step] = why
+    if got is None and failed and not persistent:
+      raise ConfigError(
+          f"task.train.local_checkpoint_dir={self.local.root!r} holds this job's only "
+          "checkpoints, and none can be restored here ("
+          + "; ".join(f"step {s}: {w}" for s, w in failed.items()) + f"); the job dir "
+          f"{self.directory} has none. Rerun on the layout that saved them (a layout changed), "
+          "or train from the start in a new --job_log_dir.")
+    for s, why in failed.items():
+      logging.warning("Local checkpoint step %d in %s is not used: %s; it is deleted.", s,
+                      self.local.directory, why)
+    self.local.drop(failed)
+    return got, found
 
   def _restore_persistent(self, step: int | None) -> tuple[TrainState, int, dict | None]:
     step = io.pick_step(self.directory, self.job_log_dir, step)

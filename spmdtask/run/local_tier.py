@@ -37,6 +37,8 @@ FIELD = "task.train.local_checkpoint_dir"
 JOB_ID_FILE = "local_tier_job_id"
 JOB_KEYS = ("job_log_dir", "job_id")  # meta entries that tie a local step to its job
 LAYOUT_KEYS = ("mesh_shape", "mesh_axis_names", "device_count", "process_count")
+MOVED = ("; a local step restores only onto the layout that saved it (restore onto another "
+         "from the persistent tier, the job dir)")
 
 
 class PerProcess:
@@ -117,7 +119,7 @@ class LocalTier:
     self.directory = os.path.join(os.path.abspath(local_dir), f"spmdtask-{key}",
                                   f"process_{jax.process_index()}")
     os.makedirs(self.directory, exist_ok=True)
-    self.interval, self.max_to_keep = interval, max_to_keep
+    self.root, self.interval, self.max_to_keep = local_dir, interval, max_to_keep
     self.job = {"job_log_dir": job, "job_id": _job_id(job_log_dir)}
     mp = ocp.options.MultiprocessingOptions(
         primary_host=None, active_processes=set(range(jax.process_count())),
@@ -130,8 +132,7 @@ class LocalTier:
     handlers = {**{k: self.fmt.handler() for k in io.ARRAY_ITEMS},
                 **{k: ocp.JsonCheckpointHandler(multiprocessing_options=mp)
                    for k in io.JSON_ITEMS}}
-    with console.libraries_to_log():  # orbax warns on every save without a primary host
-      self.mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self.mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
   def should_save(self, step: int) -> bool:
     return step % self.interval == 0
@@ -141,8 +142,7 @@ class LocalTier:
     args = ocp.args.Composite(**{k: self.fmt.save_args(v) for k, v in arrays.items()},
                               inputs=ocp.args.JsonSave(input_state),
                               meta=ocp.args.JsonSave({**meta, **self.job}))
-    with console.libraries_to_log():
-      self.mngr.save(step, args=args, force=True)
+    self.mngr.save(step, args=args, force=True)
 
   def complete_steps(self) -> list[int]:
     """Sorted steps committed by every process (collective)."""
@@ -155,6 +155,25 @@ class LocalTier:
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
     return sorted(set.intersection(*(set(int(s) for s in row if s >= 0) for row in every)))
 
+  def job_steps(self) -> list[int]:
+    """Sorted complete steps of this job (collective); steps of another job (another job
+    dir's token: a deleted and re-made job dir) are deleted."""
+    steps, other = [], []
+    for step in self.complete_steps():
+      try:
+        with console.libraries_to_log():
+          meta = io.read_meta(self.mngr, step)
+        mine = all(meta.get(k) == v for k, v in self.job.items())
+      except Exception:  # pylint: disable=broad-except  # orbax, json, OS: read() says why
+        mine = True
+      (steps if _all_agree(int(mine)).all() else other).append(step)
+    if other:
+      logging.warning("Local checkpoint steps %s in %s belong to another job (%s holds "
+                      "another token); they are deleted.", other, self.directory,
+                      self.job["job_log_dir"])
+      self.drop(other)
+    return steps
+
   def agree(self, why: str | None) -> str | None:
     """A read's answer made one: the first process's complaint, if any process has one."""
     bad = _all_agree(int(why is not None))
@@ -165,10 +184,8 @@ class LocalTier:
         f"process {first}'s copy of the step is damaged (see its log)")
 
   def usable(self, meta: dict, program) -> str | None:
-    """None if a local step with `meta` belongs to this job and restores onto `program`'s
-    layout; else why not."""
-    if any(meta.get(k) != v for k, v in self.job.items()):
-      return "it belongs to another job"
+    """None if a local step of this job with `meta` restores onto `program`'s layout (its
+    shards are where that layout's devices are); else why not."""
     facts = {**program.layout_facts(), "device_count": jax.device_count(),
              "process_count": jax.process_count()}
     changed = [k for k in LAYOUT_KEYS if k in facts and meta.get(k) != facts[k]]
@@ -183,7 +200,7 @@ class LocalTier:
       why = f"its meta cannot be read ({type(e).__name__})"
     why = self.agree(why)
     if why:
-      return None, why
+      return None, why + MOVED
     return io.checked_read(self.mngr, self.directory, program, step,
                            io.ARRAY_ITEMS + io.JSON_ITEMS, fmt=self.fmt, agree=self.agree)
 

@@ -1,0 +1,178 @@
+"""The local checkpoint tier: a SIGKILL loses at most the local interval and the resumed
+losses equal an uninterrupted run's bitwise; a damaged local step falls back to an earlier
+one; a local step of another job or another layout is never restored; SIGTERM saves to the
+local tier only; bad input is a ConfigError naming the field."""
+import logging
+import os
+import signal
+import subprocess
+
+from absl import logging as absl_logging
+import fiddle as fdl
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+import numpy as np
+import pytest
+
+from tests import subproc as h
+from spmdtask import main
+from spmdtask.errors import ConfigError
+from spmdtask.run import checkpoint_io as io, checkpoints, local_tier, loop
+from spmdtask.run.hooks import Hook
+
+KILL_AT = 8
+STEPS = 12
+TIERS = ("task.model.num_layers=1", f"task.train.num_train_steps={STEPS}", "task.train.save_interval_steps=50",
+         "task.train.local_save_interval_steps=5", "task.train.log_interval_steps=4",
+         "task.train.summary_interval_steps=100")
+
+
+def _local_steps(tier_root: str) -> list[int]:
+  (job_key,) = os.listdir(tier_root)
+  return sorted(int(n) for n in os.listdir(os.path.join(tier_root, job_key, "process_0"))
+                if n.isdigit())
+
+
+def _persistent_steps(job: str) -> list[int]:
+  return io.complete_steps(io.checkpoint_dir(job))
+
+
+def _run(*overrides):
+  return fdl.build(main.resolved_config("TinyLm", list(TIERS) + list(overrides)))
+
+
+class _Records(logging.Handler):
+  def __init__(self):
+    super().__init__(logging.INFO)
+    self.lines = []
+
+  def emit(self, record):
+    self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def xla_cache():
+  """This module's in-process runs read the compiles its subprocess wrote to the tests' XLA
+  cache (the same programs), in a process that may have compiled without a cache before."""
+  cache = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", h.CACHE)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", cache)
+  compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+  """1-layer TinyLm, local tier every 5 steps, persistent every 50: SIGKILLed after step
+  KILL_AT (a subprocess), resumed in this process to step STEPS; and an uninterrupted
+  reference run."""
+  root = tmp_path_factory.mktemp("tiers")
+  job, local = str(root / "job"), str(root / "local")
+  cmd = h.main_cmd("TinyLm", job, *TIERS, f"task.train.local_checkpoint_dir='{local}'")
+  killed = subprocess.run([cmd[0], "-c", h.KILL_AFTER_STEP] + cmd[3:], env=h.env(
+      KILL_AFTER_STEP=str(KILL_AT)), cwd=h.REPO, capture_output=True, text=True, timeout=240)
+  at_kill = (_local_steps(local), _persistent_steps(job))
+  records, verbosity = _Records(), absl_logging.get_verbosity()
+  logging.getLogger().addHandler(records)
+  absl_logging.set_verbosity(absl_logging.INFO)
+  try:
+    _, program, resumed = loop.train(_run(f"task.train.local_checkpoint_dir='{local}'"),
+                                     job_log_dir=job)
+    logging.getLogger().removeHandler(records)
+    reference = loop.train(_run())[2]
+  finally:
+    logging.getLogger().removeHandler(records)
+    absl_logging.set_verbosity(verbosity)
+  return dict(killed=killed, at_kill=at_kill, lines=records.lines, resumed=resumed,
+              reference=reference, program=program, job=job, local=local)
+
+
+def test_a_kill_loses_at_most_the_local_interval_and_resumes_bitwise(killed_and_resumed):
+  r = killed_and_resumed
+  assert r["killed"].returncode == -signal.SIGKILL, r["killed"].stderr[-3000:]
+  assert r["at_kill"] == ([5], [])  # the persistent tier (every 50) holds nothing yet
+  restored = [l for l in r["lines"] if l.startswith("Restored step")]
+  assert len(restored) == 1 and restored[0].startswith("Restored step 5 from the local tier")
+  resumed_from = STEPS - len(r["resumed"])
+  assert resumed_from == 5 and KILL_AT - resumed_from <= 5  # steps lost
+  assert r["resumed"] == r["reference"][resumed_from:]  # bitwise
+  assert _persistent_steps(r["job"]) == [STEPS] and _local_steps(r["local"]) == [5, 10]
+
+
+def test_damaged_foreign_and_moved_local_steps_are_not_restored(killed_and_resumed, tmp_path):
+  program = killed_and_resumed["program"]
+  job, local = str(tmp_path / "job"), str(tmp_path / "local")
+  state = program.init()
+
+  def checkpointer():
+    return checkpoints.Checkpointer(job, program, 50, None, local=local_tier.LocalTier(
+        local, job, 5, 3))
+
+  ckpt = checkpointer()
+  for step in (5, 10, 15):
+    ckpt.save(step, state, {"step": step})
+  ckpt.close()
+  assert _local_steps(local) == [5, 10, 15] and _persistent_steps(job) == []
+  tier_dir = ckpt.local.directory
+  # Step 15 cut short: the restore falls back to 10 and deletes 15.
+  data = os.path.join(tier_dir, "15", "params", "ocdbt.process_0", "d")
+  victim = os.path.join(data, sorted(os.listdir(data))[0])
+  with open(victim, "r+b") as f:
+    f.truncate(os.path.getsize(victim) // 2)
+  ckpt = checkpointer()
+  try:
+    assert ckpt.latest_step() == 15
+    _, step, inputs = ckpt.restore()
+    assert step == 10 and inputs == {"step": 10} and _local_steps(local) == [5, 10]
+    # Another layout: the step's shards are not where this layout's devices are.
+    meta = io.read_meta(ckpt.local.mngr, 10)
+    assert ckpt.local.usable(meta, program) is None
+    why = ckpt.local.usable({**meta, "mesh_shape": [1, 1, 1, 1, 8], "process_count": 2}, program)
+    assert why == "it was saved with another mesh_shape, process_count"
+  finally:
+    ckpt.close()
+  # The job dir deleted and made anew: its new token disowns the old local steps.
+  os.remove(os.path.join(io.checkpoint_dir(job), local_tier.JOB_ID_FILE))
+  ckpt = checkpointer()
+  try:
+    assert ckpt.latest_step() is None and _local_steps(local) == []
+  finally:
+    ckpt.close()
+
+
+class _Sigterm(Hook):
+  """SIGTERM during step 3's hooks: the loop sees it after step 4."""
+
+  def after_step(self, step, state, last):
+    if step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_to_the_local_tier_only(tmp_path):
+  job, local = str(tmp_path / "job"), str(tmp_path / "local")
+  run = _run(f"task.train.local_checkpoint_dir='{local}'")
+  state, _, losses = loop.train(run, job_log_dir=job, hooks=[_Sigterm()])
+  assert int(jax.device_get(state.step)) == 4 and len(losses) == 4
+  assert _local_steps(local) == [4] and _persistent_steps(job) == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("task.train.local_save_interval_steps=0",
+     "task.train.local_save_interval_steps=0 must be a positive integer"),
+    ("task.train.local_max_to_keep=1.5", "task.train.local_max_to_keep=1.5 must be a positive"),
+])
+def test_bad_intervals_are_config_errors(override, message):
+  with pytest.raises(ConfigError, match=message):
+    _run("task.train.local_checkpoint_dir='/tmp/x'", override).task.train.validate()
+
+
+def test_an_unwritable_local_dir_is_a_config_error(tmp_path):
+  not_a_dir = tmp_path / "file"
+  not_a_dir.write_text("")
+  with pytest.raises(ConfigError, match=r"task.train.local_checkpoint_dir='.*file/x' is not a "
+                     r"writable directory on this host \(.*\)\. Give a directory"):
+    local_tier.ensure_writable(str(not_a_dir / "x"))
+  with pytest.raises(ConfigError, match="is a URL, not a path on this host's disk"):
+    local_tier.ensure_writable("gs://bucket/local")
+  np.testing.assert_equal(os.listdir(tmp_path), ["file"])
