@@ -208,7 +208,7 @@ class Checkpointer:
   def _restore(self, step: int | None) -> tuple[TrainState, int, dict | None]:
     if self.local is not None:
       if step is None:
-        got, step = self._newest_local()
+        got, step = self.local.newest(self.program, complete_steps(self.directory))
         if got is not None:
           self._drop_incomplete()
           return self._resumed(got, step, f"the local tier ({self.local.directory})")
@@ -216,34 +216,6 @@ class Checkpointer:
       self.local.drop([s for s in self.local.complete_steps() if s > step])
       return state, step, inputs
     return self._restore_persistent(step)
-
-  def _newest_local(self) -> tuple[dict | None, int | None]:
-    """(the checked items, step) of the newest usable local step newer than the persistent
-    tier's newest, or (None, None). Newer local steps that cannot be used are deleted (a
-    cache: saves will make those steps again); when nothing at all is left, ConfigError
-    (nothing deleted)."""
-    persistent = complete_steps(self.directory)
-    failed, got, found = {}, None, None
-    for step in reversed(self.local.job_steps()):
-      if step <= max(persistent, default=-1):
-        break
-      got, why = self.local.read(step, self.program)
-      if got is not None:
-        found = step
-        break
-      failed[step] = why
-    if got is None and failed and not persistent:
-      raise ConfigError(
-          f"task.train.local_checkpoint_dir={self.local.root!r} holds this job's only "
-          "checkpoints, and none can be restored here ("
-          + "; ".join(f"step {s}: {w}" for s, w in failed.items()) + f"); the job dir "
-          f"{self.directory} has none. Rerun on the layout that saved them (a layout changed), "
-          "or train from the start in a new --job_log_dir.")
-    for s, why in failed.items():
-      logging.warning("Local checkpoint step %d in %s is not used: %s; it is deleted.", s,
-                      self.local.directory, why)
-    self.local.drop(failed)
-    return got, found
 
   def _restore_persistent(self, step: int | None) -> tuple[TrainState, int, dict | None]:
     step = io.pick_step(self.directory, self.job_log_dir, step)

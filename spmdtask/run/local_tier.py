@@ -204,6 +204,32 @@ class LocalTier:
     return io.checked_read(self.mngr, self.directory, program, step,
                            io.ARRAY_ITEMS + io.JSON_ITEMS, fmt=self.fmt, agree=self.agree)
 
+  def newest(self, program, persistent: list[int]) -> tuple[dict | None, int | None]:
+    """(the checked items, step) of the newest usable local step newer than every step of
+    the `persistent` tier, or (None, None). Newer local steps that cannot be used are
+    deleted (saves will make those steps again); when the local tier held the job's only
+    steps and none can be used, ConfigError (nothing deleted)."""
+    failed, got, found = {}, None, None
+    for step in reversed(self.job_steps()):
+      if step <= max(persistent, default=-1):
+        break
+      got, why = self.read(step, program)
+      if got is not None:
+        found = step
+        break
+      failed[step] = why
+    if got is None and failed and not persistent:
+      raise ConfigError(
+          f"{FIELD}={self.root!r} holds this job's only checkpoints, and none can be restored "
+          "here (" + "; ".join(f"step {s}: {w}" for s, w in failed.items()) + f"); the job "
+          f"dir {self.job['job_log_dir']} has none. Rerun on the layout that saved them (a "
+          "layout changed), or train from the start in a new --job_log_dir.")
+    for step, why in failed.items():
+      logging.warning("Local checkpoint step %d in %s is not used: %s; it is deleted.", step,
+                      self.directory, why)
+    self.drop(failed)
+    return got, found
+
   def drop(self, steps) -> None:
     """Deletes local steps `steps` (this process's copies)."""
     for step in steps:
