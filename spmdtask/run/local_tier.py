@@ -150,6 +150,8 @@ class LocalTier:
     if jax.process_count() == 1:
       return mine
     width = int(_all_agree(len(mine)).max())
+    if width == 0:
+      return []
     padded = np.full(width, -1, np.int64)
     padded[:len(mine)] = mine
     every = np.asarray(multihost_utils.process_allgather(padded)).reshape(-1, width)
