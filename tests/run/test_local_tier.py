@@ -22,9 +22,9 @@ from spmdtask.run.hooks import Hook
 
 KILL_AT = 8
 STEPS = 12
-TIERS = ("task.model.num_layers=1", f"task.train.num_train_steps={STEPS}", "task.train.save_interval_steps=50",
-         "task.train.local_save_interval_steps=5", "task.train.log_interval_steps=4",
-         "task.train.summary_interval_steps=100")
+TIERS = ("task.model.num_layers=1", f"task.train.num_train_steps={STEPS}",
+         "task.train.save_interval_steps=50", "task.train.local_save_interval_steps=5",
+         "task.train.log_interval_steps=4", "task.train.summary_interval_steps=100")
 
 
 def _local_steps(tier_root: str) -> list[int]:
