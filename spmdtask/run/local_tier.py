@@ -35,7 +35,6 @@ from spmdtask.run import checkpoint_io as io
 
 FIELD = "task.train.local_checkpoint_dir"
 JOB_ID_FILE = "local_tier_job_id"
-JOB_KEYS = ("job_log_dir", "job_id")  # meta entries that tie a local step to its job
 LAYOUT_KEYS = ("mesh_shape", "mesh_axis_names", "device_count", "process_count")
 MOVED = ("; a local step restores only onto the layout that saved it (restore onto another "
          "from the persistent tier, the job dir)")
@@ -65,7 +64,20 @@ class PerProcess:
 
 
 def ensure_writable(local_dir: str) -> None:
-  """ConfigError (naming the field) unless every process can create and write `local_dir`."""
+  """ConfigError (naming the field), on every process, unless every process can create and
+  write `local_dir`."""
+  why = _unwritable(local_dir)
+  bad = _all_agree(int(why is not None))
+  if bad.any():
+    why = why or f"process {int(np.argmax(bad))} cannot write it; see its log"
+    raise ConfigError(
+        f"{FIELD}={local_dir!r} is not a writable directory on this host ({why}). Give a "
+        "directory on each host's local disk or RAM disk that the job can create and write "
+        "(e.g. /dev/shm/spmdtask or /tmp/spmdtask), or None for no local tier.")
+
+
+def _unwritable(local_dir: str) -> str | None:
+  """Why this process cannot create and write `local_dir`, or None."""
   try:
     if fs.is_remote(local_dir):
       raise OSError(f"{local_dir!r} is a URL, not a path on this host's disk")
@@ -75,11 +87,8 @@ def ensure_writable(local_dir: str) -> None:
       f.write("ok")
     os.remove(probe)
   except OSError as e:
-    raise ConfigError(
-        f"{FIELD}={local_dir!r} is not a writable directory on this host ({type(e).__name__}: "
-        f"{e.strerror or e}). Give a directory on each host's local disk or RAM disk that "
-        "the job can create and write (e.g. /dev/shm/spmdtask or /tmp/spmdtask), or None "
-        "for no local tier.") from None
+    return f"{type(e).__name__}: {e.strerror or e}"
+  return None
 
 
 def _job_id(job_log_dir: str) -> str:
