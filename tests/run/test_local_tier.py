@@ -116,8 +116,9 @@ def test_damaged_foreign_and_moved_local_steps_are_not_restored(killed_and_resum
   assert _local_steps(local) == [5, 10, 15] and _persistent_steps(job) == []
   tier_dir = ckpt.local.directory
   # Step 15 cut short: the restore falls back to 10 and deletes 15.
-  data = os.path.join(tier_dir, "15", "params", "ocdbt.process_0", "d")
-  victim = os.path.join(data, sorted(os.listdir(data))[0])
+  item = os.path.join(tier_dir, "15", "params")
+  victim = max((os.path.join(d, f) for d, _, fs in os.walk(item) for f in fs),
+               key=os.path.getsize)  # the arrays' data file
   with open(victim, "r+b") as f:
     f.truncate(os.path.getsize(victim) // 2)
   ckpt = checkpointer()
