@@ -16,6 +16,7 @@ import pytest
 
 from tests import subproc as h
 from spmdtask import main
+from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_io as io, checkpoints, local_tier, loop
 from spmdtask.run.hooks import Hook
@@ -133,6 +134,18 @@ def test_damaged_foreign_and_moved_local_steps_are_not_restored(killed_and_resum
     assert why == "it was saved with another mesh_shape, process_count"
   finally:
     ckpt.close()
+  # Restored on another mesh with no persistent step to fall back to: exit 2, nothing deleted.
+  fsdp = _run("task.ici_mesh_shape=(1, 8, 1)")
+  moved = checkpoints.Checkpointer(job, program_lib.setup(
+      fsdp.task, fsdp.datasets["train"].batch_at(0)), 50, None,
+      local=local_tier.LocalTier(local, job, 5, 3))
+  try:
+    with pytest.raises(ConfigError, match=r"local_checkpoint_dir=.* holds this job's only "
+                       r"checkpoints.*step 10: it was saved with another mesh_shape"):
+      moved.restore()
+  finally:
+    moved.close()
+  assert _local_steps(local) == [5, 10]
   # The job dir deleted and made anew: its new token disowns the old local steps.
   os.remove(os.path.join(io.checkpoint_dir(job), local_tier.JOB_ID_FILE))
   ckpt = checkpointer()
