@@ -5,7 +5,8 @@ unpipelined, `run.decoding.decode_task`), finds the tasks (`find_tasks`), runs l
 `simple_evaluate` with `harness.backend.SpmdtaskLm` and, on process 0, writes
 `job_log_dir/lm_eval/results_step<N>.json` (lm-eval's results: metrics, task configs,
 versions, few-shot counts), `samples_<task>_step<N>.jsonl` (each document, its requests'
-arguments and responses), the metrics to TensorBoard (`summaries/lm_eval`, `task/metric`
+arguments and responses; a later run on the same step writes `..._step<N>_run2...`, never
+over an earlier one), the metrics to TensorBoard (`summaries/lm_eval`, `task/metric`
 at the checkpoint's step) and one console line per task. Every process runs the same
 requests (each feeds its share of each batch's rows: `harness.programs`).
 
@@ -133,9 +134,21 @@ def table(metrics: dict[str, dict[str, float]], step: int, seconds: float) -> li
   return lines
 
 
+def free_suffix(out_dir: str, step: int) -> str:
+  """The suffix that names a new run's files of `step` in `out_dir`: '' for the first run
+  of that step, then '_run2', '_run3', ... (an earlier run's files are never overwritten)."""
+  taken = set(fs.listdir(out_dir))
+  k = 1
+  while f"results_step{step}{'' if k == 1 else f'_run{k}'}.json" in taken:
+    k += 1
+  return "" if k == 1 else f"_run{k}"
+
+
 def write(job_log_dir: str, step: int, results: dict, seconds: float) -> str:
   """Process 0: results JSON, samples JSONL per task, TensorBoard scalars, the console
-  table. Returns the results file's path."""
+  table. Returns the results file's path: `lm_eval/results_step<N>.json`, or where an
+  earlier run scored the same step, `results_step<N>_run<k>.json` (`free_suffix`; its
+  samples files take the same suffix)."""
   from lm_eval.utils import handle_non_serializable  # pylint: disable=g-import-not-at-top
   metrics = metrics_of(results)
   for line in table(metrics, step, seconds):
@@ -144,11 +157,12 @@ def write(job_log_dir: str, step: int, results: dict, seconds: float) -> str:
     return ""
   out_dir = fs.join(job_log_dir, RESULTS_DIR)
   fs.makedirs(out_dir)
+  suffix = free_suffix(out_dir, step)
   dump = lambda x: json.dumps(x, default=handle_non_serializable, ensure_ascii=False)
   for task, samples in results.get("samples", {}).items():
-    fs.write_text(fs.join(out_dir, f"samples_{task}_step{step}.jsonl"),
+    fs.write_text(fs.join(out_dir, f"samples_{task}_step{step}{suffix}.jsonl"),
                   "".join(dump(s) + "\n" for s in samples))
-  path = fs.join(out_dir, f"results_step{step}.json")
+  path = fs.join(out_dir, f"results_step{step}{suffix}.json")
   fs.write_text(path, json.dumps({k: v for k, v in results.items() if k != "samples"},
                                  default=handle_non_serializable, indent=1, ensure_ascii=False))
   writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir, RESULTS_DIR))

@@ -120,6 +120,16 @@ def test_writes_results_samples_summaries_and_a_console_table(scored, capsys, mo
   assert out[1] == "  tiny_mc: acc 0.0000 ± 0.0000  acc_norm 0.0000 ± 0.0000"
   assert out[2].startswith("  tiny_ppl: word_perplexity 5377919") and "bits_per_byte 6.93" in out[2]
   assert out[-1] == f"lm_eval: wrote {path} (and the samples beside it)"
+  # A second run on the same step keeps the first's files and writes beside them.
+  chat = scored[1]
+  again = tasks.write(job, step, chat, 1.0)
+  assert again == os.path.join(job, "lm_eval", f"results_step{step}_run2.json")
+  with open(path) as f:
+    assert json.load(f) == written
+  with open(again) as f:
+    assert set(json.load(f)["configs"]) == {"tiny_gen"}
+  assert os.path.exists(os.path.join(job, "lm_eval", f"samples_tiny_gen_step{step}_run2.jsonl"))
+  assert tasks.free_suffix(os.path.join(job, "lm_eval"), step) == "_run3"
 
 
 def test_bad_tasks_exit_2_naming_the_fix(scored, tmp_path, monkeypatch):
