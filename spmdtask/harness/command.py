@@ -1,4 +1,5 @@
-"""`python -m spmdtask.main --mode=lm_eval --tasks=a,b`: its flags, and the job's text side.
+"""`python -m spmdtask.main --mode=lm_eval --tasks=a,b`: its flags, and the job's text side;
+`train_hooks`: --mode=train's eval on `task.train.lm_eval_tasks` (`harness.training`).
 
 The binary defines these flags by importing this module (lm-eval itself is imported only
 when the mode runs: `harness.tasks`). The job's tokenizer is its decode tokenizer (an
@@ -78,3 +79,18 @@ def run(run_cfg, job_log_dir: str, restore_step: int | None) -> None:
                           _BATCH.value, _CHAT.value)
   tasks.run_tasks(run_cfg, text_of(run_cfg, _CHAT.value), options, job_log_dir, restore_step,
                   rollout.example(run_cfg))
+
+
+def train_hooks(run_cfg, job_log_dir: str) -> list:
+  """--mode=train's hooks for `task.train.lm_eval_*`: `harness.training.PeriodicLmEval`
+  where `lm_eval_every_n_steps` > 0, else none (lm-eval is then never imported)."""
+  tp = run_cfg.task.train
+  if not tp.lm_eval_every_n_steps:
+    return []
+  # pylint: disable=g-import-not-at-top
+  from spmdtask.harness import tasks, training
+  include = fs.absolute(tp.lm_eval_include_path) if tp.lm_eval_include_path else None
+  options = tasks.Options(tuple(tp.lm_eval_tasks), include, None, tp.lm_eval_limit,
+                          tp.lm_eval_batch_size)
+  return [training.PeriodicLmEval(run_cfg, text_of(run_cfg, False), options,
+                                  tp.lm_eval_every_n_steps, job_log_dir)]

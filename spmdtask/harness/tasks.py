@@ -23,6 +23,7 @@ import difflib
 import io
 import json
 import time
+from typing import Any, Callable
 
 import jax
 from absl import logging
@@ -172,22 +173,40 @@ def write(job_log_dir: str, step: int, results: dict, seconds: float) -> str:
   return path
 
 
+def lm_for(run, program, text, batch_size: int, field: str) -> Callable[[Any], Any]:
+  """`params -> backend_lib.SpmdtaskLm` scoring with those (live, padded) params of
+  `program` (an unpipelined program of `run.task`: decode's, or a scanned train program);
+  its scorer and generator are built once, so every call reuses their compiled programs.
+  `text` is the job's `harness.backend.Text`; `field` names the batch size in errors."""
+  # pylint: disable=g-import-not-at-top  # lm-eval is imported by this mode alone
+  from spmdtask.harness import backend as backend_lib, programs
+  max_length = int(run.task.model.max_seq_len)
+  scorer = programs.Scorer(program, batch_size, max_length, field)
+  generator = programs.Generator(program, batch_size, max_length, field)
+  return lambda params: backend_lib.SpmdtaskLm(scorer, generator, params, text, max_length,
+                                               run.task.decode.stop_ids)
+
+
 def backend(run, text, batch_size: int, job_log_dir: str, restore_step: int | None,
             example: dict):
   """(`backend_lib.SpmdtaskLm` on the checkpoint's params, its step): the decode
   program of `run.task` set up with `example` (a process-local batch) and restored from
   `job_log_dir`; `text` is the job's `harness.backend.Text`."""
-  # pylint: disable=g-import-not-at-top  # lm-eval is imported by this mode alone
+  # pylint: disable=g-import-not-at-top
   from spmdtask.core import program as program_lib
-  from spmdtask.harness import backend as backend_lib, programs
   from spmdtask.run import checkpoints, decoding
   program = program_lib.setup(decoding.decode_task(run.task), example)
-  max_length, field = int(run.task.model.max_seq_len), "--lm_eval_batch_size"
-  scorer = programs.Scorer(program, batch_size, max_length, field)
-  generator = programs.Generator(program, batch_size, max_length, field)
+  make = lm_for(run, program, text, batch_size, "--lm_eval_batch_size")
   state, step = checkpoints.restore_state(job_log_dir, program, restore_step)
-  return backend_lib.SpmdtaskLm(scorer, generator, state.params, text, max_length,
-                                    run.task.decode.stop_ids), step
+  return make(state.params), step
+
+
+def score_and_write(lm, options: Options, manager, job_log_dir: str, step: int) -> dict:
+  """lm-eval's results of `lm` on the tasks (`evaluate`), written as of `step` (`write`)."""
+  t0 = time.perf_counter()
+  results = evaluate(lm, options, manager)
+  write(job_log_dir, step, results, time.perf_counter() - t0)
+  return results
 
 
 def run_tasks(run, text, options: Options, job_log_dir: str, restore_step: int | None,
@@ -195,7 +214,4 @@ def run_tasks(run, text, options: Options, job_log_dir: str, restore_step: int |
   """--mode=lm_eval (module doc); returns lm-eval's results."""
   manager = find_tasks(options.tasks, options.include_path)  # before any restore
   lm, step = backend(run, text, options.batch_size, job_log_dir, restore_step, example)
-  t0 = time.perf_counter()
-  results = evaluate(lm, options, manager)
-  write(job_log_dir, step, results, time.perf_counter() - t0)
-  return results
+  return score_and_write(lm, options, manager, job_log_dir, step)

@@ -252,12 +252,16 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
     return -_row_order(self, _token_xent(self, _zigzag(self, batch), temperature=temperature)[0])
 
   def token_scores(self, batch: dict[str, jax.Array]) -> TokenScores:
-    """(log p(target), target is the argmax) per token [b, t] in the rows' own order
-    (ScoresTokens): `token_logprobs`'s path; a vocab-tiled head finds the argmax per tile."""
-    batch = _zigzag(self, batch)
-    token_xent, ids, _ = _token_xent(self, batch, argmax=True)
-    return TokenScores(-_row_order(self, token_xent),
-                       _row_order(self, ids == batch["targets"]))
+    """ScoresTokens: `token_logprobs` and greedy flags in the rows' own order (`_scores`)."""
+    return _scores(self, _zigzag(self, batch))
+
+
+def _scores(model: TransformerLm, batch: dict[str, jax.Array]) -> TokenScores:
+  """(log p(target), target is the argmax) per token of a batch in zig-zag order where the
+  sequence is split, back in the rows' own order: the loss's head, whose vocab tiles (where
+  `loss_vocab_tiles` > 1) each give their greatest logit and its id (`xent.tiled_scores`)."""
+  token_xent, ids, _ = _token_xent(model, batch, argmax=True)
+  return TokenScores(-_row_order(model, token_xent), _row_order(model, ids == batch["targets"]))
 
 
 def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:

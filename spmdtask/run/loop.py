@@ -220,6 +220,7 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
   (state, losses of the steps run, the stop reason or None)."""
   losses, pending, reason = [], [], None
   for h in hooks:
+    h.attach(program)
     h.begin(first)
   t0 = time.perf_counter()
   for step in range(first, last_step):
