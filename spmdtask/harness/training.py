@@ -7,8 +7,8 @@ written for it), through the code `--mode=lm_eval` runs (`harness.tasks`: the sa
 backend, `evaluate` and `write`), so step N's `lm_eval/results_step<N>.json`, samples,
 TensorBoard scalars (`summaries/lm_eval`) and console lines are those `--mode=lm_eval
 --restore_step=N` gives on step N's checkpoint. Every process runs the eval (each feeds its
-share of the rows); process 0 writes. The tasks are found when the hook is made, so a bad
-name stops the job before its first step.
+share of the rows); process 0 writes; goodput counts the time as `eval`. The tasks are
+found when the hook is made, so a bad name stops the job before its first step.
 
 A pipelined train program (`task.pipeline`) holds its stack in another layout than the
 scorer's: that is a ConfigError here (score its checkpoints with --mode=lm_eval).
@@ -33,13 +33,15 @@ class PeriodicLmEval(Hook):
     self.run, self.text, self.options, self.every = run, text, options, every
     self.job_log_dir = job_log_dir
     self.manager = tasks.find_tasks(options.tasks, options.include_path)
-    self.make_lm = None
+    self.make_lm = self.record = None
 
-  def attach(self, program):
+  def attach(self, program, record):
     # The batch size is checked here, before the first step, against the program's mesh.
     self.make_lm = tasks.lm_for(self.run, program, self.text, self.options.batch_size, _FIELD)
+    self.record = record
 
   def after_step(self, step, state, last):
     if step % self.every == 0:
-      tasks.score_and_write(self.make_lm(state.params), self.options, self.manager,
-                            self.job_log_dir, step)
+      with self.record.phase("eval"):  # (goodput: not a step's time)
+        tasks.score_and_write(self.make_lm(state.params), self.options, self.manager,
+                              self.job_log_dir, step)

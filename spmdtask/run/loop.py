@@ -220,7 +220,6 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
   (state, losses of the steps run, the stop reason or None)."""
   losses, pending, reason = [], [], None
   for h in hooks:
-    h.attach(program)
     h.begin(first)
   t0 = time.perf_counter()
   for step in range(first, last_step):
@@ -293,6 +292,8 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
   console.say("%s at step %d; training to step %d.",
               "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
   all_hooks = hooks_for(run, program, ckpt, job_log_dir, record) + list(hooks)
+  for h in all_hooks:
+    h.attach(program, record)
   stop = (interrupts.StopRequest(jax.process_count(), ckpt.reached_preemption)
           if ckpt is not None else None)
   with stop or contextlib.nullcontext():

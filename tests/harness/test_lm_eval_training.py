@@ -15,7 +15,7 @@ import pytest
 from spmdtask import console
 from spmdtask.errors import ConfigError
 from spmdtask.harness import command, tasks, training
-from spmdtask.run import loop, rollout
+from spmdtask.run import goodput_events, loop, rollout
 from spmdtask.task import TrainParams
 from tests.harness.test_lm_eval import NAMES, TASK_DIR, import_run, offline, run_of
 
@@ -83,10 +83,12 @@ def test_each_eval_writes_its_step_and_the_last_equals_lm_eval_mode_on_its_check
   assert abs(ppl[0] / ppl[1] - 1) > 1e-3, ppl
 
 
-def test_the_scalars_go_where_lm_eval_mode_puts_them(trained):
+def test_the_scalars_go_where_lm_eval_mode_puts_them_and_goodput_counts_an_eval(trained):
   # (what they hold: tasks.write's, as tests/harness/test_lm_eval.py reads them back)
   assert any(n.startswith("events.out.tfevents")
              for n in os.listdir(os.path.join(trained[0], "summaries", "lm_eval")))
+  (lines,) = goodput_events.read(trained[0])
+  assert sum(w["seconds"].get("eval", 0.0) for w in lines if "seconds" in w) > 0
 
 
 def test_the_fields_mistakes_are_config_errors(trained):
