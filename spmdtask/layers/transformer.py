@@ -285,11 +285,9 @@ def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = F
     targets = jnp.concatenate([targets, mtp_targets], axis=1)
   out, stats = model(inputs, batch.get("positions"), segment_ids=batch.get("segment_ids"),
                      head=tiles == 1, moe_stats=True, zigzagged=True, mtp_tokens=mtp_tokens)
-  ids = None
   if tiles > 1:  # logits = scale · x @ w: the temperature divides the scale
     x, w, scale = out
-    token_xent = _tiled_loss(model, x, w, scale / temperature, targets, argmax)
-    token_xent, ids = token_xent if argmax else (token_xent, None)
+    token_xent, ids = _tiled_loss(model, x, w, scale / temperature, targets, argmax)
   else:
     token_xent = xent.cross_entropy(out / temperature, targets)
     ids = jnp.argmax(out, axis=-1) if argmax else None
@@ -362,11 +360,11 @@ def _zigzag_order(model: TransformerLm, seq_len: int) -> np.ndarray | None:
 
 
 def _tiled_loss(model: TransformerLm, x, w, scale, targets, argmax: bool = False):
-  """Per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent);
-  `argmax`: (that, each token's argmax id)."""
+  """(per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent),
+  `argmax`: each token's argmax id found per tile, else None)."""
   ws = model.weight_split_dims_mapping
   split = tuple(reversed(ws.embedding)) if model.tie_embeddings else ws.unembed  # [d, vocab]
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
-  head = xent.tiled_scores if argmax else xent.tiled_cross_entropy
-  return head(x, w_tiles, targets, model.vocab_size, scale,
-              model.activation_split_dims_mapping.logits, split)
+  args = (x, w_tiles, targets, model.vocab_size, scale,
+          model.activation_split_dims_mapping.logits, split)
+  return xent.tiled_scores(*args) if argmax else (xent.tiled_cross_entropy(*args), None)
