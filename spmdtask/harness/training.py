@@ -40,6 +40,9 @@ class PeriodicLmEval(Hook):
     self.make_lm = tasks.lm_for(self.run, program, self.text, self.options.batch_size, _FIELD)
     self.record = record
 
+  def wants_metrics(self, step, last):
+    return step % self.every == 0  # (a sync before the eval: its time is not the steps')
+
   def after_step(self, step, state, last):
     if step % self.every == 0:
       with self.record.phase("eval"):  # (goodput: not a step's time)

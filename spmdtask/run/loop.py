@@ -217,7 +217,9 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
   then counts as the last: metrics fetched, saved). `feed.step(state) -> (state, metrics)`
   runs one step (`rollout.feed`: a batch of the train input, or GRPO's rollout).
   `targets`: the data has target masks (the rates then count target tokens). Returns
-  (state, losses of the steps run, the stop reason or None)."""
+  (state, losses of the steps run, the stop reason or None). The rates of a fetch time the
+  steps since the previous one, from after that step's hooks ran: a hook that takes long
+  (an eval) asks for the metrics at its step, so its time is no step's."""
   losses, pending, reason = [], [], None
   for h in hooks:
     h.begin(first)
@@ -228,7 +230,8 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
     done = step + 1
     reason = stop(done)
     last = done == last_step or reason is not None
-    if any(h.wants_metrics(done, last) for h in hooks):
+    synced = any(h.wants_metrics(done, last) for h in hooks)
+    if synced:
       values = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
       fetched = Fetched(done, values, throughput.rates(
           program, len(pending), time.perf_counter() - t0, batch_size,
@@ -237,9 +240,11 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
       for h in hooks:
         if h.wants_metrics(done, last):
           h.on_metrics(fetched, last)
-      pending, t0 = [], time.perf_counter()
+      pending = []
     for h in hooks:
       h.after_step(done, state, last)
+    if synced:  # the next window starts after this step's hooks (an eval, a save's
+      t0 = time.perf_counter()  # blocking part): the rates time the steps alone
     if reason is not None:
       break
   return state, losses, reason
