@@ -66,7 +66,7 @@ def score_fn(model, logical_params) -> Callable:
   """`(padded_params, inputs, targets) -> (target log-probs, target is the argmax)`, by
   the model's `token_scores` (ConfigError where the model has none)."""
   if not isinstance(model, ScoresTokens):
-    raise ConfigError(f"--mode=lm_eval scores requests with the model's token_scores "
+    raise ConfigError(f"lm-eval's requests are scored with the model's token_scores "
                       f"(spmdtask.core.model.ScoresTokens); task.model is a "
                       f"{type(model).__name__}, which has none. Use a TransformerLm.")
 

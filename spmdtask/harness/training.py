@@ -26,9 +26,10 @@ class PeriodicLmEval(Hook):
   def __init__(self, run, text, options: tasks.Options, every: int, job_log_dir: str):
     if run.task.pipeline is not None:
       raise ConfigError(
-          "task.train.lm_eval_every_n_steps scores the live params with the scanned (unpipelined) "
-          f"model, and this task trains under task.pipeline={type(run.task.pipeline).__name__}. "
-          "Set task.train.lm_eval_every_n_steps=0 and score the checkpoints with --mode=lm_eval "
+          "task.train.lm_eval_every_n_steps scores the live params with the scanned "
+          "(unpipelined) model, and this task trains under "
+          f"task.pipeline={type(run.task.pipeline).__name__}. Set "
+          "task.train.lm_eval_every_n_steps=0 and score the checkpoints with --mode=lm_eval "
           "--restore_step=N instead.")
     self.run, self.text, self.options, self.every = run, text, options, every
     self.job_log_dir = job_log_dir

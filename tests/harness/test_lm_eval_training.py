@@ -22,8 +22,8 @@ from tests.harness.test_lm_eval import NAMES, TASK_DIR, import_run, offline, run
 STEPS = 2
 EVAL = ("task.train.learning_rate=0.01", f"task.train.num_train_steps={STEPS}",
         "task.train.save_interval_steps=1", "task.train.lm_eval_every_n_steps=1",
-        f"task.train.lm_eval_tasks={list(NAMES)!r}", f"task.train.lm_eval_include_path={TASK_DIR!r}",
-        "task.train.lm_eval_limit=2")
+        f"task.train.lm_eval_tasks={list(NAMES)!r}",
+        f"task.train.lm_eval_include_path={TASK_DIR!r}", "task.train.lm_eval_limit=2")
 
 
 def _read(job: str, name: str):
