@@ -17,6 +17,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.harness import command, tasks, training
 from spmdtask.run import goodput_events, loop, rollout
 from spmdtask.task import TrainParams
+from tests import util
 from tests.harness.test_lm_eval import NAMES, TASK_DIR, import_run, offline, run_of
 
 STEPS = 2
@@ -108,3 +109,7 @@ def test_the_fields_mistakes_are_config_errors(trained):
   piped = dataclasses.replace(run, task=dataclasses.replace(run.task, pipeline=object()))
   with pytest.raises(ConfigError, match="task.pipeline=object.*--mode=lm_eval --restore_step"):
     training.PeriodicLmEval(piped, text, options, 1, job)
+  no_tokenizer = util.build_run("lm.TinyLm", ["task.train.lm_eval_every_n_steps=1",
+                                              "task.train.lm_eval_tasks=['tiny_mc']"])
+  with pytest.raises(ConfigError, match="task.train.lm_eval_tasks needs the experiment's tok"):
+    command.train_hooks(no_tokenizer, job)
