@@ -302,7 +302,8 @@ def run_mode(run_cfg, config_text: str) -> None:
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
-               config_text=config_text, name=_EXP.value, started=STARTED)
+               config_text=config_text, name=_EXP.value, started=STARTED,
+               hooks=lm_eval_command.train_hooks(run_cfg, _JOB_LOG_DIR.value))
     return
   if _MODE.value == "plan":
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top

@@ -61,6 +61,15 @@ class TrainParams:
       that of the whole batch; the step's activation memory falls with M.
     profile_steps: (START, COUNT): trace steps START .. START+COUNT-1 (step 1 is the
       first) with jax.profiler into job_log_dir/profile (process 0); None = off.
+    lm_eval_tasks: lm-evaluation-harness tasks, groups or tags scored during --mode=train
+      every `lm_eval_every_n_steps` steps on the live params (`spmdtask.harness.training`;
+      as --mode=lm_eval --tasks does on a checkpoint), e.g. ('hellaswag', 'arc_easy').
+    lm_eval_every_n_steps: score `lm_eval_tasks` every this many steps; 0 = never.
+    lm_eval_include_path: a dir of your own lm-eval task YAML files (--lm_eval_include_path).
+    lm_eval_limit: score only this many documents of each task (a fraction when < 1);
+      None = all (--lm_eval_limit).
+    lm_eval_batch_size: rows per batch of requests, a multiple of the data shards and
+      processes (--lm_eval_batch_size).
   """
   num_train_steps: int = 100
   optimizer: Callable[..., optax.GradientTransformation] = optax.adamw
@@ -82,6 +91,11 @@ class TrainParams:
   eval_steps: int | None = None
   num_microbatches: int = 1
   profile_steps: tuple[int, int] | None = None
+  lm_eval_tasks: tuple[str, ...] = ()
+  lm_eval_every_n_steps: int = 0
+  lm_eval_include_path: str | None = None
+  lm_eval_limit: float | None = None
+  lm_eval_batch_size: int = 8
 
   def validate(self) -> None:
     """ConfigError naming the first field of these train params that cannot work."""
@@ -128,6 +142,27 @@ class TrainParams:
     if not callable(self.optimizer):
       raise ConfigError(f"task.train.optimizer={self.optimizer!r} is not callable; set it to "
                         "e.g. fdl.Partial(optax.adamw, weight_decay=0.1).")
+    self._validate_lm_eval()
+
+  def _validate_lm_eval(self) -> None:
+    """ConfigError naming the first lm_eval_* field that cannot work."""
+    names = self.lm_eval_tasks
+    if not isinstance(names, (tuple, list)) or not all(isinstance(n, str) for n in names):
+      raise ConfigError(f"task.train.lm_eval_tasks={names!r} must be a list of lm-eval task "
+                        "names, e.g. --fdl_set=\"task.train.lm_eval_tasks=['hellaswag']\".")
+    every = self.lm_eval_every_n_steps
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+      raise ConfigError(f"task.train.lm_eval_every_n_steps={every!r} must be an integer >= 0 "
+                        "(0 = never).")
+    if bool(names) != bool(self.lm_eval_every_n_steps):
+      raise ConfigError(
+          f"task.train.lm_eval_tasks={tuple(names)!r} and task.train.lm_eval_every_n_steps="
+          f"{self.lm_eval_every_n_steps} go together: an eval during training needs both the "
+          "tasks and how often (e.g. every 1000 steps); set both, or neither.")
+    if self.lm_eval_limit is not None:
+      checks.in_range("task.train.lm_eval_limit", self.lm_eval_limit, 1e-9, float("inf"),
+                      "Give a document count, a fraction < 1, or None for all.")
+    checks.positive("task.train", lm_eval_batch_size=self.lm_eval_batch_size)
 
   def schedule(self) -> Callable[[Any], Any]:
     lr = self.learning_rate

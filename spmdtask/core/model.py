@@ -23,7 +23,8 @@ Optional protocols:
   - `SizesActivations`: the train step's largest activations and the config changes that
     shrink them, for the plan's out-of-memory paragraph.
   - `ScoresTokens`: per-token target log-probabilities (`token_logprobs`), for objectives
-    that score sequences (DPO, GRPO: `spmdtask.core.objective`).
+    that score sequences (DPO, GRPO: `spmdtask.core.objective`), and with whether each
+    target is the greedy token (`token_scores`), for lm-eval's scorer (`spmdtask.harness`).
   - `Stacked`: a model with a stack of identical layers that can run under an execution
     strategy chosen on the Task (`task.pipeline`), and that maps its on-device parameter
     layout to the canonical one checkpoints hold (stacked layers `[L, ...]`).
@@ -116,6 +117,18 @@ class ScoresTokens(Protocol):
 
   def token_logprobs(self, batch: dict[str, jax.Array], temperature: float = 1.0) -> jax.Array:
     ...
+
+  def token_scores(self, batch: dict[str, jax.Array]) -> "TokenScores":
+    """`token_logprobs(batch)` (temperature 1) and whether each target is the argmax of its
+    logits (the first id of the greatest, as `jnp.argmax`), both [b, t] in the rows' own
+    order; computed where the head computes its logits (a vocab-tiled head: per tile)."""
+    ...
+
+
+class TokenScores(NamedTuple):
+  """What `ScoresTokens.token_scores` gives per token [b, t]."""
+  logprobs: jax.Array  # float32: log p(target | the tokens before it)
+  greedy: jax.Array    # bool: the target is the argmax (a greedy decode would emit it)
 
 
 class LayoutMap(NamedTuple):

@@ -1,4 +1,5 @@
-"""`python -m spmdtask.main --mode=lm_eval --tasks=a,b`: its flags, and the job's text side.
+"""`python -m spmdtask.main --mode=lm_eval --tasks=a,b`: its flags, and the job's text side;
+`train_hooks`: --mode=train's eval on `task.train.lm_eval_tasks` (`harness.training`).
 
 The binary defines these flags by importing this module (lm-eval itself is imported only
 when the mode runs: `harness.tasks`). The job's tokenizer is its decode tokenizer (an
@@ -37,14 +38,14 @@ def check_mode(mode: str) -> None:
     raise ConfigError(f"--{', --'.join(given)} only apply to --mode=lm_eval.")
 
 
-def text_of(run, apply_chat_template: bool):
+def text_of(run, apply_chat_template: bool, who: str = "--mode=lm_eval"):
   """The job's tokenizer, its special tokens and (`apply_chat_template`) its chat template,
-  as a `harness.backend.Text`."""
+  as a `harness.backend.Text`; errors name `who` asks for it."""
   # pylint: disable=g-import-not-at-top  # lm-eval (the backend's) only in this mode
   from spmdtask.inputs import chat_template, own_prompts, tokenizers
   from spmdtask.harness import backend
   from spmdtask.run import decoding
-  tok = decoding.experiment_tokenizer(run, "--mode=lm_eval needs")
+  tok = decoding.experiment_tokenizer(run, f"{who} needs")
   chat = own_prompts.job_chat(run.datasets, run.decode_datasets) if apply_chat_template else None
   if apply_chat_template and chat is None:
     raise ConfigError("--apply_chat_template renders lm-eval's prompts with the job's chat "
@@ -61,7 +62,7 @@ def text_of(run, apply_chat_template: bool):
     text = backend.Text(type(tok).__name__, tok.encode, tok.encode, tok.decode, None,
                         tok.eod_id, chat=chat)
   if text.eos_id is None:
-    raise ConfigError("--mode=lm_eval needs the tokenizer's end-of-sequence token (lm-eval's "
+    raise ConfigError(f"{who} needs the tokenizer's end-of-sequence token (lm-eval's "
                       "prefix for scoring from an empty context, and a stop for generation), "
                       "and the job's decode tokenizer names none: give a Hugging Face "
                       "tokenizer.json with a tokenizer_config.json (eos_token) beside it.")
@@ -78,3 +79,19 @@ def run(run_cfg, job_log_dir: str, restore_step: int | None) -> None:
                           _BATCH.value, _CHAT.value)
   tasks.run_tasks(run_cfg, text_of(run_cfg, _CHAT.value), options, job_log_dir, restore_step,
                   rollout.example(run_cfg))
+
+
+def train_hooks(run_cfg, job_log_dir: str) -> list:
+  """--mode=train's hooks for `task.train.lm_eval_*`: `harness.training.PeriodicLmEval`
+  where `lm_eval_every_n_steps` > 0, else none (lm-eval is then never imported)."""
+  tp = run_cfg.task.train
+  if not tp.lm_eval_every_n_steps:
+    return []
+  # pylint: disable=g-import-not-at-top
+  from spmdtask.harness import tasks, training
+  include = fs.absolute(tp.lm_eval_include_path) if tp.lm_eval_include_path else None
+  options = tasks.Options(tuple(tp.lm_eval_tasks), include, None, tp.lm_eval_limit,
+                          tp.lm_eval_batch_size)
+  text = text_of(run_cfg, False, "task.train.lm_eval_tasks")
+  return [training.PeriodicLmEval(run_cfg, text, options, tp.lm_eval_every_n_steps,
+                                  job_log_dir)]

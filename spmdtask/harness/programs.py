@@ -2,8 +2,9 @@
 continuations out, on the job's mesh with its restored params.
 
 `Scorer` scores rows of tokens: `(padded_params, inputs [B, T], targets [B, T]) ->
-(log p(target) [B, T], target is the argmax [B, T])`, one forward of the model's own
-`__call__` (the logits decode's prefill computes, in float32) per batch. `Generator`
+(log p(target) [B, T], target is the argmax [B, T])`, one forward of the model per batch
+through its contract (`core.model.ScoresTokens.token_scores`: the loss's head, vocab-tiled
+where the model's loss is, zig-zag ordered under a context axis). `Generator`
 continues prompts with `run.decoding`'s prefill and per-token programs (greedy, or the
 request's temperature), stopping at the stop ids. Both take the requests in any order,
 sort them longest first so that each batch is padded to its own longest row (rounded up to
@@ -22,6 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import global_batch, sharding, steps as steps_lib
+from spmdtask.core.model import ScoresTokens
 from spmdtask.core.host_input import process_slice
 from spmdtask.errors import ConfigError
 from spmdtask.run import decoding
@@ -61,13 +63,17 @@ def _local(rows: np.ndarray) -> np.ndarray:
 
 
 def score_fn(model, logical_params) -> Callable:
-  """`(padded_params, inputs, targets) -> (target log-probs, target is the argmax)`."""
+  """`(padded_params, inputs, targets) -> (target log-probs, target is the argmax)`, by
+  the model's `token_scores` (ConfigError where the model has none)."""
+  if not isinstance(model, ScoresTokens):
+    raise ConfigError(f"lm-eval's requests are scored with the model's token_scores "
+                      f"(spmdtask.core.model.ScoresTokens); task.model is a "
+                      f"{type(model).__name__}, which has none. Use a TransformerLm.")
+
   def score(padded_params, inputs, targets):
     params = sharding.unpad(padded_params, logical_params)
-    logits = model.apply({"params": params}, inputs).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    return picked, jnp.argmax(logits, axis=-1) == targets
+    batch = {"inputs": inputs, "targets": targets, "weights": jnp.ones(inputs.shape)}
+    return tuple(model.apply({"params": params}, batch, method=model.token_scores))
   return score
 
 

@@ -5,7 +5,8 @@ unpipelined, `run.decoding.decode_task`), finds the tasks (`find_tasks`), runs l
 `simple_evaluate` with `harness.backend.SpmdtaskLm` and, on process 0, writes
 `job_log_dir/lm_eval/results_step<N>.json` (lm-eval's results: metrics, task configs,
 versions, few-shot counts), `samples_<task>_step<N>.jsonl` (each document, its requests'
-arguments and responses), the metrics to TensorBoard (`summaries/lm_eval`, `task/metric`
+arguments and responses; a later run on the same step writes `..._step<N>_run2...`, never
+over an earlier one), the metrics to TensorBoard (`summaries/lm_eval`, `task/metric`
 at the checkpoint's step) and one console line per task. Every process runs the same
 requests (each feeds its share of each batch's rows: `harness.programs`).
 
@@ -22,6 +23,7 @@ import difflib
 import io
 import json
 import time
+from typing import Any, Callable
 
 import jax
 from absl import logging
@@ -133,9 +135,21 @@ def table(metrics: dict[str, dict[str, float]], step: int, seconds: float) -> li
   return lines
 
 
+def free_suffix(out_dir: str, step: int) -> str:
+  """The suffix that names a new run's files of `step` in `out_dir`: '' for the first run
+  of that step, then '_run2', '_run3', ... (an earlier run's files are never overwritten)."""
+  taken = set(fs.listdir(out_dir))
+  k = 1
+  while f"results_step{step}{'' if k == 1 else f'_run{k}'}.json" in taken:
+    k += 1
+  return "" if k == 1 else f"_run{k}"
+
+
 def write(job_log_dir: str, step: int, results: dict, seconds: float) -> str:
   """Process 0: results JSON, samples JSONL per task, TensorBoard scalars, the console
-  table. Returns the results file's path."""
+  table. Returns the results file's path: `lm_eval/results_step<N>.json`, or where an
+  earlier run scored the same step, `results_step<N>_run<k>.json` (`free_suffix`; its
+  samples files take the same suffix)."""
   from lm_eval.utils import handle_non_serializable  # pylint: disable=g-import-not-at-top
   metrics = metrics_of(results)
   for line in table(metrics, step, seconds):
@@ -144,11 +158,12 @@ def write(job_log_dir: str, step: int, results: dict, seconds: float) -> str:
     return ""
   out_dir = fs.join(job_log_dir, RESULTS_DIR)
   fs.makedirs(out_dir)
+  suffix = free_suffix(out_dir, step)
   dump = lambda x: json.dumps(x, default=handle_non_serializable, ensure_ascii=False)
   for task, samples in results.get("samples", {}).items():
-    fs.write_text(fs.join(out_dir, f"samples_{task}_step{step}.jsonl"),
+    fs.write_text(fs.join(out_dir, f"samples_{task}_step{step}{suffix}.jsonl"),
                   "".join(dump(s) + "\n" for s in samples))
-  path = fs.join(out_dir, f"results_step{step}.json")
+  path = fs.join(out_dir, f"results_step{step}{suffix}.json")
   fs.write_text(path, json.dumps({k: v for k, v in results.items() if k != "samples"},
                                  default=handle_non_serializable, indent=1, ensure_ascii=False))
   writer = summaries.SummaryWriter(summaries.summary_dir(job_log_dir, RESULTS_DIR))
@@ -158,22 +173,40 @@ def write(job_log_dir: str, step: int, results: dict, seconds: float) -> str:
   return path
 
 
+def lm_for(run, program, text, batch_size: int, field: str) -> Callable[[Any], Any]:
+  """`params -> backend_lib.SpmdtaskLm` scoring with those (live, padded) params of
+  `program` (an unpipelined program of `run.task`: decode's, or a scanned train program);
+  its scorer and generator are built once, so every call reuses their compiled programs.
+  `text` is the job's `harness.backend.Text`; `field` names the batch size in errors."""
+  # pylint: disable=g-import-not-at-top  # lm-eval is imported by this mode alone
+  from spmdtask.harness import backend as backend_lib, programs
+  max_length = int(run.task.model.max_seq_len)
+  scorer = programs.Scorer(program, batch_size, max_length, field)
+  generator = programs.Generator(program, batch_size, max_length, field)
+  return lambda params: backend_lib.SpmdtaskLm(scorer, generator, params, text, max_length,
+                                               run.task.decode.stop_ids)
+
+
 def backend(run, text, batch_size: int, job_log_dir: str, restore_step: int | None,
             example: dict):
   """(`backend_lib.SpmdtaskLm` on the checkpoint's params, its step): the decode
   program of `run.task` set up with `example` (a process-local batch) and restored from
   `job_log_dir`; `text` is the job's `harness.backend.Text`."""
-  # pylint: disable=g-import-not-at-top  # lm-eval is imported by this mode alone
+  # pylint: disable=g-import-not-at-top
   from spmdtask.core import program as program_lib
-  from spmdtask.harness import backend as backend_lib, programs
   from spmdtask.run import checkpoints, decoding
   program = program_lib.setup(decoding.decode_task(run.task), example)
-  max_length, field = int(run.task.model.max_seq_len), "--lm_eval_batch_size"
-  scorer = programs.Scorer(program, batch_size, max_length, field)
-  generator = programs.Generator(program, batch_size, max_length, field)
+  make = lm_for(run, program, text, batch_size, "--lm_eval_batch_size")
   state, step = checkpoints.restore_state(job_log_dir, program, restore_step)
-  return backend_lib.SpmdtaskLm(scorer, generator, state.params, text, max_length,
-                                    run.task.decode.stop_ids), step
+  return make(state.params), step
+
+
+def score_and_write(lm, options: Options, manager, job_log_dir: str, step: int) -> dict:
+  """lm-eval's results of `lm` on the tasks (`evaluate`), written as of `step` (`write`)."""
+  t0 = time.perf_counter()
+  results = evaluate(lm, options, manager)
+  write(job_log_dir, step, results, time.perf_counter() - t0)
+  return results
 
 
 def run_tasks(run, text, options: Options, job_log_dir: str, restore_step: int | None,
@@ -181,7 +214,4 @@ def run_tasks(run, text, options: Options, job_log_dir: str, restore_step: int |
   """--mode=lm_eval (module doc); returns lm-eval's results."""
   manager = find_tasks(options.tasks, options.include_path)  # before any restore
   lm, step = backend(run, text, options.batch_size, job_log_dir, restore_step, example)
-  t0 = time.perf_counter()
-  results = evaluate(lm, options, manager)
-  write(job_log_dir, step, results, time.perf_counter() - t0)
-  return results
+  return score_and_write(lm, options, manager, job_log_dir, step)

@@ -33,7 +33,7 @@ from spmdtask.layers.block import Block
 from spmdtask.layers.lm_splits import ActivationSplit, WeightSplit
 from spmdtask.layers.attention import window as window_lib
 from spmdtask.layers.rope import Scaling
-from spmdtask.core.model import Metrics, Weighted, Work
+from spmdtask.core.model import Metrics, TokenScores, Weighted, Work
 from spmdtask.core.strategy import Strategy
 
 
@@ -237,7 +237,7 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
     `segment_ids` and per-segment `positions` [b, t] int32. Where the activations split the
     sequence, the loss runs on the zig-zag order (`_zigzag`): a sum, so the same value."""
     batch = _zigzag(self, batch)
-    token_xent, stats = _token_xent(self, batch, mtp=True)
+    token_xent, _, stats = _token_xent(self, batch, mtp=True)
     token_xent, mtp_sum, mtp_metrics = mtp_lib.split_loss(self, token_xent, batch)
     weights = batch["weights"].astype(jnp.float32)
     token_xent, metrics = moe_lib.add_router_losses(self.moe, stats, token_xent, weights)
@@ -251,6 +251,18 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
     loss's path, without weights or an MoE's router losses; of the logits / `temperature`."""
     return -_row_order(self, _token_xent(self, _zigzag(self, batch), temperature=temperature)[0])
 
+  def token_scores(self, batch: dict[str, jax.Array]) -> TokenScores:
+    """ScoresTokens: `token_logprobs` and greedy flags in the rows' own order (`_scores`)."""
+    return _scores(self, _zigzag(self, batch))
+
+
+def _scores(model: TransformerLm, batch: dict[str, jax.Array]) -> TokenScores:
+  """(log p(target), target is the argmax) per token of a batch in zig-zag order where the
+  sequence is split, back in the rows' own order: the loss's head, whose vocab tiles (where
+  `loss_vocab_tiles` > 1) each give their greatest logit and its id (`xent.tiled_scores`)."""
+  token_xent, ids, _ = _token_xent(model, batch, argmax=True)
+  return TokenScores(-_row_order(model, token_xent), _row_order(model, ids == batch["targets"]))
+
 
 def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
   """Per-token values [b, t] of a batch `_zigzag` ordered, back in the rows' own order."""
@@ -261,11 +273,11 @@ def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:
 
 
 def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = False,
-                temperature: float = 1.0):
+                temperature: float = 1.0, argmax: bool = False):
   """(per-token cross entropy [b, t] of a batch already in zig-zag order where the sequence
-  is split, the MoE stats or None): the head and loss, vocab-tiled or not, of the logits /
-  `temperature`. `mtp` with `model.mtp_depth`: [b, (D+1)·t], the MTP heads' after the row's
-  (`layers.mtp.shifted`)."""
+  is split, `argmax`: each token's argmax id [b, t] (else None), the MoE stats or None): the
+  head and loss, vocab-tiled or not, of the logits / `temperature`. `mtp` with
+  `model.mtp_depth`: [b, (D+1)·t], the MTP heads' after the row's (`layers.mtp.shifted`)."""
   inputs, targets, tiles = batch["inputs"], batch["targets"], model.loss_vocab_tiles
   mtp_tokens = None
   if mtp and model.mtp_depth:
@@ -275,10 +287,11 @@ def _token_xent(model: TransformerLm, batch: dict[str, jax.Array], mtp: bool = F
                      head=tiles == 1, moe_stats=True, zigzagged=True, mtp_tokens=mtp_tokens)
   if tiles > 1:  # logits = scale · x @ w: the temperature divides the scale
     x, w, scale = out
-    token_xent = _tiled_loss(model, x, w, scale / temperature, targets)
+    token_xent, ids = _tiled_loss(model, x, w, scale / temperature, targets, argmax)
   else:
     token_xent = xent.cross_entropy(out / temperature, targets)
-  return token_xent, stats
+    ids = jnp.argmax(out, axis=-1) if argmax else None
+  return token_xent, ids, stats
 
 
 def _moe_layers(model: TransformerLm) -> int:
@@ -346,10 +359,12 @@ def _zigzag_order(model: TransformerLm, seq_len: int) -> np.ndarray | None:
   return context_lib.zigzag(seq_len, sharding.shards(axes, dict(mesh.shape))) if axes else None
 
 
-def _tiled_loss(model: TransformerLm, x, w, scale, targets) -> jax.Array:
-  """Per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent)."""
+def _tiled_loss(model: TransformerLm, x, w, scale, targets, argmax: bool = False):
+  """(per-token cross entropy over `model.loss_vocab_tiles` vocab tiles (layers.xent),
+  `argmax`: each token's argmax id found per tile, else None)."""
   ws = model.weight_split_dims_mapping
   split = tuple(reversed(ws.embedding)) if model.tie_embeddings else ws.unembed  # [d, vocab]
   w_tiles = xent.head_tiles(w.astype(x.dtype), model.loss_vocab_tiles, split)
-  return xent.tiled_cross_entropy(x, w_tiles, targets, model.vocab_size, scale,
-                                  model.activation_split_dims_mapping.logits, split)
+  args = (x, w_tiles, targets, model.vocab_size, scale,
+          model.activation_split_dims_mapping.logits, split)
+  return xent.tiled_scores(*args) if argmax else (xent.tiled_cross_entropy(*args), None)

@@ -17,6 +17,10 @@ head is gathered once per step (its bf16 copy, vocab x d_model x 2 bytes per dev
 from the loss's forward to its backward, which follow each other), and each tile's
 gradient leaves reduce-scattered to the weight's own shards (`base.scatter`), never whole
 and never all-reduced.
+
+`tiled_scores` is the same forward that also gives each token's argmax id (a scorer's
+"was the target the greedy token"): each tile's greatest logit and its first id, then the
+first id of the greatest over the tiles, so the logits stay tiled there too.
 """
 import functools
 
@@ -63,25 +67,41 @@ def tiled_cross_entropy(x: jax.Array, w_tiles: jax.Array, labels: jax.Array, voc
   0 entry is x's batch split); with `weight_split` (w's mapping [d, vocab]) under FSDP the
   head is gathered once and its gradient reduce-scattered (module doc).
   """
+  return _sharded(False, x, w_tiles, labels, vocab, scale, logits_split, weight_split)
+
+
+def tiled_scores(x: jax.Array, w_tiles: jax.Array, labels: jax.Array, vocab: int,
+                 scale: float = 1.0, logits_split: SplitDims | None = None,
+                 weight_split: SplitDims | None = None) -> tuple[jax.Array, jax.Array]:
+  """`tiled_cross_entropy`'s per-token cross entropy [b, t] and each token's argmax id
+  [b, t] int32: the first id of the greatest logit (as `jnp.argmax` of the whole logits),
+  from each tile's greatest logit and its first id. For scoring: no gradient flows
+  through the ids."""
+  return _sharded(True, x, w_tiles, labels, vocab, scale, logits_split, weight_split)
+
+
+def _sharded(argmax, x, w_tiles, labels, vocab, scale, logits_split, weight_split):
+  """`_tiled` under FSDP's shard_map where the head is split over the batch's axes."""
   mesh = jax.sharding.get_abstract_mesh()
   manual = base.batch_axes(mesh, logits_split, x.shape[0])
   axes = weight_split and base.fsdp_axes(w_tiles.shape[1:], weight_split, manual)
   if not axes:  # GSPMD partitions the plain products
-    return _tiled(vocab, scale, logits_split, (), x, w_tiles, labels)
+    return _tiled(vocab, scale, logits_split, (), argmax, x, w_tiles, labels)
   rows = P(manual)
   # The head is the same on axes that split only the batch (data): varying there, its
   # gradient is summed over them (pcast's transpose) after the reduce-scatter.
   replicas = tuple(a for a in manual if not any(a in dim_axes for dim_axes in axes))
-  local = lambda x, w, labels: _tiled(vocab, scale, logits_split, axes, x,
+  local = lambda x, w, labels: _tiled(vocab, scale, logits_split, axes, argmax, x,
                                       jax.lax.pcast(w, replicas, to="varying"), labels)
   w_tiles = w_tiles.astype(base.moved_dtype(x.dtype))  # the dtype its shards move in
   return jax.shard_map(local, in_specs=(rows, P(None, *[a or None for a in axes]), rows),
-                       out_specs=rows, axis_names=set(manual))(x, w_tiles, labels)
+                       out_specs=(rows, rows) if argmax else rows,
+                       axis_names=set(manual))(x, w_tiles, labels)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _tiled(vocab, scale, logits_split, axes, x, w_tiles, labels):
-  return _forward(vocab, scale, logits_split, axes, x, w_tiles, labels)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _tiled(vocab, scale, logits_split, axes, argmax, x, w_tiles, labels):
+  return _forward(vocab, scale, logits_split, axes, argmax, x, w_tiles, labels)[0]
 
 
 def _masked_logits(x, w, j, tiles, vocab, scale, logits_split):
@@ -91,9 +111,10 @@ def _masked_logits(x, w, j, tiles, vocab, scale, logits_split):
   return constrain(jnp.where(ids < vocab, logits * scale, -jnp.inf), logits_split)
 
 
-def _forward(vocab, scale, logits_split, axes, x, w_tiles, labels):
-  """Per-token losses, and the residuals: the gathered tiles among them (`axes`: per dim
-  of a tile, the manual axes splitting it; () outside a shard_map)."""
+def _forward(vocab, scale, logits_split, axes, argmax, x, w_tiles, labels):
+  """Per-token losses (`argmax`: and argmax ids), and the residuals: the gathered tiles
+  among them (`axes`: per dim of a tile, the manual axes splitting it; () outside a
+  shard_map)."""
   tiles = w_tiles.shape[0]
 
   def tile(_, jw):
@@ -101,14 +122,21 @@ def _forward(vocab, scale, logits_split, axes, x, w_tiles, labels):
     w = base.gather(w, axes) if axes else w
     logits = _masked_logits(x, w, j, tiles, vocab, scale, logits_split)
     picked = jnp.sum(jnp.where(_one_hot(labels, w.shape[-1], j, tiles), logits, 0.0), -1)
-    return None, (jax.nn.logsumexp(logits, axis=-1), picked, w)
+    best = (jnp.max(logits, -1), j + tiles * jnp.argmax(logits, -1)) if argmax else ()
+    return None, (jax.nn.logsumexp(logits, axis=-1), picked, w, *best)
 
-  _, (lse, picked, whole) = jax.lax.scan(tile, None, (jnp.arange(tiles), w_tiles))
+  _, (lse, picked, whole, *best) = jax.lax.scan(tile, None, (jnp.arange(tiles), w_tiles))
   lse = jax.nn.logsumexp(lse, axis=0)
-  return lse - jnp.sum(picked, axis=0), (x, whole, labels, lse)
+  loss = lse - jnp.sum(picked, axis=0)
+  if argmax:  # the first id of the greatest logit: the least id among the tiles holding it
+    tile_max, tile_ids = best
+    ids = jnp.min(jnp.where(tile_max == jnp.max(tile_max, 0), tile_ids, vocab), 0)
+    loss = (loss, ids.astype(jnp.int32))
+  return loss, (x, whole, labels, lse)
 
 
-def _backward(vocab, scale, logits_split, axes, res, g):
+def _backward(vocab, scale, logits_split, axes, argmax, res, g):
+  g = g[0] if argmax else g  # (the ids have no gradient)
   x, whole, labels, lse = res
   tiles = whole.shape[0]
 

@@ -15,6 +15,12 @@ class Fetched:
 class Hook:
   """Runs around train steps. Every method is optional; `step` counts completed steps."""
 
+  def attach(self, program: Any, record: Any) -> None:
+    """Called once, before `begin`, with the `core.program.Program` the steps run (its task,
+    mesh and live layout) and the run's `goodput_events.Recorder` (a hook whose work is not
+    a step's says so: `with record.phase('eval')`): for a hook made before them, as
+    `loop.train`'s `hooks` are."""
+
   def begin(self, step: int) -> None:
     """Called once before the first step runs; `step` steps are already done."""
 

@@ -218,7 +218,9 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
   then counts as the last: metrics fetched, saved). `feed.step(state) -> (state, metrics)`
   runs one step (`rollout.feed`: a batch of the train input, or GRPO's rollout).
   `targets`: the data has target masks (the rates then count target tokens). Returns
-  (state, losses of the steps run, the stop reason or None)."""
+  (state, losses of the steps run, the stop reason or None). The rates of a fetch time the
+  steps since the previous one, from after that step's hooks ran: a hook that takes long
+  (an eval) asks for the metrics at its step, so its time is no step's."""
   losses, pending, reason = [], [], None
   for h in hooks:
     h.begin(first)
@@ -229,7 +231,8 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
     done = step + 1
     reason = stop(done)
     last = done == last_step or reason is not None
-    if any(h.wants_metrics(done, last) for h in hooks):
+    synced = any(h.wants_metrics(done, last) for h in hooks)
+    if synced:
       values = [{k: float(v) for k, v in m.items()} for m in jax.device_get(pending)]
       fetched = Fetched(done, values, throughput.rates(
           program, len(pending), time.perf_counter() - t0, batch_size,
@@ -238,9 +241,11 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
       for h in hooks:
         if h.wants_metrics(done, last):
           h.on_metrics(fetched, last)
-      pending, t0 = [], time.perf_counter()
+      pending = []
     for h in hooks:
       h.after_step(done, state, last)
+    if synced:  # the next window starts after this step's hooks (an eval, a save's
+      t0 = time.perf_counter()  # blocking part): the rates time the steps alone
     if reason is not None:
       break
   return state, losses, reason
@@ -293,6 +298,8 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
   console.say("%s at step %d; training to step %d.",
               "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
   all_hooks = hooks_for(run, program, ckpt, job_log_dir, record) + list(hooks)
+  for h in all_hooks:
+    h.attach(program, record)
   stop = (interrupts.StopRequest(jax.process_count(), ckpt.reached_preemption)
           if ckpt is not None else None)
   with stop or contextlib.nullcontext():

@@ -26,9 +26,14 @@ NAMES = ("tiny_mc", "tiny_ppl", "tiny_gen")
 def import_run(job: str):
   """The import of the fixture model into `job` and its run config (its flagfile's lines)."""
   imports.from_hf(os.path.join(DATA, "model"), job)
+  return run_of(job)
+
+
+def run_of(job: str, *more: str):
+  """The run config of the import in `job` (its flagfile's lines, then `more` overrides)."""
   with open(os.path.join(job, model_overrides.OVERRIDES_FILE)) as f:
     lines = [l.strip().split("=", 1)[1] for l in f if l.startswith("--fdl_set=")]
-  return util.build_run("llama.LlamaImport", lines)
+  return util.build_run("llama.LlamaImport", lines + list(more))
 
 
 def offline(monkeypatch) -> None:
@@ -98,6 +103,22 @@ def test_log_likelihoods_metrics_and_greedy_strings_equal_lm_evals_hf_backend(sc
       np.testing.assert_allclose(got[metric], value, rtol=1e-5, err_msg=f"{task} {metric}")
 
 
+def test_a_vocab_tiled_head_scores_the_same(scored, want):
+  """The scorer runs the model's own head (`token_scores`): with the loss over 4 vocab
+  tiles the argmax is found per tile, and the choices' numbers stay lm-eval's."""
+  job = scored[2]
+  run = run_of(job, "task.model.loss_vocab_tiles=4")
+  lm, _ = tasks.backend(run, command.text_of(run, False), 8, job, None, rollout.example(run))
+  with pytest.MonkeyPatch.context() as patch:
+    offline(patch)
+    options = tasks.Options(("tiny_mc",), TASK_DIR)
+    got = tasks.evaluate(lm, options, tasks.find_tasks(options.tasks, TASK_DIR))
+  pairs = list(zip(leaves(responses(got, "tiny_mc")), leaves(want["tiny_mc"]["responses"])))
+  assert len(pairs) == 80 and sum(r is True for _, r in pairs) == 4
+  for g, r in pairs:
+    assert type(g) is type(r) and abs(g - r) <= 1e-4, (g, r)  # bools: is_greedy
+
+
 def test_writes_results_samples_summaries_and_a_console_table(scored, capsys, monkeypatch):
   plain, _, job, step = scored[:4]
   monkeypatch.setattr(console, "_echo", True)
@@ -120,6 +141,16 @@ def test_writes_results_samples_summaries_and_a_console_table(scored, capsys, mo
   assert out[1] == "  tiny_mc: acc 0.0000 ± 0.0000  acc_norm 0.0000 ± 0.0000"
   assert out[2].startswith("  tiny_ppl: word_perplexity 5377919") and "bits_per_byte 6.93" in out[2]
   assert out[-1] == f"lm_eval: wrote {path} (and the samples beside it)"
+  # A second run on the same step keeps the first's files and writes beside them.
+  chat = scored[1]
+  again = tasks.write(job, step, chat, 1.0)
+  assert again == os.path.join(job, "lm_eval", f"results_step{step}_run2.json")
+  with open(path) as f:
+    assert json.load(f) == written
+  with open(again) as f:
+    assert set(json.load(f)["configs"]) == {"tiny_gen"}
+  assert os.path.exists(os.path.join(job, "lm_eval", f"samples_tiny_gen_step{step}_run2.jsonl"))
+  assert tasks.free_suffix(os.path.join(job, "lm_eval"), step) == "_run3"
 
 
 def test_bad_tasks_exit_2_naming_the_fix(scored, tmp_path, monkeypatch):

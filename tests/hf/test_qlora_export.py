@@ -1,7 +1,9 @@
 """--to_hf of a QLoRA job (layers/qlora.py, hf/merge.py): the PEFT adapter it writes holds
 the job's adapter tensors; --merge_lora merges them into the dequantized base. The job is
 the PEFT fixture's adapter (tests/tools/data/peft/, random nonzero A and B) over the fixture
-Llama's base stored in nf4, written as a step-0 checkpoint of a job started from the import."""
+Llama's base stored in nf4, written as a step-0 checkpoint of a job started from the import.
+And a trained QLoRA job's PEFT adapter, loaded by PEFT onto the bf16 HF model
+(tests/hf/data/qlora_peft, made with torch offline), gives spmdtask's logits of that export."""
 import os
 
 import jax
@@ -11,10 +13,13 @@ import pytest
 from spmdtask.core import train_state
 from spmdtask.hf import families, files, model_overrides, peft
 from spmdtask.hf.jobs import checkpoints, exports, imports
+from tests import util
 from tests.hf import checks
+from tests.subproc import REPO
 
 BASE, PEFT = os.path.join(checks.DATA, "llama"), os.path.join(checks.DATA, "peft")
 NF4 = {"base_quantization": "nf4", "group_size": 8}  # head_dim 8: o's group dim
+QLORA_PEFT = os.path.join(REPO, "tests", "hf", "data", "qlora_peft")
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +76,25 @@ def test_a_merged_export_of_a_qlora_job_is_its_dequantized_base_plus_the_adapter
       assert 0 < err <= 0.152 * np.abs(want[k]).max() * 1.01, k
     else:
       assert err == 0, k
+
+
+def test_pefts_load_of_a_qlora_jobs_adapter_onto_the_bf16_hf_model_gives_our_logits(tmp_path):
+  """tests/hf/data/qlora_peft: the --to_hf adapter of a QLoRA job (nf4 base, 20 steps), and
+  PEFT 0.21's logits of it on the fixture Llama (PeftModel.from_pretrained) in float32 and
+  in bfloat16. spmdtask's logits of the same export (--from_hf with --adapter: the adapter
+  on the float base) equal PEFT's float32 ones to float32 rounding, and PEFT's on the bf16
+  model within bf16's noise: bf16 alone moves the base's logits by up to 0.076 (PEFT's
+  base, bf16 vs float32); the bound, 0.2 at most and 0.02 on average, is 1/20 of what the
+  adapter moves them by (4.0), so a dropped or transposed adapter fails it."""
+  lines = imports.from_hf(BASE, str(tmp_path / "job"), os.path.join(QLORA_PEFT, "adapter"))
+  exp = "finetune.LlamaLoraImport"
+  params = checkpoints.read_checkpoint(str(tmp_path / "job"), lines, exp)
+  model = util.build_run(exp, lines).task.model
+  tokens = np.load(os.path.join(PEFT, "tokens.npy"))
+  ours = np.asarray(jax.jit(model.apply)({"params": params}, tokens))
+  want = {n: np.load(os.path.join(QLORA_PEFT, f"logits_{n}.npy"))
+          for n in ("peft_f32", "peft_bf16", "base_f32")}
+  assert np.abs(want["peft_f32"] - want["base_f32"]).max() > 3.9  # the adapter's effect
+  assert np.abs(ours - want["peft_f32"]).max() <= 1e-4
+  err = np.abs(ours - want["peft_bf16"])
+  assert err.max() <= 0.2 and err.mean() <= 0.02, (err.max(), err.mean())

@@ -1,5 +1,6 @@
 """The gather-free and the vocab-tiled cross entropy equal optax's, values and gradients, on
-one device and on a data x fsdp x model mesh of 8."""
+one device and on a data x fsdp x model mesh of 8; the tiled scores' argmax ids equal
+`jnp.argmax` of the whole logits, ties included."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,3 +79,47 @@ def test_tiled_cross_entropy_equals_optax_on_a_data_fsdp_tp_mesh():
     value, (dx, dw) = _value_and_grads(padded, *args, 1.0)
   _assert_close((value, dx, dw[:, :V]), want)
   np.testing.assert_array_equal(np.asarray(dw[:, V:]), 0.0)
+
+
+def _tied_data():
+  """`_data` with ids 7 and 30 given the same head column, the greatest logit of token
+  (0, 0): with 4 tiles 30 sits in an earlier tile (2) than 7 (3), and 7 must win."""
+  x, w, labels, _ = _data(2)
+  column = 4.0 * x[0, 0] / jnp.linalg.norm(x[0, 0])
+  w = w.at[:, 7].set(column).at[:, 30].set(column)
+  labels = labels.at[0, 0].set(7).at[1, 0].set(30).at[2].set(jnp.argmax(x[2] @ w, -1))
+  return x, w, labels
+
+
+def _check_scores(got, x, w, labels):
+  loss, ids = got
+  want_ids = jnp.argmax(x @ w, -1)
+  assert int(ids[0, 0]) == 7 and bool(jnp.all(ids[2] == labels[2]))
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+  util.assert_close_f32(loss, xent.cross_entropy(x @ w, labels), terms=D, rtol=1e-6)
+
+
+@pytest.mark.parametrize("tiles", [4, 5])
+def test_tiled_scores_give_the_loss_and_the_first_argmax_on_one_device(tiles):
+  x, w, labels = _tied_data()
+  got = jax.jit(lambda x, w, l: xent.tiled_scores(x, xent.head_tiles(w, tiles), l, V))(
+      x, w, labels)
+  _check_scores(got, x, w, labels)
+
+
+def test_tiled_scores_on_a_data_fsdp_tp_mesh():
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  x, w, labels = _tied_data()
+  put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))
+  batch, split = ("data", "fsdp"), ("fsdp", "model")
+
+  def scores(x, w, labels):  # vocab 40 splits over model; ids >= 37 are never the argmax
+    return xent.tiled_scores(x, xent.head_tiles(w[:, :V], 4, split), labels, V, 1.0,
+                             LOGITS_SPLIT, split)
+
+  with jax.set_mesh(mesh):
+    got = jax.jit(scores)(put(x, batch, None, None),
+                          put(jnp.pad(w, ((0, 0), (0, 3))), "fsdp", "model"),
+                          put(labels, batch, None))
+  _check_scores(got, x, w, labels)

@@ -145,7 +145,9 @@ def test_8_devices_with_microbatches_train_like_one_device():
 
 def test_token_logprobs_come_back_in_row_order_under_a_context_split():
   """TinyLmContext splits each row zig-zag over 4 'context' devices; the per-token
-  log-probs (not only their sums) equal the unsplit model's, token for token."""
+  log-probs (not only their sums) equal the unsplit model's, token for token, and so do
+  `token_scores` (lm-eval's scorer): its log-probs, and its greedy flags, which are the
+  unsplit logits' argmax == target."""
   from configs import lm  # pylint: disable=g-import-not-at-top
   split = util.build_run("lm.TinyLmContext").task.model
   plain = split.clone(activation_split_dims_mapping=util.build_run("lm.TinyLm").task.model
@@ -153,11 +155,17 @@ def test_token_logprobs_come_back_in_row_order_under_a_context_split():
   batch = util.build_run("lm.TinyLm").datasets["train"].batch_at(0)
   batch = {k: v[:4] for k, v in batch.items()}
   params = plain.init(jax.random.key(0), batch, method=plain.loss)["params"]
-  want = jax.jit(lambda p, b: plain.apply({"params": p}, b, method=plain.token_logprobs))(
-      params, batch)
+  both = lambda m: jax.jit(lambda p, b: (m.apply({"params": p}, b, method=m.token_logprobs),
+                                          m.apply({"params": p}, b, method=m.token_scores)))
+  want, (want_lp, want_greedy) = both(plain)(params, batch)
+  logits = plain.apply({"params": params}, batch["inputs"])
+  np.testing.assert_array_equal(want_greedy, np.argmax(logits, -1) == batch["targets"])
+  assert 0 < np.sum(want_greedy) < want_greedy.size  # (an untrained model: a few greedy)
   mesh = jax.make_mesh((2, 1, 4, 1), lm.CONTEXT_AXES,
                        axis_types=(jax.sharding.AxisType.Auto,) * 4, devices=jax.devices()[:8])
   with jax.set_mesh(mesh):
-    got = jax.jit(lambda p, b: split.apply({"params": p}, b, method=split.token_logprobs))(
-        params, batch)
+    got, (got_lp, got_greedy) = both(split)(params, batch)
   util.assert_close_f32(got, want, terms=64)
+  util.assert_close_f32(got_lp, want_lp, terms=64)
+  util.assert_close_f32(want_lp, want, terms=64)
+  np.testing.assert_array_equal(got_greedy, want_greedy)
