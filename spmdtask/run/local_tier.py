@@ -200,7 +200,7 @@ class LocalTier:
     facts = {**program.layout_facts(), "device_count": jax.device_count(),
              "process_count": jax.process_count()}
     changed = [k for k in LAYOUT_KEYS if k in facts and meta.get(k) != facts[k]]
-    return f"it was saved with another {', '.join(changed)}" if changed else None
+    return f"it was saved with another {', '.join(changed)}{MOVED}" if changed else None
 
   def read(self, step: int, program) -> tuple[dict | None, str | None]:
     """(the checked items of local step `step`, None), or (None, why it cannot be used)."""
@@ -211,7 +211,7 @@ class LocalTier:
       why = f"its meta cannot be read ({type(e).__name__})"
     why = self.agree(why)
     if why:
-      return None, why + MOVED
+      return None, why
     return io.checked_read(self.mngr, self.directory, program, step,
                            io.ARRAY_ITEMS + io.JSON_ITEMS, fmt=self.fmt, agree=self.agree)
 
@@ -233,8 +233,8 @@ class LocalTier:
       raise ConfigError(
           f"{FIELD}={self.root!r} holds this job's only checkpoints, and none can be restored "
           "here (" + "; ".join(f"step {s}: {w}" for s, w in failed.items()) + f"); the job "
-          f"dir {self.job['job_log_dir']} has none. Rerun on the layout that saved them (a "
-          "layout changed), or train from the start in a new --job_log_dir.")
+          f"dir {self.job['job_log_dir']} has none. Where a layout changed, rerun on the one "
+          "that saved them; else train from the start in a new --job_log_dir.")
     for step, why in failed.items():
       logging.warning("Local checkpoint step %d in %s is not used: %s; it is deleted.", step,
                       self.directory, why)
