@@ -78,17 +78,18 @@ def killed_and_resumed(tmp_path_factory):
   logging.getLogger().addHandler(records)
   absl_logging.set_verbosity(absl_logging.INFO)
   try:
-    _, program, resumed = loop.train(_run(f"task.train.local_checkpoint_dir='{local}'"),
-                                     job_log_dir=job)
+    _, _, resumed = loop.train(_run(f"task.train.local_checkpoint_dir='{local}'"),
+                               job_log_dir=job)
     logging.getLogger().removeHandler(records)
     reference = loop.train(_run())[2]
   finally:
     logging.getLogger().removeHandler(records)
     absl_logging.set_verbosity(verbosity)
   return dict(killed=killed, at_kill=at_kill, lines=records.lines, resumed=resumed,
-              reference=reference, program=program, job=job, local=local)
+              reference=reference, job=job, local=local)
 
 
+@pytest.mark.slow
 def test_a_kill_loses_at_most_the_local_interval_and_resumes_bitwise(killed_and_resumed):
   r = killed_and_resumed
   assert r["killed"].returncode == -signal.SIGKILL, r["killed"].stderr[-3000:]
@@ -101,8 +102,13 @@ def test_a_kill_loses_at_most_the_local_interval_and_resumes_bitwise(killed_and_
   assert _persistent_steps(r["job"]) == [STEPS] and _local_steps(r["local"]) == [5, 10]
 
 
-def test_damaged_foreign_and_moved_local_steps_are_not_restored(killed_and_resumed, tmp_path):
-  program = killed_and_resumed["program"]
+def _program(*overrides):
+  run = _run(*overrides)
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+
+
+def test_damaged_foreign_and_moved_local_steps_are_not_restored(tmp_path):
+  program = _program()
   job, local = str(tmp_path / "job"), str(tmp_path / "local")
   state = program.init()
 
@@ -136,10 +142,8 @@ def test_damaged_foreign_and_moved_local_steps_are_not_restored(killed_and_resum
   finally:
     ckpt.close()
   # Restored on another mesh with no persistent step to fall back to: exit 2, nothing deleted.
-  fsdp = _run("task.ici_mesh_shape=(1, 8, 1)")
-  moved = checkpoints.Checkpointer(job, program_lib.setup(
-      fsdp.task, fsdp.datasets["train"].batch_at(0)), 50, None,
-      local=local_tier.LocalTier(local, job, 5, 3))
+  moved = checkpoints.Checkpointer(job, _program("task.ici_mesh_shape=(1, 8, 1)"), 50, None,
+                                  local=local_tier.LocalTier(local, job, 5, 3))
   try:
     with pytest.raises(ConfigError, match=r"local_checkpoint_dir=.* holds this job's only "
                        r"checkpoints.*step 10: it was saved with another mesh_shape"):
