@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import jax
@@ -40,7 +41,14 @@ if TYPE_CHECKING:
 
 def tensorflow():
   """TensorFlow, imported on first use: only a tf.data input needs it (seconds of start-up
-  and its own console output that a synthetic-data run should not pay for)."""
+  and its own console output that a synthetic-data run should not pay for).
+
+  Without Keras: spmdtask uses tf.data and TFRecords, never tf.keras, and TensorFlow 2.21's
+  import loads Keras 3 (and through it scikit-learn) unless TF_USE_LEGACY_KERAS is set: 9.2 ->
+  5.9 s of CPU a process here. So it is set to 1 unless the environment sets it (with
+  tf_keras not installed, a later `tf.keras` in the same process then fails: set
+  TF_USE_LEGACY_KERAS=0 for that)."""
+  os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
   import tensorflow as tf  # pylint: disable=g-import-not-at-top,redefined-outer-name
   return tf
 

@@ -33,7 +33,9 @@ def digits(prompts, completions, answers):
 '''
 EVERY_STEP = ["task.train.summary_interval_steps=1", "task.train.log_interval_steps=1"]
 # The Llama chain's SFT, DPO and GRPO steps (tests/recipe/data/chain_export: its export's
-# greedy tokens in transformers).
+# greedy tokens in transformers). examples/tiny_chat/recipe.toml trains the same steps and
+# shapes, so the docs test of that recipe and this chain compile the same programs: whichever
+# runs second loads them from the persistent XLA cache (tests/subproc.py). Keep them alike.
 LLAMA_STEPS = (4, 4, 1)
 
 
