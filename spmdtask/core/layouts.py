@@ -107,6 +107,8 @@ def strategy_models(task, execution: Any) -> tuple[Model, Model]:
   if getattr(model, "execution", None) is not None:
     raise ConfigError("task.model.execution is set by the framework from task.pipeline; set "
                       "task.pipeline instead and leave task.model.execution=None.")
+  if execution is None:  # its own scan: the model is its canonical one (one layout trace)
+    return model, model
   return model.with_pipeline(execution), model
 
 
