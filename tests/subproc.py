@@ -1,9 +1,13 @@
 """Test helpers that run `spmdtask.main` in subprocesses, sharing one persistent XLA cache."""
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
+
+from tests import forkserver
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A persistent XLA cache shared by the test subprocesses: the same program compiles once.
@@ -59,31 +63,6 @@ app.run(main.main)
 """
 
 
-# Several `spmdtask.main` command lines in one process: spmdtask.main (JAX, fiddle, the
-# configs) is imported once, then each command runs in a forked child as the binary does
-# (`app.run`: its own flags, its exit status, stdout and stderr into its own files), which
-# saves each ~3 s of CPU on imports. The children run one after another. For command lines
-# that end before a step compiles (config errors): a training's CPU is its compiles.
-FORKED_MAINS = """
-import json, os, sys
-from absl import app
-from spmdtask import main, registry
-registry.names()  # the config packages: imported once too
-out_dir = sys.argv[1]
-for i, argv in enumerate(json.load(open(os.path.join(out_dir, "argv.json")))):
-  sys.stdout.flush(), sys.stderr.flush()
-  pid = os.fork()
-  if pid == 0:  # the child ends in app.run's sys.exit (or an uncaught exception: exit 1)
-    for fd, name in ((1, f"{i}.out"), (2, f"{i}.err")):
-      os.dup2(os.open(os.path.join(out_dir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    sys.argv = ["spmdtask.main"] + argv
-    app.run(main.main, flags_parser=main.parse_flags)
-  status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-  with open(os.path.join(out_dir, f"{i}.rc"), "w") as f:
-    f.write(str(status))
-"""
-
-
 def env(num_devices: int = 8, **extra) -> dict:
   e = dict(os.environ)
   e.update(PYTHONPATH=REPO + os.pathsep + e.get("PYTHONPATH", ""), JAX_PLATFORMS="cpu",
@@ -98,9 +77,10 @@ def signal_once_printed(cmd, log_path, text: str, sig: int, num_devices: int = 8
                         timeout: float = 240) -> int:
   """Runs `cmd` (stdout and stderr into the file `log_path`); once `text` is in that log,
   sends it `sig` and returns its exit code. The process is killed on any other way out."""
+  python_, e = python(num_devices)
   with open(log_path, "w") as out:
-    proc = subprocess.Popen(cmd, env=env(num_devices), cwd=REPO, stdout=out,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([python_, *cmd[1:]] if cmd[0] == sys.executable else cmd, env=e,
+                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
   try:
     deadline = time.time() + timeout
     while text not in open(log_path).read():
@@ -118,26 +98,38 @@ def main_cmd(exp: str, job_log_dir: str, *overrides: str, flags=()) -> list[str]
           + [f"--fdl_set={o}" for o in overrides] + list(flags))
 
 
+_SERVER: list = []  # this process's fork server: its `python` and routing variable
+
+
+def python(num_devices: int = 8, **extra) -> tuple[str, dict]:
+  """A `python` that forks spmdtask's command lines from one process that imported spmdtask
+  once (tests/forkserver.py; started on first use, one per test process), and the environment
+  (`env(num_devices, **extra)`) that routes a command to it. SPMDTASK_TEST_NO_FORKSERVER=1:
+  the real interpreter."""
+  if os.environ.get("SPMDTASK_TEST_NO_FORKSERVER") == "1":
+    return sys.executable, env(num_devices, **extra)
+  if not _SERVER:
+    wrapper, routing = forkserver.start(env(8))
+    atexit.register(shutil.rmtree, os.path.dirname(os.path.dirname(wrapper)), True)
+    _SERVER.extend((wrapper, routing))
+  return _SERVER[0], env(num_devices, **_SERVER[1], **extra)
+
+
 def run(cmd, num_devices: int = 8, timeout: int = 240, **extra) -> subprocess.CompletedProcess:
-  return subprocess.run(cmd, env=env(num_devices, **extra), cwd=REPO, capture_output=True,
-                        text=True, timeout=timeout, check=False)
+  """Runs `cmd` to its end (stdout and stderr captured); a `sys.executable` command through
+  the fork server (`python`)."""
+  if cmd[0] == sys.executable:
+    exe, e = python(num_devices, **extra)
+    cmd = [exe, *cmd[1:]]
+  else:
+    e = env(num_devices, **extra)
+  return subprocess.run(cmd, env=e, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                        check=False)
 
 
 def run_mains(cmds, num_devices: int = 8, timeout: int = 600) -> list[subprocess.CompletedProcess]:
-  """Runs each `main_cmd` of `cmds` (in order) in a child of one process (FORKED_MAINS):
-  their CompletedProcess (args, exit status, stdout, stderr), as `run` gives them."""
-  import json  # pylint: disable=g-import-not-at-top
-  assert all(c[1:3] == ["-m", "spmdtask.main"] for c in cmds), cmds
-  with tempfile.TemporaryDirectory() as out_dir:
-    with open(os.path.join(out_dir, "argv.json"), "w") as f:
-      json.dump([c[3:] for c in cmds], f)
-    r = run([sys.executable, "-c", FORKED_MAINS, out_dir], num_devices, timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = []
-    for i, cmd in enumerate(cmds):
-      out, err, rc = (open(os.path.join(out_dir, f"{i}.{s}")).read() for s in ("out", "err", "rc"))
-      results.append(subprocess.CompletedProcess(cmd, int(rc), out, err))
-    return results
+  """Runs each command of `cmds` in order: their CompletedProcess, as `run` gives them."""
+  return [run(c, num_devices, timeout) for c in cmds]
 
 
 def scalars(directory: str) -> dict[str, dict[int, float]]:

@@ -17,10 +17,7 @@ import functools
 import json
 import os
 import re
-import resource
-import shlex
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -128,36 +125,25 @@ def test_every_page_is_in_the_readme_index_and_the_nav():
     assert re.search(rf":\s*{re.escape(rel)}\s*$", nav, re.M), f"{rel} is not in mkdocs.yml's nav"
 
 
-def run_page(page: str, tmp: str) -> list[tuple[int, float, float, str]]:
-  """Runs the page's unmarked blocks in order; returns (line, wall s, CPU s, stdout) of each."""
-  bin_dir = os.path.join(tmp, "bin")
-  os.makedirs(bin_dir)
-  # `python` is this interpreter: a script that execs it by its own path (a symlink to it
-  # outside a venv's bin/ would find no pyvenv.cfg and start the base interpreter instead).
-  wrapper = os.path.join(bin_dir, "python")
-  with open(wrapper, "w") as f:
-    f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
-  os.chmod(wrapper, 0o755)
-  env = h.env(1, PATH=bin_dir + os.pathsep + os.environ["PATH"])
+def run_page(page: str, tmp: str) -> list[tuple[int, float, str]]:
+  """Runs the page's unmarked blocks in order; returns (line, wall s, stdout) of each."""
+  # `python` forks spmdtask's commands from one process that imported it (subproc.python).
+  python, env = h.python(1)
+  env["PATH"] = os.path.dirname(python) + os.pathsep + env["PATH"]
   ran, before = [], _tree()
   for b in blocks(page):
     if b.needs:
       continue
-    start, cpu = time.time(), _children_cpu()
+    start = time.time()
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", b.text.replace("/tmp/", f"{tmp}/")],
                        env=env, cwd=h.REPO, capture_output=True, text=True, timeout=600,
                        check=False)
     assert r.returncode == 0, (f"{page}:{b.line} exited {r.returncode}:\n{b.text}\n"
                                f"{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    ran.append((b.line, time.time() - start, _children_cpu() - cpu, r.stdout))
+    ran.append((b.line, time.time() - start, r.stdout))
   assert _tree() == before, (f"{page}'s commands wrote into the repo (write under /tmp), or "
                              "the tree changed while they ran")
   return ran
-
-
-def _children_cpu() -> float:
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
 
 
 def _tree() -> str:
@@ -173,8 +159,7 @@ RUN_PAGES = [p for p in PAGES if any(not b.needs for b in blocks(p))]
     p if p == "README.md" else pytest.param(p, marks=pytest.mark.slow) for p in RUN_PAGES])
 def test_the_unmarked_blocks_run_as_written(page, tmp_path):
   ran = run_page(page, str(tmp_path))
-  print("\n".join(f"{page}:{line}: ran in {s:.1f} s ({cpu:.1f} s CPU)"
-                  for line, s, cpu, _ in ran))
+  print("\n".join(f"{page}:{line}: ran in {s:.1f} s" for line, s, _ in ran))
   if page in AFTER:
     AFTER[page](str(tmp_path), "".join(out for *_, out in ran))
 

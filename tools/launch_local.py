@@ -65,9 +65,9 @@ def device_counts(num_processes: int, devices_per_process) -> list[int]:
 
 
 def start(num_processes: int, devices_per_process, main_args: list[str], env: dict | None,
-          cluster: str, outputs: list) -> list[subprocess.Popen]:
-  """Starts the processes; process i writes stdout and stderr to `outputs[i]` (a pair of
-  files; None: this terminal)."""
+          cluster: str, outputs: list, python: str = sys.executable) -> list[subprocess.Popen]:
+  """Starts the processes (`python -m spmdtask.main ...`); process i writes stdout and stderr
+  to `outputs[i]` (a pair of files; None: this terminal)."""
   env = dict(env or os.environ, JAX_PLATFORMS="cpu")
   # The caller's other XLA flags stay; only each process's device count is its own.
   flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
@@ -85,7 +85,7 @@ def start(num_processes: int, devices_per_process, main_args: list[str], env: di
   else:
     raise ValueError(f"cluster={cluster!r}: flags or slurm")
   return [subprocess.Popen(
-      [sys.executable, "-m", "spmdtask.main", *main_args, *args], cwd=ROOT,
+      [python, "-m", "spmdtask.main", *main_args, *args], cwd=ROOT,
       env={**env, **extra, **dev}, stdout=out and out[0], stderr=out and out[1], text=True)
       for (args, extra), dev, out in zip(per_process, devices, outputs)]
 
@@ -102,8 +102,8 @@ def _wait(procs: list[subprocess.Popen], timeout: float | None) -> None:
 
 
 def launch(num_processes: int, devices_per_process: int | Sequence[int], main_args: list[str],
-           timeout: float | None = None, env: dict | None = None, cluster: str = "flags"
-           ) -> list[subprocess.CompletedProcess]:
+           timeout: float | None = None, env: dict | None = None, cluster: str = "flags",
+           python: str = sys.executable) -> list[subprocess.CompletedProcess]:
   """Starts the processes, waits for all, returns their results (stdout/stderr captured).
   `devices_per_process`: every process's CPU device count, or one count per process."""
   # Output goes to files, not pipes: a pipe nobody drains yet (we wait for the processes
@@ -111,7 +111,7 @@ def launch(num_processes: int, devices_per_process: int | Sequence[int], main_ar
   # jax.distributed's shutdown barrier, so the others abort there.
   outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
           for _ in range(num_processes)]
-  procs = start(num_processes, devices_per_process, main_args, env, cluster, outs)
+  procs = start(num_processes, devices_per_process, main_args, env, cluster, outs, python)
   _wait(procs, timeout)
   results = []
   for p, (out, err) in zip(procs, outs):

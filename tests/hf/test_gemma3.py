@@ -6,7 +6,6 @@ converts the same; a config field the converter cannot express exits 2 naming it
 Fixture: tests/tools/data/gemma3 (tests/tools/data/README.md says how it was made)."""
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -16,7 +15,7 @@ from spmdtask.errors import ConfigError
 from spmdtask.hf import convert, families, files, gemma3, model_overrides
 from tests import util
 from tests.hf import checks
-from tests.subproc import REPO
+from tests import subproc as h
 
 
 def test_tiny_hf_gemma3_gives_hf_logits_and_round_trips_bit_identically():
@@ -69,9 +68,8 @@ def test_an_unsupported_field_exits_2_naming_it(tmp_path):
   bad.mkdir()
   (bad / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 50.0}))
   (bad / "model.safetensors").write_bytes(open(os.path.join(hf, "model.safetensors"), "rb").read())
-  r = subprocess.run([sys.executable, "tools/convert_hf.py", f"--from_hf={bad}",
-                      f"--job_log_dir={tmp_path / 'job'}"], cwd=REPO, capture_output=True,
-                     text=True, check=False)
+  r = h.run([sys.executable, "tools/convert_hf.py", f"--from_hf={bad}",
+             f"--job_log_dir={tmp_path / 'job'}"], 1)
   assert r.returncode == 2, r.stderr[-2000:]
   line, = r.stderr.strip().splitlines()
   assert "attn_logit_softcapping=50.0 is not supported" in line, line

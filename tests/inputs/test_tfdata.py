@@ -154,8 +154,9 @@ def test_two_processes_read_their_files_and_train_like_one(tmp_path):
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   r = h.run(h.main_cmd(exp, one, *sets, flags=["--verbosity=0"]))
   assert r.returncode == 0, r.stderr[-3000:]
+  python, env = h.python(4)
   results = launch_local.launch(2, 4, h.main_cmd(exp, two, *sets, flags=["--verbosity=0"])[3:],
-                                timeout=400, env=h.env(4))
+                                timeout=400, env=env, python=python)
   assert [res.returncode for res in results] == [0, 0], "\n".join(
       f"process {i}: {res.stderr[-3000:]}" for i, res in enumerate(results))
   logs = "".join(open(f).read() for job in (one, two)

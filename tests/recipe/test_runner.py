@@ -148,9 +148,10 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
 def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   root = tmp_path / "run"
   path = _chain(tmp_path, f"{EXAMPLE}/model", *LLAMA_STEPS)
-  cmd = [sys.executable, "-m", "spmdtask.recipe", f"--recipe={path}"]
+  python, env = h.python(1)
+  cmd = [python, "-m", "spmdtask.recipe", f"--recipe={path}"]
   # Killed (the whole process group, SIGKILL) once DPO committed its first checkpoint.
-  proc = subprocess.Popen(cmd, env=h.env(1), cwd=h.REPO, start_new_session=True,
+  proc = subprocess.Popen(cmd, env=env, cwd=h.REPO, start_new_session=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   try:
     killed_at = _wait_for_checkpoint(str(root / "dpo" / "checkpoints"), proc, 1200)
@@ -159,8 +160,8 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
       os.killpg(proc.pid, signal.SIGKILL)
     first = proc.communicate()[0]
   assert killed_at == 2 and not (root / "dpo" / runner.DONE_FILE).exists(), first[-3000:]
-  r = subprocess.run(cmd, env=h.env(1), cwd=h.REPO, capture_output=True, text=True,
-                     timeout=1800, check=False)
+  r = subprocess.run(cmd, env=env, cwd=h.REPO, capture_output=True, text=True, timeout=1800,
+                     check=False)
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
   for step in ("import", "sft data", "sft", "dpo data"):  # finished: skipped
     assert f"recipe: {step}: done" in r.stdout, r.stdout[-3000:]
@@ -186,8 +187,7 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   again = str(tmp_path / "dpo_straight")
   command = shlex.split((root / "dpo" / runner.DONE_FILE).read_text())[1:]
   command = [a.replace(f"--job_log_dir={root}/dpo", f"--job_log_dir={again}") for a in command]
-  s = subprocess.run([sys.executable, *command], env=h.env(1), cwd=h.REPO, capture_output=True,
-                     text=True, timeout=900, check=False)
+  s = h.run([sys.executable, *command], 1, timeout=900)
   assert s.returncode == 0, s.stderr[-3000:]
   dpo_program = _program("stages.Dpo", str(root / "sft"), 4)
   resumed, straight = _params(str(root / "dpo"), dpo_program), _params(again, dpo_program)
@@ -200,9 +200,7 @@ def test_the_chain_for_other_families(tmp_path, family):
   """The same chain, fewer steps, on tiny Qwen3 and Qwen3-MoE chat models (tests/data/
   tiny_chat_families: transformers' own, examples/tiny_chat's tokenizer and template)."""
   model_dir = os.path.join(h.REPO, "tests", "data", "tiny_chat_families", family)
-  r = subprocess.run([sys.executable, "-m", "spmdtask.recipe",
-                      f"--recipe={_chain(tmp_path, model_dir, 3, 2, 1)}"],
-                     env=h.env(1), cwd=h.REPO, capture_output=True, text=True, timeout=1800,
-                     check=False)
+  r = h.run([sys.executable, "-m", "spmdtask.recipe",
+             f"--recipe={_chain(tmp_path, model_dir, 3, 2, 1)}"], 1, timeout=1800)
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
   _check_chain(tmp_path, model_dir, 3, 2)

@@ -9,7 +9,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 
 import fiddle as fdl
@@ -66,8 +65,7 @@ def reference_job(tmp_path_factory):
 def test_bitwise_resume_after_sigkill(reference_job, tmp_path):
   job = str(tmp_path / "killed")
   cmd = h.main_cmd("TinyLm", job, *BASE)
-  killed = subprocess.run([cmd[0], "-c", h.KILL_AFTER_SAVE] + cmd[3:], env=h.env(
-      KILL_AFTER_COMMITTED_STEP="8"), cwd=h.REPO, capture_output=True, text=True, timeout=240)
+  killed = h.run([cmd[0], "-c", h.KILL_AFTER_SAVE] + cmd[3:], KILL_AFTER_COMMITTED_STEP="8")
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
   assert _steps(job) == [4, 8]
   # A partly written later step dir (no commit marker) must be skipped, not restored.

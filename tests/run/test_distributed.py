@@ -16,8 +16,9 @@ STEPS = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=
 
 
 def _launch(job, *args, cluster="flags"):
+  python, env = h.python(4)
   results = launch_local.launch(2, 4, h.main_cmd("lm.TinyLm", job, *STEPS, flags=args)[3:],
-                                timeout=400, env=h.env(4), cluster=cluster)
+                                timeout=400, env=env, cluster=cluster, python=python)
   for i, res in enumerate(results):
     assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
   return results

@@ -34,9 +34,8 @@ def _files(root: str) -> list[str]:
 
 def _start(cmd, local, emu_env, script=None, **extra):
   """Starts `cmd` (a main_cmd) with cwd, HOME and TMPDIR in the watched local dirs."""
-  if script is not None:
-    cmd = [cmd[0], "-c", script] + cmd[3:]
-  env = h.env(**emu_env, HOME=local["home"], TMPDIR=local["tmp"], **extra)
+  python, env = h.python(**emu_env, HOME=local["home"], TMPDIR=local["tmp"], **extra)
+  cmd = [python, *cmd[1:]] if script is None else [python, "-c", script, *cmd[3:]]
   # Output to unnamed files of the test process (no pipe fills while another run is awaited).
   files = (tempfile.TemporaryFile(), tempfile.TemporaryFile())
   return subprocess.Popen(cmd, env=env, cwd=local["cwd"], stdout=files[0], stderr=files[1]), files

@@ -3,7 +3,6 @@ lines: fast), and one end-to-end job killed twice and preempted once."""
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 
@@ -201,8 +200,7 @@ def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_pa
     if exited:
       time.sleep(max(0.0, exited[-1] + GAP_S - time.time()))
     launched.append(time.time())
-    r = subprocess.run(argv, env=h.env(1, **env), cwd=h.REPO, capture_output=True, text=True,
-                       timeout=240, check=False)
+    r = h.run(argv, 1, **env)
     exited.append(time.time())
     outs.append(r.stdout)
     return r
@@ -258,9 +256,8 @@ def test_a_job_killed_twice_and_preempted_once_is_accounted_to_the_second(tmp_pa
   assert sc["goodput/seconds/recomputed"] == pytest.approx(s["recomputed"], rel=1e-5)
   assert sc["goodput/wall_seconds"] <= report.wall
   # --mode=goodput: the same account.
-  r = subprocess.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput",
-                      f"--job_log_dir={job}"], env=h.env(1), cwd=h.REPO, capture_output=True,
-                     text=True, timeout=120, check=False)
+  r = h.run([sys.executable, "-m", "spmdtask.main", "--mode=goodput", f"--job_log_dir={job}"], 1,
+            timeout=120)
   assert r.returncode == 0, r.stderr[-2000:]
   assert r.stdout.splitlines() == goodput.account(report, job)
   print(f"wall {report.wall:.2f} s (the test's {measured:.2f} s), parts' sum - wall "

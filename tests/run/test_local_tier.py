@@ -5,7 +5,6 @@ local tier only; bad input is a ConfigError naming the field."""
 import logging
 import os
 import signal
-import subprocess
 
 from absl import logging as absl_logging
 import fiddle as fdl
@@ -71,8 +70,7 @@ def killed_and_resumed(tmp_path_factory):
   root = tmp_path_factory.mktemp("tiers")
   job, local = str(root / "job"), str(root / "local")
   cmd = h.main_cmd("TinyLm", job, *TIERS, f"task.train.local_checkpoint_dir='{local}'")
-  killed = subprocess.run([cmd[0], "-c", h.KILL_AFTER_STEP] + cmd[3:], env=h.env(
-      KILL_AFTER_STEP=str(KILL_AT)), cwd=h.REPO, capture_output=True, text=True, timeout=240)
+  killed = h.run([cmd[0], "-c", h.KILL_AFTER_STEP] + cmd[3:], KILL_AFTER_STEP=str(KILL_AT))
   at_kill = (_local_steps(local), _persistent_steps(job))
   records, verbosity = _Records(), absl_logging.get_verbosity()
   logging.getLogger().addHandler(records)

@@ -65,8 +65,7 @@ END = (r"Process 0 stops here \(exit 5\); the newest complete checkpoint is step
 def _run(script: str, silent_s: float, lost_s: float) -> tuple[subprocess.CompletedProcess, float]:
   t0 = time.time()
   code = f"SILENT_S, LOST_S = {silent_s}, {lost_s}\n" + SETUP + script
-  p = subprocess.run([sys.executable, "-c", code], cwd=h.REPO, env=h.env(1),
-                     capture_output=True, text=True, timeout=60)
+  p = h.run([sys.executable, "-c", code], 1, timeout=60)
   return p, time.time() - t0
 
 
@@ -144,8 +143,9 @@ class _Job:
     self.paths = [f"{job}.{tag}.{i}.{s}" for i in range(n) for s in ("out", "err")]
     self.files = [open(p, "w+") for p in self.paths]  # pylint: disable=consider-using-with
     args = h.main_cmd("lm.TinyLm", job, *E2E, *overrides)[3:]
-    self.procs = launch_local.start(n, 1, args, h.env(1), "flags",
-                                    [self.files[i:i + 2] for i in range(0, 2 * n, 2)])
+    python, env = h.python(1)
+    self.procs = launch_local.start(n, 1, args, env, "flags",
+                                    [self.files[i:i + 2] for i in range(0, 2 * n, 2)], python)
     launched.extend(self.procs)
 
   def out(self, i: int = 0, stream: int = 0) -> str:

@@ -38,9 +38,10 @@ def feeds(results) -> list[tuple]:
 
 
 def launch_two(multi, *args, flags=()):
+  python, env = h.python(4)
   results = launch_local.launch(2, 4, h.main_cmd("lm.TinyLmMpmd", multi, *STEPS, *STAGES, *args,
                                                  flags=["--verbosity=0", *flags])[3:],
-                                timeout=400, env=h.env(4))
+                                timeout=400, env=env, python=python)
   for i, res in enumerate(results):
     assert res.returncode == 0, f"process {i}: {res.stderr[-3000:]}"
   return results
