@@ -11,6 +11,10 @@ os.environ["XLA_FLAGS"] = (
     f" {FAST_COMPILE} {EXTRA_XLA_FLAGS} --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# gcsfs reads this at import: "true" (its default) makes its filesystem probe each bucket over
+# gRPC, which the GCS emulator lacks (~60 s of retries per probe); tests/gcs_emulator.env_for
+# sets it for subprocesses, and an in-process test may import gcsfs before it sets anything.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 
 def pytest_configure(config):

@@ -62,11 +62,25 @@ def _recv_line(sock) -> dict:
 # --- the client: `python ARGS...` ---------------------------------------------------------
 
 
+def _env_differs(server: dict) -> list[str]:
+  """The import-time variables whose value here would make a fresh interpreter differ from
+  the server: set otherwise than the server's before its imports, unless a preload import
+  set it (TF_USE_LEGACY_KERAS) and the value here is that one or none."""
+  here = _import_env(os.environ)
+  before, added = server["before"], server["added"]
+  return [k for k in sorted(set(here) | set(before))
+          if here.get(k) != before.get(k) and not (k in added and here.get(k) in (None, added[k]))]
+
+
 def client(args: list[str]) -> None:
   path = os.environ.get(SOCKET_ENV)
   env_file = f"{path}.env.json"
-  if (not path or not _routed(args) or not os.path.exists(env_file)
-      or json.load(open(env_file)) != _import_env(os.environ)):
+  routed = path and _routed(args) and os.path.exists(env_file)
+  differs = routed and _env_differs(json.load(open(env_file)))
+  if not routed or differs:
+    if differs:  # kept for whoever wonders why a command ran slowly
+      with open(f"{path}.fallbacks.log", "a") as f:
+        f.write(f"{differs} {args[:2]}\n")
     os.execv(sys.executable, [sys.executable, *args])
   sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   sock.connect(path)
@@ -210,8 +224,10 @@ def _handle(conn: socket.socket, wrapper: str) -> None:
 
 def serve(path: str, wrapper: str) -> None:
   sys.path[0] = _REPO  # not tests/: a command sees the path `python` would give it
-  import_env = _import_env(os.environ)  # before the imports set any (TF_USE_LEGACY_KERAS)
+  before = _import_env(os.environ)
   _preload()
+  after = _import_env(os.environ)  # the imports set some (TF_USE_LEGACY_KERAS)
+  import_env = {"before": before, "added": {k: v for k, v in after.items() if k not in before}}
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   listener.bind(path)
   listener.listen(64)

@@ -92,6 +92,9 @@ def move(request, response, storage, *args, **kwargs):
   response.json(moved)
 server.HANDLERS = ((r"^/storage/v1/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*[^/]+)/moveTo/o/"
                     r"(?P<dest_object_id>.*[^/]+)$", {"POST": move}),) + server.HANDLERS
+# TCP_NODELAY: the handler writes a response's headers and body in two sends; with Nagle's
+# algorithm the body waits for the client's delayed ACK of the headers (~40 ms a request).
+server.RequestHandler.disable_nagle_algorithm = True
 from gcp_storage_emulator.__main__ import main
 main(sys.argv[1:])
 """

@@ -29,7 +29,8 @@ def _python(**extra):
 
 
 def test_a_routed_command_gets_argv_env_cwd_fds_and_its_exit_status(tmp_path):
-  python, env = _python(SEEN="yes")
+  # TF_USE_LEGACY_KERAS: set by the server's own TensorFlow import, as the command's would.
+  python, env = _python(SEEN="yes", TF_USE_LEGACY_KERAS="1")
   r = subprocess.run([python, "-c", SEES, "3", "x y"], env=env, cwd=tmp_path, input="in",
                      capture_output=True, text=True, timeout=60, check=False)
   assert r.returncode == 3, r.stderr
@@ -41,11 +42,13 @@ def test_a_routed_command_gets_argv_env_cwd_fds_and_its_exit_status(tmp_path):
 
 
 def test_other_commands_run_in_the_real_interpreter(tmp_path):
-  python, env = _python()
-  r = subprocess.run([python, "-c", "import sys; print(sys.executable, 'json' in sys.modules)"],
-                     env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60,
-                     check=False)
-  assert r.returncode == 0 and r.stdout.split() == [sys.executable, "False"], r
+  """Not spmdtask's, or with a variable JAX reads at import set otherwise than the server's."""
+  shows = "import sys; print(sys.executable, 'tensorflow' in sys.modules)"
+  for code, extra in ((shows, {}), ("import spmdtask\n" + shows, {"JAX_ENABLE_X64": "1"})):
+    python, env = _python(**extra)
+    r = subprocess.run([python, "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.split() == [sys.executable, "False"], r
 
 
 def test_signals_reach_the_command_and_its_death_by_signal_is_the_callers(tmp_path):
