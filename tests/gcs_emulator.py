@@ -95,6 +95,10 @@ server.HANDLERS = ((r"^/storage/v1/b/(?P<bucket_name>[-.\w]+)/o/(?P<object_id>.*
 # TCP_NODELAY: the handler writes a response's headers and body in two sends; with Nagle's
 # algorithm the body waits for the client's delayed ACK of the headers (~40 ms a request).
 server.RequestHandler.disable_nagle_algorithm = True
+# A listen backlog of 128, not http.server's 5: gcsfs sends a copy's or a find's requests at
+# once, and a connection the backlog drops is retried by TCP 1 s, then 3 s later.
+import http.server
+http.server.HTTPServer.request_queue_size = 128
 from gcp_storage_emulator.__main__ import main
 main(sys.argv[1:])
 """
