@@ -1,11 +1,10 @@
-"""Gives every test 8 emulated CPU devices, compiled at LLVM -O0, and the persistent XLA cache
-the test subprocesses share (all set before jax is imported)."""
+"""Gives every test 8 emulated CPU devices, compiled at LLVM -O0 (set before jax is imported)."""
 import collections
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.subproc import CACHE, EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
+from tests.subproc import EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") +
@@ -16,15 +15,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # gRPC, which the GCS emulator lacks (~60 s of retries per probe); tests/gcs_emulator.env_for
 # sets it for subprocesses, and an in-process test may import gcsfs before it sets anything.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-# A program one test (or a test's subprocess) compiled, another reads instead of compiling:
-# tests of several files, and of one file split over xdist's workers (each worker fills its
-# own lru_caches and module fixtures), train one model on one layout (the same init and
-# train step; the key is the program without its source locations). Measured on tests/core
-# + tests/configs (139 tests, -n 2, cold cache): 706 -> 665 s of CPU, 57 hits in 514
-# compiles. Every program is written, as by the subprocesses: a minimum compile time is a
-# wall time, and under load or not decides which of the same programs hit.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 def pytest_configure(config):

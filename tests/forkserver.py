@@ -134,6 +134,28 @@ def start(env: dict) -> tuple[str, dict]:
 # --- the server ---------------------------------------------------------------------------
 
 
+class _Follows:
+  """sys.stdout or sys.stderr while the server imports. A module that keeps the stream it
+  finds at import (absl's log handler does) writes, in a command, to whatever that stream is
+  then, and compares equal to it: as if imported after the command replaced the stream
+  (spmdtask.main's native_output.capture does, before its imports)."""
+
+  def __init__(self, name: str):
+    self._name = name
+
+  def _target(self):
+    now = getattr(sys, self._name)
+    return getattr(sys, f"__{self._name}__") if now is self else now
+
+  def __getattr__(self, attr):
+    return getattr(self._target(), attr)
+
+  def __eq__(self, other):
+    return other is self or other is self._target()
+
+  __hash__ = object.__hash__
+
+
 def _preload() -> None:
   """Imports what the binary, the recipe runner and the tools import; starts no backend."""
   from absl import flags  # pylint: disable=g-import-not-at-top
@@ -165,6 +187,7 @@ def _run_command(request: dict, wrapper: str) -> None:
   tempfile.tempdir = None  # TMPDIR: the caller's
   os.chdir(request["cwd"])
   sys.executable = wrapper
+  sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__  # as a fresh interpreter's
   args = request["args"]
   signal.signal(signal.SIGCHLD, signal.SIG_DFL)
   for s in _FORWARDED:
@@ -225,6 +248,7 @@ def _handle(conn: socket.socket, wrapper: str) -> None:
 def serve(path: str, wrapper: str) -> None:
   sys.path[0] = _REPO  # not tests/: a command sees the path `python` would give it
   before = _import_env(os.environ)
+  sys.stdout, sys.stderr = _Follows("stdout"), _Follows("stderr")
   _preload()
   after = _import_env(os.environ)  # the imports set some (TF_USE_LEGACY_KERAS)
   import_env = {"before": before, "added": {k: v for k, v in after.items() if k not in before}}

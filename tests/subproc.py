@@ -115,10 +115,11 @@ def python(num_devices: int = 8, **extra) -> tuple[str, dict]:
   return _SERVER[0], env(num_devices, **_SERVER[1], **extra)
 
 
-def run(cmd, num_devices: int = 8, timeout: int = 240, **extra) -> subprocess.CompletedProcess:
+def run(cmd, num_devices: int = 8, timeout: int = 240, forked: bool = True,
+        **extra) -> subprocess.CompletedProcess:
   """Runs `cmd` to its end (stdout and stderr captured); a `sys.executable` command through
-  the fork server (`python`)."""
-  if cmd[0] == sys.executable:
+  the fork server (`python`) unless not `forked` (a command that checks what it imports)."""
+  if cmd[0] == sys.executable and forked:
     exe, e = python(num_devices, **extra)
     cmd = [exe, *cmd[1:]]
   else:

@@ -25,7 +25,7 @@ def test_train_writes_config_and_logs(tmp_path):
   cmd = subproc.main_cmd("lm.TinyLm", str(tmp_path), flags=[
       "--fdl_set=task.train.num_train_steps=4", "--fdl_set=task.train.log_interval_steps=2",
       "--fdl_set=task.train.summary_interval_steps=2", "--alsologtostderr"])
-  out = subproc.run([cmd[0], "-c", MAIN_THEN_TF] + cmd[3:], timeout=300)
+  out = subproc.run([cmd[0], "-c", MAIN_THEN_TF] + cmd[3:], timeout=300, forked=False)
   assert out.returncode == 0, out.stderr
   assert out.stdout.splitlines()[-1] == "tensorflow imported: False"
   config = (tmp_path / "config.txt").read_text()
