@@ -249,7 +249,12 @@ def serve(path: str, wrapper: str) -> None:
   sys.path[0] = _REPO  # not tests/: a command sees the path `python` would give it
   before = _import_env(os.environ)
   sys.stdout, sys.stderr = _Follows("stdout"), _Follows("stderr")
+  import logging  # pylint: disable=g-import-not-at-top
   _preload()
+  # absl's first log call before app.run (orbax logs at import) gives the root logger
+  # logging.basicConfig's stderr handler; a command imports orbax after app.run's absl handler.
+  for handler in logging.root.handlers[:]:
+    logging.root.removeHandler(handler)
   after = _import_env(os.environ)  # the imports set some (TF_USE_LEGACY_KERAS)
   import_env = {"before": before, "added": {k: v for k, v in after.items() if k not in before}}
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
