@@ -15,8 +15,8 @@ Anything else execs the real interpreter, so `python` is always a correct `pytho
 routed child `sys.executable` is this `python` too: the recipe runner's stages and the
 launchers' processes are forked as well.
 
-Client: `bin/python` (`python_wrapper`) runs this file with `-S` (stdlib only: it starts in
-~20 ms). Server: `python tests/forkserver.py --forkserver-serve SOCKET`.
+Client: the `bin/python` that `start` writes runs this file with `-S` (stdlib only: it starts
+in ~20 ms). Server: `python tests/forkserver.py --forkserver-serve SOCKET WRAPPER`.
 """
 import json
 import os

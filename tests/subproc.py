@@ -77,10 +77,9 @@ def signal_once_printed(cmd, log_path, text: str, sig: int, num_devices: int = 8
                         timeout: float = 240) -> int:
   """Runs `cmd` (stdout and stderr into the file `log_path`); once `text` is in that log,
   sends it `sig` and returns its exit code. The process is killed on any other way out."""
-  python_, e = python(num_devices)
+  cmd, e = _command(cmd, num_devices)
   with open(log_path, "w") as out:
-    proc = subprocess.Popen([python_, *cmd[1:]] if cmd[0] == sys.executable else cmd, env=e,
-                            cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, env=e, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
   try:
     deadline = time.time() + timeout
     while text not in open(log_path).read():
@@ -115,15 +114,19 @@ def python(num_devices: int = 8, **extra) -> tuple[str, dict]:
   return _SERVER[0], env(num_devices, **_SERVER[1], **extra)
 
 
-def run(cmd, num_devices: int = 8, timeout: int = 240, forked: bool = True,
-        **extra) -> subprocess.CompletedProcess:
-  """Runs `cmd` to its end (stdout and stderr captured); a `sys.executable` command through
-  the fork server (`python`) unless not `forked` (a command that checks what it imports)."""
+def _command(cmd, num_devices: int, forked: bool = True, **extra) -> tuple[list, dict]:
+  """`cmd` and its environment: a `sys.executable` command through the fork server (`python`)
+  unless not `forked` (a command that checks what it imports)."""
   if cmd[0] == sys.executable and forked:
     exe, e = python(num_devices, **extra)
-    cmd = [exe, *cmd[1:]]
-  else:
-    e = env(num_devices, **extra)
+    return [exe, *cmd[1:]], e
+  return cmd, env(num_devices, **extra)
+
+
+def run(cmd, num_devices: int = 8, timeout: int = 240, forked: bool = True,
+        **extra) -> subprocess.CompletedProcess:
+  """Runs `cmd` to its end (stdout and stderr captured), as `_command` gives it."""
+  cmd, e = _command(cmd, num_devices, forked, **extra)
   return subprocess.run(cmd, env=e, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                         check=False)
 
