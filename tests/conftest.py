@@ -4,6 +4,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests import forkserver  # pylint: disable=wrong-import-position
 from tests.subproc import EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = (
@@ -21,12 +22,18 @@ def pytest_configure(config):
   config.addinivalue_line("markers", "slow: an end-to-end test that takes over ~20 s on 2 cores (deselect: -m 'not slow')")
 
 
+def pytest_collection_finish(session):
+  del session
+  forkserver.freeze_gc()  # every test module is imported
+
+
 def pytest_collection_modifyitems(items):
-  # xdist hands tests out in this order: the long end-to-end ones first (those of the files
-  # with the most slow tests first), so that the short ones fill the end and no worker idles
-  # while another finishes a long test. (`--dist loadfile` was measured slower on the whole
-  # suite, 55:39 against 43:39 for a tree of 24 tests fewer: heavy files pinned to one worker ran side by side and the
-  # largest single tests came last, as xdist reorders files by their test count.)
+  # The long end-to-end tests first (those of the files with the most slow tests first), so
+  # that short ones fill the end. README's command runs `--dist worksteal`: each worker starts
+  # on its half of this order and an idle one takes half of another's queue, so neither
+  # waits for the other at the end (xdist's default `load` left one worker idle for the last
+  # 7 minutes of the suite; `--dist loadfile` was slower still: 55:39 against 43:39, heavy
+  # files pinned to one worker and the largest tests last).
   def slow(item):
     return item.get_closest_marker("slow") is not None
   per_file = collections.Counter(item.path for item in items if slow(item))

@@ -56,6 +56,13 @@ def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
   return model.init(rng, example_batch, method=model.loss)["params"]
 
 
+# The params' shapes, traced once per (model, batch shapes, mesh): jit's trace cache holds
+# them (the model is a static argument: flax modules hash and compare by their fields), so
+# building a program for a model already traced in this process traces its forward once less.
+_abstract_params = jax.jit(lambda model, batch: init_params(model, jax.random.key(0), batch),
+                           static_argnums=0)
+
+
 def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
            example_batch) -> TrainState:
   """A fresh logical train state at step 0."""
@@ -76,7 +83,7 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
   Raises ConfigError if a weight's split-dims mapping does not fit its tensor or the mesh.
   """
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    boxed = jax.eval_shape(lambda: init_params(model, jax.random.key(0), example_batch))
+    boxed = _abstract_params.eval_shape(model, example_batch)
     # The state's shapes from the params' (as `create` makes them) rather than a second
     # trace of the model's forward: a program's build traces its model once less.
     logical = jax.eval_shape(lambda b: _fresh(tx, nn.unbox(b)), boxed)

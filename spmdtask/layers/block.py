@@ -213,12 +213,19 @@ def train_flops(num_params: int, num_layers: int, width: int, tokens: int,
   return 6.0 * num_params * tokens + attention_flops(num_layers, width, tokens, causal)
 
 
+# The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
+# jit's trace cache keeps each (model, shapes, mesh)'s result: the model is static (flax
+# modules hash and compare by their fields), so the plan, the program and the costs of one
+# model trace its forward here once per process.
+_variable_shapes = jax.jit(lambda model, b: model.init(jax.random.key(0), b, method=model.loss),
+                           static_argnums=0)
+
+
 def param_shapes(model: nn.Module, example):
   """The variables of `model` as ShapeDtypeStructs (boxed), initialised through `loss` on
   one `example` row: nothing is allocated."""
   batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  # The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
-  return jax.eval_shape(lambda b: model.init(jax.random.key(0), b, method=model.loss), batch)
+  return _variable_shapes.eval_shape(model, batch)
 
 
 def num_params(model: nn.Module, example) -> int:
