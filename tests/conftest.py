@@ -27,39 +27,14 @@ def pytest_collection_finish(session):
   forkserver.freeze_gc()  # every test module is imported
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
   # The long end-to-end tests first (those of the files with the most slow tests first), so
-  # that short ones fill the end. README's command runs `--dist worksteal`: worker k starts on
-  # the k-th contiguous share of this order and an idle one takes the back half of another's
-  # queue, so neither waits for the other at the end (xdist's default `load` left one worker
-  # idle for the last 7 minutes of the suite; `--dist loadfile` was slower still: 55:39
-  # against 43:39, heavy files pinned to one worker and the largest tests last).
+  # that short ones fill the end. README's command runs `--dist worksteal`: each worker starts
+  # on its half of this order and an idle one takes half of another's queue, so neither
+  # waits for the other at the end (xdist's default `load` left one worker idle for the last
+  # 7 minutes of the suite; `--dist loadfile` was slower still: 55:39 against 43:39, heavy
+  # files pinned to one worker and the largest tests last).
   def slow(item):
     return item.get_closest_marker("slow") is not None
   per_file = collections.Counter(item.path for item in items if slow(item))
   items.sort(key=lambda item: (not slow(item), -per_file[item.path]))
-  # A worker's options say dist "no"; the command line it was started from says more.
-  worker = getattr(config, "workerinput", {})
-  worksteal = any(arg.endswith("worksteal") for arg in worker.get("mainargv", ()))
-  if worksteal and worker["workercount"] > 1:
-    items[:] = _shares(items, [slow(item) for item in items], worker["workercount"])
-
-
-def _shares(items, slow, workers):
-  """`items` (slow ones first) reordered so that each worker's initial share (xdist's
-  worksteal: contiguous, len // remaining workers each) starts with every `workers`-th slow
-  test, then the next run of the others in order. Shares of about equal work need few steals
-  at the end, and a steal splits a file whose tests share a cached training (computed again
-  on the other worker): with all slow tests in the first share, the second worker stole half
-  of the first's queue early, 90 s of CPU computed twice."""
-  heavy = [item for item, s in zip(items, slow) if s]
-  rest = [item for item, s in zip(items, slow) if not s]
-  out, left = [], len(items)
-  for k in range(workers):
-    size = left // (workers - k)
-    share = heavy[k::workers]
-    take = max(0, size - len(share))
-    out += share + rest[:take]
-    rest = rest[take:]
-    left -= size
-  return out + rest
