@@ -56,11 +56,15 @@ def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
   return model.init(rng, example_batch, method=model.loss)["params"]
 
 
-# The params' shapes, traced once per (model, batch shapes, mesh): jit's trace cache holds
-# them (the model is a static argument: flax modules hash and compare by their fields), so
-# building a program for a model already traced in this process traces its forward once less.
-_abstract_params = jax.jit(lambda model, batch: init_params(model, jax.random.key(0), batch),
-                           static_argnums=0)
+# Every variable of `model` initialised through `loss` on `batch`, abstractly
+# (`abstract_variables.eval_shape(model, batch)`): the key is made inside the trace, so
+# nothing runs (compile-only devices may hold the mesh). jit's trace cache keeps each
+# (model, batch shapes, mesh)'s result: the model is a static argument (flax modules hash and
+# compare by their fields), so the layout, the plan and the costs of a model already traced
+# in this process do not trace its forward again.
+abstract_variables = jax.jit(
+    lambda model, batch: model.init(jax.random.key(0), batch, method=model.loss),
+    static_argnums=0)
 
 
 def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
@@ -83,7 +87,7 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
   Raises ConfigError if a weight's split-dims mapping does not fit its tensor or the mesh.
   """
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    boxed = _abstract_params.eval_shape(model, example_batch)
+    boxed = abstract_variables.eval_shape(model, example_batch)["params"]
     # The state's shapes from the params' (as `create` makes them) rather than a second
     # trace of the model's forward: a program's build traces its model once less.
     logical = jax.eval_shape(lambda b: _fresh(tx, nn.unbox(b)), boxed)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from spmdtask.core import remat
+from spmdtask.core import remat, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.layers import base
 from spmdtask.layers.attention import context as context_attention_lib
@@ -213,19 +213,11 @@ def train_flops(num_params: int, num_layers: int, width: int, tokens: int,
   return 6.0 * num_params * tokens + attention_flops(num_layers, width, tokens, causal)
 
 
-# The key is made inside the trace: nothing runs (compile-only devices may hold the mesh).
-# jit's trace cache keeps each (model, shapes, mesh)'s result: the model is static (flax
-# modules hash and compare by their fields), so the plan, the program and the costs of one
-# model trace its forward here once per process.
-_variable_shapes = jax.jit(lambda model, b: model.init(jax.random.key(0), b, method=model.loss),
-                           static_argnums=0)
-
-
 def param_shapes(model: nn.Module, example):
   """The variables of `model` as ShapeDtypeStructs (boxed), initialised through `loss` on
   one `example` row: nothing is allocated."""
   batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  return _variable_shapes.eval_shape(model, batch)
+  return train_state.abstract_variables.eval_shape(model, batch)
 
 
 def num_params(model: nn.Module, example) -> int:
