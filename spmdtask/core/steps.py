@@ -4,9 +4,7 @@ Steps take the padded on-device state, slice it to logical shapes, do the math, 
 pad it back, so padding never reaches the loss, the gradients or the optimizer
 statistics. They know a model only through `spmdtask.core.model.Model`.
 """
-import collections
 import dataclasses
-import hashlib
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -22,50 +20,15 @@ from spmdtask.core import train_state
 from spmdtask.core.train_state import StateLayout, TrainState, create
 
 
-# Executables compiled in this process, by program text (no debug info, every constant
-# printed), devices and argument/result trees: a program rebuilt from the same model, mesh and
-# config (another `setup` of the same experiment, an eval program's init beside the train
-# program's) runs the executable already compiled instead of compiling it again. The text is
-# the whole program (constants included); the devices and trees are what it does not say.
-_EXECUTABLES: "collections.OrderedDict[tuple, Any]" = collections.OrderedDict()
-_MAX_EXECUTABLES = 64
-
-
-def _executable(lowered, mesh: Mesh):
-  """`lowered` compiled, or the executable of the same program compiled before."""
-  text = lowered.compiler_ir("stablehlo").operation.get_asm(enable_debug_info=False)
-  key = (hashlib.sha256(text.encode()).hexdigest(), tuple(d.id for d in mesh.devices.flat),
-         str(lowered.in_tree), str(lowered.out_tree))
-  compiled = _EXECUTABLES.get(key)
-  if compiled is None:
-    compiled = _EXECUTABLES[key] = lowered.compile()
-    while len(_EXECUTABLES) > _MAX_EXECUTABLES:
-      _EXECUTABLES.popitem(last=False)
-  _EXECUTABLES.move_to_end(key)
-  return compiled
-
-
 @dataclasses.dataclass(frozen=True)
 class Partitioned:
-  """A jitted function that runs (traces, lowers, executes) under its mesh.
-
-  A call runs the executable of its argument types (shapes, dtypes): compiled on the first
-  call with those types, or taken from this process's executables if the same program was
-  compiled before (`_executable`). Wrong shardings raise as `jax.jit` raises them."""
+  """A jitted function that runs (traces, lowers, executes) under its mesh."""
   jitted: Any
   mesh: Mesh
-  _compiled: list = dataclasses.field(default_factory=list, compare=False, repr=False)
 
   def __call__(self, *args):
-    for compiled in reversed(self._compiled):
-      try:
-        return compiled(*args)
-      except TypeError:  # compiled for other argument types (checked before it runs)
-        continue
     with jax.set_mesh(self.mesh):
-      compiled = _executable(self.jitted.lower(*args), self.mesh)
-    self._compiled.append(compiled)
-    return compiled(*args)
+      return self.jitted(*args)
 
   def lower(self, *args):
     with jax.set_mesh(self.mesh):

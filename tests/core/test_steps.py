@@ -3,7 +3,6 @@ import jax
 import numpy as np
 import pytest
 
-from spmdtask.core import steps
 from tests import util
 
 # Three updates after the first step's (TinyLm's warmup starts at learning rate 0): Adam's
@@ -48,44 +47,3 @@ def test_uneven_matches_one_device():
   mu = state.opt_state[1][0].mu["embedding"]
   assert mu.shape == (258, 130)
   assert float(np.abs(np.asarray(mu)[257:]).max()) == 0.0
-
-
-@pytest.fixture
-def compiles():
-  """A list that gets one entry per XLA compile (jax.monitoring's backend compile event)."""
-  seen = []
-  def listen(event, duration, **kwargs):
-    del duration, kwargs
-    if event.endswith("backend_compile_duration"):
-      seen.append(event)
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  yield seen
-  jax.monitoring.unregister_event_duration_listener(listen)
-
-
-def test_a_program_built_again_runs_the_executable_compiled_before(compiles):
-  """`steps.partition` of the same program (text, devices, trees) compiles once in a
-  process; another constant, another device order or other argument shapes compile anew,
-  and each runs its own numbers."""
-  devices = jax.devices()
-  forward, backward = (jax.sharding.Mesh(np.array(d), ("d",)) for d in (devices, devices[::-1]))
-  spec = jax.sharding.PartitionSpec("d")
-
-  def program(mesh, c):
-    return steps.partition(lambda x: x * 2.0 + c, mesh, spec, spec)
-
-  x = np.arange(16, dtype=np.float32)
-  np.testing.assert_array_equal(program(forward, 1.0)(x), 2 * x + 1)
-  assert len(compiles) == 1
-  again = program(forward, 1.0)
-  np.testing.assert_array_equal(again(x), 2 * x + 1)
-  assert len(compiles) == 1  # the same program: the executable compiled before
-  np.testing.assert_array_equal(program(forward, 3.0)(x), 2 * x + 3)
-  assert len(compiles) == 2  # another constant: another program
-  out = program(backward, 1.0)(x)
-  np.testing.assert_array_equal(out, 2 * x + 1)
-  assert len(compiles) == 3 and out.sharding.mesh.devices[0] == devices[-1]
-  np.testing.assert_array_equal(again(x[:8]), 2 * x[:8] + 1)
-  assert len(compiles) == 4  # other shapes
-  np.testing.assert_array_equal(again(x), 2 * x + 1)
-  assert len(compiles) == 4
