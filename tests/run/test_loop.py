@@ -48,7 +48,7 @@ def test_masked_data_reports_target_tokens_per_second(tmp_path, caplog):
   run = util.build_run("lm.TinyLmSft", ["task.train.num_train_steps=4",
                                         "task.train.log_interval_steps=2",
                                         "task.train.summary_interval_steps=2"])
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):  # whatever verbosity an earlier test left
     loop.train(run, job_log_dir=str(tmp_path))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
   assert len(lines) == 2 and all(" target)  MFU " in l for l in lines), lines
@@ -62,7 +62,7 @@ def test_masked_data_reports_target_tokens_per_second(tmp_path, caplog):
   caplog.clear()
   fetched = loop.Fetched(2, [{"loss": 1.0, "target_tokens": 9.0}],
                          {"steps_per_sec": 1.0, "tokens_per_sec": 10.0, "mfu": 0.1})
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO", logger="absl"):  # whatever verbosity an earlier test left
     loop.ProgressLog(1, 4, chips.mfu_peak("cpu", 1e9)).on_metrics(fetched, last=False)
   line, = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
   assert "10 tokens/s  MFU" in line and "target" not in line
