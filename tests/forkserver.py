@@ -30,6 +30,9 @@ import sys
 SOCKET_ENV = "SPMDTASK_TEST_FORKSERVER"  # the server's socket, in a routed caller's environment
 _SERVE = "--forkserver-serve"
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# In the server: every variable its imports set (spmdtask.fs: EPATH_USE_TF, read when epath
+# first picks a backend): a command's environment gets them as a fresh interpreter's would.
+_SET_BY_IMPORTS: dict = {}
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
               signal.SIGUSR2)
 
@@ -200,6 +203,8 @@ def _run_command(request: dict, wrapper: str) -> None:
   import tempfile  # pylint: disable=g-import-not-at-top
   os.environ.clear()
   os.environ.update(request["env"])
+  for k, v in _SET_BY_IMPORTS.items():
+    os.environ.setdefault(k, v)
   tempfile.tempdir = None  # TMPDIR: the caller's
   os.chdir(request["cwd"])
   sys.executable = wrapper
@@ -263,7 +268,7 @@ def _handle(conn: socket.socket, wrapper: str) -> None:
 
 def serve(path: str, wrapper: str) -> None:
   sys.path[0] = _REPO  # not tests/: a command sees the path `python` would give it
-  before = _import_env(os.environ)
+  before, everything = _import_env(os.environ), dict(os.environ)
   sys.stdout, sys.stderr = _Follows("stdout"), _Follows("stderr")
   import logging  # pylint: disable=g-import-not-at-top
   _preload()
@@ -272,6 +277,7 @@ def serve(path: str, wrapper: str) -> None:
   for handler in logging.root.handlers[:]:
     logging.root.removeHandler(handler)
   after = _import_env(os.environ)  # the imports set some (TF_USE_LEGACY_KERAS)
+  _SET_BY_IMPORTS.update({k: v for k, v in os.environ.items() if everything.get(k) != v})
   freeze_gc()
   import_env = {"before": before, "added": {k: v for k, v in after.items() if k not in before}}
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
