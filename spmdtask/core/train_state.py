@@ -51,20 +51,25 @@ def _split_of_box(x) -> P:
   return sharding.replicated(x)
 
 
+# Every variable of `model` initialised from `rng` through `loss` on `batch`: one jit, the
+# model a static argument (flax modules hash and compare by their fields). The layout's
+# abstract trace (`abstract_variables`) and the init program's call share jit's trace cache
+# for each (model, batch shapes, mesh): a program's init does not trace the model's forward
+# again, nor do the plan and the costs of a model already traced in this process.
+_variables = jax.jit(lambda model, rng, batch: model.init(rng, batch, method=model.loss),
+                     static_argnums=0)
+
+
 def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
   """Boxed (nn.Partitioned) params from `model.loss` on an example batch."""
-  return model.init(rng, example_batch, method=model.loss)["params"]
+  return _variables(model, rng, example_batch)["params"]
 
 
-# Every variable of `model` initialised through `loss` on `batch`, abstractly
-# (`abstract_variables.eval_shape(model, batch)`): the key is made inside the trace, so
-# nothing runs (compile-only devices may hold the mesh). jit's trace cache keeps each
-# (model, batch shapes, mesh)'s result: the model is a static argument (flax modules hash and
-# compare by their fields), so the layout, the plan and the costs of a model already traced
-# in this process do not trace its forward again.
-abstract_variables = jax.jit(
-    lambda model, batch: model.init(jax.random.key(0), batch, method=model.loss),
-    static_argnums=0)
+def abstract_variables(model: nn.Module, example_batch) -> Any:
+  """`model`'s variables as ShapeDtypeStructs (boxed): nothing runs, so compile-only devices
+  may hold the mesh."""
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  return _variables.eval_shape(model, key, example_batch)
 
 
 def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
@@ -87,7 +92,7 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
   Raises ConfigError if a weight's split-dims mapping does not fit its tensor or the mesh.
   """
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    boxed = abstract_variables.eval_shape(model, example_batch)["params"]
+    boxed = abstract_variables(model, example_batch)["params"]
     # The state's shapes from the params' (as `create` makes them) rather than a second
     # trace of the model's forward: a program's build traces its model once less.
     logical = jax.eval_shape(lambda b: _fresh(tx, nn.unbox(b)), boxed)

@@ -217,7 +217,7 @@ def param_shapes(model: nn.Module, example):
   """The variables of `model` as ShapeDtypeStructs (boxed), initialised through `loss` on
   one `example` row: nothing is allocated."""
   batch = {k: jax.ShapeDtypeStruct((1,) + tuple(v.shape), v.dtype) for k, v in example.items()}
-  return train_state.abstract_variables.eval_shape(model, batch)
+  return train_state.abstract_variables(model, batch)
 
 
 def num_params(model: nn.Module, example) -> int:
