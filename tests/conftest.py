@@ -1,12 +1,10 @@
-"""Gives every test 8 emulated CPU devices, compiled at LLVM -O0 (set before jax is imported)
-into a persistent compilation cache."""
+"""Gives every test 8 emulated CPU devices, compiled at LLVM -O0 (set before jax is imported)."""
 import collections
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests import forkserver  # pylint: disable=wrong-import-position
-from tests import subproc  # pylint: disable=wrong-import-position
 from tests.subproc import EXTRA_XLA_FLAGS, FAST_COMPILE  # pylint: disable=wrong-import-position
 
 os.environ["XLA_FLAGS"] = (
@@ -18,15 +16,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # gRPC, which the GCS emulator lacks (~60 s of retries per probe); tests/gcs_emulator.env_for
 # sets it for subprocesses, and an in-process test may import gcsfs before it sets anything.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position,wrong-import-order
-
-# The test processes compile into the command lines' persistent cache (subproc.CACHE): a
-# program compiled before (the same model, mesh and shapes, in another test, worker or
-# command line) loads instead of compiling again. JAX keys it by the program without its
-# debug info and by the compile options. Programs under 0.2 s (eager ops) are not kept.
-jax.config.update("jax_compilation_cache_dir", subproc.CACHE)
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 
 def pytest_configure(config):
