@@ -268,7 +268,7 @@ def _handle(conn: socket.socket, wrapper: str) -> None:
 
 def serve(path: str, wrapper: str) -> None:
   sys.path[0] = _REPO  # not tests/: a command sees the path `python` would give it
-  before, everything = _import_env(os.environ), dict(os.environ)
+  environ = dict(os.environ)
   sys.stdout, sys.stderr = _Follows("stdout"), _Follows("stderr")
   import logging  # pylint: disable=g-import-not-at-top
   _preload()
@@ -276,10 +276,12 @@ def serve(path: str, wrapper: str) -> None:
   # logging.basicConfig's stderr handler; a command imports orbax after app.run's absl handler.
   for handler in logging.root.handlers[:]:
     logging.root.removeHandler(handler)
-  after = _import_env(os.environ)  # the imports set some (TF_USE_LEGACY_KERAS)
-  _SET_BY_IMPORTS.update({k: v for k, v in os.environ.items() if everything.get(k) != v})
+  # The imports set some (TF_USE_LEGACY_KERAS, EPATH_USE_TF).
+  _SET_BY_IMPORTS.update({k: v for k, v in os.environ.items() if environ.get(k) != v})
   freeze_gc()
-  import_env = {"before": before, "added": {k: v for k, v in after.items() if k not in before}}
+  before = _import_env(environ)
+  import_env = {"before": before, "added": {k: v for k, v in _import_env(_SET_BY_IMPORTS).items()
+                                            if k not in before}}
   listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
   listener.bind(path)
   listener.listen(64)
