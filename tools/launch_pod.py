@@ -93,14 +93,19 @@ def _files(args) -> tuple[str, str]:
   return f"{LOG_DIR}/{args.name}.log", f"{LOG_DIR}/{args.name}.pid"
 
 
+# The poll loop's clock, a seam of this module's own: a test replaces these two names, never
+# the `time` module every thread of its process shares.
+_monotonic, _sleep = time.monotonic, time.sleep
+
+
 def wait_active(args) -> None:
   """Polls the queued resource until it is ACTIVE: a line at each new state (and every ten
   polls); LaunchFailed when it fails or `--wait_timeout_s` passes."""
-  start, state, polls = time.monotonic(), None, 0
+  start, state, polls = _monotonic(), None, 0
   while True:
     done = subprocess.run(_describe(args), capture_output=True, text=True, check=False)
     new = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else "UNKNOWN"
-    waited = time.monotonic() - start
+    waited = _monotonic() - start
     if new != state or polls % 10 == 0:
       print(f"launch_pod: queued resource {args.name}: {new} (waited "
             f"{console.duration(waited)})", file=sys.stderr, flush=True)
@@ -115,7 +120,7 @@ def wait_active(args) -> None:
           f"(--wait_timeout_s={args.wait_timeout_s:g}). The request stays queued: run the "
           "launcher again without --create once it is ACTIVE (`launch_pod.py status`), or "
           f"delete it (`launch_pod.py stop --delete`).")
-    time.sleep(args.poll_s)
+    _sleep(args.poll_s)
 
 
 def tpu_steps(args, passthrough: list[str]) -> list[tuple[str, list[str]]]:

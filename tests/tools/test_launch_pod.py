@@ -113,9 +113,11 @@ def gcloud(tmp_path, monkeypatch):
   fake.write_text(FAKE_GCLOUD)
   fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
   monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-  now = [0.0]  # the launcher's clock: each poll's sleep advances it
-  monkeypatch.setattr(launch_pod.time, "monotonic", lambda: now[0])
-  monkeypatch.setattr(launch_pod.time, "sleep", lambda s: now.__setitem__(0, now[0] + s))
+  # The launcher's own clock: each poll's sleep advances it. Not `time.sleep` itself: another
+  # thread of this worker sleeping would advance it too (a "waited 41:20" seen in CI).
+  now = [0.0]
+  monkeypatch.setattr(launch_pod, "_monotonic", lambda: now[0])
+  monkeypatch.setattr(launch_pod, "_sleep", lambda s: now.__setitem__(0, now[0] + s))
 
   def calls(states=None):
     if states is not None:
