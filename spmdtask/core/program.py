@@ -16,11 +16,14 @@ strategy.
 """
 from typing import Any, Protocol, runtime_checkable
 
+import jax
+import optax
 from jax.sharding import Mesh
 
 from spmdtask.core.host_input import Share
 from spmdtask.core.layouts import Lowering  # (re-exported: part of the contract)
 from spmdtask.core.model import ChecksBatch, Metrics, Model, Work
+from spmdtask.core import steps, train_state
 from spmdtask.core.scan import Scan
 from spmdtask.core.strategy import Strategy
 from spmdtask.core.train_state import StateLayout, TrainState
@@ -32,6 +35,7 @@ class Program(Protocol):
   task: Any
   model: Model
   mesh: Mesh  # every device of the job: canonical restore targets live here
+  tx: optax.GradientTransformation  # the canonical state's optimizer (a fresh state's)
   work: Work
   layout: StateLayout  # the live state's layout on `mesh` (bytes per device)
   canonical: StateLayout
@@ -94,6 +98,17 @@ def mesh_words(program: Program) -> str:
   if stage_meshes:
     return "stage submeshes " + " | ".join(shape(m) for m in stage_meshes)
   return f"mesh {shape(program.mesh)}"
+
+
+def fresh_state(program: Program, params) -> Any:
+  """`program`'s live step-0 state with `params` (a canonical params tree holding every
+  param, in the model's dtypes) and a fresh optimizer state: `init()`'s state with these
+  weights, without building or running the random init that they would all replace (an
+  import of a checkpoint: a random init of its whole model, compiled and run for nothing)."""
+  split = jax.tree.map(lambda t: t.sharding.spec, program.canonical_targets())
+  make = steps.partition(lambda p: train_state.fresh(program.tx, p), program.mesh,
+                         (split.params,), split)
+  return program.from_canonical(make(params))
 
 
 def strategy_of(task) -> Strategy:

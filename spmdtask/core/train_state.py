@@ -75,10 +75,11 @@ def abstract_variables(model: nn.Module, example_batch) -> Any:
 def create(model: nn.Module, tx: optax.GradientTransformation, rng: jax.Array,
            example_batch) -> TrainState:
   """A fresh logical train state at step 0."""
-  return _fresh(tx, nn.unbox(init_params(model, rng, example_batch)))
+  return fresh(tx, nn.unbox(init_params(model, rng, example_batch)))
 
 
-def _fresh(tx: optax.GradientTransformation, params) -> TrainState:
+def fresh(tx: optax.GradientTransformation, params) -> TrainState:
+  """A step-0 logical state: `params` and `tx`'s initial optimizer state of them."""
   return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
 
 
@@ -95,7 +96,7 @@ def layout(model: nn.Module, tx: optax.GradientTransformation, example_batch,
     boxed = abstract_variables(model, example_batch)["params"]
     # The state's shapes from the params' (as `create` makes them) rather than a second
     # trace of the model's forward: a program's build traces its model once less.
-    logical = jax.eval_shape(lambda b: _fresh(tx, nn.unbox(b)), boxed)
+    logical = jax.eval_shape(lambda b: fresh(tx, nn.unbox(b)), boxed)
   param_split = jax.tree.map(_split_of_box, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
   sharding.validate_tree(logical.params, param_split, mesh_shape, "weight")
   opt_split, warnings = sharding.opt_state_split_dims(tx, logical.opt_state, logical.params,

@@ -39,6 +39,13 @@ def copy(tree):
   return {k: copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
 
 
+def covers(params: dict, like: dict) -> bool:
+  """Whether `params` holds a value for every leaf of the tree `like`."""
+  return all(key in params and (not isinstance(value, dict) or
+                                isinstance(params[key], dict) and covers(params[key], value))
+             for key, value in like.items())
+
+
 def filled(params: dict, init: dict) -> dict:
   """`params` cast to `init`'s dtypes, with the LoRA adapters it lacks taken from `init` (a
   model's fresh params: PEFT's init, B = 0); KeyError for any other missing param."""

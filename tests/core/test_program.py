@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from spmdtask.core import program as program_lib
 from spmdtask.run import checkpoints, loop
 from spmdtask.errors import ConfigError
 from tests import util
@@ -76,3 +77,15 @@ def test_gradient_accumulation_that_does_not_divide_is_a_config_error():
     util.train_steps("lm.TinyLm", 1, overrides=["task.train.num_microbatches=3"])
   with pytest.raises(ConfigError, match=r"task.train.num_microbatches=8 .*\(8 shards\)"):
     util.train_steps("lm.TinyLm", 1, overrides=["task.train.num_microbatches=8"])
+
+
+@pytest.mark.parametrize("exp", ["lm.TinyLmFsdpTp", "lm.TinyLmMpmd"])
+def test_a_fresh_state_from_the_init_weights_is_the_init(exp):
+  """program.fresh_state (an import's state: given weights, a fresh optimizer state, no
+  random init) of init()'s own weights is init()'s state, bitwise, on both kinds of program."""
+  program, state = util.program_and_state(exp, 8)
+  canonical = program.to_canonical(state)
+  fresh = program.to_canonical(program_lib.fresh_state(program, canonical.params))
+  util.assert_trees_equal(jax.device_get(fresh), jax.device_get(canonical))
+  targets = program.canonical_targets()
+  assert jax.tree.map(lambda x: x.sharding, fresh) == jax.tree.map(lambda t: t.sharding, targets)

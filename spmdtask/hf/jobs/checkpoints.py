@@ -21,11 +21,14 @@ def program(lines: list[str], exp: str):
 def write_checkpoint(job_log_dir: str, lines: list[str], params: dict, prog) -> None:
   """A step-0 train state of `prog` (`program(lines, exp)`) with `params` (logical) and
   a fresh optimizer state."""
-  canonical = prog.to_canonical(prog.init())
-  # In the model's dtypes (a LoRA model may store its frozen base in bfloat16); adapters
-  # `params` lacks (a new LoRA) keep their fresh init (PEFT's: B = 0, the base unchanged).
-  params = trees.filled(params, jax.device_get(canonical.params))
-  state = prog.from_canonical(canonical._replace(params=params))
+  # In the model's dtypes (a LoRA model may store its frozen base in bfloat16).
+  targets = prog.canonical_targets().params
+  if trees.covers(params, targets):  # every weight given: no random init to replace
+    state = program_lib.fresh_state(prog, trees.filled(params, targets))
+  else:  # adapters `params` lacks (a new LoRA) keep their fresh init (PEFT's: B = 0)
+    canonical = prog.to_canonical(prog.init())
+    params = trees.filled(params, jax.device_get(canonical.params))
+    state = prog.from_canonical(canonical._replace(params=params))
   ckpt = checkpoints.Checkpointer(job_log_dir, prog, 1, None,
                                   {"config": "\n".join(lines) + "\n"})
   ckpt.save(0, state, None)
