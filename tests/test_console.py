@@ -185,6 +185,7 @@ def test_libraries_to_log_scoped_kept_on_failure_and_alone(capsys, caplog, monke
   before = sys.unraisablehook, sys.excepthook, threading.excepthook
 
   caplog.set_level(py_logging.INFO)
+  caplog.set_level(py_logging.INFO, logger="absl")  # whatever verbosity an earlier test left
   with console.libraries_to_log():
     library_error("muted read failed")
     thread = threading.Thread(target=lambda: 1 / 0)  # a library's thread failing

@@ -23,8 +23,10 @@ from spmdtask import main
 from spmdtask.core import program as program_lib
 from spmdtask.errors import CheckpointUnreadable, ConfigError, TrainingError
 
-BASE = ("task.train.num_train_steps=12", "task.train.save_interval_steps=4",
-        "task.train.summary_interval_steps=1", "task.train.log_interval_steps=4")
+# 6 steps saving every 2 (each step costs ~1 s of CPU at -O0 on 8 devices): three steps
+# saved, and a resume from step 4 still trains two steps past the warmup's first (lr 0).
+BASE = ("task.train.num_train_steps=6", "task.train.save_interval_steps=2",
+        "task.train.summary_interval_steps=1", "task.train.log_interval_steps=2")
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,11 +55,11 @@ def _snapshot(job):
 
 @pytest.fixture(scope="session")
 def reference_job(tmp_path_factory):
-  """TinyLm, 12 uninterrupted steps on 8-way data parallel, saving every 4."""
+  """TinyLm, 6 uninterrupted steps on 8-way data parallel, saving every 2."""
   job = str(tmp_path_factory.mktemp("ref"))
   r = h.run(h.main_cmd("TinyLm", job, *BASE))
   assert r.returncode == 0, r.stderr[-3000:]
-  assert _steps(job) == [4, 8, 12]
+  assert _steps(job) == [2, 4, 6]
   return job
 
 
@@ -65,27 +67,27 @@ def reference_job(tmp_path_factory):
 def test_bitwise_resume_after_sigkill(reference_job, tmp_path):
   job = str(tmp_path / "killed")
   cmd = h.main_cmd("TinyLm", job, *BASE)
-  killed = h.run([cmd[0], "-c", h.KILL_AFTER_SAVE] + cmd[3:], KILL_AFTER_COMMITTED_STEP="8")
+  killed = h.run([cmd[0], "-c", h.KILL_AFTER_SAVE] + cmd[3:], KILL_AFTER_COMMITTED_STEP="4")
   assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-  assert _steps(job) == [4, 8]
+  assert _steps(job) == [2, 4]
   # A partly written later step dir (no commit marker) must be skipped, not restored.
-  shutil.copytree(os.path.join(job, "checkpoints", "8"), os.path.join(job, "checkpoints", "12"))
-  os.remove(os.path.join(job, "checkpoints", "12", checkpoints.COMMIT_FILE))
+  shutil.copytree(os.path.join(job, "checkpoints", "4"), os.path.join(job, "checkpoints", "6"))
+  os.remove(os.path.join(job, "checkpoints", "6", checkpoints.COMMIT_FILE))
   resumed = h.run(cmd)  # the same command again
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert "incomplete" in resumed.stderr
-  assert "Resuming from the checkpoint at step 8" in resumed.stdout
-  assert _steps(job) == [4, 8, 12]
+  assert "Resuming from the checkpoint at step 4" in resumed.stdout
+  assert _steps(job) == [2, 4, 6]
 
   program = _program()
   ref, ref_step = checkpoints.restore_state(reference_job, program)
   got, got_step = checkpoints.restore_state(job, program)
-  assert ref_step == got_step == 12
+  assert ref_step == got_step == 6
   for a, b in zip(jax.tree.leaves(jax.device_get(ref)), jax.tree.leaves(jax.device_get(got))):
     np.testing.assert_array_equal(a, b)  # bitwise: params and optimizer state
   ref_loss = h.scalars(os.path.join(reference_job, "summaries", "train"))["loss"]
   got_loss = h.scalars(os.path.join(job, "summaries", "train"))["loss"]
-  for step in range(9, 13):
+  for step in range(5, 7):
     assert got_loss[step] == ref_loss[step], step
 
 
@@ -93,26 +95,26 @@ def test_incomplete_checkpoints_are_never_restored(reference_job, tmp_path, capl
   job = str(tmp_path / "job")
   shutil.copytree(os.path.join(reference_job, "checkpoints"), os.path.join(job, "checkpoints"))
   ck = os.path.join(job, "checkpoints")
-  shutil.rmtree(os.path.join(ck, "12"))
+  shutil.rmtree(os.path.join(ck, "6"))
   # Killed mid-async-save: orbax's tmp dir. Partly written: a step dir without its commit.
-  shutil.copytree(os.path.join(ck, "8"), os.path.join(ck, "16.orbax-checkpoint-tmp-123"))
-  shutil.copytree(os.path.join(ck, "8"), os.path.join(ck, "12"))
-  os.remove(os.path.join(ck, "12", checkpoints.COMMIT_FILE))
-  shutil.rmtree(os.path.join(ck, "12", "opt_state"))
+  shutil.copytree(os.path.join(ck, "4"), os.path.join(ck, "8.orbax-checkpoint-tmp-123"))
+  shutil.copytree(os.path.join(ck, "4"), os.path.join(ck, "6"))
+  os.remove(os.path.join(ck, "6", checkpoints.COMMIT_FILE))
+  shutil.rmtree(os.path.join(ck, "6", "opt_state"))
   program = _program()
   with caplog.at_level(logging.WARNING):
     state, step = checkpoints.restore_state(job, program)
-  assert step == 8 and int(jax.device_get(state.step)) == 8
+  assert step == 4 and int(jax.device_get(state.step)) == 4
   assert any("incomplete" in r.getMessage() for r in caplog.records)
-  with pytest.raises(ConfigError, match=r"Available steps: \[4, 8\]"):
-    checkpoints.restore_state(job, program, step=12)
+  with pytest.raises(ConfigError, match=r"Available steps: \[2, 4\]"):
+    checkpoints.restore_state(job, program, step=6)
 
 
 def test_restore_state_errors(reference_job, tmp_path):
   program = _program()
   with pytest.raises(ConfigError, match="no complete checkpoint.*" + str(tmp_path)):
     checkpoints.restore_state(str(tmp_path), program)
-  with pytest.raises(ConfigError, match=r"Available steps: \[4, 8, 12\]"):
+  with pytest.raises(ConfigError, match=r"Available steps: \[2, 4, 6\]"):
     checkpoints.restore_state(reference_job, program, step=5)
 
 
@@ -120,23 +122,24 @@ def test_restore_state_errors(reference_job, tmp_path):
 @pytest.mark.slow
 def test_resume_on_other_mesh(tmp_path_factory, target):
   """Uneven dims: 8-way data parallel (no padding) -> data2 x fsdp2 x model2 (padded) / 1 device."""
-  small = ("task.model.num_layers=2", "task.train.num_train_steps=7",
-           "task.train.save_interval_steps=4", "task.train.summary_interval_steps=1")
+  # Resumed at step 2 of 4: step 3's loss checks the params, step 4's the optimizer state.
+  small = ("task.model.num_layers=2", "task.train.num_train_steps=4",
+           "task.train.save_interval_steps=2", "task.train.summary_interval_steps=1")
   dp = "task.ici_mesh_shape=(-1, 1, 1)"
   ref = os.path.join(str(tmp_path_factory.getbasetemp()), "uneven_dp_ref")
-  if not os.path.isdir(os.path.join(ref, "checkpoints", "7")):
+  if not os.path.isdir(os.path.join(ref, "checkpoints", "4")):
     r = h.run(h.main_cmd("TinyLmUneven", ref, *small, dp))
     assert r.returncode == 0, r.stderr[-3000:]
   job = str(tmp_path_factory.mktemp("resumed"))
-  shutil.copytree(os.path.join(ref, "checkpoints", "4"), os.path.join(job, "checkpoints", "4"))
+  shutil.copytree(os.path.join(ref, "checkpoints", "2"), os.path.join(job, "checkpoints", "2"))
   mesh, devices = ("task.ici_mesh_shape=(2, 2, 2)", 8) if target == "2x2x2" else (dp, 1)
   r = h.run(h.main_cmd("TinyLmUneven", job, *small, mesh), num_devices=devices)
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "Resuming from the checkpoint at step 4" in r.stdout
+  assert "Resuming from the checkpoint at step 2" in r.stdout
   want = h.scalars(os.path.join(ref, "summaries", "train"))["loss"]
   got = h.scalars(os.path.join(job, "summaries", "train"))["loss"]
-  assert sorted(got) == [5, 6, 7]
-  for step in (5, 6, 7):
+  assert sorted(got) == [3, 4]
+  for step in (3, 4):
     np.testing.assert_allclose(got[step], want[step], rtol=1e-5)
 
 
@@ -144,11 +147,12 @@ def test_sigterm_saves_at_current_step_and_exits_zero(tmp_path):
   job = str(tmp_path / "job")
   cmd = h.main_cmd("TinyLm", job, "task.train.num_train_steps=100000",
                    "task.train.save_interval_steps=100000", "task.train.log_interval_steps=1")
-  assert h.signal_once_printed(cmd, tmp_path / "stderr.txt", "step 3/", signal.SIGTERM,
+  # Signalled once step 1 is done (mid-run all the same: 100000 steps to go).
+  assert h.signal_once_printed(cmd, tmp_path / "stderr.txt", "step 1/", signal.SIGTERM,
                                timeout=180) == 0
   text = open(tmp_path / "stderr.txt").read()
   (step,) = _steps(job)
-  assert step >= 3 and f"Preempted: saved a checkpoint at step {step}" in text
+  assert step >= 1 and f"Preempted: saved a checkpoint at step {step}" in text
   program = _program()
   state, restored = checkpoints.restore_state(job, program)
   assert restored == step == int(jax.device_get(state.step))
@@ -189,7 +193,7 @@ def test_bad_input_is_a_config_error_and_overwrites_nothing(reference_job, tmp_p
   assert mismatch.returncode == 2 and "mismatched variable" in mismatch.stderr, mismatch.stderr
   assert ("layers/block/mlp/wi: checkpoint (4, 128, 512) float32, model (4, 128, 256)"
           in mismatch.stderr)
-  assert no_step.returncode == 2 and "Available steps: [4, 8, 12]" in no_step.stderr, no_step.stderr
+  assert no_step.returncode == 2 and "Available steps: [2, 4, 6]" in no_step.stderr, no_step.stderr
   after = _snapshot(reference_job)
   # Nothing changed or removed but the logs, which only grow (logs/native.log is appended).
   assert {p: after.get(p) for p in before if "/logs/" not in p} == {
@@ -214,31 +218,31 @@ def _flip_bytes(path):
 def test_a_damaged_checkpoint_is_told_from_its_metadata_and_sizes(reference_job, tmp_path):
   ck = str(tmp_path / "job" / "checkpoints")
   shutil.copytree(os.path.join(reference_job, "checkpoints"), ck)
-  assert [checkpoint_check.problem(os.path.join(ck, s)) for s in ("4", "8", "12")] == [None] * 3
-  data = _largest_file(os.path.join(ck, "12", "params"))  # an OCDBT data file
+  assert [checkpoint_check.problem(os.path.join(ck, s)) for s in ("2", "4", "6")] == [None] * 3
+  data = _largest_file(os.path.join(ck, "6", "params"))  # an OCDBT data file
   size = os.path.getsize(data)
   os.truncate(data, 1000)
-  why = checkpoint_check.problem(os.path.join(ck, "12"))
-  rel = os.path.relpath(data, os.path.join(ck, "12"))
+  why = checkpoint_check.problem(os.path.join(ck, "6"))
+  rel = os.path.relpath(data, os.path.join(ck, "6"))
   assert why.startswith(f"{rel} is 1000 bytes long, but the checkpoint's index "
                         "(params/manifest.ocdbt) records data up to byte "), why
   assert 1000 < int(re.search(r"up to byte (\d+)", why).group(1)) <= size
-  (node,) = os.listdir(os.path.join(ck, "8", "opt_state", "d"))  # the B-tree root node
-  os.remove(os.path.join(ck, "8", "opt_state", "d", node))
-  assert checkpoint_check.problem(os.path.join(ck, "8")).startswith(
+  (node,) = os.listdir(os.path.join(ck, "4", "opt_state", "d"))  # the B-tree root node
+  os.remove(os.path.join(ck, "4", "opt_state", "d", node))
+  assert checkpoint_check.problem(os.path.join(ck, "4")).startswith(
       f"opt_state/d/{node} is missing")
   program = _program()
   with pytest.raises(CheckpointUnreadable) as e:
     checkpoints.restore_state(str(tmp_path / "job"), program)
-  assert (e.value.step, e.value.intact_step) == (12, 4) and rel in str(e.value)
-  assert "newest intact checkpoint is step 4." in str(e.value)
-  meta = os.path.join(ck, "4", "meta", "metadata")
+  assert (e.value.step, e.value.intact_step) == (6, 2) and rel in str(e.value)
+  assert "newest intact checkpoint is step 2." in str(e.value)
+  meta = os.path.join(ck, "2", "meta", "metadata")
   os.truncate(meta, os.path.getsize(meta) // 2)
-  assert checkpoint_check.problem(os.path.join(ck, "4")).startswith("meta/metadata (")
+  assert checkpoint_check.problem(os.path.join(ck, "2")).startswith("meta/metadata (")
   with pytest.raises(CheckpointUnreadable, match="no intact earlier checkpoint") as e:
-    checkpoints.restore_state(str(tmp_path / "job"), program, 4)
+    checkpoints.restore_state(str(tmp_path / "job"), program, 2)
   assert e.value.intact_step is None
-  assert _steps(str(tmp_path / "job")) == [4, 8, 12]  # nothing moved or removed
+  assert _steps(str(tmp_path / "job")) == [2, 4, 6]  # nothing moved or removed
 
 
 def test_bytes_changed_in_place_fail_the_restore_in_one_paragraph(reference_job, tmp_path):
@@ -246,12 +250,12 @@ def test_bytes_changed_in_place_fail_the_restore_in_one_paragraph(reference_job,
   the step to restore, without orbax's wrapper (a pybind repr)."""
   job = str(tmp_path / "job")
   shutil.copytree(os.path.join(reference_job, "checkpoints"), os.path.join(job, "checkpoints"))
-  _flip_bytes(_largest_file(os.path.join(job, "checkpoints", "12", "params")))
-  assert checkpoint_check.problem(os.path.join(job, "checkpoints", "12")) is None
+  _flip_bytes(_largest_file(os.path.join(job, "checkpoints", "6", "params")))
+  assert checkpoint_check.problem(os.path.join(job, "checkpoints", "6")) is None
   with pytest.raises(CheckpointUnreadable,
                      match=r"cannot be read: the array params/\S+ cannot be decoded") as e:
     checkpoints.restore_state(job, _program())
-  assert e.value.intact_step == 8 and "<" not in str(e.value) and "\n" not in str(e.value)
+  assert e.value.intact_step == 4 and "<" not in str(e.value) and "\n" not in str(e.value)
 
 
 def test_a_checkpoint_without_fingerprints_restores_and_is_called_unchecked(reference_job,
@@ -259,28 +263,28 @@ def test_a_checkpoint_without_fingerprints_restores_and_is_called_unchecked(refe
   """A checkpoint written before fingerprints existed (its meta without them) restores as
   before; the non-finite guard then calls it unchecked, never good. With them: checked."""
   job = str(tmp_path / "job")
-  for step in ("8", "12"):
+  for step in ("4", "6"):
     shutil.copytree(os.path.join(reference_job, "checkpoints", step),
                     os.path.join(job, "checkpoints", step))
   run, program = fdl.build(main.resolved_config("TinyLm", [])), _program()
   guard_messages = []
   for fingerprinted in (True, False):
-    ckpt = checkpoints.Checkpointer(job, program, 4, None)
+    ckpt = checkpoints.Checkpointer(job, program, 2, None)
     try:
       state, step, _ = ckpt.restore()
-      assert step == int(jax.device_get(state.step)) == 12
-      assert ckpt.latest_checked() == (12, fingerprinted)
+      assert step == int(jax.device_get(state.step)) == 6
+      assert ckpt.latest_checked() == (6, fingerprinted)
       guard = loop.NonFiniteGuard(1, ckpt.should_save, run.task, ckpt.latest_checked)
       with pytest.raises(TrainingError) as e:
-        guard.on_metrics(loop.Fetched(13, [{"loss": float("nan")}], {}), last=False)
+        guard.on_metrics(loop.Fetched(7, [{"loss": float("nan")}], {}), last=False)
       guard_messages.append(str(e.value))
       if not fingerprinted:  # a later step that restores (unchecked) is not moved aside
-        with pytest.raises(ConfigError, match="has a later intact checkpoint, step 12;"):
-          ckpt.restore(8)
+        with pytest.raises(ConfigError, match="has a later intact checkpoint, step 6;"):
+          ckpt.restore(4)
     finally:
       ckpt.close()
     if fingerprinted:  # now as checkpoints were written before: their meta without them
-      meta = os.path.join(job, "checkpoints", "12", "meta", "metadata")
+      meta = os.path.join(job, "checkpoints", "6", "meta", "metadata")
       with open(meta) as f:
         saved = json.load(f)
       targets = program.canonical_targets()
@@ -289,55 +293,55 @@ def test_a_checkpoint_without_fingerprints_restores_and_is_called_unchecked(refe
       with open(meta, "w") as f:
         json.dump(saved, f)
   checked, unchecked = guard_messages
-  assert "the latest checkpoint, step 12, is the last good one" in checked
+  assert "the latest checkpoint, step 6, is the last good one" in checked
   assert "resume from the last good checkpoint" in checked
-  assert ("the latest checkpoint, step 12, has no fingerprints: its bytes are unchecked"
+  assert ("the latest checkpoint, step 6, has no fingerprints: its bytes are unchecked"
           in unchecked)
   assert "good" not in unchecked
-  assert _steps(job) == [8, 12]
+  assert _steps(job) == [4, 6]
 
 
 @pytest.mark.slow
 def test_damaged_checkpoints_exit_2_naming_the_array_and_the_restore_command_resumes(
     reference_job, tmp_path):
-  """Step 12: 256 bytes flipped mid-file, size kept (orbax restores it without a word; the
-  fingerprints stored at the save do not match). Step 8: a data file cut short (told from
-  the index before any read). The run exits 2 in <= 15 lines naming the array and step 4;
-  the command it prints moves 8 and 12 aside and trains on to the reference's step 9."""
+  """Step 6: 256 bytes flipped mid-file, size kept (orbax restores it without a word; the
+  fingerprints stored at the save do not match). Step 4: a data file cut short (told from
+  the index before any read). The run exits 2 in <= 15 lines naming the array and step 2;
+  the command it prints moves 4 and 6 aside and trains on to the reference's step 5."""
   job = str(tmp_path / "job")
   shutil.copytree(reference_job, job)
-  nine = BASE + ("task.train.num_train_steps=9",)
+  five = BASE + ("task.train.num_train_steps=5",)
   ck = os.path.join(job, "checkpoints")
-  _, array = util.flip_middle_of_largest(os.path.join(ck, "12", "params"), _read_bytes,
+  _, array = util.flip_middle_of_largest(os.path.join(ck, "6", "params"), _read_bytes,
                                          _write_bytes)
-  assert checkpoint_check.problem(os.path.join(ck, "12")) is None
-  os.truncate(_largest_file(os.path.join(ck, "8", "params")), 1000)
+  assert checkpoint_check.problem(os.path.join(ck, "6")) is None
+  os.truncate(_largest_file(os.path.join(ck, "4", "params")), 1000)
   before = _snapshot(job)
   too_long, r = h.run_mains([
       # A sequence length above max_seq_len on this existing job: exit 2 before any restore.
-      h.main_cmd("TinyLm", job, *nine, "datasets['train'].seq_len=512"),
-      h.main_cmd("TinyLm", job, *nine)])
+      h.main_cmd("TinyLm", job, *five, "datasets['train'].seq_len=512"),
+      h.main_cmd("TinyLm", job, *five)])
   assert too_long.returncode == 2 and "Traceback" not in too_long.stderr, too_long.stderr
   assert "task.model.max_seq_len=256" in too_long.stderr and "Resuming" not in too_long.stdout
   lines = (r.stdout + r.stderr).splitlines()
   assert r.returncode == 2 and len(lines) <= 15, r.stdout + r.stderr
   assert "Traceback" not in r.stderr and "pybind" not in r.stderr
-  assert any(f"The checkpoint at step 12 in {ck} cannot be read: {why}." in r.stderr
+  assert any(f"The checkpoint at step 6 in {ck} cannot be read: {why}." in r.stderr
              for why in util.flipped_array_reasons(f"params/{array}")), r.stderr
-  assert "The newest intact checkpoint is step 4;" in r.stderr
+  assert "The newest intact checkpoint is step 2;" in r.stderr
   assert {p: v for p, v in _snapshot(job).items() if "/logs/" not in p} == {
       p: v for p, v in before.items() if "/logs/" not in p}
   command = shlex.split(lines[-1])
-  assert command[:3] == ["python", "-m", "spmdtask.main"] and command[-1] == "--restore_step=4"
+  assert command[:3] == ["python", "-m", "spmdtask.main"] and command[-1] == "--restore_step=2"
   r = h.run([sys.executable] + command[1:])
   assert r.returncode == 0, r.stderr[-3000:]
-  assert "Moved the unreadable checkpoints at step 8, 12 into" in r.stdout
-  assert "Resuming from the checkpoint at step 4" in r.stdout
-  assert _steps(job) == [4, 8, 9]
-  assert sorted(os.listdir(os.path.join(job, "checkpoints_unreadable"))) == ["12", "8"]
+  assert "Moved the unreadable checkpoints at step 4, 6 into" in r.stdout
+  assert "Resuming from the checkpoint at step 2" in r.stdout
+  assert _steps(job) == [2, 4, 5]
+  assert sorted(os.listdir(os.path.join(job, "checkpoints_unreadable"))) == ["4", "6"]
   want = h.train_losses(reference_job)
   got = h.train_losses(job)
-  assert [got[s] for s in range(5, 10)] == [want[s] for s in range(5, 10)]  # as uninterrupted
+  assert [got[s] for s in range(3, 6)] == [want[s] for s in range(3, 6)]  # as uninterrupted
 
 
 def _read_bytes(path):

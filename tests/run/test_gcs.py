@@ -15,8 +15,10 @@ import pytest
 from tests import gcs_emulator
 from tests import subproc as h
 
-BASE = ("task.train.num_train_steps=6", "task.train.save_interval_steps=3",
-        "task.train.summary_interval_steps=1", "task.train.log_interval_steps=3")
+# 4 steps saving every 2 (each step and each save to the emulator costs CPU): the killed run
+# resumes at step 2 and trains two steps.
+BASE = ("task.train.num_train_steps=4", "task.train.save_interval_steps=2",
+        "task.train.summary_interval_steps=1", "task.train.log_interval_steps=2")
 
 
 @pytest.fixture(scope="session")
@@ -79,40 +81,44 @@ def test_job_in_a_bucket(emulator, tmp_path):
   gcs, env = emulator.filesystem(), emulator.env()
   ref, job = "gs://bucket/ref", "gs://bucket/job"
 
-  # The uninterrupted reference and the run killed after its step-3 checkpoint, side by side.
-  r, killed = _wait(_start(h.main_cmd("TinyLm", ref, *BASE), local, env),
+  # The uninterrupted reference and the run killed after its step-2 checkpoint, side by side.
+  # (The reference saves only at its end: its losses are what is compared.)
+  r, killed = _wait(_start(h.main_cmd("TinyLm", ref, *BASE, "task.train.save_interval_steps=4"),
+                           local, env),
                     _start(h.main_cmd("TinyLm", job, *BASE), local, env,
-                           script=h.KILL_AFTER_SAVE, KILL_AFTER_COMMITTED_STEP="3"))
+                           script=h.KILL_AFTER_SAVE, KILL_AFTER_COMMITTED_STEP="2"))
   assert r.returncode == 0, _why(r)
   assert f"job dir {ref} " in r.stdout  # never ./gs:/bucket/...
   assert killed.returncode == -signal.SIGKILL, _why(killed)
   assert sorted(n.rsplit("/", 1)[1] for n in gcs.ls("bucket/job/checkpoints")
-                if n.rsplit("/", 1)[1].isdigit()) == ["3"]
+                if n.rsplit("/", 1)[1].isdigit()) == ["2"]
   resumed = _run(h.main_cmd("TinyLm", job, *BASE), local, env)
   assert resumed.returncode == 0, _why(resumed)
-  assert "Resuming from the checkpoint at step 3" in resumed.stdout
+  assert "Resuming from the checkpoint at step 2" in resumed.stdout
   want = _losses(gcs, "bucket/ref/summaries/train", str(tmp_path / "ref_tb"))
   got = _losses(gcs, "bucket/job/summaries/train", str(tmp_path / "job_tb"))
-  assert sorted(want) == sorted(got) == list(range(1, 7))
-  for step in range(1, 7):
+  assert sorted(want) == sorted(got) == list(range(1, 5))
+  for step in range(1, 5):
     assert got[step] == pytest.approx(want[step], rel=1e-6), step
 
-  # Eval and decode read the job side by side (they write different files).
-  ev, dec = _wait(_start(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=eval"]), local, env),
+  # Eval (of one batch: the eval dataset's 7 add nothing here) and decode read the job side
+  # by side (they write different files).
+  ev, dec = _wait(_start(h.main_cmd("TinyLm", job, *BASE, "task.train.eval_steps=1",
+                                    flags=["--mode=eval"]), local, env),
                   _start(h.main_cmd("TinyLm", job, *BASE, flags=["--mode=decode"]), local, env))
   assert ev.returncode == 0, _why(ev)
   assert dec.returncode == 0, _why(dec)
   lines = [json.loads(x) for x in gcs.cat("bucket/job/eval_metrics.jsonl").decode().splitlines()]
-  assert [(x["dataset"], x["step"]) for x in lines] == [("eval", 6)]
+  assert [(x["dataset"], x["step"]) for x in lines] == [("eval", 4)]
   assert 0 < lines[0]["loss"] < 10
   ev_tb = str(tmp_path / "eval_tb")
   os.makedirs(ev_tb)
   for name in gcs.ls("bucket/job/summaries/eval_eval", detail=False):
     gcs.get(name, os.path.join(ev_tb, os.path.basename(name)))
-  assert h.scalars(ev_tb)["loss"] == {6: pytest.approx(lines[0]["loss"], rel=1e-6)}
+  assert h.scalars(ev_tb)["loss"] == {4: pytest.approx(lines[0]["loss"], rel=1e-6)}
 
   out = [n for n in gcs.ls("bucket/job/decoder_out", detail=False)]
-  assert len(out) == 1 and out[0].endswith("_step6.jsonl"), out
+  assert len(out) == 1 and out[0].endswith("_step4.jsonl"), out
   rows = [json.loads(x) for x in gcs.cat(out[0]).decode().splitlines()]
   assert len(rows) == 16 and all(len(r["output_ids"]) > 0 for r in rows)
 
@@ -127,7 +133,7 @@ def test_job_in_a_bucket(emulator, tmp_path):
   runs = [l for l in account.stdout.splitlines() if l.startswith("  run ")]
   # (Run 1's last steps are there if its 5-s flush came before the kill.)
   assert len(runs) == 2 and "from step 0" in runs[0] and runs[0].endswith(
-      "; no end recorded (running, or killed)") and runs[1].endswith("from step 3 to 6; done"), runs
+      "; no end recorded (running, or killed)") and runs[1].endswith("from step 2 to 4; done"), runs
   # Nothing of the job on the local disk: not in the working dir, HOME or TMPDIR.
   assert [_files(d) for d in local.values()] == [[], [], []]
 

@@ -9,21 +9,24 @@ import signal
 from absl import logging as absl_logging
 import fiddle as fdl
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
 
 from tests import subproc as h
+from tests import util
 from spmdtask import main
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_io as io, checkpoints, local_tier, loop
 from spmdtask.run.hooks import Hook
 
-KILL_AT = 8
-STEPS = 12
+# Local saves every 2 steps, the kill after step 3 (a step lost), 5 steps in all: each step
+# costs CPU three times (the killed run, the resumed one and the reference).
+LOCAL = 2
+KILL_AT = 3
+STEPS = 5
 TIERS = ("task.model.num_layers=1", f"task.train.num_train_steps={STEPS}",
-         "task.train.save_interval_steps=50", "task.train.local_save_interval_steps=5",
+         "task.train.save_interval_steps=50", f"task.train.local_save_interval_steps={LOCAL}",
          "task.train.log_interval_steps=4", "task.train.summary_interval_steps=100")
 
 
@@ -54,17 +57,13 @@ class _Records(logging.Handler):
 def xla_cache():
   """This module's in-process runs read the compiles its subprocess wrote to the tests' XLA
   cache (the same programs), in a process that may have compiled without a cache before."""
-  cache = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir", h.CACHE)
-  compilation_cache.reset_cache()
-  yield
-  jax.config.update("jax_compilation_cache_dir", cache)
-  compilation_cache.reset_cache()
+  with util.persistent_xla_cache():
+    yield
 
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
-  """1-layer TinyLm, local tier every 5 steps, persistent every 50: SIGKILLed after step
+  """1-layer TinyLm, local tier every LOCAL steps, persistent every 50: SIGKILLed after step
   KILL_AT (a subprocess), resumed in this process to step STEPS; and an uninterrupted
   reference run."""
   root = tmp_path_factory.mktemp("tiers")
@@ -91,13 +90,13 @@ def killed_and_resumed(tmp_path_factory):
 def test_a_kill_loses_at_most_the_local_interval_and_resumes_bitwise(killed_and_resumed):
   r = killed_and_resumed
   assert r["killed"].returncode == -signal.SIGKILL, r["killed"].stderr[-3000:]
-  assert r["at_kill"] == ([5], [])  # the persistent tier (every 50) holds nothing yet
+  assert r["at_kill"] == ([2], [])  # the persistent tier (every 50) holds nothing yet
   restored = [l for l in r["lines"] if l.startswith("Restored step")]
-  assert len(restored) == 1 and restored[0].startswith("Restored step 5 from the local tier")
+  assert len(restored) == 1 and restored[0].startswith("Restored step 2 from the local tier")
   resumed_from = STEPS - len(r["resumed"])
-  assert resumed_from == 5 and KILL_AT - resumed_from <= 5  # steps lost
+  assert resumed_from == 2 and KILL_AT - resumed_from <= LOCAL  # steps lost
   assert r["resumed"] == r["reference"][resumed_from:]  # bitwise
-  assert _persistent_steps(r["job"]) == [STEPS] and _local_steps(r["local"]) == [5, 10]
+  assert _persistent_steps(r["job"]) == [STEPS] and _local_steps(r["local"]) == [2, 4]
 
 
 def _program(*overrides):
@@ -168,7 +167,9 @@ class _Sigterm(Hook):
 
 def test_sigterm_saves_to_the_local_tier_only(tmp_path):
   job, local = str(tmp_path / "job"), str(tmp_path / "local")
-  run = _run(f"task.train.local_checkpoint_dir='{local}'")
+  # Local saves every 5: step 4, where the loop stops, is no interval step.
+  run = _run(f"task.train.local_checkpoint_dir='{local}'",
+             "task.train.local_save_interval_steps=5")
   state, _, losses = loop.train(run, job_log_dir=job, hooks=[_Sigterm()])
   assert int(jax.device_get(state.step)) == 4 and len(losses) == 4
   assert _local_steps(local) == [4] and _persistent_steps(job) == []
