@@ -2,7 +2,7 @@
 examples/tiny_chat's Llama: import -> SFT with LoRA -> DPO with LoRA from it -> GRPO with
 LoRA from that on a prompts file with a reward from a user's file -> the merged export,
 SIGKILLed mid-DPO and rerun, whose greedy tokens in transformers spmdtask decodes (and the
-same chain, shorter, on tiny Qwen3 and Qwen3-MoE)."""
+same chain, shorter, on tiny Qwen3 and Qwen3-MoE, from the same prepared data)."""
 import json
 import os
 import shlex
@@ -23,6 +23,7 @@ from spmdtask.recipe import recipe_file, runner
 from spmdtask.run import checkpoint_io, checkpoints, rollout
 from tests import subproc as h
 from tests.hf.jobs import test_exports
+from tools import prepare_chat_data, prepare_pref_data, prepare_prompt_data
 
 EXAMPLE = os.path.join(h.REPO, "examples", "tiny_chat")
 PREFS = os.path.join(h.REPO, "tests", "tools", "data", "dpo", "prefs.jsonl")
@@ -37,6 +38,8 @@ EVERY_STEP = ["task.train.summary_interval_steps=1", "task.train.log_interval_st
 # shapes, so the docs test of that recipe and this chain compile the same programs: whichever
 # runs second loads them from the persistent XLA cache (tests/subproc.py). Keep them alike.
 LLAMA_STEPS = (4, 4, 1)
+PROMPTS = "".join(json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n"
+                  for a, b in ((1, 2), (3, 4), (2, 1), (5, 1)))
 
 
 def _recipe(tmp_path, body: str) -> str:
@@ -85,34 +88,37 @@ def _params(job: str, program):
   return jax.device_get(program.to_canonical(checkpoints.restore_state(job, program)[0]).params)
 
 
-def _chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int, grpo_steps: int) -> str:
-  """A recipe: `model_dir` imported, SFT, DPO and GRPO with LoRA rank 4, a merged export."""
+def _chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int, grpo_steps: int,
+           data: dict | None = None) -> str:
+  """A recipe: `model_dir` imported, SFT, DPO and GRPO with LoRA rank 4, a merged export;
+  each stage's data prepared from its `input` by the recipe, or `data[kind]` (a dir)."""
   (tmp_path / "my_rewards.py").write_text(REWARD)
-  (tmp_path / "prompts.jsonl").write_text("".join(
-      json.dumps({"prompt": f"What is {a} + {b}?", "answer": a + b}) + "\n"
-      for a, b in ((1, 2), (3, 4), (2, 1), (5, 1))))
+  (tmp_path / "prompts.jsonl").write_text(PROMPTS)
+  inputs = {"sft": f'input = "{EXAMPLE}/conversations.jsonl"\nmax_len = 96',
+            "dpo": f'input = "{PREFS}"\nmax_len = 96',
+            "grpo": f'input = "{tmp_path}/prompts.jsonl"'}
+  if data is not None:
+    inputs = {kind: f'data = "{d}"' for kind, d in data.items()}
   return _recipe(tmp_path, f'''\
 root = "{tmp_path / 'run'}"
 [model]
 hf = "{model_dir}"
 [[stage]]
 kind = "sft"
-input = "{EXAMPLE}/conversations.jsonl"
-max_len = 96
+{inputs["sft"]}
 lora_rank = 4
 fdl_set = {json.dumps(EVERY_STEP + [f"task.train.num_train_steps={sft_steps}",
                                      "task.train.learning_rate.peak_value=1e-2"])}
 [[stage]]
 kind = "dpo"
-input = "{PREFS}"
-max_len = 96
+{inputs["dpo"]}
 lora_rank = 4
 fdl_set = {json.dumps(EVERY_STEP + [f"task.train.num_train_steps={dpo_steps}",
                                      "task.train.save_interval_steps=2",
                                      "task.train.learning_rate.peak_value=1e-2"])}
 [[stage]]
 kind = "grpo"
-input = "{tmp_path}/prompts.jsonl"
+{inputs["grpo"]}
 lora_rank = 4
 reward = ["{tmp_path}/my_rewards.py:digits"]
 fdl_set = {json.dumps(EVERY_STEP + [f"task.train.num_train_steps={grpo_steps}",
@@ -123,7 +129,8 @@ hf = "{tmp_path}/export"
 ''')
 
 
-def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
+def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int,
+                 grpo_data: str | None = None):
   """Losses fall, each reference is its start, the export is the last job merged."""
   root = tmp_path / "run"
   sft, dpo = (h.train_losses(str(root / n)) for n in ("sft", "dpo"))
@@ -134,7 +141,8 @@ def _check_chain(tmp_path, model_dir: str, sft_steps: int, dpo_steps: int):
   grpo = h.scalars(str(root / "grpo" / "summaries" / "train"))
   assert grpo["kl"][1] < 1e-9 and np.isfinite(grpo["loss"][1]), grpo  # its reference: the start
   # The export is the GRPO job's params with every stage's adapters merged in.
-  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4, str(root / "grpo_data"))
+  grpo_program = _program("stages.Grpo", str(root / "dpo"), 4,
+                          grpo_data or str(root / "grpo_data"))
   want = train_state.merged_adapters(_params(str(root / "grpo"), grpo_program), 2.0)  # alpha 8 / rank 4
   cfg, tensors = files.read_hf(str(tmp_path / "export"))
   got = convert.to_params(cfg, tensors)
@@ -174,8 +182,10 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   # spmdtask's decode of the same prompts on the export.
   with open(CHAIN_EXPORT) as f:
     want = json.load(f)
+  # As many new tokens as tests/hf/jobs/test_exports.py decodes from the same tiny Llama: one
+  # decode program for both (the persistent XLA cache); the first n tokens are checked.
   rows = test_exports.decode_export(str(tmp_path / "export"), str(tmp_path / "decoded"),
-                                    max(len(hf["output_ids"]) for hf in want))
+                                    max(24, *(len(hf["output_ids"]) for hf in want)))
   for row, hf in zip(rows, want, strict=True):
     # No near-tie: float32 logits of this size differ by ~1e-5 between two implementations.
     assert min(hf["margins"]) > 1e-3, hf
@@ -194,13 +204,35 @@ def test_the_chain_end_to_end_killed_mid_stage_and_rerun(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, resumed, straight)  # bitwise
 
 
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> dict[str, str]:
+  """Each stage's data dir as the Llama chain's recipe prepares it from examples/tiny_chat's
+  tokenizer and template (the tiny Qwen3 and Qwen3-MoE carry the same files), read-only to
+  the family chains: their own preparing would repeat the Llama chain's, byte for byte."""
+  d = tmp_path_factory.mktemp("chain_data")
+  (d / "prompts.jsonl").write_text(PROMPTS)
+  model = f"{EXAMPLE}/model"
+  out = {k: str(d / f"{k}_data") for k in ("sft", "dpo", "grpo")}
+  prepare_chat_data.prepare(f"{EXAMPLE}/conversations.jsonl", model, out["sft"], 96)
+  prepare_pref_data.prepare(PREFS, model, out["dpo"], 96)
+  prepare_prompt_data.prepare(str(d / "prompts.jsonl"), model, out["grpo"])
+  return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
-def test_the_chain_for_other_families(tmp_path, family):
+def test_the_chain_for_other_families(tmp_path, family, prepared):
   """The same chain, fewer steps, on tiny Qwen3 and Qwen3-MoE chat models (tests/data/
-  tiny_chat_families: transformers' own, examples/tiny_chat's tokenizer and template)."""
+  tiny_chat_families: transformers' own, examples/tiny_chat's tokenizer and template), on
+  the Llama chain's prepared data."""
   model_dir = os.path.join(h.REPO, "tests", "data", "tiny_chat_families", family)
+  names = files.present(model_dir, files.TOKENIZER_FILES)  # the Llama's data is this model's
+  assert names and names == files.present(f"{EXAMPLE}/model", files.TOKENIZER_FILES), names
+  for name in names:
+    with open(os.path.join(model_dir, name), "rb") as a, open(
+        os.path.join(EXAMPLE, "model", name), "rb") as b:
+      assert a.read() == b.read(), name
   r = h.run([sys.executable, "-m", "spmdtask.recipe",
-             f"--recipe={_chain(tmp_path, model_dir, 3, 2, 1)}"], 1, timeout=1800)
+             f"--recipe={_chain(tmp_path, model_dir, 3, 2, 1, prepared)}"], 1, timeout=1800)
   assert r.returncode == 0, (r.stdout + r.stderr)[-5000:]
-  _check_chain(tmp_path, model_dir, 3, 2)
+  _check_chain(tmp_path, model_dir, 3, 2, prepared["grpo"])
