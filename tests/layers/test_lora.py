@@ -431,6 +431,9 @@ def test_expert_adapter_grads_equal_over_ff_slices_and_remat():
 
 
 def _mla_lora(cfg):
+  # No dense stack: its MLA and MLP are the MoE layers' own (the shared expert's MLP takes
+  # the dense adapters), and each distinct stack is compiled (init and step) once more.
+  cfg.task.model.num_layers, cfg.task.model.moe.first_moe_layer = 2, 0
   cfg.task.model.lora = fdl.Config(LoraConfig, rank=4, alpha=8.0, dropout=0.1,
                                    targets=MLA_V3 + ("wi", "wg", "wo", "experts"))
   cfg.task.model.moe.dispatch = "capacity"  # some assignments dropped, alike on 1 and 8
@@ -440,9 +443,9 @@ def _mla_lora(cfg):
 
 @pytest.mark.slow
 def test_mla_and_expert_lora_on_8_devices_equals_one_device():
-  """TinyDeepSeekV3 (MLA with a latent q, a dense layer, then MoE layers with a shared
-  expert; capacity dispatch, the experts' ff dim in 2 slices, 'minimal' remat) with adapters
-  on MLA's projections, the dense and shared MLPs and the routed experts, adapter dropout
+  """TinyDeepSeekV3 as 2 MoE layers (MLA with a latent q, routed experts beside a shared
+  one; capacity dispatch, the experts' ff dim in 2 slices, 'minimal' remat) with adapters
+  on MLA's projections, the shared expert's MLP and the routed experts, adapter dropout
   0.1: the experts over `expert` (all-to-all), expert 2 x fsdp 2 x tensor 2 equals one
   device; the router and experts frozen (bitwise unchanged), the expert adapters trained.
   (TinyMoe's experts alike over data 2 x expert 2 x fsdp 2, dropless or capacity: measured

@@ -25,11 +25,12 @@ SMALL = ["task.model.num_layers=2", "task.ici_mesh_shape=(2, 2, 2)",
 
 @pytest.fixture(scope="module")
 def base_job(tmp_path_factory):
-  """TinyLm (2 layers) trained 3 steps, its checkpoints at steps 1, 2, 3."""
+  """TinyLm (2 layers) trained 3 steps, its checkpoints at steps 1, 2, 3 (`dir`), and its
+  program (the tests that read it as a plain TinyLm use it: no second build and compile)."""
   job = str(tmp_path_factory.mktemp("base"))
   run = util.build_run("lm.TinyLm", SMALL + ["task.train.num_train_steps=3"])
-  loop.train(run, job_log_dir=job)
-  return job
+  program = loop.train(run, job_log_dir=job)[1]
+  return types.SimpleNamespace(dir=job, program=program)
 
 
 def _lora_overrides(base: str, steps: int) -> list[str]:
@@ -40,10 +41,11 @@ def _lora_overrides(base: str, steps: int) -> list[str]:
 @pytest.fixture(scope="module")
 def lora(base_job, tmp_path_factory):
   """A LoRA job warm-started from a copy of base_job (tests may damage the copy), 4 steps
-  uninterrupted (`straight`); and `job`: its checkpoint of step 2, resumed to 4."""
+  uninterrupted (`straight`); and `job`: its checkpoint of step 2, resumed to 4; `program`:
+  the straight run's (the job's config: tests that restore the job as itself use it)."""
   root = tmp_path_factory.mktemp("lora")
   base, job, straight = (str(root / n) for n in ("base", "job", "straight"))
-  shutil.copytree(base_job, base)
+  shutil.copytree(base_job.dir, base)
   run = lambda: util.build_run("lm.TinyLmLora", _lora_overrides(base, 4))  # pylint: disable=unnecessary-lambda-assignment
   ref, program, ref_losses = loop.train(run(), job_log_dir=straight)
   # A job stopped after step 2 (its checkpoint names the base, not its job).
@@ -51,7 +53,7 @@ def lora(base_job, tmp_path_factory):
   state, _, resumed = loop.train(run(), job_log_dir=job)
   canonical = lambda s: jax.device_get(program.to_canonical(s))  # pylint: disable=unnecessary-lambda-assignment
   return types.SimpleNamespace(base=base, job=job, meta_at_2=checkpoints.read_meta(job, 2),
-                               resumed=resumed, ref_losses=ref_losses, state=canonical(state),
+                               program=program, resumed=resumed, ref_losses=ref_losses, state=canonical(state),
                                ref=canonical(ref))
 
 
@@ -61,7 +63,7 @@ def _du(path: str) -> int:
 
 def test_lora_job_starts_from_its_base_saves_only_adapters_and_resumes_bitwise(base_job, lora):
   params = lora.state.params
-  base, _ = checkpoints.restore_state(base_job, _program("lm.TinyLm"))
+  base, _ = checkpoints.restore_state(base_job.dir, base_job.program)
   base = jax.device_get(base.params)
   # Every frozen param is the base's (cast to bfloat16), after 4 LoRA steps.
   frozen = lora_base.without_adapters(params)
@@ -120,11 +122,11 @@ def test_a_base_of_another_model_is_a_config_error(base_job):
   want = (r"task.train.init_checkpoint_dir=.* is not the base of this LoRA model.*"
           r"layers/block/mlp/wi: checkpoint \(2, 128, 512\), model \(2, 128, 256\)")
   with pytest.raises(ConfigError, match=want):
-    checkpoints.warm_start(base_job, program, program.init())
+    checkpoints.warm_start(base_job.dir, program, program.init())
 
 
-def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
-  program = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'")  # the job's
+def test_a_missing_or_changed_base_is_a_config_error_exit_2(base_job, lora, tmp_path):
+  program = lora.program  # the job's
   step3 = os.path.join(lora.base, "checkpoints", "3")
   field = f"task.train.init_checkpoint_dir={lora.base!r}, step 3"
   shutil.move(step3, tmp_path / "3")
@@ -147,7 +149,7 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(lora, tmp_path):
   assert checkpoints.restore_state(lora.job, program)[1] == 4
   # A LoRA job's adapter-only checkpoint starts a plain model as its base with the adapters
   # merged in: W + (alpha / r)·A·B (layers.lora), read from the base the checkpoint names.
-  plain = _program("lm.TinyLm")
+  plain = base_job.program  # a plain TinyLm
   got = jax.device_get(plain.to_canonical(checkpoints.warm_start(lora.job, plain,
                                                                  plain.init())).params)
   base = jax.device_get(plain.to_canonical(checkpoints.restore_state(lora.base, plain)[0]).params)
@@ -167,7 +169,7 @@ def test_a_resume_with_another_rank_names_both_ranks(lora):
 
 
 def test_continue_trains_the_starts_own_adapters_on_its_base(lora):
-  program = _program("lm.TinyLmLora", "task.model.lora.base_dtype='bfloat16'")
+  program = lora.program  # the job's
   state, base = checkpoints._warm_start(lora.job, program, program.init(), "continue")  # pylint: disable=protected-access
   got = jax.device_get(program.to_canonical(state).params)
   util.assert_trees_equal(train_state.adapters(got), train_state.adapters(lora.state.params))
