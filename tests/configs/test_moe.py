@@ -1,5 +1,5 @@
 """TinyMoe on 8 CPU devices (expert parallelism by all-to-all, the SPMD pipeline, MPMD) equals
-one device over 3 steps under each dispatch; its console and TensorBoard show the MoE
+one device over 4 steps under each dispatch; its console and TensorBoard show the MoE
 metrics; a checkpoint decodes; its param tree is the documented one. Each published Mixture
 of Experts has its Hugging Face config's total and active parameter counts (abstract params,
 nothing allocated), and its model FLOPs count the active ones."""
@@ -20,38 +20,31 @@ from spmdtask.layers.block import num_params
 from tests import subproc as h
 from tests import util
 
-# Two updates after the first step's (the warmup starts at learning rate 0), the second
-# from Adam's moments of two gradients (the moments are compared too); more steps repeat
-# the same programs, each a few seconds of MoE dispatch at -O0 on 8 emulated devices.
-STEPS = 3
+# Three updates after the first step's (the warmup starts at learning rate 0), each from
+# Adam's moments of the earlier gradients; more steps repeat the same programs.
+STEPS = 4
 ONE = ("task.ici_mesh_shape=(1, 1, 1, 1)",)
 CAPACITY = ("task.model.moe.dispatch='capacity'",)
-# Rows of 32 tokens, not 64: the dispatch's exchanges and every layout's sums need no
-# longer rows, and a step runs in half the time. 16 rows: MPMD's 4 microbatches of 4 rows
-# over its second stage's expert 4.
-SEQ = 32
-SHORT = (f"datasets['train'].seq_len={SEQ}",)
 
 
 @functools.lru_cache(maxsize=None)
 def run(exp: str, overrides=(), devices: int = 8, steps: int = STEPS):
-  """(losses, canonical params, canonical optimizer state) after `steps` steps of rows of
-  SEQ tokens."""
+  """(losses, canonical params, canonical optimizer state) after `steps` steps."""
   losses, params, program, state = util.train_steps(exp, steps, jax.devices()[:devices],
-                                                    SHORT + overrides)
+                                                    overrides)
   opt = jax.device_get(program.to_canonical(state).opt_state)
   return losses, params, opt
 
 
 def assert_same_training(got, want):
-  # Loss: float32 sums in another order over 16 x 32 tokens, ~eps * sqrt(512) ~ 3e-6
+  # Loss: float32 sums in another order over 16 x 64 tokens, ~eps * sqrt(1024) ~ 4e-6
   # relative at worst. Params and Adam's moments (the gradients' running averages, so the
   # grads of all the steps): 1e-5 relative, with an absolute floor for entries Adam moves
   # by ~lr whatever their (near-zero) gradient; the moments: util.f32_atol over a batch's
-  # 16 x SEQ tokens (scale-aware, as the gradients they average).
+  # 16 x 64 tokens (scale-aware, as the gradients they average).
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   util.assert_trees_close(got[1], want[1], rtol=1e-5, atol=1e-6)
-  util.assert_trees_close(got[2], want[2], rtol=1e-5, terms=16 * SEQ)
+  util.assert_trees_close(got[2], want[2], rtol=1e-5, terms=16 * 64)
 
 
 @pytest.mark.parametrize("dispatch", [(), CAPACITY], ids=["dropless", "capacity"])
@@ -94,11 +87,11 @@ def test_first_layers_dense_are_their_own_stack():
 @pytest.mark.slow
 def test_console_and_tensorboard_show_the_moe_metrics_and_the_checkpoint_decodes(tmp_path):
   job = str(tmp_path / "job")
-  # Short rows, and answers of 4 tokens after the 8-token prompts: the metrics and the
-  # decode need no more (each step at -O0 costs).
+  # Rows of 32 tokens, answers of 4 after the 8-token prompts: the metrics and the decode
+  # need no more (each step costs seconds at -O0 on 8 emulated devices).
   base = ("task.train.num_train_steps=2", "task.train.log_interval_steps=1",
           "task.train.summary_interval_steps=1", "task.train.save_interval_steps=2",
-          "task.model.moe.capacity_factor=1.0", *CAPACITY, *SHORT,
+          "task.model.moe.capacity_factor=1.0", *CAPACITY, "datasets['train'].seq_len=32",
           "task.decode.max_decode_len=12")
   r = h.run(h.main_cmd("TinyMoe", job, *base))
   assert r.returncode == 0, r.stderr[-3000:]

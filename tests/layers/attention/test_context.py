@@ -18,11 +18,10 @@ from spmdtask.pipeline.mpmd.config import MpmdConfig
 from spmdtask.pipeline.spmd import PipelineConfig
 from tests import util
 
-# Two updates after the first step's (TinyLm's warmup starts at learning rate 0), the
-# second from Adam's moments of two gradients: more steps repeat the same programs (a
-# second of -O0 each on 8 emulated devices).
-STEPS = 3
-# float32, 3 Adam steps: one step's loss and gradients differ from one device's by the
+# Three updates after the first step's (TinyLm's warmup starts at learning rate 0), each
+# from Adam's moments of the earlier gradients: more steps repeat the same programs.
+STEPS = 4
+# float32, 4 Adam steps: one step's loss and gradients differ from one device's by the
 # order of sums only (~eps · sqrt(n) ≈ 1e-7 · 30 relative). Gradients: an element near
 # zero gets util.f32_atol's floor over a batch's 1024 tokens (~3e-5 of the largest).
 # Adam divides each update by its gradient's own scale, so a parameter whose gradient is
