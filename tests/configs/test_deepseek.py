@@ -119,9 +119,10 @@ def test_8_devices_equal_one_device_over_4_steps():
   assert want_losses[-1] < want_losses[0]
 
 
-def _loads(model, params, tokens):
-  """[MoE layers, E] expert assignments of `tokens`, layer by layer outside the stack: each
-  MoE layer's router input captured, its choice made by `route` with that layer's bias."""
+def _experts(model, params, tokens):
+  """[MoE layers, B, T, top_k] expert choices of `tokens`, layer by layer outside the stack:
+  each MoE layer's router input captured, its choice made by `route` with that layer's bias
+  (jitted by the caller: one compile, not one per op)."""
   kwargs = model.block_kwargs()
   x = jnp.take(params["embedding"], tokens, axis=0)
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -136,10 +137,15 @@ def _loads(model, params, tokens):
         {"params": p}, (x, stats), positions, capture_intermediates=True,
         mutable=["intermediates"])
     h = state["intermediates"]["mlp_norm"]["__call__"][0]
-    _, experts, _ = route(h.astype(jnp.float32) @ p["moe"]["router"], model.moe,
-                          p["moe"][BIAS])
-    out.append(np.bincount(np.asarray(experts).ravel(), minlength=model.moe.num_experts))
-  return np.stack(out).astype(np.float32)
+    out.append(route(h.astype(jnp.float32) @ p["moe"]["router"], model.moe,
+                     p["moe"][BIAS])[1])
+  return jnp.stack(out)
+
+
+def _loads(experts, num_experts):
+  """[MoE layers, E] expert assignments from `_experts`' choices."""
+  return np.stack([np.bincount(np.asarray(e).ravel(), minlength=num_experts)
+                   for e in experts]).astype(np.float32)
 
 
 def test_balancing_bias_equals_a_hand_computation_over_3_steps():
@@ -149,9 +155,11 @@ def test_balancing_bias_equals_a_hand_computation_over_3_steps():
   model, data = run.task.model, run.datasets["train"]
   want = np.zeros((model.num_layers - model.moe.first_moe_layer, model.moe.num_experts),
                   np.float32)
+  experts = jax.jit(functools.partial(_experts, model))
   for step in range(3):
     np.testing.assert_array_equal(params[step]["layers"]["block"]["moe"][BIAS], want)
-    load = _loads(model, params[step], jnp.asarray(data.batch_at(step)["inputs"]))
+    load = _loads(experts(params[step], jnp.asarray(data.batch_at(step)["inputs"])),
+                  model.moe.num_experts)
     assert load.sum() == 8 * 32 * model.moe.top_k * len(load)
     want = np.asarray(update_bias(jnp.asarray(want), jnp.asarray(load),
                                   model.moe.bias_update_rate))

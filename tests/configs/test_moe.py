@@ -87,9 +87,12 @@ def test_first_layers_dense_are_their_own_stack():
 @pytest.mark.slow
 def test_console_and_tensorboard_show_the_moe_metrics_and_the_checkpoint_decodes(tmp_path):
   job = str(tmp_path / "job")
+  # Rows of 32 tokens, answers of 4 after the 8-token prompts: the metrics and the decode
+  # need no more (each step costs seconds at -O0 on 8 emulated devices).
   base = ("task.train.num_train_steps=2", "task.train.log_interval_steps=1",
           "task.train.summary_interval_steps=1", "task.train.save_interval_steps=2",
-          "task.model.moe.capacity_factor=1.0", *CAPACITY)
+          "task.model.moe.capacity_factor=1.0", *CAPACITY, "datasets['train'].seq_len=32",
+          "task.decode.max_decode_len=12")
   r = h.run(h.main_cmd("TinyMoe", job, *base))
   assert r.returncode == 0, r.stderr[-3000:]
   lines = [l for l in r.stdout.splitlines() if "tokens/s" in l and " loss " in l]

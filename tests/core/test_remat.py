@@ -45,16 +45,17 @@ def _program(strategy: str, policy: str | None):
 
 @functools.lru_cache(maxsize=None)
 def _initial(strategy: str):
-  """No remat's program: its init gives every policy's program the same starting state
-  (policies change no layout), so each policy compiles only its train step."""
-  return _program(strategy, None)[0]
+  """No remat's program (and its batch): its init and its canonical conversion serve every
+  policy's program (policies change no layout), so each policy compiles only its train step."""
+  return _program(strategy, None)
 
 
 def _loss_and_grads(strategy: str, policy: str | None):
   """(first step's loss, its canonical gradients) under `policy`."""
-  program, batch = _program(strategy, policy)
-  state, metrics = program.train(_initial(strategy).init(), program.global_batch(batch))
-  return float(metrics["loss"]), jax.device_get(program.to_canonical(state).opt_state[0].trace)
+  initial, _ = _initial(strategy)
+  program, batch = _initial(strategy) if policy is None else _program(strategy, policy)
+  state, metrics = program.train(initial.init(), program.global_batch(batch))
+  return float(metrics["loss"]), jax.device_get(initial.to_canonical(state).opt_state[0].trace)
 
 
 # Every preset runs through a scan: on 8 devices one of each kind (recompute all, save on the
