@@ -35,6 +35,15 @@ def train_steps(exp: str, num_steps: int, devices=None, overrides=(), edit=None)
   return np.asarray(losses), params, program, state
 
 
+@functools.lru_cache(maxsize=None)
+def train_steps_once(exp: str, num_steps: int, num_devices: int | None = None, overrides=()):
+  """`train_steps` on the first `num_devices` devices (all by default), run once per process
+  for the same arguments: tests (of any file) that train the same model the same way share
+  the run. Its results are read-only to them."""
+  devices = None if num_devices is None else jax.devices()[:num_devices]
+  return train_steps(exp, num_steps, devices, tuple(overrides))
+
+
 TINY_LM_TOKENS = lm.TinyLm.batch_size * lm.TinyLm.seq_len  # the terms of a TinyLm gradient's sums
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23 = 1.19e-7
 
