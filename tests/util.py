@@ -36,6 +36,19 @@ def train_steps(exp: str, num_steps: int, devices=None, overrides=(), edit=None)
   return np.asarray(losses), params, program, state
 
 
+def train_steps_once(exp: str, num_steps: int, num_devices: int | None = None, overrides=()):
+  """`train_steps` on the first `num_devices` devices (all by default), run once per process
+  for the same arguments: tests (of any file) that train the same model the same way share
+  the run. Its results are read-only to them."""
+  return _train_steps_once(exp, num_steps, num_devices, tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)  # (positional: lru_cache keys on how arguments are passed)
+def _train_steps_once(exp, num_steps, num_devices, overrides):
+  devices = None if num_devices is None else jax.devices()[:num_devices]
+  return train_steps(exp, num_steps, devices, overrides)
+
+
 TINY_LM_TOKENS = lm.TinyLm.batch_size * lm.TinyLm.seq_len  # the terms of a TinyLm gradient's sums
 EPS32 = float(np.finfo(np.float32).eps)  # 2**-23 = 1.19e-7
 

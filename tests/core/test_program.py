@@ -25,21 +25,14 @@ def _train(exp, job_log_dir, num_steps, overrides=()):
   return loop.train(run, job_log_dir=str(job_log_dir))
 
 
-@pytest.fixture(scope="session")
-def pipelined_job(tmp_path_factory):
-  """(job dir, program, losses) of END uninterrupted TinyLmPipeline steps, saved at SAVE and
-  END."""
-  job = tmp_path_factory.mktemp("pipelined")
-  _, program, losses = _train("lm.TinyLmPipeline", job, END)
-  return job, program, losses
-
-
 @pytest.mark.slow
-def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(pipelined_job,
-                                                                           tmp_path):
+def test_a_pipelined_checkpoint_resumes_scanned_and_circular_and_warm_starts(tmp_path):
   """TinyLmPipeline's step-2 checkpoint resumed for steps 3-4 as TinyLm and as
-  TinyLmCircular gives the uninterrupted run's losses."""
-  job, _, uninterrupted = pipelined_job
+  TinyLmCircular gives the uninterrupted run's losses; a TinyLm warm start from the job
+  takes its canonical params. (One test: the pipelined job is trained once.)"""
+  job = tmp_path / "pipelined"
+  # END uninterrupted steps, saved at SAVE and END.
+  _, program, uninterrupted = _train("lm.TinyLmPipeline", job, END)
   meta = checkpoints.read_meta(str(job), SAVE)
   assert meta["pipeline"]["num_stages"] == 2 and meta["canonical"].startswith("logical")
   assert meta["pipeline"]["strategy"] == "spmd_pipeline"
@@ -49,10 +42,7 @@ def test_pipeline_checkpoint_resumes_scanned_and_circular_on_the_same_losses(pip
     shutil.rmtree(tmp_path / exp / "checkpoints" / str(END))  # the job as it was at SAVE
     _, _, resumed = _train(exp, tmp_path / exp, END)
     np.testing.assert_allclose(resumed, uninterrupted[SAVE:], rtol=1e-4, err_msg=exp)
-
-
-def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(pipelined_job, tmp_path):
-  job, program, _ = pipelined_job
+  # A warm start from the pipelined job takes its canonical params.
   ckpt = checkpoints.restore_state(str(job), program)[0]
   want = jax.device_get(program.to_canonical(ckpt).params)
   state, scanned, _ = _train("lm.TinyLm", tmp_path / "warm", 0,
@@ -65,7 +55,8 @@ def test_warm_start_from_a_pipelined_job_takes_its_canonical_params(pipelined_jo
 @pytest.mark.parametrize("exp,devices", [("lm.TinyLmFsdpTp", 8)])
 def test_gradient_accumulation_equals_the_whole_batch(exp, devices):
   extra = ONE_DEVICE if devices == 1 else []
-  whole = util.train_steps(exp, END, jax.devices()[:devices], extra)
+  # The whole batch's run is test_steps' (test_layout_matches_one_device): once per process.
+  whole = util.train_steps_once(exp, END, devices, tuple(extra))
   accumulated = util.train_steps(exp, END, jax.devices()[:devices],
                                  extra + ["task.train.num_microbatches=4"])
   np.testing.assert_allclose(accumulated[0], whole[0], rtol=1e-5)

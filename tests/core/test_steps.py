@@ -23,7 +23,7 @@ def reference():
 @pytest.mark.parametrize("exp", ["lm.TinyLm", "lm.TinyLmFsdpTp"])
 def test_layout_matches_one_device(exp, reference):
   ref_losses, ref_params = reference
-  losses, params, program, _ = util.train_steps(exp, STEPS)
+  losses, params, program, _ = util.train_steps_once(exp, STEPS, 8)  # (also test_program's)
   assert program.mesh.size == 8
   assert losses[-1] < losses[0] - 0.3  # it learns (6.02 to 5.56 over these 4 steps)
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
