@@ -147,8 +147,12 @@ def test_two_processes_read_their_files_and_train_like_one(tmp_path):
                                                           rng.integers(1, 8, 96))]
   for k in range(2):  # 2 x 48 records: 6 steps of 16 rows are one epoch
     write_records(str(tmp_path / f"part{k}.tfrecord"), seqs[k::2])
-  sets = ("task.model.num_layers=1", "task.train.num_train_steps=6",
-          "task.train.summary_interval_steps=1", "task.train.eval_interval_steps=0",
+  # The model and settings of tests/run/test_distributed.py's jobs (its STEPS): their
+  # programs (1 x 8 and 2 x 4 devices; batches of the same shapes) come from the persistent
+  # XLA cache, built once for both files.
+  sets = ("task.train.summary_interval_steps=1", "task.train.save_interval_steps=6",
+          "task.train.log_interval_steps=2", "task.model.num_layers=1",
+          "task.train.num_train_steps=6", "task.train.eval_interval_steps=0",
           f"datasets['train'].file_pattern='{tmp_path}/part*.tfrecord'")
   exp = "tests.registered_exps.TinyLmRecords"
   one, two = str(tmp_path / "one"), str(tmp_path / "two")

@@ -184,8 +184,11 @@ def test_goodput_mode_without_events_exits_2_in_one_paragraph(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+# Two layers: the account is of the job's time, whatever its steps compute (each step, save and
+# restore half the work of TinyLm's four).
 STEPS = ("task.train.num_train_steps=20", "task.train.save_interval_steps=4",
-         "task.train.log_interval_steps=1", "task.train.summary_interval_steps=100")
+         "task.train.log_interval_steps=1", "task.train.summary_interval_steps=100",
+         "task.model.num_layers=2")
 GAP_S = 1.0  # the test waits this long between a run's end and the next start
 
 
