@@ -36,13 +36,6 @@ class OneBatch:
 program_and_state = util.program_and_state
 
 
-@pytest.fixture(scope="module", autouse=True)
-def xla_cache():
-  """The in-process runs load what the command-line jobs compiled (the same programs)."""
-  with util.persistent_xla_cache():
-    yield
-
-
 def test_metrics_equal_on_1_and_8_devices_and_partial_batch_counted_once():
   one = evaluation.evaluate(*program_and_state("TinyLm", 1), eval_input())
   eight = evaluation.evaluate(*program_and_state("TinyLmFsdpTp", 8), eval_input())

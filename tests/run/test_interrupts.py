@@ -17,13 +17,6 @@ OVERRIDES = (f"task.train.num_train_steps={STEPS}", "task.train.log_interval_ste
              "task.train.summary_interval_steps=1", "task.train.save_interval_steps=1000")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def xla_cache():
-  """The in-process runs load what the command-line jobs compiled (the same programs)."""
-  with util.persistent_xla_cache():
-    yield
-
-
 @pytest.mark.slow
 def test_ctrl_c_saves_the_current_step_and_the_rerun_resumes_on_the_same_losses(tmp_path):
   job = str(tmp_path / "job")

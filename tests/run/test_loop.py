@@ -12,13 +12,6 @@ from tests import subproc as h
 from tests import util
 
 
-@pytest.fixture(scope="module", autouse=True)
-def xla_cache():
-  """The in-process runs load what the command-line jobs compiled (the same programs)."""
-  with util.persistent_xla_cache():
-    yield
-
-
 def test_profile_steps_write_a_trace(tmp_path):
   # Step 2 traced as the last step (steps cost ~1 s of CPU each: none after it).
   run = util.build_run("lm.TinyLm", ["task.train.num_train_steps=2",
