@@ -1,6 +1,5 @@
 """Shared test helpers: build an experiment's run config, train it in-process on a device subset;
 compare float32 results at tolerances that follow from float32 and the arrays' scale."""
-import contextlib
 import functools
 import math
 
@@ -102,23 +101,6 @@ def assert_trees_equal(a, b):
   assert len(flat_a) == len(flat_b)
   for (path, x), y in zip(flat_a, flat_b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=sharding.path_str(path))
-
-
-@contextlib.contextmanager
-def persistent_xla_cache():
-  """In this block, jit reads (and writes) the XLA programs that the tests' subprocesses keep
-  in their shared persistent cache (tests/subproc.CACHE): an in-process run of a program a
-  command-line job built loads it instead of compiling it again (~3-4 s of CPU each)."""
-  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
-  from tests import subproc  # pylint: disable=g-import-not-at-top
-  cache = jax.config.jax_compilation_cache_dir
-  jax.config.update("jax_compilation_cache_dir", subproc.CACHE)
-  compilation_cache.reset_cache()
-  try:
-    yield
-  finally:
-    jax.config.update("jax_compilation_cache_dir", cache)
-    compilation_cache.reset_cache()
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,11 +9,11 @@ import signal
 from absl import logging as absl_logging
 import fiddle as fdl
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import numpy as np
 import pytest
 
 from tests import subproc as h
-from tests import util
 from spmdtask import main
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
@@ -57,8 +57,12 @@ class _Records(logging.Handler):
 def xla_cache():
   """This module's in-process runs read the compiles its subprocess wrote to the tests' XLA
   cache (the same programs), in a process that may have compiled without a cache before."""
-  with util.persistent_xla_cache():
-    yield
+  cache = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", h.CACHE)
+  compilation_cache.reset_cache()
+  yield
+  jax.config.update("jax_compilation_cache_dir", cache)
+  compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
