@@ -105,9 +105,12 @@ def fresh_state(program: Program, params) -> Any:
   param, in the model's dtypes) and a fresh optimizer state: `init()`'s state with these
   weights, without building or running the random init that they would all replace (an
   import of a checkpoint: a random init of its whole model, compiled and run for nothing)."""
-  split = jax.tree.map(lambda t: t.sharding.spec, program.canonical_targets())
+  targets = program.canonical_targets()
+  split = jax.tree.map(lambda t: t.sharding.spec, targets)
   make = steps.partition(lambda p: train_state.fresh(program.tx, p), program.mesh,
                          (split.params,), split)
+  # Placed as the state holds them (params read whole or on another layout reshard here).
+  params = jax.device_put(params, jax.tree.map(lambda t: t.sharding, targets.params))
   return program.from_canonical(make(params))
 
 

@@ -43,7 +43,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from spmdtask import console, fs
-from spmdtask.core import sharding, train_state
+from spmdtask.core import program as program_lib, sharding, train_state
 from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_check, fingerprints, goodput_events, local_tier, lora_base
 from spmdtask.run import checkpoint_io as io
@@ -110,19 +110,21 @@ def read_meta(job_log_dir: str, step: int | None = None) -> dict:
     mngr.close()
 
 
-def warm_start(init_dir: str, program, state: TrainState, init_adapters: str = "merge"
-               ) -> TrainState:
-  """`state` with params from the latest checkpoint of job `init_dir`; opt state kept fresh.
-  A LoRA model takes its frozen params from it (`run.lora_base`), its adapters fresh."""
-  return _warm_start(init_dir, program, state, init_adapters)[0]
+def warm_start(init_dir: str, program, init_adapters: str = "merge") -> TrainState:
+  """`program`'s step-0 state with params from the latest checkpoint of job `init_dir` and a
+  fresh optimizer state. A LoRA model takes its frozen params from it (`run.lora_base`), its
+  adapters fresh."""
+  return _warm_start(init_dir, program, init_adapters)[0]
 
 
-def _warm_start(init_dir: str, program, state: TrainState, init_adapters: str = "merge"
+def _warm_start(init_dir: str, program, init_adapters: str = "merge"
                 ) -> tuple[TrainState, lora_base.Base | None]:
   """(warm_start's state, the base a LoRA model's checkpoints then name, else None). A LoRA
   job's checkpoint in `init_dir` starts the model with its adapters merged in
   (`lora_base.read`), or, with `init_adapters` 'continue', a LoRA model with those adapters
-  on the start's own base."""
+  on the start's own base. Only new adapters (a LoRA model on a merged start) take the
+  program's random init; otherwise the start's params are every weight, and the state is
+  built from them alone (`program.fresh_state`: no random init to replace)."""
   lora = train_state.adapters_only(program.model)
   keep = init_adapters == "continue"
   if keep and not lora:
@@ -132,18 +134,18 @@ def _warm_start(init_dir: str, program, state: TrainState, init_adapters: str = 
   base, params = lora_base.read(init_dir, program, merge=not keep)
   logging.info("Warm start: params from %s step %d; fresh optimizer state.", init_dir,
                base.step)
-  canonical = program.to_canonical(state)
+  base = base if lora else None  # a LoRA model's saves name the base
+  targets = program.canonical_targets().params
+  if lora and not keep:  # new adapters: the model's fresh init (PEFT's: B = 0)
+    canonical = program.to_canonical(program.init())
+    return _live(program, 0, lora_base.merged(canonical.params, params),
+                 canonical.opt_state), base
   adapters = None
   if keep:
-    adapters, fresh = train_state.adapters(params), train_state.adapters(canonical.params)
-    _check_adapters(adapters, fresh, init_dir)
-    # Read whole on every device (lora_base): placed as the model's own adapters.
-    adapters = jax.tree.map(lambda a, m: jax.device_put(a, m.sharding), adapters, fresh)
-  # In the model's dtypes; a LoRA model's adapters fresh (or the start's), its saves naming
-  # the base.
-  params = lora_base.merged(canonical.params, params, adapters)
-  return (_live(program, int(jax.device_get(state.step)), params, canonical.opt_state),
-          base if lora else None)
+    adapters = train_state.adapters(params)
+    _check_adapters(adapters, train_state.adapters(targets), init_dir)
+  # In the model's dtypes (`merged`); every leaf the start's, so no init to replace.
+  return program_lib.fresh_state(program, lora_base.merged(targets, params, adapters)), base
 
 
 def _check_adapters(start, model, init_dir: str) -> None:
@@ -358,9 +360,9 @@ def initial_state(ckpt: Checkpointer | None, program, inputs, restore_step: int 
     if input_state and hasattr(inputs, "set_state"):
       inputs.set_state(input_state)
     return state
-  state = program.init()
-  if init_checkpoint_dir:
-    state, base = _warm_start(init_checkpoint_dir, program, state, init_adapters)
-    if ckpt is not None:
-      ckpt.base = base
+  if not init_checkpoint_dir:
+    return program.init()
+  state, base = _warm_start(init_checkpoint_dir, program, init_adapters)
+  if ckpt is not None:
+    ckpt.base = base
   return state

@@ -162,7 +162,7 @@ def test_warm_start_loads_params_with_fresh_optimizer(reference_job):
   program = _program()
   fresh = program.init()
   fresh_opt = jax.device_get(fresh.opt_state)
-  warm = checkpoints.warm_start(reference_job, program, fresh)
+  warm = checkpoints.warm_start(reference_job, program)
   ref, _ = checkpoints.restore_state(reference_job, program)
   for a, b in zip(jax.tree.leaves(jax.device_get(warm.params)),
                   jax.tree.leaves(jax.device_get(ref.params))):
@@ -177,7 +177,7 @@ def test_warm_start_shape_mismatch_lists_variables(reference_job):
   want = (r"is not a start for this model.*3 differ: .*layers/block/mlp/wi: checkpoint "
           r"\(4, 128, 512\), model \(4, 128, 256\)")
   with pytest.raises(ConfigError, match=want):
-    checkpoints.warm_start(reference_job, program, None)
+    checkpoints.warm_start(reference_job, program)
 
 
 def test_bad_input_is_a_config_error_and_overwrites_nothing(reference_job, tmp_path):

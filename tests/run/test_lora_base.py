@@ -122,7 +122,7 @@ def test_a_base_of_another_model_is_a_config_error(base_job):
   want = (r"task.train.init_checkpoint_dir=.* is not the base of this LoRA model.*"
           r"layers/block/mlp/wi: checkpoint \(2, 128, 512\), model \(2, 128, 256\)")
   with pytest.raises(ConfigError, match=want):
-    checkpoints.warm_start(base_job.dir, program, program.init())
+    checkpoints.warm_start(base_job.dir, program)
 
 
 def test_a_missing_or_changed_base_is_a_config_error_exit_2(base_job, lora, tmp_path):
@@ -150,8 +150,7 @@ def test_a_missing_or_changed_base_is_a_config_error_exit_2(base_job, lora, tmp_
   # A LoRA job's adapter-only checkpoint starts a plain model as its base with the adapters
   # merged in: W + (alpha / r)·A·B (layers.lora), read from the base the checkpoint names.
   plain = base_job.program  # a plain TinyLm
-  got = jax.device_get(plain.to_canonical(checkpoints.warm_start(lora.job, plain,
-                                                                 plain.init())).params)
+  got = jax.device_get(plain.to_canonical(checkpoints.warm_start(lora.job, plain)).params)
   base = jax.device_get(plain.to_canonical(checkpoints.restore_state(lora.base, plain)[0]).params)
   scale = lora.meta_at_2[lora_base.SCALE_KEY]
   assert scale == 2.0  # TinyLmLora: rank 4, alpha 8
@@ -170,7 +169,7 @@ def test_a_resume_with_another_rank_names_both_ranks(lora):
 
 def test_continue_trains_the_starts_own_adapters_on_its_base(lora):
   program = lora.program  # the job's
-  state, base = checkpoints._warm_start(lora.job, program, program.init(), "continue")  # pylint: disable=protected-access
+  state, base = checkpoints._warm_start(lora.job, program, "continue")  # pylint: disable=protected-access
   got = jax.device_get(program.to_canonical(state).params)
   util.assert_trees_equal(train_state.adapters(got), train_state.adapters(lora.state.params))
   util.assert_trees_equal(lora_base.without_adapters(got),
@@ -179,4 +178,4 @@ def test_continue_trains_the_starts_own_adapters_on_its_base(lora):
   with pytest.raises(ConfigError, match=r"init_adapters='continue', but .* holds rank 4 on "
                      r"other weights or of another rank"):
     other = _program("lm.TinyLmLora", "task.model.lora.rank=8")
-    checkpoints.warm_start(lora.job, other, other.init(), "continue")
+    checkpoints.warm_start(lora.job, other, "continue")
