@@ -25,7 +25,7 @@ import numpy as np
 
 from spmdtask.core import program as program_lib
 
-_ENTRIES = 32  # programs kept per worker (least recently used dropped first)
+_ENTRIES = 8  # programs kept per worker (least recently used dropped first): a test's own
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, type(Ellipsis))
 
 
@@ -79,13 +79,14 @@ _setup = program_lib.setup
 
 def setup(task, example_local_batch, devices=None):
   """`program_lib.setup`, built once per key in this process."""
-  devs = tuple(d.id for d in (jax.devices() if devices is None else devices))
+  # The device objects themselves: a TPU topology's compile-only devices (a plan) share
+  # their ids with the CPU devices.
+  devs = tuple(jax.devices() if devices is None else devices)
   key = (value_key(task), _example_key(example_local_batch), devs)
   hit = _built.get(key)
   if hit is not None and value_key(hit[0]) != key[0]:  # its task was changed in place since
     del _built[key]
     hit = None
-  _log("hit" if hit is not None else "miss", task)
   if hit is not None:
     _built.move_to_end(key)
     if isinstance(task.model, program_lib.ChecksBatch):
@@ -96,14 +97,6 @@ def setup(task, example_local_batch, devices=None):
   if len(_built) > _ENTRIES:
     _built.popitem(last=False)
   return program
-
-
-def _log(what, task):
-  import os, sys  # pylint: disable=import-outside-toplevel,multiple-imports
-  path = os.environ.get("SPMDTASK_TEST_MEMO_LOG")
-  if path:
-    with open(f"{path}.{os.getpid()}", "a") as f:
-      f.write(f"{what}\t{type(task.model).__name__}\t{os.environ.get('PYTEST_CURRENT_TEST', '')}\n")
 
 
 def install() -> None:

@@ -11,6 +11,7 @@ from typing import Any, Callable, Protocol
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from orbax.checkpoint._src.metadata import array_metadata_store  # the default handler's
 
 from spmdtask import console, fs
 from spmdtask.core import sharding, train_state
@@ -43,6 +44,17 @@ class Standard:
 
 
 STANDARD = Standard()
+
+# orbax saves a replicated array replica-parallel: each replica transfers and writes a slice
+# of it, cut by an eager slice op per replica (one program per slice shape). Worth it for a
+# large array (transfers from many devices at once); for a small one the cutting costs more
+# than it saves (on a tiny model, most of a save's CPU). Below this size a slice is not cut:
+# one replica writes the whole array.
+MIN_REPLICA_SLICE_BYTES = 1 << 20
+ocp.type_handlers.register_type_handler(
+    jax.Array, ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(),
+        min_slice_bytes_for_replica_parallel=MIN_REPLICA_SLICE_BYTES), override=True)
 
 
 def agreed_alone(why: str | None) -> str | None:
