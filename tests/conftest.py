@@ -17,11 +17,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # sets it for subprocesses, and an in-process test may import gcsfs before it sets anything.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-from tests import program_memo  # pylint: disable=wrong-import-position  # (imports jax)
-
-if not os.environ.get("SPMDTASK_TEST_NO_PROGRAM_MEMO"):
-  program_memo.install()
-
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: an end-to-end test that takes over ~20 s on 2 cores (deselect: -m 'not slow')")
