@@ -5,8 +5,9 @@ from typing import Sequence
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
+from spmdtask.core import sharding
 from spmdtask.errors import ConfigError
 
 
@@ -87,3 +88,13 @@ def device_array_for(ici: tuple[int, ...], dcn: tuple[int, ...],
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
   """Axis name -> size: the only thing the partitioner's pure functions need."""
   return dict(mesh.shape)
+
+
+def spread(x: jax.Array) -> NamedSharding | None:
+  """x's layout cut over every device of its mesh (`sharding.spread`), for a reduction over
+  x (a fingerprint, a finite check) that would otherwise run whole on each device holding a
+  replica; None where x is not laid out on a mesh."""
+  if not isinstance(x.sharding, NamedSharding):
+    return None
+  mesh = x.sharding.mesh
+  return NamedSharding(mesh, sharding.spread(x.sharding.spec, x.shape, mesh_shape(mesh)))

@@ -222,6 +222,24 @@ def even_split(split: P, shape: Sequence[int], mesh_shape: MeshShape) -> P:
   return P(*(e if d % shards(e, mesh_shape) == 0 else None for d, e in zip(shape, entries)))
 
 
+def spread(split: P, shape: Sequence[int], mesh_shape: MeshShape) -> P:
+  """`even_split(split)` with each mesh axis it leaves unused (size > 1) added to a dim that
+  axis divides, the largest dim left first: the tensor cut over as many devices as its shape
+  allows. A value computed under it and then laid out as `split` is computed once over the
+  mesh and gathered, rather than in full on each device that holds it whole."""
+  entries = [list(entry_axes(e)) for e in even_split(split, shape, mesh_shape)]
+  used = {a for e in entries for a in e}
+  left = [d // shards(tuple(e), mesh_shape) for d, e in zip(shape, entries)]
+  for axis, size in sorted(mesh_shape.items(), key=lambda kv: -kv[1]):
+    if size > 1 and axis not in used:
+      fits = [d for d in range(len(shape)) if left[d] % size == 0]
+      if fits:
+        d = max(fits, key=lambda d: left[d])
+        entries[d].append(axis)
+        left[d] //= size
+  return P(*(None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries))
+
+
 def even_splits(shapes, splits, mesh_shape: MeshShape):
   """`even_split` for every leaf."""
   return jax.tree.map(lambda x, s: even_split(s, x.shape, mesh_shape), shapes, splits)

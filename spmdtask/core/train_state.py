@@ -61,8 +61,25 @@ _variables = jax.jit(lambda model, rng, batch: model.init(rng, batch, method=mod
 
 
 def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
-  """Boxed (nn.Partitioned) params from `model.loss` on an example batch."""
-  return _variables(model, rng, example_batch)["params"]
+  """Boxed (nn.Partitioned) params from `model.loss` on an example batch.
+
+  Under a mesh each weight is drawn cut over every device (`sharding.spread` of its
+  split-dims mapping), then laid out as the state holds it: partitionable threefry draws the
+  same values on any layout, so a weight held whole on each device (data parallel) is drawn
+  once over the mesh and gathered instead of drawn in full by every device.
+  """
+  boxed = _variables(model, rng, example_batch)["params"]
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.manual_axes:
+    return boxed
+  mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+  def drawn(x):
+    value = x.value if isinstance(x, nn.Partitioned) else x
+    value = jax.lax.with_sharding_constraint(
+        value, sharding.spread(_split_of_box(x), value.shape, mesh_shape))
+    return x.replace_boxed(value) if isinstance(x, nn.Partitioned) else value
+  return jax.tree.map(drawn, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
 def abstract_variables(model: nn.Module, example_batch) -> Any:

@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import NamedSharding, PartitionSpec
 
-from spmdtask.core import sharding
+from spmdtask.core import mesh as mesh_lib, sharding
 
 KEY = "fingerprints"  # where the `meta` item holds them
 
@@ -74,9 +74,13 @@ def _lanes(x: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _program(mesh):
-  """One jitted program: every leaf's two lanes, stacked [n, 2], replicated on `mesh`."""
-  return jax.jit(lambda leaves: jnp.stack([_lanes(x) for x in leaves]),
-                 out_shardings=NamedSharding(mesh, PartitionSpec()))
+  """One jitted program: every leaf's two lanes, stacked [n, 2], replicated on `mesh`. Each
+  leaf is hashed as `mesh_lib.spread` lays it out (the static `spreads`): a replicated array
+  is summed in parts by the devices that hold it, not whole by each."""
+  def lanes(leaves, spreads):
+    return jnp.stack([_lanes(x if s is None else jax.lax.with_sharding_constraint(x, s))
+                      for x, s in zip(leaves, spreads)])
+  return jax.jit(lanes, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
 def of(items: dict, mesh) -> dict[str, str]:
@@ -86,7 +90,8 @@ def of(items: dict, mesh) -> dict[str, str]:
            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
   if not named:
     return {}
-  lanes = np.asarray(_program(mesh)(tuple(x for _, x in named)))
+  leaves = tuple(x for _, x in named)
+  lanes = np.asarray(_program(mesh)(leaves, tuple(mesh_lib.spread(x) for x in leaves)))
   return {name: f"{int(a):08x}{int(b):08x}" for (name, _), (a, b) in zip(named, lanes)}
 
 

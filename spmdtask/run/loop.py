@@ -6,6 +6,7 @@ checkpoints, evaluation, profiling, the NaN guard) is a `Hook`, not a longer loo
 """
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from typing import Sequence
@@ -17,7 +18,7 @@ from spmdtask.run import (checkpoints, evaluation, goodput, goodput_events, inte
                           local_tier, peers, reference, rollout, summaries, throughput)
 from spmdtask.run.hooks import Fetched, Hook  # pylint: disable=unused-import  # the loop's API
 from spmdtask import console, fs
-from spmdtask.core import global_batch, steps
+from spmdtask.core import global_batch, mesh as mesh_lib, steps
 from spmdtask.core import host_input as inputs_base, program as program_lib
 from spmdtask.errors import ConfigError, Interrupted, TrainingError
 from spmdtask.plan import chips
@@ -95,12 +96,15 @@ def _all_finite(tree) -> bool:
   for x in jax.tree.leaves(tree):
     if jnp.issubdtype(x.dtype, jnp.inexact):
       groups.setdefault(frozenset(x.sharding.device_set), []).append(x)
-  return all(bool(_finite(xs)) for xs in groups.values())
+  return all(bool(_finite(xs, tuple(mesh_lib.spread(x) for x in xs))) for xs in groups.values())
 
 
-@jax.jit
-def _finite(xs) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+@functools.partial(jax.jit, static_argnums=1)
+def _finite(xs, spreads) -> jax.Array:
+  """Each leaf checked as `mesh_lib.spread` lays it out: a replica's check split among the
+  devices that hold it."""
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(
+      x if s is None else jax.lax.with_sharding_constraint(x, s))) for x, s in zip(xs, spreads)]))
 
 
 def non_finite_message(step: int, bad: dict, task, last_good: int | None, checked=False) -> str:

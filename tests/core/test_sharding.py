@@ -100,3 +100,17 @@ def test_even_split_replicates_only_the_dims_that_do_not_divide():
   assert sharding.even_split(P("model", "fsdp"), (257, 128), MESH) == P(None, "fsdp")
   assert sharding.even_split(P(("data", "fsdp")), (6, 3), MESH) == P(None, None)
   assert sharding.even_split(P("model"), (8, 3), MESH) == P("model", None)
+
+
+def test_spread_adds_the_unused_axes_to_the_dims_they_divide():
+  dp = {"data": 8}
+  assert sharding.spread(P(None, None), (16, 6), dp) == P("data", None)  # replicated: cut 8 ways
+  assert sharding.spread(P(), (3, 40), dp) == P(None, "data")  # a short spec: one per dim
+  three = {"data": 2, "fsdp": 2, "model": 2}
+  # The layout's own axes stay; the unused two go to the dim with the most left (64 -> 32).
+  assert sharding.spread(P("fsdp", None), (8, 64), three) == P("fsdp", ("data", "model"))
+  assert sharding.spread(P("fsdp", "model"), (8, 6), three) == P(("fsdp", "data"), "model")
+  # An axis that divides no dim is left out; an uneven entry is dropped first (even_split).
+  assert sharding.spread(P(None), (7,), dp) == P(None)
+  assert sharding.spread(P("data", None), (5, 4), {"data": 2}) == P(None, "data")
+  assert sharding.spread(P(None, None), (16, 6), {"data": 1, "model": 1}) == P(None, None)
