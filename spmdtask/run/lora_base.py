@@ -213,8 +213,13 @@ def _read(init_dir: str, program, step: int | None, expected: Base | None, field
   if not merge:  # the adapters continue: on the start's own base, or on its params
     return own_base or dataclasses.replace(base, merged=False), params
   if train_state.adapters(params):
-    params = train_state.merged_adapters(params, lora_scale(meta))
+    params = _merged_adapters(params, lora_scale(meta))
   return base, params
+
+
+# One program for the whole merge (op by op, each adapted weight's einsum, casts and add
+# were a dozen small programs compiled apiece).
+_merged_adapters = jax.jit(train_state.merged_adapters, static_argnums=1)
 
 
 def _check_expected(expected: Base, shapes: str) -> None:
