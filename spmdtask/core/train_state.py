@@ -11,7 +11,7 @@ import optax
 from absl import logging
 from jax.sharding import PartitionSpec as P
 
-from spmdtask.core import sharding
+from spmdtask.core import mesh as mesh_lib, sharding
 from spmdtask.core.model import Adapted, Buffered
 
 # The one rule of what a LoRA model trains (layers.lora names its adapters so): params
@@ -72,7 +72,7 @@ def init_params(model: nn.Module, rng: jax.Array, example_batch) -> Any:
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.manual_axes:
     return boxed
-  mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  mesh_shape = mesh_lib.mesh_shape(mesh)
 
   def drawn(x):
     value = x.value if isinstance(x, nn.Partitioned) else x
