@@ -15,9 +15,9 @@ its code conversion (`numerics.convert_to`: nf4's nearest of the QLoRA paper's 1
 the ints rounded), its nf4 code book and its int dequantization (`qarray.dequantize`).
 What this module adds: the scaled value is clipped to the largest code before conversion
 (a value at qwix's int4 bound, 7.5, rounds to 8, which int4 cannot hold); the scale is
-rounded to its stored dtype before the codes are made from it; nf4's lookup is 16 selects (qwix's is
-a gather: on XLA:TPU 2.9x the temporaries of a 4096 x 14336 weight's dequantized matmul);
-and the 4-bit codes are packed into bytes, so the arrays a device holds and FSDP gathers
+rounded to its stored dtype before the codes are made from it; nf4's lookup is a tree of
+selects on the code's bits (qwix's is a gather: on XLA:TPU it wrote a float32 copy of each
+gathered weight, `_dequantize_on_device`); and the 4-bit codes are packed into bytes, so the arrays a device holds and FSDP gathers
 are packed (`base.project` gathers the parts of a `Stored` weight, then dequantizes per
 matmul: never a bfloat16 copy of the whole base crosses the links).
 """
@@ -85,30 +85,51 @@ def quantize(w, kind: str, group: int, axis: int, scale_dtype) -> tuple[jax.Arra
 def dequantize(qvalue, qscale, kind: str, axis: int, xp=jnp, dtype=jnp.float32):
   """The weight of (qvalue, qscale) (`quantize`'s), groups along `axis`; `xp` jax.numpy in
   a step, numpy on the host (an export, float32). On device it is computed in float32 and
-  cast to `dtype` (the same math in bfloat16 made XLA:TPU's compile of the 70B step take
-  over 14 minutes, against 2 in float32)."""
+  cast to `dtype` (`_dequantize_on_device`)."""
+  if xp is not np:
+    return _dequantize_on_device(qvalue, qscale, kind, axis, dtype)
+  codes = np.asarray(qvalue)
   if packed(kind):
-    q = xp.asarray(qvalue)
-    codes = xp.stack([q & 15, q >> 4], axis=axis + 1)
-    codes = codes.reshape(q.shape[:axis] + (2 * q.shape[axis],) + q.shape[axis + 1:])
-    codes = codes.astype(xp.uint8) if kind == "nf4" else codes.astype(xp.int8) - 8
-  else:
-    codes = xp.asarray(qvalue)
-  if xp is np:  # on the host: the same code book and groups, in numpy
-    values = (np.asarray(numerics.get_nf4_buckets(), np.float32)[codes] if kind == "nf4"
-              else codes.astype(np.float32))
-    scale = np.repeat(np.asarray(qscale, np.float32), codes.shape[axis] // qscale.shape[axis],
-                      axis=axis)
-    return values * scale
+    codes = np.stack([codes & 15, codes >> 4], axis=axis + 1)
+    codes = codes.reshape(qvalue.shape[:axis] + (2 * qvalue.shape[axis],)
+                          + qvalue.shape[axis + 1:])
+    codes = codes.astype(np.uint8) if kind == "nf4" else codes.astype(np.int8) - 8
+  values = (np.asarray(numerics.get_nf4_buckets(), np.float32)[codes] if kind == "nf4"
+            else codes.astype(np.float32))
+  scale = np.repeat(np.asarray(qscale, np.float32), codes.shape[axis] // qscale.shape[axis],
+                    axis=axis)
+  return values * scale
+
+
+def _dequantize_on_device(qvalue, qscale, kind, axis, dtype):
+  """`dequantize` in a step, written for XLA:TPU's fusion: each nibble is decoded where it
+  lies, scaled by its group's scale broadcast to the codes, cast to `dtype`, and only then
+  interleaved; nf4's code book is a tree of selects on the code's 4 bits. Measured on
+  Llama31_70B_QLora's step (v5e:2x4, temporaries a chip): a chain of 16 selects on
+  `codes == c` made XLA write each compare as a bool array, 21.3 GiB (refused); the bit
+  tree on interleaved codes, float32 values regrouped to the scales, 10.2 GiB; this, 7.8
+  GiB. A gather (qwix's lookup) wrote a float32 copy of each weight (8 layers: 12.3 GiB
+  against the tree's 5.5). Two matmuls, one per half, never interleaving the weight, wrote
+  float32 halves and took XLA:TPU 13 minutes to compile (this: 1)."""
   scale = jnp.asarray(qscale, jnp.float32)
-  if kind == "nf4":  # qwix's table lookup is a gather; 16 selects fuse into the matmul's input
-    table = numerics.get_nf4_buckets()
-    values = jnp.zeros(codes.shape, jnp.float32)
-    for code in range(16):
-      values = jnp.where(codes == code, table[code], values)
-    return qarray.call_with_generic_broadcast(jnp.multiply, values, scale).astype(dtype)
-  qtype = _QTYPES[kind]
-  return qarray.dequantize(qarray.QArray(codes.astype(qtype), scale, None, qtype)).astype(dtype)
+  per_scale = qvalue.shape[axis] // scale.shape[axis]  # codes a scale covers (of qvalue)
+  scale = jnp.repeat(scale, per_scale, axis=axis) if per_scale > 1 else scale
+
+  def decode(codes):
+    if kind == "nf4":
+      level = [jnp.float32(v) for v in numerics.get_nf4_buckets()]
+      for bit in range(4):  # bit 0 picks between neighbouring codes, bit 3 between halves
+        on = (codes >> bit) & 1 == 1
+        level = [jnp.where(on, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
+      return level[0]
+    return (codes.astype(jnp.int8) - 8 if kind == "int4" else codes).astype(jnp.float32)
+
+  if not packed(kind):
+    return (decode(qvalue) * scale).astype(dtype)
+  q = jnp.asarray(qvalue)
+  halves = [(decode(codes) * scale).astype(dtype) for codes in (q & 15, q >> 4)]
+  dense = jnp.stack(halves, axis=axis + 1)
+  return dense.reshape(q.shape[:axis] + (2 * q.shape[axis],) + q.shape[axis + 1:])
 
 
 def weight(module: nn.Module, name: str, shape, split: SplitDims, init, kind: str,
