@@ -172,16 +172,18 @@ class Storage:
 
   def quantized(self, params, model_params):
     """Float `params` (`float_view`'s names) as `model_params` (the model's arrays or
-    ShapeDtypeStructs) hold them: each weight quantized where its parts lie; what
-    `params` lacks (e.g. adapters) left out."""
+    ShapeDtypeStructs) hold them: each weight quantized where its parts lie, one after
+    the other (a weight may be a loader, `() -> array`, called when its turn comes), a
+    stack one layer at a time (its float32 copy one layer's); what `params` lacks (e.g.
+    adapters) left out."""
     if not isinstance(model_params, dict):
       return params
 
     def pair(name, qvalue, qscale):
-      make = functools.partial(quantize, kind=self.kind, group=self.group,
-                               axis=group_axis(name, len(qvalue.shape)),
-                               scale_dtype=qscale.dtype)
-      return jax.jit(make, out_shardings=(qvalue.sharding, qscale.sharding))(params[name])
+      w = params[name]
+      return _quantize_program(self.kind, self.group, group_axis(name, len(qvalue.shape)),
+                               qscale.dtype, qvalue.sharding, qscale.sharding)(
+                                   w() if callable(w) else w)
     return _pairs(model_params, pair,
                   lambda k, v: self.quantized(params[k], v) if k in params else None)
 
@@ -191,6 +193,19 @@ class Storage:
     return _pairs(params, lambda name, q, s: dequantize(q, s, self.kind,
                                                         group_axis(name, q.ndim), np),
                   lambda _, v: self.dequantized(v))
+
+
+@functools.lru_cache(maxsize=None)
+def _quantize_program(kind: str, group: int, axis: int, scale_dtype, qvalue_sharding,
+                      qscale_sharding):
+  """jit of `quantize` into the parts' shardings; with a dim before the group dim (a
+  stack's layers), one slice of dim 0 at a time (`lax.map`: groups never span dim 0, so
+  the codes are the same)."""
+  def make(w):
+    if axis == 0:
+      return quantize(w, kind, group, axis, scale_dtype)
+    return jax.lax.map(lambda s: quantize(s, kind, group, axis - 1, scale_dtype), w)
+  return jax.jit(make, out_shardings=(qvalue_sharding, qscale_sharding))
 
 
 def _pairs(tree, pair, other):

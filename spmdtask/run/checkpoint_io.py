@@ -189,6 +189,34 @@ def restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_I
   return got
 
 
+def read_params(directory: str, step: int, program, targets, stored_fingerprints) -> Any:
+  """Some of checkpoint `step`'s params: `targets` (a subtree of them, sharded
+  ShapeDtypeStructs in the dtypes stored) read with orbax's partial restore, each device
+  reading only its own shards of these arrays, checked against `stored_fingerprints` (the
+  step's meta's; None: unchecked). What a start too big to hold at once reads piece by
+  piece (a QLoRA base, run.lora_base); ConfigError when damaged. Every process calls it."""
+  why = checkpoint_check.problem(fs.join(directory, str(step)))
+  if not why:
+    args = ocp.args.PyTreeRestore(
+        item=targets, partial_restore=True,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(targets))
+    with console.libraries_to_log():
+      try:
+        with ocp.PyTreeCheckpointer() as checkpointer:
+          got = checkpointer.restore(fs.join(directory, str(step), "params"), args=args)
+      except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, OS
+        logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
+        why = checkpoint_check.read_failure(e)
+  if not why and stored_fingerprints:
+    why = fingerprints.mismatch(stored_fingerprints,
+                                fingerprints.of({"params": got}, program.mesh))
+  if why:
+    raise ConfigError(f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
+                      "Nothing was changed. Start from an intact copy of it, or from another "
+                      "of its steps.")
+  return got
+
+
 def checked_read(mngr, directory: str, program, step: int, items, params_targets=None,
                  fmt: ArrayFormat = STANDARD,
                  agree: Callable[[str | None], str | None] = agreed_alone

@@ -45,7 +45,8 @@ from absl import logging
 from spmdtask import console, fs
 from spmdtask.core import program as program_lib, sharding, train_state
 from spmdtask.errors import ConfigError
-from spmdtask.run import checkpoint_check, fingerprints, goodput_events, local_tier, lora_base
+from spmdtask.run import (checkpoint_check, fingerprints, goodput_events, local_tier, lora_base,
+                          quantized_base)
 from spmdtask.run import checkpoint_io as io
 from spmdtask.run.checkpoint_io import (  # pylint: disable=unused-import  # the module's API
     ARRAY_ITEMS, COMMIT_FILE, checkpoint_dir, complete_steps)
@@ -96,7 +97,9 @@ def restore_state(job_log_dir: str, program, step: int | None = None) -> tuple[T
     got = io.restore(mngr, directory, program, step, ARRAY_ITEMS)
   finally:
     mngr.close()
-  return _live(program, step, lora_base.whole_params(program, got), got["opt_state"]), step
+  frozen = quantized_base.read(job_log_dir, program, lora_base.Base.of(got["meta"]))
+  return _live(program, step, lora_base.whole_params(program, got, frozen),
+               got["opt_state"]), step
 
 
 def read_meta(job_log_dir: str, step: int | None = None) -> dict:
@@ -196,6 +199,7 @@ class Checkpointer:
     # What the saves hold: the whole params, or (a LoRA job warm-started from a base, known
     # once the start state is) the adapters alone, the base named in `meta`.
     self.base: lora_base.Base | None = None
+    self._quantized = quantized_base.Saver(job_log_dir, program)  # a QLoRA base's copy
 
   def latest_step(self) -> int | None:
     """The newest complete step of either tier (collective with a local tier)."""
@@ -248,7 +252,8 @@ class Checkpointer:
     say("Restored step %d from %s (saved on mesh %s; %s).", step, where,
         dict(zip(got["meta"]["mesh_axis_names"], got["meta"]["mesh_shape"])),
         "fingerprints checked" if step in self.checked else "no fingerprints: unchecked")
-    params = lora_base.whole_params(self.program, got)
+    frozen = quantized_base.read(self.job_log_dir, self.program, self.base)
+    params = lora_base.whole_params(self.program, got, frozen)
     return _live(self.program, step, params, got["opt_state"]), step, got["inputs"]
 
   def _move_aside(self, steps: list[int]) -> None:
@@ -314,6 +319,8 @@ class Checkpointer:
                                 inputs=ocp.args.JsonSave(input_state or {}),
                                 meta=ocp.args.JsonSave(meta))
       self._mngr.save(step, args=args, force=True)
+      if self.base is not None:
+        self._quantized.save(self.base, logical.params)
     if local:
       self.local.save(step, arrays, input_state or {}, meta)
     self.checked.add(step)
@@ -328,6 +335,7 @@ class Checkpointer:
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
+    self._quantized.wait()
     if self.local is not None:
       self.local.wait()
 
@@ -338,10 +346,12 @@ class Checkpointer:
       try:
         with self.record.phase("save"):
           mngr.wait_until_finished()
+          self._quantized.wait()
           if self.local is not None:
             self.local.wait()
       finally:
         mngr.close()
+        self._quantized.close()
         if self.local is not None:
           self.local.close()
 

@@ -163,20 +163,27 @@ def read(init_dir: str, program, step: int | None = None, expected: Base | None 
   adapters continue on. Every process calls it.
   A QLoRA model's base (`train_state.base_storage`) is read in float (its stored weights
   under their float names: `float_view`) and quantized here, weight by weight on the
-  devices that hold it (`quantized`): once a start, never saved by the job."""
+  devices that hold it (`quantized`), once a job (its restores read the job's own copy,
+  run.quantized_base, where it has one). From a float checkpoint (no adapters of its own)
+  each weight is read only when its turn comes (`_streamed`), so the float base is never
+  whole on the devices."""
   storage = train_state.base_storage(program.model)
-  base, params = _read(init_dir, program, step, expected, field, merge, storage)
+  base, params = _read(init_dir, program, step, expected, field, merge, storage,
+                       stream=storage is not None)
   if storage is None:
     return base, params
   return base, storage.quantized(params, program.canonical_targets().params)
 
 
 def _read(init_dir: str, program, step: int | None, expected: Base | None, field: str,
-          merge: bool, storage) -> tuple[Base, dict]:
-  """`read`'s base and params, a QLoRA base in float."""
+          merge: bool, storage, stream: bool = False) -> tuple[Base, dict]:
+  """`read`'s base and params, a QLoRA base in float (`stream`: from a float checkpoint,
+  its stored weights as loaders, `_streamed`)."""
   merge = expected.merged if expected is not None else merge
   model_params = program.canonical_targets().params
+  stored_names = ()
   if storage is not None:
+    stored_names = set(_flat(storage.float_view(model_params))) - set(_flat(model_params))
     model_params = storage.float_view(model_params)
   shapes = fingerprint(model_params)
   if expected is not None:
@@ -197,8 +204,12 @@ def _read(init_dir: str, program, step: int | None, expected: Base | None, field
     else:
       want = _overlay(targets(model_params, without_adapters(saved), init_dir, field),
                       _replicated(train_state.adapters(saved), program.mesh))
-    got = checkpoint_io.restore(mngr, directory, program, step, ("params",), own=False,
-                                params_targets=want)
+    if stream and own_base is None and not train_state.adapters(saved):
+      got = {"params": _streamed(directory, step, program, want, meta, stored_names),
+             "meta": meta}
+    else:
+      got = checkpoint_io.restore(mngr, directory, program, step, ("params",), own=False,
+                                  params_targets=want)
   finally:
     mngr.close()
   base = Base(init_dir, step, shapes, _values_fingerprint(got["meta"]))
@@ -215,6 +226,38 @@ def _read(init_dir: str, program, step: int | None, expected: Base | None, field
   if train_state.adapters(params):
     params = _merged_adapters(params, lora_scale(meta))
   return base, params
+
+
+def _streamed(directory: str, step: int, program, want: dict, meta: dict,
+              stored_names) -> dict:
+  """The params of checkpoint `step` as `want` (restore targets) has them, each weight of
+  `stored_names` (paths) a loader (`() -> array`: it reads that one array when called,
+  `checkpoint_io.read_params`) that `Storage.quantized` calls and quantizes before the
+  next: the device holds one float weight of a QLoRA base at a time (Llama31_8B_QLora on
+  one 16 GiB v5e: its bfloat16 base whole is 15 GiB). The rest is read at once."""
+  stored = meta.get(fingerprints.KEY)
+
+  def load(path):
+    one = _select(want, lambda p: p == path)
+    return lambda: _flat(checkpoint_io.read_params(directory, step, program, one, stored))[path]
+  loaders = jax.tree_util.tree_map_with_path(lambda p, _: load(sharding.path_str(p)),
+                                             _select(want, lambda p: p in stored_names))
+  rest = _select(want, lambda p: p not in stored_names)
+  return _overlay(checkpoint_io.read_params(directory, step, program, rest, stored), loaders)
+
+
+def _select(tree: dict, keep, prefix: str = "") -> dict:
+  """`tree` (nested dicts) with only the leaves whose path ('a/b/c') `keep` accepts."""
+  out = {}
+  for k, v in tree.items():
+    path = f"{prefix}{k}"
+    if isinstance(v, dict):
+      inner = _select(v, keep, path + "/")
+      if inner:
+        out[k] = inner
+    elif keep(path):
+      out[k] = v
+  return out
 
 
 # One program for the whole merge (op by op, each adapted weight's einsum, casts and add
@@ -243,12 +286,14 @@ def _mismatch(base: Base, why: str) -> ConfigError:
       "config.txt); nothing was changed.")
 
 
-def whole_params(program, got: dict):
+def whole_params(program, got: dict, frozen=None):
   """The whole canonical params of a restored checkpoint (`got`: its items and `meta`): as
-  read, or, for one that holds only the adapters, with the frozen params read from the base
-  its `meta` names (ConfigError naming FIELD when that base is gone or differs)."""
+  read, or, for one that holds only the adapters, with the frozen params `frozen` (a QLoRA
+  job's own copy, run.quantized_base) or else read from the base its `meta` names
+  (ConfigError naming FIELD when that base is gone or differs)."""
   if got["meta"].get(checkpoint_io.HELD_KEY) != checkpoint_io.ADAPTERS:
     return got["params"]
-  base = Base.of(got["meta"])
-  _, frozen = read(base.dir, program, base.step, expected=base)
+  if frozen is None:
+    base = Base.of(got["meta"])
+    _, frozen = read(base.dir, program, base.step, expected=base)
   return merged(program.canonical_targets().params, frozen, got["params"])

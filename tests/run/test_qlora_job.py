@@ -1,13 +1,16 @@
 """A QLoRA job (layers/qlora.py): warm-started from a float base it quantizes once (run/
 lora_base.py), trains only its adapters over an nf4 base, the same on 1 and 8 devices."""
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
 
-from spmdtask.core import train_state
+from spmdtask.core import program as program_lib, sharding, train_state
 from spmdtask.layers import qlora
 from spmdtask.hf.jobs import checkpoints as hf_checkpoints
-from spmdtask.run import loop
+from spmdtask.run import checkpoint_io, checkpoints, lora_base, loop, quantized_base
 from tests import util
 
 SMALL = ["task.model.num_layers=1"]  # (the jobs save at their end only: no test reads them)
@@ -26,7 +29,7 @@ def jobs(tmp_path_factory):
   hf_checkpoints.write_checkpoint(base, SMALL, float_params, prog)
   lines = SMALL + NF4 + [f"task.train.init_checkpoint_dir={base!r}",
                          f"task.train.num_train_steps={STEPS}"]
-  out = {"base": float_params}
+  out = {"base": float_params, "base_dir": base, "root": root}
   for name, mesh, devices in (("one", "(1, 1, 1)", jax.devices()[:1]),
                               ("eight", "(2, 2, 2)", None)):
     run = util.build_run("lm.TinyLmLora", lines + [f"task.ici_mesh_shape={mesh}"])
@@ -65,3 +68,58 @@ def test_qlora_on_8_devices_equals_one_device(jobs):
   jax.tree.map(np.testing.assert_array_equal, base8, base1)
   util.assert_trees_close(adapters8, adapters1, terms=util.TINY_LM_TOKENS)
 
+
+
+def test_a_qlora_start_reads_its_float_base_one_weight_at_a_time(jobs, monkeypatch):
+  """From a float checkpoint (data 2 x fsdp 2 x tensor 2) the start reads its embedding,
+  norms and head at once, then each of the 7 weights it quantizes alone, the one before
+  freed (its codes made) before the next is read: a base that does not fit the devices in
+  float can start. The codes are those of the whole float weight."""
+  reads, earlier, alive = [], [], []
+  read_params = checkpoint_io.read_params
+
+  def spy(directory, step, program, targets, stored):
+    gc.collect()
+    alive.append(sum(ref() is not None for ref in earlier))
+    got = read_params(directory, step, program, targets, stored)
+    names = sorted(sharding.path_str(p) for p, _ in
+                   jax.tree_util.tree_flatten_with_path(got)[0])
+    reads.append(names)
+    if len(names) == 1:
+      earlier.extend(weakref.ref(x) for x in jax.tree.leaves(got))
+    return got
+  monkeypatch.setattr(checkpoint_io, "read_params", spy)
+  run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
+      f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
+  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  params = jax.device_get(lora_base.read(jobs["base_dir"], program)[1])
+  weights = ["layers/block/attn/" + n for n in "kqov"] + ["layers/block/mlp/" + n
+                                                          for n in ("wg", "wi", "wo")]
+  assert "embedding" in reads[0] and not set(weights) & set(reads[0])
+  assert sorted(r[0] for r in reads[1:]) == sorted(weights) and all(len(r) == 1 for r in reads[1:])
+  assert alive == [0] * len(reads)
+  float_base = jobs["base"]["layers"]["block"]
+  for kind, name, axis in (("attn", "q", 1), ("mlp", "wo", 1)):
+    want = qlora.quantize(float_base[kind][name], "nf4", 32, axis, np.float32)
+    np.testing.assert_array_equal(params["layers"]["block"][kind][name + "_qvalue"], want[0])
+    np.testing.assert_array_equal(params["layers"]["block"][kind][name + "_qscale"], want[1])
+
+
+def test_a_qlora_job_saves_its_quantized_base_once_and_restores_without_the_float_base(jobs):
+  """The job's first save writes its frozen params as it holds them (codes, scales, float
+  embedding and norms) to quantized_base/; a restore reads them there: bitwise the job's,
+  with the float base it started from moved away."""
+  job = jobs["root"] / "eight"
+  assert (job / quantized_base.DIR).is_dir()
+  moved = jobs["root"] / "base_moved"
+  (jobs["root"] / "base").rename(moved)
+  try:
+    run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
+        f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
+    program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+    state, step = checkpoints.restore_state(str(job), program)
+  finally:
+    moved.rename(jobs["root"] / "base")
+  assert step == STEPS
+  got = jax.device_get(program.to_canonical(state).params)
+  jax.tree.map(np.testing.assert_array_equal, got, jobs["eight"][1])
