@@ -12,14 +12,15 @@ bitsandbytes keeps the embedding and the head.
 qwix gives the numbers: its absmax calibration per tile (`qarray.calibrate` with the group
 dim tiled), its scale (absmax / the type's bound: 1 for nf4, 7.5 and 127.5 for int4, int8),
 its code conversion (`numerics.convert_to`: nf4's nearest of the QLoRA paper's 16 values,
-the ints rounded), its nf4 code book and its int dequantization (`qarray.dequantize`).
-What this module adds: the scaled value is clipped to the largest code before conversion
-(a value at qwix's int4 bound, 7.5, rounds to 8, which int4 cannot hold); the scale is
-rounded to its stored dtype before the codes are made from it; nf4's lookup is a tree of
-selects on the code's bits (qwix's is a gather: on XLA:TPU it wrote a float32 copy of each
-gathered weight, `_dequantize_on_device`); and the 4-bit codes are packed into bytes, so the arrays a device holds and FSDP gathers
-are packed (`base.project` gathers the parts of a `Stored` weight, then dequantizes per
-matmul: never a bfloat16 copy of the whole base crosses the links).
+the ints rounded) and its nf4 code book; a weight is its codes' values times their group's
+scale. What this module adds: the scaled value is clipped to the largest code before
+conversion (a value at qwix's int4 bound, 7.5, rounds to 8, which int4 cannot hold); the
+scale is rounded to its stored dtype before the codes are made from it; a dequantization
+written for XLA:TPU's fusion (`_dequantize_on_device`: nf4's lookup a tree of selects on
+the code's bits, where qwix's gather wrote a float32 copy of each weight); and the 4-bit
+codes are packed into bytes, so the arrays a device holds and FSDP gathers are packed
+(`base.project` gathers the parts of a `Stored` weight, then dequantizes per matmul: never
+a bfloat16 copy of the whole base crosses the links).
 """
 import dataclasses
 import functools

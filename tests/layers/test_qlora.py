@@ -7,12 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from spmdtask.core import train_state
 from spmdtask.errors import ConfigError
 from spmdtask.layers import qlora
 from spmdtask.layers.lora import LoraConfig
 from spmdtask.layers.transformer import TransformerLm
+from spmdtask.plan import buffers, targets
 from tests import util
 
 ALL = ("q", "k", "v", "o", "wi", "wg", "wo")
@@ -151,8 +153,6 @@ def test_an_nf4_matmul_on_xla_tpu_writes_no_compare_and_no_float32_weight():
   in float32 and the interleaved halves), and write no bool array. A chain of 16 compares
   wrote a bool array per compare and a float32 copy of the weight (6.0x: the 70B
   QLoRA plan's step then needed 21.3 GiB of a v5e's 16)."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from spmdtask.plan import buffers, targets  # pylint: disable=g-import-not-at-top
   d, f, tokens = 4096, 14336, 512
   one = NamedSharding(Mesh(np.array(targets.tpu("v5e:1x1").devices[:1]), ("x",)), P())
   args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in
