@@ -189,12 +189,15 @@ def restore(mngr, directory: str, program, step: int, items=ARRAY_ITEMS + JSON_I
   return got
 
 
-def read_params(directory: str, step: int, program, targets, stored_fingerprints) -> Any:
+def read_params(directory: str, step: int, program, targets, stored_fingerprints,
+                advice: str = "Start from an intact copy of it, or from another of its steps."
+                ) -> Any:
   """Some of checkpoint `step`'s params: `targets` (a subtree of them, sharded
   ShapeDtypeStructs in the dtypes stored) read with orbax's partial restore, each device
   reading only its own shards of these arrays, checked against `stored_fingerprints` (the
   step's meta's; None: unchecked). What a start too big to hold at once reads piece by
-  piece (a QLoRA base, run.lora_base); ConfigError when damaged. Every process calls it."""
+  piece (a QLoRA base, run.lora_base); ConfigError when damaged (its last sentence
+  `advice`). Every process calls it."""
   why = checkpoint_check.problem(fs.join(directory, str(step)))
   if not why:
     args = ocp.args.PyTreeRestore(
@@ -212,8 +215,7 @@ def read_params(directory: str, step: int, program, targets, stored_fingerprints
                                 fingerprints.of({"params": got}, program.mesh))
   if why:
     raise ConfigError(f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
-                      "Nothing was changed. Start from an intact copy of it, or from another "
-                      "of its steps.")
+                      f"Nothing was changed. {advice}")
   return got
 
 

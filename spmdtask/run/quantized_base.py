@@ -7,12 +7,13 @@ A LoRA job's checkpoints hold only its adapters and name the base it started fro
 as it holds them (the codes and scales, the float embedding, norms and head) once, at its
 first save, beside its checkpoints, and its restores read that copy: the packed bytes, no
 quantization, the float base no longer needed. The copy's `meta` names the base and the
-storage it was made from; a copy of another base or storage is not read (the base then
-is, as before)."""
+storage it was made from; a copy of another base or storage is not read, nor is a damaged
+one (a console line says so): the base then is, as before."""
 import orbax.checkpoint as ocp
 
-from spmdtask import fs
+from spmdtask import console, fs
 from spmdtask.core import train_state
+from spmdtask.errors import ConfigError
 from spmdtask.run import checkpoint_io, fingerprints, lora_base
 
 DIR = "quantized_base"
@@ -26,6 +27,7 @@ def _made_from(base: lora_base.Base, storage) -> dict:
 def _manager(job_log_dir: str, read_only: bool) -> ocp.CheckpointManager:
   handlers = {"params": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
   options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only,
+                                         cleanup_tmp_directories=not read_only,
                                          enable_async_checkpointing=True)
   return ocp.CheckpointManager(fs.join(fs.absolute(job_log_dir), DIR), options=options,
                                item_handlers=handlers)
@@ -55,8 +57,15 @@ def read(job_log_dir: str, program, base: lora_base.Base | None):
   if meta is None or {k: meta.get(k) for k in ("base", "storage")} != _made_from(base, storage):
     return None
   targets = lora_base.without_adapters(program.canonical_targets().params)
-  return checkpoint_io.read_params(fs.join(fs.absolute(job_log_dir), DIR), STEP, program,
-                                   targets, meta.get(fingerprints.KEY))
+  try:
+    return checkpoint_io.read_params(
+        fs.join(fs.absolute(job_log_dir), DIR), STEP, program, targets,
+        meta.get(fingerprints.KEY),
+        f"This job's copy of its quantized base is left as it is; its base ({base.dir}) is "
+        "read and quantized instead.")
+  except ConfigError as e:  # the base it was made from is still the truth: read that
+    console.say("%s", e)
+    return None
 
 
 class Saver:

@@ -1,5 +1,6 @@
 """--mode=plan: its per-device state bytes equal what a real run allocates; 64 devices; budget."""
 import json
+import math
 import types
 
 import jax
@@ -217,6 +218,22 @@ def test_remat_warning_names_the_param_of_that_shape():
   rows = memory.state_rows(program.layout, dict(program.mesh.shape))
   (w,) = advice.warnings(rows, dict(program.mesh.shape), xla_log.remat_warnings(log), (16, 64))
   assert "param params/embedding" in w and "%copy.3" in w
+
+
+def test_a_replicated_param_is_named_when_splitting_it_would_save_a_share_of_the_state():
+  """FSDP over 8: a replicated 2.5 MiB norm beside 8.8 GiB of split weights is not worth a
+  line (under 1% of the state a device holds); a replicated 512 MiB embedding is."""
+  def row(path, shape, shards, spec):
+    total = 4 * math.prod(shape)
+    return memory.ArrayRow(f"params/{path}", "params", shape, shape, "float32", spec, total,
+                           total // shards, shards)
+  split = row("layers/wi", (80, 8192, 28672), 8, (None, "fsdp", None))  # 8.8 GiB a device
+  norm = row("layers/norm", (80, 8192), 1, (None, None))
+  embedding = row("embedding", (16384, 8192), 1, (None, None))
+  mesh = {"fsdp": 8}
+  assert advice.warnings([split, norm], mesh, [], (8, 2048)) == []
+  (w,) = advice.warnings([split, norm, embedding], mesh, [], (8, 2048))
+  assert w.startswith("params/embedding [16384, 8192] (512.0 MiB) is replicated on all 8")
 
 
 def test_out_of_memory_paragraph_names_the_temporaries_and_the_fixes_that_apply():

@@ -1,12 +1,15 @@
 """A QLoRA job (layers/qlora.py): warm-started from a float base it quantizes once (run/
 lora_base.py), trains only its adapters over an nf4 base, the same on 1 and 8 devices."""
 import gc
+import pathlib
+import shutil
 import weakref
 
 import jax
 import numpy as np
 import pytest
 
+from spmdtask import console
 from spmdtask.core import program as program_lib, sharding, train_state
 from spmdtask.layers import qlora
 from spmdtask.hf.jobs import checkpoints as hf_checkpoints
@@ -123,3 +126,27 @@ def test_a_qlora_job_saves_its_quantized_base_once_and_restores_without_the_floa
   assert step == STEPS
   got = jax.device_get(program.to_canonical(state).params)
   jax.tree.map(np.testing.assert_array_equal, got, jobs["eight"][1])
+
+
+def test_a_damaged_copy_of_the_quantized_base_is_left_and_the_base_read(jobs, tmp_path,
+                                                                          monkeypatch):
+  """Bytes flipped in the copy: a restore says so in one line and reads (and quantizes) the
+  float base it was made from instead: the same params bitwise; the copy is left as it is."""
+  job = tmp_path / "job"
+  shutil.copytree(jobs["root"] / "eight", job)
+  params_dir = job / quantized_base.DIR / str(quantized_base.STEP) / "params"
+  util.flip_middle_of_largest(str(params_dir), lambda p: pathlib.Path(p).read_bytes(),
+                              lambda p, b: pathlib.Path(p).write_bytes(b))
+  damaged = {p: p.read_bytes() for p in params_dir.rglob("*") if p.is_file()}
+  run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
+      f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
+  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
+  said = []
+  monkeypatch.setattr(console, "say", lambda fmt, *args: said.append(fmt % args))
+  state, _ = checkpoints.restore_state(str(job), program)
+  assert len(said) == 1 and "cannot be read" in said[0], said
+  assert said[0].endswith(f"This job's copy of its quantized base is left as it is; its base "
+                          f"({jobs['base_dir']}) is read and quantized instead."), said
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.device_get(program.to_canonical(state).params), jobs["eight"][1])
+  assert {p: p.read_bytes() for p in params_dir.rglob("*") if p.is_file()} == damaged
