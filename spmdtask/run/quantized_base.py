@@ -86,8 +86,8 @@ class Saver:
     if _meta(self.job_log_dir) is not None:  # a resumed job's (never overwritten)
       return
     frozen = lora_base.without_adapters(params)
-    meta = {**_made_from(base, self._storage), fingerprints.KEY: fingerprints.of({"params": frozen},
-                                                           self.program.mesh)}
+    meta = {**_made_from(base, self._storage),
+            fingerprints.KEY: fingerprints.of({"params": frozen}, self.program.mesh)}
     self._mngr = _manager(self.job_log_dir, read_only=False)
     self._mngr.save(STEP, args=ocp.args.Composite(params=ocp.args.StandardSave(frozen),
                                                   meta=ocp.args.JsonSave(meta)), force=True)
