@@ -194,25 +194,18 @@ def read_params(directory: str, step: int, program, targets, stored_fingerprints
                 ) -> Any:
   """Some of checkpoint `step`'s params: `targets` (a subtree of them, sharded
   ShapeDtypeStructs in the dtypes stored) read with orbax's partial restore, each device
-  reading only its own shards of these arrays, checked against `stored_fingerprints` (the
-  step's meta's; None: unchecked). What a start too big to hold at once reads piece by
-  piece (a QLoRA base, run.lora_base); ConfigError when damaged (its last sentence
-  `advice`). Every process calls it."""
-  why = checkpoint_check.problem(fs.join(directory, str(step)))
-  if not why:
+  reading only its own shards of these arrays, checked as `checked_read` checks a step,
+  against `stored_fingerprints` (the step's meta's; None: unchecked). What a start too big
+  to hold at once reads piece by piece (a QLoRA base, run.lora_base); ConfigError when
+  damaged (its last sentence `advice`). Every process calls it."""
+  def read():
     args = ocp.args.PyTreeRestore(
         item=targets, partial_restore=True,
         restore_args=ocp.checkpoint_utils.construct_restore_args(targets))
-    with console.libraries_to_log():
-      try:
-        with ocp.PyTreeCheckpointer() as checkpointer:
-          got = checkpointer.restore(fs.join(directory, str(step), "params"), args=args)
-      except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, OS
-        logging.info("Restoring %s/%d failed:", directory, step, exc_info=e)  # logs/ only
-        why = checkpoint_check.read_failure(e)
-  if not why and stored_fingerprints:
-    why = fingerprints.mismatch(stored_fingerprints,
-                                fingerprints.of({"params": got}, program.mesh))
+    with ocp.PyTreeCheckpointer() as checkpointer:
+      return checkpointer.restore(fs.join(directory, str(step), "params"), args=args)
+  got, why = _checked(directory, step, program, read,
+                      lambda got: (stored_fingerprints, {"params": got}))
   if why:
     raise ConfigError(f"The checkpoint at step {step} in {directory} cannot be read: {why}. "
                       f"Nothing was changed. {advice}")
@@ -228,14 +221,29 @@ def checked_read(mngr, directory: str, program, step: int, items, params_targets
   restore, or its arrays' fingerprints (when it has them) say so. `fmt`: how the tier
   wrote the arrays; `agree`: every process's answer made one (a tier whose processes each
   read their own directory: one damaged copy makes the step damaged for all)."""
+  return _checked(
+      directory, step, program,
+      lambda: _read(mngr, directory, program, step, tuple(k for k in items if k != "meta"),
+                    params_targets, fmt),
+      lambda got: (got["meta"].get(fingerprints.KEY),
+                   {k: got[k] for k in ARRAY_ITEMS if k in items}), agree)
+
+
+def _checked(directory: str, step: int, program, read: Callable[[], Any],
+             fingerprinted: Callable[[Any], tuple[dict | None, dict]],
+             agree: Callable[[str | None], str | None] = agreed_alone
+             ) -> tuple[Any, str | None]:
+  """(read(), None), or (None, why) when step `step` of `directory` is damaged: its
+  metadata and file sizes (`checkpoint_check`, before any read), the read, or the
+  fingerprints of what it read say so (`fingerprinted(got)`: the stored fingerprints,
+  None for none, and the {item: tree} read). `agree` as `checked_read`'s."""
   why = agree(checkpoint_check.problem(fs.join(directory, str(step))))
   if why:
     return None, why
   # A failure ends the run (in the binary the hooks stay: orbax's reads still in flight report).
   with console.libraries_to_log():
     try:
-      got, why = _read(mngr, directory, program, step, tuple(k for k in items if k != "meta"),
-                       params_targets, fmt), None
+      got, why = read(), None
     except ConfigError:
       raise
     except Exception as e:  # pylint: disable=broad-except  # orbax, tensorstore, json, OS
@@ -244,11 +252,10 @@ def checked_read(mngr, directory: str, program, step: int, items, params_targets
   why = agree(why)
   if why:
     return None, why
-  stored = got["meta"].get(fingerprints.KEY)
+  stored, arrays = fingerprinted(got)
   if stored is None:  # written before checkpoints carried fingerprints: unchecked
     return got, None
-  why = fingerprints.mismatch(stored, fingerprints.of(
-      {k: got[k] for k in ARRAY_ITEMS if k in items}, program.mesh))
+  why = fingerprints.mismatch(stored, fingerprints.of(arrays, program.mesh))
   return (None, why) if why else (got, None)
 
 

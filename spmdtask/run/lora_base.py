@@ -183,8 +183,9 @@ def _read(init_dir: str, program, step: int | None, expected: Base | None, field
   model_params = program.canonical_targets().params
   stored_names = ()
   if storage is not None:
-    stored_names = set(_flat(storage.float_view(model_params))) - set(_flat(model_params))
-    model_params = storage.float_view(model_params)
+    floats = storage.float_view(model_params)
+    stored_names = set(_flat(floats)) - set(_flat(model_params))
+    model_params = floats
   shapes = fingerprint(model_params)
   if expected is not None:
     _check_expected(expected, shapes)

@@ -24,24 +24,17 @@ def _made_from(base: lora_base.Base, storage) -> dict:
   return {"base": base.record(), "storage": {"kind": storage.kind, "group": storage.group}}
 
 
-def _manager(job_log_dir: str, read_only: bool) -> ocp.CheckpointManager:
-  handlers = {"params": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-  options = ocp.CheckpointManagerOptions(create=not read_only, read_only=read_only,
-                                         cleanup_tmp_directories=not read_only,
-                                         enable_async_checkpointing=True)
-  return ocp.CheckpointManager(fs.join(fs.absolute(job_log_dir), DIR), options=options,
-                               item_handlers=handlers)
+def _directory(job_log_dir: str) -> str:
+  return fs.join(fs.absolute(job_log_dir), DIR)
 
 
 def _meta(job_log_dir: str) -> dict | None:
   """The copy's meta, None where there is no committed copy."""
-  if not fs.isdir(fs.join(fs.absolute(job_log_dir), DIR)):
+  if not fs.isdir(_directory(job_log_dir)):
     return None
-  mngr = _manager(job_log_dir, read_only=True)
+  mngr = checkpoint_io.manager(_directory(job_log_dir), read_only=True)
   try:
-    if mngr.latest_step() != STEP:
-      return None
-    return mngr.restore(STEP, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return checkpoint_io.read_meta(mngr, STEP) if mngr.latest_step() == STEP else None
   finally:
     mngr.close()
 
@@ -59,7 +52,7 @@ def read(job_log_dir: str, program, base: lora_base.Base | None):
   targets = lora_base.without_adapters(program.canonical_targets().params)
   try:
     return checkpoint_io.read_params(
-        fs.join(fs.absolute(job_log_dir), DIR), STEP, program, targets,
+        _directory(job_log_dir), STEP, program, targets,
         meta.get(fingerprints.KEY),
         f"This job's copy of its quantized base is left as it is; its base ({base.dir}) is "
         "read and quantized instead.")
@@ -88,7 +81,7 @@ class Saver:
     frozen = lora_base.without_adapters(params)
     meta = {**_made_from(base, self._storage),
             fingerprints.KEY: fingerprints.of({"params": frozen}, self.program.mesh)}
-    self._mngr = _manager(self.job_log_dir, read_only=False)
+    self._mngr = checkpoint_io.manager(_directory(self.job_log_dir))
     self._mngr.save(STEP, args=ocp.args.Composite(params=ocp.args.StandardSave(frozen),
                                                   meta=ocp.args.JsonSave(meta)), force=True)
 

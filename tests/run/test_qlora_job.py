@@ -72,8 +72,15 @@ def test_qlora_on_8_devices_equals_one_device(jobs):
   util.assert_trees_close(adapters8, adapters1, terms=util.TINY_LM_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def program(jobs):
+  """The 8-device job's program (data 2 x fsdp 2 x tensor 2), for reads of its base."""
+  run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
+      f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
+  return program_lib.setup(run.task, run.datasets["train"].batch_at(0))
 
-def test_a_qlora_start_reads_its_float_base_one_weight_at_a_time(jobs, monkeypatch):
+
+def test_a_qlora_start_reads_its_float_base_one_weight_at_a_time(jobs, program, monkeypatch):
   """From a float checkpoint (data 2 x fsdp 2 x tensor 2) the start reads its embedding,
   norms and head at once, then each of the 7 weights it quantizes alone, the one before
   freed (its codes made) before the next is read: a base that does not fit the devices in
@@ -81,10 +88,10 @@ def test_a_qlora_start_reads_its_float_base_one_weight_at_a_time(jobs, monkeypat
   reads, earlier, alive = [], [], []
   read_params = checkpoint_io.read_params
 
-  def spy(directory, step, program, targets, stored):
+  def spy(directory, step, prog, targets, stored):
     gc.collect()
     alive.append(sum(ref() is not None for ref in earlier))
-    got = read_params(directory, step, program, targets, stored)
+    got = read_params(directory, step, prog, targets, stored)
     names = sorted(sharding.path_str(p) for p, _ in
                    jax.tree_util.tree_flatten_with_path(got)[0])
     reads.append(names)
@@ -92,9 +99,6 @@ def test_a_qlora_start_reads_its_float_base_one_weight_at_a_time(jobs, monkeypat
       earlier.extend(weakref.ref(x) for x in jax.tree.leaves(got))
     return got
   monkeypatch.setattr(checkpoint_io, "read_params", spy)
-  run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
-      f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
-  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
   params = jax.device_get(lora_base.read(jobs["base_dir"], program)[1])
   weights = ["layers/block/attn/" + n for n in "kqov"] + ["layers/block/mlp/" + n
                                                           for n in ("wg", "wi", "wo")]
@@ -108,7 +112,8 @@ def test_a_qlora_start_reads_its_float_base_one_weight_at_a_time(jobs, monkeypat
     np.testing.assert_array_equal(params["layers"]["block"][kind][name + "_qscale"], want[1])
 
 
-def test_a_qlora_job_saves_its_quantized_base_once_and_restores_without_the_float_base(jobs):
+def test_a_qlora_job_saves_its_quantized_base_once_and_restores_without_the_float_base(
+    jobs, program):
   """The job's first save writes its frozen params as it holds them (codes, scales, float
   embedding and norms) to quantized_base/; a restore reads them there: bitwise the job's,
   with the float base it started from moved away."""
@@ -117,9 +122,6 @@ def test_a_qlora_job_saves_its_quantized_base_once_and_restores_without_the_floa
   moved = jobs["root"] / "base_moved"
   (jobs["root"] / "base").rename(moved)
   try:
-    run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
-        f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
-    program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
     state, step = checkpoints.restore_state(str(job), program)
   finally:
     moved.rename(jobs["root"] / "base")
@@ -128,7 +130,7 @@ def test_a_qlora_job_saves_its_quantized_base_once_and_restores_without_the_floa
   jax.tree.map(np.testing.assert_array_equal, got, jobs["eight"][1])
 
 
-def test_a_damaged_copy_of_the_quantized_base_is_left_and_the_base_read(jobs, tmp_path,
+def test_a_damaged_copy_of_the_quantized_base_is_left_and_the_base_read(jobs, program, tmp_path,
                                                                           monkeypatch):
   """Bytes flipped in the copy: a restore says so in one line and reads (and quantizes) the
   float base it was made from instead: the same params bitwise; the copy is left as it is."""
@@ -138,9 +140,6 @@ def test_a_damaged_copy_of_the_quantized_base_is_left_and_the_base_read(jobs, tm
   util.flip_middle_of_largest(str(params_dir), lambda p: pathlib.Path(p).read_bytes(),
                               lambda p, b: pathlib.Path(p).write_bytes(b))
   damaged = {p: p.read_bytes() for p in params_dir.rglob("*") if p.is_file()}
-  run = util.build_run("lm.TinyLmLora", SMALL + NF4 + [
-      f"task.train.init_checkpoint_dir={jobs['base_dir']!r}", "task.ici_mesh_shape=(2, 2, 2)"])
-  program = program_lib.setup(run.task, run.datasets["train"].batch_at(0))
   said = []
   monkeypatch.setattr(console, "say", lambda fmt, *args: said.append(fmt % args))
   state, _ = checkpoints.restore_state(str(job), program)
