@@ -225,8 +225,8 @@ def local_file(path: str):
     return
   fd, tmp = tempfile.mkstemp(prefix="spmdtask_", suffix="_" + posixpath.basename(path))
   try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(read_bytes(path))
+    with os.fdopen(fd, "wb") as f, open(path, "rb") as src:
+      shutil.copyfileobj(src, f, 64 << 20)  # in pieces: a model's shard is gigabytes
     yield tmp
   finally:
     os.remove(tmp)

@@ -11,7 +11,7 @@ import numpy as np
 
 from spmdtask.errors import ConfigError
 from spmdtask.hf import families
-from spmdtask.hf.trees import nested
+from spmdtask.hf.trees import copy, nested
 
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)  # derived buffers some old checkpoints hold
 
@@ -28,31 +28,83 @@ def layouts(cfg: dict, m: dict):
   return {**to, **own_to}, {**back, **own_back}
 
 
-def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
+class Leaf:
+  """One logical param made from HF tensors when asked: whole (`value()`), or one HF
+  tensor at a time (`blocks()`: a stacked param's [l] or [l, e] slices in order), so an
+  import never holds more than one tensor of the model. Float32, like `to_params`."""
+
+  def __init__(self, names, convert, tensors):
+    """`names`: one HF name, or nested lists of them (the stacked dims); `convert`: an HF
+    tensor (read as float32) -> its slice in our layout."""
+    self.names, self._convert, self._tensors = names, convert, tensors
+    dims, first = [], names
+    while isinstance(first, list):
+      dims.append(len(first))
+      first = first[0]
+    # The layout applied to a stand-in of no storage (zero strides) gives the slice shape.
+    stand_in = np.broadcast_to(np.float32(0), tensors[first].shape)
+    self.shape = tuple(dims) + convert(stand_in).shape
+    self.chunk = (1,) * len(dims) + self.shape[len(dims):]  # one HF tensor
+    self.dtype = np.dtype(np.float32)
+
+  def blocks(self):
+    """(start index, one HF tensor's slice [1, ..., *slice] as float32) for each."""
+    def walk(names, index):
+      if not isinstance(names, list):
+        x = self._convert(np.asarray(self._tensors[names]).astype(np.float32))
+        yield (index + (0,) * x.ndim,
+               np.ascontiguousarray(x).reshape((1,) * len(index) + x.shape))
+        return
+      for i, name in enumerate(names):
+        yield from walk(name, index + (i,))
+    return walk(self.names, ())
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # a fresh array either way
+    return self.value() if dtype is None else self.value().astype(dtype)
+
+  def value(self) -> np.ndarray:
+    out = np.empty(self.shape, self.dtype)
+    for start, x in self.blocks():
+      out[tuple(slice(i, i + n) for i, n in zip(start, x.shape))] = x
+    return out
+
+
+def to_params(cfg: dict, tensors) -> dict:
   """spmdtask's logical params (float32, layers stacked [L, ...], routed experts
-  [L, E, ...]) from HF tensors; ConfigError for a missing or an unmapped tensor."""
+  [L, E, ...]) from HF tensors (arrays, or `files.Tensor`s); ConfigError for a missing or
+  an unmapped tensor."""
+  return copy(leaves(cfg, tensors), Leaf.value)
+
+
+def leaves(cfg: dict, tensors) -> dict:
+  """`to_params`' tree with a `Leaf` for each param, nothing read but what the checks
+  need (a shared weight's copies); ConfigError for a missing or an unmapped tensor."""
   family, m = families.of(cfg), families.model_fields(cfg)
   used = set()
 
-  def take(name):
-    if name not in tensors:
-      raise ConfigError(f"The checkpoint has no tensor {name!r}, which config.json implies.")
-    used.add(name)
-    return np.asarray(tensors[name]).astype(np.float32)
+  def mark(names):
+    for name in names if isinstance(names, list) else [names]:
+      if isinstance(name, list):
+        mark(name)
+      elif name not in tensors:
+        raise ConfigError(f"The checkpoint has no tensor {name!r}, which config.json implies.")
+      else:
+        used.add(name)
+    return names
 
   layout = layouts(cfg, m)[0]
-  flat = {"embedding": take("model.embed_tokens.weight"),
-          "final_norm/scale": take("model.norm.weight")}
+  flat = {"embedding": Leaf(mark("model.embed_tokens.weight"), layout["same"], tensors),
+          "final_norm/scale": Leaf(mark("model.norm.weight"), layout["same"], tensors)}
   if not m["tie_embeddings"]:
-    flat["unembed"] = take("lm_head.weight").T
+    flat["unembed"] = Leaf(mark("lm_head.weight"), layout["t"], tensors)
   elif "lm_head.weight" in tensors:
     used.add("lm_head.weight")  # a tied head's copy; HF ignores it too
-  stack = lambda names, kind: np.stack([stack(n, kind) if isinstance(n, list)
-                                        else layout[kind](take(n)) for n in names])
   for path, names, kind in family.stacked(cfg, m):
-    flat[path] = stack(names, kind)
+    flat[path] = Leaf(mark(names), layout[kind], tensors)
   for copy, main in family.copies(cfg).items():  # shared weights' copies
-    if not np.array_equal(take(copy), take(main)):
+    mark([copy, main])
+    if not np.array_equal(np.asarray(tensors[copy]), np.asarray(tensors[main])):
       raise ConfigError(f"The checkpoint's {copy!r} differs from {main!r}: spmdtask's MTP head "
                         "shares the main model's (DeepSeek-V3's design), so it cannot hold both.")
   extra = sorted(k for k in set(tensors) - used if not k.endswith(IGNORED_TENSORS))
@@ -61,7 +113,7 @@ def to_params(cfg: dict, tensors: dict[str, np.ndarray]) -> dict:
                       f"{extra[:10]}{' ...' if len(extra) > 10 else ''}. It is not a plain "
                       f"{cfg.get('architectures', [families.model_type(cfg)])[0]} (config.json "
                       "fields and tensors disagree).")
-  return nested({path: np.ascontiguousarray(value) for path, value in flat.items()})
+  return nested(flat)
 
 
 def from_params(cfg: dict, params: dict, dtypes: dict[str, str]) -> dict[str, np.ndarray]:

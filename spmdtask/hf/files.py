@@ -4,12 +4,15 @@ or the shards model.safetensors.index.json lists), the files beside them a chat 
 one through a local staging dir, uploaded at the end) with ordinary modes, 0644 files in a
 0755 directory, whatever the umask.
 """
+import contextlib
 import json
 import os
 import time
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
+import safetensors
 from safetensors import numpy as st_numpy
 
 from spmdtask import console, fs
@@ -34,9 +37,30 @@ FILE_MODE, DIR_MODE = 0o644, 0o755
 Report = Callable[[str], None]  # takes one console line (progress); None: silent
 
 
-def read_hf(hf_dir: str, report: Report | None = None) -> tuple[dict, dict[str, np.ndarray]]:
-  """(config.json, tensors by name) of a HF directory, single-file or sharded; `report`
-  gets one line per weights file (shard i/N, tensors, bytes, seconds)."""
+class Tensor:
+  """One tensor of a safetensors file, read from it when asked (`np.asarray(t)`, or
+  `read()`); its shape and dtype are the file header's. What lets an import hold one
+  tensor at a time, not the model (`opened_hf`)."""
+
+  def __init__(self, path: str, name: str, shape: tuple[int, ...], dtype: np.dtype):
+    self.path, self.name, self.shape, self.dtype = path, name, tuple(shape), dtype
+
+  def read(self) -> np.ndarray:
+    with safetensors.safe_open(self.path, framework="numpy") as f:
+      return f.get_tensor(self.name)
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # a fresh array either way
+    x = self.read()
+    return x if dtype is None else x.astype(dtype)
+
+
+@contextlib.contextmanager
+def opened_hf(hf_dir: str, report: Report | None = None):
+  """(config.json, `Tensor`s by name) of a HF directory, single-file or sharded, with
+  nothing read but the files' headers; the tensors are readable inside the `with` (a
+  gs:// dir's files are copied to local temporary files, deleted on exit). `report` gets
+  one line per weights file (shard i/N, tensors, bytes, seconds)."""
   path = fs.join(hf_dir, CONFIG_FILE)
   if not fs.isfile(path):
     raise ConfigError(f"--from_hf={hf_dir!r} has no config.json; point it at a Hugging Face "
@@ -44,21 +68,45 @@ def read_hf(hf_dir: str, report: Report | None = None) -> tuple[dict, dict[str, 
   cfg = json.loads(fs.read_text(path))
   index = fs.join(hf_dir, INDEX_FILE)
   if fs.isfile(index):
-    files = sorted(set(json.loads(fs.read_text(index))["weight_map"].values()))
+    names = sorted(set(json.loads(fs.read_text(index))["weight_map"].values()))
   else:
-    files = [WEIGHTS_FILE]
-  for name in files:
+    names = [WEIGHTS_FILE]
+  for name in names:
     if not fs.isfile(fs.join(hf_dir, name)):
       raise ConfigError(f"--from_hf={hf_dir!r} has no {name}, which holds the weights.")
-  tensors = {}
-  for i, name in enumerate(files):
-    start = time.perf_counter()
-    with fs.local_file(fs.join(hf_dir, name)) as path:  # safetensors reads (mmaps) a file
-      part = st_numpy.load_file(path)
-    tensors.update(part)
-    if report:
-      report(f"read {name} (shard {i + 1}/{len(files)}): {_summary(part, start)}")
-  return cfg, tensors
+  with contextlib.ExitStack() as stack:
+    tensors = {}
+    for i, name in enumerate(names):
+      start = time.perf_counter()
+      local = stack.enter_context(fs.local_file(fs.join(hf_dir, name)))
+      with safetensors.safe_open(local, framework="numpy") as f:
+        part = {k: Tensor(local, k, f.get_slice(k).get_shape(), _dtype(f.get_slice(k)))
+                for k in f.keys()}
+      tensors.update(part)
+      if report:
+        report(f"read {name} (shard {i + 1}/{len(names)}): {_summary(part, start)}")
+    yield cfg, tensors
+
+
+def read_hf(hf_dir: str, report: Report | None = None) -> tuple[dict, dict[str, np.ndarray]]:
+  """(config.json, tensors by name) of a HF directory, every tensor read (`opened_hf`)."""
+  with opened_hf(hf_dir, report) as (cfg, tensors):
+    return cfg, {k: t.read() for k, t in tensors.items()}
+
+
+# safetensors' dtype codes (the header's) as numpy dtypes.
+_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+           "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+           "F8_E5M2": ml_dtypes.float8_e5m2, "I64": np.int64, "I32": np.int32,
+           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def _dtype(view) -> np.dtype:
+  code = view.get_dtype()
+  if code not in _DTYPES:
+    raise ConfigError(f"A tensor's dtype {code!r} is not one spmdtask reads (safetensors "
+                      f"dtypes {sorted(_DTYPES)}).")
+  return np.dtype(_DTYPES[code])
 
 
 def present(hf_dir: str, names) -> list[str]:
@@ -97,7 +145,8 @@ def write_dir(hf_dir: str, files: dict[str, str | bytes | dict[str, np.ndarray]]
   staged.close()
 
 
-def _summary(tensors: dict[str, np.ndarray], start: float) -> str:
-  nbytes = sum(int(t.nbytes) for t in tensors.values())
+def _summary(tensors: dict, start: float) -> str:
+  """Count, bytes and seconds of arrays or `Tensor`s (their header's size)."""
+  nbytes = sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in tensors.values())
   return (f"{console.count(len(tensors), 'tensor')}, {console.human_bytes(nbytes)}, "
           f"{console.human_seconds(time.perf_counter() - start)}")

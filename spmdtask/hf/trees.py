@@ -34,9 +34,11 @@ def node(tree: dict, path: str) -> tuple[dict, str]:
   return tree, name
 
 
-def copy(tree):
-  """The dicts copied, the leaves shared."""
-  return {k: copy(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+def copy(tree, fn=None):
+  """The dicts copied; the leaves shared, or `fn` of each."""
+  if isinstance(tree, dict):
+    return {k: copy(v, fn) for k, v in tree.items()}
+  return tree if fn is None else fn(tree)
 
 
 def covers(params: dict, like: dict) -> bool:

@@ -165,6 +165,17 @@ def _check_adapters(start, model, init_dir: str) -> None:
         "init_adapters 'merge' (new adapters on the start merged).")
 
 
+def meta_of(program, metadata: dict | None = None) -> dict:
+  """What every step's `meta` of a job of `program` holds beside the step, what its
+  params hold and their fingerprints: the layout's facts, device and process counts,
+  `metadata` (e.g. the config text) and a LoRA model's scale."""
+  meta = {**program.layout_facts(), "device_count": jax.device_count(),
+          "process_count": jax.process_count(), **(metadata or {})}
+  if train_state.adapters_only(program.model):  # what a stage starting here merges by
+    meta[lora_base.SCALE_KEY] = program.model.lora.scale
+  return meta
+
+
 class Checkpointer:
   """Saves and restores one job's train state, input position and metadata. A LoRA job
   warm-started from a base (`base`, set by `initial_state` or by the restored checkpoint's
@@ -190,10 +201,7 @@ class Checkpointer:
     self.directory = checkpoint_dir(job_log_dir)
     self.interval = max(1, save_interval_steps)
     self._mngr = io.manager(self.directory, self.interval, max_to_keep)
-    self._meta = {**program.layout_facts(), "device_count": jax.device_count(),
-                  "process_count": jax.process_count(), **(metadata or {})}
-    if train_state.adapters_only(program.model):  # what a stage starting here merges by
-      self._meta[lora_base.SCALE_KEY] = program.model.lora.scale
+    self._meta = meta_of(program, metadata)
     self.save_seconds: list[float] = []  # blocking part of each save
     self.checked: set[int] = set()  # steps written by this run or whose fingerprints matched
     # What the saves hold: the whole params, or (a LoRA job warm-started from a base, known

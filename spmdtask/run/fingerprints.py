@@ -64,9 +64,11 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
   return index
 
 
-def _lanes(x: jax.Array) -> jax.Array:
+def _lanes(x: jax.Array, offset=0) -> jax.Array:
+  """The two lanes of `x`, whose first word sits at flat word index `offset` of its array
+  (a slice of it: the lanes of an array's slices add up to its own)."""
   bits = _bits(x)
-  index = _flat_index(bits.shape)
+  index = _flat_index(bits.shape) + jnp.asarray(offset, jnp.uint32)
   h = _fmix32(bits ^ (index * _GOLDEN))
   return jnp.stack([jnp.sum(h, dtype=jnp.uint32),
                     jnp.sum(h * (index * np.uint32(2) + np.uint32(1)), dtype=jnp.uint32)])
@@ -93,6 +95,23 @@ def of(items: dict, mesh) -> dict[str, str]:
   leaves = tuple(x for _, x in named)
   lanes = np.asarray(_program(mesh)(leaves, tuple(mesh_lib.spread(x) for x in leaves)))
   return {name: f"{int(a):08x}{int(b):08x}" for (name, _), (a, b) in zip(named, lanes)}
+
+
+def of_blocks(shape: tuple[int, ...], blocks) -> str:
+  """`of`'s fingerprint of an array of `shape` given as `blocks`, (start index, block)
+  pairs covering it, each block contiguous in the array and hashed on its own (one in
+  memory at a time: a streamed write, `run.streamed_checkpoint`)."""
+  total = np.zeros(2, np.uint64)
+  for start, x in blocks:
+    x = jnp.asarray(x)
+    words = 2 if x.dtype.itemsize == 8 else 1  # `_bits`' words per element
+    first = int(np.ravel_multi_index(start, shape)) if shape else 0
+    lanes = _slice_lanes(x, np.uint32(first * words % 2**32))
+    total = (total + np.asarray(lanes, np.uint64)) % 2**32
+  return f"{int(total[0]):08x}{int(total[1]):08x}"
+
+
+_slice_lanes = jax.jit(_lanes)
 
 
 def mismatch(stored: dict[str, str], restored: dict[str, str]) -> str | None:

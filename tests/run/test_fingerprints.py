@@ -50,3 +50,19 @@ def test_fingerprints_equal_across_meshes_and_catch_one_ulp():
   assert why.startswith("the array params/layers/block/mlp/wi does not hold the values it "
                         "was saved with (its fingerprint"), why
   assert fingerprints.mismatch(got_eight, got_one) is None
+
+
+def test_a_fingerprint_taken_block_by_block_equals_the_whole_arrays():
+  mesh = jax.make_mesh((8,), ("d",))
+  rng = np.random.default_rng(0)
+  for x in (rng.normal(size=(3, 4, 5)).astype(np.float32), rng.normal(size=(3, 4, 5)) > 0,
+            rng.integers(0, 99, size=(3, 4, 5)).astype(np.int32)):
+    whole = fingerprints.of({"p": {"w": jax.device_put(x, NamedSharding(mesh, PartitionSpec()))}},
+                            mesh)["p/w"]
+    of = fingerprints.of_blocks
+    rows = of(x.shape, [((i, 0, 0), x[i:i + 1]) for i in range(3)])
+    cells = of(x.shape, [((i, j, 0), x[i:i + 1, j:j + 1]) for i in range(3) for j in range(4)])
+    blocks = of(x.shape, [((0, 0, 0), x[:2]), ((2, 0, 0), x[2:])])
+    assert whole == rows == cells == blocks
+    assert of(x.shape, [((i, 0, 0), x[i:i + 1]) for i in (1, 0, 2)]) == whole  # any order
+    assert of(x.shape, [((i, 0, 0), x[(i + 1) % 3:(i + 1) % 3 + 1]) for i in range(3)]) != whole

@@ -22,14 +22,21 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   ConfigError unless `overwrite` (targets.job_dir). `skip_mtp`: a DeepSeek-V3's MTP layers
   are left out (Family.held). `report` gets the progress lines."""
   replaced = targets.job_dir(job_log_dir, overwrite)
-  raw_cfg, raw = files.read_hf(hf_dir, report)
+  with files.opened_hf(hf_dir, report) as (raw_cfg, raw):
+    return _from_hf(hf_dir, job_log_dir, raw_cfg, raw, adapter, new_lora, skip_mtp, replaced,
+                    report)
+
+
+def _from_hf(hf_dir: str, job_log_dir: str, raw_cfg: dict, raw: dict, adapter: str | None,
+             new_lora: dict | None, skip_mtp: bool, replaced, report) -> list[str]:
+  """`from_hf` on the opened HF dir (`raw`: `files.Tensor`s by name)."""
   family = families.of(raw_cfg)
   source_cfg, tensors = family.text(raw_cfg, raw)  # a multimodal Gemma 3: its text
   cfg, tensors, note = family.held(source_cfg, tensors, skip_mtp)
   kept = files.present(hf_dir, files.TOKENIZER_FILES + (files.GENERATION_FILE,))
   has_tokenizer = files.TOKENIZER_FILES[0] in kept
   tokenizer = fs.join(fs.absolute(job_log_dir), files.TOKENIZER_FILES[0])
-  params, lora = convert.to_params(cfg, tensors), None
+  params, lora = convert.leaves(cfg, tensors), None
   base_name = cfg.get("_name_or_path") or fs.absolute(hf_dir)
   if adapter is not None:
     where = fs.join(adapter, peft.CONFIG_FILE)
@@ -48,6 +55,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   # copied below, and the program does not need it).
   program = checkpoints.program(model_overrides.overrides(cfg, lora=lora),
                                 families.experiment(cfg, lora))
+  ready = checkpoints.prepared(lines, params, program)  # reads every tensor once
   if note:  # said once every input is checked
     print(note, file=sys.stderr)
   if replaced:
@@ -55,7 +63,7 @@ def from_hf(hf_dir: str, job_log_dir: str, adapter: str | None = None,
   fs.makedirs(job_log_dir)
   for name in kept:
     fs.write_bytes(fs.join(job_log_dir, name), fs.read_bytes(fs.join(hf_dir, name)))
-  checkpoints.write_checkpoint(job_log_dir, lines, params, program)
+  checkpoints.write_prepared(job_log_dir, ready)
   fs.write_text(fs.join(job_log_dir, model_overrides.OVERRIDES_FILE),
                 model_overrides.flagfile(lines, raw_cfg["model_type"]))
   source = {"config": source_cfg, "dtypes": {k: str(v.dtype) for k, v in tensors.items()},
