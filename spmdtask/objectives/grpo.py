@@ -4,7 +4,8 @@ Each step's batch is made by the rollout loop (`spmdtask.run.rollout`), not read
 G sampled completions each (rows p·G .. p·G+G-1 are prompt p's group), as LM rows
 `inputs`, `targets`, `weights` [B·G, t] (weights 1 on the completion's tokens), with
 `advantages` [B·G] (group-normalized rewards, `grpo_loss.advantages`) and, with μ > 1,
-`old_logp` [B·G, t] (the sampling policy's log-probs, one forward before the μ updates).
+`old_logp` [B·G, t] (the sampling policy's log-probs, one forward before the μ updates;
+with `overlap_sampling`, the sampler's own, from params one update older than the step's).
 The loss is `grpo_loss`'s (TRL's math); every log-prob (the policy's, the sampling
 policy's, the reference's) is of the logits / the sampling `temperature`, as TRL's. The KL
 term's reference log-probs come from the reference model in the step (its params, or with
@@ -63,6 +64,11 @@ class Grpo:
     num_iterations: μ, optimizer updates on each batch of samples.
     reference_checkpoint_dir: a job dir whose latest params are the KL reference; None =
       the policy's starting params. Not with LoRA (its reference is the base).
+    overlap_sampling: sample the next batch while this one trains (one step off-policy):
+      its sampler runs on the params before this batch's last update, and the host's work
+      on it (decoding, rewards) overlaps that update on the devices. The ratio is then
+      taken against the sampler's log-probs (old_logp: the policy that sampled), so its
+      clip bounds each update's distance from it, at any μ. Off (on-policy) by default.
   """
   rewards: tuple[str, ...] = ("final_answer",)
   reward_weights: tuple[float, ...] | None = None
@@ -83,6 +89,7 @@ class Grpo:
   scale_rewards: str = "group"
   num_iterations: int = 1
   reference_checkpoint_dir: str | None = None
+  overlap_sampling: bool = False
 
   # ------------------------------------------------------------------ the Objective contract
 
@@ -121,6 +128,10 @@ class Grpo:
       raise ConfigError(
           f"task.objective.use_bias_correction_kl={self.use_bias_correction_kl!r} is not a bool. "
           "Set True (TRL's default: the KL term times the importance ratio) or False.")
+    if not isinstance(self.overlap_sampling, bool):
+      raise ConfigError(
+          f"task.objective.overlap_sampling={self.overlap_sampling!r} is not a bool. Set True "
+          "(sample the next batch while this one trains, one step off-policy) or False.")
     if self.scale_rewards not in grpo_loss.SCALE_REWARDS:
       raise ConfigError(f"task.objective.scale_rewards={self.scale_rewards!r} is not one of "
                         f"{grpo_loss.SCALE_REWARDS}.")

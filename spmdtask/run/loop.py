@@ -189,13 +189,13 @@ class Checkpoints(Hook):
   """Saves at each tier's interval, at the last step and on a stop before `num_steps`
   (preemption, Ctrl-C: the fastest tier)."""
 
-  def __init__(self, ckpt: checkpoints.Checkpointer, inputs, num_steps: int):
-    self.ckpt, self.inputs, self.num_steps = ckpt, inputs, num_steps
+  def __init__(self, ckpt: checkpoints.Checkpointer, feed, num_steps: int):
+    self.ckpt, self.feed, self.num_steps = ckpt, feed, num_steps
 
   def after_step(self, step, state, last):
     if last or self.ckpt.should_save(step):
-      self.ckpt.save(step, state, self.inputs.get_state() if hasattr(self.inputs, "get_state")
-                     else None, last=last, stop=last and step < self.num_steps)
+      self.ckpt.save(step, state, self.feed.input_state(), last=last,
+                     stop=last and step < self.num_steps)
 
   def close(self):
     self.ckpt.close()
@@ -255,9 +255,10 @@ def run_steps(program: program_lib.Program, state, feed, first: int, last_step: 
   return state, losses, reason
 
 
-def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir,
+def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir, feed,
               record: goodput_events.Recorder = goodput_events.OFF) -> list[Hook]:
-  """The built-in hooks, in the order they must run (the guard before any save)."""
+  """The built-in hooks, in the order they must run (the guard before any save); `feed`
+  (`rollout.feed`'s) gives the saves the train input's position."""
   tp = run.task.train
   hooks: list[Hook] = [
       goodput_events.LoopSteps(record),
@@ -270,7 +271,7 @@ def hooks_for(run: RunConfig, program: program_lib.Program, ckpt, job_log_dir,
   if tp.profile_steps is not None and job_log_dir is not None:
     hooks.append(Profiler(fs.join(job_log_dir, "profile"), *tp.profile_steps))
   if ckpt is not None:
-    hooks.append(Checkpoints(ckpt, run.datasets["train"], tp.num_train_steps))
+    hooks.append(Checkpoints(ckpt, feed, tp.num_train_steps))
   hooks.append(PeriodicEval(run.datasets, program, tp.eval_interval_steps, tp.eval_steps,
                             job_log_dir, record))
   return hooks
@@ -301,14 +302,15 @@ def _resume_and_run(run: RunConfig, program, ckpt, restore_step, config_text, ba
     return state, [], _FINISHED
   console.say("%s at step %d; training to step %d.",
               "Resuming from the checkpoint" if first else "Starting", first, tp.num_train_steps)
-  all_hooks = hooks_for(run, program, ckpt, job_log_dir, record) + list(hooks)
+  feed = rollout.feed(run, program, record)
+  all_hooks = hooks_for(run, program, ckpt, job_log_dir, feed, record) + list(hooks)
   for h in all_hooks:
     h.attach(program, record)
   stop = (interrupts.StopRequest(jax.process_count(), ckpt.reached_preemption)
           if ckpt is not None else None)
   with stop or contextlib.nullcontext():
     try:
-      return run_steps(program, state, rollout.feed(run, program, record), first,
+      return run_steps(program, state, feed, first,
                        tp.num_train_steps, batch_size, all_hooks, stop or (lambda step: None),
                        inputs_base.target_masked(inputs))
     except Exception as e:  # pylint: disable=broad-except  # the hooks' saves would wait for it

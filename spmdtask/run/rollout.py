@@ -100,7 +100,7 @@ def example_batch(objective, local_prompt_rows: int, prompt_len: int) -> dict[st
   n, t = local_prompt_rows * objective.num_generations, prompt_len + objective.max_new_tokens
   batch = {"inputs": np.zeros((n, t), np.int32), "targets": np.zeros((n, t), np.int32),
            "weights": np.zeros((n, t), np.float32), "advantages": np.zeros((n,), np.float32)}
-  if objective.num_iterations > 1:
+  if objective.num_iterations > 1 or objective.overlap_sampling:
     batch["old_logp"] = np.zeros((n, t), np.float32)
   return batch
 
@@ -123,7 +123,15 @@ class Sampler:
   def sample(self, padded_params, local: dict) -> list[dict]:
     """This process's samples of `local` prompts, in row order (prompt-major): id,
     prompt_ids, output_ids, logp."""
-    out = self.generate(padded_params, local)
+    return self.collect(self.start(padded_params, local))
+
+  def start(self, padded_params, local: dict):
+    """`sample`'s program dispatched (it runs on the devices; nothing waits for it)."""
+    return local, self.generate(padded_params, local)
+
+  def collect(self, started) -> list[dict]:
+    """`sample`'s result of a `start`ed sampling (waits for it)."""
+    local, out = started
     by_id = sampling.to_rows(out)
     busy, iterations = jax.device_get((out.busy, out.iterations))
     self.utilization = float(busy) / max(int(iterations) * self.generate.slots, 1)
@@ -193,24 +201,62 @@ class Rollout:
   _extra: dict = dataclasses.field(default_factory=dict)
   _left: int = 0
   _t_train: float | None = None
+  _ahead: dict | None = None  # the input's position before a batch sampled ahead
 
   def step(self, state):
     obj = self.sampler.objective
+    if obj.overlap_sampling:
+      return self._overlapped(state)
     if self._left == 0:
-      self._batch, self._extra = self._rollout(state)
+      jax.block_until_ready(state.params)  # the train steps' time ends here
+      self._batch, self._extra = self._finish(self._start(state), state)
       self._left = obj.num_iterations
     self._left -= 1
     state, metrics = self.program.train(state, self._batch)
     return state, {**metrics, **self._extra}
 
-  def _rollout(self, state):
+  def _overlapped(self, state):
+    """One step off-policy: the next batch is sampled from the params before this batch's
+    last update, dispatched ahead of it, and finished on the host (decoded, rewarded)
+    while that update runs on the devices. The first batch (and a resumed run's) is
+    sampled at once, on-policy."""
     obj = self.sampler.objective
-    jax.block_until_ready(state.params)
+    if self._batch is None:
+      self._batch, self._extra = self._finish(self._start(state), state)
+      self._left = obj.num_iterations
+    pending = self._start(state) if self._left == 1 else None
+    self._left -= 1
+    state, metrics = self.program.train(state, self._batch)
+    metrics = {**metrics, **self._extra}
+    if pending is not None:
+      self._batch, self._extra = self._finish(pending, state)
+      self._left = obj.num_iterations
+    return state, metrics
+
+  def input_state(self) -> dict | None:
+    """The train input's position for a checkpoint: with a batch sampled ahead
+    (`overlap_sampling`), the position before its prompts, so a resumed run samples them
+    again (on its own params) instead of skipping them."""
+    return self._ahead if self._ahead is not None else _input_state(self.inputs)
+
+  def _start(self, state):
+    """(the sampling dispatched on `state`'s params, when it started, the train step's
+    seconds before it)."""
     t0 = time.perf_counter()
     train_seconds = 0.0 if self._t_train is None else t0 - self._t_train
     with self.record.phase("data"):
+      ahead = self.sampler.objective.overlap_sampling and self._batch is not None
+      self._ahead = _input_state(self.inputs) if ahead else None
       local = next(self.inputs)
-    samples = self.sampler.sample(state.params, local)
+    return self.sampler.start(state.params, local), t0, train_seconds
+
+  def _finish(self, pending, state):
+    """(the train batch, its metrics) of a `_start`ed sampling; log-probs (the old ones
+    of the μ updates, the sampler's gap) scored with `state`'s params."""
+    obj = self.sampler.objective
+    started, t0, train_seconds = pending
+    local = started[0]
+    samples = self.sampler.collect(started)
     t1 = time.perf_counter()
     rows = lm_rows(samples, self.sampler.seq_len, obj.max_new_tokens)
     texts = [self.tokenizer.decode(completion_ids(s, obj.max_new_tokens, self.sampler.stops))
@@ -230,7 +276,9 @@ class Rollout:
         sampler_logp(samples, self.sampler.seq_len, obj.max_new_tokens),
         self.program.batch_specs["targets"], self.program.mesh)
     logp, gap_mean, gap_max = self.scorer(state.params, obj.model_batch(batch), sampled)
-    if obj.num_iterations > 1:
+    if obj.overlap_sampling:  # the policy that sampled them: params one update older
+      batch["old_logp"] = sampled
+    elif obj.num_iterations > 1:
       batch["old_logp"] = logp
     lengths = rows["weights"].sum(-1)
     extra = {"reward": float(all_r.mean()), "reward_std": float(all_r.std()),
@@ -252,6 +300,7 @@ class Samples(Protocol):
   num_iterations: int
   eos_id: int | tuple[int, ...] | None
   sampler_slots: int     # decode slots of `run.sampling` (0 = one per sample)
+  overlap_sampling: bool  # the next batch sampled while this one trains (`Rollout`)
 
   def score_temperature(self) -> float:
     """What the logits are divided by where log-probs are scored (sampler and loss alike)."""
@@ -286,6 +335,14 @@ class LmFeed(NamedTuple):
     with self.record.phase("data"):
       batch = next(self.inputs)
     return self.program.train(state, self.program.global_batch(batch))
+
+  def input_state(self) -> dict | None:
+    """The train input's position, for a checkpoint."""
+    return _input_state(self.inputs)
+
+
+def _input_state(inputs) -> dict | None:
+  return inputs.get_state() if hasattr(inputs, "get_state") else None
 
 
 REWARD_FILES = "reward_files.json"  # in the job dir: the user reward files' fingerprints

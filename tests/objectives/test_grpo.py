@@ -61,6 +61,7 @@ def test_one_and_eight_devices_equal_over_5_steps():
                                                         "'token'", "'sequence'", "GSPO"]),
     ("task.objective.use_bias_correction_kl='no'", ["use_bias_correction_kl='no'", "not a bool",
                                                     "True", "False"]),
+    ("task.objective.overlap_sampling=1", ["overlap_sampling=1", "not a bool", "off-policy"]),
 ])
 def test_bad_objective_fields_are_one_paragraph(override, words):
   run = util.build_run("TinyLmGrpo", [override])

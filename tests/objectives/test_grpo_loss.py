@@ -218,3 +218,4 @@ def test_microbatches_sum_to_the_batch():
 
   for name, (parts, whole) in wholes_and_parts().items():
     np.testing.assert_allclose(parts, whole, rtol=1e-6, atol=1e-7, err_msg=name)
+

@@ -161,3 +161,32 @@ def test_a_changed_reward_file_on_resume_is_said(tmp_path, capsys, monkeypatch):
   assert out.endswith("the steps from 11 on are rewarded by the file as it is now.\n")
   rollout.note_reward_files(obj, str(tmp_path), 12)  # recorded: said once
   assert capsys.readouterr().out == ""
+
+
+def test_overlapped_sampling_trains_on_samples_of_the_params_one_update_older():
+  run = util.build_run("TinyLmGrpo", SMALL[:2] + [
+      "task.objective.overlap_sampling=True", "task.ici_mesh_shape=(1, 1, 1)"])
+  program = program_lib.setup(run.task, rollout.example(run), jax.devices()[:1])
+  feed = rollout.feed(run, program)
+  state = program.init()
+  before = jax.tree.map(np.array, state.params)  # θ0 (the step donates the state)
+  state, metrics = feed.step(state)
+  # The first batch is sampled at once (on-policy): nothing to clip.
+  assert float(metrics["clip_ratio"]) == 0
+  # A checkpoint now records the prompts' position before the batch sampled ahead.
+  assert run.datasets["train"].get_state() == {"step": 2}
+  assert feed.input_state() == {"step": 1}
+  # The batch step 2 trains on was sampled from θ0, the params before step 1's update, on
+  # the second batch of prompts; its ratio's old log-probs are that sampler's.
+  inputs, obj = run.datasets["train"], run.task.objective
+  sampler = rollout.Sampler(program, obj, 2, 2, inputs.prompt_len, feed.sampler.stops)
+  theta0 = jax.device_put(before, jax.tree.map(lambda x: x.sharding, state.params))
+  samples = sampler.sample(theta0, inputs.batch_at(1))
+  seq_len = inputs.prompt_len + obj.max_new_tokens
+  rows = rollout.lm_rows(samples, seq_len, obj.max_new_tokens)
+  np.testing.assert_array_equal(np.asarray(feed._batch["inputs"]), rows["inputs"])
+  np.testing.assert_array_equal(np.asarray(feed._batch["old_logp"]),
+                                rollout.sampler_logp(samples, seq_len, obj.max_new_tokens))
+  # One update later the policy has moved off the sampler's: the gap is the lag's (3e-5
+  # here from a fresh init), not float noise (3e-7 on-policy).
+  assert feed._extra["logp_gap_mean"] > 1e-5
