@@ -298,7 +298,7 @@ def run(argv) -> None:
 def run_mode(run_cfg, config_text: str) -> None:
   """--mode's work, once the console is set up (and, for train, the job dir locked)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from spmdtask.run import loop, rollout  # pylint: disable=g-import-not-at-top
+  from spmdtask.run import loop, rollout_plan  # pylint: disable=g-import-not-at-top
   if _MODE.value == "train":
     # Writes config.txt itself, once the checkpoint (if any) proved compatible.
     loop.train(run_cfg, job_log_dir=_JOB_LOG_DIR.value, restore_step=_RESTORE_STEP.value,
@@ -309,7 +309,7 @@ def run_mode(run_cfg, config_text: str) -> None:
     from spmdtask.plan import planner as plan  # pylint: disable=g-import-not-at-top
     plan.run_plan(run_cfg, _JOB_LOG_DIR.value, _EXP.value, _PLAN_DEVICES.value,
                   _DEVICE_MEMORY_GIB.value, _PLAN_TOPOLOGY.value, _PLAN_SLICES.value,
-                  *rollout.plan_inputs(run_cfg))  # GRPO: its batch, its sampling programs
+                  *rollout_plan.plan_inputs(run_cfg))  # GRPO: its batch, its sampling programs
     return
   if jax.process_index() == 0:  # the training job's config.txt stays as it was
     fs.write_text(fs.join(_JOB_LOG_DIR.value, f"config_{_MODE.value}.txt"), config_text)

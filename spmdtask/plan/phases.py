@@ -1,7 +1,7 @@
 """A step's phases besides the train step (GRPO's sampling and scoring): their memory and,
 on a chip, their time, and the RL step's time they make with the train step.
 
-Each phase's program (a `Lowering` the task gives: `rollout.sampling_lowerings`) is
+Each phase's program (a `Lowering` the task gives: `rollout_plan.sampling_lowerings`) is
 compiled for the target and read as the train step is: XLA's FLOPs and HBM bytes per
 device with loop bodies counted per trip (`xla_cost.per_step`) and the bytes each device
 receives in collectives (`hlo.collective_ops`), each charged at the chip's rate; the

@@ -36,7 +36,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from spmdtask import console, fs
-from spmdtask.core import checks, global_batch, layouts, sharding, steps as steps_lib
+from spmdtask.core import checks, global_batch, sharding, steps as steps_lib
 from spmdtask.core.host_input import process_slice
 from spmdtask.run import decoding, goodput_events, sampling
 from spmdtask.task import DecodeParams
@@ -160,7 +160,7 @@ class TokenLoopSampler(Sampler):
     return [by_id[int(i)] for i in rows["ids"]]
 
 
-def _scorer(program, objective):
+def scorer(program, objective):
   """Jitted `(padded_params, rows, sampler_logp [n, t]) -> (logp [n, t], gap mean, gap
   max)`: the current policy's token log-probs scored as the loss scores them (the sampling
   policy's of the μ updates) and their distance |logp - the sampler's| over the completion
@@ -383,53 +383,4 @@ def feed(run, program, record: goodput_events.Recorder = goodput_events.OFF):
     return LmFeed(program, inputs, record)
   sampler = Sampler(program, obj, int(inputs.batch_size), int(inputs.local_batch_size),
                     int(inputs.prompt_len), stop_ids(obj, inputs))
-  return Rollout(program, inputs, sampler, inputs.tokenizer, _scorer(program, obj), record)
-
-
-def sampling_lowerings(run, program) -> list:
-  """A rollout's programs besides the train step, as `Lowering`s from shapes, for the
-  plan: the sampler (`run.sampling`'s, for B prompts x G samples; its decode loop assumed
-  to run the worst case, every sample to max_new_tokens) and the scorer (one forward over
-  the B·G rows: the old log-probs and the sampler's gap); each runs once every μ
-  optimizer steps. [] without a `Samples` objective."""
-  obj, inputs = run.task.objective, run.datasets["train"]
-  if not isinstance(obj, Samples):
-    return []
-  batch, plen = int(inputs.batch_size), int(inputs.prompt_len)
-  n, mu = batch * obj.num_generations, obj.num_iterations
-  gen = sampling.build(program, decode_params(obj, plen, stop_ids(obj, inputs)), batch, plen,
-                       obj.num_generations, obj.max_new_tokens, obj.sampler_slots,
-                       obj.score_temperature())
-  mesh, specs = program.mesh, gen.prompt_specs
-  params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
-  prompts = layouts.sharded_structs(
-      mesh, (jax.ShapeDtypeStruct((batch, plen), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
-             jax.ShapeDtypeStruct((batch,), jnp.int32)),
-      (specs["prompts"], specs["prompt_lens"], specs["ids"]))
-  trips = sampling.worst_case_iterations(n, gen.slots, obj.max_new_tokens)
-  note = (f"the worst case: every sample runs to max_new_tokens ({obj.max_new_tokens}); "
-          f"{n} samples on {gen.slots} slots: {-(-n // gen.slots)} wave(s) of "
-          f"{max(obj.max_new_tokens - 1, 0)} decode iterations (the first token from the "
-          "prefill)")
-  weights, cache = sampling.bytes_read(program, gen.slots, plen + obj.max_new_tokens)
-  loop = layouts.Loop(trips, note, weights, cache)
-  rows = obj.model_batch(example_batch(obj, batch, plen))
-  row_specs = {k: program.batch_specs[k] for k in rows}
-  per_token = program.batch_specs["targets"]
-  scored = layouts.sharded_structs(
-      mesh, ({k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in rows.items()},
-             jax.ShapeDtypeStruct(rows["targets"].shape, jnp.float32)), (row_specs, per_token))
-  scorer = _scorer(program, obj)
-  return [layouts.Lowering("sampling", None, mesh, lambda: gen.program.lower(params, *prompts),
-                           calls_per_step=1 / mu, fn=gen.program.jitted,
-                           args=(params, *prompts), loop=loop),
-          layouts.Lowering("scoring", None, mesh, lambda: scorer.lower(params, *scored),
-                           calls_per_step=1 / mu, fn=scorer.jitted, args=(params, *scored))]
-
-
-def plan_inputs(run) -> tuple:
-  """(example batch, sampling phase's lowerings `program -> [Lowering]` or None) for
-  `plan.planner.run_plan`."""
-  lowerings = ((lambda program: sampling_lowerings(run, program))
-               if isinstance(run.task.objective, Samples) else None)
-  return example(run), lowerings
+  return Rollout(program, inputs, sampler, inputs.tokenizer, scorer(program, obj), record)

@@ -9,7 +9,7 @@ from configs import grpo as grpo_configs  # pylint: disable=unused-import  (regi
 from spmdtask.core import model as model_lib, program as program_lib
 from spmdtask.errors import PlanExceeded
 from spmdtask.plan import phases, planner, targets
-from spmdtask.run import loop, rollout
+from spmdtask.run import loop, rollout, rollout_plan
 from tests import oracles, util
 
 # 2 prompts x 4 samples a step, μ = 2 (a rollout every other step, with the old log-probs).
@@ -77,7 +77,7 @@ def test_sampling_at_temperature_0_is_greedy_decoding(trained):
 
 def test_the_plan_names_each_phases_peak_memory():
   run = util.build_run("TinyLmGrpo", SMALL + ["task.ici_mesh_shape=(-1, 1, 1)"])
-  plan = planner.make_plan(run, "TinyLmGrpo", None, *rollout.plan_inputs(run))
+  plan = planner.make_plan(run, "TinyLmGrpo", None, *rollout_plan.plan_inputs(run))
   phases = {p["name"]: p for p in plan["phases"]}
   # the sampler (one program: prefill and the decode loop), the scorer (old log-probs)
   assert list(phases) == ["training", "sampling", "scoring"]
@@ -99,7 +99,7 @@ def test_the_sampling_phase_on_a_chip_reads_the_weights_and_cache_each_iteration
                                       f"task.objective.max_new_tokens={new}"])
   target = targets.topology("v5e:2x2", 1)
   program = program_lib.setup(run.task, rollout.example(run), devices=list(target.devices))
-  lowering = rollout.sampling_lowerings(run, program)[0]
+  lowering = rollout_plan.sampling_lowerings(run, program)[0]
   loop, rows = lowering.loop, samples // 4  # the slots split over the 4 chips
   assert loop.trips == new - 1 and lowering.calls_per_step == 1
   weights = sum(x.size for x in jax.tree.leaves(program.layout.logical.params))
