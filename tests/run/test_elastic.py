@@ -1,0 +1,204 @@
+"""Elastic slices: a 2-slice job (tools/launch_local.py --slices=2, 2 processes x 4 CPU
+devices, DCN data 2) whose slice 1 is SIGKILLed at a seeded random step goes on, unattended,
+on slice 0 alone (4 devices, twice the microbatches), grows back to 2 slices when the slice
+returns, and trains exactly what an uninterrupted 2-slice run trains: per-step losses and
+final params within 1e-5. Also: the shrink's config (`run.elastic.shrink`) and the
+launcher's policy (`run.elastic_launch`) on their own, and their mistakes (exit 2)."""
+import dataclasses
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from spmdtask import main
+from spmdtask.errors import ConfigError
+from spmdtask.run import elastic, elastic_launch, goodput, peers
+from tests import subproc as h
+
+STEPS = 12
+JOB = ("task.dcn_mesh_shape=(2, 1, 1)", "task.model.num_layers=1",
+       f"task.train.num_train_steps={STEPS}", "task.train.save_interval_steps=2",
+       "task.train.log_interval_steps=1", "task.train.summary_interval_steps=1")
+
+
+def _launcher(job: str, *flags: str) -> list[str]:
+  python, _ = h.python(4)  # the fork server: the launcher's processes are forked too
+  return [python, os.path.join(h.REPO, "tools", "launch_local.py"), "--num_processes=2",
+          "--devices_per_process=4", *flags, "--", *h.main_cmd("lm.TinyLm", job, *JOB)[3:]]
+
+
+def _start(job: str, log: str, *flags: str) -> subprocess.Popen:
+  _, env = h.python(4)
+  with open(log, "w") as out:
+    return subprocess.Popen(_launcher(job, *flags), env=env, cwd=h.REPO, stdout=out,
+                            stderr=subprocess.STDOUT)
+
+
+def _params(job: str, step: int) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  path = os.path.join(job, "checkpoints", str(step), "params")
+  with ocp.PyTreeCheckpointer() as c:
+    meta = c.metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+    got = c.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(got)[0]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """An uninterrupted 2-slice run (the same launcher, --slices=2): its losses and params."""
+  job = str(tmp_path_factory.mktemp("elastic_ref") / "job")
+  log = job + ".log"
+  t0 = time.time()
+  proc = _start(job, log, "--slices=2")
+  assert proc.wait(timeout=300) == 0, open(log).read()[-3000:]
+  print(f"the reference 2-slice run took {time.time() - t0:.1f} s")
+  return h.train_losses(job), _params(job, STEPS)
+
+
+def _wait_for(log: str, proc, pattern: str, count: int = 1, timeout: float = 240) -> float:
+  t0 = time.time()
+  while len(re.findall(pattern, open(log).read(), re.MULTILINE)) < count:
+    assert time.time() - t0 < timeout and proc.poll() is None, open(log).read()[-4000:]
+    time.sleep(0.02)
+  return time.time()
+
+
+@pytest.mark.slow
+def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same_losses(
+    tmp_path, reference):
+  ref_losses, ref_params = reference
+  job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
+  kill_after = random.Random(56).randint(3, 7)  # the step after which slice 1 is killed
+  proc = _start(job, log, "--slices=2", "--slice_returns_after_steps=2")
+  try:
+    _wait_for(log, proc, rf"^step {kill_after}/{STEPS} ")
+    pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    t_restart = _wait_for(log, proc, r"^Resuming from the checkpoint at step", 1)
+    t_step = _wait_for(log, proc, r"^Elastic restart .*\n(?:.*\n)*?step \d+/", 1)
+    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = open(log).read()
+  restart_s, first_step_s = t_restart - t_kill, t_step - t_kill
+  print(f"killed slice 1 after step {kill_after}; resumed on 1 slice {restart_s:.1f} s after "
+        f"the kill, its first step done {first_step_s:.1f} s after it")
+  assert restart_s <= 60, out[-4000:]
+  # The survivor's one line, the launcher's, the shrunk run's.
+  lost = re.search(r"^spmdtask: lost process 1 of 2 .* newest complete checkpoint is step "
+                   r"(\d+) in .*$", out, re.MULTILINE)
+  assert lost, out[-4000:]
+  saved = int(lost[1])
+  assert saved == kill_after - kill_after % 2  # every 2 steps
+  assert re.search(rf"^launch_local: slice 1 of 2 lost \(process 0 exited "
+                   rf"{peers.EXIT_LOST_PEER}; process 1 killed by signal 9\); restarting on 1 "
+                   rf"of 2 slices \(slice 0\) from the newest checkpoint \(step {saved}\)\.$",
+                   out, re.MULTILINE), out[-4000:]
+  assert re.search(r"^launch_local: 1 processes \(pids \d+\) on 1 of 2 slices", out, re.M)
+  assert ("Elastic restart on 1 of 2 slices (--live_slices=1): task.dcn_mesh_shape (2, 1, 1) "
+          "-> (1, 1, 1), mesh data 4 x fsdp 1 x model 1 on 4 devices, 2 microbatches of 8 "
+          "rows: the global batch kept (task.train.elastic_batch='global'; global batch 16)."
+          in out), out[-4000:]
+  resumed = [int(s) for s in re.findall(r"^Resuming from the checkpoint at step (\d+);", out,
+                                        re.M)]
+  assert resumed[0] == saved and len(resumed) == 2 and resumed[1] >= saved + 2, resumed
+  assert "the lost slices are back" in out
+  assert re.search(r"^launch_local: 2 processes \(pids \d+, \d+\) on 2 of 2 slices", out[
+      out.index("the lost slices are back"):], re.M)
+  assert out.count("Joined a 2-process job") == 2 and "Done at step 12" in out
+  # The shrunk run saved on 4 devices, 1 process, 2 microbatches; the grown one on 8.
+  from spmdtask.run import checkpoints  # pylint: disable=g-import-not-at-top
+  shrunk = checkpoints.read_meta(job, resumed[1])
+  assert (shrunk["device_count"], shrunk["process_count"], shrunk["mesh_shape"][:1],
+          shrunk["grad_accumulation_microbatches"]) == (4, 1, [4], 2), shrunk
+  assert checkpoints.read_meta(job, STEPS)["device_count"] == 8
+  # The same losses at every step and the same final params as the uninterrupted run.
+  losses = h.train_losses(job)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  got, want = (np.asarray([d[s] for s in range(1, STEPS + 1)]) for d in (losses, ref_losses))
+  loss_diff = float(np.max(np.abs(got / want - 1)))
+  params = _params(job, STEPS)
+  param_diff = max(float(np.max(np.abs(params[k] - ref_params[k]))
+                         / max(float(np.max(np.abs(ref_params[k]))), 1e-12)) for k in ref_params)
+  print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
+  assert loss_diff <= 1e-5 and param_diff <= 1e-5, (got.tolist(), want.tolist(), param_diff)
+  # Goodput: 3 runs; the parts sum to the wall time, the restart's gap counted between runs.
+  report = goodput.job_report(job)
+  assert len(report.runs) == 3
+  assert abs(sum(report.seconds.values()) - report.wall) < 1e-6 * report.wall + 1e-6
+  assert report.seconds["between_runs"] > 0 and report.seconds["recomputed"] > 0
+
+
+# ---------------------------------------------------------------- the parts alone
+
+def _run_cfg(*overrides: str):
+  return main.build(main.resolved_config("lm.TinyLm", list(overrides)))
+
+
+def test_shrink_keeps_the_global_batch_or_the_per_slice_batch():
+  run = _run_cfg("task.dcn_mesh_shape=(2, 1, 1)", "task.train.num_microbatches=2")
+  same, line = elastic.shrink(run, 2, 8)
+  assert same is run and line is None
+  small, line = elastic.shrink(run, 1, 4)
+  assert small.task.dcn_mesh_shape == (1, 1, 1) and small.task.train.num_microbatches == 4
+  assert small.datasets["train"].batch_size == 16
+  assert line.endswith("mesh data 4 x fsdp 1 x model 1 on 4 devices, 4 microbatches of 4 "
+                       "rows: the global batch kept (task.train.elastic_batch='global'; "
+                       "global batch 16).")
+  per = _run_cfg("task.dcn_mesh_shape=(2, 1, 1)", "task.train.elastic_batch='per_slice'")
+  small, line = elastic.shrink(per, 1, 4)
+  assert (small.task.train.num_microbatches, small.datasets["train"].batch_size) == (1, 8)
+  assert "1 microbatch of 8 rows: the per-slice batch kept" in line
+  # The plan's form (no devices): no mesh in the line, no split check.
+  assert "on 4 devices" not in elastic.shrink(run, 1)[1]
+
+
+@pytest.mark.parametrize("overrides, live, words", [
+    (("task.dcn_mesh_shape=(2, 1, 1)",), 3, "--live_slices=3, but task.dcn_mesh_shape=(2, 1, "
+     "1) spans 2 slice(s): give a count from 1 to 2"),
+    (("task.dcn_mesh_shape=(1, 2, 1)", "task.data_axes=('data',)"), 1, "has no batch axis"),
+    (("task.dcn_mesh_shape=(4, 1, 1)",), 3, "needs 1 x 4/3 microbatches, not a whole number"),
+    (("task.dcn_mesh_shape=(2, 1, 1)", "datasets['train'].batch_size=20"), 1,
+     "the global batch of 20 rows in 2 microbatches does not divide over the shrunk mesh's "
+     "4 batch shards (data 4 x fsdp 1). Make datasets['train'].batch_size a multiple of 8"),
+])
+def test_a_shrink_that_cannot_work_names_the_flag_or_field(overrides, live, words):
+  with pytest.raises(ConfigError, match=re.escape(words)):
+    elastic.shrink(_run_cfg(*overrides), live, 4)  # a slice's 4 devices
+
+
+def test_the_launcher_tells_lost_slices_from_survivors():
+  # 2 slices x 2 processes: process 3 killed, the others stopped as survivors.
+  assert elastic_launch.lost_slices([5, 5, 5, -9], [0, 1], 2) == [1]
+  # Process 0 lost: JAX aborts the others (SIGABRT) before spmdtask can say a word.
+  assert elastic_launch.lost_slices([-9, -6], [0, 1], 1) == [0]
+  assert elastic_launch.lost_slices([2, 2], [0, 1], 1) is None  # the job's own error
+  assert elastic_launch.lost_slices([0, 0], [0, 1], 1) is None
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--slices=3"], "--slices=3 does not split --num_processes=2 into equal slices"),
+    (["--slices=2", "--min_slices=3"], "--min_slices=3: the fewest slices the job goes on "
+     "with must be from 1 to --slices=2"),
+    (["--slices=2", "--slice_returns_after_steps=0"], "--slice_returns_after_steps=0"),
+])
+def test_launcher_flags_that_cannot_work_exit_2_with_one_paragraph(tmp_path, flags, words):
+  r = subprocess.run([sys.executable, os.path.join(h.REPO, "tools", "launch_local.py"),
+                      "--num_processes=2", *flags, "--", "--exp=lm.TinyLm",
+                      f"--job_log_dir={tmp_path}/job"], capture_output=True, text=True,
+                     env=h.env(1), cwd=h.REPO, timeout=60, check=False)
+  assert r.returncode == 2, r.stderr[-2000:]
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("launch_local: config error: ")
+  assert words in lines[0], lines[0]
+  assert not os.path.exists(tmp_path / "job")  # nothing started
