@@ -27,17 +27,15 @@ JOB = ("task.dcn_mesh_shape=(2, 1, 1)", "task.model.num_layers=1",
        "task.train.log_interval_steps=1", "task.train.summary_interval_steps=1")
 
 
-def _launcher(job: str, *flags: str) -> list[str]:
-  python, _ = h.python(4)  # the fork server: the launcher's processes are forked too
-  return [python, os.path.join(h.REPO, "tools", "launch_local.py"), "--num_processes=2",
-          "--devices_per_process=4", *flags, "--", *h.main_cmd("lm.TinyLm", job, *JOB)[3:]]
-
-
-def _start(job: str, log: str, *flags: str) -> subprocess.Popen:
-  _, env = h.python(4)
+def _start(job: str, log: str, *flags: str, processes: int = 2) -> subprocess.Popen:
+  """The launcher (tools/launch_local.py) of the job on `processes` x 8/`processes` devices,
+  its output and process 0's in `log`."""
+  python, env = h.python(4)  # the fork server: the launcher's processes are forked too
+  cmd = [python, os.path.join(h.REPO, "tools", "launch_local.py"),
+         f"--num_processes={processes}", f"--devices_per_process={8 // processes}", *flags,
+         "--", *h.main_cmd("lm.TinyLm", job, *JOB)[3:]]
   with open(log, "w") as out:
-    return subprocess.Popen(_launcher(job, *flags), env=env, cwd=h.REPO, stdout=out,
-                            stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, env=env, cwd=h.REPO, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _params(job: str, step: int) -> dict:
@@ -74,7 +72,6 @@ def _wait_for(log: str, proc, pattern: str, count: int = 1, timeout: float = 240
 @pytest.mark.slow
 def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same_losses(
     tmp_path, reference):
-  ref_losses, ref_params = reference
   job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
   kill_after = random.Random(56).randint(3, 7)  # the step after which slice 1 is killed
   proc = _start(job, log, "--slices=2", "--slice_returns_after_steps=2")
@@ -123,20 +120,68 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
           shrunk["grad_accumulation_microbatches"]) == (4, 1, [4], 2), shrunk
   assert checkpoints.read_meta(job, STEPS)["device_count"] == 8
   # The same losses at every step and the same final params as the uninterrupted run.
-  losses = h.train_losses(job)
-  assert sorted(losses) == list(range(1, STEPS + 1))
-  got, want = (np.asarray([d[s] for s in range(1, STEPS + 1)]) for d in (losses, ref_losses))
-  loss_diff = float(np.max(np.abs(got / want - 1)))
-  params = _params(job, STEPS)
-  param_diff = max(float(np.max(np.abs(params[k] - ref_params[k]))
-                         / max(float(np.max(np.abs(ref_params[k]))), 1e-12)) for k in ref_params)
+  loss_diff, param_diff = _same_as(reference, job)
   print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
-  assert loss_diff <= 1e-5 and param_diff <= 1e-5, (got.tolist(), want.tolist(), param_diff)
+  assert loss_diff <= 1e-5 and param_diff <= 1e-5
+  assert len(os.listdir(os.path.join(job, "summaries", "train"))) == 3  # one file a run
   # Goodput: 3 runs; the parts sum to the wall time, the restart's gap counted between runs.
   report = goodput.job_report(job)
   assert len(report.runs) == 3
   assert abs(sum(report.seconds.values()) - report.wall) < 1e-6 * report.wall + 1e-6
   assert report.seconds["between_runs"] > 0 and report.seconds["recomputed"] > 0
+
+
+def _same_as(reference, job: str) -> tuple[float, float]:
+  """(max relative difference of the per-step losses, of the final params) from the
+  uninterrupted run's."""
+  ref_losses, ref_params = reference
+  losses = h.train_losses(job)
+  assert sorted(losses) == list(range(1, STEPS + 1))
+  got, want = (np.asarray([d[s] for s in range(1, STEPS + 1)]) for d in (losses, ref_losses))
+  params = _params(job, STEPS)
+  return float(np.max(np.abs(got / want - 1))), max(
+      float(np.max(np.abs(params[k] - ref_params[k]))
+            / max(float(np.max(np.abs(ref_params[k]))), 1e-12)) for k in ref_params)
+
+
+@pytest.mark.slow
+def test_a_slice_of_two_processes_lost_stops_the_other_three_and_the_job_shrinks(
+    tmp_path, reference):
+  # 2 slices x 2 processes x 2 devices (the same 8-device mesh as the reference): process 3
+  # (slice 1) SIGKILLed; processes 0-2 stop in one line each (exit 5), and the job goes on
+  # on slice 0's 2 processes (4 devices, 2 microbatches) with the reference's losses.
+  job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
+  proc = _start(job, log, "--slices=2", processes=4)
+  try:
+    _wait_for(log, proc, rf"^step 3/{STEPS} ")
+    pid = int(re.search(r"launch_local: 4 processes \(pids (?:\d+, ){3}(\d+)\)",
+                        open(log).read())[1])
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    t_stopped = _wait_for(log, proc, r"^launch_local: slice 1 of 2 lost")
+    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = open(log).read()
+  stopped_s = t_stopped - t_kill
+  print(f"processes 0-2 stopped {stopped_s:.1f} s after process 3 was killed")
+  assert stopped_s <= 60
+  assert re.search(rf"^launch_local: slice 1 of 2 lost \(process 0 exited 5; process 1 exited "
+                   rf"5; process 2 exited 5; process 3 killed by signal 9\); restarting on 1 "
+                   rf"of 2 slices \(slice 0\)", out, re.M), out[-4000:]
+  logs = [out] + [open(os.path.join(job, "logs", f"process_{i}.log")).read() for i in (1, 2)]
+  for i, text in enumerate(logs):  # one line each (a survivor's log also holds its run's)
+    assert len(re.findall(rf"^spmdtask: lost process 3 of 4 .* Process {i} stops here "
+                          r"\(exit 5\);", text, re.M)) == 1, (i, text[-3000:])
+    assert "Traceback" not in text, (i, text[-3000:])
+  assert re.search(r"^launch_local: 2 processes \(pids \d+, \d+\) on 1 of 2 slices", out, re.M)
+  assert ("mesh data 4 x fsdp 1 x model 1 on 4 devices, 2 microbatches of 8 rows" in out
+          and "Done at step 12" in out)
+  assert "Joined a 2-process job" in out.split("slice 1 of 2 lost")[1]
+  loss_diff, param_diff = _same_as(reference, job)
+  print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
+  assert loss_diff <= 1e-5 and param_diff <= 1e-5
 
 
 # ---------------------------------------------------------------- the parts alone
