@@ -31,6 +31,7 @@ the coordinator fails (measured over gloo: 2.5 ms after the survivor's own colle
 failed, while its first store call still waited), exit 134, so nothing is said first.
 """
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -194,6 +195,12 @@ class Watch:
     logging.flush()
     self._done.set()  # no more beats: the verdict takes this process's key
     self._set(f"{_LOST}{lost}")
+    for fn in list(_before_exit):  # e.g. the goodput record's end: the run ends here
+      try:
+        fn()
+      except Exception:  # pylint: disable=broad-except  # the exit must happen
+        logging.exception("Before the lost-peer exit:")
+    logging.flush()
     if self.process == 0:
       self._linger(lost)
     os._exit(EXIT_LOST_PEER)  # pylint: disable=protected-access
@@ -219,6 +226,18 @@ def _verdict(beats: dict[int, str], me: int) -> int | None:
 
 
 _watch: Watch | None = None
+_before_exit: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def before_exit(fn: Callable[[], None]):
+  """While inside, a lost-peer stop of this process calls `fn` (quick, local: it runs
+  between the line and the exit) before it exits; its errors go to the log."""
+  _before_exit.append(fn)
+  try:
+    yield
+  finally:
+    _before_exit.remove(fn)
 
 
 def stop_if_lost(error: BaseException) -> None:

@@ -126,7 +126,10 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
   assert len(os.listdir(os.path.join(job, "summaries", "train"))) == 3  # one file a run
   # Goodput: 3 runs; the parts sum to the wall time, the restart's gap counted between runs.
   report = goodput.job_report(job)
-  assert len(report.runs) == 3
+  assert [(r.processes, r.ended) for r in report.runs] == [
+      (2, "lost process"), (1, "preempted"), (2, "done")]
+  # The failed run's end is its survivor's line: the gap to the restart is the relaunch.
+  assert report.runs[1].start - report.runs[0].last < restart_s
   assert abs(sum(report.seconds.values()) - report.wall) < 1e-6 * report.wall + 1e-6
   assert report.seconds["between_runs"] > 0 and report.seconds["recomputed"] > 0
 
