@@ -4,7 +4,6 @@ on slice 0 alone (4 devices, twice the microbatches), grows back to 2 slices whe
 returns, and trains exactly what an uninterrupted 2-slice run trains: per-step losses and
 final params within 1e-5. Also: the shrink's config (`run.elastic.shrink`) and the
 launcher's policy (`run.elastic_launch`) on their own, and their mistakes (exit 2)."""
-import dataclasses
 import os
 import random
 import re
