@@ -118,16 +118,15 @@ class Supervisor:
       if not lost:
         return next(c for c in codes if c)
       left = [s for s in live if s not in lost]
-      how = "; ".join(f"process {i} {describe(c)}" for i, c in enumerate(codes) if c)
+      what = (f"launch_local: slice {_names(lost)} of {self.num_slices} lost ("
+              + "; ".join(f"process {i} {describe(c)}" for i, c in enumerate(codes) if c) + ")")
       if len(left) < self.min_slices:
-        self.say(f"launch_local: slice {_names(lost)} lost ({how}); {len(left)} of "
-                 f"{self.num_slices} left, fewer than --min_slices={self.min_slices}: the "
-                 "job stops (rerun it when the slices are back).")
+        self.say(f"{what}; {len(left)} of {self.num_slices} left, fewer than --min_slices="
+                 f"{self.min_slices}: the job stops (rerun it when the slices are back).")
         return peers.EXIT_LOST_PEER
       if self.wait_s:  # the lost slice may come back in time (locally it never does)
         time.sleep(self.wait_s)
-      self.say(f"launch_local: slice {_names(lost)} of {self.num_slices} lost ({how}); "
-               f"restarting on {len(left)} of {self.num_slices} slices (slice "
+      self.say(f"{what}; restarting on {len(left)} of {self.num_slices} slices (slice "
                f"{_names(left)}) from the newest checkpoint (step {self.newest_step()}).")
       live = left
 

@@ -233,6 +233,40 @@ def test_the_launcher_tells_lost_slices_from_survivors():
   assert elastic_launch.lost_slices([0, 0], [0, 1], 1) is None
 
 
+def _exiting(*codes: int) -> list[subprocess.Popen]:
+  """Real processes that end with `codes` (a negative one: killed by that signal)."""
+  return [subprocess.Popen([sys.executable, "-c", "import os, sys\n" + (
+      f"os.kill(os.getpid(), {-c})" if c < 0 else f"sys.exit({c})")]) for c in codes]
+
+
+@pytest.mark.parametrize("min_slices, want", [(1, 0), (2, peers.EXIT_LOST_PEER)])
+def test_the_supervisor_restarts_on_the_slices_left_down_to_min_slices(min_slices, want):
+  # 2 slices x 2 processes: process 3 killed, 0-2 stopped as survivors; then slice 0 alone
+  # finishes. With --min_slices=2 the job stops instead.
+  runs, lines = [], []
+  ends = iter([(5, 5, 5, -9), (0, 0)])
+
+  def start(live):
+    runs.append(list(live))
+    return _exiting(*next(ends))
+
+  t0 = time.time()
+  got = elastic_launch.Supervisor(2, 2, start, lambda: 4, min_slices, wait_s=0.5,
+                                  say=lines.append, poll_s=0.02).run()
+  assert got == want
+  lost = ("launch_local: slice 1 of 2 lost (process 0 exited 5; process 1 exited 5; process 2 "
+          "exited 5; process 3 killed by signal 9); ")
+  assert len(lines) == 1 and lines[0].startswith(lost), lines
+  if min_slices == 1:
+    assert runs == [[0, 1], [0]] and time.time() - t0 >= 0.5  # waited for the slice
+    assert lines[0].endswith("restarting on 1 of 2 slices (slice 0) from the newest "
+                             "checkpoint (step 4).")
+  else:
+    assert runs == [[0, 1]] and lines[0].endswith(
+        "1 of 2 left, fewer than --min_slices=2: the job stops (rerun it when the slices "
+        "are back).")
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--slices=3"], "--slices=3 does not split --num_processes=2 into equal slices"),
     (["--slices=2", "--min_slices=3"], "--min_slices=3: the fewest slices the job goes on "
