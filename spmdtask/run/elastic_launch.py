@@ -138,15 +138,23 @@ class Supervisor:
       back_at = (self.newest_step() or 0) + self.returns_after
     grown = False
     while any(p.poll() is None for p in procs):
-      if back_at is not None and not grown and (self.newest_step() or 0) >= back_at:
-        self.say(f"launch_local: the lost slices are back (the job passed step {back_at}): "
-                 f"stopping it at its next step, saved, to grow back to {self.num_slices} "
-                 "slices.")
-        for p in procs:
-          if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        grown = True
-      time.sleep(self.poll_s)
+      try:
+        grown = self._poll(procs, back_at, grown)
+      except KeyboardInterrupt:  # the processes got the Ctrl-C too: they save, then exit 130
+        back_at = None
+    return grown
+
+  def _poll(self, procs: list[subprocess.Popen], back_at: int | None, grown: bool) -> bool:
+    """One look: once the lost slices are back, SIGTERM to the shrunk job (once)."""
+    if back_at is not None and not grown and (self.newest_step() or 0) >= back_at:
+      self.say(f"launch_local: the lost slices are back (the job passed step {back_at}): "
+               f"stopping it at its next step, saved, to grow back to {self.num_slices} "
+               "slices.")
+      for p in procs:
+        if p.poll() is None:
+          p.send_signal(signal.SIGTERM)
+      grown = True
+    time.sleep(self.poll_s)
     return grown
 
 
