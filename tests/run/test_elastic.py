@@ -225,6 +225,13 @@ def test_a_shrink_that_cannot_work_names_the_flag_or_field(overrides, live, word
     elastic.shrink(_run_cfg(*overrides), live, 4)  # a slice's 4 devices
 
 
+def test_elastic_batch_is_global_or_per_slice():
+  with pytest.raises(ConfigError, match=re.escape(
+      "task.train.elastic_batch='slice' is 'global' (keep the global batch on fewer slices, "
+      "through more microbatches) or 'per_slice' (keep each slice's rows).")):
+    _run_cfg("task.train.elastic_batch='slice'")
+
+
 def test_the_launcher_tells_lost_slices_from_survivors():
   # 2 slices x 2 processes: process 3 killed, the others stopped as survivors.
   assert elastic_launch.lost_slices([5, 5, 5, -9], [0, 1], 2) == [1]
