@@ -97,7 +97,8 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
                    r"(\d+) in .*$", out, re.MULTILINE)
   assert lost, out[-4000:]
   saved = int(lost[1])
-  assert saved == kill_after - kill_after % 2  # every 2 steps
+  # Every 2 steps; the last one's asynchronous commit may not have finished at the kill.
+  assert saved in (kill_after - kill_after % 2, kill_after - kill_after % 2 - 2), saved
   assert re.search(rf"^launch_local: slice 1 of 2 lost \(process 0 exited "
                    rf"{peers.EXIT_LOST_PEER}; process 1 killed by signal 9\); restarting on 1 "
                    rf"of 2 slices \(slice 0\) from the newest checkpoint \(step {saved}\)\.$",
