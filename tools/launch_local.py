@@ -182,7 +182,8 @@ class _Console:
     finally:
       for f in files:  # the children hold their own copies
         f.close()
-    print(f"launch_local: {len(ids)} processes (pids {', '.join(str(p.pid) for p in procs)})"
+    print(f"launch_local: {len(ids)} process{'es' if len(ids) > 1 else ''} (pids "
+          f"{', '.join(str(p.pid) for p in procs)})"
           + (f" on {len(live)} of {self.slices} slices" if self.slices > 1 else "")
           + "; process 0 below, the others log to "
           f"{os.path.join(self.log_dir, 'process_<i>.log')}", file=sys.stderr, flush=True)

@@ -103,7 +103,7 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
                    rf"{peers.EXIT_LOST_PEER}; process 1 killed by signal 9\); restarting on 1 "
                    rf"of 2 slices \(slice 0\) from the newest checkpoint \(step {saved}\)\.$",
                    out, re.MULTILINE), out[-4000:]
-  assert re.search(r"^launch_local: 1 processes \(pids \d+\) on 1 of 2 slices", out, re.M)
+  assert re.search(r"^launch_local: 1 process \(pids \d+\) on 1 of 2 slices", out, re.M)
   assert ("Elastic restart on 1 of 2 slices (--live_slices=1): task.dcn_mesh_shape (2, 1, 1) "
           "-> (1, 1, 1), mesh data 4 x fsdp 1 x model 1 on 4 devices, 2 microbatches of 8 "
           "rows: the global batch kept (task.train.elastic_batch='global'; global batch 16)."
