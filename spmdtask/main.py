@@ -26,7 +26,7 @@ from fiddle._src.absl_flags import utils as fdl_flag_utils
 from spmdtask import console, experiment, fs, overrides as overrides_lib, registry
 from spmdtask import task as task_lib
 from spmdtask.harness import command as lm_eval_command  # the --mode=lm_eval flags
-from spmdtask.run import interrupts
+from spmdtask.run import elastic, interrupts  # elastic: the --live_slices flag
 from spmdtask.errors import (BatchSplitError, CheckpointUnreadable, ConfigError, Interrupted,
                              PlanExceeded, TrainingError, flag_error, rerun_command,
                              restore_command)
@@ -261,7 +261,7 @@ def run(argv) -> None:
   if joined is not None:
     from spmdtask.run import peers  # pylint: disable=g-import-not-at-top
     peers.watch(_JOB_LOG_DIR.value, rerun_command(sys.argv))  # a lost one stops the others
-  run_cfg = build(cfg)
+  run_cfg, elastic_line = elastic.asked(build(cfg), planning=_MODE.value == "plan")
   if _MODE.value == "decode":  # your prompts' mistakes refused before the job dir is touched
     from spmdtask.run import decoding  # pylint: disable=g-import-not-at-top
     texts = decoding.read_prompts(_PROMPT.value, _PROMPTS_FILE.value)
@@ -281,8 +281,8 @@ def run(argv) -> None:
     if joined is not None:
       from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
       console.say("%s", cluster.describe(joined))
-    if took_over:
-      console.say("%s", took_over)
+    for line in filter(None, (took_over, elastic_line)):  # a lock taken over, fewer slices
+      console.say("%s", line)
     for kind, line in xla_flags.items():
       console.say("XLA flags for %s (task.xla_flags, in %s): %s", kind,
                   task_lib.XLA_FLAG_VARIABLES[kind], line)

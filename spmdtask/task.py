@@ -59,6 +59,10 @@ class TrainParams:
       microbatches (rows m, m + M, m + 2M, ... form microbatch m) whose gradients are
       summed in a scan inside the step, then one optimizer update. The update equals
       that of the whole batch; the step's activation memory falls with M.
+    elastic_batch: on a restart on fewer slices than task.dcn_mesh_shape spans
+      (`--live_slices`, `spmdtask.run.elastic`): 'global' keeps the global batch (the same
+      rows each step, through more microbatches: the losses of the whole job); 'per_slice'
+      keeps each slice's rows (the global batch shrinks with the slices).
     profile_steps: (START, COUNT): trace steps START .. START+COUNT-1 (step 1 is the
       first) with jax.profiler into job_log_dir/profile (process 0); None = off.
     lm_eval_tasks: lm-evaluation-harness tasks, groups or tags scored during --mode=train
@@ -90,6 +94,7 @@ class TrainParams:
   eval_interval_steps: int = 0
   eval_steps: int | None = None
   num_microbatches: int = 1
+  elastic_batch: str = "global"
   profile_steps: tuple[int, int] | None = None
   lm_eval_tasks: tuple[str, ...] = ()
   lm_eval_every_n_steps: int = 0
@@ -122,6 +127,10 @@ class TrainParams:
         raise ConfigError(f"task.train.local_checkpoint_dir={self.local_checkpoint_dir!r} must "
                           "be a directory on each host's local disk (e.g. /dev/shm/spmdtask), "
                           "or None for no local checkpoint tier.")
+    if self.elastic_batch not in ("global", "per_slice"):
+      raise ConfigError(f"task.train.elastic_batch={self.elastic_batch!r} is 'global' (keep the "
+                        "global batch on fewer slices, through more microbatches) or "
+                        "'per_slice' (keep each slice's rows).")
     if self.init_adapters not in ("merge", "continue"):
       raise ConfigError(f"task.train.init_adapters={self.init_adapters!r} is 'merge' (new "
                         "LoRA adapters on a LoRA start merged) or 'continue' (the start's own "

@@ -67,22 +67,44 @@ def create_mesh(axis_names: Sequence[str], ici_mesh_shape: Sequence[int],
 
 def device_array_for(ici: tuple[int, ...], dcn: tuple[int, ...],
                      devices: Sequence[jax.Device]) -> np.ndarray:
-  """Devices laid out as ici x dcn: DCN axes across slices (or processes), ICI within one."""
+  """Devices laid out as ici x dcn: DCN axes across slices (or groups of consecutive
+  processes, where devices have no slices), ICI within one."""
   if math.prod(dcn) == 1:
-    try:
-      return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
-    except (ValueError, NotImplementedError, AssertionError):
-      return np.asarray(devices).reshape(ici)
-  has_slices = hasattr(devices[0], "slice_index")
-  granules = {d.slice_index if has_slices else d.process_index for d in devices}
-  if len(granules) != math.prod(dcn):
-    unit = "slices" if has_slices else "processes"
-    raise ConfigError(
-        f"task.dcn_mesh_shape={dcn} spans {math.prod(dcn)} {unit}, but the devices come from "
-        f"{len(granules)} {unit}. Set dcn_mesh_shape's product to {len(granules)} (or to 1s and "
-        "put the whole mesh in task.ici_mesh_shape).")
-  return mesh_utils.create_hybrid_device_mesh(
-      ici, dcn, devices, process_is_granule=not has_slices, allow_split_physical_axes=True)
+    return _ici_mesh(ici, devices)
+  n = math.prod(dcn)
+  slices = {getattr(d, "slice_index", 0) for d in devices}
+  if len(slices) > 1:  # slices joined by DCN (TPU)
+    if len(slices) != n:
+      raise _granule_error(dcn, len(slices), "slices")
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=False,
+                                                allow_split_physical_axes=True)
+  # No slices (CPU, GPU hosts): groups of consecutive processes stand in for them, e.g. the
+  # 2 processes of each slice that tools/launch_local.py --slices runs.
+  processes = sorted({d.process_index for d in devices})
+  if len(processes) % n:
+    raise _granule_error(dcn, len(processes), "processes")
+  ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+  per = len(ordered) // n
+  granules = np.empty(n, dtype=object)
+  for g in range(n):
+    granules[g] = _ici_mesh(ici, ordered[g * per:(g + 1) * per])
+  return np.block(granules.reshape(dcn).tolist())
+
+
+def _ici_mesh(ici: tuple[int, ...], devices) -> np.ndarray:
+  try:
+    return mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+  except (ValueError, NotImplementedError, AssertionError):
+    return np.asarray(devices).reshape(ici)
+
+
+def _granule_error(dcn: tuple[int, ...], found: int, unit: str) -> ConfigError:
+  fix = (f"to {found}" if unit == "slices" else
+         f"to a divisor of {found} (each slice then a group of as many consecutive processes)")
+  return ConfigError(
+      f"task.dcn_mesh_shape={dcn} spans {math.prod(dcn)} slices, but the devices come from "
+      f"{found} {unit}. Set dcn_mesh_shape's product {fix}, or set it to 1s and put the whole "
+      "mesh in task.ici_mesh_shape.")
 
 
 def mesh_shape(mesh: Mesh) -> dict[str, int]:

@@ -45,7 +45,9 @@ class Run:
   begin: int | None           # the step its loop started after (None: it never got there)
   reached: int | None         # the last step it completed (None: none)
   recomputed_steps: int
-  ended: str                  # done, preempted, interrupted, error, or no end recorded
+  ended: str                  # done, preempted, interrupted, error, lost process, or no end
+  processes: int | None = None  # the job's process count in this run (an elastic restart's
+                                # fewer), None where its events do not say
 
 
 @dataclasses.dataclass
@@ -101,7 +103,7 @@ def attribute(runs: list[list[dict]]) -> Report:
           recomputed, pending, reached = recomputed + redone, 0.0, b
     seconds["recomputed"] += pending  # an unfinished step: its work is lost
     out.append(Run(head["run"], start, last, begin, reached, recomputed,
-                   ended or "no end recorded (running, or killed)"))
+                   ended or "no end recorded (running, or killed)", head.get("processes")))
     if reached is not None:
       reached_before = max(reached, reached_before or 0)
     previous_last = max(last, previous_last or last)
@@ -157,8 +159,9 @@ def account(report: Report, job_log_dir: str) -> list[str]:
     where = ("never reached the loop" if r.begin is None else
              f"from step {r.begin}" + (f" to {r.reached}" if r.reached is not None else ""))
     redo = f", recomputed {console.count(r.recomputed_steps, 'step')}" if r.recomputed_steps else ""
+    on = f"{console.count(r.processes, 'process')}, " if r.processes else ""
     out.append(f"  run {i}: {_clock(r.start)} UTC, {console.duration(r.last - r.start)}, "
-               f"{where}{redo}; {r.ended}")
+               f"{on}{where}{redo}; {r.ended}")
   return out
 
 

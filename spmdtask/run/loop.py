@@ -343,7 +343,8 @@ def train(run: RunConfig, job_log_dir: str | None = None, restore_step: int | No
   """
   record = goodput_events.Recorder(job_log_dir, started)
   try:
-    return _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, record)
+    with peers.before_exit(lambda: record.close("lost process")):  # its time up to the line
+      return _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, record)
   except ConfigError:
     record.close("config error", keep=False)  # a user's mistake leaves nothing on disk
     raise

@@ -3,7 +3,7 @@ line naming it, the newest complete checkpoint and the rerun command, and exit
 EXIT_LOST_PEER, whichever way the loss shows itself first.
 
 Every process writes a beat to JAX's distributed key-value store every BEAT_S seconds and
-reads everyone's (the `Watch` thread). A loss shows itself in one of three ways:
+reads everyone's (the `Watch` thread). A loss shows itself in one of four ways:
 - a collective fails (gloo, NCCL, TPU ICI/DCN: JAX raises an error carrying the runtime's
   status when a peer's connection closes) or a key-value-store call fails (orbax's
   barriers, the preemption sync point): `stop_if_lost(error)`, called where the train loop
@@ -13,7 +13,10 @@ reads everyone's (the `Watch` thread). A loss shows itself in one of three ways:
   every peer beats on, the error was not a lost peer and goes on as it was;
 - a collective that never returns (gloo sometimes waits on a dead peer instead of failing):
   the watch thread names a peer whose beat has not moved for LOST_S;
-- the store (process 0) not answering for LOST_S.
+- the store (process 0) not answering for LOST_S;
+- a peer on this machine (its beat names its pid, the machine's boot and pid namespace)
+  whose process has ended without marking itself done: at the next beat, whatever the
+  main thread waits on (a collective or an orbax barrier that would wait LOST_S).
 The verdict is written to the store, so the other survivors adopt it at once rather than
 taking process 0's exit for a second loss; process 0 (the store's host) waits for them, up
 to SILENT_S, before it exits. The failure's traceback goes to the absl log (logs/), the
@@ -31,6 +34,7 @@ the coordinator fails (measured over gloo: 2.5 ms after the survivor's own colle
 failed, while its first store call still waited), exit 134, so nothing is said first.
 """
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -82,6 +86,7 @@ class Watch:
     self._done, self._lock, self._stopping = threading.Event(), threading.Lock(), False
     now = time.monotonic()
     self._beat, self._answered = 0, now
+    self.here = _here()
     self._seen: dict[int, str | None] = {}
     self._moved = {p: now for p in range(num_processes)}  # when its beat last changed
 
@@ -109,7 +114,8 @@ class Watch:
       beat = self._beat
     try:
       if not self._done.is_set():
-        self.client.key_value_set(f"{_PREFIX}{self.process}", str(beat), allow_overwrite=True)
+        self.client.key_value_set(f"{_PREFIX}{self.process}", f"{beat} {os.getpid()} {self.here}",
+                                  allow_overwrite=True)
       raw = dict(self.client.key_value_dir_get(_PREFIX))
     except Exception:  # pylint: disable=broad-except  # the store (process 0) is gone
       return None
@@ -130,6 +136,16 @@ class Watch:
                if p != self.process and beats.get(p) != _DONE]
     return (max(still)[1], max(still)[0]) if still else None
 
+  def _ended_here(self, beats: dict[int, str]) -> int | None:
+    """A peer in this machine's pid namespace whose process has ended (killed, crashed)
+    without marking itself done: lost at once, no silence to wait for."""
+    for p, value in beats.items():
+      parts = str(value).split(" ")
+      if (p != self.process and self.here and len(parts) == 3 and parts[2] == self.here
+          and parts[1].isdigit() and _ended(int(parts[1]))):
+        return p
+    return None
+
   def _run(self) -> None:
     while not self._done.wait(self.beat_s):
       beats = self._poll()
@@ -140,8 +156,11 @@ class Watch:
         continue
       verdict = _verdict(beats, self.process)
       still = self._still(beats)
+      gone = self._ended_here(beats)
       if verdict is not None:
         self._stop(verdict, "another process saw it go")
+      elif gone is not None:
+        self._stop(gone, "its process on this host has ended")
       elif still is not None and still[1] > self.lost_s:
         self._stop(still[0], f"it has given no sign of life for {still[1]:.0f} s")
 
@@ -164,6 +183,9 @@ class Watch:
       verdict = _verdict(beats, self.process)
       if verdict is not None:
         self._stop(verdict, f"{what}; another process saw it go", error)
+      gone = self._ended_here(beats)
+      if gone is not None:
+        self._stop(gone, f"{what}, and its process on this host has ended", error)
       still = self._still(beats)
       if still is not None and still[1] > self.silent_s:
         self._stop(still[0], f"{what}, and it has given no sign of life for "
@@ -194,6 +216,12 @@ class Watch:
     logging.flush()
     self._done.set()  # no more beats: the verdict takes this process's key
     self._set(f"{_LOST}{lost}")
+    for fn in list(_before_exit):  # e.g. the goodput record's end: the run ends here
+      try:
+        fn()
+      except Exception:  # pylint: disable=broad-except  # the exit must happen
+        logging.exception("Before the lost-peer exit:")
+    logging.flush()
     if self.process == 0:
       self._linger(lost)
     os._exit(EXIT_LOST_PEER)  # pylint: disable=protected-access
@@ -212,6 +240,29 @@ class Watch:
       time.sleep(self.beat_s / 5)
 
 
+def _here() -> str:
+  """This machine's boot and pid namespace: peers that share them see each other's
+  processes (several processes per host, e.g. one per GPU, or tools/launch_local.py); ''
+  where that cannot be told (not Linux)."""
+  try:
+    with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+      return f"{f.read().strip()}/{os.readlink('/proc/self/ns/pid')}"
+  except OSError:
+    return ""
+
+
+def _ended(pid: int) -> bool:
+  """Whether process `pid` (of this pid namespace) has ended: gone, or a zombie its parent
+  has not yet reaped."""
+  try:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True
+  except (OSError, IndexError):
+    return False
+
+
 def _verdict(beats: dict[int, str], me: int) -> int | None:
   """A lost process another survivor has already named."""
   return next((int(v[len(_LOST):]) for p, v in beats.items()
@@ -219,6 +270,18 @@ def _verdict(beats: dict[int, str], me: int) -> int | None:
 
 
 _watch: Watch | None = None
+_before_exit: list[Callable[[], None]] = []
+
+
+@contextlib.contextmanager
+def before_exit(fn: Callable[[], None]):
+  """While inside, a lost-peer stop of this process calls `fn` (quick, local: it runs
+  between the line and the exit) before it exits; its errors go to the log."""
+  _before_exit.append(fn)
+  try:
+    yield
+  finally:
+    _before_exit.remove(fn)
 
 
 def stop_if_lost(error: BaseException) -> None:

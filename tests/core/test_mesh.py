@@ -22,7 +22,9 @@ def test_resolve_shapes_is_pure():
 
 def test_hybrid_mesh_over_processes_needs_matching_granules():
   # One process here: a DCN product of 2 cannot be laid over it.
-  with pytest.raises(ConfigError, match="task.dcn_mesh_shape=.* spans 2 processes"):
+  with pytest.raises(ConfigError, match=r"task.dcn_mesh_shape=.* spans 2 slices, but the "
+                     r"devices come from 1 processes\. Set dcn_mesh_shape's product to a "
+                     r"divisor of 1"):
     mesh.create_mesh(NAMES, (2, 2, 1), (2, 1, 1))
 
 
@@ -38,6 +40,19 @@ def test_hybrid_mesh_uses_the_granule_for_dcn_axes():
   assert arr.shape == (2, 2, 2)
   # data (the DCN axis) splits the slices; fsdp x model stay within one slice.
   assert {d.slice_index for d in arr[0].flat} == {0} and {d.slice_index for d in arr[1].flat} == {1}
+
+
+def test_without_slices_groups_of_consecutive_processes_are_the_dcn_granules():
+  class Fake:  # 4 processes of 2 devices, no slices (CPU): 2 slices of 2 processes each
+    def __init__(self, i):
+      self.id, self.process_index, self.slice_index = i, i // 2, 0
+      self.platform, self.device_kind = "cpu", "cpu"
+  devices = [Fake(i) for i in reversed(range(8))]
+  arr = mesh.device_array_for((4, 1, 1), (2, 1, 1), devices)
+  assert arr.shape == (8, 1, 1)
+  assert [d.process_index for d in arr.flat] == [0, 0, 1, 1, 2, 2, 3, 3]
+  with pytest.raises(ConfigError, match=r"spans 3 slices, but the devices come from 4 processes"):
+    mesh.device_array_for((2, 1, 1), (3, 1, 1), devices)
 
 
 @pytest.mark.parametrize("ici,dcn,needle", [
