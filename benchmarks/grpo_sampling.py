@@ -106,19 +106,28 @@ def peak_mib(name: str, sampler, params, local) -> float:
   return max(planner.compiled_memory(c)["peak_estimate_bytes"] for c in compiled) / 2**20
 
 
-def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> dict:
+def bench(run, program, params, mode: str, slots: list[int], repeats: int,
+          others=None) -> dict:
+  """Every sampler's rows (useful tokens/s, ratio to today's, utilization, peak). `others`:
+  `f(lengths) -> {name: call}` given the samples' lengths (prompt-major), each call timing
+  one sampling of another library's and returning its seconds: timed in turn with ours
+  (benchmarks/grpo_sampling_tunix.py), their tokens/s in the result's `others`."""
   new_tokens = run.task.objective.max_new_tokens
   if mode == "long_tail":
     program = WithModel(program, SeededStops(program.model, 8 / new_tokens))
   found = samplers(run, program, slots, (END,) if mode == "long_tail" else ())
   local = run.datasets["train"].batch_at(0)
   outputs = {name: s.sample(params, local) for name, s in found.items()}  # compiles
-  times = {name: [] for name in found}
-  for _ in range(repeats):
+  lengths = [len(o["output_ids"][:new_tokens]) for o in outputs["today"]]
+  others = others(lengths) if others else {}
+  times = {name: [] for name in [*found, *others]}
+  for _ in range(repeats):  # in turn, so a change in the shared machine's load hits all
     for name, s in found.items():
       t0 = time.perf_counter()
       outputs[name] = s.sample(params, local)
       times[name].append(time.perf_counter() - t0)
+    for name, call in others.items():
+      times[name].append(call())
   useful = {name: [o["output_ids"][:new_tokens] for o in out] for name, out in outputs.items()}
   same = {name: out == useful["today"] for name, out in useful.items()}
   tokens = sum(map(len, useful["today"]))
@@ -130,7 +139,8 @@ def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> di
   base = rows["today"]["tok_s"]
   for r in rows.values():
     r["ratio"] = r["tok_s"] / base
-  return {"tokens": tokens, "samples": len(outputs["today"]), "rows": rows}
+  return {"tokens": tokens, "samples": len(outputs["today"]), "rows": rows,
+          "others": {name: tokens / statistics.median(times[name]) for name in others}}
 
 
 def main():

@@ -45,6 +45,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   """
   b, t, h, hd = q.shape
   kv_heads = k.shape[2]
+  if t == 1 and q_seg is None and platform() == "cpu":
+    return _attend_one(q, k, v, q_pos, kv_pos, causal, window, scale)
   q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (scale or hd ** -0.5)
@@ -65,6 +67,27 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   return out.reshape(b, t, h, hd)
 
 
+def _attend_one(q, k, v, q_pos, kv_pos, causal, window, scale) -> jax.Array:
+  """`attend` for one query a row (a decode step) as multiplies and sums: XLA:CPU lowers
+  the einsums' batched dots with a transposed copy of each layer's keys and values at every
+  step; these fuse and read the cache in place (2x faster here on TinyLm's decode)."""
+  b, _, h, hd = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, 1, kv_heads, h // kv_heads, hd).astype(jnp.float32)
+  scores = jnp.sum(q * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [b, s, kv, g]
+  scores = scores * (scale or hd ** -0.5)
+  qp, kp = q_pos[:, :, None, None], kv_pos[:, :, None, None]
+  mask = kp <= qp if causal else None
+  if window is not None:
+    near = window_lib.visible(qp, kp, window) & (causal or window_lib.visible(kp, qp, window))
+    mask = near if mask is None else mask & near
+  if mask is not None:
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+  out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [b, kv, g, hd]
+  return out.reshape(b, 1, h, hd)
+
+
 class KvCache(NamedTuple):
   """Keys and values (after rope) by slot = position: each [b, max_len, kv_heads, hd].
 
@@ -72,6 +95,24 @@ class KvCache(NamedTuple):
   """
   k: jax.Array
   v: jax.Array
+
+
+class StackedLayer(NamedTuple):
+  """Layer `layer` of a stack's whole cache (KvCache leaves [num_layers, b, max_len, ...]):
+  what a one-token decode step's layer stack hands each layer (layers.stack) instead of the
+  layer's slice. Scanning the slices out and back copies the whole cache at every step;
+  carried whole, a step writes its one token a row in place (`write_stacked`)."""
+  stack: KvCache
+  layer: jax.Array  # [] int32
+
+
+def write_stacked(cache: jax.Array, new: jax.Array, positions: jax.Array,
+                  layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(the stacked `cache` [L, b, S, ...] with `new` [b, 1, ...] at [layer, row,
+  positions[row, 0]], that layer's [b, S, ...]): a scatter of one token a row, in place."""
+  rows = jnp.arange(cache.shape[1])
+  cache = cache.at[layer, rows, positions[:, 0]].set(new[:, 0].astype(cache.dtype), mode="drop")
+  return cache, cache[layer]
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -212,6 +253,12 @@ class Attention(nn.Module):
       q, k = self._rope(q, positions, is_local), self._rope(k, positions, is_local)
     if cache is None:
       kv_pos = positions
+    elif isinstance(cache, StackedLayer):
+      stack_k, k = write_stacked(cache.stack.k, k, positions, cache.layer)
+      stack_v, v = write_stacked(cache.stack.v, v, positions, cache.layer)
+      k, v = constrain(k, self.heads_act_split), constrain(v, self.heads_act_split)
+      cache = StackedLayer(KvCache(stack_k, stack_v), cache.layer)
+      kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     else:
       k = constrain(write_cache(cache.k, k, positions), self.heads_act_split)
       v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
