@@ -106,13 +106,28 @@ class StackedLayer(NamedTuple):
   layer: jax.Array  # [] int32
 
 
+# A decode step reads a layer's cache in blocks of this many positions, up to the block of
+# the largest position a row is at: the slots beyond are empty for every row.
+LIVE_BLOCK = 32
+
+
 def write_stacked(cache: jax.Array, new: jax.Array, positions: jax.Array,
-                  layer: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(the stacked `cache` [L, b, S, ...] with `new` [b, 1, ...] at [layer, row,
-  positions[row, 0]], that layer's [b, S, ...]): a scatter of one token a row, in place."""
+                  layer: jax.Array) -> jax.Array:
+  """The stacked `cache` [L, b, S, ...] with `new` [b, 1, ...] at [layer, row,
+  positions[row, 0]]: a scatter of one token a row, in place."""
   rows = jnp.arange(cache.shape[1])
-  cache = cache.at[layer, rows, positions[:, 0]].set(new[:, 0].astype(cache.dtype), mode="drop")
-  return cache, cache[layer]
+  return cache.at[layer, rows, positions[:, 0]].set(new[:, 0].astype(cache.dtype), mode="drop")
+
+
+def live_lengths(max_len: int) -> list[int]:
+  """The cache prefixes a decode step may read: multiples of LIVE_BLOCK, then max_len."""
+  return list(range(LIVE_BLOCK, max_len, LIVE_BLOCK)) + [max_len]
+
+
+def live_prefix(positions: jax.Array, max_len: int) -> jax.Array:
+  """Which of `live_lengths` a step at `positions` [b, 1] reads: the shortest holding every
+  row's position."""
+  return jnp.minimum(jnp.max(positions) // LIVE_BLOCK, len(live_lengths(max_len)) - 1)
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -190,6 +205,24 @@ class Attention(nn.Module):
     freq = local_freq if is_local is None else jnp.where(is_local, local_freq, global_freq())
     return rope.apply_frequencies(x, positions, freq)
 
+  def _attend_live(self, q, cache: StackedLayer, positions, is_local) -> jax.Array:
+    """One query a row over its layer's cache up to the live prefix (`live_prefix`): one
+    branch a prefix length, each reading only that much of the stacked cache."""
+    stack_k, stack_v = cache.stack
+    lengths = live_lengths(stack_k.shape[2])
+
+    def prefix(n):
+      def attend_prefix(q):
+        start = (cache.layer,) + (0,) * (stack_k.ndim - 1)
+        cut = (1,) + stack_k.shape[1:2] + (n,) + stack_k.shape[3:]
+        k, v = (constrain(jax.lax.dynamic_slice(x, start, cut)[0], self.heads_act_split)
+                for x in (stack_k, stack_v))
+        kv_pos = jnp.broadcast_to(jnp.arange(n), (k.shape[0], n))
+        return self._attend(q, k, v, positions, kv_pos, None, True, is_local)
+      return attend_prefix
+    return jax.lax.switch(live_prefix(positions, stack_k.shape[2]), [prefix(n) for n in lengths],
+                          q)
+
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool,
               is_local=None) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -254,11 +287,10 @@ class Attention(nn.Module):
     if cache is None:
       kv_pos = positions
     elif isinstance(cache, StackedLayer):
-      stack_k, k = write_stacked(cache.stack.k, k, positions, cache.layer)
-      stack_v, v = write_stacked(cache.stack.v, v, positions, cache.layer)
-      k, v = constrain(k, self.heads_act_split), constrain(v, self.heads_act_split)
-      cache = StackedLayer(KvCache(stack_k, stack_v), cache.layer)
-      kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
+      cache = StackedLayer(KvCache(write_stacked(cache.stack.k, k, positions, cache.layer),
+                                   write_stacked(cache.stack.v, v, positions, cache.layer)),
+                           cache.layer)
+      out = self._attend_live(q, cache, positions, is_local)
     else:
       k = constrain(write_cache(cache.k, k, positions), self.heads_act_split)
       v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
@@ -266,8 +298,9 @@ class Attention(nn.Module):
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     if cache is not None and segment_ids is not None:
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
-    out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None,
-                                 is_local), self.heads_act_split)
+    if not isinstance(cache, StackedLayer):
+      out = self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None, is_local)
+    out = constrain(out, self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
     out = lora_lib.project(self, "o", "bthk,hkd->btd", out, wo, self.o_split, heads, dt, lora,
                            lora_drop, at_once="o" in self.at_once, quant=self.quant)
