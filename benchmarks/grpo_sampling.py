@@ -143,22 +143,30 @@ def bench(run, program, params, mode: str, slots: list[int], repeats: int,
           "others": {name: tokens / statistics.median(times[name]) for name in others}}
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """The batch's and the samplers' flags (this benchmark's and grpo_sampling_tunix.py's)."""
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--generations", type=int, default=8)
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--slots", default="8,16", help="pool sizes, comma-separated")
   parser.add_argument("--modes", default="long_tail,full")
   parser.add_argument("--repeats", type=int, default=3)
-  args = parser.parse_args()
+  return parser
+
+
+def setup(args) -> tuple:
+  """(run, program, fresh params, pool sizes) of TinyLmGrpo at the flags' batch."""
   run = common.build("TinyLmGrpo", [f"datasets['train'].batch_size={args.prompts}",
                                     f"task.objective.num_generations={args.generations}",
                                     f"task.objective.max_new_tokens={args.new_tokens}",
                                     "task.objective.temperature=1.0"])
   program = program_lib.setup(run.task, rollout.example(run))
-  params = program.init().params
-  slots = [int(s) for s in args.slots.split(",") if s]
+  return run, program, program.init().params, [int(s) for s in args.slots.split(",") if s]
+
+
+def main():
+  args = arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
+  run, program, params, slots = setup(args)
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"{args.prompts} prompts x {args.generations} samples, up to {args.new_tokens} new tokens")
   for mode in args.modes.split(","):

@@ -38,8 +38,7 @@ import grpo_sampling  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 
-from spmdtask.core import program as program_lib, sharding  # pylint: disable=wrong-import-position
-from spmdtask.run import rollout  # pylint: disable=wrong-import-position
+from spmdtask.core import sharding  # pylint: disable=wrong-import-position
 
 SIDE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grpo_sampling_tunix_side.py")
 
@@ -111,23 +110,11 @@ class Tunix:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = grpo_sampling.arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
   parser.add_argument("--tunix_python", default="",
                       help="the python of a venv with google-tunix (empty: Tunix skipped)")
-  parser.add_argument("--prompts", type=int, default=8)
-  parser.add_argument("--generations", type=int, default=8)
-  parser.add_argument("--new_tokens", type=int, default=128)
-  parser.add_argument("--slots", default="8,16", help="pool sizes, comma-separated")
-  parser.add_argument("--modes", default="long_tail,full")
-  parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
-  run = common.build("TinyLmGrpo", [f"datasets['train'].batch_size={args.prompts}",
-                                    f"task.objective.num_generations={args.generations}",
-                                    f"task.objective.max_new_tokens={args.new_tokens}",
-                                    "task.objective.temperature=1.0"])
-  program = program_lib.setup(run.task, rollout.example(run))
-  params = program.init().params
-  slots = [int(s) for s in args.slots.split(",") if s]
+  run, program, params, slots = grpo_sampling.setup(args)
   modes = args.modes.split(",")
   with tempfile.TemporaryDirectory() as workdir:
     side, skipped = None, "no --tunix_python"

@@ -30,7 +30,7 @@ from spmdtask.core import remat
 from spmdtask.errors import ConfigError
 from spmdtask.layers import base
 from spmdtask.layers import lora as lora_lib
-from spmdtask.layers.attention.mha import KvCache, StackedLayer
+from spmdtask.layers.attention.mha import KvCache, StackedLayer, live_prefix
 from spmdtask.core.model import LayoutMap
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
@@ -78,7 +78,8 @@ class LayerStack(nn.Module):
   def _decode_step(self, x, side: tuple, cache: KvCache):
     """The layers on one token a row, the cache carried whole through the scan: each layer
     writes its token in place (mha.write_stacked) where the scan over the layer dim would
-    copy every layer's slice out and the new cache back at every step."""
+    copy every layer's slice out and the new cache back at every step. `side[0]` is the
+    positions [b, 1]: the prefix of the cache every layer reads (mha.live_prefix)."""
     def body(block, carry, *rest):
       x, view = carry
       x, view = block(x, *rest[:len(side)], None, view, None, *rest[len(side):])
@@ -88,8 +89,9 @@ class LayerStack(nn.Module):
                    in_axes=(nn.broadcast,) * len(side) + (0,) * len(flags),
                    length=self.num_layers, unroll=self.scan_unroll,
                    metadata_params={nn.PARTITION_NAME: None})
-    (x, view), _ = scan(self.block_cls(**self.block_kwargs, name=BLOCK),
-                        (x, StackedLayer(cache, jnp.int32(0))), *side, *flags)
+    start = StackedLayer(cache, jnp.int32(0), live_prefix(side[0], cache.k.shape[2]))
+    (x, view), _ = scan(self.block_cls(**self.block_kwargs, name=BLOCK), (x, start), *side,
+                        *flags)
     return x, view.stack
 
   def _dropout(self) -> bool:

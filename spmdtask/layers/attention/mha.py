@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
-from spmdtask.core.sharding import shards
+from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
 from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention import context as context_attention, fused as fused_attention
@@ -104,6 +104,7 @@ class StackedLayer(NamedTuple):
   carried whole, a step writes its one token a row in place (`write_stacked`)."""
   stack: KvCache
   layer: jax.Array  # [] int32
+  prefix: jax.Array  # [] int32: which of `live_lengths` the step reads (`live_prefix`)
 
 
 # A decode step reads a layer's cache in blocks of this many positions, up to the block of
@@ -111,10 +112,18 @@ class StackedLayer(NamedTuple):
 LIVE_BLOCK = 32
 
 
-def write_stacked(cache: jax.Array, new: jax.Array, positions: jax.Array,
-                  layer: jax.Array) -> jax.Array:
+def write_stacked(cache: jax.Array, new: jax.Array, positions: jax.Array, layer: jax.Array,
+                  split_rows: bool) -> jax.Array:
   """The stacked `cache` [L, b, S, ...] with `new` [b, 1, ...] at [layer, row,
-  positions[row, 0]]: a scatter of one token a row, in place."""
+  positions[row, 0]] (out of range: dropped), in place. A scatter of one token a row; where
+  the rows are split over devices, a select over the layer's slots instead: GSPMD gathers a
+  scatter's row indices and tokens to every device (per layer, per step), and a vmapped
+  scatter's batching dim makes XLA:CPU transpose the whole cache twice. Measured on one
+  device, TinyLm's 64 rows: 4.7 ms a step (scatter), 7.0 (select), 28.8 (vmapped)."""
+  if split_rows:
+    hit = positions[:, 0][:, None] == jnp.arange(cache.shape[2])[None, :]
+    hit = hit.reshape(hit.shape + (1,) * (cache.ndim - 3))
+    return cache.at[layer].set(jnp.where(hit, new.astype(cache.dtype), cache[layer]))
   rows = jnp.arange(cache.shape[1])
   return cache.at[layer, rows, positions[:, 0]].set(new[:, 0].astype(cache.dtype), mode="drop")
 
@@ -126,7 +135,7 @@ def live_lengths(max_len: int) -> list[int]:
 
 def live_prefix(positions: jax.Array, max_len: int) -> jax.Array:
   """Which of `live_lengths` a step at `positions` [b, 1] reads: the shortest holding every
-  row's position."""
+  row's position (a max over the rows: found once a step, not in every layer)."""
   return jnp.minimum(jnp.max(positions) // LIVE_BLOCK, len(live_lengths(max_len)) - 1)
 
 
@@ -220,8 +229,7 @@ class Attention(nn.Module):
         kv_pos = jnp.broadcast_to(jnp.arange(n), (k.shape[0], n))
         return self._attend(q, k, v, positions, kv_pos, None, True, is_local)
       return attend_prefix
-    return jax.lax.switch(live_prefix(positions, stack_k.shape[2]), [prefix(n) for n in lengths],
-                          q)
+    return jax.lax.switch(cache.prefix, [prefix(n) for n in lengths], q)
 
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool,
               is_local=None) -> jax.Array:
@@ -287,9 +295,11 @@ class Attention(nn.Module):
     if cache is None:
       kv_pos = positions
     elif isinstance(cache, StackedLayer):
-      cache = StackedLayer(KvCache(write_stacked(cache.stack.k, k, positions, cache.layer),
-                                   write_stacked(cache.stack.v, v, positions, cache.layer)),
-                           cache.layer)
+      mesh = dict(jax.sharding.get_abstract_mesh().shape)
+      split = any(mesh.get(a, 1) > 1 for a in entry_axes(self.heads_act_split[0]))
+      cache = StackedLayer(KvCache(*(write_stacked(c, x, positions, cache.layer, split)
+                                     for c, x in ((cache.stack.k, k), (cache.stack.v, v)))),
+                           cache.layer, cache.prefix)
       out = self._attend_live(q, cache, positions, is_local)
     else:
       k = constrain(write_cache(cache.k, k, positions), self.heads_act_split)
