@@ -74,8 +74,11 @@ class Tunix:
     with open(os.path.join(workdir, "spec.json"), "w", encoding="utf-8") as f:
       json.dump(spec, f)
     env = dict(os.environ, XLA_FLAGS=ONE_DEVICE, JAX_PLATFORMS="cpu", PYTHONPATH="")
-    self.log = open(os.path.join(workdir, "side.log"), "w+", encoding="utf-8")  # pylint: disable=consider-using-with
-    self.proc = subprocess.Popen([python, SIDE, os.path.join(workdir, "spec.json")], env=env,  # pylint: disable=consider-using-with
+    # both live until close(): the side answers one request at a time
+    # pylint: disable-next=consider-using-with
+    self.log = open(os.path.join(workdir, "side.log"), "w+", encoding="utf-8")
+    # pylint: disable-next=consider-using-with
+    self.proc = subprocess.Popen([python, SIDE, os.path.join(workdir, "spec.json")], env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=self.log, text=True)
     self.info, self.checks = self.ask(None), {}

@@ -101,7 +101,7 @@ def load_llama(spec) -> llama3.Llama3:
   model.final_norm.w.value = jnp.asarray(w["final_norm/scale"])
   model.lm_head.w.value = jnp.asarray(w["unembed"])
   for i, layer in enumerate(model.layers):
-    at = lambda name: jnp.asarray(w[f"layers/block/{name}"][i])  # pylint: disable=cell-var-from-loop
+    at = lambda name, i=i: jnp.asarray(w[f"layers/block/{name}"][i])
     layer.attn.q_proj.w.value, layer.attn.k_proj.w.value = at("attn/q"), at("attn/k")
     layer.attn.v_proj.w.value, layer.attn.o_proj.w.value = at("attn/v"), at("attn/o")
     layer.input_layernorm.w.value = at("attn_norm/scale")
