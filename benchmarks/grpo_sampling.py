@@ -106,19 +106,28 @@ def peak_mib(name: str, sampler, params, local) -> float:
   return max(planner.compiled_memory(c)["peak_estimate_bytes"] for c in compiled) / 2**20
 
 
-def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> dict:
+def bench(run, program, params, mode: str, slots: list[int], repeats: int,
+          others=None) -> dict:
+  """Every sampler's rows (useful tokens/s, ratio to today's, utilization, peak). `others`:
+  `f(lengths) -> {name: call}` given the samples' lengths (prompt-major), each call timing
+  one sampling of another library's and returning its seconds: timed in turn with ours
+  (benchmarks/grpo_sampling_tunix.py), their tokens/s in the result's `others`."""
   new_tokens = run.task.objective.max_new_tokens
   if mode == "long_tail":
     program = WithModel(program, SeededStops(program.model, 8 / new_tokens))
   found = samplers(run, program, slots, (END,) if mode == "long_tail" else ())
   local = run.datasets["train"].batch_at(0)
   outputs = {name: s.sample(params, local) for name, s in found.items()}  # compiles
-  times = {name: [] for name in found}
-  for _ in range(repeats):
+  lengths = [len(o["output_ids"][:new_tokens]) for o in outputs["today"]]
+  others = others(lengths) if others else {}
+  times = {name: [] for name in [*found, *others]}
+  for _ in range(repeats):  # in turn, so a change in the shared machine's load hits all
     for name, s in found.items():
       t0 = time.perf_counter()
       outputs[name] = s.sample(params, local)
       times[name].append(time.perf_counter() - t0)
+    for name, call in others.items():
+      times[name].append(call())
   useful = {name: [o["output_ids"][:new_tokens] for o in out] for name, out in outputs.items()}
   same = {name: out == useful["today"] for name, out in useful.items()}
   tokens = sum(map(len, useful["today"]))
@@ -130,25 +139,34 @@ def bench(run, program, params, mode: str, slots: list[int], repeats: int) -> di
   base = rows["today"]["tok_s"]
   for r in rows.values():
     r["ratio"] = r["tok_s"] / base
-  return {"tokens": tokens, "samples": len(outputs["today"]), "rows": rows}
+  return {"tokens": tokens, "samples": len(outputs["today"]), "rows": rows,
+          "others": {name: tokens / statistics.median(times[name]) for name in others}}
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """The batch's and the samplers' flags (this benchmark's and grpo_sampling_tunix.py's)."""
   parser.add_argument("--prompts", type=int, default=8)
   parser.add_argument("--generations", type=int, default=8)
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--slots", default="8,16", help="pool sizes, comma-separated")
   parser.add_argument("--modes", default="long_tail,full")
   parser.add_argument("--repeats", type=int, default=3)
-  args = parser.parse_args()
+  return parser
+
+
+def setup(args) -> tuple:
+  """(run, program, fresh params, pool sizes) of TinyLmGrpo at the flags' batch."""
   run = common.build("TinyLmGrpo", [f"datasets['train'].batch_size={args.prompts}",
                                     f"task.objective.num_generations={args.generations}",
                                     f"task.objective.max_new_tokens={args.new_tokens}",
                                     "task.objective.temperature=1.0"])
   program = program_lib.setup(run.task, rollout.example(run))
-  params = program.init().params
-  slots = [int(s) for s in args.slots.split(",") if s]
+  return run, program, program.init().params, [int(s) for s in args.slots.split(",") if s]
+
+
+def main():
+  args = arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
+  run, program, params, slots = setup(args)
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"{args.prompts} prompts x {args.generations} samples, up to {args.new_tokens} new tokens")
   for mode in args.modes.split(","):

@@ -30,6 +30,7 @@ from spmdtask.core import remat
 from spmdtask.errors import ConfigError
 from spmdtask.layers import base
 from spmdtask.layers import lora as lora_lib
+from spmdtask.layers.attention.mha import KvCache, StackedLayer, live_prefix
 from spmdtask.core.model import LayoutMap
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
@@ -61,7 +62,10 @@ class LayerStack(nn.Module):
       if self.execution is not None:
         raise ValueError("A pipelined stack does not decode: decode with pipeline=None "
                          "(checkpoints are canonical, so the same weights load).")
-      # Decoding: no gradients, so no remat; the cache is scanned over the layer dim.
+      # Decoding: no gradients, so no remat. One token a row: the whole cache is carried
+      # (mha.StackedLayer); a chunk (a prefill): the cache is scanned over the layer dim.
+      if isinstance(cache, KvCache) and jax.tree.leaves(x)[0].shape[1] == 1:
+        return self._decode_step(x, side, cache)
       stack = self._scan(self.block_cls, len(side) + 1, self.num_layers)
       return stack(**self.block_kwargs, name=BLOCK)(x, *side, None, cache, None,
                                                     *self._flags(0, self.num_layers))
@@ -70,6 +74,25 @@ class LayerStack(nn.Module):
     if self.execution is None:
       return self.scan_layers(x, side, keys), None
     return self.execution.apply_stack(self, x, side, keys), None
+
+  def _decode_step(self, x, side: tuple, cache: KvCache):
+    """The layers on one token a row, the cache carried whole through the scan: each layer
+    writes its token in place (mha.write_stacked) where the scan over the layer dim would
+    copy every layer's slice out and the new cache back at every step. `side[0]` is the
+    positions [b, 1]: the prefix of the cache every layer reads (mha.live_prefix)."""
+    def body(block, carry, *rest):
+      x, view = carry
+      x, view = block(x, *rest[:len(side)], None, view, None, *rest[len(side):])
+      return (x, view._replace(layer=view.layer + 1)), None
+    flags = self._flags(0, self.num_layers)
+    scan = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast,) * len(side) + (0,) * len(flags),
+                   length=self.num_layers, unroll=self.scan_unroll,
+                   metadata_params={nn.PARTITION_NAME: None})
+    start = StackedLayer(cache, jnp.int32(0), live_prefix(side[0], cache.k.shape[2]))
+    (x, view), _ = scan(self.block_cls(**self.block_kwargs, name=BLOCK), (x, start), *side,
+                        *flags)
+    return x, view.stack
 
   def _dropout(self) -> bool:
     rate = self.block_kwargs.get("dropout_rate") or lora_lib.dropout_rate(

@@ -217,7 +217,8 @@ def phase_lines(plan: dict) -> list[str]:
       lines.append(
           f"  HBM bytes per chip: the prefill reads the weights, {mb(est['weights_bytes'])}; "
           f"an iteration those and the slots' whole KV cache, {mb(est['cache_bytes'])} "
-          "(every position, live or not). XLA's cost analysis counts "
+          "(every position; a step reads up to its longest row's 32-position block: the "
+          "last iterations of a wave). XLA's cost analysis counts "
           f"{mb(est['once']['xla_hbm_bytes'])} and {mb(est['trip']['xla_hbm_bytes'])} (it "
           "charges an op on one layer's slice of a stacked array, weights or cache, the whole "
           "stack): with its count, "

@@ -87,7 +87,8 @@ def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
   """(weights, cache) bytes one device must read for a decode iteration over `slots` slots
   of `total` tokens: every weight but the share split over non-batch axes (the data axes
   only split the slots), at the compute dtype (the cache's) where that is narrower; the
-  slots' whole cache (the attention reads every position, live or not). As the model
+  slots' whole cache (every position: what the worst case's last iterations read; a step
+  reads up to its longest row's block, layers.attention.mha.live_prefix). As the model
   declares them: a compiler may narrow f32 further (XLA:TPU feeds its bf16 matmul passes)."""
   model, mesh_shape = program.model, dict(program.mesh.shape)
   batch = set(program.task.batch_axes())

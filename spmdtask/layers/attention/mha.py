@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from spmdtask.core import remat
-from spmdtask.core.sharding import shards
+from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
 from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention import context as context_attention, fused as fused_attention
@@ -45,6 +45,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   """
   b, t, h, hd = q.shape
   kv_heads = k.shape[2]
+  if t == 1 and q_seg is None and platform() == "cpu":
+    return _attend_one(q, k, v, q_pos, kv_pos, causal, window, scale)
   q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
   scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores * (scale or hd ** -0.5)
@@ -65,6 +67,27 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   return out.reshape(b, t, h, hd)
 
 
+def _attend_one(q, k, v, q_pos, kv_pos, causal, window, scale) -> jax.Array:
+  """`attend` for one query a row (a decode step) as multiplies and sums: XLA:CPU lowers
+  the einsums' batched dots with a transposed copy of each layer's keys and values at every
+  step; these fuse and read the cache in place (2x faster here on TinyLm's decode)."""
+  b, _, h, hd = q.shape
+  kv_heads = k.shape[2]
+  q = q.reshape(b, 1, kv_heads, h // kv_heads, hd).astype(jnp.float32)
+  scores = jnp.sum(q * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [b, s, kv, g]
+  scores = scores * (scale or hd ** -0.5)
+  qp, kp = q_pos[:, :, None, None], kv_pos[:, :, None, None]
+  mask = kp <= qp if causal else None
+  if window is not None:
+    near = window_lib.visible(qp, kp, window) & (causal or window_lib.visible(kp, qp, window))
+    mask = near if mask is None else mask & near
+  if mask is not None:
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=1).astype(v.dtype)
+  out = jnp.sum(probs[..., None] * v[:, :, :, None, :], axis=1)  # [b, kv, g, hd]
+  return out.reshape(b, 1, h, hd)
+
+
 class KvCache(NamedTuple):
   """Keys and values (after rope) by slot = position: each [b, max_len, kv_heads, hd].
 
@@ -72,6 +95,48 @@ class KvCache(NamedTuple):
   """
   k: jax.Array
   v: jax.Array
+
+
+class StackedLayer(NamedTuple):
+  """Layer `layer` of a stack's whole cache (KvCache leaves [num_layers, b, max_len, ...]):
+  what a one-token decode step's layer stack hands each layer (layers.stack) instead of the
+  layer's slice. Scanning the slices out and back copies the whole cache at every step;
+  carried whole, a step writes its one token a row in place (`write_stacked`)."""
+  stack: KvCache
+  layer: jax.Array  # [] int32
+  prefix: jax.Array  # [] int32: which of `live_lengths` the step reads (`live_prefix`)
+
+
+# A decode step reads a layer's cache in blocks of this many positions, up to the block of
+# the largest position a row is at: the slots beyond are empty for every row.
+LIVE_BLOCK = 32
+
+
+def write_stacked(cache: jax.Array, new: jax.Array, positions: jax.Array, layer: jax.Array,
+                  split_rows: bool) -> jax.Array:
+  """The stacked `cache` [L, b, S, ...] with `new` [b, 1, ...] at [layer, row,
+  positions[row, 0]] (out of range: dropped), in place. A scatter of one token a row; where
+  the rows are split over devices, a select over the layer's slots instead: GSPMD gathers a
+  scatter's row indices and tokens to every device (per layer, per step), and a vmapped
+  scatter's batching dim makes XLA:CPU transpose the whole cache twice. Measured on one
+  device, TinyLm's 64 rows: 4.7 ms a step (scatter), 7.0 (select), 28.8 (vmapped)."""
+  if split_rows:
+    hit = positions[:, 0][:, None] == jnp.arange(cache.shape[2])[None, :]
+    hit = hit.reshape(hit.shape + (1,) * (cache.ndim - 3))
+    return cache.at[layer].set(jnp.where(hit, new.astype(cache.dtype), cache[layer]))
+  rows = jnp.arange(cache.shape[1])
+  return cache.at[layer, rows, positions[:, 0]].set(new[:, 0].astype(cache.dtype), mode="drop")
+
+
+def live_lengths(max_len: int) -> list[int]:
+  """The cache prefixes a decode step may read: multiples of LIVE_BLOCK, then max_len."""
+  return list(range(LIVE_BLOCK, max_len, LIVE_BLOCK)) + [max_len]
+
+
+def live_prefix(positions: jax.Array, max_len: int) -> jax.Array:
+  """Which of `live_lengths` a step at `positions` [b, 1] reads: the shortest holding every
+  row's position (a max over the rows: found once a step, not in every layer)."""
+  return jnp.minimum(jnp.max(positions) // LIVE_BLOCK, len(live_lengths(max_len)) - 1)
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -149,6 +214,23 @@ class Attention(nn.Module):
     freq = local_freq if is_local is None else jnp.where(is_local, local_freq, global_freq())
     return rope.apply_frequencies(x, positions, freq)
 
+  def _attend_live(self, q, cache: StackedLayer, positions, is_local) -> jax.Array:
+    """One query a row over its layer's cache up to the live prefix (`live_prefix`): one
+    branch a prefix length, each reading only that much of the stacked cache."""
+    stack_k, stack_v = cache.stack
+    lengths = live_lengths(stack_k.shape[2])
+
+    def prefix(n):
+      def attend_prefix(q):
+        start = (cache.layer,) + (0,) * (stack_k.ndim - 1)
+        cut = (1,) + stack_k.shape[1:2] + (n,) + stack_k.shape[3:]
+        k, v = (constrain(jax.lax.dynamic_slice(x, start, cut)[0], self.heads_act_split)
+                for x in (stack_k, stack_v))
+        kv_pos = jnp.broadcast_to(jnp.arange(n), (k.shape[0], n))
+        return self._attend(q, k, v, positions, kv_pos, None, True, is_local)
+      return attend_prefix
+    return jax.lax.switch(cache.prefix, [prefix(n) for n in lengths], q)
+
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool,
               is_local=None) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -212,6 +294,13 @@ class Attention(nn.Module):
       q, k = self._rope(q, positions, is_local), self._rope(k, positions, is_local)
     if cache is None:
       kv_pos = positions
+    elif isinstance(cache, StackedLayer):
+      mesh = dict(jax.sharding.get_abstract_mesh().shape)
+      split = any(mesh.get(a, 1) > 1 for a in entry_axes(self.heads_act_split[0]))
+      cache = StackedLayer(KvCache(*(write_stacked(c, x, positions, cache.layer, split)
+                                     for c, x in ((cache.stack.k, k), (cache.stack.v, v)))),
+                           cache.layer, cache.prefix)
+      out = self._attend_live(q, cache, positions, is_local)
     else:
       k = constrain(write_cache(cache.k, k, positions), self.heads_act_split)
       v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
@@ -219,8 +308,9 @@ class Attention(nn.Module):
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     if cache is not None and segment_ids is not None:
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
-    out = constrain(self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None,
-                                 is_local), self.heads_act_split)
+    if not isinstance(cache, StackedLayer):
+      out = self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None, is_local)
+    out = constrain(out, self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
     out = lora_lib.project(self, "o", "bthk,hkd->btd", out, wo, self.o_split, heads, dt, lora,
                            lora_drop, at_once="o" in self.at_once, quant=self.quant)
