@@ -126,8 +126,11 @@ class Supervisor:
         return peers.EXIT_LOST_PEER
       if self.wait_s:  # the lost slice may come back in time (locally it never does)
         time.sleep(self.wait_s)
+      newest = self.newest_step()
       self.say(f"{what}; restarting on {len(left)} of {self.num_slices} slices (slice "
-               f"{_names(left)}) from the newest checkpoint (step {self.newest_step()}).")
+               f"{_names(left)}) from the newest checkpoint ("
+               + (f"step {newest})." if newest is not None else "none in the job dir: the "
+                  "local tier's newest step where it restores, else the start)."))
       live = left
 
   def _wait(self, procs: list[subprocess.Popen], live: list[int]) -> bool:

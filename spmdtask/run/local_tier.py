@@ -6,17 +6,21 @@ tier is written every `task.train.local_save_interval_steps` into
 holds only that process's shards (orbax's array handler with no primary host: each process
 writes every shard its devices hold; JSON items are written by every process into its own
 directory). A step counts as complete when every process committed it (agreed across
-processes), so a host that lost its disk makes the step unusable for all. Because shards
-stay where their devices are, a local step restores only onto the same mesh and process
-count (`usable` checks the saving layout's facts); any other restore reads the persistent
-tier.
+processes), so a host that lost its disk makes the step unusable for all. Shards stay
+where their devices were: a local step restores onto the layout that saved it, or onto any
+other whose devices on each process need only blocks of the arrays that process wrote
+(each step's `meta` lists them: `HELD_KEY`). That is how a job shrunk onto the slices left
+(`run.elastic`) resumes from its newest local step: where the state is replicated across
+slices (a data axis over DCN), every surviving slice holds a whole copy, its peers' shards
+included. Any other restore reads the persistent tier.
 
 The job key is a hash of the job dir's path, and each step's `meta` names the job dir and
 the job's `job_id` (a token the job dir keeps in `checkpoints/local_tier_job_id`): a local
 step of another job, or of an earlier job in a deleted and re-made job dir, is never
 restored. The tier is a cache of the persistent one: steps that are not usable are deleted
 when a restore meets them, and steps past the one a run restored are deleted before it
-trains on. Peer replication (a host's shards also on another slice's host) is not built.
+trains on. Peer replication of state sharded across slices (a host's shards copied to a
+host of another slice) is not built: such a step restores only onto its own layout.
 """
 import hashlib
 import os
@@ -31,13 +35,15 @@ from orbax.checkpoint import checkpoint_utils, type_handlers
 
 from spmdtask import console, fs
 from spmdtask.errors import ConfigError
+from spmdtask.core import sharding
 from spmdtask.run import checkpoint_io as io
 
 FIELD = "task.train.local_checkpoint_dir"
 JOB_ID_FILE = "local_tier_job_id"
 LAYOUT_KEYS = ("mesh_shape", "mesh_axis_names", "device_count", "process_count")
-MOVED = ("; a local step restores only onto the layout that saved it (restore onto another "
-         "from the persistent tier, the job dir)")
+HELD_KEY = "held_blocks"  # meta: {"item/array/path": [[[start, stop] per dim] per block]}
+MOVED = ("; a local step restores onto another layout only where each process's devices "
+         "need only blocks it wrote (restore from the persistent tier, the job dir)")
 
 
 class PerProcess:
@@ -102,6 +108,25 @@ def _job_id(job_log_dir: str) -> str:
   return fs.read_text(path).strip()
 
 
+def _named(items: dict):
+  """("item/array/path", array) of {item: tree}."""
+  return [(f"{item}/{sharding.path_str(path)}", x) for item, tree in items.items()
+          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _blocks(array_sharding, shape) -> list[list[list[int]]]:
+  """The index blocks ([start, stop] per dim) of an array of `shape` that this process's
+  devices hold under `array_sharding`, each once, sorted."""
+  found = set()
+  for index in array_sharding.addressable_devices_indices_map(tuple(shape)).values():
+    found.add(tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape)))
+  return [[list(d) for d in block] for block in sorted(found)]
+
+
+def _key(block) -> tuple:
+  return tuple(tuple(d) for d in block)
+
+
 def _all_agree(value: int) -> np.ndarray:
   """Every process's `value`, in process order."""
   if jax.process_count() == 1:
@@ -148,9 +173,10 @@ class LocalTier:
 
   def save(self, step: int, arrays: dict, input_state: dict, meta: dict) -> None:
     """Starts an async save of `arrays` (canonical) at `step`; returns once they are copied."""
+    held = {name: _blocks(x.sharding, x.shape) for name, x in _named(arrays)}
     args = ocp.args.Composite(**{k: self.fmt.save_args(v) for k, v in arrays.items()},
                               inputs=ocp.args.JsonSave(input_state),
-                              meta=ocp.args.JsonSave({**meta, **self.job}))
+                              meta=ocp.args.JsonSave({**meta, **self.job, HELD_KEY: held}))
     self.mngr.save(step, args=args, force=True)
 
   def complete_steps(self) -> list[int]:
@@ -195,12 +221,23 @@ class LocalTier:
         f"process {first}'s copy of the step is damaged (see its log)")
 
   def usable(self, meta: dict, program) -> str | None:
-    """None if a local step of this job with `meta` restores onto `program`'s layout (its
-    shards are where that layout's devices are); else why not."""
+    """None if a local step of this job with `meta` restores onto `program`'s layout: the
+    one that saved it, or one whose devices on this process need only blocks this process
+    wrote (its `HELD_KEY`); else why not."""
     facts = {**program.layout_facts(), "device_count": jax.device_count(),
              "process_count": jax.process_count()}
     changed = [k for k in LAYOUT_KEYS if k in facts and meta.get(k) != facts[k]]
-    return f"it was saved with another {', '.join(changed)}{MOVED}" if changed else None
+    if not changed:
+      return None
+    held = meta.get(HELD_KEY)
+    targets = program.canonical_targets()
+    need = {name: _blocks(t.sharding, t.shape)
+            for name, t in _named({k: getattr(targets, k) for k in io.ARRAY_ITEMS})}
+    if held is not None and all(
+        name in held and set(map(_key, blocks)) <= set(map(_key, held[name]))
+        for name, blocks in need.items()):
+      return None
+    return f"it was saved with another {', '.join(changed)}{MOVED}"
 
   def read(self, step: int, program) -> tuple[dict | None, str | None]:
     """(the checked items of local step `step`, None), or (None, why it cannot be used)."""

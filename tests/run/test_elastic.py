@@ -26,13 +26,14 @@ JOB = ("task.dcn_mesh_shape=(2, 1, 1)", "task.model.num_layers=1",
        "task.train.log_interval_steps=1", "task.train.summary_interval_steps=1")
 
 
-def _start(job: str, log: str, *flags: str, processes: int = 2) -> subprocess.Popen:
-  """The launcher (tools/launch_local.py) of the job on `processes` x 8/`processes` devices,
-  its output and process 0's in `log`."""
+def _start(job: str, log: str, *flags: str, processes: int = 2,
+           overrides: tuple[str, ...] = ()) -> subprocess.Popen:
+  """The launcher (tools/launch_local.py) of the job (JOB, then `overrides`) on `processes`
+  x 8/`processes` devices, its output and process 0's in `log`."""
   python, env = h.python(4)  # the fork server: the launcher's processes are forked too
   cmd = [python, os.path.join(h.REPO, "tools", "launch_local.py"),
          f"--num_processes={processes}", f"--devices_per_process={8 // processes}", *flags,
-         "--", *h.main_cmd("lm.TinyLm", job, *JOB)[3:]]
+         "--", *h.main_cmd("lm.TinyLm", job, *JOB, *overrides)[3:]]
   with open(log, "w") as out:
     return subprocess.Popen(cmd, env=env, cwd=h.REPO, stdout=out, stderr=subprocess.STDOUT)
 
@@ -135,6 +136,40 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
   # (each window's seconds are written to the microsecond: a few µs apart over its windows)
   assert sum(report.seconds.values()) == pytest.approx(report.wall, abs=1e-3)
   assert report.seconds["between_runs"] > 0 and report.seconds["recomputed"] > 0
+
+
+@pytest.mark.slow
+def test_a_shrunk_job_resumes_from_the_survivors_local_tier(tmp_path, reference):
+  # The local tier every 2 steps, the job dir only at the end: slice 1 SIGKILLed after a
+  # seeded step; slice 0 holds a whole copy of the state (it is replicated across the
+  # slices), so the shrunk job resumes from its newest local step, not from the start.
+  job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
+  kill_after = random.Random(57).randint(5, 8)
+  proc = _start(job, log, "--slices=2", overrides=(
+      "task.train.save_interval_steps=50", "task.train.local_save_interval_steps=2",
+      f"task.train.local_checkpoint_dir={str(tmp_path / 'local')!r}"))
+  try:
+    _wait_for(log, proc, rf"^step {kill_after}/{STEPS} ")
+    pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = open(log).read()
+  assert re.search(r"^launch_local: slice 1 of 2 lost .* from the newest checkpoint \(none in "
+                   r"the job dir: the local tier's newest step where it restores, else the "
+                   r"start\)\.$", out, re.M), out[-4000:]
+  restored = re.search(r"^Restored step (\d+) from the local tier .*saved on mesh "
+                       r"\{'data': 8, 'fsdp': 1, 'model': 1\}", out, re.M)
+  assert restored, out[-4000:]
+  # Every 2 steps; the last save's asynchronous commit may not have finished at the kill.
+  step = int(restored[1])
+  assert kill_after - 3 <= step <= kill_after, (step, kill_after)
+  print(f"killed slice 1 after step {kill_after}; the shrunk job resumed from local step {step}")
+  loss_diff, param_diff = _same_as(reference, job)
+  print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
+  assert loss_diff <= 1e-5 and param_diff <= 1e-5
 
 
 def _same_as(reference, job: str) -> tuple[float, float]:

@@ -134,12 +134,16 @@ def test_damaged_foreign_and_moved_local_steps_are_not_restored(tmp_path):
     assert ckpt.latest_step() == 15
     _, step, inputs = ckpt.restore()
     assert step == 10 and inputs == {"step": 10} and _local_steps(local) == [5, 10]
-    # Another layout: the step's shards are not where this layout's devices are.
     meta = io.read_meta(ckpt.local.mngr, 10)
     assert ckpt.local.usable(meta, program) is None
-    why = ckpt.local.usable({**meta, "mesh_shape": [1, 1, 1, 1, 8], "process_count": 2}, program)
+    # Saved on another layout: usable where this process wrote every block its devices
+    # need here (a shrunk job's survivors: `run.elastic`), else not.
+    other = {**meta, "mesh_shape": [1, 1, 1, 1, 8], "process_count": 2}
+    assert ckpt.local.usable(other, program) is None
+    why = ckpt.local.usable({**other, local_tier.HELD_KEY: {}}, program)
     assert why.startswith("it was saved with another mesh_shape, process_count; a local "
-                          "step restores only onto the layout that saved it")
+                          "step restores onto another layout only where each process's "
+                          "devices need only blocks it wrote")
   finally:
     ckpt.close()
   # Restored on another mesh with no persistent step to fall back to: exit 2, nothing deleted.
