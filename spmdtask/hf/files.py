@@ -60,7 +60,7 @@ def opened_hf(hf_dir: str, report: Report | None = None):
   """(config.json, `Tensor`s by name) of a HF directory, single-file or sharded, with
   nothing read but the files' headers; the tensors are readable inside the `with` (a
   gs:// dir's files are copied to local temporary files, deleted on exit). `report` gets
-  one line per weights file (shard i/N, tensors, bytes, seconds)."""
+  one line per weights file as it is opened (shard i/N, tensors, bytes)."""
   path = fs.join(hf_dir, CONFIG_FILE)
   if not fs.isfile(path):
     raise ConfigError(f"--from_hf={hf_dir!r} has no config.json; point it at a Hugging Face "
@@ -77,14 +77,13 @@ def opened_hf(hf_dir: str, report: Report | None = None):
   with contextlib.ExitStack() as stack:
     tensors = {}
     for i, name in enumerate(names):
-      start = time.perf_counter()
       local = stack.enter_context(fs.local_file(fs.join(hf_dir, name)))
       with safetensors.safe_open(local, framework="numpy") as f:
         part = {k: Tensor(local, k, f.get_slice(k).get_shape(), _dtype(f.get_slice(k)))
                 for k in f.keys()}
       tensors.update(part)
-      if report:
-        report(f"read {name} (shard {i + 1}/{len(names)}): {_summary(part, start)}")
+      if report:  # its header: the tensors are read one at a time later
+        report(f"opened {name} (shard {i + 1}/{len(names)}): {_summary(part)}")
     yield cfg, tensors
 
 
@@ -145,8 +144,9 @@ def write_dir(hf_dir: str, files: dict[str, str | bytes | dict[str, np.ndarray]]
   staged.close()
 
 
-def _summary(tensors: dict, start: float) -> str:
-  """Count, bytes and seconds of arrays or `Tensor`s (their header's size)."""
+def _summary(tensors: dict, start: float | None = None) -> str:
+  """Count and bytes of arrays or `Tensor`s (their header's size), and the seconds since
+  `start` when given."""
   nbytes = sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in tensors.values())
-  return (f"{console.count(len(tensors), 'tensor')}, {console.human_bytes(nbytes)}, "
-          f"{console.human_seconds(time.perf_counter() - start)}")
+  took = "" if start is None else f", {console.human_seconds(time.perf_counter() - start)}"
+  return f"{console.count(len(tensors), 'tensor')}, {console.human_bytes(nbytes)}{took}"
