@@ -230,3 +230,36 @@ def test_damaged_checkpoints_in_a_bucket_are_refused_kept_and_restore_step_resum
   for a, b in zip(jax.tree.leaves(jax.device_get(restored.params)),
                   jax.tree.leaves(jax.device_get(state.params))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_an_import_from_a_bucket_streams_its_shards(emulator, monkeypatch, tmp_path):
+  """`--from_hf=gs://...`: each shard copied to a local temporary file (in pieces, deleted
+  at the end), the tensors read one at a time: the same checkpoint as from a local dir."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from spmdtask.hf.jobs import checkpoints as hf_checkpoints, imports  # pylint: disable=g-import-not-at-top
+  from tests.hf.test_llama import CONFIG, LLAMA, _hf_tensors, _write_hf  # pylint: disable=g-import-not-at-top
+  for k, v in emulator.env().items():
+    monkeypatch.setenv(k, v)
+  staged, mkstemp = [], tempfile.mkstemp
+
+  def recorded(*args, **kwargs):
+    fd, path = mkstemp(*args, **kwargs)
+    staged.append(path)
+    return fd, path
+  monkeypatch.setattr(tempfile, "mkstemp", recorded)
+  gcsfs.GCSFileSystem.clear_instance_cache()
+  try:
+    local = str(tmp_path / "hf")
+    _write_hf(local, CONFIG, _hf_tensors(CONFIG, np.float32), shards=2)
+    emulator.filesystem().put(local, "bucket/hf_import", recursive=True)
+    lines = imports.from_hf("gs://bucket/hf_import", str(tmp_path / "from_bucket"))
+    imports.from_hf(local, str(tmp_path / "from_disk"))
+    got, want = (hf_checkpoints.read_checkpoint(str(tmp_path / j), lines, LLAMA)
+                 for j in ("from_bucket", "from_disk"))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    shards = [p for p in staged if p.endswith(".safetensors")]
+    assert len(shards) == 2 and not any(os.path.exists(p) for p in shards), staged
+  finally:
+    gcsfs.GCSFileSystem.clear_instance_cache()
