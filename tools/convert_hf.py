@@ -26,8 +26,8 @@ Never over your files: --from_hf into a dir that holds a job, and --to_hf into a
 dir, exit 2 writing nothing, unless --overwrite (then the line says what was replaced).
 The console shows a line per weights file (tensors, bytes; an export's with seconds) and the
 checkpoint step exported; what C++ libraries print goes to JOB/logs/native.log. An import
-holds one tensor at a time, not the model (spmdtask.run.streamed_checkpoint). The library is the package
-spmdtask.hf (its docstring says which module does what).
+holds one tensor at a time, not the model (spmdtask.run.streamed_checkpoint). The library
+is the package spmdtask.hf (its docstring says which module does what).
 """
 import argparse
 import os

@@ -222,7 +222,8 @@ def run_elastic(num_processes: int, devices_per_process, main_args: list[str], s
 
   return elastic_launch.Supervisor(slices, per_slice, run.start,
                                    lambda: elastic_launch.newest_step(directory), min_slices,
-                                   wait_s, returns_after_steps, say).run()
+                                   wait_s, returns_after_steps, say,
+                                   checkpoint_dir=directory).run()
 
 
 def main():

@@ -45,8 +45,8 @@ from absl import logging
 from spmdtask import console, fs
 from spmdtask.core import program as program_lib, sharding, train_state
 from spmdtask.errors import ConfigError
-from spmdtask.run import (checkpoint_check, fingerprints, goodput_events, local_tier, lora_base,
-                          quantized_base)
+from spmdtask.run import (checkpoint_check, elastic, fingerprints, goodput_events, local_tier,
+                          lora_base, quantized_base)
 from spmdtask.run import checkpoint_io as io
 from spmdtask.run.checkpoint_io import (  # pylint: disable=unused-import  # the module's API
     ARRAY_ITEMS, COMMIT_FILE, checkpoint_dir, complete_steps)
@@ -308,6 +308,9 @@ class Checkpointer:
     tier at its interval and on a stop."""
     local = self.local is not None and (self.local.should_save(step) or stop)
     persistent = (self.local is None or step % self.interval == 0 or (last and not stop))
+    if stop and local and fs.exists(fs.join(self.directory, elastic.GROW_STOP_FILE)):
+      # a shrunk job stopped to grow back: its new processes hold no local copy
+      local, persistent = self.local.should_save(step), True
     with self.record.phase("save"):
       self._save(step, state, input_state, persistent, local)
 

@@ -27,6 +27,10 @@ LIVE_SLICES = flags.DEFINE_integer(
     "DCN batch axis shrinks and task.train.elastic_batch keeps the global batch (more "
     "microbatches) or the per-slice batch. Default: all of them.")
 BATCH_MODES = ("global", "per_slice")
+# In the job's checkpoint dir while a launcher stops a shrunk job to grow it back
+# (`elastic_launch`): the stop's save then goes to the job dir, not the local tier, whose
+# shards the grown job's new processes do not have (`checkpoints.Checkpointer.save`).
+GROW_STOP_FILE = "stop_to_grow_back"
 FIELD = "task.train.elastic_batch"
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from spmdtask import fs
 from spmdtask.errors import ConfigError
-from spmdtask.run import peers
+from spmdtask.run import elastic, peers
 
 # A survivor's exit: spmdtask's lost-peer stop, or JAX's abort when process 0 (the
 # coordination service's host) is the one lost (134, or -6 as a signal).
@@ -85,6 +85,8 @@ class Supervisor:
     start: (live slices) -> their processes, started (told `--live_slices` when fewer
       than all).
     newest_step: () -> the job's newest complete checkpoint step, or None.
+    checkpoint_dir: the job's checkpoint dir (where the grow-back stop leaves
+      `elastic.GROW_STOP_FILE` while the shrunk job stops); None: no such file.
     min_slices: fewer slices left than this ends the job (exit 5, as the survivors).
     wait_s: how long a lost slice is waited for before the job goes on without it.
     returns_after_steps: a lost slice is back once the shrunk job has a checkpoint this
@@ -97,10 +99,12 @@ class Supervisor:
                start: Callable[[list[int]], list[subprocess.Popen]],
                newest_step: Callable[[], int | None], min_slices: int = 1, wait_s: float = 0.0,
                returns_after_steps: int | None = None, say: Callable[[str], None] = print,
-               poll_s: float = 0.2):
+               poll_s: float = 0.2, checkpoint_dir: str | None = None):
     self.num_slices, self.per_slice, self.start = num_slices, per_slice, start
     self.newest_step, self.min_slices, self.wait_s = newest_step, min_slices, wait_s
     self.returns_after, self.say, self.poll_s = returns_after_steps, say, poll_s
+    self.stop_file = (None if checkpoint_dir is None
+                      else fs.join(checkpoint_dir, elastic.GROW_STOP_FILE))
 
   def run(self) -> int:
     """The job's exit status: 0 once a run finished, else the failing run's first non-zero."""
@@ -140,11 +144,15 @@ class Supervisor:
     if len(live) < self.num_slices and self.returns_after is not None:
       back_at = (self.newest_step() or 0) + self.returns_after
     grown = False
-    while any(p.poll() is None for p in procs):
-      try:
-        grown = self._poll(procs, back_at, grown)
-      except KeyboardInterrupt:  # the processes got the Ctrl-C too: they save, then exit 130
-        back_at = None
+    try:
+      while any(p.poll() is None for p in procs):
+        try:
+          grown = self._poll(procs, back_at, grown)
+        except KeyboardInterrupt:  # the processes got the Ctrl-C too: they save, exit 130
+          back_at = None
+    finally:
+      if grown and self.stop_file is not None and fs.exists(self.stop_file):
+        fs.rm(self.stop_file)
     return grown
 
   def _poll(self, procs: list[subprocess.Popen], back_at: int | None, grown: bool) -> bool:
@@ -153,6 +161,8 @@ class Supervisor:
       self.say(f"launch_local: the lost slices are back (the job passed step {back_at}): "
                f"stopping it at its next step, saved, to grow back to {self.num_slices} "
                "slices.")
+      if self.stop_file is not None:  # before the signal: the stop reads it
+        fs.write_text(self.stop_file, "the shrunk job stops to grow back\n")
       for p in procs:
         if p.poll() is None:
           p.send_signal(signal.SIGTERM)

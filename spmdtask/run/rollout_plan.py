@@ -18,13 +18,15 @@ def sampling_lowerings(run, program) -> list:
     return []
   batch, plen = int(inputs.batch_size), int(inputs.prompt_len)
   n, mu = batch * obj.num_generations, obj.num_iterations
-  gen = sampling.build(program, rollout.decode_params(obj, plen, rollout.stop_ids(obj, inputs)), batch, plen,
+  stops = rollout.stop_ids(obj, inputs)
+  gen = sampling.build(program, rollout.decode_params(obj, plen, stops), batch, plen,
                        obj.num_generations, obj.max_new_tokens, obj.sampler_slots,
                        obj.score_temperature())
   mesh, specs = program.mesh, gen.prompt_specs
   params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
   prompts = layouts.sharded_structs(
-      mesh, (jax.ShapeDtypeStruct((batch, plen), jnp.int32), jax.ShapeDtypeStruct((batch,), jnp.int32),
+      mesh, (jax.ShapeDtypeStruct((batch, plen), jnp.int32),
+             jax.ShapeDtypeStruct((batch,), jnp.int32),
              jax.ShapeDtypeStruct((batch,), jnp.int32)),
       (specs["prompts"], specs["prompt_lens"], specs["ids"]))
   trips = sampling.worst_case_iterations(n, gen.slots, obj.max_new_tokens)

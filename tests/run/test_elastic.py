@@ -4,6 +4,7 @@ on slice 0 alone (4 devices, twice the microbatches), grows back to 2 slices whe
 returns, and trains exactly what an uninterrupted 2-slice run trains: per-step losses and
 final params within 1e-5. Also: the shrink's config (`run.elastic.shrink`) and the
 launcher's policy (`run.elastic_launch`) on their own, and their mistakes (exit 2)."""
+import glob
 import os
 import random
 import re
@@ -23,6 +24,7 @@ from tests import subproc as h
 STEPS = 12
 JOB = ("task.dcn_mesh_shape=(2, 1, 1)", "task.model.num_layers=1",
        f"task.train.num_train_steps={STEPS}", "task.train.save_interval_steps=2",
+       "task.train.max_to_keep=None",  # the tests read the shrunk runs' checkpoints
        "task.train.log_interval_steps=1", "task.train.summary_interval_steps=1")
 
 
@@ -139,17 +141,25 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
 
 
 @pytest.mark.slow
-def test_a_shrunk_job_resumes_from_the_survivors_local_tier(tmp_path, reference):
-  # The local tier every 2 steps, the job dir only at the end: slice 1 SIGKILLed after a
-  # seeded step; slice 0 holds a whole copy of the state (it is replicated across the
-  # slices), so the shrunk job resumes from its newest local step, not from the start.
+def test_a_shrunk_job_resumes_from_the_survivors_local_tier_and_grows_back_from_its_stop(
+    tmp_path, reference):
+  # The local tier every 2 steps, the job dir every 3: slice 1 SIGKILLed after a seeded
+  # step; slice 0 holds a whole copy of the state (it is replicated across the slices), so
+  # the shrunk job resumes from its newest local step, newer than the job dir's. When the
+  # slice is back, the stop to grow back saves to the job dir (the grown job's new
+  # processes have no local copy), and the grown job resumes from that very step.
   job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
-  kill_after = random.Random(57).randint(5, 8)
-  proc = _start(job, log, "--slices=2", overrides=(
-      "task.train.save_interval_steps=50", "task.train.local_save_interval_steps=2",
+  kill_after = 5
+  proc = _start(job, log, "--slices=2", "--slice_returns_after_steps=2", overrides=(
+      "task.train.save_interval_steps=3", "task.train.local_save_interval_steps=2",
       f"task.train.local_checkpoint_dir={str(tmp_path / 'local')!r}"))
   try:
     _wait_for(log, proc, rf"^step {kill_after}/{STEPS} ")
+    t0 = time.time()  # local step 4 committed by both processes (its commit is asynchronous)
+    committed = str(tmp_path / "local" / "*" / "process_*" / "4" / "commit_success.txt")
+    while len(glob.glob(committed)) < 2:
+      assert time.time() - t0 < 60 and proc.poll() is None, open(log).read()[-4000:]
+      time.sleep(0.02)
     pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
     os.kill(pid, signal.SIGKILL)
     assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
@@ -157,16 +167,20 @@ def test_a_shrunk_job_resumes_from_the_survivors_local_tier(tmp_path, reference)
     if proc.poll() is None:
       proc.kill()
   out = open(log).read()
-  assert re.search(r"^launch_local: slice 1 of 2 lost .* from the newest checkpoint \(none in "
-                   r"the job dir: the local tier's newest step where it restores, else the "
-                   r"start\)\.$", out, re.M), out[-4000:]
   restored = re.search(r"^Restored step (\d+) from the local tier .*saved on mesh "
                        r"\{'data': 8, 'fsdp': 1, 'model': 1\}", out, re.M)
   assert restored, out[-4000:]
-  # Every 2 steps; the last save's asynchronous commit may not have finished at the kill.
   step = int(restored[1])
-  assert kill_after - 3 <= step <= kill_after, (step, kill_after)
-  print(f"killed slice 1 after step {kill_after}; the shrunk job resumed from local step {step}")
+  assert step == 4, (step, kill_after)  # the newest local step; the job dir's was 3
+  stopped = int(re.search(r"^Preempted: saved a checkpoint at step (\d+);", out, re.M)[1])
+  resumed = [int(s) for s in re.findall(r"^Resuming from the checkpoint at step (\d+);", out,
+                                        re.M)]
+  # (where the stop falls on a step the job dir saves anyway, this is no test of the stop)
+  assert resumed == [step, stopped], (resumed, stopped)
+  assert os.path.isdir(os.path.join(job, "checkpoints", str(stopped)))
+  assert not os.path.exists(os.path.join(job, "checkpoints", elastic.GROW_STOP_FILE))
+  print(f"killed slice 1 after step {kill_after}; the shrunk job resumed from local step "
+        f"{step}, stopped at step {stopped} to grow back, and the grown job resumed there")
   loss_diff, param_diff = _same_as(reference, job)
   print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
   assert loss_diff <= 1e-5 and param_diff <= 1e-5

@@ -238,8 +238,9 @@ def test_an_import_from_a_bucket_streams_its_shards(emulator, monkeypatch, tmp_p
   import gcsfs  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from spmdtask.hf.jobs import checkpoints as hf_checkpoints, imports  # pylint: disable=g-import-not-at-top
-  from tests.hf.test_llama import CONFIG, LLAMA, _hf_tensors, _write_hf  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from spmdtask.hf.jobs import checkpoints as hf_checkpoints, imports
+  from tests.hf.test_llama import CONFIG, LLAMA, _hf_tensors, _write_hf
   for k, v in emulator.env().items():
     monkeypatch.setenv(k, v)
   staged, mkstemp = [], tempfile.mkstemp

@@ -202,3 +202,26 @@ def test_an_unwritable_local_dir_is_a_config_error(tmp_path):
   with pytest.raises(ConfigError, match="is a URL, not a path on this host's disk"):
     local_tier.ensure_writable("gs://bucket/local")
   np.testing.assert_equal(os.listdir(tmp_path), ["file"])
+
+
+def test_a_stop_to_grow_back_saves_to_the_job_dir(tmp_path):
+  """A stop (SIGTERM) saves to the local tier, but while a launcher stops a shrunk job to
+  grow it back (`elastic.GROW_STOP_FILE` in its checkpoint dir) to the job dir: the grown
+  job's new processes hold no local copy."""
+  from spmdtask.run import elastic  # pylint: disable=g-import-not-at-top
+  program = _program()
+  job, local = str(tmp_path / "job"), str(tmp_path / "local")
+  state = program.init()
+  ckpt = checkpoints.Checkpointer(job, program, 50, None,
+                                  local=local_tier.LocalTier(local, job, 5, 3))
+  try:
+    ckpt.save(7, state, {"step": 7}, last=True, stop=True)
+    ckpt.wait()
+    assert _local_steps(local) == [7] and _persistent_steps(job) == []
+    with open(os.path.join(job, "checkpoints", elastic.GROW_STOP_FILE), "w") as f:
+      f.write("stop\n")
+    ckpt.save(8, state, {"step": 8}, last=True, stop=True)
+    ckpt.wait()
+    assert _local_steps(local) == [7] and _persistent_steps(job) == [8]
+  finally:
+    ckpt.close()
