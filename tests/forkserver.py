@@ -86,19 +86,27 @@ def client(args: list[str]) -> None:
       with open(f"{path}.fallbacks.log", "a") as f:
         f.write(f"{differs} {args[:2]}\n")
     os.execv(sys.executable, [sys.executable, *args])
-  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-  sock.connect(path)
-  request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}
-  socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
-  pid = _recv_line(sock)["pid"]
+  # The handlers come first: a signal sent once the command runs (it may print before its
+  # pid reaches here) is the command's, never this process's default death.
+  command, early = {}, []
 
   def forward(signum, _):
+    if "pid" not in command:
+      early.append(signum)
+      return
     try:
-      os.kill(pid, signum)
+      os.kill(command["pid"], signum)
     except ProcessLookupError:
       pass
   for s in _FORWARDED:
     signal.signal(s, forward)
+  sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+  sock.connect(path)
+  request = {"args": args, "env": dict(os.environ), "cwd": os.getcwd()}
+  socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+  command["pid"] = _recv_line(sock)["pid"]
+  for signum in early:
+    forward(signum, None)
   while True:
     try:
       status = _recv_line(sock)["status"]
