@@ -33,7 +33,8 @@ class TrainParams:
     max_to_keep: how many of the newest checkpoints to keep; None = all.
     local_checkpoint_dir: a directory on each host's own disk or RAM disk (e.g.
       /dev/shm/spmdtask) for the local checkpoint tier, saved every
-      `local_save_interval_steps` and on preemption, each process its own shards; the job
+      `local_save_interval_steps` and on preemption, each process its own shards (and,
+      for state sharded across slices, a peer copy of the next slice's); the job
       dir is then the persistent tier (every `save_interval_steps` and at the end). A resume
       takes the newest complete step of either tier (`run.local_tier`). None = off.
     local_save_interval_steps: the local tier's interval (with `local_checkpoint_dir`).

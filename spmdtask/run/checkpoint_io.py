@@ -214,17 +214,19 @@ def read_params(directory: str, step: int, program, targets, stored_fingerprints
 
 def checked_read(mngr, directory: str, program, step: int, items, params_targets=None,
                  fmt: ArrayFormat = STANDARD,
-                 agree: Callable[[str | None], str | None] = agreed_alone
+                 agree: Callable[[str | None], str | None] = agreed_alone,
+                 mend: Callable[[dict], dict] = lambda got: got
                  ) -> tuple[dict[str, Any] | None, str | None]:
   """(the items of checkpoint `step` with its `meta`, None), or (None, why) when it is
   damaged: its metadata and file sizes (`checkpoint_check`, before any read), orbax's
   restore, or its arrays' fingerprints (when it has them) say so. `fmt`: how the tier
   wrote the arrays; `agree`: every process's answer made one (a tier whose processes each
-  read their own directory: one damaged copy makes the step damaged for all)."""
+  read their own directory: one damaged copy makes the step damaged for all); `mend`: what
+  the read gives, completed before the check (the local tier's peer copies)."""
   return _checked(
       directory, step, program,
-      lambda: _read(mngr, directory, program, step, tuple(k for k in items if k != "meta"),
-                    params_targets, fmt),
+      lambda: mend(_read(mngr, directory, program, step,
+                         tuple(k for k in items if k != "meta"), params_targets, fmt)),
       lambda got: (got["meta"].get(fingerprints.KEY),
                    {k: got[k] for k in ARRAY_ITEMS if k in items}), agree)
 

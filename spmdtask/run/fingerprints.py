@@ -23,6 +23,7 @@ The checkpoint's `meta` item stores them as {"item/array/path": "<16 hex digits>
 recomputes them from the restored arrays and compares (`mismatch`).
 """
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -85,16 +86,22 @@ def _program(mesh):
   return jax.jit(lanes, static_argnums=1, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
+def named(items: dict, is_leaf=None) -> list[tuple[str, Any]]:
+  """("item/array/path", leaf) of every leaf of `items` ({item name: tree}), in flattening
+  order: the names checkpoints key their arrays' fingerprints and blocks by."""
+  return [(f"{item}/{sharding.path_str(path)}", x) for item, tree in items.items()
+          for path, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]]
+
+
 def of(items: dict, mesh) -> dict[str, str]:
   """{"item/array/path": 16 hex digits} for every array of `items` ({item name: tree of
   global jax.Arrays on `mesh`}). Every process calls it (one program over all devices)."""
-  named = [(f"{item}/{sharding.path_str(path)}", x) for item, tree in items.items()
-           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-  if not named:
+  named_arrays = named(items)
+  if not named_arrays:
     return {}
-  leaves = tuple(x for _, x in named)
+  leaves = tuple(x for _, x in named_arrays)
   lanes = np.asarray(_program(mesh)(leaves, tuple(mesh_lib.spread(x) for x in leaves)))
-  return {name: f"{int(a):08x}{int(b):08x}" for (name, _), (a, b) in zip(named, lanes)}
+  return {name: f"{int(a):08x}{int(b):08x}" for (name, _), (a, b) in zip(named_arrays, lanes)}
 
 
 def of_blocks(shape: tuple[int, ...], blocks) -> str:

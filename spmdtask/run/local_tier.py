@@ -11,17 +11,22 @@ where their devices were: a local step restores onto the layout that saved it, o
 other whose devices on each process need only blocks of the arrays that process wrote
 (each step's `meta` lists them: `HELD_KEY`). That is how a job shrunk onto the slices left
 (`run.elastic`) resumes from its newest local step: where the state is replicated across
-slices (a data axis over DCN), every surviving slice holds a whole copy, its peers' shards
-included. Any other restore reads the persistent tier.
+slices (a data axis over DCN), every surviving slice holds a whole copy.
+
+Where it is sharded across slices (FSDP over DCN), each process also writes a peer copy:
+the blocks its counterpart on the next slice holds (`run.peer_copies`: the `PEER_ITEM`
+item, its blocks in `PEER_KEY`). One lost slice then loses no block: a survivor restores
+what it needs from its own blocks, filling the rest from its peer copy.
+Any other restore reads the persistent tier.
 
 The job key is a hash of the job dir's path, and each step's `meta` names the job dir and
 the job's `job_id` (a token the job dir keeps in `checkpoints/local_tier_job_id`): a local
 step of another job, or of an earlier job in a deleted and re-made job dir, is never
 restored. The tier is a cache of the persistent one: steps that are not usable are deleted
 when a restore meets them, and steps past the one a run restored are deleted before it
-trains on. Peer replication of state sharded across slices (a host's shards copied to a
-host of another slice) is not built: such a step restores only onto its own layout.
+trains on.
 """
+import copy
 import hashlib
 import os
 import uuid
@@ -30,20 +35,35 @@ import jax
 import numpy as np
 from absl import logging
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_utils, type_handlers
 
 from spmdtask import console, fs
 from spmdtask.errors import ConfigError
-from spmdtask.core import sharding
-from spmdtask.run import checkpoint_io as io
+from spmdtask.run import checkpoint_io as io, fingerprints, peer_copies
 
 FIELD = "task.train.local_checkpoint_dir"
 JOB_ID_FILE = "local_tier_job_id"
 LAYOUT_KEYS = ("mesh_shape", "mesh_axis_names", "device_count", "process_count")
 HELD_KEY = "held_blocks"  # meta: {"item/array/path": [[[start, stop] per dim] per block]}
+PEER_KEY = "peer_blocks"  # meta: as HELD_KEY, of the peer copies (PEER_ITEM, in key order)
+PEER_ITEM = "peer"
 MOVED = ("; a local step restores onto another layout only where each process's devices "
-         "need only blocks it wrote (restore from the persistent tier, the job dir)")
+         "need only blocks it wrote, itself or as a peer copy (restore from the persistent "
+         "tier, the job dir)")
+
+
+class _OwnBlocks(type_handlers.ArrayHandler):
+  """orbax's array handler, reading a chunk its directory lacks as the fill value: a read
+  onto another layout may ask for blocks this process did not write, which its peer copies
+  fill (`peer_copies.filled`). Damage still shows: every restored array's fingerprint is checked."""
+
+  async def deserialize(self, infos, args=None):
+    infos = [copy.copy(info) for info in infos]
+    for info in infos:
+      info.raise_array_data_missing_error = False
+    return await super().deserialize(infos, args)
 
 
 class PerProcess:
@@ -53,8 +73,7 @@ class PerProcess:
   def __init__(self, multiprocessing: ocp.options.MultiprocessingOptions):
     self.multiprocessing = multiprocessing
     self.registry = type_handlers.create_type_handler_registry(
-        (jax.Array, type_handlers.ArrayHandler(primary_host=None, replica_id=None,
-                                               use_replica_parallel=False)))
+        (jax.Array, _OwnBlocks(primary_host=None, replica_id=None, use_replica_parallel=False)))
 
   def handler(self) -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(use_ocdbt=True,
@@ -108,25 +127,6 @@ def _job_id(job_log_dir: str) -> str:
   return fs.read_text(path).strip()
 
 
-def _named(items: dict):
-  """("item/array/path", array) of {item: tree}."""
-  return [(f"{item}/{sharding.path_str(path)}", x) for item, tree in items.items()
-          for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _blocks(array_sharding, shape) -> list[list[list[int]]]:
-  """The index blocks ([start, stop] per dim) of an array of `shape` that this process's
-  devices hold under `array_sharding`, each once, sorted."""
-  found = set()
-  for index in array_sharding.addressable_devices_indices_map(tuple(shape)).values():
-    found.add(tuple(tuple(s.indices(n)[:2]) for s, n in zip(index, shape)))
-  return [[list(d) for d in block] for block in sorted(found)]
-
-
-def _key(block) -> tuple:
-  return tuple(tuple(d) for d in block)
-
-
 def _all_agree(value: int) -> np.ndarray:
   """Every process's `value`, in process order."""
   if jax.process_count() == 1:
@@ -142,11 +142,14 @@ class LocalTier:
     job_log_dir: the job; its path and token tie the local steps to it.
     interval: save when `step % interval == 0`.
     max_to_keep: the newest local steps kept.
+    dcn: the job's mesh axes' DCN sizes (name -> `task.dcn_mesh_shape`'s): where the mesh
+      spans slices, arrays sharded across them get peer copies (`peer_copies`).
   Every process must call every method (the saves, the step agreement and the reads are
   collective).
   """
 
-  def __init__(self, local_dir: str, job_log_dir: str, interval: int, max_to_keep: int):
+  def __init__(self, local_dir: str, job_log_dir: str, interval: int, max_to_keep: int,
+               dcn: dict[str, int] | None = None):
     ensure_writable(local_dir)
     job = fs.absolute(job_log_dir)
     key = hashlib.sha256(job.encode()).hexdigest()[:16]
@@ -154,6 +157,7 @@ class LocalTier:
                                   f"process_{jax.process_index()}")
     os.makedirs(self.directory, exist_ok=True)
     self.root, self.interval, self.max_to_keep = local_dir, interval, max_to_keep
+    self.dcn = dcn or {}
     self.job = {"job_log_dir": job, "job_id": _job_id(job_log_dir)}
     mp = ocp.options.MultiprocessingOptions(
         primary_host=None, active_processes=set(range(jax.process_count())),
@@ -163,7 +167,7 @@ class LocalTier:
         max_to_keep=max_to_keep, create=False, cleanup_tmp_directories=True,
         multiprocessing_options=mp, enable_async_checkpointing=True, save_root_metadata=False,
         enable_per_process_directory_creation=True)
-    handlers = {**{k: self.fmt.handler() for k in io.ARRAY_ITEMS},
+    handlers = {**{k: self.fmt.handler() for k in io.ARRAY_ITEMS + (PEER_ITEM,)},
                 **{k: ocp.JsonCheckpointHandler(multiprocessing_options=mp)
                    for k in io.JSON_ITEMS}}
     self.mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -173,10 +177,20 @@ class LocalTier:
 
   def save(self, step: int, arrays: dict, input_state: dict, meta: dict) -> None:
     """Starts an async save of `arrays` (canonical) at `step`; returns once they are copied."""
-    held = {name: _blocks(x.sharding, x.shape) for name, x in _named(arrays)}
-    args = ocp.args.Composite(**{k: self.fmt.save_args(v) for k, v in arrays.items()},
-                              inputs=ocp.args.JsonSave(input_state),
-                              meta=ocp.args.JsonSave({**meta, **self.job, HELD_KEY: held}))
+    named = fingerprints.named(arrays)
+    held = {name: peer_copies.blocks(x.sharding, x.shape) for name, x in named}
+    meshes = {x.sharding.mesh for _, x in named if isinstance(x.sharding, NamedSharding)}
+    rolled = (peer_copies.peer_mesh(next(iter(meshes)), self.dcn) if len(meshes) == 1
+              else None)
+    peers = peer_copies.copies(named, rolled, held)
+    items = {k: self.fmt.save_args(v) for k, v in arrays.items()}
+    if peers:  # (orbax refuses an empty item)
+      items[PEER_ITEM] = self.fmt.save_args([peers[k] for k in sorted(peers)])
+    peer_blocks = {k: peer_copies.blocks(peers[k].sharding, peers[k].shape)
+                   for k in sorted(peers)}
+    args = ocp.args.Composite(**items, inputs=ocp.args.JsonSave(input_state),
+                              meta=ocp.args.JsonSave({**meta, **self.job, HELD_KEY: held,
+                                                      PEER_KEY: peer_blocks}))
     self.mngr.save(step, args=args, force=True)
 
   def complete_steps(self) -> list[int]:
@@ -223,34 +237,59 @@ class LocalTier:
   def usable(self, meta: dict, program) -> str | None:
     """None if a local step of this job with `meta` restores onto `program`'s layout: the
     one that saved it, or one whose devices on this process need only blocks this process
-    wrote (its `HELD_KEY`); else why not."""
+    wrote (its `HELD_KEY`, with its peer copies: `PEER_KEY`); else why not."""
+    return self._plan(meta, program)[0]
+
+  def _plan(self, meta: dict, program) -> tuple[str | None, list[str]]:
+    """(`usable`'s answer, the arrays whose blocks on this process's devices need its peer
+    copies)."""
     facts = {**program.layout_facts(), "device_count": jax.device_count(),
              "process_count": jax.process_count()}
     changed = [k for k in LAYOUT_KEYS if k in facts and meta.get(k) != facts[k]]
     if not changed:
-      return None
-    held = meta.get(HELD_KEY)
+      return None, []
+    held, peer = meta.get(HELD_KEY), meta.get(PEER_KEY) or {}
     targets = program.canonical_targets()
-    need = {name: _blocks(t.sharding, t.shape)
-            for name, t in _named({k: getattr(targets, k) for k in io.ARRAY_ITEMS})}
-    if held is not None and all(
-        name in held and set(map(_key, blocks)) <= set(map(_key, held[name]))
-        for name, blocks in need.items()):
-      return None
-    return f"it was saved with another {', '.join(changed)}{MOVED}"
+    need = {name: peer_copies.blocks(t.sharding, t.shape)
+            for name, t in fingerprints.named({k: getattr(targets, k) for k in io.ARRAY_ITEMS})}
+    if held is not None and all(name in held for name in need):
+      fill = [name for name, want in need.items()
+              if not peer_copies.covered(want, held[name])]
+      if all(peer_copies.covered(need[name], held[name] + peer.get(name, []))
+             for name in fill):
+        return None, fill
+    return f"it was saved with another {', '.join(changed)}{MOVED}", []
+
+  def _fill_from_peers(self, step: int, program, fill: list[str]):
+    """`checked_read`'s mend of a step read where this process's devices need blocks of
+    the arrays `fill` that only its peer copies hold (none: the read as it is)."""
+    def mend(got: dict) -> dict:
+      if not fill:
+        return got
+      meta = got["meta"]
+      names = sorted(meta[PEER_KEY])
+      targets = dict(fingerprints.named({k: getattr(program.canonical_targets(), k)
+                                         for k in io.ARRAY_ITEMS}))
+      peers = self.mngr.restore(step, args=ocp.args.Composite(**{
+          PEER_ITEM: self.fmt.restore_args([targets[k] for k in names])}))[PEER_ITEM]
+      return peer_copies.completed(got, io.ARRAY_ITEMS, dict(zip(names, peers)),
+                                   meta[HELD_KEY], fill)
+    return mend
 
   def read(self, step: int, program) -> tuple[dict | None, str | None]:
     """(the checked items of local step `step`, None), or (None, why it cannot be used)."""
+    fill = []
     try:
       with console.libraries_to_log():
-        why = self.usable(io.read_meta(self.mngr, step), program)
+        why, fill = self._plan(io.read_meta(self.mngr, step), program)
     except Exception as e:  # pylint: disable=broad-except  # orbax, json, OS
       why = f"its meta cannot be read ({type(e).__name__})"
     why = self.agree(why)
     if why:
       return None, why
     return io.checked_read(self.mngr, self.directory, program, step,
-                           io.ARRAY_ITEMS + io.JSON_ITEMS, fmt=self.fmt, agree=self.agree)
+                           io.ARRAY_ITEMS + io.JSON_ITEMS, fmt=self.fmt, agree=self.agree,
+                           mend=self._fill_from_peers(step, program, fill))
 
   def newest(self, program, persistent: list[int]) -> tuple[dict | None, int | None]:
     """(the checked items, step) of the newest usable local step newer than every step of

@@ -25,7 +25,6 @@ import tensorstore as ts
 from orbax.checkpoint import future
 from orbax.checkpoint._src.serialization import ocdbt_utils, tensorstore_utils, type_handlers
 
-from spmdtask.core import sharding
 from spmdtask.run import checkpoint_io as io
 from spmdtask.run import fingerprints
 
@@ -150,7 +149,5 @@ def write(directory: str, arrays: dict, meta: dict) -> None:
 
 def fingerprinted(arrays: dict) -> dict[str, str]:
   """{"item/array/path": fingerprint} of `write`'s `arrays` (every slice made once)."""
-  return {f"{item}/{sharding.path_str(path)}": fingerprint(x)
-          for item, tree in arrays.items()
-          for path, x in jax.tree_util.tree_flatten_with_path(
-              tree, is_leaf=lambda x: isinstance(x, Streamed))[0]}
+  return {name: fingerprint(x) for name, x in fingerprints.named(
+      arrays, is_leaf=lambda x: isinstance(x, Streamed))}

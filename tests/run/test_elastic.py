@@ -5,6 +5,7 @@ returns, and trains exactly what an uninterrupted 2-slice run trains: per-step l
 final params within 1e-5. Also: the shrink's config (`run.elastic.shrink`) and the
 launcher's policy (`run.elastic_launch`) on their own, and their mistakes (exit 2)."""
 import glob
+import json
 import os
 import random
 import re
@@ -18,7 +19,7 @@ import pytest
 
 from spmdtask import main
 from spmdtask.errors import ConfigError
-from spmdtask.run import elastic, elastic_launch, goodput, peers
+from spmdtask.run import elastic, elastic_launch, goodput, local_tier, peers
 from tests import subproc as h
 
 STEPS = 12
@@ -140,6 +141,19 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
   assert report.seconds["between_runs"] > 0 and report.seconds["recomputed"] > 0
 
 
+def _kill_slice_1(log: str, proc, after: int, local: str, committed: int) -> None:
+  """SIGKILLs the 2-process job's process 1 (slice 1) once step `after` is logged and local
+  step `committed` is committed by both processes (its commit is asynchronous)."""
+  _wait_for(log, proc, rf"^step {after}/{STEPS} ")
+  t0 = time.time()
+  marks = os.path.join(local, "*", "process_*", str(committed), "commit_success.txt")
+  while len(glob.glob(marks)) < 2:
+    assert time.time() - t0 < 60 and proc.poll() is None, open(log).read()[-4000:]
+    time.sleep(0.02)
+  pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
+  os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_shrunk_job_resumes_from_the_survivors_local_tier_and_grows_back_from_its_stop(
     tmp_path, reference):
@@ -154,14 +168,7 @@ def test_a_shrunk_job_resumes_from_the_survivors_local_tier_and_grows_back_from_
       "task.train.save_interval_steps=3", "task.train.local_save_interval_steps=2",
       f"task.train.local_checkpoint_dir={str(tmp_path / 'local')!r}"))
   try:
-    _wait_for(log, proc, rf"^step {kill_after}/{STEPS} ")
-    t0 = time.time()  # local step 4 committed by both processes (its commit is asynchronous)
-    committed = str(tmp_path / "local" / "*" / "process_*" / "4" / "commit_success.txt")
-    while len(glob.glob(committed)) < 2:
-      assert time.time() - t0 < 60 and proc.poll() is None, open(log).read()[-4000:]
-      time.sleep(0.02)
-    pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
-    os.kill(pid, signal.SIGKILL)
+    _kill_slice_1(log, proc, kill_after, str(tmp_path / "local"), 4)
     assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
   finally:
     if proc.poll() is None:
@@ -181,6 +188,49 @@ def test_a_shrunk_job_resumes_from_the_survivors_local_tier_and_grows_back_from_
   assert not os.path.exists(os.path.join(job, "checkpoints", elastic.GROW_STOP_FILE))
   print(f"killed slice 1 after step {kill_after}; the shrunk job resumed from local step "
         f"{step}, stopped at step {stopped} to grow back, and the grown job resumed there")
+  loss_diff, param_diff = _same_as(reference, job)
+  print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
+  assert loss_diff <= 1e-5 and param_diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_a_job_sharded_across_slices_resumes_from_the_survivors_peer_copies(tmp_path,
+                                                                           reference):
+  # FSDP over DCN (fsdp 2 across the slices): each slice holds half of every weight and of
+  # its optimizer state, and its local steps hold its counterpart's half as a peer copy.
+  # The local tier every 5 steps, the job dir every 50 (so only at the end): slice 1 is
+  # SIGKILLed after step 6, once local step 5 is committed; slice 0 alone resumes from local
+  # step 5, its missing halves read from its peer copies (1 step lost, the bar is 5).
+  job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
+  kill_after = 6
+  proc = _start(job, log, "--slices=2", overrides=(
+      "task.dcn_mesh_shape=(1, 2, 1)", "task.train.save_interval_steps=50",
+      "task.train.local_save_interval_steps=5",
+      f"task.train.local_checkpoint_dir={str(tmp_path / 'local')!r}"))
+  try:
+    _kill_slice_1(log, proc, kill_after, str(tmp_path / "local"), 5)
+    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  out = open(log).read()
+  (meta_path,) = glob.glob(str(tmp_path / "local" / "*" / "process_0" / "5" / "meta" /
+                               "metadata"))
+  with open(meta_path, encoding="utf-8") as f:
+    meta = json.load(f)
+  # process 0's own blocks are half of each sharded array; its peer copies the other half
+  name = next(k for k, v in meta[local_tier.PEER_KEY].items() if k.startswith("params/"))
+  assert meta[local_tier.HELD_KEY][name] != meta[local_tier.PEER_KEY][name], name
+  assert "restarting on 1 of 2 slices (slice 0) from the newest checkpoint (none in the job " \
+         "dir" in out, out[-4000:]
+  restored = re.search(r"^Restored step (\d+) from the local tier .*saved on mesh "
+                       r"\{'data': 4, 'fsdp': 2, 'model': 1\}; fingerprints checked", out, re.M)
+  assert restored, out[-4000:]
+  step = int(restored[1])
+  print(f"killed slice 1 after step {kill_after}; the shrunk job resumed from local step "
+        f"{step} through the peer copies ({kill_after - step} step(s) lost)")
+  assert step == 5 and kill_after - step <= 5
+  assert "mesh data 4 x fsdp 1 x model 1 on 4 devices, 2 microbatches of 8 rows" in out
   loss_diff, param_diff = _same_as(reference, job)
   print(f"max relative difference: losses {loss_diff:.2e}, params {param_diff:.2e}")
   assert loss_diff <= 1e-5 and param_diff <= 1e-5

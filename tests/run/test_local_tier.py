@@ -2,6 +2,7 @@
 losses equal an uninterrupted run's bitwise; a damaged local step falls back to an earlier
 one; a local step of another job or another layout is never restored; SIGTERM saves to the
 local tier only; bad input is a ConfigError naming the field."""
+import json
 import logging
 import os
 import signal
@@ -146,8 +147,26 @@ def test_damaged_foreign_and_moved_local_steps_are_not_restored(tmp_path):
                           "devices need only blocks it wrote")
   finally:
     ckpt.close()
-  # Restored on another mesh with no persistent step to fall back to: exit 2, nothing deleted.
-  moved = checkpoints.Checkpointer(job, _program("task.ici_mesh_shape=(1, 8, 1)"), 50, None,
+  # Restored on another mesh: this one process wrote every block, so the step restores.
+  fsdp = _program("task.ici_mesh_shape=(1, 8, 1)")
+  moved = checkpoints.Checkpointer(job, fsdp, 50, None,
+                                  local=local_tier.LocalTier(local, job, 5, 3))
+  try:
+    got, step, _ = moved.restore()
+    assert step == 10
+    for want, have in zip(jax.tree.leaves(state.params), jax.tree.leaves(got.params)):
+      np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
+  finally:
+    moved.close()
+  # Where its meta says the process wrote no block, with no persistent step to fall back
+  # to: exit 2, nothing deleted.
+  for s in (5, 10):
+    path = os.path.join(tier_dir, str(s), "meta", "metadata")
+    with open(path, encoding="utf-8") as f:
+      meta = json.load(f)
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump({**meta, local_tier.HELD_KEY: {}}, f)
+  moved = checkpoints.Checkpointer(job, fsdp, 50, None,
                                   local=local_tier.LocalTier(local, job, 5, 3))
   try:
     with pytest.raises(ConfigError, match=r"local_checkpoint_dir=.* holds this job's only "
@@ -225,3 +244,4 @@ def test_a_stop_to_grow_back_saves_to_the_job_dir(tmp_path):
     assert _local_steps(local) == [7] and _persistent_steps(job) == [8]
   finally:
     ckpt.close()
+
