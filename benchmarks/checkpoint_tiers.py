@@ -2,9 +2,14 @@
 as a fraction of the step time.
 
   python benchmarks/checkpoint_tiers.py [--exp=TinyLmFsdp] [--fdl_set=...] [--repeats=5]
-      [--local_dir=/dev/shm/spmdtask_bench] [--local_interval=5]
+      [--local_dir=/dev/shm/spmdtask_bench] [--local_interval=5] [--slices=1]
+      [--dcn_axis=fsdp]
 
-One process, 8 CPU devices, the experiment's FSDP layout. The persistent tier is a job dir
+One process, 8 CPU devices, the experiment's FSDP layout; with `--slices=S` (S > 1), S
+processes of 8/S devices joined by jax.distributed (gloo), the mesh's `--dcn_axis` across
+them as task.dcn_mesh_shape (consecutive processes stand in for slices): `fsdp` shards the
+state across the slices, so each local save also makes and writes the peer copies
+(`run.peer_copies`); `data` replicates it across them (none), the comparison. The persistent tier is a job dir
 in a local GCS emulator (`tests/gcs_emulator.py`: gcp-storage-emulator, in memory); the local
 tier is `--local_dir` (default: the RAM disk). For each tier, `repeats` saves (after one to
 warm up), each committed before the next: the blocking part (until `save` returns: unpad,
@@ -15,7 +20,9 @@ committed). The step time is the median of `--steps` train steps alone. The defa
 import argparse
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -23,7 +30,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ("task.model.d_model=256", "task.model.num_layers=6", "task.model.d_ff=1024",
          "task.model.num_heads=8", "task.model.num_kv_heads=4", "task.model.head_dim=32",
-         "task.model.vocab_size=1024", "datasets['train'].vocab_size=1024")
+         "task.model.vocab_size=1024", "datasets['train'].vocab_size=1024",
+         "datasets['train'].batch_size=32")
 
 
 def _timed_saves(ckpt, state, inputs, first_step: int, repeats: int, **tiers):
@@ -47,18 +55,53 @@ def main() -> None:
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--local_dir", default="/dev/shm/spmdtask_bench")
   ap.add_argument("--local_interval", type=int, default=5)
+  ap.add_argument("--slices", type=int, default=1)
+  ap.add_argument("--dcn_axis", default="fsdp", choices=("fsdp", "data"))
+  ap.add_argument("--process_id", type=int, default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  ap.add_argument("--scratch", default=None, help=argparse.SUPPRESS)
   args = ap.parse_args()
   overrides = list(MODEL) if args.fdl_set is None else args.fdl_set
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  if args.slices > 1:
+    dcn = tuple(args.slices if a == args.dcn_axis else 1 for a in ("data", "fsdp", "model"))
+    overrides += [f"task.dcn_mesh_shape={dcn}", "task.ici_mesh_shape=(1, -1, 1)"]
+  os.environ["XLA_FLAGS"] = (
+      f"--xla_force_host_platform_device_count={8 // max(args.slices, 1)}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   sys.path.insert(0, ROOT)
+  if args.process_id is not None:  # one of the --slices processes
+    from spmdtask.run import cluster  # pylint: disable=g-import-not-at-top
+    cluster.join(args.coordinator, args.slices, args.process_id)
+    _measure(args, overrides)
+    return
   from tests import gcs_emulator  # pylint: disable=g-import-not-at-top
   emulator = gcs_emulator.Emulator("bucket")
   os.environ.update(emulator.env())  # before gcsfs and tensorstore are imported
   try:
-    _measure(args, overrides)
+    if args.slices > 1:
+      _processes(args)
+    else:
+      _measure(args, overrides)
   finally:
     emulator.stop()
+
+
+def _processes(args) -> None:
+  """This benchmark as `args.slices` processes of one jax.distributed job; process 0's
+  output shows."""
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  scratch = tempfile.mkdtemp(prefix="bench_tiers_")  # the job dir all processes share
+  procs = [subprocess.Popen(
+      [sys.executable, *sys.argv, f"--process_id={i}", f"--coordinator=127.0.0.1:{port}",
+       f"--scratch={scratch}"],
+      stdout=None if i == 0 else subprocess.DEVNULL, stderr=subprocess.STDOUT)
+      for i in range(args.slices)]
+  codes = [p.wait() for p in procs]
+  shutil.rmtree(scratch, ignore_errors=True)
+  if any(codes):
+    sys.exit(f"checkpoint_tiers: a process failed (exit statuses {codes})")
 
 
 def _measure(args, overrides) -> None:
@@ -86,20 +129,24 @@ def _measure(args, overrides) -> None:
     times.append(time.perf_counter() - t0)
   step_s = statistics.median(times)
 
-  scratch = tempfile.mkdtemp(prefix="bench_tiers_")
+  scratch = args.scratch or tempfile.mkdtemp(prefix="bench_tiers_")
   job = os.path.join(scratch, "job")
   local = checkpoints.Checkpointer(job, program, 10**9, None, local=local_tier.LocalTier(
-      args.local_dir, job, 1, 2))
+      args.local_dir, job, 1, 2, run.task.dcn_sizes()))
   local_cost = _timed_saves(local, state, inputs, 1, args.repeats)
   local.close()
   bucket = checkpoints.Checkpointer("gs://bucket/job", program, 1, 2)
   persistent_cost = _timed_saves(bucket, state, inputs, 1, args.repeats)
   bucket.close()
-  shutil.rmtree(scratch, ignore_errors=True)
+  if args.scratch is None:  # (the processes' shared one: their parent removes it)
+    shutil.rmtree(scratch, ignore_errors=True)
   shutil.rmtree(local.local.directory, ignore_errors=True)
 
+  if jax.process_index():
+    return
   print(f"{args.exp} {' '.join(overrides)}")
-  print(f"  {jax.device_count()} devices {dict(program.mesh.shape)}; state "
+  print(f"  {jax.process_count()} process(es), {jax.device_count()} devices "
+        f"{dict(program.mesh.shape)}; state "
         f"{n_bytes / 2**20:.1f} MiB logical (params + optimizer); step {step_s * 1e3:.0f} ms "
         f"(median of {args.steps}); saves: median of {args.repeats}")
   for name, (blocking, whole) in (("local tier (" + args.local_dir + ")", local_cost),

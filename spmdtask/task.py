@@ -302,6 +302,11 @@ class Task:
     """The data axes that exist in this mesh."""
     return tuple(a for a in self.data_axes if a in self.mesh_axis_names)
 
+  def dcn_sizes(self) -> dict[str, int]:
+    """Mesh axis name -> its DCN size (the slices it spans; 1 within a slice)."""
+    return dict(zip(self.mesh_axis_names, self.dcn_mesh_shape or (1,) * len(
+        self.mesh_axis_names)))
+
 
 @dataclasses.dataclass
 class RunConfig:

@@ -368,7 +368,7 @@ def _train(run, job_log_dir, restore_step, config_text, hooks, devices, name, re
   if job_log_dir is not None:
     local = (local_tier.LocalTier(tp.local_checkpoint_dir, job_log_dir,
                                   tp.local_save_interval_steps, tp.local_max_to_keep,
-                                  dict(zip(task.mesh_axis_names, task.dcn_mesh_shape or ())))
+                                  task.dcn_sizes())
              if tp.local_checkpoint_dir else None)
     ckpt = checkpoints.Checkpointer(job_log_dir, program, tp.save_interval_steps,
                                     tp.max_to_keep, {"config": config_text or ""}, record,

@@ -301,6 +301,7 @@ def test_shrink_keeps_the_global_batch_or_the_per_slice_batch():
   assert same is run and line is None
   small, line = elastic.shrink(run, 1, 4)
   assert small.task.dcn_mesh_shape == (1, 1, 1) and small.task.train.num_microbatches == 4
+  assert run.task.dcn_sizes() == {"data": 2, "fsdp": 1, "model": 1}  # the local tier's
   assert small.datasets["train"].batch_size == 16
   assert line.endswith("mesh data 4 x fsdp 1 x model 1 on 4 devices, 4 microbatches of 4 "
                        "rows: the global batch kept (task.train.elastic_batch='global'; "
