@@ -86,12 +86,18 @@ def test_several_stop_ids_stop_each_row_at_the_first_of_them(eight, greedy):
   assert new.utilization > sum(map(len, want.values())) / (NEW * len(want))
 
 
-def test_1_and_8_devices_sample_the_same(eight):
-  run8, program8, params8, local = eight
+@pytest.mark.parametrize("mesh", [None, "(4, 1, 2)"])
+def test_1_and_8_devices_sample_the_same(eight, mesh):
+  """8 devices as data 8 (the fixture's) or data 4 x model 2 (the model axis automatic
+  inside each data shard's loop) sample as one device."""
+  run8, program8, params8, local = (
+      eight if mesh is None else _setup(8, [f"task.ici_mesh_shape={mesh}"]))
   run1, program1, params1, _ = _setup(1)
   util.assert_trees_close(jax.device_get(params1), jax.device_get(params8))
   sampled = dict(temperature=1.0, top_k=50, seed=3)
-  a = _sampler(run8, program8, stops=(256,), sampler_slots=SLOTS, **sampled).sample(params8, local)
+  pool = _sampler(run8, program8, stops=(256,), sampler_slots=SLOTS, **sampled)
+  assert pool.generate.per_shard
+  a = pool.sample(params8, local)
   b = _sampler(run1, program1, stops=(256,), **sampled).sample(params1, local)
   assert _outputs(a) == _outputs(b)
   for s, t in zip(a, b):
