@@ -278,7 +278,8 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   `per_shard` (None: `per_shard_loops`, the layout's choice) runs a pool loop per data
   shard, on its own prompts and slots / shards slots, with no communication inside: each
   shard stops when its own samples are done (one shared loop runs every device to the
-  longest sample of all, rendezvousing per token)."""
+  longest sample of all, rendezvousing per token). Forced True where weights are split over
+  the data axes, each shard gathers them whole once, before its loop."""
   model, mesh = program.model, program.mesh
   decoding.validate(model, dataclasses.replace(dp, max_decode_len=prompt_len + max_new),
                     prompt_len)
