@@ -19,8 +19,11 @@ host, a stopped row idles until the batch is done), `device` (`rollout.Sampler` 
 slot per sample: shared prefill, one while_loop) and `pool S` (the same with S slots,
 refilled as samples finish). Printed: useful tokens/s (completion tokens / the sampling
 call's seconds), the ratio to today's, slot utilization (decode slot-steps that produced a
-token / all decode slot-steps; today's: rows x the longest sample's steps) and the sampling
-programs' peak memory per device (compiled memory_analysis, as the plan reads it).
+token / all decode slot-steps run: the on-device samplers' `Samples.slot_steps`, each loop's
+iterations x its slots summed over the loops, a loop per data shard where the layout takes
+them (`sampling.per_shard_loops`; TinyLmGrpo's data-parallel mesh does); today's: rows x the
+longest sample's steps) and the sampling programs' peak memory per device (compiled
+memory_analysis, as the plan reads it).
 """
 import argparse
 import dataclasses
@@ -80,8 +83,8 @@ def samplers(run, program, slots: list[int], stops) -> dict:
 
 
 def utilization(name: str, sampler, samples, new_tokens: int) -> float:
-  """Decode slot-steps that produced a useful token / all. Today's rows run until the
-  longest stops (a row with a shorter prompt may run past new_tokens: not useful)."""
+  """Decode slot-steps that produced a useful token / all run (the on-device samplers':
+  busy / slot_steps, summed over their loops). Today's rows run until the longest stops (a row with a shorter prompt may run past new_tokens: not useful)."""
   if name != "today":
     return sampler.utilization
   steps = max(len(s["output_ids"]) for s in samples) - 1

@@ -133,8 +133,8 @@ class Sampler:
     """`sample`'s result of a `start`ed sampling (waits for it)."""
     local, out = started
     by_id = sampling.to_rows(out)
-    busy, iterations = jax.device_get((out.busy, out.iterations))
-    self.utilization = float(busy) / max(int(iterations) * self.generate.slots, 1)
+    busy, slot_steps = jax.device_get((out.busy, out.slot_steps))
+    self.utilization = float(busy) / max(int(slot_steps), 1)
     rows = repeat_prompts(local, self.group)
     return [{"id": int(i), "prompt_ids": rows["prompts"][r, :rows["prompt_lens"][r]].tolist(),
              **by_id[int(i)]} for r, i in enumerate(rows["ids"])]

@@ -33,7 +33,8 @@ def sampling_lowerings(run, program) -> list:
   note = (f"the worst case: every sample runs to max_new_tokens ({obj.max_new_tokens}); "
           f"{n} samples on {gen.slots} slots: {-(-n // gen.slots)} wave(s) of "
           f"{max(obj.max_new_tokens - 1, 0)} decode iterations (the first token from the "
-          "prefill)")
+          "prefill)" + ("; a loop per data shard, each on its share of the samples and slots"
+                        if gen.per_shard else ""))
   weights, cache = sampling.bytes_read(program, gen.slots, plen + obj.max_new_tokens)
   loop = layouts.Loop(trips, note, weights, cache)
   rows = obj.model_batch(rollout.example_batch(obj, batch, plen))

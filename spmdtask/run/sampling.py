@@ -13,13 +13,20 @@ One jitted program per batch of B prompts samples G completions each (N = B·G s
 `slots` (S) sets the pool: S = N runs every sample at once (all admitted before the loop,
 no refill: the fewest loop iterations, the longest sample's); S < N holds S rows of KV cache
 and refills (continuous batching: a short sample's slot goes to the next one, so a long tail
-keeps the slots busy). Every device holds all B prompts' KV (gathered once after the
-prefill) for its refills.
+keeps the slots busy).
+Where no weight is split over the data axes (`per_shard_loops`, decided once in `build`)
+each data shard runs this loop alone (a shard_map manual over the data axes) on its own
+B/shards prompts, their samples and S/shards slots, with no communication inside: a shard
+stops when its own samples are done, and the devices do not meet per token. Otherwise (FSDP:
+a step gathers the weights) one loop runs over all S slots, every device holding all B
+prompts' KV (gathered once after the prefill) for its refills, until the last sample of all
+is done. Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
 A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
 samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
 Each token's log-prob under the logits / `score_temperature` is returned beside it (what
 the trainer scores: `objective.token_logprobs`). Slots are sharded like the decode batch
-(over the data axes), the cache as the model says; outputs come back replicated.
+(over the data axes), the cache as the model says; outputs come back replicated, with the
+slot-steps run summed over the loops (utilization: busy / slot_steps).
 """
 import dataclasses
 import math
@@ -43,8 +50,10 @@ class Samples(NamedTuple):
   logp: jax.Array      # [N, max_new] float32: each token's log-prob, 0 beyond
   lengths: jax.Array   # [N] int32 (0 for a padding prompt's samples)
   ids: jax.Array       # [N] int32: sample ids (prompt id · G + g; -1 for padding's)
-  iterations: jax.Array  # [] int32: loop iterations (decode steps over the pool)
+  iterations: jax.Array  # [] int32: loop iterations (decode steps over the pool; per-shard
+                         # loops: the longest loop's)
   busy: jax.Array      # [] int32: slot-steps that produced a token
+  slot_steps: jax.Array  # [] int32: slot-steps run (iterations x slots, summed over the loops)
 
 
 class _Loop(NamedTuple):
@@ -108,10 +117,22 @@ def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
   return float(weights), float(kv)
 
 
-def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
-                max_new: int, score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
-  """`(padded_params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`; prompt rows
-  with id < 0 are padding (no samples). Sample b·G + g has id ids[b]·G + g."""
+def _pin(x: jax.Array, spec: P) -> jax.Array:
+  """`with_sharding_constraint` over the mesh's automatic axes: inside a shard_map the
+  manual ones are split by hand (left out of `spec`; nothing to pin where all are)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  manual = set() if mesh.empty else set(mesh.manual_axes)
+  if manual and manual >= set(mesh.axis_names):
+    return x
+  return jax.lax.with_sharding_constraint(x, P(*[
+      tuple(a for a in sharding.entry_axes(e) if a not in manual) or None for e in spec]))
+
+
+def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
+                score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
+  """`(params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`: one pool loop over
+  the rows it is given (all, or a shard's under `per_shard`); prompt rows with id < 0 are
+  padding (no samples). Sample b·G + g has id ids[b]·G + g."""
   stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
 
   def draw(logits, sid, position):
@@ -119,8 +140,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / score_temperature, axis=-1)
     return nxt, jnp.take_along_axis(logp, nxt[:, None], axis=1)[:, 0]
 
-  def generate(padded_params, prompts, prompt_lens, ids):
-    params = sharding.unpad(padded_params, logical_params)
+  def generate(params, prompts, prompt_lens, ids):
     b, plen = prompts.shape
     n, total = b * group, plen + max_new
     zeros = lambda shape: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
@@ -129,14 +149,13 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)))
     first = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     # every device holds all prompts' KV and last logits (gathered once, not per refill)
-    pcache = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
-        x, P(s[0], None, *s[2:])), pcache, cache_specs)
-    first = jax.lax.with_sharding_constraint(first, P())
+    pcache = jax.tree.map(lambda x, s: _pin(x, P(s[0], None, *s[2:])), pcache, cache_specs)
+    first = _pin(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
     real = jnp.repeat(ids >= 0, group)
     order = jnp.argsort(~real, stable=True).astype(jnp.int32)
     waiting = jnp.sum(real.astype(jnp.int32))
-    constrain = jax.lax.with_sharding_constraint
+    constrain = _pin
     ids, prompt_lens = constrain(ids, P()), constrain(prompt_lens, P())  # read per refill
     cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
     full = lambda v, dtype=jnp.int32: constrain(jnp.full((slots,), v, dtype), slot_spec)
@@ -144,7 +163,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     sids = jnp.where(real, jnp.repeat(ids, group) * group + jnp.arange(n) % group, -1)
     out = Samples(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
                   jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), jnp.int32(0),
-                  jnp.int32(0))
+                  jnp.int32(0), jnp.int32(0))
 
     def flush(c: _Loop, which) -> _Loop:
       """Copies the buffers of the slots `which` to their samples' rows of the output."""
@@ -205,7 +224,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     # a slot whose sample ended at admission is free again: admit more before stopping
     end = jax.lax.while_loop(lambda c: c.flags[1], step, start)
     end = flush(end, end.held >= 0)
-    return end.out._replace(busy=jnp.sum(end.busy))
+    return end.out._replace(busy=jnp.sum(end.busy), slot_steps=end.out.iterations * slots)
   return generate
 
 
@@ -218,6 +237,7 @@ class Generator:
   group: int
   max_new: int
   slots: int
+  per_shard: bool = False  # a loop per data shard (build), else one shared loop
 
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
@@ -237,10 +257,29 @@ class Generator:
     return g["prompts"], g["prompt_lens"], g["ids"]
 
 
+def per_shard_loops(program, prompts: int) -> bool:
+  """Whether the sampler runs a loop per data shard: there are several shards, the prompts
+  divide over them, and no weight is split over the data axes (each shard can step its
+  slots alone; a layout that splits them, FSDP's, keeps the one shared loop)."""
+  mesh_shape = dict(program.mesh.shape)
+  data = {a for a in program.task.batch_axes() if mesh_shape[a] > 1}
+  shards = math.prod(mesh_shape[a] for a in data)
+  if shards == 1 or prompts % shards:
+    return False
+  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
+  return not any(data & set(sharding.entry_axes(e)) for spec in specs for e in spec)
+
+
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
-          slots: int = 0, score_temperature: float = 1.0) -> Generator:
+          slots: int = 0, score_temperature: float = 1.0, per_shard: bool | None = None
+          ) -> Generator:
   """Validates and jits the sampler for `prompts` prompts (global) of `prompt_len` tokens,
-  `group` samples each, at most `max_new` new tokens, on `slots` slots (0 = one a sample)."""
+  `group` samples each, at most `max_new` new tokens, on `slots` slots (0 = one a sample).
+  `per_shard` (None: `per_shard_loops`, the layout's choice) runs a pool loop per data
+  shard, on its own prompts and slots / shards slots, with no communication inside: each
+  shard stops when its own samples are done (one shared loop runs every device to the
+  longest sample of all, rendezvousing per token). Forced True where weights are split over
+  the data axes, each shard gathers them whole once, before its loop."""
   model, mesh = program.model, program.mesh
   decoding.validate(model, dataclasses.replace(dp, max_decode_len=prompt_len + max_new),
                     prompt_len)
@@ -249,15 +288,42 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   data = tuple(program.task.batch_axes()) or None
   shards = sharding.shards(data, dict(mesh.shape))
   check_slots(slots, n, shards, "task.objective.sampler_slots")
+  per_shard = per_shard_loops(program, prompts) if per_shard is None else per_shard
   specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
-  fn = generate_fn(model, program.layout.logical.params, dp, group, slots, max_new,
-                   score_temperature, specs.cache, specs.pos)
+  pool = generate_fn(model, dp, group, slots // shards if per_shard else slots, max_new,
+                     score_temperature, specs.cache, specs.pos)
+  logical = program.layout.logical.params
+  if per_shard:
+    fn = _per_shard(pool, logical, mesh, data)
+  else:
+    fn = lambda padded, *prompt_rows: pool(sharding.unpad(padded, logical), *prompt_rows)
   split = data if prompts % shards == 0 else None  # the prompts' rows: over the data axes
   prompt_specs = {"prompts": P(split, None), "prompt_lens": P(split), "ids": P(split)}
   jitted = steps_lib.partition(
       fn, mesh, (program.layout.split.params, *prompt_specs.values()),
-      Samples(P(), P(), P(), P(), P(), P()))
-  return Generator(jitted, prompt_specs, mesh, group, max_new, slots)
+      Samples(*[P()] * len(Samples._fields)))
+  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard)
+
+
+def _per_shard(pool, logical, mesh, data: tuple[str, ...]):
+  """`pool` under a shard_map manual over the data axes (the others stay automatic): each
+  shard's loop on its rows; their counts summed (iterations: the longest loop's)."""
+  rows = P(data)
+
+  def local(params, prompts, prompt_lens, ids):
+    out = pool(params, prompts, prompt_lens, ids)
+    return out._replace(iterations=out.iterations[None], busy=out.busy[None],
+                        slot_steps=out.slot_steps[None])
+
+  loops = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(data, None), rows, rows),
+                        out_specs=Samples(*[rows] * len(Samples._fields)),
+                        axis_names=frozenset(data), check_vma=False)
+
+  def generate(padded_params, prompts, prompt_lens, ids):
+    out = loops(sharding.unpad(padded_params, logical), prompts, prompt_lens, ids)
+    return out._replace(iterations=jnp.max(out.iterations), busy=jnp.sum(out.busy),
+                        slot_steps=jnp.sum(out.slot_steps))
+  return generate
 
 
 def to_rows(samples: Samples) -> dict[int, dict]:

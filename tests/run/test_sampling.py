@@ -1,8 +1,9 @@
 """The on-device sampler (`run.sampling`, GRPO's `rollout.Sampler`): greedy equals today's
 per-token decode token for token with and without slot refill, in the plan's worst-case
 iterations at full length, several stop ids stop rows at the first, 1 and 8 devices sample
-alike, half the slots give the same long-tail samples, the sampler's log-probs are the
-trainer's."""
+alike, half the slots give the same long-tail samples, a loop per data shard samples as the
+shared loop (the layout's choice; FSDP keeps the shared one), the sampler's log-probs are
+the trainer's."""
 import dataclasses
 
 import jax
@@ -85,12 +86,18 @@ def test_several_stop_ids_stop_each_row_at_the_first_of_them(eight, greedy):
   assert new.utilization > sum(map(len, want.values())) / (NEW * len(want))
 
 
-def test_1_and_8_devices_sample_the_same(eight):
-  run8, program8, params8, local = eight
+@pytest.mark.parametrize("mesh", [None, "(4, 1, 2)"])
+def test_1_and_8_devices_sample_the_same(eight, mesh):
+  """8 devices as data 8 (the fixture's) or data 4 x model 2 (the model axis automatic
+  inside each data shard's loop) sample as one device."""
+  run8, program8, params8, local = (
+      eight if mesh is None else _setup(8, [f"task.ici_mesh_shape={mesh}"]))
   run1, program1, params1, _ = _setup(1)
   util.assert_trees_close(jax.device_get(params1), jax.device_get(params8))
   sampled = dict(temperature=1.0, top_k=50, seed=3)
-  a = _sampler(run8, program8, stops=(256,), sampler_slots=SLOTS, **sampled).sample(params8, local)
+  pool = _sampler(run8, program8, stops=(256,), sampler_slots=SLOTS, **sampled)
+  assert pool.generate.per_shard
+  a = pool.sample(params8, local)
   b = _sampler(run1, program1, stops=(256,), **sampled).sample(params1, local)
   assert _outputs(a) == _outputs(b)
   for s, t in zip(a, b):
@@ -113,6 +120,37 @@ def test_half_the_slots_give_the_same_long_tail_samples(eight):
   for s, t in zip(a, b):  # the same draws; the same logits up to the slot's rows' sums
     util.assert_close_f32(s["logp"], t["logp"], terms=64)
   assert half.utilization > full.utilization  # the long tail keeps fewer slots idle
+
+
+def test_a_loop_per_shard_samples_as_the_shared_loop(eight):
+  """8 devices, no weight split over the data axes: the layout's choice is a loop per data
+  shard (2 of the 16 slots each). Its samples are the shared loop's token for token, the
+  log-probs the same up to float32 summation order (64-term dot products: f32_atol), its
+  busy slot-steps the same; it runs fewer slot-steps than the shared one (its longest loop
+  may run more iterations than the shared loop: a shard's waiting line is its own)."""
+  run, program, params, local = eight
+  plen, slots = int(run.datasets["train"].prompt_len), 16
+  obj = dataclasses.replace(run.task.objective, temperature=1.0, seed=5)
+  dp = rollout.decode_params(obj, plen, tuple(range(0, 264, 4)))  # lengths 1 to NEW
+  own = sampling.build(program, dp, PROMPTS, plen, GROUP, NEW, slots)
+  shared = sampling.build(program, dp, PROMPTS, plen, GROUP, NEW, slots, per_shard=False)
+  assert own.per_shard and not shared.per_shard
+  a, b = jax.device_get(own(params, local)), jax.device_get(shared(params, local))
+  for field in ("tokens", "lengths", "ids", "busy"):
+    np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+  util.assert_close_f32(a.logp, b.logp, terms=64)
+  assert len(set(a.lengths.tolist())) > 4 and a.busy == np.sum(a.lengths - 1)
+  assert b.slot_steps == b.iterations * slots
+  assert a.busy <= a.slot_steps < b.slot_steps and a.slot_steps <= a.iterations * slots
+
+
+def test_fsdp_and_one_device_keep_the_shared_loop():
+  """Weights split over the data axes (FSDP over 8 devices): a shard cannot step alone."""
+  for overrides, devices in ((["task.ici_mesh_shape=(1, 8, 1)"], 8),
+                             (["task.ici_mesh_shape=(1, 1, 1)"], 1)):
+    run = util.build_run("TinyLmGrpo", [f"datasets['train'].batch_size={PROMPTS}", *overrides])
+    program = program_lib.setup(run.task, rollout.example(run), jax.devices()[:devices])
+    assert not sampling.per_shard_loops(program, PROMPTS)
 
 
 def test_the_sampler_log_probs_are_the_trainers(eight):

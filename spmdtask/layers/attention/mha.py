@@ -295,8 +295,11 @@ class Attention(nn.Module):
     if cache is None:
       kv_pos = positions
     elif isinstance(cache, StackedLayer):
-      mesh = dict(jax.sharding.get_abstract_mesh().shape)
-      split = any(mesh.get(a, 1) > 1 for a in entry_axes(self.heads_act_split[0]))
+      # rows split by GSPMD (not by hand: a shard_map's manual axes hold local rows)
+      mesh = jax.sharding.get_abstract_mesh()
+      manual = () if mesh.empty else mesh.manual_axes
+      split = any(dict(mesh.shape).get(a, 1) > 1 and a not in manual
+                  for a in entry_axes(self.heads_act_split[0]))
       cache = StackedLayer(KvCache(*(write_stacked(c, x, positions, cache.layer, split)
                                      for c, x in ((cache.stack.k, k), (cache.stack.v, v)))),
                            cache.layer, cache.prefix)
