@@ -2,8 +2,9 @@
 
 The persistent tier (`checkpoints`, the job dir, often a bucket) is written seldom; this
 tier is written every `task.train.local_save_interval_steps` into
-`local_checkpoint_dir/spmdtask-<job key>/process_<i>/`, one directory per process that
-holds only that process's shards (orbax's array handler with no primary host: each process
+`local_checkpoint_dir/spmdtask-<job key>/<host>_<rank>/` (`slot_name`: the process's host
+and its rank among the job's processes there), one directory per process that holds only
+that process's shards (orbax's array handler with no primary host: each process
 writes every shard its devices hold; JSON items are written by every process into its own
 directory). A step counts as complete when every process committed it (agreed across
 processes), so a host that lost its disk makes the step unusable for all. Shards stay
@@ -29,6 +30,8 @@ trains on.
 import copy
 import hashlib
 import os
+import re
+import socket
 import uuid
 
 import jax
@@ -127,6 +130,27 @@ def _job_id(job_log_dir: str) -> str:
   return fs.read_text(path).strip()
 
 
+def slot_name(hosts, index: int) -> str:
+  """The local directory of process `index` of a job whose processes run on `hosts` (host
+  names, in process order): its host and its rank among the job's processes there. A host
+  keeps it when a restart renumbers the processes (the slices before it lost), so its
+  survivors find the local steps they wrote; on one machine it follows the process order."""
+  host = re.sub(r"[^A-Za-z0-9.-]", "-", hosts[index]) or "host"
+  return f"{host}_{sum(h == hosts[index] for h in hosts[:index])}"
+
+
+def _hosts() -> list[str]:
+  """Every process's host name, in process order (collective)."""
+  name = socket.gethostname()
+  if jax.process_count() == 1:
+    return [name]
+  raw = np.zeros(256, np.uint8)
+  encoded = name.encode()[:256]
+  raw[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  every = np.asarray(multihost_utils.process_allgather(raw)).reshape(-1, 256)
+  return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in every]
+
+
 def _all_agree(value: int) -> np.ndarray:
   """Every process's `value`, in process order."""
   if jax.process_count() == 1:
@@ -154,7 +178,7 @@ class LocalTier:
     job = fs.absolute(job_log_dir)
     key = hashlib.sha256(job.encode()).hexdigest()[:16]
     self.directory = os.path.join(os.path.abspath(local_dir), f"spmdtask-{key}",
-                                  f"process_{jax.process_index()}")
+                                  slot_name(_hosts(), jax.process_index()))
     os.makedirs(self.directory, exist_ok=True)
     self.root, self.interval, self.max_to_keep = local_dir, interval, max_to_keep
     self.dcn = dcn or {}

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -146,7 +147,7 @@ def _kill_slice_1(log: str, proc, after: int, local: str, committed: int) -> Non
   step `committed` is committed by both processes (its commit is asynchronous)."""
   _wait_for(log, proc, rf"^step {after}/{STEPS} ")
   t0 = time.time()
-  marks = os.path.join(local, "*", "process_*", str(committed), "commit_success.txt")
+  marks = os.path.join(local, "*", "*", str(committed), "commit_success.txt")
   while len(glob.glob(marks)) < 2:
     assert time.time() - t0 < 60 and proc.poll() is None, open(log).read()[-4000:]
     time.sleep(0.02)
@@ -214,8 +215,8 @@ def test_a_job_sharded_across_slices_resumes_from_the_survivors_peer_copies(tmp_
     if proc.poll() is None:
       proc.kill()
   out = open(log).read()
-  (meta_path,) = glob.glob(str(tmp_path / "local" / "*" / "process_0" / "5" / "meta" /
-                               "metadata"))
+  first = local_tier.slot_name([socket.gethostname()] * 2, 0)  # process 0's directory
+  (meta_path,) = glob.glob(str(tmp_path / "local" / "*" / first / "5" / "meta" / "metadata"))
   with open(meta_path, encoding="utf-8") as f:
     meta = json.load(f)
   # process 0's own blocks are half of each sharded array; its peer copies the other half

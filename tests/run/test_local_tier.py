@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import socket
 
 from absl import logging as absl_logging
 import fiddle as fdl
@@ -33,7 +34,8 @@ TIERS = ("task.model.num_layers=1", f"task.train.num_train_steps={STEPS}",
 
 def _local_steps(tier_root: str) -> list[int]:
   (job_key,) = os.listdir(tier_root)
-  return sorted(int(n) for n in os.listdir(os.path.join(tier_root, job_key, "process_0"))
+  first = local_tier.slot_name([socket.gethostname()], 0)  # process 0's
+  return sorted(int(n) for n in os.listdir(os.path.join(tier_root, job_key, first))
                 if n.isdigit())
 
 
@@ -245,3 +247,12 @@ def test_a_stop_to_grow_back_saves_to_the_job_dir(tmp_path):
   finally:
     ckpt.close()
 
+
+def test_a_hosts_local_directory_survives_a_renumbering():
+  # Slice 0 (hosts a, b) lost: slice 1's hosts c, d, once processes 2 and 3, are 0 and 1
+  # now, and keep the directories they wrote. Several processes on a host: its ranks.
+  before = [local_tier.slot_name(["a", "b", "c", "d"], i) for i in range(4)]
+  after = [local_tier.slot_name(["c", "d"], i) for i in range(2)]
+  assert before == ["a_0", "b_0", "c_0", "d_0"] and after == before[2:]
+  assert [local_tier.slot_name(["vm", "vm", "x/y"], i) for i in range(3)] == [
+      "vm_0", "vm_1", "x-y_0"]
