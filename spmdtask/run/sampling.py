@@ -108,6 +108,24 @@ def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
   return float(weights), float(kv)
 
 
+def _prompt_copier(cache_specs, prompt_specs, slot_spec):
+  """`(cache, prompts' KV, take [S] bool, prompt [S] int) -> cache`: each slot that takes
+  a sample gets its prompt's KV as its first P entries: per device, a loop over its own
+  slots, one slot's update at a time (shard_map over the slots' axes). A gather of every
+  slot's prompt selected into the cache made XLA:TPU copy the whole cache to a slot-major
+  layout and back (two of the cache live at a refill: the sampling phase's peak)."""
+  def local(cache, pcache, take, prompt):
+    def one(j, cache):
+      def put(cc, pc):
+        new = jax.lax.dynamic_slice_in_dim(pc, prompt[j], 1, axis=1)
+        old = jax.lax.dynamic_slice_in_dim(cc, j, 1, axis=1)[:, :, :pc.shape[2]]
+        return jax.lax.dynamic_update_slice_in_dim(cc, jnp.where(take[j], new, old), j, axis=1)
+      return jax.tree.map(put, cache, pcache)
+    return jax.lax.fori_loop(0, take.shape[0], one, cache)
+  return jax.shard_map(local, in_specs=(cache_specs, prompt_specs, slot_spec, slot_spec),
+                       out_specs=cache_specs)
+
+
 def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
                 max_new: int, score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
   """`(padded_params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`; prompt rows
@@ -126,11 +144,12 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     zeros = lambda shape: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                        model.cache_shape(*shape))
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
-    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)))
-    first = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)),
+                                 logits_at=prompt_lens - 1)  # the last positions' only
+    first = logits[:, 0]
     # every device holds all prompts' KV and last logits (gathered once, not per refill)
-    pcache = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
-        x, P(s[0], None, *s[2:])), pcache, cache_specs)
+    pspecs = jax.tree.map(lambda s: P(s[0], None, *s[2:]), cache_specs)
+    pcache = jax.tree.map(jax.lax.with_sharding_constraint, pcache, pspecs)
     first = jax.lax.with_sharding_constraint(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
     real = jnp.repeat(ids >= 0, group)
@@ -145,6 +164,8 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     out = Samples(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
                   jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), jnp.int32(0),
                   jnp.int32(0))
+
+    copy_prompts = _prompt_copier(cache_specs, pspecs, slot_spec)
 
     def flush(c: _Loop, which) -> _Loop:
       """Copies the buffers of the slots `which` to their samples' rows of the output."""
@@ -165,9 +186,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
       lens = prompt_lens[prompt]
       nxt, logp = draw(first[prompt], sid, lens)
       ended = take & (jnp.isin(nxt, stops) | (max_new == 1))
-      cache = jax.tree.map(lambda cc, pc: jax.lax.dynamic_update_slice_in_dim(
-          cc, jnp.where(take.reshape((1, -1) + (1,) * (cc.ndim - 2)), pc[:, prompt],
-                        cc[:, :, :plen]), 0, axis=2), c.cache, pcache)
+      cache = copy_prompts(c.cache, pcache, take, prompt)
       at0 = take[:, None] & (jnp.arange(max_new) == 0)[None, :]
       fresh = lambda buf, v: jnp.where(at0, v[:, None], jnp.where(take[:, None], 0, buf))
       return c._replace(cache=cache, last=jnp.where(take, nxt, c.last),
