@@ -108,13 +108,18 @@ def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
   return float(weights), float(kv)
 
 
-def _prompt_copier(cache_specs, prompt_specs, slot_spec):
+def _prompt_copier(cache_specs, slot_spec, split: bool):
   """`(cache, prompts' KV, take [S] bool, prompt [S] int) -> cache`: each slot that takes
-  a sample gets its prompt's KV as its first P entries: per device, a loop over its own
-  slots, one slot's update at a time (shard_map over the slots' axes). A gather of every
-  slot's prompt selected into the cache made XLA:TPU copy the whole cache to a slot-major
-  layout and back (two of the cache live at a refill: the sampling phase's peak)."""
+  a sample gets its prompt's KV as its first P entries. Per device (shard_map over the
+  slots' axes): the prompts' KV gathered whole (`split`: the prompts' rows are split over
+  those axes as the cache's; else every device holds them all), then a loop over its own
+  slots, one slot's update at a time. The gather lives only while slots are filled, not
+  through the decode steps; a gather of every slot's prompt selected into the cache made
+  XLA:TPU copy the whole cache to a slot-major layout and back."""
+  axes = slot_spec[0]
   def local(cache, pcache, take, prompt):
+    if split:
+      pcache = jax.tree.map(lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True), pcache)
     def one(j, cache):
       def put(cc, pc):
         new = jax.lax.dynamic_slice_in_dim(pc, prompt[j], 1, axis=1)
@@ -122,8 +127,9 @@ def _prompt_copier(cache_specs, prompt_specs, slot_spec):
         return jax.lax.dynamic_update_slice_in_dim(cc, jnp.where(take[j], new, old), j, axis=1)
       return jax.tree.map(put, cache, pcache)
     return jax.lax.fori_loop(0, take.shape[0], one, cache)
+  prompt_specs = jax.tree.map(lambda s: P(s[0], axes if split else None, *s[2:]), cache_specs)
   return jax.shard_map(local, in_specs=(cache_specs, prompt_specs, slot_spec, slot_spec),
-                       out_specs=cache_specs)
+                       out_specs=cache_specs), prompt_specs
 
 
 def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
@@ -147,8 +153,10 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)),
                                  logits_at=prompt_lens - 1)  # the last positions' only
     first = logits[:, 0]
-    # every device holds all prompts' KV and last logits (gathered once, not per refill)
-    pspecs = jax.tree.map(lambda s: P(s[0], None, *s[2:]), cache_specs)
+    # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
+    # every device holds their last logits
+    split = b % sharding.shards(slot_spec[0], dict(jax.sharding.get_abstract_mesh().shape)) == 0
+    copy_prompts, pspecs = _prompt_copier(cache_specs, slot_spec, split)
     pcache = jax.tree.map(jax.lax.with_sharding_constraint, pcache, pspecs)
     first = jax.lax.with_sharding_constraint(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
@@ -164,8 +172,6 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     out = Samples(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
                   jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), jnp.int32(0),
                   jnp.int32(0))
-
-    copy_prompts = _prompt_copier(cache_specs, pspecs, slot_spec)
 
     def flush(c: _Loop, which) -> _Loop:
       """Copies the buffers of the slots `which` to their samples' rows of the output."""
