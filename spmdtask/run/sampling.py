@@ -108,15 +108,16 @@ def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
   return float(weights), float(kv)
 
 
-def _prompt_copier(cache_specs, slot_spec, split: bool):
+def _prompt_copier(cache_specs, rows: int):
   """`(cache, prompts' KV, take [S] bool, prompt [S] int) -> cache`: each slot that takes
   a sample gets its prompt's KV as its first P entries. Per device (shard_map over the
-  slots' axes): the prompts' KV gathered whole (`split`: the prompts' rows are split over
-  those axes as the cache's; else every device holds them all), then a loop over its own
-  slots, one slot's update at a time. The gather lives only while slots are filled, not
+  cache's row axes): the prompts' KV gathered whole (split over those axes as the cache's
+  where its `rows` prompts divide them, else held whole by every device), then a loop over
+  its own slots, one slot's update at a time. The gather lives only while slots are filled, not
   through the decode steps; a gather of every slot's prompt selected into the cache made
   XLA:TPU copy the whole cache to a slot-major layout and back."""
-  axes = slot_spec[0]
+  axes = jax.tree.leaves(cache_specs, is_leaf=lambda x: isinstance(x, P))[0][1]
+  split = rows % sharding.shards(axes, dict(jax.sharding.get_abstract_mesh().shape)) == 0
   def local(cache, pcache, take, prompt):
     if split:
       pcache = jax.tree.map(lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True), pcache)
@@ -128,7 +129,7 @@ def _prompt_copier(cache_specs, slot_spec, split: bool):
       return jax.tree.map(put, cache, pcache)
     return jax.lax.fori_loop(0, take.shape[0], one, cache)
   prompt_specs = jax.tree.map(lambda s: P(s[0], axes if split else None, *s[2:]), cache_specs)
-  return jax.shard_map(local, in_specs=(cache_specs, prompt_specs, slot_spec, slot_spec),
+  return jax.shard_map(local, in_specs=(cache_specs, prompt_specs, P(axes), P(axes)),
                        out_specs=cache_specs), prompt_specs
 
 
@@ -155,8 +156,7 @@ def generate_fn(model, logical_params, dp: DecodeParams, group: int, slots: int,
     first = logits[:, 0]
     # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
     # every device holds their last logits
-    split = b % sharding.shards(slot_spec[0], dict(jax.sharding.get_abstract_mesh().shape)) == 0
-    copy_prompts, pspecs = _prompt_copier(cache_specs, slot_spec, split)
+    copy_prompts, pspecs = _prompt_copier(cache_specs, b)
     pcache = jax.tree.map(jax.lax.with_sharding_constraint, pcache, pspecs)
     first = jax.lax.with_sharding_constraint(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
