@@ -74,7 +74,8 @@ class Model(Protocol):
 class Decodable(Protocol):
   """A model that decodes with a KV cache (`--mode=decode`).
 
-  `__call__(tokens [b, t], positions [b, t], cache) -> (logits [b, t, vocab], cache)`.
+  `__call__(tokens [b, t], positions [b, t], cache) -> (logits [b, t, vocab], cache)`;
+  with `logits_at=` [b] int, only each row's logits at that position ([b, 1, vocab]).
   """
   max_seq_len: int
 

@@ -183,18 +183,19 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
                head: bool = True, moe_stats: bool = False, zigzagged: bool = False,
-               mtp_tokens: jax.Array | None = None):
+               mtp_tokens: jax.Array | None = None, logits_at: jax.Array | None = None):
     """tokens [b, t] int -> logits [b, t, vocab] float32.
 
-    `cache` (`cache_shape`): `(logits, new_cache)`, the tokens' keys/values written at
-    `positions`. `segment_ids` [b, t] (packed rows, positions restarting per segment): a
-    token attends within its segment. `head=False`: `(x, w, scale)`, the final-norm features
-    [b, t, d_model], the head weight [d_model, vocab] float32, logits = scale · x @ w.
-    `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None. Where the
-    sequence is split over mesh axes the layers see rows in zig-zag order (layers.attention.
-    context) and outputs come back in row order, unless `zigzagged` (the loss's rows are in
-    zig-zag order already). `mtp_tokens` [D, b, t] (`layers.mtp.shifted`): the D MTP heads'
-    outputs follow the row's along the sequence.
+    `logits_at` [b] int: logits [b, 1, vocab] at each row's position `logits_at[b]` only (a
+    prefill's last; `_head`). `cache` (`cache_shape`): `(logits, new_cache)`, the tokens'
+    keys/values written at `positions`. `segment_ids` [b, t] (packed rows, positions
+    restarting per segment): a token attends within its segment. `head=False`: `(x, w,
+    scale)`, the final-norm features [b, t, d_model], the head weight [d_model, vocab]
+    float32, logits = scale · x @ w. `moe_stats=True` (no cache): `(that, stats)`, an MoE's
+    per-row stats or None. Where the sequence is split over mesh axes the layers see rows in
+    zig-zag order (layers.attention.context) and outputs come back in row order, unless
+    `zigzagged` (the loss's rows are in zig-zag order already). `mtp_tokens` [D, b, t]
+    (`layers.mtp.shifted`): the D MTP heads' outputs follow the row's along the sequence.
     """
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
@@ -224,8 +225,7 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
       scale = 1.0
     if not head:
       return ((x, unembed, scale), stats) if moe_stats else (x, unembed, scale)
-    logits = x @ unembed.astype(dt)
-    logits = logits * scale if scale != 1.0 else logits
+    logits = _head(self, x, unembed.astype(dt), scale, cache is not None, logits_at)
     logits = constrain(logits.astype(jnp.float32), a.logits)
     return (logits, stats) if moe_stats else logits if cache is None else (logits, cache)
 
@@ -262,6 +262,32 @@ def _scores(model: TransformerLm, batch: dict[str, jax.Array]) -> TokenScores:
   `loss_vocab_tiles` > 1) each give their greatest logit and its id (`xent.tiled_scores`)."""
   token_xent, ids, _ = _token_xent(model, batch, argmax=True)
   return TokenScores(-_row_order(model, token_xent), _row_order(model, ids == batch["targets"]))
+
+
+def _head(model: TransformerLm, x: jax.Array, w: jax.Array, scale: float, decoding: bool,
+          at: jax.Array | None = None) -> jax.Array:
+  """The logits scale · x @ w of the head's weight w [d_model, vocab]; with `at` [b] int,
+  of x's rows at those positions only ([b, 1, vocab]). `decoding` (a cache) where w's
+  d_model is split (FSDP): w resharded to split its vocab over those axes too (an
+  all-to-all of each device's shard), x's few rows made whole on every device and the
+  logits split over the vocab, instead of every device gathering the whole w for its rows
+  (Llama 3's: 1 GiB in bf16, the sampler's largest array). Each logit is still one dot
+  product over the whole d_model on one device. As training's where the vocab does not
+  divide the axes."""
+  if at is not None:
+    x = jnp.take_along_axis(x, at[:, None, None], axis=1)
+  mesh = jax.sharding.get_abstract_mesh()
+  ws = model.weight_split_dims_mapping
+  split = tuple(reversed(ws.embedding)) if model.tie_embeddings else ws.unembed
+  d_axes = () if mesh.empty or mesh.manual_axes or not decoding else tuple(
+      a for a in sharding.entry_axes(split[0]) if mesh.shape[a] > 1)
+  vocab = sharding.entry_axes(split[1]) + d_axes
+  if d_axes and w.shape[1] % sharding.shards(vocab, dict(mesh.shape)) == 0:
+    x, w = constrain(x, (None,) * x.ndim), constrain(w, (None, vocab))
+    logits = constrain(x @ w, (None,) * (x.ndim - 1) + (vocab,))
+  else:
+    logits = x @ w
+  return logits * scale if scale != 1.0 else logits
 
 
 def _row_order(model: TransformerLm, x: jax.Array) -> jax.Array:

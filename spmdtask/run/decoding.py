@@ -129,8 +129,9 @@ def prefill_fn(model, logical_params, dp: DecodeParams, cache_specs):
     cache = jax.tree.map(lambda s, spec: jax.lax.with_sharding_constraint(
         jnp.zeros(s.shape, s.dtype), spec), model.cache_shape(b, dp.max_decode_len), cache_specs)
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
-    logits, cache = model.apply({"params": params}, prompts, positions, cache)
-    last = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    logits, cache = model.apply({"params": params}, prompts, positions, cache,
+                                logits_at=prompt_lens - 1)  # the last positions' only
+    last = logits[:, 0]
     real = jnp.arange(plen)[None, :] < prompt_lens[:, None]
     tokens = jnp.zeros((b, dp.max_decode_len), jnp.int32)
     tokens = jax.lax.dynamic_update_slice(tokens, jnp.where(real, prompts, 0), (0, 0))

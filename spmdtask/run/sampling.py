@@ -18,8 +18,8 @@ Where no weight is split over the data axes (`per_shard_loops`, decided once in 
 each data shard runs this loop alone (a shard_map manual over the data axes) on its own
 B/shards prompts, their samples and S/shards slots, with no communication inside: a shard
 stops when its own samples are done, and the devices do not meet per token. Otherwise (FSDP:
-a step gathers the weights) one loop runs over all S slots, every device holding all B
-prompts' KV (gathered once after the prefill) for its refills, until the last sample of all
+a step gathers the weights) one loop runs over all S slots, the B prompts' KV split as
+their rows and gathered whole inside a refill (`_prompt_copier`), until the last sample of all
 is done. Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
 A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
 samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
@@ -128,6 +128,36 @@ def _pin(x: jax.Array, spec: P) -> jax.Array:
       tuple(a for a in sharding.entry_axes(e) if a not in manual) or None for e in spec]))
 
 
+def _prompt_copier(cache_specs, rows: int):
+  """`(cache, prompts' KV, take [S] bool, prompt [S] int) -> cache`: each slot that takes
+  a sample gets its prompt's KV as its first P entries. Per device (shard_map over the
+  cache's row axes): the prompts' KV gathered whole (split over those axes as the cache's
+  where its `rows` prompts divide them, else held whole by every device), then a loop over
+  its own slots, one slot's update at a time. The gather lives only while slots are filled, not
+  through the decode steps; a gather of every slot's prompt selected into the cache made
+  XLA:TPU copy the whole cache to a slot-major layout and back. Inside a loop per data shard
+  (the row axes manual already) the rows are the shard's own: the same loop, no gather."""
+  axes = jax.tree.leaves(cache_specs, is_leaf=lambda x: isinstance(x, P))[0][1]
+  mesh = jax.sharding.get_abstract_mesh()
+  own = not mesh.empty and bool(set(mesh.manual_axes) & set(sharding.entry_axes(axes)))
+  split = not own and rows % sharding.shards(axes, dict(mesh.shape)) == 0
+  def local(cache, pcache, take, prompt):
+    if split:
+      pcache = jax.tree.map(lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True), pcache)
+    def one(j, cache):
+      def put(cc, pc):
+        new = jax.lax.dynamic_slice_in_dim(pc, prompt[j], 1, axis=1)
+        old = jax.lax.dynamic_slice_in_dim(cc, j, 1, axis=1)[:, :, :pc.shape[2]]
+        return jax.lax.dynamic_update_slice_in_dim(cc, jnp.where(take[j], new, old), j, axis=1)
+      return jax.tree.map(put, cache, pcache)
+    return jax.lax.fori_loop(0, take.shape[0], one, cache)
+  prompt_specs = jax.tree.map(lambda s: P(s[0], axes if split else None, *s[2:]), cache_specs)
+  if own:
+    return local, prompt_specs
+  return jax.shard_map(local, in_specs=(cache_specs, prompt_specs, P(axes), P(axes)),
+                       out_specs=cache_specs), prompt_specs
+
+
 def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
                 score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
   """`(params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`: one pool loop over
@@ -146,10 +176,13 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     zeros = lambda shape: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                        model.cache_shape(*shape))
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
-    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)))
-    first = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-    # every device holds all prompts' KV and last logits (gathered once, not per refill)
-    pcache = jax.tree.map(lambda x, s: _pin(x, P(s[0], None, *s[2:])), pcache, cache_specs)
+    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)),
+                                 logits_at=prompt_lens - 1)  # the last positions' only
+    first = logits[:, 0]
+    # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
+    # every device holds their last logits
+    copy_prompts, pspecs = _prompt_copier(cache_specs, b)
+    pcache = jax.tree.map(_pin, pcache, pspecs)
     first = _pin(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
     real = jnp.repeat(ids >= 0, group)
@@ -184,9 +217,7 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
       lens = prompt_lens[prompt]
       nxt, logp = draw(first[prompt], sid, lens)
       ended = take & (jnp.isin(nxt, stops) | (max_new == 1))
-      cache = jax.tree.map(lambda cc, pc: jax.lax.dynamic_update_slice_in_dim(
-          cc, jnp.where(take.reshape((1, -1) + (1,) * (cc.ndim - 2)), pc[:, prompt],
-                        cc[:, :, :plen]), 0, axis=2), c.cache, pcache)
+      cache = copy_prompts(c.cache, pcache, take, prompt)
       at0 = take[:, None] & (jnp.arange(max_new) == 0)[None, :]
       fresh = lambda buf, v: jnp.where(at0, v[:, None], jnp.where(take[:, None], 0, buf))
       return c._replace(cache=cache, last=jnp.where(take, nxt, c.last),

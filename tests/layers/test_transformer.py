@@ -1,8 +1,12 @@
-"""The LM: causal, GQA, options; and its pipelined stack equal to the scanned one."""
+"""The LM: causal, GQA, options; its pipelined stack equal to the scanned one; a prefill's
+logits at given positions."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from spmdtask.core import layouts, program as program_lib, sharding, steps
 from spmdtask.core.train_state import TrainState
@@ -121,3 +125,34 @@ def test_an_unknown_gather_at_once_weight_is_a_config_error():
   with pytest.raises(ConfigError, match=r"weight_split_dims_mapping.gather_at_once=\('mlp',\).*"
                                         r"a tuple of q, kv, o, mlp_in, mlp_out"):
     _program("lm.TinyLm", ["task.model.weight_split_dims_mapping.gather_at_once=('mlp',)"])
+
+
+def test_a_prefill_with_logits_at_gives_the_full_forwards_rows_without_the_whole_head():
+  """A forward with a cache (a prefill) on 8 devices under FSDP and `logits_at` each row's
+  last position: the full forward's logits at those positions, at float32 noise (sums of
+  d_model terms); its program never gathers the head's weight whole (`transformer._head`
+  splits it over the vocab), where the full forward's does."""
+  program, state = util.program_and_state("TinyLmFsdp", 8)
+  model, logical = program.model, program.layout.logical.params
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 256, (8, 16)), jnp.int32)
+  last = jnp.arange(8, dtype=jnp.int32) * 2 + 1
+  positions = jnp.broadcast_to(jnp.arange(16), tokens.shape)
+
+  def full(padded, tokens):
+    return model.apply({"params": sharding.unpad(padded, logical)}, tokens)
+
+  def prefill(padded, tokens, last):
+    cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), model.cache_shape(8, 16))
+    return model.apply({"params": sharding.unpad(padded, logical)}, tokens, positions, cache,
+                       logits_at=last)[0]
+
+  rows = P(program.task.batch_axes())
+  jitted = [steps.partition(fn, program.mesh, (program.layout.split.params, rows, rows)[:n],
+                            P()) for fn, n in ((full, 2), (prefill, 3))]
+  want, got = jitted[0](state.params, tokens), jitted[1](state.params, tokens, last)
+  assert got.shape == (8, 1, 256)
+  util.assert_close_f32(got[:, 0], want[np.arange(8), np.asarray(last)], terms=128)
+  whole_head = re.compile(r"\[128,256\]\{[^}]*\} all-gather\(")
+  assert whole_head.search(jitted[0].lower(state.params, tokens).compile().as_text())
+  assert not whole_head.search(
+      jitted[1].lower(state.params, tokens, last).compile().as_text())
