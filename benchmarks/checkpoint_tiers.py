@@ -20,7 +20,6 @@ committed). The step time is the median of `--steps` train steps alone. The defa
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -89,9 +88,8 @@ def main() -> None:
 def _processes(args) -> None:
   """This benchmark as `args.slices` processes of one jax.distributed job; process 0's
   output shows."""
-  with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+  from tools import launch_local  # pylint: disable=g-import-not-at-top
+  port = launch_local.free_port()
   scratch = tempfile.mkdtemp(prefix="bench_tiers_")  # the job dir all processes share
   procs = [subprocess.Popen(
       [sys.executable, *sys.argv, f"--process_id={i}", f"--coordinator=127.0.0.1:{port}",

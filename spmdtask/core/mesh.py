@@ -5,7 +5,7 @@ from typing import Sequence
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from spmdtask.core import sharding
 from spmdtask.errors import ConfigError
@@ -110,6 +110,21 @@ def _granule_error(dcn: tuple[int, ...], found: int, unit: str) -> ConfigError:
 def mesh_shape(mesh: Mesh) -> dict[str, int]:
   """Axis name -> size: the only thing the partitioner's pure functions need."""
   return dict(mesh.shape)
+
+
+def constrain(x: jax.Array, spec) -> jax.Array:
+  """`x` pinned to `spec` (one split-dims entry per dim) over the context mesh's automatic
+  axes: inside a shard_map the manual ones are split by hand, so they are left out (nothing
+  to pin where all are); a no-op outside a mesh context (e.g. eagerly in a unit test)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  manual = set(mesh.manual_axes)
+  if manual >= set(mesh.axis_names):
+    return x
+  if manual:
+    spec = [tuple(a for a in sharding.entry_axes(e) if a not in manual) or None for e in spec]
+  return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
 
 
 def spread(x: jax.Array) -> NamedSharding | None:

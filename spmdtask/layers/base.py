@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from spmdtask.core import mesh as mesh_lib
 from spmdtask.core.sharding import entry_axes, shards
 
 SplitDims = tuple
@@ -34,18 +35,12 @@ def dropout(x: jax.Array, rate: float, key: jax.Array, row_ids: jax.Array,
 
 
 def constrain(x: jax.Array, split: SplitDims | None) -> jax.Array:
-  """Pins an activation's sharding to its split-dims mapping, inside a mesh context.
+  """Pins an activation's sharding to its split-dims mapping, inside a mesh context, over
+  its automatic axes (`core.mesh.constrain`: a shard_map's manual ones are split by hand).
 
   A no-op outside one (e.g. a layer applied eagerly in a unit test).
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if split is None or mesh.empty:
-    return x
-  manual = set(mesh.manual_axes)
-  if manual:  # inside a shard_map those axes are split by hand: name only the others
-    split = [tuple(a for a in e if a not in manual) or None if isinstance(e, tuple) else
-             None if e in manual else e for e in split]
-  return jax.lax.with_sharding_constraint(x, P(*split))
+  return x if split is None else mesh_lib.constrain(x, split)
 
 
 def platform() -> str:

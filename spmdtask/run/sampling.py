@@ -38,7 +38,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask.core import global_batch, sharding, steps as steps_lib
+from spmdtask.core import global_batch, mesh as mesh_lib, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.run import decoding
 from spmdtask.task import DecodeParams
@@ -117,17 +117,6 @@ def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
   return float(weights), float(kv)
 
 
-def _pin(x: jax.Array, spec: P) -> jax.Array:
-  """`with_sharding_constraint` over the mesh's automatic axes: inside a shard_map the
-  manual ones are split by hand (left out of `spec`; nothing to pin where all are)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  manual = set() if mesh.empty else set(mesh.manual_axes)
-  if manual and manual >= set(mesh.axis_names):
-    return x
-  return jax.lax.with_sharding_constraint(x, P(*[
-      tuple(a for a in sharding.entry_axes(e) if a not in manual) or None for e in spec]))
-
-
 def _prompt_copier(cache_specs, rows: int):
   """`(cache, prompts' KV, take [S] bool, prompt [S] int) -> cache`: each slot that takes
   a sample gets its prompt's KV as its first P entries. Per device (shard_map over the
@@ -182,13 +171,13 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
     # every device holds their last logits
     copy_prompts, pspecs = _prompt_copier(cache_specs, b)
-    pcache = jax.tree.map(_pin, pcache, pspecs)
-    first = _pin(first, P())
+    pcache = jax.tree.map(mesh_lib.constrain, pcache, pspecs)
+    first = mesh_lib.constrain(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
     real = jnp.repeat(ids >= 0, group)
     order = jnp.argsort(~real, stable=True).astype(jnp.int32)
     waiting = jnp.sum(real.astype(jnp.int32))
-    constrain = _pin
+    constrain = mesh_lib.constrain
     ids, prompt_lens = constrain(ids, P()), constrain(prompt_lens, P())  # read per refill
     cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
     full = lambda v, dtype=jnp.int32: constrain(jnp.full((slots,), v, dtype), slot_spec)

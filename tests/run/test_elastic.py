@@ -142,17 +142,28 @@ def test_a_lost_slice_shrinks_the_job_and_its_return_grows_it_back_with_the_same
   assert report.seconds["between_runs"] > 0 and report.seconds["recomputed"] > 0
 
 
-def _kill_slice_1(log: str, proc, after: int, local: str, committed: int) -> None:
-  """SIGKILLs the 2-process job's process 1 (slice 1) once step `after` is logged and local
-  step `committed` is committed by both processes (its commit is asynchronous)."""
-  _wait_for(log, proc, rf"^step {after}/{STEPS} ")
-  t0 = time.time()
-  marks = os.path.join(local, "*", "*", str(committed), "commit_success.txt")
-  while len(glob.glob(marks)) < 2:
-    assert time.time() - t0 < 60 and proc.poll() is None, open(log).read()[-4000:]
-    time.sleep(0.02)
-  pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
-  os.kill(pid, signal.SIGKILL)
+def _run_killing_slice_1(job: str, log: str, local: str, after: int, committed: int,
+                         overrides: tuple[str, ...], *flags: str) -> str:
+  """The 2-slice job (JOB, then `overrides`, the local tier in `local`) through the launcher,
+  its process 1 (slice 1) SIGKILLed once step `after` is logged and local step `committed`
+  is committed by both processes (its commit is asynchronous); its log once it finished
+  (exit 0)."""
+  proc = _start(job, log, "--slices=2", *flags, overrides=(
+      *overrides, f"task.train.local_checkpoint_dir={local!r}"))
+  try:
+    _wait_for(log, proc, rf"^step {after}/{STEPS} ")
+    t0 = time.time()
+    marks = os.path.join(local, "*", "*", str(committed), "commit_success.txt")
+    while len(glob.glob(marks)) < 2:
+      assert time.time() - t0 < 60 and proc.poll() is None, open(log).read()[-4000:]
+      time.sleep(0.02)
+    pid = int(re.search(r"launch_local: 2 processes \(pids \d+, (\d+)\)", open(log).read())[1])
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  return open(log).read()
 
 
 @pytest.mark.slow
@@ -165,16 +176,10 @@ def test_a_shrunk_job_resumes_from_the_survivors_local_tier_and_grows_back_from_
   # processes have no local copy), and the grown job resumes from that very step.
   job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
   kill_after = 5
-  proc = _start(job, log, "--slices=2", "--slice_returns_after_steps=2", overrides=(
-      "task.train.save_interval_steps=3", "task.train.local_save_interval_steps=2",
-      f"task.train.local_checkpoint_dir={str(tmp_path / 'local')!r}"))
-  try:
-    _kill_slice_1(log, proc, kill_after, str(tmp_path / "local"), 4)
-    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  out = open(log).read()
+  out = _run_killing_slice_1(
+      job, log, str(tmp_path / "local"), kill_after, 4,
+      ("task.train.save_interval_steps=3", "task.train.local_save_interval_steps=2"),
+      "--slice_returns_after_steps=2")
   restored = re.search(r"^Restored step (\d+) from the local tier .*saved on mesh "
                        r"\{'data': 8, 'fsdp': 1, 'model': 1\}", out, re.M)
   assert restored, out[-4000:]
@@ -204,17 +209,9 @@ def test_a_job_sharded_across_slices_resumes_from_the_survivors_peer_copies(tmp_
   # step 5, its missing halves read from its peer copies (1 step lost, the bar is 5).
   job, log = str(tmp_path / "job"), str(tmp_path / "launch.log")
   kill_after = 6
-  proc = _start(job, log, "--slices=2", overrides=(
+  out = _run_killing_slice_1(job, log, str(tmp_path / "local"), kill_after, 5, (
       "task.dcn_mesh_shape=(1, 2, 1)", "task.train.save_interval_steps=50",
-      "task.train.local_save_interval_steps=5",
-      f"task.train.local_checkpoint_dir={str(tmp_path / 'local')!r}"))
-  try:
-    _kill_slice_1(log, proc, kill_after, str(tmp_path / "local"), 5)
-    assert proc.wait(timeout=300) == 0, open(log).read()[-4000:]
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  out = open(log).read()
+      "task.train.local_save_interval_steps=5"))
   first = local_tier.slot_name([socket.gethostname()] * 2, 0)  # process 0's directory
   (meta_path,) = glob.glob(str(tmp_path / "local" / "*" / first / "5" / "meta" / "metadata"))
   with open(meta_path, encoding="utf-8") as f:
