@@ -117,8 +117,10 @@ class Sampler:
     self.generate = sampling.build(
         program, decode_params(objective, prompt_len, stops), prompts_per_step, prompt_len,
         self.group, objective.max_new_tokens, objective.sampler_slots,
-        objective.score_temperature())
-    self.utilization = 0.0  # the last call's: slot-steps that produced a token / all
+        objective.score_temperature(), pages=objective.sampler_kv_pages,
+        page_size=objective.sampler_page_size)
+    self.utilization = 0.0  # the last call's: slot-steps that produced a kept token / all
+    self.preempted = 0  # the last call's preempted samples (a paged pool's, run.pages)
 
   def sample(self, padded_params, local: dict) -> list[dict]:
     """This process's samples of `local` prompts, in row order (prompt-major): id,
@@ -133,8 +135,8 @@ class Sampler:
     """`sample`'s result of a `start`ed sampling (waits for it)."""
     local, out = started
     by_id = sampling.to_rows(out)
-    busy, slot_steps = jax.device_get((out.busy, out.slot_steps))
-    self.utilization = float(busy) / max(int(slot_steps), 1)
+    busy, slot_steps, preempted = jax.device_get((out.busy, out.slot_steps, out.preempted))
+    self.utilization, self.preempted = float(busy) / max(int(slot_steps), 1), int(preempted)
     rows = repeat_prompts(local, self.group)
     return [{"id": int(i), "prompt_ids": rows["prompts"][r, :rows["prompt_lens"][r]].tolist(),
              **by_id[int(i)]} for r, i in enumerate(rows["ids"])]
@@ -300,6 +302,8 @@ class Samples(Protocol):
   num_iterations: int
   eos_id: int | tuple[int, ...] | None
   sampler_slots: int     # decode slots of `run.sampling` (0 = one per sample)
+  sampler_kv_pages: int  # its completions' KV pages (`run.pages`; 0 = a KV row a slot)
+  sampler_page_size: int  # tokens of a page
   overlap_sampling: bool  # the next batch sampled while this one trains (`Rollout`)
 
   def score_temperature(self) -> float:

@@ -1,10 +1,12 @@
 """The plan's view of a GRPO rollout: its sampling and scoring programs as `Lowering`s
 from shapes (`plan.phases` times and sizes them), beside the train step's."""
+import math
+
 import jax
 import jax.numpy as jnp
 
-from spmdtask.core import layouts
-from spmdtask.run import rollout, sampling
+from spmdtask.core import layouts, sharding
+from spmdtask.run import decoding, pages as pages_lib, rollout, sampling
 
 
 def sampling_lowerings(run, program) -> list:
@@ -21,7 +23,8 @@ def sampling_lowerings(run, program) -> list:
   stops = rollout.stop_ids(obj, inputs)
   gen = sampling.build(program, rollout.decode_params(obj, plen, stops), batch, plen,
                        obj.num_generations, obj.max_new_tokens, obj.sampler_slots,
-                       obj.score_temperature())
+                       obj.score_temperature(), pages=obj.sampler_kv_pages,
+                       page_size=obj.sampler_page_size)
   mesh, specs = program.mesh, gen.prompt_specs
   params = layouts.sharded_structs(mesh, program.layout.padded.params, program.layout.split.params)
   prompts = layouts.sharded_structs(
@@ -29,13 +32,20 @@ def sampling_lowerings(run, program) -> list:
              jax.ShapeDtypeStruct((batch,), jnp.int32),
              jax.ShapeDtypeStruct((batch,), jnp.int32)),
       (specs["prompts"], specs["prompt_lens"], specs["ids"]))
-  trips = sampling.worst_case_iterations(n, gen.slots, obj.max_new_tokens)
+  slots = gen.slots
+  if gen.pages:  # at max length a pool holds pages / width samples at once
+    slots = min(slots, gen.pages // pages_lib.width(obj.max_new_tokens, obj.sampler_page_size))
+  trips = sampling.worst_case_iterations(n, slots, obj.max_new_tokens)
   note = (f"the worst case: every sample runs to max_new_tokens ({obj.max_new_tokens}); "
-          f"{n} samples on {gen.slots} slots: {-(-n // gen.slots)} wave(s) of "
+          f"{n} samples on {slots} slots: {-(-n // slots)} wave(s) of "
           f"{max(obj.max_new_tokens - 1, 0)} decode iterations (the first token from the "
           "prefill)" + ("; a loop per data shard, each on its share of the samples and slots"
-                        if gen.per_shard else ""))
-  weights, cache = sampling.bytes_read(program, gen.slots, plen + obj.max_new_tokens)
+                        if gen.per_shard else "") +
+          (f"; {gen.slots} slots share {gen.pages} KV pages: as many samples at max length as "
+           "those hold (more run while they are short; a preempted one's tokens rerun)"
+           if gen.pages else ""))
+  paged = (gen.pages, obj.sampler_page_size, batch, plen) if gen.pages else None
+  weights, cache = bytes_read(program, gen.slots, plen + obj.max_new_tokens, paged)
   loop = layouts.Loop(trips, note, weights, cache)
   rows = obj.model_batch(rollout.example_batch(obj, batch, plen))
   row_specs = {k: program.batch_specs[k] for k in rows}
@@ -49,6 +59,38 @@ def sampling_lowerings(run, program) -> list:
                            args=(params, *prompts), loop=loop),
           layouts.Lowering("scoring", None, mesh, lambda: scorer.lower(params, *scored),
                            calls_per_step=1 / mu, fn=scorer.jitted, args=(params, *scored))]
+
+
+def bytes_read(program, slots: int, total: int, paged: tuple | None = None
+               ) -> tuple[float, float]:
+  """(weights, cache) bytes one device must read for a decode iteration over `slots` slots
+  of `total` tokens: every weight but the share split over non-batch axes (the data axes
+  only split the slots), at the compute dtype (the cache's) where that is narrower; the
+  slots' whole cache (every position: what the worst case's last iterations read; a step
+  reads up to its longest row's block, layers.attention.mha.live_prefix). As the model
+  declares them: a compiler may narrow f32 further (XLA:TPU feeds its bf16 matmul passes).
+  `paged` (pages, page_size, prompts, prompt_len): the cache is a pool of completion KV
+  pages (run.pages, split over the data axes like the slots: every page, what an iteration
+  may read at worst) and the prompts' KV (read where the prefill left it), not slots x total."""
+  model, mesh_shape = program.model, dict(program.mesh.shape)
+  batch = set(program.task.batch_axes())
+  caches = ([model.cache_shape(*paged[:2]), model.cache_shape(*paged[2:])] if paged else
+            [model.cache_shape(slots, total)])
+  cache = caches[0]
+  width = min(x.dtype.itemsize for x in jax.tree.leaves(cache))
+  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, slots).cache
+
+  def per_device(x, spec, itemsize, keep=lambda a: True):
+    return x.size * itemsize / math.prod(mesh_shape[a] for e in spec
+                                         for a in sharding.entry_axes(e) if keep(a))
+  weights = sum(jax.tree.leaves(jax.tree.map(
+      lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
+      program.layout.logical.params, program.layout.split.params,
+      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
+  kv = sum(sum(jax.tree.leaves(jax.tree.map(lambda x, s: per_device(x, s, x.dtype.itemsize),
+                                            c, specs))) for c in caches)
+  return float(weights), float(kv)
+
 
 
 def plan_inputs(run) -> tuple:
