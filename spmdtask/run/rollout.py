@@ -20,7 +20,7 @@ this process's rows), samples_per_sec (of the sampling phase), sample_seconds an
 train_seconds (the last rollout's sampling, and the μ updates before it: the time split),
 logp_gap_mean and logp_gap_max (|trainer's - sampler's| token log-prob over the completion
 tokens: float noise when both run the same params), sampler_utilization (decode slot-steps
-that produced a token / all).
+that produced a kept token / all), with a paged KV pool sampler_preempted (samples re-run).
 The batch's `advantages` and `old_logp` are the keys the objective's loss reads
 (`objectives.grpo`).
 """
@@ -288,6 +288,7 @@ class Rollout:
              "completion_len": float(lengths.mean()),
              "logp_gap_mean": float(gap_mean), "logp_gap_max": float(gap_max),
              "sampler_utilization": self.sampler.utilization,
+             **({"sampler_preempted": float(self.sampler.preempted)} if obj.sampler_kv_pages else {}),
              "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
              "sample_seconds": t1 - t0, "train_seconds": train_seconds}
     self._t_train = time.perf_counter()

@@ -13,7 +13,11 @@ One jitted program per batch of B prompts samples G completions each (N = B·G s
 `slots` (S) sets the pool: S = N runs every sample at once (all admitted before the loop,
 no refill: the fewest loop iterations, the longest sample's); S < N holds S rows of KV cache
 and refills (continuous batching: a short sample's slot goes to the next one, so a long tail
-keeps the slots busy).
+keeps the slots busy). With `pages` (`run.pages`) no prompt KV is copied: a slot reads its
+prompt's row of the prefill's cache, and its completion's KV lies in a pool of pages shared
+by the slots, taken as it grows, freed when it ends; where the pool runs short a sample
+waits, or is preempted and re-run (the same tokens). Held where no automatic mesh axis
+splits the cache's rows (one device, a loop per data shard).
 Where no weight is split over the data axes (`per_shard_loops`, decided once in `build`)
 each data shard runs this loop alone (a shard_map manual over the data axes) on its own
 B/shards prompts, their samples and S/shards slots, with no communication inside: a shard
@@ -63,7 +67,7 @@ COUNTS = ("busy", "slot_steps", "preempted", "recomputed")  # summed over per-sh
 
 
 class _Loop(NamedTuple):
-  """The while_loop's carry: per slot [S] (sharded like the cache's rows) but the last three."""
+  """The while_loop's carry: per slot [S] (sharded like the cache's rows) but the last four."""
   cache: Any
   last: jax.Array      # the token each slot feeds next
   pos: jax.Array       # its position

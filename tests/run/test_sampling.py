@@ -13,7 +13,8 @@ import pytest
 from configs import grpo as grpo_configs  # pylint: disable=unused-import  (registers)
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
-from spmdtask.run import pages as pages_lib, rollout, sampling
+from spmdtask.core import model as model_lib
+from spmdtask.run import pages as pages_lib, rollout, rollout_plan, sampling
 from tests import util
 
 PROMPTS, GROUP, NEW = 8, 4, 12   # 32 samples of at most 12 tokens
@@ -249,6 +250,20 @@ def test_paged_1_and_8_devices_sample_the_same(one):
   assert pool.preempted > 0 and alone.preempted > 0  # samples at full length: 2 a pool
   for s, t in zip(a, b):
     util.assert_close_f32(s["logp"], t["logp"], terms=64)
+
+
+def test_the_plan_reads_the_pool_and_the_prompts(one):
+  """The plan's decode iteration reads the pool and the prompts' KV (not slots x max
+  length); at max length the pool holds pages / 3 samples at once: its worst case's waves."""
+  run, program, _, _ = one
+  obj = dataclasses.replace(run.task.objective, max_new_tokens=NEW, sampler_slots=16,
+                            sampler_kv_pages=24, sampler_page_size=PAGE)
+  loop = rollout_plan.sampling_lowerings(
+      dataclasses.replace(run, task=dataclasses.replace(run.task, objective=obj)), program)[0].loop
+  plen = int(run.datasets["train"].prompt_len)
+  assert loop.cache_bytes == model_lib.cache_bytes_per_token(program.model) * (
+      24 * PAGE + PROMPTS * plen)
+  assert loop.trips == sampling.worst_case_iterations(PROMPTS * GROUP, 24 // 3, NEW)
 
 
 def test_bad_pools_are_config_errors(eight):
