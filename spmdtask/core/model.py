@@ -85,6 +85,12 @@ class Decodable(Protocol):
   def cache_split_dims(self, mesh_shape: dict[str, int]) -> Any:
     """The cache's PartitionSpecs (a tree like `cache_shape`) on this mesh."""
 
+  def whole_rows(self, axes: tuple[str, ...], mesh_shape: dict[str, int]) -> "Decodable":
+    """The same model (same params) with no activation's rows split over `axes`, mesh axes
+    that split its weights (FSDP's): for a decode step's few rows, each device multiplies
+    its weights' shard by every row and reduces the partial sums instead of gathering the
+    weights. The cache (`cache_split_dims`) may then be split otherwise (e.g. by heads)."""
+
 
 def cache_bytes_per_token(model: Decodable) -> int:
   """Decode cache bytes per token of one row over all layers (`cache_shape`'s leaves per

@@ -35,8 +35,7 @@ def sampling_lowerings(run, program) -> list:
           f"{max(obj.max_new_tokens - 1, 0)} decode iterations (the first token from the "
           "prefill)" + ("; a loop per data shard, each on its share of the samples and slots"
                         if gen.per_shard else ""))
-  weights, cache = sampling.bytes_read(program, gen.slots, plen + obj.max_new_tokens)
-  loop = layouts.Loop(trips, note, weights, cache)
+  loop = layouts.Loop(trips, note, *sampling.bytes_read(program, gen, plen + obj.max_new_tokens))
   rows = obj.model_batch(rollout.example_batch(obj, batch, plen))
   row_specs = {k: program.batch_specs[k] for k in rows}
   per_token = program.batch_specs["targets"]

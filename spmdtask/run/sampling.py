@@ -17,10 +17,15 @@ keeps the slots busy).
 Where no weight is split over the data axes (`per_shard_loops`, decided once in `build`)
 each data shard runs this loop alone (a shard_map manual over the data axes) on its own
 B/shards prompts, their samples and S/shards slots, with no communication inside: a shard
-stops when its own samples are done, and the devices do not meet per token. Otherwise (FSDP:
-a step gathers the weights) one loop runs over all S slots, the B prompts' KV split as
-their rows and gathered whole inside a refill (`_prompt_copier`), until the last sample of all
-is done. Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
+stops when its own samples are done, and the devices do not meet per token. Otherwise (FSDP)
+one loop runs over all S slots until the last sample of all is done, its decode steps with
+the rows whole over the axes that split the weights (`Decodable.whole_rows`, decided once
+in `build`): each device multiplies its own weight shard by every slot's row and the
+partial sums are reduced, so a step reads 1/shards of the weights and moves a few rows,
+not the weights (FSDP gathers each layer whole for its rows: on a chip, a step bound by
+the links), and attention and the cache split over the KV heads where they divide. The
+prompts' prefill stays FSDP's (many rows: the gathers pay), its KV resharded to the
+cache's split (gathered whole inside a refill where that splits rows: `_prompt_copier`). Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
 A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
 samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
 Each token's log-prob under the logits / `score_temperature` is returned beside it (what
@@ -92,29 +97,34 @@ def worst_case_iterations(samples: int, slots: int, max_new: int) -> int:
   return -(-samples // slots) * max(max_new - 1, 0)
 
 
-def bytes_read(program, slots: int, total: int) -> tuple[float, float]:
-  """(weights, cache) bytes one device must read for a decode iteration over `slots` slots
-  of `total` tokens: every weight but the share split over non-batch axes (the data axes
-  only split the slots), at the compute dtype (the cache's) where that is narrower; the
-  slots' whole cache (every position: what the worst case's last iterations read; a step
-  reads up to its longest row's block, layers.attention.mha.live_prefix). As the model
-  declares them: a compiler may narrow f32 further (XLA:TPU feeds its bf16 matmul passes)."""
-  model, mesh_shape = program.model, dict(program.mesh.shape)
-  batch = set(program.task.batch_axes())
-  cache = model.cache_shape(slots, total)
+def bytes_read(program, gen: "Generator", total: int) -> tuple[float, float, float]:
+  """(weights, cache, prefill's weights) bytes one device must read for a decode iteration
+  of `gen` (its slots of `total` tokens) and for the prompts' prefill: every weight but the
+  share split over non-batch axes (the data axes only split the rows: the prefill's, FSDP
+  gathering the rest), or for a decode iteration whose rows are whole over the weights'
+  axes (`Generator.whole_rows`) only each device's shard, at the compute dtype (the
+  cache's) where that is narrower; the slots' whole cache (every position: what the worst
+  case's last iterations read; a step reads up to its longest row's block,
+  layers.attention.mha.live_prefix). As the model declares them: a compiler may narrow f32
+  further (XLA:TPU feeds its bf16 matmul passes)."""
+  model, mesh_shape = gen.model, dict(program.mesh.shape)
+  cache = model.cache_shape(gen.slots, total)
   width = min(x.dtype.itemsize for x in jax.tree.leaves(cache))
-  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, slots).cache
+  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, gen.slots).cache
 
   def per_device(x, spec, itemsize, keep=lambda a: True):
     return x.size * itemsize / math.prod(mesh_shape[a] for e in spec
                                          for a in sharding.entry_axes(e) if keep(a))
-  weights = sum(jax.tree.leaves(jax.tree.map(
-      lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
-      program.layout.logical.params, program.layout.split.params,
-      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
+
+  def weights(batch: set[str]) -> float:
+    return float(sum(jax.tree.leaves(jax.tree.map(
+        lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
+        program.layout.logical.params, program.layout.split.params,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))))
   kv = sum(jax.tree.leaves(jax.tree.map(lambda x, s: per_device(x, s, x.dtype.itemsize),
                                         cache, specs)))
-  return float(weights), float(kv)
+  batch = set(program.task.batch_axes())
+  return weights(batch - set(gen.whole_rows)), float(kv), weights(batch)
 
 
 def _prompt_copier(cache_specs, rows: int):
@@ -128,7 +138,9 @@ def _prompt_copier(cache_specs, rows: int):
   (the row axes manual already) the rows are the shard's own: the same loop, no gather."""
   axes = jax.tree.leaves(cache_specs, is_leaf=lambda x: isinstance(x, P))[0][1]
   mesh = jax.sharding.get_abstract_mesh()
-  own = not mesh.empty and bool(set(mesh.manual_axes) & set(sharding.entry_axes(axes)))
+  # rows whole (one device, rows whole over FSDP's axes) or a shard's own: no gather
+  own = not sharding.entry_axes(axes) or (
+      not mesh.empty and bool(set(mesh.manual_axes) & set(sharding.entry_axes(axes))))
   split = not own and rows % sharding.shards(axes, dict(mesh.shape)) == 0
   def local(cache, pcache, take, prompt):
     if split:
@@ -148,10 +160,11 @@ def _prompt_copier(cache_specs, rows: int):
 
 
 def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
-                score_temperature: float, cache_specs, slot_spec):  # pylint: disable=too-many-statements
+                score_temperature: float, cache_specs, slot_spec, prefill_model=None):  # pylint: disable=too-many-statements
   """`(params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`: one pool loop over
   the rows it is given (all, or a shard's under `per_shard`); prompt rows with id < 0 are
-  padding (no samples). Sample b·G + g has id ids[b]·G + g."""
+  padding (no samples). Sample b·G + g has id ids[b]·G + g. The prompts are prefilled by
+  `prefill_model` (None: `model`, which runs the decode steps: the same params)."""
   stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
 
   def draw(logits, sid, position):
@@ -165,7 +178,8 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     zeros = lambda shape: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                        model.cache_shape(*shape))
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
-    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)),
+    logits, pcache = (prefill_model or model).apply(
+        {"params": params}, prompts, positions, zeros((b, plen)),
                                  logits_at=prompt_lens - 1)  # the last positions' only
     first = logits[:, 0]
     # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
@@ -258,6 +272,8 @@ class Generator:
   max_new: int
   slots: int
   per_shard: bool = False  # a loop per data shard (build), else one shared loop
+  model: Any = None  # the model it runs (rows whole over `whole_rows` where that is set)
+  whole_rows: tuple[str, ...] = ()  # FSDP's axes: the decode rows are whole over them
 
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
@@ -277,17 +293,20 @@ class Generator:
     return g["prompts"], g["prompt_lens"], g["ids"]
 
 
+def weight_data_axes(program) -> tuple[str, ...]:
+  """The data axes (of size > 1) that split some weight: FSDP's."""
+  mesh_shape = dict(program.mesh.shape)
+  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
+  split = {a for spec in specs for e in spec for a in sharding.entry_axes(e)}
+  return tuple(a for a in program.task.batch_axes() if mesh_shape[a] > 1 and a in split)
+
+
 def per_shard_loops(program, prompts: int) -> bool:
   """Whether the sampler runs a loop per data shard: there are several shards, the prompts
   divide over them, and no weight is split over the data axes (each shard can step its
   slots alone; a layout that splits them, FSDP's, keeps the one shared loop)."""
-  mesh_shape = dict(program.mesh.shape)
-  data = {a for a in program.task.batch_axes() if mesh_shape[a] > 1}
-  shards = math.prod(mesh_shape[a] for a in data)
-  if shards == 1 or prompts % shards:
-    return False
-  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
-  return not any(data & set(sharding.entry_axes(e)) for spec in specs for e in spec)
+  shards = sharding.shards(tuple(program.task.batch_axes()) or None, dict(program.mesh.shape))
+  return shards > 1 and prompts % shards == 0 and not weight_data_axes(program)
 
 
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
@@ -309,9 +328,12 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   shards = sharding.shards(data, dict(mesh.shape))
   check_slots(slots, n, shards, "task.objective.sampler_slots")
   per_shard = per_shard_loops(program, prompts) if per_shard is None else per_shard
+  whole = () if per_shard else weight_data_axes(program)
+  if whole:  # FSDP: the rows whole, each device's weight shard used where it lies
+    model = model.whole_rows(whole, dict(mesh.shape))
   specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
   pool = generate_fn(model, dp, group, slots // shards if per_shard else slots, max_new,
-                     score_temperature, specs.cache, specs.pos)
+                     score_temperature, specs.cache, specs.pos, program.model)
   logical = program.layout.logical.params
   if per_shard:
     fn = _per_shard(pool, logical, mesh, data)
@@ -322,7 +344,7 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   jitted = steps_lib.partition(
       fn, mesh, (program.layout.split.params, *prompt_specs.values()),
       Samples(*[P()] * len(Samples._fields)))
-  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard)
+  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard, model, whole)
 
 
 def _per_shard(pool, logical, mesh, data: tuple[str, ...]):
