@@ -33,12 +33,14 @@ class Lowering(NamedTuple):
 
 class Loop(NamedTuple):
   """A program's data-dependent loop as a plan assumes it: its trips and what they count
-  (`note`); the HBM bytes per device its program must read: every weight it uses once
-  (`weights_bytes`) and, each trip, those and the cache (`cache_bytes`)."""
+  (`note`); the HBM bytes per device its program must read: each trip, the weights it uses
+  (`weights_bytes`) and the cache (`cache_bytes`); once, before the loop, the weights as
+  the prefill reads them (`prefill_bytes`; None: `weights_bytes`)."""
   trips: int
   note: str
   weights_bytes: float
   cache_bytes: float
+  prefill_bytes: float | None = None
 
 
 def sharded_structs(mesh: Mesh, shapes, specs):

@@ -86,6 +86,12 @@ class Decodable(Protocol):
   def cache_split_dims(self, mesh_shape: dict[str, int]) -> Any:
     """The cache's PartitionSpecs (a tree like `cache_shape`) on this mesh."""
 
+  def whole_rows(self, axes: tuple[str, ...], mesh_shape: dict[str, int]) -> "Decodable":
+    """The same model (same params) with no activation's rows split over `axes`, mesh axes
+    that split its weights (FSDP's): for a decode step's few rows, each device multiplies
+    its weights' shard by every row and reduces the partial sums instead of gathering the
+    weights. The cache (`cache_split_dims`) may then be split otherwise (e.g. by heads)."""
+
 
 class PagedCache(NamedTuple):
   """The cache a `Decodable` (with per-head keys and values) takes for one-token decode

@@ -3,6 +3,7 @@
 split each dim, in the order shown."""
 import dataclasses
 
+from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.layers.base import SplitDims
 
 BATCH = ("data", "fsdp")  # the default data axes of an activation's batch dim
@@ -50,3 +51,21 @@ class ActivationSplit:
   heads: SplitDims = (BATCH, None, "model", None) # [batch, seq, heads, head_dim]
   ff: SplitDims = (BATCH, None, "model")          # [batch, seq, d_ff]
   logits: SplitDims = (BATCH, None, "model")      # [batch, seq, vocab]
+
+
+
+def whole_rows(a: ActivationSplit, axes: tuple[str, ...], kv_heads: int,
+               mesh_shape) -> ActivationSplit:
+  """`a` with no axis of `axes` splitting any activation's rows (dim 0): for a decode
+  step's few rows under weights split over `axes` (FSDP's). Each device then multiplies its
+  own shard of every weight by all the rows and the partial sums are reduced: a few rows
+  cross the links, no weight is gathered and no layer is held whole. Where the `kv_heads`
+  divide the heads' axes and `axes` (0: a cache without heads, MLA's) attention and its KV
+  cache are split over the heads by `axes` too; else they keep their rows split as in `a`."""
+  drop = lambda e: tuple(x for x in entry_axes(e) if x not in axes) or None
+  rows_whole = lambda s: (drop(s[0]), *s[1:])
+  heads, by_heads = a.heads, (*entry_axes(a.heads[2]), *axes)
+  if kv_heads and kv_heads % shards(by_heads, mesh_shape) == 0:
+    heads = (drop(heads[0]), heads[1], by_heads, *heads[3:])
+  return dataclasses.replace(a, embed=rows_whole(a.embed), heads=heads, ff=rows_whole(a.ff),
+                             logits=rows_whole(a.logits))

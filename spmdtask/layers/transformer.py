@@ -18,7 +18,7 @@ from spmdtask.core import sharding
 from spmdtask.errors import ConfigError
 from spmdtask.layers.attention import context as context_lib
 from spmdtask.layers import costs as costs_lib
-from spmdtask.layers import lm_checks
+from spmdtask.layers import lm_checks, lm_splits
 from spmdtask.layers import lora as lora_lib
 from spmdtask.layers import quant as quant_lib
 from spmdtask.layers import moe as moe_lib
@@ -83,14 +83,12 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
   loss_vocab_tiles: int = 1  # >1: the loss's logits in that many vocab tiles (layers.xent)
   moe: moe_lib.MoeConfig | None = None  # Mixture of Experts FFN (layers.moe); None: dense
   mla: MlaConfig | None = None  # multi-head latent attention (layers.attention.mla); None: MHA
-  # LoRA adapters (layers.lora): only they train; every other param is frozen. None: off.
-  lora: lora_lib.LoraConfig | None = None
-  # Local attention (layers.attention.window): layer kinds repeated over the stack (Gemma 3:
-  # ('local',) * 5 + ('global',)); local: the last `sliding_window` keys, RoPE θ
-  # `local_rope_theta` (None: rope_theta) unscaled.
+  lora: lora_lib.LoraConfig | None = None  # LoRA (layers.lora): only adapters train; None: off
+  # Local attention (layers.attention.window): layer kinds over the stack, repeated (Gemma 3:
+  # ('local',) * 5 + ('global',)); a local layer sees its last `sliding_window` keys.
   attention_pattern: tuple[str, ...] = ("global",)
   sliding_window: int | None = None
-  local_rope_theta: float | None = None
+  local_rope_theta: float | None = None  # local layers' RoPE θ, unscaled; None: rope_theta
   attention_scale: float | None = None  # the scores' scale; None: head_dim**-0.5
   # Gemma: norms 1 + w (norm_offset 1), post-sublayer norms too, embedding times sqrt(d_model).
   norm_offset: float = 0.0
@@ -104,8 +102,7 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
   mtp_loss_weight: float = 0.0  # their loss's weight
   weight_split_dims_mapping: WeightSplit = WeightSplit()
   activation_split_dims_mapping: ActivationSplit = ActivationSplit()
-  # Set by the framework from task.pipeline (the Stacked protocol); not a user field.
-  execution: Strategy | None = None
+  execution: Strategy | None = None  # set from task.pipeline (Stacked); not a user field
 
   def validate(self, mesh, global_batch_size: int) -> None:
     """Checks dims, dtypes, remat and every split-dims field, and the pipeline."""
@@ -164,6 +161,12 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
     return cache_lib.specs(self.activation_split_dims_mapping.heads, self.num_kv_heads,
                            mesh_shape, self.mla)
 
+  def whole_rows(self, axes: tuple[str, ...], mesh_shape) -> "TransformerLm":
+    """Decodable: the LM with rows whole over `axes` (`lm_splits.whole_rows`)."""
+    return self.clone(activation_split_dims_mapping=lm_splits.whole_rows(
+        self.activation_split_dims_mapping, axes, 0 if self.mla else self.num_kv_heads,
+        mesh_shape))
+
   def block_kwargs(self) -> dict:
     """The fields of one layer (`layers.block.Block`)."""
     return dict({k: getattr(self, k) for k in BLOCK_FIELDS}, dtype=jnp.dtype(self.fprop_dtype),
@@ -184,19 +187,17 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
                cache: KvCache | None = None, segment_ids: jax.Array | None = None, *,
                head: bool = True, moe_stats: bool = False, zigzagged: bool = False,
                mtp_tokens: jax.Array | None = None, logits_at: jax.Array | None = None):
-    """tokens [b, t] int -> logits [b, t, vocab] float32.
-
-    `logits_at` [b] int: logits [b, 1, vocab] at each row's position `logits_at[b]` only (a
-    prefill's last; `_head`). `cache` (`cache_shape`): `(logits, new_cache)`, the tokens'
-    keys/values written at `positions`. `segment_ids` [b, t] (packed rows, positions
-    restarting per segment): a token attends within its segment. `head=False`: `(x, w,
-    scale)`, the final-norm features [b, t, d_model], the head weight [d_model, vocab]
-    float32, logits = scale · x @ w. `moe_stats=True` (no cache): `(that, stats)`, an MoE's
-    per-row stats or None. Where the sequence is split over mesh axes the layers see rows in
-    zig-zag order (layers.attention.context) and outputs come back in row order, unless
-    `zigzagged` (the loss's rows are in zig-zag order already). `mtp_tokens` [D, b, t]
-    (`layers.mtp.shifted`): the D MTP heads' outputs follow the row's along the sequence.
-    """
+    """tokens [b, t] int -> logits [b, t, vocab] float32. `logits_at` [b] int: logits
+    [b, 1, vocab] at each row's position `logits_at[b]` only (a prefill's last; `_head`).
+    `cache` (`cache_shape`): `(logits, new_cache)`, the tokens' keys/values written at
+    `positions`. `segment_ids` [b, t] (packed rows, positions restarting per segment): a
+    token attends within its segment. `head=False`: `(x, w, scale)`, the final-norm features
+    [b, t, d_model], the head weight [d_model, vocab] float32, logits = scale · x @ w.
+    `moe_stats=True` (no cache): `(that, stats)`, an MoE's per-row stats or None. Where the
+    sequence is split over mesh axes the layers see rows in zig-zag order
+    (layers.attention.context) and outputs come back in row order, unless `zigzagged` (the
+    loss's rows are in zig-zag order already). `mtp_tokens` [D, b, t] (`layers.mtp.shifted`):
+    the D MTP heads' outputs follow the row's along the sequence."""
     w, a = self.weight_split_dims_mapping, self.activation_split_dims_mapping
     dt = jnp.dtype(self.fprop_dtype)
     if positions is None:
@@ -220,9 +221,8 @@ class TransformerLm(nn.Module, lora_lib.Adaptable):
     if self.tie_embeddings:
       unembed, scale = emb.T, self.d_model ** -0.5 if self.scale_tied_logits else 1.0
     else:
-      unembed = lora_lib.weight(self, "unembed", (self.d_model, self.vocab_size), w.unembed,
-                                dense_init(0, 1), self.lora)
-      scale = 1.0
+      unembed, scale = lora_lib.weight(self, "unembed", (self.d_model, self.vocab_size),
+                                       w.unembed, dense_init(0, 1), self.lora), 1.0
     if not head:
       return ((x, unembed, scale), stats) if moe_stats else (x, unembed, scale)
     logits = _head(self, x, unembed.astype(dt), scale, cache is not None, logits_at)
@@ -272,8 +272,10 @@ def _head(model: TransformerLm, x: jax.Array, w: jax.Array, scale: float, decodi
   all-to-all of each device's shard), x's few rows made whole on every device and the
   logits split over the vocab, instead of every device gathering the whole w for its rows
   (Llama 3's: 1 GiB in bf16, the sampler's largest array). Each logit is still one dot
-  product over the whole d_model on one device. As training's where the vocab does not
-  divide the axes."""
+  product over the whole d_model on one device. Where the rows are whole over those axes
+  already (`TransformerLm.whole_rows`) w stays as it lies: each device's partial logits
+  over its d_model shard are reduce-scattered over the vocab (a few rows' logits cross the
+  links, not w). As training's where the vocab does not divide the axes."""
   if at is not None:
     x = jnp.take_along_axis(x, at[:, None, None], axis=1)
   mesh = jax.sharding.get_abstract_mesh()
@@ -283,7 +285,9 @@ def _head(model: TransformerLm, x: jax.Array, w: jax.Array, scale: float, decodi
       a for a in sharding.entry_axes(split[0]) if mesh.shape[a] > 1)
   vocab = sharding.entry_axes(split[1]) + d_axes
   if d_axes and w.shape[1] % sharding.shards(vocab, dict(mesh.shape)) == 0:
-    x, w = constrain(x, (None,) * x.ndim), constrain(w, (None, vocab))
+    rows = sharding.entry_axes(model.activation_split_dims_mapping.logits[0])
+    x = constrain(x, (None,) * x.ndim)
+    w = constrain(w, (None, vocab)) if set(rows) & set(d_axes) else w
     logits = constrain(x @ w, (None,) * (x.ndim - 1) + (vocab,))
   else:
     logits = x @ w

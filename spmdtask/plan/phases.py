@@ -59,20 +59,21 @@ def bound(chip: Chip, cost: dict) -> dict:
 def estimate(chip: Chip, text: str, num_slices: int, loop=None) -> dict:
   """A phase's time on `chip`: its program's roofline; with `loop` (`layouts.Loop`: its
   data-dependent loop's assumed trips and the bytes it must read), what runs once + the
-  trips x one trip, each charged for the HBM bytes it must read (`weights_bytes` once, and
-  with `cache_bytes` a trip) beside XLA's FLOPs and collectives; XLA's own HBM count of
+  trips x one trip, each charged for the HBM bytes it must read (`prefill_bytes` once,
+  `weights_bytes` and `cache_bytes` a trip) beside XLA's FLOPs and collectives; XLA's own HBM count of
   each (`xla_hbm_bytes`: it charges an op on a layer's slice of a stacked array the whole
   stack, so it can run far above) gives `seconds_with_xla_hbm_bytes`."""
   if loop is None:
     return bound(chip, program_cost(text, num_slices))
   once, trip = loop_split(text, num_slices)
-  floors = (loop.weights_bytes, loop.weights_bytes + loop.cache_bytes)
+  prefill = loop.weights_bytes if loop.prefill_bytes is None else loop.prefill_bytes
+  floors = (prefill, loop.weights_bytes + loop.cache_bytes)
   parts = [{**bound(chip, {**c, "hbm_bytes": floor}), "xla_hbm_bytes": c["hbm_bytes"],
             "xla_bound_seconds": bound(chip, c)["seconds_lower_bound"]}
            for c, floor in zip((once, trip), floors)]
   total = lambda key: parts[0][key] + loop.trips * parts[1][key]
   return {"once": parts[0], "trip": parts[1], "loop_trips": loop.trips,
-          "loop_note": loop.note, "weights_bytes": loop.weights_bytes,
+          "loop_note": loop.note, "weights_bytes": loop.weights_bytes, "prefill_bytes": prefill,
           "cache_bytes": loop.cache_bytes,
           "unknown_loops": sum(l.trips is None for l in hlo.loops(text)),
           "seconds_lower_bound": total("seconds_lower_bound"),

@@ -215,8 +215,10 @@ def phase_lines(plan: dict) -> list[str]:
           f"{_bound(est['trip'])}; iterations: {est['loop_note']}; shorter completions end "
           "it sooner (time ~ prefill + iterations run x one)")
       lines.append(
-          f"  HBM bytes per chip: the prefill reads the weights, {mb(est['weights_bytes'])}; "
-          f"an iteration those and the slots' whole KV cache, {mb(est['cache_bytes'])} "
+          "  HBM bytes per chip: the prefill reads the weights, "
+          f"{mb(est['prefill_bytes'])}; an iteration "
+          f"{mb(est['weights_bytes'])} of them and the slots' whole KV cache, "
+          f"{mb(est['cache_bytes'])} "
           "(every position; a step reads up to its longest row's 32-position block: the "
           "last iterations of a wave). XLA's cost analysis counts "
           f"{mb(est['once']['xla_hbm_bytes'])} and {mb(est['trip']['xla_hbm_bytes'])} (it "

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from spmdtask.core import sharding
+from spmdtask.core import mesh as mesh_lib, sharding
+from spmdtask.core.model import PagedCache
 from spmdtask.errors import ConfigError
 
 FIELD = "task.objective.sampler_kv_pages"
@@ -97,6 +98,15 @@ def pool_specs(cache_specs):
   length dropped (pages are no rows), the kv heads' split kept."""
   return jax.tree.map(lambda s: P(s[0], None, None, *s[3:]), cache_specs,
                       is_leaf=lambda x: isinstance(x, P))
+
+
+def empty_cache(prompts, pool, slots: int, max_new: int, rows) -> PagedCache:
+  """The `PagedCache` of the prompts' KV and an empty `pool` (leaves [layers, num_pages,
+  page_size, ...]): no slot holding a page; its per-slot arrays split as `rows` says."""
+  num_pages, page_size = jax.tree.leaves(pool)[0].shape[1:3]
+  table = jnp.full((slots, width(max_new, page_size)), num_pages, jnp.int32)
+  zero = mesh_lib.constrain(jnp.zeros((slots,), jnp.int32), P(rows))
+  return PagedCache(prompts, pool, mesh_lib.constrain(table, P(rows, None)), zero, zero)
 
 
 def start(samples: int, slots: int) -> State:

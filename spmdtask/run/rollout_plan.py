@@ -44,9 +44,8 @@ def sampling_lowerings(run, program) -> list:
           (f"; {gen.slots} slots share {gen.pages} KV pages: as many samples at max length as "
            "those hold (more run while they are short; a preempted one's tokens rerun)"
            if gen.pages else ""))
-  paged = (gen.pages, obj.sampler_page_size, batch, plen) if gen.pages else None
-  weights, cache = bytes_read(program, gen.slots, plen + obj.max_new_tokens, paged)
-  loop = layouts.Loop(trips, note, weights, cache)
+  loop = layouts.Loop(trips, note, *bytes_read(program, gen, plen + obj.max_new_tokens, batch,
+                                               plen))
   rows = obj.model_batch(rollout.example_batch(obj, batch, plen))
   row_specs = {k: program.batch_specs[k] for k in rows}
   per_token = program.batch_specs["targets"]
@@ -61,36 +60,38 @@ def sampling_lowerings(run, program) -> list:
                            calls_per_step=1 / mu, fn=scorer.jitted, args=(params, *scored))]
 
 
-def bytes_read(program, slots: int, total: int, paged: tuple | None = None
-               ) -> tuple[float, float]:
-  """(weights, cache) bytes one device must read for a decode iteration over `slots` slots
-  of `total` tokens: every weight but the share split over non-batch axes (the data axes
-  only split the slots), at the compute dtype (the cache's) where that is narrower; the
-  slots' whole cache (every position: what the worst case's last iterations read; a step
-  reads up to its longest row's block, layers.attention.mha.live_prefix). As the model
-  declares them: a compiler may narrow f32 further (XLA:TPU feeds its bf16 matmul passes).
-  `paged` (pages, page_size, prompts, prompt_len): the cache is a pool of completion KV
-  pages (run.pages, split over the data axes like the slots: every page, what an iteration
-  may read at worst) and the prompts' KV (read where the prefill left it), not slots x total."""
-  model, mesh_shape = program.model, dict(program.mesh.shape)
-  batch = set(program.task.batch_axes())
-  caches = ([model.cache_shape(*paged[:2]), model.cache_shape(*paged[2:])] if paged else
-            [model.cache_shape(slots, total)])
-  cache = caches[0]
-  width = min(x.dtype.itemsize for x in jax.tree.leaves(cache))
-  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, slots).cache
+def bytes_read(program, gen: "sampling.Generator", total: int, prompts: int, prompt_len: int
+               ) -> tuple[float, float, float]:
+  """(weights, cache, prefill's weights) bytes one device must read for a decode iteration
+  of `gen` (its slots of `total` tokens) and for the prompts' prefill: every weight but the
+  share split over non-batch axes (the data axes only split the rows: the prefill's, FSDP
+  gathering the rest), or for a decode iteration whose rows are whole over the weights'
+  axes (`Generator.whole_rows`) only each device's shard, at the compute dtype (the
+  cache's) where that is narrower; the slots' whole cache (every position: what the worst
+  case's last iterations read; a step reads up to its longest row's block,
+  layers.attention.mha.live_prefix), or, paged (`gen.pages`, run.pages), the pool (every
+  page, split over the data axes as the slots) and the `prompts` x `prompt_len` prompts'
+  KV (read where the prefill left it). As the model declares them: a compiler may narrow
+  f32 further (XLA:TPU feeds its bf16 matmul passes)."""
+  model, mesh_shape = gen.model, dict(program.mesh.shape)
+  caches = ([model.cache_shape(gen.pages, gen.page_size), model.cache_shape(prompts, prompt_len)]
+            if gen.pages else [model.cache_shape(gen.slots, total)])
+  width = min(x.dtype.itemsize for x in jax.tree.leaves(caches[0]))
+  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, gen.slots).cache
 
   def per_device(x, spec, itemsize, keep=lambda a: True):
     return x.size * itemsize / math.prod(mesh_shape[a] for e in spec
                                          for a in sharding.entry_axes(e) if keep(a))
-  weights = sum(jax.tree.leaves(jax.tree.map(
-      lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
-      program.layout.logical.params, program.layout.split.params,
-      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))))
+
+  def weights(batch: set[str]) -> float:
+    return float(sum(jax.tree.leaves(jax.tree.map(
+        lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
+        program.layout.logical.params, program.layout.split.params,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))))
   kv = sum(sum(jax.tree.leaves(jax.tree.map(lambda x, s: per_device(x, s, x.dtype.itemsize),
                                             c, specs))) for c in caches)
-  return float(weights), float(kv)
-
+  batch = set(program.task.batch_axes())
+  return weights(batch - set(gen.whole_rows)), float(kv), weights(batch)
 
 
 def plan_inputs(run) -> tuple:

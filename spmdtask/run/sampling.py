@@ -13,18 +13,21 @@ One jitted program per batch of B prompts samples G completions each (N = B·G s
 `slots` (S) sets the pool: S = N runs every sample at once (all admitted before the loop,
 no refill: the fewest loop iterations, the longest sample's); S < N holds S rows of KV cache
 and refills (continuous batching: a short sample's slot goes to the next one, so a long tail
-keeps the slots busy). With `pages` (`run.pages`) no prompt KV is copied: a slot reads its
-prompt's row of the prefill's cache, and its completion's KV lies in a pool of pages shared
-by the slots, taken as it grows, freed when it ends; where the pool runs short a sample
-waits, or is preempted and re-run (the same tokens). Held where no automatic mesh axis
-splits the cache's rows (one device, a loop per data shard).
+keeps the slots busy). Paged (`run.pages`), a slot reads its prompt's KV where the prefill
+left it (no copy) and its completion's from pages of a pool the slots share; a sample waits
+for a page or is preempted and re-run (the same tokens).
 Where no weight is split over the data axes (`per_shard_loops`, decided once in `build`)
 each data shard runs this loop alone (a shard_map manual over the data axes) on its own
 B/shards prompts, their samples and S/shards slots, with no communication inside: a shard
-stops when its own samples are done, and the devices do not meet per token. Otherwise (FSDP:
-a step gathers the weights) one loop runs over all S slots, the B prompts' KV split as
-their rows and gathered whole inside a refill (`_prompt_copier`), until the last sample of all
-is done. Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
+stops when its own samples are done, and the devices do not meet per token. Otherwise (FSDP)
+one loop runs over all S slots until the last sample of all is done, its decode steps with
+the rows whole over the axes that split the weights (`Decodable.whole_rows`, decided once
+in `build`): each device multiplies its own weight shard by every slot's row and the
+partial sums are reduced, so a step reads 1/shards of the weights and moves a few rows,
+not the weights (FSDP gathers each layer whole for its rows: on a chip, a step bound by
+the links), and attention and the cache split over the KV heads where they divide. The
+prompts' prefill stays FSDP's (many rows: the gathers pay), its KV resharded to the
+cache's split (gathered whole inside a refill where that splits rows: `_prompt_copier`). Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
 A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
 samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
 Each token's log-prob under the logits / `score_temperature` is returned beside it (what
@@ -43,7 +46,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core import global_batch, mesh as mesh_lib, sharding, steps as steps_lib
-from spmdtask.core.model import PagedCache
 from spmdtask.errors import ConfigError
 from spmdtask.run import decoding, pages as pages_lib
 from spmdtask.task import DecodeParams
@@ -81,7 +83,7 @@ class _Loop(NamedTuple):
   queued: jax.Array    # [] samples admitted so far
   flags: jax.Array     # [2] bool: (a slot is free and a sample waits, a sample runs or waits)
   out: Samples
-  pages: Any = None    # a paged pool's allocator state (run.pages.State), else None
+  pages: Any = None    # a paged pool's allocator state (run.pages.State)
 
 
 def check_slots(slots: int, samples: int, shards: int, field: str) -> None:
@@ -114,7 +116,9 @@ def _prompt_copier(cache_specs, rows: int):
   (the row axes manual already) the rows are the shard's own: the same loop, no gather."""
   axes = jax.tree.leaves(cache_specs, is_leaf=lambda x: isinstance(x, P))[0][1]
   mesh = jax.sharding.get_abstract_mesh()
-  own = not mesh.empty and bool(set(mesh.manual_axes) & set(sharding.entry_axes(axes)))
+  # rows whole (one device, rows whole over FSDP's axes) or a shard's own: no gather
+  own = not sharding.entry_axes(axes) or (
+      not mesh.empty and bool(set(mesh.manual_axes) & set(sharding.entry_axes(axes))))
   split = not own and rows % sharding.shards(axes, dict(mesh.shape)) == 0
   def local(cache, pcache, take, prompt):
     if split:
@@ -134,11 +138,13 @@ def _prompt_copier(cache_specs, rows: int):
 
 
 def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
-                score_temperature: float, cache_specs, slot_spec, pool: tuple | None = None):  # pylint: disable=too-many-statements
+                score_temperature: float, cache_specs, slot_spec, prefill_model=None,
+                pool: tuple | None = None):  # pylint: disable=too-many-statements
   """`(params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`: one pool loop over
   the rows it is given (all, or a shard's under `per_shard`); prompt rows with id < 0 are
-  padding (no samples). Sample b·G + g has id ids[b]·G + g. `pool` (num_pages, page_size):
-  the completions' KV in pages (`run.pages`), the prompts' read where the prefill left it."""
+  padding (no samples). Sample b·G + g has id ids[b]·G + g. The prompts are prefilled by
+  `prefill_model` (None: `model`, which runs the decode steps: the same params). `pool`
+  (num_pages, page_size): the completions' KV in pages (`run.pages`)."""
   stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
   num_pages, page_size = pool or (0, 0)
 
@@ -153,7 +159,8 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     zeros = lambda shape: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                        model.cache_shape(*shape))
     positions = jnp.broadcast_to(jnp.arange(plen), (b, plen))
-    logits, pcache = model.apply({"params": params}, prompts, positions, zeros((b, plen)),
+    logits, pcache = (prefill_model or model).apply(
+        {"params": params}, prompts, positions, zeros((b, plen)),
                                  logits_at=prompt_lens - 1)  # the last positions' only
     first = logits[:, 0]
     # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
@@ -173,10 +180,9 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     full = lambda v, dtype=jnp.int32: constrain(jnp.full((slots,), v, dtype), slot_spec)
     buffer = lambda dtype: constrain(jnp.zeros((slots, max_new), dtype), P(slot_spec[0], None))
     if pool:
-      table = jnp.full((slots, pages_lib.width(max_new, page_size)), num_pages, jnp.int32)
-      cache = PagedCache(pcache, jax.tree.map(constrain, zeros((num_pages, page_size)),
-                                              pages_lib.pool_specs(cache_specs)),
-                         constrain(table, P(slot_spec[0], None)), full(0), full(0))
+      cache = pages_lib.empty_cache(pcache, jax.tree.map(
+          constrain, zeros((num_pages, page_size)), pages_lib.pool_specs(cache_specs)),
+                                    slots, max_new, slot_spec[0])
     else:
       cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
     sids = jnp.where(real, jnp.repeat(ids, group) * group + jnp.arange(n) % group, -1)
@@ -221,8 +227,7 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
                         logp=fresh(c.logp, logp), queued=queued, pages=paged)
 
     def preempt(c: _Loop) -> _Loop:
-      """Pages for the slots whose next token starts one, preempting where too few are
-      free (run.pages.allocate): a preempted sample's slot freed, its tokens discarded."""
+      """Pages for the slots starting one; a preempted sample's slot freed, tokens dropped."""
       table, victim, paged = pages_lib.allocate(c.cache.table, c.sample >= 0, c.count,
                                                 c.pages, *pool)
       lost = jnp.where(victim, c.count - 1, 0)  # its decode steps: recomputed, not busy
@@ -265,10 +270,9 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     # a slot whose sample ended at admission is free again: admit more before stopping
     end = jax.lax.while_loop(lambda c: c.flags[1], step, start)
     end = flush(end, end.held >= 0)
-    out = end.out._replace(busy=jnp.sum(end.busy), slot_steps=end.out.iterations * slots)
-    if pool:
-      out = out._replace(preempted=end.pages.preempted, recomputed=end.pages.recomputed)
-    return out
+    paged = {k: getattr(end.pages, k) for k in ("preempted", "recomputed")} if pool else {}
+    return end.out._replace(busy=jnp.sum(end.busy), slot_steps=end.out.iterations * slots,
+                            **paged)
   return generate
 
 
@@ -282,7 +286,10 @@ class Generator:
   max_new: int
   slots: int
   per_shard: bool = False  # a loop per data shard (build), else one shared loop
+  model: Any = None  # the model it runs (rows whole over `whole_rows` where that is set)
+  whole_rows: tuple[str, ...] = ()  # FSDP's axes: the decode rows are whole over them
   pages: int = 0  # the completions' KV pages (all loops'; run.pages), 0: unpaged
+  page_size: int = 0  # tokens a page
 
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
@@ -302,17 +309,20 @@ class Generator:
     return g["prompts"], g["prompt_lens"], g["ids"]
 
 
+def weight_data_axes(program) -> tuple[str, ...]:
+  """The data axes (of size > 1) that split some weight: FSDP's."""
+  mesh_shape = dict(program.mesh.shape)
+  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
+  split = {a for spec in specs for e in spec for a in sharding.entry_axes(e)}
+  return tuple(a for a in program.task.batch_axes() if mesh_shape[a] > 1 and a in split)
+
+
 def per_shard_loops(program, prompts: int) -> bool:
   """Whether the sampler runs a loop per data shard: there are several shards, the prompts
   divide over them, and no weight is split over the data axes (each shard can step its
   slots alone; a layout that splits them, FSDP's, keeps the one shared loop)."""
-  mesh_shape = dict(program.mesh.shape)
-  data = {a for a in program.task.batch_axes() if mesh_shape[a] > 1}
-  shards = math.prod(mesh_shape[a] for a in data)
-  if shards == 1 or prompts % shards:
-    return False
-  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
-  return not any(data & set(sharding.entry_axes(e)) for spec in specs for e in spec)
+  shards = sharding.shards(tuple(program.task.batch_axes()) or None, dict(program.mesh.shape))
+  return shards > 1 and prompts % shards == 0 and not weight_data_axes(program)
 
 
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
@@ -336,13 +346,16 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   shards = sharding.shards(data, dict(mesh.shape))
   check_slots(slots, n, shards, "task.objective.sampler_slots")
   per_shard = per_shard_loops(program, prompts) if per_shard is None else per_shard
+  whole = () if per_shard else weight_data_axes(program)
+  if whole:  # FSDP: the rows whole, each device's weight shard used where it lies
+    model = model.whole_rows(whole, dict(mesh.shape))
   specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
-  pages_lib.check(pages, page_size, max_new, shards)
+  loops = shards if per_shard else 1
+  pages_lib.check(pages, page_size, max_new, loops)
   if pages:
     pages_lib.check_place(model, specs.cache, dict(mesh.shape), set(data) if per_shard else set())
-  loops = shards if per_shard else 1
   pool = generate_fn(model, dp, group, slots // loops, max_new, score_temperature, specs.cache,
-                     specs.pos, (pages // loops, page_size) if pages else None)
+                     specs.pos, program.model, (pages // loops, page_size) if pages else None)
   logical = program.layout.logical.params
   if per_shard:
     fn = _per_shard(pool, logical, mesh, data)
@@ -353,7 +366,8 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   jitted = steps_lib.partition(
       fn, mesh, (program.layout.split.params, *prompt_specs.values()),
       Samples(*[P()] * len(Samples._fields)))
-  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard, pages)
+  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard, model, whole,
+                   pages, page_size if pages else 0)
 
 
 def _per_shard(pool, logical, mesh, data: tuple[str, ...]):

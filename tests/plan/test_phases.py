@@ -85,6 +85,7 @@ def test_the_rl_step_sums_each_phase_per_optimizer_step():
               "estimate": {"once": xla, "trip": xla, "loop_trips": 511,
                            "loop_note": "the worst case", "unknown_loops": 1,
                            "weights_bytes": 1 << 30, "cache_bytes": 1 << 29,
+                           "prefill_bytes": 8 << 30,
                            "seconds_lower_bound": 0.02 * 512,
                            "seconds_with_xla_hbm_bytes": 0.5 * 512}}
   plan = {"phases": [train, sampling]}
@@ -95,8 +96,9 @@ def test_the_rl_step_sums_each_phase_per_optimizer_step():
   assert lines[2] == "phase sampling (once every 2 steps): peak estimate 4.0 GiB per device " \
                      "(temporaries 2.0 GiB)"
   assert "511 decode iterations x 20 ms (bound by hbm" in lines[3]
-  assert lines[4].startswith("  HBM bytes per chip: the prefill reads the weights, 1.0 GiB; "
-                             "an iteration those and the slots' whole KV cache, 512.0 MiB")
+  assert lines[4].startswith("  HBM bytes per chip: the prefill reads the weights, 8.0 GiB; "
+                             "an iteration 1.0 GiB of them and the slots' whole KV cache, "
+                             "512.0 MiB")
   assert lines[4].endswith("with its count, 256 s")
   assert lines[-1].startswith("RL step (one optimizer step) >= 7.12 s = training 2 s + "
                               "sampling 5.12 s")

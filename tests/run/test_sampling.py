@@ -5,6 +5,7 @@ alike, half the slots give the same long-tail samples, a loop per data shard sam
 shared loop (the layout's choice; FSDP keeps the shared one), the sampler's log-probs are
 the trainer's."""
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -47,6 +48,12 @@ def eight():
   return _setup(8)
 
 
+@functools.lru_cache(maxsize=None)
+def _on_mesh(mesh: str):
+  """`_setup` on 8 devices as `mesh` (data, fsdp, model), once a module."""
+  return _setup(8, [f"task.ici_mesh_shape={mesh}"])
+
+
 @pytest.fixture(scope="module")
 def greedy(eight):
   """Today's greedy decode (host loop, no stop id), each sample's first NEW tokens."""
@@ -87,17 +94,19 @@ def test_several_stop_ids_stop_each_row_at_the_first_of_them(eight, greedy):
   assert new.utilization > sum(map(len, want.values())) / (NEW * len(want))
 
 
-@pytest.mark.parametrize("mesh", [None, "(4, 1, 2)"])
-def test_1_and_8_devices_sample_the_same(eight, mesh):
+@pytest.mark.parametrize("mesh,whole", [(None, ()), ("(4, 1, 2)", ()), ("(4, 2, 1)", ("fsdp",)),
+                                        ("(1, 8, 1)", ("fsdp",))])
+def test_1_and_8_devices_sample_the_same(eight, mesh, whole):
   """8 devices as data 8 (the fixture's) or data 4 x model 2 (the model axis automatic
-  inside each data shard's loop) sample as one device."""
-  run8, program8, params8, local = (
-      eight if mesh is None else _setup(8, [f"task.ici_mesh_shape={mesh}"]))
+  inside each data shard's loop), or with the weights split over fsdp: the shared loop,
+  its rows whole over fsdp (`whole_rows`), attention split by the KV heads (data 4 x fsdp
+  2: TinyLm's 2 KV heads over fsdp) or by rows (fsdp 8), sample as one device."""
+  run8, program8, params8, local = eight if mesh is None else _on_mesh(mesh)
   run1, program1, params1, _ = _setup(1)
   util.assert_trees_close(jax.device_get(params1), jax.device_get(params8))
   sampled = dict(temperature=1.0, top_k=50, seed=3)
   pool = _sampler(run8, program8, stops=(256,), sampler_slots=SLOTS, **sampled)
-  assert pool.generate.per_shard
+  assert pool.generate.per_shard == (not whole) and pool.generate.whole_rows == whole
   a = pool.sample(params8, local)
   b = _sampler(run1, program1, stops=(256,), **sampled).sample(params1, local)
   assert _outputs(a) == _outputs(b)
@@ -237,7 +246,7 @@ def test_paged_1_and_8_devices_sample_the_same(one):
   """Data 4 x model 2 (a loop per data shard, the pool's KV heads over the model axis) and
   one device, 8 slots sharing 12 pages of 4 tokens (4 slots' at full length; 3 a shard),
   sample alike, each preempting as its pools say."""
-  run8, program8, params8, local = _setup(8, ["task.ici_mesh_shape=(4, 1, 2)"])
+  run8, program8, params8, local = _on_mesh("(4, 1, 2)")
   run1, program1, params1, _ = one
   kw = dict(stops=(256,), sampler_slots=SLOTS, sampler_kv_pages=12, sampler_page_size=PAGE,
             temperature=1.0, top_k=50, seed=3)
