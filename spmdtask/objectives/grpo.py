@@ -57,8 +57,9 @@ class Grpo:
       > 0: the prompts' KV is shared (read, not copied) and the completions' lies in a pool
       of this many pages of `sampler_page_size` tokens, a slot taking one as its sample
       grows into it; where the pool is full a sample waits or is preempted and re-run (the
-      same samples: `spmdtask.run.pages`). A multiple of the data shards, each shard's pool
-      at least one sample at max_new_tokens; on one device or a loop per data shard.
+      same samples: `spmdtask.run.pages`). A multiple of the sampler's loops (a loop per
+      data shard, or one), each loop's pool at least one sample at max_new_tokens; held
+      where no automatic mesh axis splits the cache's rows.
     sampler_page_size: tokens of a KV page (with sampler_kv_pages).
     beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
     epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high] (TRL's epsilon,

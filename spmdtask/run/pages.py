@@ -52,8 +52,8 @@ def width(max_new: int, page_size: int) -> int:
 
 
 def check(pages: int, page_size: int, max_new: int, shards: int) -> None:
-  """ConfigError unless page_size > 0 and pages is 0 (unpaged) or a multiple of the data
-  shards with at least one whole sample's pages (`width`) in each shard's pool."""
+  """ConfigError unless page_size > 0 and pages is 0 (unpaged) or a multiple of the loops
+  (`shards`: a loop per data shard, or 1) with one whole sample's pages (`width`) a loop."""
   if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0:
     raise ConfigError(
         f"task.objective.sampler_page_size={page_size!r}: the tokens of a KV page must be a "
@@ -74,7 +74,7 @@ def check_place(model, cache_specs, mesh_shape, manual: set) -> None:
   """ConfigError where a pool cannot be held: per-head keys and values only (not MLA's
   latents), one layer stack (no dense layers before an MoE's), and no automatic mesh axis
   (GSPMD's) splitting the cache's rows (a pool has no rows to split; the data axes of a
-  loop per data shard are manual: each shard its own pool)."""
+  loop per data shard are `manual`: each shard its own pool; FSDP's rows whole: one pool)."""
   fix = f"Set {FIELD}=0 (the unpaged cache)"
   if getattr(model, "mla", None):
     raise ConfigError(f"{FIELD}: multi-head latent attention's cache (task.model.mla) is not "
@@ -87,10 +87,11 @@ def check_place(model, cache_specs, mesh_shape, manual: set) -> None:
           if a not in manual and mesh_shape.get(a, 1) > 1]
   if rows:
     raise ConfigError(
-        f"{FIELD}: here the sampler's one loop splits the KV cache's rows over mesh axes "
-        f"{rows} (weights split over the data axes: FSDP), and a page pool has no rows to "
-        f"split. A pool is held on one device or in a loop per data shard (no weight split "
-        f"over the data axes). {fix}.")
+        f"{FIELD}: the sampler's one loop here splits the KV cache's rows over mesh axes "
+        f"{rows} (FSDP's decode rows stay split where the KV heads do not divide the weights' "
+        "axes, and over a data axis beside them), and a page pool has no rows to split. A "
+        "pool is held on one device, in a loop per data shard (no weight split over the data "
+        f"axes) or in FSDP's loop with its rows whole (KV heads dividing its axes). {fix}.")
 
 
 def pool_specs(cache_specs):

@@ -261,6 +261,27 @@ def test_paged_1_and_8_devices_sample_the_same(one):
     util.assert_close_f32(s["logp"], t["logp"], terms=64)
 
 
+def test_fsdp_pages_where_its_rows_are_whole():
+  """FSDP over 2 devices (TinyLm's 2 KV heads divide it): the shared loop's rows are whole,
+  its cache split over the KV heads, so a pool holds there too: half the pages and one
+  sample's (preempting) give the unpaged samples; over 8 (the heads do not divide it, the
+  rows stay split) it is a ConfigError."""
+  run, program, params, local = _setup(2, ["task.ici_mesh_shape=(1, 2, 1)"])
+  plen, dp = int(run.datasets["train"].prompt_len), _long_tail(run)
+  build = lambda pages: sampling.build(program, dp, PROMPTS, plen, GROUP, NEW, 16,
+                                       pages=pages, page_size=PAGE)
+  want = jax.device_get(build(0)(params, local))
+  for pages in (24, 3):
+    gen = build(pages)
+    assert gen.whole_rows == ("fsdp",) and not gen.per_shard
+    got = jax.device_get(gen(params, local))
+    _same_samples(got, want)
+    assert (got.preempted > 0) == (pages == 3), got.preempted
+  fsdp8, program8, _, _ = _on_mesh("(1, 8, 1)")
+  with pytest.raises(ConfigError, match="sampler_kv_pages.*rows over mesh axes"):
+    sampling.build(program8, dp, PROMPTS, plen, GROUP, NEW, 16, pages=24, page_size=PAGE)
+
+
 def test_the_plan_reads_the_pool_and_the_prompts(one):
   """The plan's decode iteration reads the pool and the prompts' KV (not slots x max
   length); at max length the pool holds pages / 3 samples at once: its worst case's waves."""
@@ -276,13 +297,12 @@ def test_the_plan_reads_the_pool_and_the_prompts(one):
 
 
 def test_bad_pools_are_config_errors(eight):
+  """Page sizes below 1, pools not divisible over the loops or short of one sample a loop."""
   for pages, size, shards in ((7, 4, 8), (8, 4, 8 * 2), (-8, 4, 1), (2, 4, 1), (8, 0, 1)):
     with pytest.raises(ConfigError, match="sampler_kv_pages" if size else "sampler_page_size"):
       pages_lib.check(pages, size, NEW, shards)
   pages_lib.check(0, 4, NEW, 8)  # unpaged
-  run, program, _, _ = eight
-  fsdp = util.build_run("TinyLmGrpo", [f"datasets['train'].batch_size={PROMPTS}",
-                                       "task.ici_mesh_shape=(1, 8, 1)"])
-  fsdp_program = program_lib.setup(fsdp.task, rollout.example(fsdp), jax.devices())
-  with pytest.raises(ConfigError, match="sampler_kv_pages.*rows"):
-    _sampler(fsdp, fsdp_program, sampler_kv_pages=64, sampler_page_size=PAGE)
+  run, program, _, _ = eight  # 8 loops: 8 pages a loop is W = 3 pages of 4 tokens and more
+  _sampler(run, program, sampler_kv_pages=64, sampler_page_size=PAGE)
+  with pytest.raises(ConfigError, match="sampler_kv_pages=16.*at least 24"):
+    _sampler(run, program, sampler_kv_pages=16, sampler_page_size=PAGE)
