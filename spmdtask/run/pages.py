@@ -63,9 +63,10 @@ def check(pages: int, page_size: int, max_new: int, shards: int) -> None:
       0 < pages < least * shards):
     raise ConfigError(
         f"{FIELD}={pages!r}: the sampler's pool of completion KV pages "
-        f"(sampler_page_size={page_size} tokens each) is split over the {shards} data "
-        f"shard(s), each of whose pools must hold one sample at max_new_tokens ({max_new} "
-        f"tokens: {least} pages), so no sample waits forever. Set it to a multiple of {shards} "
+        f"(sampler_page_size={page_size} tokens each) is split over the sampler's {shards} "
+        f"loop(s) (one a data shard, or one), each of whose pools must hold one sample at "
+        f"max_new_tokens ({max_new} tokens: {least} pages), so no sample waits forever, and "
+        f"the pages divide over them. Set it to a multiple of {shards} "
         f"of at least {least * shards}, or 0 for the unpaged cache (a row of prompt + "
         "max_new_tokens positions a slot).")
 
