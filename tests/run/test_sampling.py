@@ -6,6 +6,7 @@ shared loop (the layout's choice; FSDP keeps the shared one), the sampler's log-
 the trainer's."""
 import dataclasses
 import functools
+import types
 
 import jax
 import numpy as np
@@ -297,11 +298,16 @@ def test_the_plan_reads_the_pool_and_the_prompts(one):
 
 
 def test_bad_pools_are_config_errors(eight):
-  """Page sizes below 1, pools not divisible over the loops or short of one sample a loop."""
+  """Page sizes below 1, pools not divisible over the loops or short of one sample a loop,
+  and models whose cache is not one stack of per-head KV (MLA, dense layers before MoE)."""
   for pages, size, shards in ((7, 4, 8), (8, 4, 8 * 2), (-8, 4, 1), (2, 4, 1), (8, 0, 1)):
     with pytest.raises(ConfigError, match="sampler_kv_pages" if size else "sampler_page_size"):
       pages_lib.check(pages, size, NEW, shards)
   pages_lib.check(0, 4, NEW, 8)  # unpaged
+  for model in (types.SimpleNamespace(mla=True), types.SimpleNamespace(
+      mla=None, moe=types.SimpleNamespace(first_moe_layer=1))):  # MLA's latents; two stacks
+    with pytest.raises(ConfigError, match="sampler_kv_pages.*(mla|first_moe_layer)"):
+      pages_lib.check_place(model, None, {}, set())
   run, program, _, _ = eight  # 8 loops: 8 pages a loop is W = 3 pages of 4 tokens and more
   _sampler(run, program, sampler_kv_pages=64, sampler_page_size=PAGE)
   with pytest.raises(ConfigError, match="sampler_kv_pages=16.*at least 24"):
