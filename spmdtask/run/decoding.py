@@ -11,10 +11,10 @@ The loop, per batch of prompts (left-aligned, `prompt_lens` real tokens each):
 Every shape is fixed (the cache holds `max_decode_len` slots; positions are traced
 arrays), so `step` compiles once. The cache is sharded like the attention
 activations: batch over the data axes, KV heads over the model axis. Where the weights are
-split over data axes (FSDP) the steps keep their rows whole over those (`weight_data_axes`):
-each device multiplies its weight shard by every row, and the cache is split over the KV
-heads by them where they divide. Params
-arrive padded and are sliced to their logical shapes inside each step, as in train.
+split over data axes (FSDP: `core.layouts.weight_data_axes`) the steps keep their rows
+whole over those: each device multiplies its weight shard by every row, and the cache is
+split over the KV heads by them where they divide. Params arrive padded and are sliced to
+their logical shapes inside each step, as in train.
 A row's random draw depends only on (seed, example id, position): decoding gives
 the same tokens on any mesh.
 
@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdtask import console, fs
-from spmdtask.core import sharding, steps as steps_lib
+from spmdtask.core import layouts, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.core import global_batch
 from spmdtask.core.host_input import PromptInput
@@ -159,17 +159,6 @@ def step_fn(model, logical_params, dp: DecodeParams):
   return step
 
 
-def weight_data_axes(program) -> tuple[str, ...]:
-  """The data axes (of size > 1) that split some weight: FSDP's. A decode step's rows are
-  whole over them (`Decodable.whole_rows`): each device multiplies its own weight shard by
-  every row and the partial sums are reduced, instead of gathering each layer's weights for
-  its few rows at every token; the prefill (many rows) keeps FSDP's gathers."""
-  mesh_shape = dict(program.mesh.shape)
-  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
-  split = {a for spec in specs for e in spec for a in sharding.entry_axes(e)}
-  return tuple(a for a in program.task.batch_axes() if mesh_shape[a] > 1 and a in split)
-
-
 def state_specs(model, batch_axes: tuple[str, ...], mesh_shape, batch_size: int) -> DecodeState:
   """PartitionSpecs of the decode state: batch over the data axes, the cache as the model says."""
   data = tuple(batch_axes) or None
@@ -201,7 +190,7 @@ def build(program, dp: DecodeParams, batch_size: int, prompt_len: int) -> Decode
                      "decode.")
   validate(model, dp, prompt_len)
   mesh, data = program.mesh, program.task.batch_axes()
-  whole = weight_data_axes(program)  # FSDP: the per-token steps' rows whole over its axes
+  whole = layouts.weight_data_axes(program)  # FSDP: the per-token steps' rows whole over its axes
   stepper = model.whole_rows(whole, dict(mesh.shape)) if whole else model
   specs = state_specs(stepper, data, dict(mesh.shape), batch_size)
   logical, psplit = program.layout.logical.params, program.layout.split.params

@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask.core import global_batch, mesh as mesh_lib, sharding, steps as steps_lib
+from spmdtask.core import global_batch, layouts, mesh as mesh_lib, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.run import decoding
 from spmdtask.task import DecodeParams
@@ -298,7 +298,7 @@ def per_shard_loops(program, prompts: int) -> bool:
   divide over them, and no weight is split over the data axes (each shard can step its
   slots alone; a layout that splits them, FSDP's, keeps the one shared loop)."""
   shards = sharding.shards(tuple(program.task.batch_axes()) or None, dict(program.mesh.shape))
-  return shards > 1 and prompts % shards == 0 and not decoding.weight_data_axes(program)
+  return shards > 1 and prompts % shards == 0 and not layouts.weight_data_axes(program)
 
 
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
@@ -320,7 +320,7 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   shards = sharding.shards(data, dict(mesh.shape))
   check_slots(slots, n, shards, "task.objective.sampler_slots")
   per_shard = per_shard_loops(program, prompts) if per_shard is None else per_shard
-  whole = () if per_shard else decoding.weight_data_axes(program)
+  whole = () if per_shard else layouts.weight_data_axes(program)
   if whole:  # FSDP: the rows whole, each device's weight shard used where it lies
     model = model.whole_rows(whole, dict(mesh.shape))
   specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
