@@ -43,6 +43,18 @@ class Loop(NamedTuple):
   prefill_bytes: float | None = None
 
 
+def weight_data_axes(program) -> tuple[str, ...]:
+  """The data axes (of size > 1) that split some weight: FSDP's. A decode step's rows are
+  whole over them (`Decodable.whole_rows`): each device multiplies its own weight shard by
+  every row and the partial sums are reduced, instead of gathering each layer's weights for
+  its few rows at every token; the prefill (many rows) keeps FSDP's gathers."""
+  mesh_shape = dict(program.mesh.shape)
+  specs = jax.tree.leaves(program.layout.split.params,
+                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  split = {a for spec in specs for e in spec for a in sharding.entry_axes(e)}
+  return tuple(a for a in program.task.batch_axes() if mesh_shape[a] > 1 and a in split)
+
+
 def sharded_structs(mesh: Mesh, shapes, specs):
   """ShapeDtypeStructs of `shapes` carrying NamedShardings of `specs` on `mesh` (restore
   and lowering targets)."""

@@ -10,8 +10,11 @@ The loop, per batch of prompts (left-aligned, `prompt_lens` real tokens each):
 
 Every shape is fixed (the cache holds `max_decode_len` slots; positions are traced
 arrays), so `step` compiles once. The cache is sharded like the attention
-activations: batch over the data axes, KV heads over the model axis. Params
-arrive padded and are sliced to their logical shapes inside each step, as in train.
+activations: batch over the data axes, KV heads over the model axis. Where the weights are
+split over data axes (FSDP: `core.layouts.weight_data_axes`) the steps keep their rows
+whole over those: each device multiplies its weight shard by every row, and the cache is
+split over the KV heads by them where they divide. Params arrive padded and are sliced to
+their logical shapes inside each step, as in train.
 A row's random draw depends only on (seed, example id, position): decoding gives
 the same tokens on any mesh.
 
@@ -31,7 +34,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from spmdtask import console, fs
-from spmdtask.core import sharding, steps as steps_lib
+from spmdtask.core import layouts, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.core import global_batch
 from spmdtask.core.host_input import PromptInput
@@ -186,13 +189,16 @@ def build(program, dp: DecodeParams, batch_size: int, prompt_len: int) -> Decode
     raise ValueError("Decode with the program of decode_task(task): a pipelined stack does not "
                      "decode.")
   validate(model, dp, prompt_len)
-  specs = state_specs(model, program.task.batch_axes(), dict(program.mesh.shape), batch_size)
+  mesh, data = program.mesh, program.task.batch_axes()
+  whole = layouts.weight_data_axes(program)  # FSDP: the per-token steps' rows whole over its axes
+  stepper = model.whole_rows(whole, dict(mesh.shape)) if whole else model
+  specs = state_specs(stepper, data, dict(mesh.shape), batch_size)
   logical, psplit = program.layout.logical.params, program.layout.split.params
-  mesh = program.mesh
-  prefill = steps_lib.partition(prefill_fn(model, logical, dp, specs.cache), mesh,
+  prefill_cache = state_specs(model, data, dict(mesh.shape), batch_size).cache
+  prefill = steps_lib.partition(prefill_fn(model, logical, dp, prefill_cache), mesh,
                                 (psplit, specs.tokens, specs.pos, specs.ids), (specs, P()))
-  step = steps_lib.partition(step_fn(model, logical, dp), mesh, (psplit, specs), (specs, P()),
-                             donate_argnums=(1,))
+  step = steps_lib.partition(step_fn(stepper, logical, dp), mesh, (psplit, specs),
+                             (specs, P()), donate_argnums=(1,))
   fetch = steps_lib.partition(lambda s: (s.tokens, s.pos, s.ids, s.prompt_lens), mesh,
                               (specs,), (P(), P(), P(), P()))
   return Decoder(prefill, step, fetch, specs, dp, mesh)

@@ -45,7 +45,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spmdtask.core import global_batch, mesh as mesh_lib, sharding, steps as steps_lib
+from spmdtask.core import global_batch, layouts, mesh as mesh_lib, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
 from spmdtask.run import decoding, pages as pages_lib
 from spmdtask.task import DecodeParams
@@ -309,20 +309,12 @@ class Generator:
     return g["prompts"], g["prompt_lens"], g["ids"]
 
 
-def weight_data_axes(program) -> tuple[str, ...]:
-  """The data axes (of size > 1) that split some weight: FSDP's."""
-  mesh_shape = dict(program.mesh.shape)
-  specs = jax.tree.leaves(program.layout.split.params, is_leaf=lambda x: isinstance(x, P))
-  split = {a for spec in specs for e in spec for a in sharding.entry_axes(e)}
-  return tuple(a for a in program.task.batch_axes() if mesh_shape[a] > 1 and a in split)
-
-
 def per_shard_loops(program, prompts: int) -> bool:
   """Whether the sampler runs a loop per data shard: there are several shards, the prompts
   divide over them, and no weight is split over the data axes (each shard can step its
   slots alone; a layout that splits them, FSDP's, keeps the one shared loop)."""
   shards = sharding.shards(tuple(program.task.batch_axes()) or None, dict(program.mesh.shape))
-  return shards > 1 and prompts % shards == 0 and not weight_data_axes(program)
+  return shards > 1 and prompts % shards == 0 and not layouts.weight_data_axes(program)
 
 
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
@@ -346,7 +338,7 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   shards = sharding.shards(data, dict(mesh.shape))
   check_slots(slots, n, shards, "task.objective.sampler_slots")
   per_shard = per_shard_loops(program, prompts) if per_shard is None else per_shard
-  whole = () if per_shard else weight_data_axes(program)
+  whole = () if per_shard else layouts.weight_data_axes(program)
   if whole:  # FSDP: the rows whole, each device's weight shard used where it lies
     model = model.whole_rows(whole, dict(mesh.shape))
   specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
