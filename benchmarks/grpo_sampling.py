@@ -1,7 +1,8 @@
 """GRPO's sampling phase: today's per-token sampler vs the on-device one, side by side.
 
     python benchmarks/grpo_sampling.py [--prompts=8] [--generations=8] [--new_tokens=128]
-                                       [--slots=8,16] [--repeats=3]
+                                       [--slots=8,16] [--pages=16/128,16/64,64/128]
+                                       [--page_size=16] [--repeats=3]
 
 The model is TinyLmGrpo's (TinyLm, byte vocabulary) on all local devices (8 emulated CPU
 devices); params fresh; temperature 1. Two length modes, each timed for every sampler in
@@ -17,7 +18,10 @@ one process, alternately, `--repeats` times (medians):
 Samplers: `today` (`rollout.TokenLoopSampler`: B·G rows, a jitted step per token from the
 host, a stopped row idles until the batch is done), `device` (`rollout.Sampler` with one
 slot per sample: shared prefill, one while_loop) and `pool S` (the same with S slots,
-refilled as samples finish). Printed: useful tokens/s (completion tokens / the sampling
+refilled as samples finish), and `paged S/P` (S slots whose completions' KV shares a pool of P
+pages of `--page_size` tokens, the prompts' KV read where the prefill left it: `run.pages`;
+a sample waits for a page or is preempted and re-run, `preempted` counts those). Printed:
+useful tokens/s (completion tokens / the sampling
 call's seconds), the ratio to today's, slot utilization (decode slot-steps that produced a
 token / all decode slot-steps run: the on-device samplers' `Samples.slot_steps`, each loop's
 iterations x its slots summed over the loops, a loop per data shard where the layout takes
@@ -71,7 +75,9 @@ class WithModel:
     return getattr(self._program, name)
 
 
-def samplers(run, program, slots: list[int], stops) -> dict:
+def samplers(run, program, slots: list[int], stops, paged=(), page_size: int = 16) -> dict:
+  """{name: sampler}: today's, the device's, a pool per `slots` and a paged pool per
+  (slots, pages) of `paged`."""
   obj, inputs = run.task.objective, run.datasets["train"]
   args = (int(inputs.batch_size), int(inputs.local_batch_size), int(inputs.prompt_len), stops)
   out = {"today": rollout.TokenLoopSampler(program, obj, *args),
@@ -79,6 +85,10 @@ def samplers(run, program, slots: list[int], stops) -> dict:
   for s in slots:
     pooled = dataclasses.replace(obj, sampler_slots=s)
     out[f"pool {s}"] = rollout.Sampler(program, pooled, *args)
+  for s, pages in paged:
+    pooled = dataclasses.replace(obj, sampler_slots=s, sampler_kv_pages=pages,
+                                 sampler_page_size=page_size)
+    out[f"paged {s}/{pages}"] = rollout.Sampler(program, pooled, *args)
   return out
 
 
@@ -110,7 +120,7 @@ def peak_mib(name: str, sampler, params, local) -> float:
 
 
 def bench(run, program, params, mode: str, slots: list[int], repeats: int,
-          others=None) -> dict:
+          others=None, paged=(), page_size: int = 16) -> dict:
   """Every sampler's rows (useful tokens/s, ratio to today's, utilization, peak). `others`:
   `f(lengths) -> {name: call}` given the samples' lengths (prompt-major), each call timing
   one sampling of another library's and returning its seconds: timed in turn with ours
@@ -118,7 +128,7 @@ def bench(run, program, params, mode: str, slots: list[int], repeats: int,
   new_tokens = run.task.objective.max_new_tokens
   if mode == "long_tail":
     program = WithModel(program, SeededStops(program.model, 8 / new_tokens))
-  found = samplers(run, program, slots, (END,) if mode == "long_tail" else ())
+  found = samplers(run, program, slots, (END,) if mode == "long_tail" else (), paged, page_size)
   local = run.datasets["train"].batch_at(0)
   outputs = {name: s.sample(params, local) for name, s in found.items()}  # compiles
   lengths = [len(o["output_ids"][:new_tokens]) for o in outputs["today"]]
@@ -138,7 +148,8 @@ def bench(run, program, params, mode: str, slots: list[int], repeats: int,
   for name, s in found.items():
     rate = tokens / statistics.median(times[name])
     rows[name] = {"tok_s": rate, "util": utilization(name, s, outputs[name], new_tokens),
-                  "same": same[name], "peak": peak_mib(name, s, params, local)}
+                  "same": same[name], "peak": peak_mib(name, s, params, local),
+                  "preempted": getattr(s, "preempted", 0)}
   base = rows["today"]["tok_s"]
   for r in rows.values():
     r["ratio"] = r["tok_s"] / base
@@ -152,6 +163,9 @@ def arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
   parser.add_argument("--generations", type=int, default=8)
   parser.add_argument("--new_tokens", type=int, default=128)
   parser.add_argument("--slots", default="8,16", help="pool sizes, comma-separated")
+  parser.add_argument("--pages", default="16/128,16/64,64/128",
+                      help="paged pools, SLOTS/PAGES comma-separated ('' for none)")
+  parser.add_argument("--page_size", type=int, default=16, help="tokens of a KV page")
   parser.add_argument("--modes", default="long_tail,full")
   parser.add_argument("--repeats", type=int, default=3)
   return parser
@@ -167,20 +181,26 @@ def setup(args) -> tuple:
   return run, program, program.init().params, [int(s) for s in args.slots.split(",") if s]
 
 
+def paged_pools(args) -> list[tuple[int, int]]:
+  """The --pages flag's (slots, pages) pairs."""
+  return [tuple(int(x) for x in p.split("/")) for p in args.pages.split(",") if p]
+
+
 def main():
   args = arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args()
   run, program, params, slots = setup(args)
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"{args.prompts} prompts x {args.generations} samples, up to {args.new_tokens} new tokens")
   for mode in args.modes.split(","):
-    r = bench(run, program, params, mode, slots, args.repeats)
+    r = bench(run, program, params, mode, slots, args.repeats, paged=paged_pools(args),
+              page_size=args.page_size)
     print(f"\n{mode}: {r['tokens']} completion tokens in {r['samples']} samples "
           f"(mean {r['tokens'] / r['samples']:.1f})")
-    print(f"  {'sampler':<10} {'useful tok/s':>12} {'vs today':>9} {'slot util':>9} "
-          f"{'peak MiB':>9}  same samples")
+    print(f"  {'sampler':<14} {'useful tok/s':>12} {'vs today':>9} {'slot util':>9} "
+          f"{'peak MiB':>9} {'preempted':>9}  same samples")
     for name, row in r["rows"].items():
-      print(f"  {name:<10} {row['tok_s']:12.1f} {row['ratio']:8.2f}x {row['util']:9.2f} "
-            f"{row['peak']:9.2f}  {row['same']}")
+      print(f"  {name:<14} {row['tok_s']:12.1f} {row['ratio']:8.2f}x {row['util']:9.2f} "
+            f"{row['peak']:9.2f} {row['preempted']:9d}  {row['same']}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ A model is a Flax module that implements `Model`:
     config cannot run on this mesh and batch.
 
 Optional protocols:
-  - `Decodable`: a KV-cache forward for `--mode=decode`.
+  - `Decodable`: a KV-cache forward for `--mode=decode` (and, with per-head keys and
+    values, one-token steps over a `PagedCache`: GRPO's sampler).
   - `ChecksBatch`: a host-side check of each input batch (token ids in the vocabulary).
   - `LayerCosts`: per-layer train costs, for balancing pipeline stages.
   - `SizesActivations`: the train step's largest activations and the config changes that
@@ -90,6 +91,21 @@ class Decodable(Protocol):
     that split its weights (FSDP's): for a decode step's few rows, each device multiplies
     its weights' shard by every row and reduces the partial sums instead of gathering the
     weights. The cache (`cache_split_dims`) may then be split otherwise (e.g. by heads)."""
+
+
+class PagedCache(NamedTuple):
+  """The cache a `Decodable` (with per-head keys and values) takes for one-token decode
+  steps over S slots whose completions' KV lies in pages (GRPO's sampler, `run.sampling`;
+  read and written by `layers.attention.paged`). Slot s continues prompt row `prompt[s]`
+  of `prompts` (read only: its positions < `base[s]`, the prompt's length); its completion's
+  j-th token, at position base[s] + j, is at page `table[s, j // page_size]`, offset
+  `j % page_size`, of `pages`. A table entry of num_pages is no page (a write there is
+  dropped, a read masked): a slot must hold the page of the token it feeds."""
+  prompts: Any      # cache_shape(B, P): the prompts' KV, [layers, B, P, ...] leaves
+  pages: Any        # cache_shape(num_pages, page_size): the pool, [layers, pages, size, ...]
+  table: jax.Array  # [S, ceil(max_new / page_size)] int32
+  prompt: jax.Array  # [S] int32: each slot's prompt row
+  base: jax.Array   # [S] int32: that prompt's length (its completion's first position)
 
 
 def cache_bytes_per_token(model: Decodable) -> int:

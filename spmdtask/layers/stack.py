@@ -30,8 +30,9 @@ from spmdtask.core import remat
 from spmdtask.errors import ConfigError
 from spmdtask.layers import base
 from spmdtask.layers import lora as lora_lib
+from spmdtask.layers.attention import paged
 from spmdtask.layers.attention.mha import KvCache, StackedLayer, live_prefix
-from spmdtask.core.model import LayoutMap
+from spmdtask.core.model import LayoutMap, PagedCache
 
 BLOCK = "block"  # the param scope of the stacked block inside the stack
 
@@ -64,7 +65,7 @@ class LayerStack(nn.Module):
                          "(checkpoints are canonical, so the same weights load).")
       # Decoding: no gradients, so no remat. One token a row: the whole cache is carried
       # (mha.StackedLayer); a chunk (a prefill): the cache is scanned over the layer dim.
-      if isinstance(cache, KvCache) and jax.tree.leaves(x)[0].shape[1] == 1:
+      if isinstance(cache, (KvCache, PagedCache)) and jax.tree.leaves(x)[0].shape[1] == 1:
         return self._decode_step(x, side, cache)
       stack = self._scan(self.block_cls, len(side) + 1, self.num_layers)
       return stack(**self.block_kwargs, name=BLOCK)(x, *side, None, cache, None,
@@ -75,11 +76,13 @@ class LayerStack(nn.Module):
       return self.scan_layers(x, side, keys), None
     return self.execution.apply_stack(self, x, side, keys), None
 
-  def _decode_step(self, x, side: tuple, cache: KvCache):
+  def _decode_step(self, x, side: tuple, cache: KvCache | PagedCache):
     """The layers on one token a row, the cache carried whole through the scan: each layer
     writes its token in place (mha.write_stacked) where the scan over the layer dim would
     copy every layer's slice out and the new cache back at every step. `side[0]` is the
-    positions [b, 1]: the prefix of the cache every layer reads (mha.live_prefix)."""
+    positions [b, 1]: the prefix of the cache every layer reads (mha.live_prefix). A
+    `PagedCache` is carried the same way (layers.attention.paged: the pages read, from its
+    page table)."""
     def body(block, carry, *rest):
       x, view = carry
       x, view = block(x, *rest[:len(side)], None, view, None, *rest[len(side):])
@@ -89,7 +92,8 @@ class LayerStack(nn.Module):
                    in_axes=(nn.broadcast,) * len(side) + (0,) * len(flags),
                    length=self.num_layers, unroll=self.scan_unroll,
                    metadata_params={nn.PARTITION_NAME: None})
-    start = StackedLayer(cache, jnp.int32(0), live_prefix(side[0], cache.k.shape[2]))
+    start = (paged.start(cache) if isinstance(cache, PagedCache) else
+             StackedLayer(cache, jnp.int32(0), live_prefix(side[0], cache.k.shape[2])))
     (x, view), _ = scan(self.block_cls(**self.block_kwargs, name=BLOCK), (x, start), *side,
                         *flags)
     return x, view.stack

@@ -53,6 +53,14 @@ class Grpo:
     sampler_slots: the sampler's decode slots (KV-cache rows); 0 = one per sample of the
       step (all at once). Fewer slots hold less cache and refill a finished sample's slot
       with the next waiting sample (`spmdtask.run.sampling`); a multiple of the data shards.
+    sampler_kv_pages: 0 = each slot holds a KV row of prompt + max_new_tokens positions;
+      > 0: the prompts' KV is shared (read, not copied) and the completions' lies in a pool
+      of this many pages of `sampler_page_size` tokens, a slot taking one as its sample
+      grows into it; where the pool is full a sample waits or is preempted and re-run (the
+      same samples: `spmdtask.run.pages`). A multiple of the sampler's loops (a loop per
+      data shard, or one), each loop's pool at least one sample at max_new_tokens; held
+      where no automatic mesh axis splits the cache's rows.
+    sampler_page_size: tokens of a KV page (with sampler_kv_pages).
     beta: the KL penalty's weight (k3 estimator); 0 = no reference model.
     epsilon_low, epsilon_high: the ratio's clip range [1 - low, 1 + high] (TRL's epsilon,
       epsilon_high).
@@ -80,6 +88,8 @@ class Grpo:
   eos_id: int | tuple[int, ...] | None = None
   seed: int = 0
   sampler_slots: int = 0
+  sampler_kv_pages: int = 0
+  sampler_page_size: int = 32
   beta: float = 0.0
   epsilon_low: float = 0.2
   epsilon_high: float = 0.2
@@ -112,6 +122,9 @@ class Grpo:
     checks.in_range("task.objective.top_k", self.top_k, 0, float("inf"), "0 = off.")
     checks.in_range("task.objective.sampler_slots", self.sampler_slots, 0, float("inf"),
                     "0 = one slot per sample.")
+    checks.in_range("task.objective.sampler_kv_pages", self.sampler_kv_pages, 0, float("inf"),
+                    "0 = unpaged (a KV row a slot).")
+    checks.positive("task.objective", sampler_page_size=self.sampler_page_size)
     checks.in_range("task.objective.beta", self.beta, 0.0, float("inf"), "0 = no KL term.")
     for name in ("epsilon_low", "epsilon_high"):
       checks.in_range(f"task.objective.{name}", getattr(self, name), 0.0, float("inf"),

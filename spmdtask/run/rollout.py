@@ -20,7 +20,7 @@ this process's rows), samples_per_sec (of the sampling phase), sample_seconds an
 train_seconds (the last rollout's sampling, and the μ updates before it: the time split),
 logp_gap_mean and logp_gap_max (|trainer's - sampler's| token log-prob over the completion
 tokens: float noise when both run the same params), sampler_utilization (decode slot-steps
-that produced a token / all).
+that produced a kept token / all), with a paged KV pool sampler_preempted (samples re-run).
 The batch's `advantages` and `old_logp` are the keys the objective's loss reads
 (`objectives.grpo`).
 """
@@ -117,8 +117,10 @@ class Sampler:
     self.generate = sampling.build(
         program, decode_params(objective, prompt_len, stops), prompts_per_step, prompt_len,
         self.group, objective.max_new_tokens, objective.sampler_slots,
-        objective.score_temperature())
-    self.utilization = 0.0  # the last call's: slot-steps that produced a token / all
+        objective.score_temperature(), pages=objective.sampler_kv_pages,
+        page_size=objective.sampler_page_size)
+    self.utilization = 0.0  # the last call's: slot-steps that produced a kept token / all
+    self.preempted = 0  # the last call's preempted samples (a paged pool's, run.pages)
 
   def sample(self, padded_params, local: dict) -> list[dict]:
     """This process's samples of `local` prompts, in row order (prompt-major): id,
@@ -133,8 +135,8 @@ class Sampler:
     """`sample`'s result of a `start`ed sampling (waits for it)."""
     local, out = started
     by_id = sampling.to_rows(out)
-    busy, slot_steps = jax.device_get((out.busy, out.slot_steps))
-    self.utilization = float(busy) / max(int(slot_steps), 1)
+    busy, slot_steps, preempted = jax.device_get((out.busy, out.slot_steps, out.preempted))
+    self.utilization, self.preempted = float(busy) / max(int(slot_steps), 1), int(preempted)
     rows = repeat_prompts(local, self.group)
     return [{"id": int(i), "prompt_ids": rows["prompts"][r, :rows["prompt_lens"][r]].tolist(),
              **by_id[int(i)]} for r, i in enumerate(rows["ids"])]
@@ -286,6 +288,7 @@ class Rollout:
              "completion_len": float(lengths.mean()),
              "logp_gap_mean": float(gap_mean), "logp_gap_max": float(gap_max),
              "sampler_utilization": self.sampler.utilization,
+             **({"sampler_preempted": float(self.sampler.preempted)} if obj.sampler_kv_pages else {}),
              "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
              "sample_seconds": t1 - t0, "train_seconds": train_seconds}
     self._t_train = time.perf_counter()
@@ -300,6 +303,8 @@ class Samples(Protocol):
   num_iterations: int
   eos_id: int | tuple[int, ...] | None
   sampler_slots: int     # decode slots of `run.sampling` (0 = one per sample)
+  sampler_kv_pages: int  # its completions' KV pages (`run.pages`; 0 = a KV row a slot)
+  sampler_page_size: int  # tokens of a page
   overlap_sampling: bool  # the next batch sampled while this one trains (`Rollout`)
 
   def score_temperature(self) -> float:

@@ -13,7 +13,9 @@ One jitted program per batch of B prompts samples G completions each (N = B·G s
 `slots` (S) sets the pool: S = N runs every sample at once (all admitted before the loop,
 no refill: the fewest loop iterations, the longest sample's); S < N holds S rows of KV cache
 and refills (continuous batching: a short sample's slot goes to the next one, so a long tail
-keeps the slots busy).
+keeps the slots busy). Paged (`run.pages`), a slot reads its prompt's KV where the prefill
+left it (no copy) and its completion's from pages of a pool the slots share; a sample waits
+for a page or is preempted and re-run (the same tokens).
 Where no weight is split over the data axes (`per_shard_loops`, decided once in `build`)
 each data shard runs this loop alone (a shard_map manual over the data axes) on its own
 B/shards prompts, their samples and S/shards slots, with no communication inside: a shard
@@ -45,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spmdtask.core import global_batch, layouts, mesh as mesh_lib, sharding, steps as steps_lib
 from spmdtask.errors import ConfigError
-from spmdtask.run import decoding
+from spmdtask.run import decoding, pages as pages_lib
 from spmdtask.task import DecodeParams
 
 
@@ -59,10 +61,15 @@ class Samples(NamedTuple):
                          # loops: the longest loop's)
   busy: jax.Array      # [] int32: slot-steps that produced a token
   slot_steps: jax.Array  # [] int32: slot-steps run (iterations x slots, summed over the loops)
+  preempted: jax.Array   # [] int32: preemptions (a paged pool's, `run.pages`; 0 unpaged)
+  recomputed: jax.Array  # [] int32: slot-steps whose tokens a preemption discarded (not busy)
+
+
+COUNTS = ("busy", "slot_steps", "preempted", "recomputed")  # summed over per-shard loops
 
 
 class _Loop(NamedTuple):
-  """The while_loop's carry: per slot [S] (sharded like the cache's rows) but the last three."""
+  """The while_loop's carry: per slot [S] (sharded like the cache's rows) but the last four."""
   cache: Any
   last: jax.Array      # the token each slot feeds next
   pos: jax.Array       # its position
@@ -76,6 +83,7 @@ class _Loop(NamedTuple):
   queued: jax.Array    # [] samples admitted so far
   flags: jax.Array     # [2] bool: (a slot is free and a sample waits, a sample runs or waits)
   out: Samples
+  pages: Any = None    # a paged pool's allocator state (run.pages.State)
 
 
 def check_slots(slots: int, samples: int, shards: int, field: str) -> None:
@@ -95,36 +103,6 @@ def worst_case_iterations(samples: int, slots: int, max_new: int) -> int:
   iteration that decodes its first step)."""
   slots = slots or samples
   return -(-samples // slots) * max(max_new - 1, 0)
-
-
-def bytes_read(program, gen: "Generator", total: int) -> tuple[float, float, float]:
-  """(weights, cache, prefill's weights) bytes one device must read for a decode iteration
-  of `gen` (its slots of `total` tokens) and for the prompts' prefill: every weight but the
-  share split over non-batch axes (the data axes only split the rows: the prefill's, FSDP
-  gathering the rest), or for a decode iteration whose rows are whole over the weights'
-  axes (`Generator.whole_rows`) only each device's shard, at the compute dtype (the
-  cache's) where that is narrower; the slots' whole cache (every position: what the worst
-  case's last iterations read; a step reads up to its longest row's block,
-  layers.attention.mha.live_prefix). As the model declares them: a compiler may narrow f32
-  further (XLA:TPU feeds its bf16 matmul passes)."""
-  model, mesh_shape = gen.model, dict(program.mesh.shape)
-  cache = model.cache_shape(gen.slots, total)
-  width = min(x.dtype.itemsize for x in jax.tree.leaves(cache))
-  specs = decoding.state_specs(model, program.task.batch_axes(), mesh_shape, gen.slots).cache
-
-  def per_device(x, spec, itemsize, keep=lambda a: True):
-    return x.size * itemsize / math.prod(mesh_shape[a] for e in spec
-                                         for a in sharding.entry_axes(e) if keep(a))
-
-  def weights(batch: set[str]) -> float:
-    return float(sum(jax.tree.leaves(jax.tree.map(
-        lambda x, s: per_device(x, s, min(x.dtype.itemsize, width), lambda a: a not in batch),
-        program.layout.logical.params, program.layout.split.params,
-        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct)))))
-  kv = sum(jax.tree.leaves(jax.tree.map(lambda x, s: per_device(x, s, x.dtype.itemsize),
-                                        cache, specs)))
-  batch = set(program.task.batch_axes())
-  return weights(batch - set(gen.whole_rows)), float(kv), weights(batch)
 
 
 def _prompt_copier(cache_specs, rows: int):
@@ -160,12 +138,15 @@ def _prompt_copier(cache_specs, rows: int):
 
 
 def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
-                score_temperature: float, cache_specs, slot_spec, prefill_model=None):  # pylint: disable=too-many-statements
+                score_temperature: float, cache_specs, slot_spec, prefill_model=None,
+                pool: tuple | None = None):  # pylint: disable=too-many-statements
   """`(params, prompts [B, P], prompt_lens [B], ids [B]) -> Samples`: one pool loop over
   the rows it is given (all, or a shard's under `per_shard`); prompt rows with id < 0 are
   padding (no samples). Sample b·G + g has id ids[b]·G + g. The prompts are prefilled by
-  `prefill_model` (None: `model`, which runs the decode steps: the same params)."""
+  `prefill_model` (None: `model`, which runs the decode steps: the same params). `pool`
+  (num_pages, page_size): the completions' KV in pages (`run.pages`)."""
   stops = jnp.asarray(dp.stop_ids or (-1,), jnp.int32)
+  num_pages, page_size = pool or (0, 0)
 
   def draw(logits, sid, position):
     nxt = decoding.sample(logits, decoding.draw_keys(dp.seed, sid, position), dp)
@@ -184,7 +165,10 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     first = logits[:, 0]
     # the prompts' KV stays split as their rows (gathered at each refill: _prompt_copier);
     # every device holds their last logits
-    copy_prompts, pspecs = _prompt_copier(cache_specs, b)
+    if pool:  # shared, not copied: a slot reads its prompt's row (core.model.PagedCache)
+      pspecs = jax.tree.map(lambda s: P(s[0], None, *s[2:]), cache_specs)
+    else:
+      copy_prompts, pspecs = _prompt_copier(cache_specs, b)
     pcache = jax.tree.map(mesh_lib.constrain, pcache, pspecs)
     first = mesh_lib.constrain(first, P())
     # the waiting line: real prompts' samples in order (padding's never run)
@@ -193,13 +177,17 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     waiting = jnp.sum(real.astype(jnp.int32))
     constrain = mesh_lib.constrain
     ids, prompt_lens = constrain(ids, P()), constrain(prompt_lens, P())  # read per refill
-    cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
     full = lambda v, dtype=jnp.int32: constrain(jnp.full((slots,), v, dtype), slot_spec)
     buffer = lambda dtype: constrain(jnp.zeros((slots, max_new), dtype), P(slot_spec[0], None))
+    if pool:
+      cache = pages_lib.empty_cache(pcache, jax.tree.map(
+          constrain, zeros((num_pages, page_size)), pages_lib.pool_specs(cache_specs)),
+                                    slots, max_new, slot_spec[0])
+    else:
+      cache = jax.tree.map(constrain, zeros((slots, total)), cache_specs)
     sids = jnp.where(real, jnp.repeat(ids, group) * group + jnp.arange(n) % group, -1)
     out = Samples(jnp.zeros((n, max_new), jnp.int32), jnp.zeros((n, max_new), jnp.float32),
-                  jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), jnp.int32(0),
-                  jnp.int32(0), jnp.int32(0))
+                  jnp.zeros((n,), jnp.int32), sids.astype(jnp.int32), *[jnp.int32(0)] * 5)
 
     def flush(c: _Loop, which) -> _Loop:
       """Copies the buffers of the slots `which` to their samples' rows of the output."""
@@ -212,27 +200,47 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     def admit(c: _Loop) -> _Loop:
       free = c.sample < 0
       c = flush(c, free & (c.held >= 0))
-      q = c.queued + jnp.cumsum(free.astype(jnp.int32)) - 1
-      take = free & (q < waiting)
+      if pool:  # the preempted first, while pages last (run.pages.admit)
+        take, q, paged, queued = pages_lib.admit(free, c.pages, c.queued, waiting,
+                                                 c.cache.table, ~free, c.count, *pool)
+      else:
+        q = c.queued + jnp.cumsum(free.astype(jnp.int32)) - 1
+        take = free & (q < waiting)
+        paged, queued = None, c.queued + jnp.sum(take.astype(jnp.int32))
       sample = jnp.where(take, order[jnp.clip(q, 0, n - 1)], c.sample)
       prompt = jnp.maximum(sample, 0) // group
       sid = jnp.where(take, ids[prompt] * group + jnp.maximum(sample, 0) % group, c.sid)
       lens = prompt_lens[prompt]
       nxt, logp = draw(first[prompt], sid, lens)
       ended = take & (jnp.isin(nxt, stops) | (max_new == 1))
-      cache = copy_prompts(c.cache, pcache, take, prompt)
+      if pool:
+        cache = c.cache._replace(prompt=jnp.where(take, prompt, c.cache.prompt),
+                                 base=jnp.where(take, lens, c.cache.base))
+      else:
+        cache = copy_prompts(c.cache, pcache, take, prompt)
       at0 = take[:, None] & (jnp.arange(max_new) == 0)[None, :]
       fresh = lambda buf, v: jnp.where(at0, v[:, None], jnp.where(take[:, None], 0, buf))
       return c._replace(cache=cache, last=jnp.where(take, nxt, c.last),
                         pos=jnp.where(take, lens, c.pos), sample=jnp.where(ended, -1, sample),
                         sid=sid, count=jnp.where(take, 1, c.count),
                         held=jnp.where(take, sample, c.held), tokens=fresh(c.tokens, nxt),
-                        logp=fresh(c.logp, logp),
-                        queued=c.queued + jnp.sum(take.astype(jnp.int32)))
+                        logp=fresh(c.logp, logp), queued=queued, pages=paged)
+
+    def preempt(c: _Loop) -> _Loop:
+      """Pages for the slots starting one; a preempted sample's slot freed, tokens dropped."""
+      table, victim, paged = pages_lib.allocate(c.cache.table, c.sample >= 0, c.count,
+                                                c.pages, *pool)
+      lost = jnp.where(victim, c.count - 1, 0)  # its decode steps: recomputed, not busy
+      return c._replace(cache=c.cache._replace(table=table), busy=c.busy - lost,
+                        sample=jnp.where(victim, -1, c.sample),
+                        held=jnp.where(victim, -1, c.held),
+                        pages=paged._replace(recomputed=paged.recomputed + jnp.sum(lost)))
 
     def step(c: _Loop) -> _Loop:
-      if slots < n:  # one slot a sample: all were admitted before the loop
+      if slots < n or pool:  # one slot a sample, unpaged: all were admitted before the loop
         c = jax.lax.cond(c.flags[0], admit, lambda c: c, c)
+      if pool:
+        c = preempt(c)
       live = c.sample >= 0
       logits, cache = model.apply({"params": params}, c.last[:, None], c.pos[:, None], c.cache)
       nxt, logp = draw(logits[:, 0], c.sid, c.pos + 1)
@@ -240,6 +248,9 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
       at = live[:, None] & (jnp.arange(max_new)[None, :] == c.count[:, None])
       sample = jnp.where(ended, -1, c.sample)
       left = c.queued < waiting
+      if pool:
+        cache = cache._replace(table=pages_lib.release(cache.table, ended, num_pages))
+        left = left | jnp.any(c.pages.back)
       free, runs = jnp.any(jnp.stack([sample < 0, sample >= 0], axis=-1), axis=0)  # one reduce
       return c._replace(
           cache=cache, last=jnp.where(live, nxt, c.last), pos=c.pos + live.astype(jnp.int32),
@@ -251,14 +262,17 @@ def generate_fn(model, dp: DecodeParams, group: int, slots: int, max_new: int,
     idle = full(-1)
     start = _Loop(cache, full(0), full(0), idle, idle, full(0), idle, buffer(jnp.int32),
                   buffer(jnp.float32), full(0), jnp.int32(0),
-                  jnp.stack([waiting > 0, waiting > 0]), out)
-    if slots >= n:
+                  jnp.stack([waiting > 0, waiting > 0]), out,
+                  pages_lib.start(n, slots) if pool else None)
+    if slots >= n and not pool:
       start = admit(start)
       start = start._replace(flags=jnp.stack([False, jnp.any(start.sample >= 0)]))
     # a slot whose sample ended at admission is free again: admit more before stopping
     end = jax.lax.while_loop(lambda c: c.flags[1], step, start)
     end = flush(end, end.held >= 0)
-    return end.out._replace(busy=jnp.sum(end.busy), slot_steps=end.out.iterations * slots)
+    paged = {k: getattr(end.pages, k) for k in ("preempted", "recomputed")} if pool else {}
+    return end.out._replace(busy=jnp.sum(end.busy), slot_steps=end.out.iterations * slots,
+                            **paged)
   return generate
 
 
@@ -274,6 +288,8 @@ class Generator:
   per_shard: bool = False  # a loop per data shard (build), else one shared loop
   model: Any = None  # the model it runs (rows whole over `whole_rows` where that is set)
   whole_rows: tuple[str, ...] = ()  # FSDP's axes: the decode rows are whole over them
+  pages: int = 0  # the completions' KV pages (all loops'; run.pages), 0: unpaged
+  page_size: int = 0  # tokens a page
 
   def __call__(self, padded_params, local: dict) -> Samples:
     """Samples of the global batch whose process-local prompt rows are `local`
@@ -302,10 +318,12 @@ def per_shard_loops(program, prompts: int) -> bool:
 
 
 def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, max_new: int,
-          slots: int = 0, score_temperature: float = 1.0, per_shard: bool | None = None
-          ) -> Generator:
+          slots: int = 0, score_temperature: float = 1.0, per_shard: bool | None = None,
+          pages: int = 0, page_size: int = 32) -> Generator:
   """Validates and jits the sampler for `prompts` prompts (global) of `prompt_len` tokens,
   `group` samples each, at most `max_new` new tokens, on `slots` slots (0 = one a sample).
+  `pages` > 0 holds the completions' KV in that many pages of `page_size` tokens (split
+  over the loops like the slots; `run.pages`), the prompts' KV shared, not copied.
   `per_shard` (None: `per_shard_loops`, the layout's choice) runs a pool loop per data
   shard, on its own prompts and slots / shards slots, with no communication inside: each
   shard stops when its own samples are done (one shared loop runs every device to the
@@ -324,8 +342,12 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   if whole:  # FSDP: the rows whole, each device's weight shard used where it lies
     model = model.whole_rows(whole, dict(mesh.shape))
   specs = decoding.state_specs(model, program.task.batch_axes(), dict(mesh.shape), slots)
-  pool = generate_fn(model, dp, group, slots // shards if per_shard else slots, max_new,
-                     score_temperature, specs.cache, specs.pos, program.model)
+  loops = shards if per_shard else 1
+  pages_lib.check(pages, page_size, max_new, loops)
+  if pages:
+    pages_lib.check_place(model, specs.cache, dict(mesh.shape), set(data) if per_shard else set())
+  pool = generate_fn(model, dp, group, slots // loops, max_new, score_temperature, specs.cache,
+                     specs.pos, program.model, (pages // loops, page_size) if pages else None)
   logical = program.layout.logical.params
   if per_shard:
     fn = _per_shard(pool, logical, mesh, data)
@@ -336,7 +358,8 @@ def build(program, dp: DecodeParams, prompts: int, prompt_len: int, group: int, 
   jitted = steps_lib.partition(
       fn, mesh, (program.layout.split.params, *prompt_specs.values()),
       Samples(*[P()] * len(Samples._fields)))
-  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard, model, whole)
+  return Generator(jitted, prompt_specs, mesh, group, max_new, slots, per_shard, model, whole,
+                   pages, page_size if pages else 0)
 
 
 def _per_shard(pool, logical, mesh, data: tuple[str, ...]):
@@ -346,8 +369,8 @@ def _per_shard(pool, logical, mesh, data: tuple[str, ...]):
 
   def local(params, prompts, prompt_lens, ids):
     out = pool(params, prompts, prompt_lens, ids)
-    return out._replace(iterations=out.iterations[None], busy=out.busy[None],
-                        slot_steps=out.slot_steps[None])
+    return out._replace(iterations=out.iterations[None],
+                        **{k: getattr(out, k)[None] for k in COUNTS})
 
   loops = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(data, None), rows, rows),
                         out_specs=Samples(*[rows] * len(Samples._fields)),
@@ -355,8 +378,8 @@ def _per_shard(pool, logical, mesh, data: tuple[str, ...]):
 
   def generate(padded_params, prompts, prompt_lens, ids):
     out = loops(sharding.unpad(padded_params, logical), prompts, prompt_lens, ids)
-    return out._replace(iterations=jnp.max(out.iterations), busy=jnp.sum(out.busy),
-                        slot_steps=jnp.sum(out.slot_steps))
+    return out._replace(iterations=jnp.max(out.iterations),
+                        **{k: jnp.sum(getattr(out, k)) for k in COUNTS})
   return generate
 
 

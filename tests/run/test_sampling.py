@@ -6,6 +6,7 @@ shared loop (the layout's choice; FSDP keeps the shared one), the sampler's log-
 the trainer's."""
 import dataclasses
 import functools
+import types
 
 import jax
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 from configs import grpo as grpo_configs  # pylint: disable=unused-import  (registers)
 from spmdtask.core import program as program_lib
 from spmdtask.errors import ConfigError
-from spmdtask.run import rollout, sampling
+from spmdtask.core import model as model_lib
+from spmdtask.run import pages as pages_lib, rollout, rollout_plan, sampling
 from tests import util
 
 PROMPTS, GROUP, NEW = 8, 4, 12   # 32 samples of at most 12 tokens
@@ -182,3 +184,131 @@ def test_bad_slot_counts_are_config_errors():
   for slots, shards in ((0, 1), (33, 1), (6, 4), (2.5, 1)):
     with pytest.raises(ConfigError, match="sampler_slots"):
       sampling.check_slots(slots, 32, shards, "task.objective.sampler_slots")
+
+
+# -------------------------------------------------------------------- paged (run.pages)
+
+PAGE = 4  # tokens a page: a sample of NEW = 12 tokens spans 3
+
+
+def _long_tail(run):
+  """Decode params at temperature 1 with a quarter of the vocabulary stopping: lengths 1 to NEW."""
+  obj = dataclasses.replace(run.task.objective, temperature=1.0, seed=5)
+  return rollout.decode_params(obj, int(run.datasets["train"].prompt_len),
+                               tuple(range(0, 264, 4)))
+
+
+def _same_samples(a, b):
+  for field in ("tokens", "lengths", "ids"):
+    np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
+  util.assert_close_f32(a.logp, b.logp, terms=64)
+
+
+@pytest.fixture(scope="module")
+def one():
+  return _setup(1)
+
+
+def test_a_paged_pool_samples_as_the_unpaged_cache(one):
+  """One device, 16 slots, long-tail lengths: pools of every slot's pages at max length
+  (unbounded: 48), half of them (24) and one sample's (3: preemption) give the unpaged
+  cache's samples. Busy slot-steps stay the kept tokens' (a preempted sample's steps are
+  `recomputed`, apart): utilization stays honest."""
+  run, program, params, local = one
+  plen, slots, dp = int(run.datasets["train"].prompt_len), 16, _long_tail(run)
+  build = lambda pages: sampling.build(program, dp, PROMPTS, plen, GROUP, NEW, slots,
+                                       pages=pages, page_size=PAGE)
+  want = jax.device_get(build(0)(params, local))
+  assert want.preempted == 0 and want.recomputed == 0 and len(set(want.lengths.tolist())) > 4
+  runs = {pages: jax.device_get(build(pages)(params, local)) for pages in (48, 24, 3)}
+  for pages, got in runs.items():
+    _same_samples(got, want)
+    assert got.busy == np.sum(want.lengths - 1) == want.busy, pages
+    assert got.busy + got.recomputed <= got.slot_steps, pages
+  assert runs[48].preempted == 0 and runs[48].slot_steps == want.slot_steps
+  assert runs[3].preempted > 0 and runs[3].recomputed > 0, runs[3]
+  assert runs[3].slot_steps > want.slot_steps
+
+
+def test_paged_greedy_equals_todays_decode_with_preemption(eight, greedy):
+  """Temperature 0, every sample at NEW tokens, a slot a sample (4 a shard) sharing half
+  their pages (6 a shard: 2 samples at full length): samples are preempted and re-run, and
+  come out as today's greedy decode token for token."""
+  run, program, params, local = eight
+  new = _sampler(run, program, temperature=0.0, sampler_kv_pages=PROMPTS * GROUP * 3 // 2,
+                 sampler_page_size=PAGE)
+  assert _outputs(new.sample(params, local)) == greedy
+  assert new.preempted > 0
+  n = PROMPTS * GROUP
+  assert 0 < new.utilization < n * (NEW - 1) / (sampling.worst_case_iterations(n, n, NEW) * n)
+
+
+def test_paged_1_and_8_devices_sample_the_same(one):
+  """Data 4 x model 2 (a loop per data shard, the pool's KV heads over the model axis) and
+  one device, 8 slots sharing 12 pages of 4 tokens (4 slots' at full length; 3 a shard),
+  sample alike, each preempting as its pools say."""
+  run8, program8, params8, local = _on_mesh("(4, 1, 2)")
+  run1, program1, params1, _ = one
+  kw = dict(stops=(256,), sampler_slots=SLOTS, sampler_kv_pages=12, sampler_page_size=PAGE,
+            temperature=1.0, top_k=50, seed=3)
+  pool = _sampler(run8, program8, **kw)
+  assert pool.generate.per_shard and pool.generate.pages == 12
+  a = pool.sample(params8, local)
+  alone = _sampler(run1, program1, **kw)
+  b = alone.sample(params1, local)
+  assert _outputs(a) == _outputs(b)
+  assert pool.preempted > 0 and alone.preempted > 0  # samples at full length: 2 a pool
+  for s, t in zip(a, b):
+    util.assert_close_f32(s["logp"], t["logp"], terms=64)
+
+
+def test_fsdp_pages_where_its_rows_are_whole():
+  """FSDP over 2 devices (TinyLm's 2 KV heads divide it): the shared loop's rows are whole,
+  its cache split over the KV heads, so a pool holds there too: half the pages and one
+  sample's (preempting) give the unpaged samples; over 8 (the heads do not divide it, the
+  rows stay split) it is a ConfigError."""
+  run, program, params, local = _setup(2, ["task.ici_mesh_shape=(1, 2, 1)"])
+  plen, dp = int(run.datasets["train"].prompt_len), _long_tail(run)
+  build = lambda pages: sampling.build(program, dp, PROMPTS, plen, GROUP, NEW, 16,
+                                       pages=pages, page_size=PAGE)
+  want = jax.device_get(build(0)(params, local))
+  for pages in (24, 3):
+    gen = build(pages)
+    assert gen.whole_rows == ("fsdp",) and not gen.per_shard
+    got = jax.device_get(gen(params, local))
+    _same_samples(got, want)
+    assert (got.preempted > 0) == (pages == 3), got.preempted
+  fsdp8, program8, _, _ = _on_mesh("(1, 8, 1)")
+  with pytest.raises(ConfigError, match="sampler_kv_pages.*rows over mesh axes"):
+    sampling.build(program8, dp, PROMPTS, plen, GROUP, NEW, 16, pages=24, page_size=PAGE)
+
+
+def test_the_plan_reads_the_pool_and_the_prompts(one):
+  """The plan's decode iteration reads the pool and the prompts' KV (not slots x max
+  length); at max length the pool holds pages / 3 samples at once: its worst case's waves."""
+  run, program, _, _ = one
+  obj = dataclasses.replace(run.task.objective, max_new_tokens=NEW, sampler_slots=16,
+                            sampler_kv_pages=24, sampler_page_size=PAGE)
+  loop = rollout_plan.sampling_lowerings(
+      dataclasses.replace(run, task=dataclasses.replace(run.task, objective=obj)), program)[0].loop
+  plen = int(run.datasets["train"].prompt_len)
+  assert loop.cache_bytes == model_lib.cache_bytes_per_token(program.model) * (
+      24 * PAGE + PROMPTS * plen)
+  assert loop.trips == sampling.worst_case_iterations(PROMPTS * GROUP, 24 // 3, NEW)
+
+
+def test_bad_pools_are_config_errors(eight):
+  """Page sizes below 1, pools not divisible over the loops or short of one sample a loop,
+  and models whose cache is not one stack of per-head KV (MLA, dense layers before MoE)."""
+  for pages, size, shards in ((7, 4, 8), (8, 4, 8 * 2), (-8, 4, 1), (2, 4, 1), (8, 0, 1)):
+    with pytest.raises(ConfigError, match="sampler_kv_pages" if size else "sampler_page_size"):
+      pages_lib.check(pages, size, NEW, shards)
+  pages_lib.check(0, 4, NEW, 8)  # unpaged
+  for model in (types.SimpleNamespace(mla=True), types.SimpleNamespace(
+      mla=None, moe=types.SimpleNamespace(first_moe_layer=1))):  # MLA's latents; two stacks
+    with pytest.raises(ConfigError, match="sampler_kv_pages.*(mla|first_moe_layer)"):
+      pages_lib.check_place(model, None, {}, set())
+  run, program, _, _ = eight  # 8 loops: 8 pages a loop is W = 3 pages of 4 tokens and more
+  _sampler(run, program, sampler_kv_pages=64, sampler_page_size=PAGE)
+  with pytest.raises(ConfigError, match="sampler_kv_pages=16.*at least 24"):
+    _sampler(run, program, sampler_kv_pages=16, sampler_page_size=PAGE)

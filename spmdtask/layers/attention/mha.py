@@ -18,7 +18,7 @@ from spmdtask.core.sharding import entry_axes, shards
 from spmdtask.errors import ConfigError
 from spmdtask.layers import lora as lora_lib, rope
 from spmdtask.layers.attention import context as context_attention, fused as fused_attention
-from spmdtask.layers.attention import window as window_lib
+from spmdtask.layers.attention import paged as paged_lib, window as window_lib
 from spmdtask.layers.base import (Quantizer, RmsNorm, SplitDims, constrain, dense_init,
                                   platform)
 
@@ -231,6 +231,18 @@ class Attention(nn.Module):
       return attend_prefix
     return jax.lax.switch(cache.prefix, [prefix(n) for n in lengths], q)
 
+  def _attend_paged(self, q, cache: paged_lib.PagedLayer, positions, is_local) -> jax.Array:
+    """One query a slot over its prompt's KV and its first pages (`paged.read`): one branch
+    a page count, each reading only that many pages a slot."""
+    def pages(n):
+      def attend_pages(q):
+        (k, v), kv_pos = paged_lib.read(cache, n)
+        k, v = (constrain(x, self.heads_act_split) for x in (k, v))
+        return self._attend(q, k, v, positions, kv_pos, None, True, is_local)
+      return attend_pages
+    return jax.lax.switch(cache.prefix, [pages(n + 1) for n in range(cache.stack.table.shape[1])],
+                          q)
+
   def _attend(self, q, k, v, q_pos, kv_pos, segment_ids, decoding: bool,
               is_local=None) -> jax.Array:
     """Full sequences: the kernel `impl` resolves to, or, where the sequence is split over
@@ -304,6 +316,9 @@ class Attention(nn.Module):
                                      for c, x in ((cache.stack.k, k), (cache.stack.v, v)))),
                            cache.layer, cache.prefix)
       out = self._attend_live(q, cache, positions, is_local)
+    elif isinstance(cache, paged_lib.PagedLayer):  # completions in pages (GRPO's sampler)
+      cache = paged_lib.write(cache, KvCache(k, v), positions)
+      out = self._attend_paged(q, cache, positions, is_local)
     else:
       k = constrain(write_cache(cache.k, k, positions), self.heads_act_split)
       v = constrain(write_cache(cache.v, v, positions), self.heads_act_split)
@@ -311,7 +326,7 @@ class Attention(nn.Module):
       kv_pos = jnp.broadcast_to(jnp.arange(k.shape[1]), (k.shape[0], k.shape[1]))
     if cache is not None and segment_ids is not None:
       raise ValueError("segment_ids are for packed training rows, not for a KV cache.")
-    if not isinstance(cache, StackedLayer):
+    if not isinstance(cache, (StackedLayer, paged_lib.PagedLayer)):
       out = self._attend(q, k, v, positions, kv_pos, segment_ids, cache is not None, is_local)
     out = constrain(out, self.heads_act_split)
     out = checkpoint_name(out, remat.ATTN_CONTEXT)
