@@ -13,7 +13,7 @@ is one trip (a decode iteration: every slot's next token), the rest what runs on
 prompts' prefill, the cache's set-up, the output). Its time is then once + trips x one
 trip, for the trips its `Lowering.loop` assumes (the sampler's worst case), each part
 charged its FLOPs and collectives as XLA counts them and the HBM bytes it must read: the
-weights (once for the prefill) and, each trip, the weights and the slots' whole KV cache
+weights (once for the prefill) and, each trip, the weights and the whole KV cache (slots or pool)
 (memory-bound decoding). XLA's own HBM count is kept beside it: its cost analysis charges
 an op on one layer's slice of a stacked array (a layer's weights sliced out for their
 gather, the cache's in-place update) for the whole stack, in every layer.

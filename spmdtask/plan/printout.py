@@ -217,10 +217,10 @@ def phase_lines(plan: dict) -> list[str]:
       lines.append(
           "  HBM bytes per chip: the prefill reads the weights, "
           f"{mb(est['prefill_bytes'])}; an iteration "
-          f"{mb(est['weights_bytes'])} of them and the slots' whole KV cache, "
+          f"{mb(est['weights_bytes'])} of them and the whole KV cache it may read, "
           f"{mb(est['cache_bytes'])} "
-          "(every position; a step reads up to its longest row's 32-position block: the "
-          "last iterations of a wave). XLA's cost analysis counts "
+          "(every slot's every position, or a paged pool's every page and the prompts'; a "
+          "step reads up to its longest row's block: the last iterations of a wave). XLA's cost analysis counts "
           f"{mb(est['once']['xla_hbm_bytes'])} and {mb(est['trip']['xla_hbm_bytes'])} (it "
           "charges an op on one layer's slice of a stacked array, weights or cache, the whole "
           "stack): with its count, "

@@ -97,7 +97,7 @@ def test_the_rl_step_sums_each_phase_per_optimizer_step():
                      "(temporaries 2.0 GiB)"
   assert "511 decode iterations x 20 ms (bound by hbm" in lines[3]
   assert lines[4].startswith("  HBM bytes per chip: the prefill reads the weights, 8.0 GiB; "
-                             "an iteration 1.0 GiB of them and the slots' whole KV cache, "
+                             "an iteration 1.0 GiB of them and the whole KV cache it may read, "
                              "512.0 MiB")
   assert lines[4].endswith("with its count, 256 s")
   assert lines[-1].startswith("RL step (one optimizer step) >= 7.12 s = training 2 s + "
