@@ -21,13 +21,12 @@ slot per sample: shared prefill, one while_loop) and `pool S` (the same with S s
 refilled as samples finish), and `paged S/P` (S slots whose completions' KV shares a pool of P
 pages of `--page_size` tokens, the prompts' KV read where the prefill left it: `run.pages`;
 a sample waits for a page or is preempted and re-run, `preempted` counts those). Printed:
-useful tokens/s (completion tokens / the sampling
-call's seconds), the ratio to today's, slot utilization (decode slot-steps that produced a
-token / all decode slot-steps run: the on-device samplers' `Samples.slot_steps`, each loop's
-iterations x its slots summed over the loops, a loop per data shard where the layout takes
-them (`sampling.per_shard_loops`; TinyLmGrpo's data-parallel mesh does); today's: rows x the
-longest sample's steps) and the sampling programs' peak memory per device (compiled
-memory_analysis, as the plan reads it).
+useful tokens/s (completion tokens / the sampling call's seconds), the ratio to today's,
+slot utilization (decode slot-steps that produced a token / all decode slot-steps run: the
+on-device samplers' `Samples.slot_steps`, each loop's iterations x its slots summed over
+the loops, a loop per data shard where the layout takes them (`sampling.per_shard_loops`;
+TinyLmGrpo's data-parallel mesh does); today's: rows x the longest sample's steps) and the
+sampling programs' peak memory per device (compiled memory_analysis, as the plan reads it).
 """
 import argparse
 import dataclasses

@@ -60,8 +60,8 @@ def estimate(chip: Chip, text: str, num_slices: int, loop=None) -> dict:
   """A phase's time on `chip`: its program's roofline; with `loop` (`layouts.Loop`: its
   data-dependent loop's assumed trips and the bytes it must read), what runs once + the
   trips x one trip, each charged for the HBM bytes it must read (`prefill_bytes` once,
-  `weights_bytes` and `cache_bytes` a trip) beside XLA's FLOPs and collectives; XLA's own HBM count of
-  each (`xla_hbm_bytes`: it charges an op on a layer's slice of a stacked array the whole
+  `weights_bytes` and `cache_bytes` a trip) beside XLA's FLOPs and collectives; XLA's own
+  HBM count of each (`xla_hbm_bytes`: it charges an op on a layer's slice of a stacked array the whole
   stack, so it can run far above) gives `seconds_with_xla_hbm_bytes`."""
   if loop is None:
     return bound(chip, program_cost(text, num_slices))

@@ -288,7 +288,8 @@ class Rollout:
              "completion_len": float(lengths.mean()),
              "logp_gap_mean": float(gap_mean), "logp_gap_max": float(gap_max),
              "sampler_utilization": self.sampler.utilization,
-             **({"sampler_preempted": float(self.sampler.preempted)} if obj.sampler_kv_pages else {}),
+             **({"sampler_preempted": float(self.sampler.preempted)}
+                if obj.sampler_kv_pages else {}),
              "samples_per_sec": len(all_r) / max(t1 - t0, 1e-9),
              "sample_seconds": t1 - t0, "train_seconds": train_seconds}
     self._t_train = time.perf_counter()

@@ -27,7 +27,8 @@ partial sums are reduced, so a step reads 1/shards of the weights and moves a fe
 not the weights (FSDP gathers each layer whole for its rows: on a chip, a step bound by
 the links), and attention and the cache split over the KV heads where they divide. The
 prompts' prefill stays FSDP's (many rows: the gathers pay), its KV resharded to the
-cache's split (gathered whole inside a refill where that splits rows: `_prompt_copier`). Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
+cache's split (gathered whole inside a refill where that splits rows: `_prompt_copier`).
+Either way each shard's worst case is ceil(N / S) waves (`worst_case_iterations`).
 A sample's draws depend only on (seed, its id, position), as `run.decoding`'s, so the
 samples are the same whatever S and the mesh (and at temperature 0 equal greedy decoding).
 Each token's log-prob under the logits / `score_temperature` is returned beside it (what
@@ -36,7 +37,6 @@ the trainer scores: `objective.token_logprobs`). Slots are sharded like the deco
 slot-steps run summed over the loops (utilization: busy / slot_steps).
 """
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import jax
